@@ -1,0 +1,198 @@
+"""Sample records and the packed (padding-free) batch layout shared by trainer and logprob worker.
+
+A *sample* is one prompt together with (after generation) one rollout. Minibatches of samples
+are packed into a single 1-D token stream: no padding, position ids restarting at 0 for each
+sample, so attention never crosses sample boundaries (given `use_cache=False`, see setup_model).
+
+    prompt A | output A | prompt B | output B | ...       input_ids     [T]
+    0 1 2 ...  k ...      0 1 2 ...                       position_ids  [T]
+    -100 ...   a1 a2 ... -100 ...  b1 b2 ...               labels        [T] (already shifted)
+
+`labels[t]` is the token that position `t` predicts, i.e. `input_ids[t + 1]`, but only when that
+next token is an output token of the same sample; everywhere else it is -100. Output positions are
+listed in `output_indices`, so `logprobs[output_indices]` lines up with the concatenation of every
+sample's `output_token_ids` in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+IGNORE_INDEX = -100  # the ignore_index of torch's cross-entropy: these positions score nothing
+
+
+@dataclass(slots=True)
+class Sample:
+    """One prompt, and after generation one rollout of it, with everything the trainer needs.
+
+    Built by the dataset (prompt fields only), completed by the generation worker (output,
+    reward, advantage, version), then by the logprob worker (ref/old logprobs).
+    """
+
+    input_token_ids: list[int]
+    """Prompt token ids, length P >= 1."""
+    gt_answer: str
+    """Ground-truth answer that math-verify compares the completion against."""
+    prompt_id: int = -1
+    """Index of the prompt in its dataset; rollouts of one prompt share it (the GRPO group)."""
+    output_token_ids: list[int] = field(default_factory=list)
+    """Generated token ids, length O (0 before generation)."""
+    output_text: str = ""
+    """Detokenised completion, kept for logging and failed-sample dumps."""
+    sampling_logprobs: list[float] = field(default_factory=list)
+    """Log-probability of each output token under the policy that sampled it (vLLM), length O."""
+    ref_logprobs: list[float] | None = None
+    """Per-output-token logprobs under the reference policy (logprob worker), length O."""
+    old_logprobs: list[float] | None = None
+    """Per-output-token logprobs under the old policy recomputed by the logprob worker, length O."""
+    finish_reason: str = ""
+    """'stop' (EOS or stop string) or 'length' (cut off at max_tokens)."""
+    truncated: bool = False
+    """True when the completion hit max_tokens without finishing."""
+    reward: float = 0.0
+    """Scalar reward from the verifier."""
+    advantage: float = 0.0
+    """Group-relative advantage over the n rollouts of this prompt."""
+    weight_version: int = -1
+    """Weight version of the generation engine when this rollout started (-1: not generated)."""
+    reward_failed: bool = False
+    """True when verification timed out or could not parse; reward is then 0."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this sample occupies in a packed batch (prompt + output)."""
+        return len(self.input_token_ids) + len(self.output_token_ids)
+
+    def validate_generated(self) -> None:
+        """Raise ValueError if the per-output-token fields disagree in length."""
+        n = len(self.output_token_ids)
+        if n == 0:
+            raise ValueError(f"sample prompt_id={self.prompt_id} has no output tokens")
+        for name in ("sampling_logprobs", "ref_logprobs", "old_logprobs"):
+            values = getattr(self, name)
+            if values is not None and len(values) not in (0, n):
+                raise ValueError(
+                    f"sample prompt_id={self.prompt_id}: {name} has {len(values)} entries "
+                    f"for {n} output tokens"
+                )
+
+
+@dataclass(slots=True)
+class LogprobInput:
+    """The model inputs that score one or more packed samples (see module docstring)."""
+
+    input_ids: torch.Tensor
+    """[T] int64 packed token ids."""
+    position_ids: torch.Tensor
+    """[T] int64 positions, restarting at 0 for each sample."""
+    labels: torch.Tensor
+    """[T] int64 next-token targets, IGNORE_INDEX except where the next token is an output."""
+    output_indices: torch.Tensor
+    """[O] int64 positions t with labels[t] != IGNORE_INDEX, in sample order."""
+    output_lengths: list[int]
+    """Output token count of each sample, in order; sums to O."""
+
+
+@dataclass(slots=True)
+class PackedBatch:
+    """A packed minibatch ready for the GRPO loss. O = total output tokens in the batch."""
+
+    inputs: LogprobInput
+    advantages: torch.Tensor
+    """[O] float32, each sample's advantage broadcast over its output tokens."""
+    output_lengths: torch.Tensor
+    """[O] float32, each sample's output length broadcast over its output tokens."""
+    sample_index: torch.Tensor
+    """[O] int64, the index (within this batch) of the sample each output token belongs to."""
+    sampling_logprobs: torch.Tensor
+    """[O] float32 logprobs from the sampling engine."""
+    ref_logprobs: torch.Tensor | None
+    """[O] float32 reference-policy logprobs, or None when no sample carries them."""
+    old_logprobs: torch.Tensor | None
+    """[O] float32 old-policy logprobs, or None when no sample carries them."""
+    num_samples: int
+    num_tokens: int
+    """T, real tokens in the packed stream (there is no padding)."""
+
+
+def get_input_for_logprobs(samples: Sequence[Sample]) -> LogprobInput:
+    """Pack samples into one token stream with restarting positions and shifted output labels.
+
+    The trainer and the logprob worker both call this, so both score exactly the same positions.
+    """
+    if not samples:
+        raise ValueError("get_input_for_logprobs needs at least one sample")
+    ids: list[int] = []
+    positions: list[int] = []
+    labels: list[int] = []
+    output_lengths: list[int] = []
+    for sample in samples:
+        prompt, output = sample.input_token_ids, sample.output_token_ids
+        if not prompt:
+            raise ValueError(f"sample prompt_id={sample.prompt_id} has an empty prompt")
+        sequence = list(prompt) + list(output)
+        ids.extend(sequence)
+        positions.extend(range(len(sequence)))
+        # Position t predicts token t+1; only predictions of output tokens are scored. The last
+        # prompt token predicts the first output token, the last token predicts nothing.
+        sample_labels = [IGNORE_INDEX] * len(sequence)
+        for j, token in enumerate(output):
+            sample_labels[len(prompt) - 1 + j] = token
+        labels.extend(sample_labels)
+        output_lengths.append(len(output))
+    labels_t = torch.tensor(labels, dtype=torch.long)
+    return LogprobInput(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        position_ids=torch.tensor(positions, dtype=torch.long),
+        labels=labels_t,
+        output_indices=torch.nonzero(labels_t != IGNORE_INDEX, as_tuple=False).flatten(),
+        output_lengths=output_lengths,
+    )
+
+
+def _concat_optional(samples: Sequence[Sample], name: str) -> torch.Tensor | None:
+    """Concatenate a per-output-token list field, or None if no sample has it.
+
+    Mixing samples with and without the field is an error: a silent partial tensor would
+    misalign every token after the gap.
+    """
+    values = [getattr(s, name) for s in samples]
+    present = [v is not None and len(v) > 0 for v in values]
+    if not any(present):
+        return None
+    if not all(present):
+        missing = [s.prompt_id for s, p in zip(samples, present) if not p]
+        raise ValueError(f"{name} missing for samples with prompt_id {missing} but set for others")
+    return torch.tensor([x for v in values for x in v], dtype=torch.float32)
+
+
+def post_process_batch(samples: Sequence[Sample]) -> PackedBatch:
+    """Build the packed GRPO minibatch: inputs plus per-output-token broadcasts of constants."""
+    for sample in samples:
+        sample.validate_generated()
+    inputs = get_input_for_logprobs(samples)
+    lengths = torch.tensor(inputs.output_lengths, dtype=torch.long)
+    per_sample_advantage = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    sample_index = torch.repeat_interleave(torch.arange(len(samples)), lengths)
+    sampling = _concat_optional(samples, "sampling_logprobs")
+    if sampling is None:
+        raise ValueError("post_process_batch: samples carry no sampling_logprobs")
+    return PackedBatch(
+        inputs=inputs,
+        advantages=per_sample_advantage[sample_index],
+        output_lengths=lengths.to(torch.float32)[sample_index],
+        sample_index=sample_index,
+        sampling_logprobs=sampling,
+        ref_logprobs=_concat_optional(samples, "ref_logprobs"),
+        old_logprobs=_concat_optional(samples, "old_logprobs"),
+        num_samples=len(samples),
+        num_tokens=int(inputs.input_ids.numel()),
+    )
+
+
+def split_per_sample(values: torch.Tensor, output_lengths: Sequence[int]) -> list[list[float]]:
+    """Split a [O] per-output-token tensor back into one list per sample."""
+    return [chunk.tolist() for chunk in torch.split(values.detach().float().cpu(), list(output_lengths))]

@@ -1,0 +1,46 @@
+"""Shared fixtures: the tiny model written once per session, and a local Ray cluster."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TEST_NAMESPACE = "grpo-tests"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled tiny Qwen2 (untied embeddings), written once and loaded via from_pretrained."""
+    from setup_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2 with tied input/output embeddings (as Qwen2.5 0.5B/1.5B)."""
+    from setup_model import TinyModelConfig, write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-tied"), TinyModelConfig(tie_word_embeddings=True))
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A private local Ray cluster bound to 127.0.0.1, dashboard off, project code importable."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(
+        num_cpus=max(4, os.cpu_count() or 1),
+        include_dashboard=False,
+        namespace=TEST_NAMESPACE,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
+        log_to_driver=True,
+    )
+    yield ray
+    ray.shutdown()

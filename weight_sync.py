@@ -1,0 +1,127 @@
+"""How trainer weights travel to inference workers: tensor blobs in Ray's object store.
+
+Two publishing modes produce the same `WeightUpdate` record, so workers have one loading path:
+
+- "gather": rank 0 gathers the full (unsharded) state dict and `ray.put`s it as one shard.
+- "sharded": every FSDP rank `ray.put`s its own dim-0 shards (no gather on rank 0); a worker
+  fetches all ranks' objects and concatenates each tensor's pieces in dim-0 offset order
+  (seed 002's fan-in, for full weights).
+
+Tensors are stored as raw uint8 numpy buffers plus dtype and shape: numpy has no bfloat16, and
+plain buffers let Ray hand them over zero-copy from shared memory. Nothing here unpickles data of
+its own; Ray's serialisation carries the object refs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+
+
+@dataclass(slots=True)
+class TensorBlob:
+    """One tensor (or one rank's dim-0 piece of it) as a raw byte buffer."""
+
+    data: np.ndarray
+    """uint8 buffer of the piece's bytes (C-contiguous)."""
+    dtype: str
+    """Key of _DTYPES, e.g. 'bfloat16'."""
+    shape: tuple[int, ...]
+    """Shape of this piece."""
+    global_shape: tuple[int, ...]
+    """Shape of the full tensor the piece belongs to."""
+    dim0_offset: int = 0
+    """Row of the full tensor where this piece starts."""
+
+
+@dataclass(slots=True)
+class WeightUpdate:
+    """A new weight version for inference workers: object refs to dicts of name -> TensorBlob."""
+
+    version: int
+    """Weight version (optimizer steps taken) these weights correspond to."""
+    shard_refs: list[Any] = field(default_factory=list)
+    """Ray ObjectRefs, one per publishing rank; each resolves to dict[str, TensorBlob]."""
+    mode: str = "gather"
+    """'gather' (one full shard from rank 0) or 'sharded' (one shard per FSDP rank)."""
+
+
+def tensor_to_blob(tensor: torch.Tensor, global_shape: tuple[int, ...] | None = None, dim0_offset: int = 0) -> TensorBlob:
+    """Copy a tensor to CPU and wrap its bytes; global_shape defaults to the tensor's own."""
+    cpu = tensor.detach().to("cpu").contiguous()
+    dtype_name = str(cpu.dtype).removeprefix("torch.")
+    if dtype_name not in _DTYPES:
+        raise ValueError(f"weight_sync cannot carry dtype {cpu.dtype}")
+    data = cpu.view(torch.uint8).numpy() if cpu.numel() else np.empty(0, dtype=np.uint8)
+    return TensorBlob(
+        data=data.reshape(-1),
+        dtype=dtype_name,
+        shape=tuple(cpu.shape),
+        global_shape=tuple(global_shape if global_shape is not None else cpu.shape),
+        dim0_offset=dim0_offset,
+    )
+
+
+def blob_to_tensor(blob: TensorBlob) -> torch.Tensor:
+    """Rebuild the tensor of one blob (a copy, so the object-store buffer can be released)."""
+    dtype = _DTYPES[blob.dtype]
+    if int(np.prod(blob.shape)) == 0:
+        return torch.empty(blob.shape, dtype=dtype)
+    raw = torch.from_numpy(np.array(blob.data, dtype=np.uint8, copy=True))
+    return raw.view(dtype).reshape(blob.shape)
+
+
+def state_dict_to_blobs(state_dict: Mapping[str, torch.Tensor]) -> dict[str, TensorBlob]:
+    """Full tensors -> blobs (the 'gather' mode payload)."""
+    return {name: tensor_to_blob(t) for name, t in state_dict.items()}
+
+
+def assemble_state_dict(shards: Iterable[Mapping[str, TensorBlob]]) -> dict[str, torch.Tensor]:
+    """Concatenate every tensor's pieces from all shards in dim-0 order into full tensors.
+
+    Raises ValueError if a tensor's pieces do not cover its global shape exactly.
+    """
+    pieces: dict[str, list[TensorBlob]] = {}
+    for shard in shards:
+        for name, blob in shard.items():
+            pieces.setdefault(name, []).append(blob)
+    full: dict[str, torch.Tensor] = {}
+    for name, blobs in pieces.items():
+        blobs.sort(key=lambda b: b.dim0_offset)
+        global_shape = blobs[0].global_shape
+        tensors = [blob_to_tensor(b) for b in blobs if int(np.prod(b.shape)) > 0]
+        tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+        if tuple(tensor.shape) != tuple(global_shape):
+            raise ValueError(f"weight {name}: pieces assemble to {tuple(tensor.shape)}, expected {global_shape}")
+        full[name] = tensor
+    return full
+
+
+def fetch_state_dict(update: WeightUpdate) -> dict[str, torch.Tensor]:
+    """Fetch every shard of an update from Ray's object store and assemble full tensors."""
+    import ray  # imported here so the pure helpers above work without Ray installed
+
+    return assemble_state_dict(ray.get(list(update.shard_refs)))
+
+
+def write_safetensors(state_dict: Mapping[str, torch.Tensor], path: Path) -> Path:
+    """Write tensors to a safetensors file atomically (temp name, then rename)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp))
+    tmp.replace(path)
+    return path

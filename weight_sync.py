@@ -125,3 +125,54 @@ def write_safetensors(state_dict: Mapping[str, torch.Tensor], path: Path) -> Pat
     save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp))
     tmp.replace(path)
     return path
+
+
+SHARD_STAGER_NAME = "weight-shard-stager"  # `ray list actors` shows it next to the registries
+
+
+class ShardStager:
+    """Collects every trainer rank's shard ref for a version so rank 0 can announce one update.
+
+    Refs travel inside lists, so Ray passes them as references (each rank stays the owner of its
+    own shard; workers fetch it straight from that rank's object store). Plain asyncio class,
+    wrapped by a Ray actor in `get_or_create_shard_stager`.
+    """
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self._refs: dict[int, dict[int, Any]] = {}
+        self._changed = asyncio.Condition()
+
+    async def stage(self, version: int, rank: int, refs: list[Any]) -> None:
+        """Record rank's shard ref (refs is a one-element list) for a version."""
+        async with self._changed:
+            self._refs.setdefault(version, {})[rank] = refs[0]
+            self._changed.notify_all()
+
+    async def collect(self, version: int, world_size: int, timeout_s: float) -> list[Any]:
+        """Wait until all world_size ranks staged `version`; return their refs in rank order."""
+        import asyncio
+
+        async def all_staged() -> None:
+            async with self._changed:
+                await self._changed.wait_for(lambda: len(self._refs.get(version, {})) >= world_size)
+
+        try:
+            await asyncio.wait_for(all_staged(), timeout_s)
+        except asyncio.TimeoutError:
+            have = sorted(self._refs.get(version, {}))
+            raise TimeoutError(
+                f"{SHARD_STAGER_NAME}: version {version} has shards from ranks {have} of {world_size} "
+                f"after {timeout_s:.0f} s"
+            ) from None
+        by_rank = self._refs.pop(version)
+        return [by_rank[r] for r in range(world_size)]
+
+
+def get_or_create_shard_stager(namespace: str):
+    """The named shard-staging actor of this run (created by the first rank that asks)."""
+    import ray
+
+    actor_cls = ray.remote(num_cpus=0, max_concurrency=64)(ShardStager)
+    return actor_cls.options(name=SHARD_STAGER_NAME, namespace=namespace, get_if_exists=True).remote()

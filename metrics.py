@@ -1,0 +1,221 @@
+"""Per-step training metrics: accumulated on every rank, reduced once, written by rank 0.
+
+One record per step goes to run_dir/metrics.jsonl (and TensorBoard); keys are namespaced
+(`reward/mean`, `timing/generate_s`, ...). Draw the reward curve of a run:
+
+    python metrics.py plot --run_dir runs/demo --out reward.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from sample_processing_utils import PackedBatch, Sample
+
+logger = logging.getLogger(__name__)
+
+# Keys summed across ranks; their order fixes the layout of the all-reduced tensor.
+_SUM_KEYS = (
+    "samples", "reward_sum", "correct", "response_tokens", "tokens", "truncated", "reward_failed",
+    "staleness_sum", "loss_sum", "output_tokens", "kl_sum", "clip_sum", "entropy_sum",
+    "first_entropy_sum", "ratio_sum", "wait_s", "train_s",
+)
+
+
+@dataclass
+class StepAccumulator:
+    """Running sums of one step on one rank (only loss-carrying minibatches)."""
+
+    step: int
+    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_SUM_KEYS, 0.0))
+    max_staleness: int = 0
+
+    def add_time(self, key: str, seconds: float) -> None:
+        self.sums[key] += seconds
+
+    def add_minibatch(
+        self, samples: Sequence[Sample], batch: PackedBatch, entropy: torch.Tensor, loss_value: float, loss_metrics: dict[str, float]
+    ) -> None:
+        s = self.sums
+        s["samples"] += len(samples)
+        s["reward_sum"] += sum(x.reward for x in samples)
+        s["correct"] += sum(1 for x in samples if x.reward >= 1.0)
+        s["response_tokens"] += sum(len(x.output_token_ids) for x in samples)
+        s["tokens"] += batch.num_tokens
+        s["truncated"] += sum(1 for x in samples if x.truncated)
+        s["reward_failed"] += sum(1 for x in samples if x.reward_failed)
+        staleness = [self.step - x.weight_version for x in samples]
+        s["staleness_sum"] += sum(staleness)
+        self.max_staleness = max(self.max_staleness, max(staleness))
+        s["loss_sum"] += loss_value
+        n_out = float(entropy.numel())
+        s["output_tokens"] += n_out
+        s["kl_sum"] += loss_metrics.get("loss/kl", 0.0) * n_out
+        s["clip_sum"] += loss_metrics.get("loss/clip_frac", 0.0) * n_out
+        s["ratio_sum"] += loss_metrics.get("loss/ratio_mean", 1.0) * n_out
+        s["entropy_sum"] += float(entropy.sum())
+        first_positions = torch.cumsum(torch.tensor([0] + batch.inputs.output_lengths[:-1]), 0)
+        s["first_entropy_sum"] += float(entropy.cpu()[first_positions].sum())
+
+    def _reduced(self, device: torch.device) -> tuple[dict[str, float], int, float]:
+        """Sum across ranks (max for staleness and wait: the slowest rank sets the pace)."""
+        import torch.distributed as dist
+
+        sums = torch.tensor([self.sums[k] for k in _SUM_KEYS], dtype=torch.float64, device=device)
+        maxes = torch.tensor([float(self.max_staleness), self.sums["wait_s"]], dtype=torch.float64, device=device)
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        return dict(zip(_SUM_KEYS, sums.tolist())), int(maxes[0].item()), float(maxes[1].item())
+
+    def finalize(self, *, dist, end, grad_norm: float, lr: float, push_s: float, step_s: float,
+                 batcher_stats: dict[str, Any]) -> dict[str, float]:
+        """Collective: reduce across ranks and build the step's metrics record."""
+        s, max_staleness, wait_max = self._reduced(dist.device)
+        n = max(s["samples"], 1.0)
+        out_tokens = max(s["output_tokens"], 1.0)
+        world = dist.world_size
+        record = {
+            "reward/mean": s["reward_sum"] / n,
+            "reward/accuracy": s["correct"] / n,
+            "response/length_mean": s["response_tokens"] / n,
+            "response/truncated_frac": s["truncated"] / n,
+            "loss/total": s["loss_sum"] / n,
+            "loss/kl": s["kl_sum"] / out_tokens,
+            "loss/clip_frac": s["clip_sum"] / out_tokens,
+            "loss/ratio_mean": s["ratio_sum"] / out_tokens,
+            "entropy/mean": s["entropy_sum"] / out_tokens,
+            "entropy/first_token": s["first_entropy_sum"] / n,
+            "optim/grad_norm": grad_norm,
+            "optim/lr": lr,
+            "perf/samples_per_s": s["samples"] / step_s,
+            "perf/tokens_per_s": s["tokens"] / step_s,
+            "timing/step_s": step_s,
+            "timing/wait_s": wait_max,
+            "timing/train_s": s["train_s"] / world,
+            "timing/push_s": push_s,
+            "staleness/mean": s["staleness_sum"] / n,
+            "staleness/max": float(max_staleness),
+            "counts/samples": s["samples"],
+            "counts/tokens": s["tokens"],
+            "counts/dropped_stale": float(end.dropped_stale),
+            "counts/timed_out_prompts": float(end.timed_out_prompts),
+            "counts/oversized_samples": float(end.oversized_samples),
+            "counts/reward_failed": s["reward_failed"],
+            "counts/minibatches_per_rank": float(end.num_minibatches),
+        }
+        record.update({f"batcher/{k}": float(v) for k, v in batcher_stats.items() if isinstance(v, (int, float))})
+        return record
+
+
+class MetricsLogger:
+    """Rank 0's sink: metrics.jsonl, TensorBoard and a tqdm progress bar. No-op elsewhere."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool, progress_total: int,
+                 progress_start: int = 0, progress_bar: bool = True) -> None:
+        self._enabled = enabled
+        self._start_time = time.time()
+        self._writer = None
+        self._bar = None
+        if not enabled:
+            return
+        self._file = (run_dir / "metrics.jsonl").open("a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(run_dir / "tensorboard"))
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=progress_total, initial=progress_start, desc="grpo", unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, record: dict[str, float]) -> None:
+        if not self._enabled:
+            return
+        line = {"step": step, "time_s": round(time.time() - self._start_time, 3), **record}
+        self._file.write(json.dumps(line) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for key, value in record.items():
+                self._writer.add_scalar(key, value, step)
+        summary = (f"step {step} reward {record['reward/mean']:.3f} acc {record['reward/accuracy']:.3f} "
+                   f"kl {record['loss/kl']:.4f} len {record['response/length_mean']:.1f} "
+                   f"ent0 {record['entropy/first_token']:.2f} {record['timing/step_s']:.1f}s")
+        if self._bar is not None:
+            self._bar.set_postfix_str(summary.split(" ", 2)[2])
+            self._bar.update(1)
+        logger.info(summary)
+
+    def close(self) -> None:
+        if not self._enabled:
+            return
+        self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+        if self._bar is not None:
+            self._bar.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl, the last record per step winning (a resumed run appends)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{line_no}: not JSON ({exc})") from None
+            by_step[record["step"]] = record
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def plot_reward_curve(run_dir: Path, out: Path, title: str = "") -> Path:
+    """Draw reward mean and accuracy against step and wall time to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir / "metrics.jsonl")
+    if not records:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'} has no records")
+    steps = [r["step"] for r in records]
+    minutes = [r["time_s"] / 60 for r in records]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, xs, label in ((axes[0], steps, "step"), (axes[1], minutes, "wall time (min)")):
+        ax.plot(xs, [r["reward/mean"] for r in records], label="sampled reward (mean)")
+        if "entropy/first_token" in records[0]:
+            ax.plot(xs, [r["entropy/first_token"] for r in records], label="first-token entropy", alpha=0.6)
+        ax.set_xlabel(label)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title or f"GRPO run {run_dir}")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    plot = sub.add_parser("plot", help="draw the reward curve of a run to PNG")
+    plot.add_argument("--run_dir", type=Path, required=True)
+    plot.add_argument("--out", type=Path, required=True)
+    plot.add_argument("--title", default="")
+    args = parser.parse_args()
+    print(f"wrote {plot_reward_curve(args.run_dir, args.out, args.title)}")
+
+
+if __name__ == "__main__":
+    main()

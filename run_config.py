@@ -1,0 +1,164 @@
+"""Typed run configuration: nested frozen dataclasses filled from a YAML/TOML file and CLI flags.
+
+Every field of a config dataclass becomes a flag: top-level fields as `--name`, fields of a
+nested section as `--section.name`. Precedence: defaults < config file < CLI flags. Unknown keys
+(in the file or on the command line) are errors that name the key, and each section's own
+`__post_init__` validation runs on the final values.
+
+    cfg = load_config(TrainerConfig, ["--config", "demo.yaml", "--optim.lr", "3e-4"])
+    save_config(cfg, run_dir / "config.yaml")
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config file or flag that does not fit the config's schema."""
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert a value from YAML/TOML/CLI text to the field's annotated type."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{where}: {value!r} fits none of {tp}: {'; '.join(errors)}")
+    if origin is Literal:
+        for choice in args:
+            if value == choice or str(value) == str(choice):
+                return choice
+        raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
+    if origin in (list, tuple):
+        items = json.loads(value) if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        item_type = args[0] if args else Any
+        converted = [_coerce(v, item_type, f"{where}[{i}]") for i, v in enumerate(items)]
+        return tuple(converted) if origin is tuple else converted
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(value).lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp in (int, float, str):
+        try:
+            if tp is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return tp(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
+    return value
+
+
+def _build(cls: type[T], values: dict[str, Any], where: str) -> T:
+    """Instantiate a (possibly nested) config dataclass from a dict of raw values."""
+    types_by_name = _field_types(cls)
+    unknown = set(values) - set(types_by_name)
+    if unknown:
+        raise ConfigError(f"{where or 'config'}: unknown key(s) {sorted(unknown)}; known: {sorted(types_by_name)}")
+    kwargs: dict[str, Any] = {}
+    for name, tp in types_by_name.items():
+        if name not in values:
+            continue
+        key = f"{where}.{name}" if where else name
+        if _is_dataclass_type(tp):
+            section = values[name]
+            if not isinstance(section, dict):
+                raise ConfigError(f"{key}: expected a section (mapping), got {section!r}")
+            kwargs[name] = _build(tp, section, key)
+        else:
+            kwargs[name] = _coerce(values[name], tp, key)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where or cls.__name__}: {exc}") from exc
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {path}: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping")
+    return data
+
+
+def _set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    for key in keys[:-1]:
+        target = target.setdefault(key, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"--{dotted}: {key} is not a section")
+    target[keys[-1]] = value
+
+
+def _flag_names(cls: type, prefix: str = "") -> list[str]:
+    names = []
+    for name, tp in _field_types(cls).items():
+        dotted = f"{prefix}{name}"
+        names.extend(_flag_names(tp, dotted + ".") if _is_dataclass_type(tp) else [dotted])
+    return names
+
+
+def load_config(cls: type[T], argv: list[str], description: str = "") -> T:
+    """Build `cls` from defaults, then `--config FILE` (YAML or TOML), then `--key value` flags."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, help="YAML or TOML file with config values")
+    for dotted in _flag_names(cls):
+        parser.add_argument(f"--{dotted}", dest=dotted, default=argparse.SUPPRESS, metavar="VALUE")
+    args = vars(parser.parse_args(argv))
+    file_path = args.pop("config", None)
+    values = _read_file(file_path) if file_path else {}
+    for dotted, raw in args.items():
+        _set_dotted(values, dotted, raw)
+    return _build(cls, values, "")
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """Plain nested dict of a config (tuples as lists), for saving and logging."""
+    return json.loads(json.dumps(dataclasses.asdict(config)))
+
+
+def save_config(config: Any, path: Path) -> None:
+    """Write the resolved config as YAML (loadable again with --config)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))

@@ -1,0 +1,84 @@
+"""Make the demo's starting model and data: a tiny Qwen2 that knows the answer *format* only.
+
+    python scripts/prepare_demo.py --out_dir runs/demo-assets
+
+1. Writes a randomly initialised tiny Qwen2 + char tokenizer (setup_model.write_tiny_model).
+2. Warms it up with supervised steps on "a+b=" followed by a *random* number (0-18) and EOS. The
+   random answers teach the shape of an answer (digits, then stop) but not arithmetic, so the
+   GRPO run starts at chance level (about 1 in 19 correct) and any rise is learned from rewards.
+3. Writes the arithmetic prompt set (dataset.write_arithmetic_dataset).
+
+The SFT loss is the mean negative logprob of the answer tokens, computed with the trainer's own
+packed path (TokenLogprobModel), and the model is saved with save_pretrained (safetensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dataset import write_arithmetic_dataset  # noqa: E402
+from sample_processing_utils import Sample, get_input_for_logprobs  # noqa: E402
+from setup_model import TinyModelConfig, TokenLogprobModel, load_causal_lm, load_tokenizer, write_tiny_model  # noqa: E402
+
+logger = logging.getLogger("prepare_demo")
+
+MAX_SUM = 18  # largest sum of two single digits: random answers are drawn from 0..MAX_SUM
+
+
+def format_warmup_samples(tokenizer, batch_size: int, rng: random.Random) -> list[Sample]:
+    """Prompts "a+b=" with a uniformly random (so uninformative) answer and EOS as the output."""
+    samples = []
+    for _ in range(batch_size):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        prompt = tokenizer(f"{a}+{b}=")["input_ids"]
+        answer = tokenizer(str(rng.randint(0, MAX_SUM)))["input_ids"] + [tokenizer.eos_token_id]
+        samples.append(Sample(input_token_ids=prompt, gt_answer="", output_token_ids=answer))
+    return samples
+
+
+def warm_up_format(model_dir: Path, steps: int, batch_size: int, lr: float, seed: int) -> None:
+    """Supervised steps on random answers; saves the result over model_dir."""
+    tokenizer = load_tokenizer(model_dir)
+    causal_lm = load_causal_lm(model_dir)
+    model = TokenLogprobModel(causal_lm).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = random.Random(seed)
+    for step in range(steps):
+        logprobs, _ = model.score(get_input_for_logprobs(format_warmup_samples(tokenizer, batch_size, rng)))
+        loss = -logprobs.mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 50 == 0 or step == steps - 1:
+            logger.info("format warm-up step %d/%d: answer-token NLL %.3f", step, steps, loss.item())
+    causal_lm.save_pretrained(model_dir, safe_serialization=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out_dir", type=Path, required=True)
+    parser.add_argument("--warmup_steps", type=int, default=150)
+    parser.add_argument("--warmup_batch_size", type=int, default=64)
+    parser.add_argument("--warmup_lr", type=float, default=3e-3)
+    parser.add_argument("--num_prompts", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.manual_seed(args.seed)
+    model_dir = write_tiny_model(args.out_dir / "model", TinyModelConfig(seed=args.seed))
+    warm_up_format(model_dir, args.warmup_steps, args.warmup_batch_size, args.warmup_lr, args.seed)
+    data_path = args.out_dir / "arithmetic.jsonl"
+    write_arithmetic_dataset(data_path, num_samples=args.num_prompts, seed=args.seed)
+    print(f"model: {model_dir}\ndata: {data_path}")
+
+
+if __name__ == "__main__":
+    main()

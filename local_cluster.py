@@ -1,0 +1,210 @@
+"""Run the whole system on one machine: a private Ray head, inference workers, the trainer.
+
+    python local_cluster.py [launcher flags] -- [trainer_core.py flags]
+    python local_cluster.py --nproc_per_node 2 -- --config configs/demo.yaml --run_dir runs/demo
+
+It starts a Ray head owned by this process (bound to 127.0.0.1, dashboard off), launches the
+workers exactly as an operator would (`python worker_dispatcher.py --mode ...`, one process
+each, waiting for `worker <name> registered`), runs `torchrun trainer_core.py`, and stops
+everything it started on exit, Ctrl-C or failure. Owning the head in-process (rather than
+`ray start` / `ray stop`) means stopping never touches another Ray cluster on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent
+REGISTERED_MARKER = "registered"  # worker_dispatcher prints `worker <name> registered` when ready
+_POLL_S = 0.5  # how often the launcher looks at dispatcher logs while waiting
+
+
+@dataclass(kw_only=True, frozen=True)
+class LocalClusterConfig:
+    """What to start on this machine."""
+
+    model_path: str
+    """Model the inference workers load (the trainer's --model.model_path)."""
+    log_dir: str
+    """Where dispatcher logs go."""
+    generation_workers: int = 1
+    """Generation workers (each its own vLLM engine)."""
+    logprob_workers: int = 1
+    """Logprob workers (0 when the run uses logprob_role: none)."""
+    num_cpus: int = 8
+    """CPU slots Ray advertises (actors are light; real cores are shared)."""
+    gpu_memory_utilization: float = 0.1
+    """vLLM KV-cache share; on CPU builds a fraction of RAM."""
+    max_num_seqs: int = 256
+    """vLLM's concurrent sequences per engine."""
+    max_model_len: int = 512
+    """Longest prompt + output the engines accept."""
+    global_num_verifiers: int = 1
+    """Verifier processes shared by all generation workers."""
+    max_tokens_per_gpu: int = 8192
+    """Token budget of one logprob-worker batch."""
+    worker_start_timeout_s: float = 600.0
+    """Give up if a worker has not registered by then (vLLM on CPU takes ~1 min)."""
+
+    def __post_init__(self) -> None:
+        if self.generation_workers < 1:
+            raise ValueError(f"LocalClusterConfig.generation_workers must be >= 1, got {self.generation_workers}")
+        if self.logprob_workers < 0:
+            raise ValueError(f"LocalClusterConfig.logprob_workers must be >= 0, got {self.logprob_workers}")
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for torchrun's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalCluster:
+    """Context manager owning a Ray head and the dispatcher processes started into it."""
+
+    def __init__(self, config: LocalClusterConfig) -> None:
+        self.config = config
+        self.address = ""
+        self._dispatchers: list[tuple[str, subprocess.Popen, Path]] = []
+
+    def __enter__(self) -> "LocalCluster":
+        import ray
+
+        from vllm_registry import RAY_NAMESPACE
+
+        Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
+        ray.init(
+            num_cpus=self.config.num_cpus,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            namespace=RAY_NAMESPACE,
+            runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
+            log_to_driver=False,
+        )
+        self.address = ray.get_runtime_context().gcs_address
+        logger.info("Ray head at %s (127.0.0.1 only, no dashboard)", self.address)
+        return self
+
+    def env(self) -> dict[str, str]:
+        """Environment for child processes: join this cluster, import this repo."""
+        env = dict(os.environ)
+        env["RAY_ADDRESS"] = self.address
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def start_workers(self) -> None:
+        """Dispatch every configured worker and wait until each has registered."""
+        c = self.config
+        common = ["--model_path", c.model_path]
+        for i in range(c.generation_workers):
+            self._dispatch(f"generation-{i}", common + [
+                "--mode", "generation", "--tensor_parallel_size", "1", "--max_num_seqs", str(c.max_num_seqs),
+                "--global_num_verifiers", str(c.global_num_verifiers),
+                "--gpu_memory_utilization", str(c.gpu_memory_utilization), "--max_model_len", str(c.max_model_len),
+            ])
+        for i in range(c.logprob_workers):
+            self._dispatch(f"logprob-{i}", common + ["--mode", "logprob", "--max_tokens_per_gpu", str(c.max_tokens_per_gpu)])
+        for label, process, log in self._dispatchers:
+            self._wait_registered(label, process, log)
+
+    def _dispatch(self, label: str, args: list[str]) -> None:
+        log = Path(self.config.log_dir) / f"{label}_worker.log"
+        handle = log.open("w")
+        process = subprocess.Popen(
+            [sys.executable, str(REPO_ROOT / "worker_dispatcher.py"), *args],
+            stdout=handle, stderr=subprocess.STDOUT, env=self.env(), cwd=REPO_ROOT,
+        )
+        self._dispatchers.append((label, process, log))
+        logger.info("dispatching %s worker (log: %s)", label, log)
+
+    def _wait_registered(self, label: str, process: subprocess.Popen, log: Path) -> None:
+        deadline = time.monotonic() + self.config.worker_start_timeout_s
+        while time.monotonic() < deadline:
+            text = log.read_text(errors="replace")
+            if any(line.startswith("worker ") and line.rstrip().endswith(REGISTERED_MARKER) for line in text.splitlines()):
+                logger.info("%s worker registered", label)
+                return
+            if process.poll() is not None:
+                raise RuntimeError(f"{label} dispatcher exited with {process.returncode} before registering; "
+                                   f"last lines of {log}:\n{_tail(text)}")
+            time.sleep(_POLL_S)
+        raise TimeoutError(f"{label} worker did not register within {self.config.worker_start_timeout_s:.0f} s; "
+                           f"see {log}:\n{_tail(log.read_text(errors='replace'))}")
+
+    def run_trainer(self, trainer_args: list[str], nproc_per_node: int, timeout_s: float | None = None,
+                    log_path: Path | None = None) -> int:
+        """torchrun trainer_core.py on this machine; returns its exit code."""
+        command = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc_per_node}",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+            str(REPO_ROOT / "trainer_core.py"), "--ray_address", self.address, *trainer_args,
+        ]
+        logger.info("starting trainer: %s", " ".join(command[2:]))
+        out = log_path.open("w") if log_path else None
+        try:
+            return subprocess.run(command, env=self.env(), cwd=REPO_ROOT, timeout=timeout_s,
+                                  stdout=out, stderr=subprocess.STDOUT if out else None).returncode
+        finally:
+            if out:
+                out.close()
+
+    def __exit__(self, *exc_info) -> None:
+        import ray
+
+        for _, process, _ in self._dispatchers:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)  # the dispatcher deregisters and stops its actor
+        for label, process, _ in self._dispatchers:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s dispatcher did not stop on SIGINT; killing it", label)
+                process.kill()
+        ray.shutdown()
+        logger.info("local cluster stopped")
+
+
+def _tail(text: str, lines: int = 20) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_path", required=True, help="model for workers and trainer")
+    parser.add_argument("--run_dir", required=True, help="trainer run directory (logs go here too)")
+    parser.add_argument("--nproc_per_node", type=int, default=2, help="trainer ranks")
+    parser.add_argument("--generation_workers", type=int, default=1)
+    parser.add_argument("--logprob_workers", type=int, default=1)
+    parser.add_argument("--global_num_verifiers", type=int, default=1)
+    parser.add_argument("--gpu_memory_utilization", type=float, default=0.1)
+    parser.add_argument("--max_model_len", type=int, default=512)
+    args, trainer_args = parser.parse_known_args()
+    trainer_args = [a for a in trainer_args if a != "--"]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = LocalClusterConfig(
+        model_path=args.model_path, log_dir=args.run_dir, generation_workers=args.generation_workers,
+        logprob_workers=args.logprob_workers, global_num_verifiers=args.global_num_verifiers,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+    )
+    with LocalCluster(config) as cluster:
+        cluster.start_workers()
+        return cluster.run_trainer(
+            ["--run_dir", args.run_dir, "--model.model_path", args.model_path, *trainer_args], args.nproc_per_node
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

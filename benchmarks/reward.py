@@ -1,0 +1,135 @@
+"""Verifier pool throughput and latency on realistic completions with hostile ones mixed in.
+
+    cd /work/main && .venv/bin/python benchmarks/reward.py
+    .venv/bin/python benchmarks/reward.py --num_processes 2 --hostile_fraction 0.03 --timeout_s 2
+
+The workload imitates generation workers: prompts with a gold answer, each sending its group of
+`group_size` completions to the pool at once, `num_clients` prompts in flight. Completions are
+short answers ("... \\boxed{42}") or ~4k-character step-by-step reasoning texts ending in an
+answer, half of them right; a `hostile_fraction` of them are outputs that hang math-verify (an
+exponent tower, a megabyte of LaTeX). Every reward is checked against the answer the completion
+was built with.
+
+Latency is per completion, from its group's submission to its result (queueing included).
+Startup is excluded. The last line is key=value pairs: samples_per_s, p50_ms, p99_ms, the pool
+size, hostile fraction, deadline, timeouts, restarts and reward mismatches (should be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from math_verifier import VerifierPool
+
+# Target length of a long reasoning completion: ~1k tokens, a typical math rollout.
+_LONG_COMPLETION_CHARS = 4000
+_HOSTILE_OUTPUTS = (
+    "\\boxed{5^{5^{5^{5^5}}}}",
+    "\\boxed{" + "1+" * 500_000 + "1}",
+    "$" + "x" * 1_000_000 + "$",
+)
+
+
+@dataclass(slots=True)
+class Case:
+    """One completion of the workload and what the pool should make of it."""
+
+    completion: str
+    gold: str
+    expected_reward: float | None
+    """1.0/0.0 for built completions; None for hostile ones (they must time out)."""
+
+
+def _long_reasoning(rng: random.Random, answer: int) -> str:
+    steps = []
+    total = 0
+    while sum(len(s) for s in steps) < _LONG_COMPLETION_CHARS:
+        a, b = rng.randint(10, 999), rng.randint(10, 999)
+        total += a + b
+        steps.append(f"Step {len(steps) + 1}: we add {a} and {b}, so {a} + {b} = {a + b}; the running total is {total}.\n")
+    return "Let us work through the problem carefully.\n" + "".join(steps) + f"Therefore the final answer is $\\boxed{{{answer}}}$."
+
+
+def build_workload(num_samples: int, group_size: int, hostile_fraction: float, seed: int) -> list[list[Case]]:
+    """Groups of completions sharing one gold answer; deterministic from the seed."""
+    rng = random.Random(seed)
+    groups: list[list[Case]] = []
+    for start in range(0, num_samples, group_size):
+        gold = rng.randint(0, 10_000)
+        group = []
+        for _ in range(min(group_size, num_samples - start)):
+            if rng.random() < hostile_fraction:
+                group.append(Case(completion=rng.choice(_HOSTILE_OUTPUTS), gold=str(gold), expected_reward=None))
+                continue
+            correct = rng.random() < 0.5
+            answer = gold if correct else gold + rng.randint(1, 50)
+            text = _long_reasoning(rng, answer) if rng.random() < 0.5 else f"The answer is \\boxed{{{answer}}}."
+            group.append(Case(completion=text, gold=str(gold), expected_reward=1.0 if correct else 0.0))
+        groups.append(group)
+    return groups
+
+
+async def _score_one(pool: VerifierPool, case: Case, latencies: list[float]) -> bool:
+    """Score one completion; returns whether the result was what the case expected."""
+    start = time.perf_counter()
+    (result,) = await pool.score([case.completion], case.gold)
+    latencies.append(time.perf_counter() - start)
+    if case.expected_reward is None:
+        return result.error == "timeout"
+    return result.reward == case.expected_reward and not result.failed
+
+
+async def run(pool: VerifierPool, groups: list[list[Case]], num_clients: int) -> tuple[list[float], int]:
+    """Replay the groups with num_clients groups in flight; returns (latencies_s, mismatches)."""
+    latencies: list[float] = []
+    mismatches = 0
+    pending = iter(groups)
+
+    async def client() -> None:
+        nonlocal mismatches
+        for group in pending:
+            ok = await asyncio.gather(*(_score_one(pool, case, latencies) for case in group))
+            mismatches += ok.count(False)
+
+    await asyncio.gather(*(client() for _ in range(num_clients)))
+    return latencies, mismatches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num_processes", type=int, default=2)
+    parser.add_argument("--timeout_s", type=float, default=2.0)
+    parser.add_argument("--num_samples", type=int, default=800)
+    parser.add_argument("--group_size", type=int, default=8)
+    parser.add_argument("--num_clients", type=int, default=4)
+    parser.add_argument("--hostile_fraction", type=float, default=0.03)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    groups = build_workload(args.num_samples, args.group_size, args.hostile_fraction, args.seed)
+    num_hostile = sum(case.expected_reward is None for group in groups for case in group)
+    with VerifierPool(num_processes=args.num_processes, timeout_s=args.timeout_s) as pool:
+        start = time.perf_counter()
+        latencies, mismatches = asyncio.run(run(pool, groups, args.num_clients))
+        elapsed = time.perf_counter() - start
+    stats = pool.stats()  # after close(): the last replacement process has been counted
+    latencies_ms = sorted(1000 * x for x in latencies)
+    p99 = latencies_ms[min(len(latencies_ms) - 1, int(0.99 * len(latencies_ms)))]
+    print(
+        f"samples_per_s={len(latencies) / elapsed:.1f} p99_ms={p99:.1f} "
+        f"p50_ms={statistics.median(latencies_ms):.1f} num_processes={args.num_processes} "
+        f"hostile_fraction={args.hostile_fraction} hostile={num_hostile} samples={len(latencies)} "
+        f"timeout_s={args.timeout_s} timeouts={stats['timeouts']} restarts={stats['restarts']} "
+        f"mismatches={mismatches}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,495 @@
+"""Rewards from math-verify under a hard per-sample deadline, in worker processes that can be killed.
+
+math-verify enforces its timeouts with `signal.alarm`, which raises outside the main thread and
+cannot interrupt long C-level work: an exponent tower such as `\\boxed{5^{5^{5^{5^5}}}}` or a
+megabyte of LaTeX can hang a verifier for minutes. So each verification here runs in the main
+thread of a worker process of its own. One dispatcher thread per process sends it one task at a
+time as JSON over a pipe and waits at most `timeout_s`; a process that overruns is killed, its
+sample scores 0 with error "timeout", and a replacement process is started. A hostile output thus
+costs one deadline and one process restart, never a stalled pool.
+
+Processes come from multiprocessing's forkserver: a fresh single-threaded interpreter (started
+like a spawn child, so forking from it is safe even when the pool lives in a threaded Ray actor or
+beside vLLM) that has sympy and math-verify imported already. A replacement is then ready in
+~0.2 s instead of the ~1.2 s a spawn child spends importing them (measured on this 2-core
+machine), which is most of what a timeout costs beyond its deadline.
+
+    pool = VerifierPool(num_processes=4, timeout_s=5.0)
+    results = await pool.score(["so the sum is \\boxed{7}", "8"], gt_answer="7")
+    pool.close()
+
+What a result means:
+    reward 1.0, failed False, error ""   math_verify.verify(parse(gold), parse(completion)) is true
+    reward 0.0, failed False, error ""   an answer was found and it does not match the gold
+    reward 0.0, failed True,  error "timeout"            the deadline passed; the process was killed
+    reward 0.0, failed True,  error "parse_error: ..."   no answer could be extracted from the
+                                         completion (or from the gold answer, a dataset problem)
+    reward 0.0, failed True,  error "verify_error: ..."  verify raised, or the process died
+
+An output without any extractable answer earns 0 like a wrong one, but is flagged (failed=True,
+counted in stats()) so callers can tell "wrong" from "unscorable".
+
+On a Ray cluster all generation workers share one pool actor, created by the first call to
+`get_or_create_verifier_pool`; that first caller's `num_processes` (the seed's
+--global_num_verifiers) and `timeout_s` size it, later callers get the existing actor whatever
+they pass. Each process uses about one CPU core: give the cluster that capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import multiprocessing
+import queue
+import signal
+import threading
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from multiprocessing.connection import Connection
+from typing import Any, Sequence
+
+logger = logging.getLogger(__name__)
+
+VERIFIER_POOL_ACTOR_NAME = "math-verifier-pool"
+# A new process warms math-verify's LaTeX parser (~0.2 s from the forkserver; the server's own
+# first start imports sympy, a few seconds on a busy machine or in a Ray worker); past this it is broken.
+_STARTUP_TIMEOUT_S = 120.0
+# Seconds a closing pool waits for a process to exit after its pipe closes before killing it.
+_SHUTDOWN_GRACE_S = 5.0
+# Error strings come from exception messages that may quote a megabyte of input: keep them short.
+_MAX_ERROR_CHARS = 300
+# A reply is one small JSON object; anything larger means the process broke the protocol.
+_MAX_REPLY_BYTES = 1 << 16
+# Characters of a completion quoted in a timeout log line.
+_LOG_SNIPPET_CHARS = 80
+# Distinct gold answers whose parse a process keeps: the n rollouts of a prompt share one gold.
+_GOLD_CACHE_SIZE = 1024
+# Ray restarts the shared pool actor if its process dies (e.g. OOM), with its creation arguments,
+# so the generation workers regain a verifier instead of failing every reward from then on.
+_ACTOR_MAX_RESTARTS = -1
+# Imported once by the forkserver so that every process forked from it starts with them loaded.
+_FORKSERVER_PRELOAD = ["math_verifier", "math_verify", "sympy"]
+_READY_MESSAGE = b'{"ready": true}'
+_TIMEOUT_ERROR = "timeout"
+_PARSE_ERROR = "parse_error"
+_VERIFY_ERROR = "verify_error"
+
+
+@dataclass(slots=True)
+class RewardResult:
+    """The verifier's verdict on one completion."""
+
+    reward: float
+    """1.0 if the completion's answer matches the gold answer, else 0.0."""
+    failed: bool
+    """True when the completion could not be scored (timeout, parse or verify error); reward 0."""
+    error: str
+    """"" when scored; "timeout", "parse_error: <why>" or "verify_error: <why>" when failed."""
+
+
+class WorkerStartError(RuntimeError):
+    """A verifier process did not come up (crashed while importing math-verify, or too slow)."""
+
+
+def _truncate(text: str, limit: int = _MAX_ERROR_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _failure(kind: str, detail: str = "") -> RewardResult:
+    error = f"{kind}: {_truncate(detail)}" if detail else kind
+    return RewardResult(reward=0.0, failed=True, error=error)
+
+
+@lru_cache(maxsize=_GOLD_CACHE_SIZE)
+def _parse_gold(gold: str) -> list[Any]:
+    """Parse a gold answer given as "7", "$7$", "\\boxed{7}" or bare LaTeX such as "\\frac{1}{2}".
+
+    math-verify extracts LaTeX only inside $...$ or \\boxed{}, so bare gold answers are wrapped in
+    $...$ (which also reads "\\sqrt{2}" and "(1,2)" right); plain parsing is the fallback.
+    """
+    from math_verify import parse
+
+    if "$" not in gold and "\\boxed" not in gold:
+        wrapped = parse(f"${gold}$", parsing_timeout=None, raise_on_error=True)
+        if wrapped:
+            return wrapped
+    return parse(gold, parsing_timeout=None, raise_on_error=True)
+
+
+def score_completion(completion: str, gold: str) -> RewardResult:
+    """Score one completion against a gold answer, in this process, with no deadline.
+
+    Only safe where a hang can be cut short from outside: the pool's worker processes call it.
+    math-verify's own signal timeouts are disabled (None): the pool's watchdog is the deadline.
+    """
+    from math_verify import parse, verify
+
+    try:
+        gold_parsed = _parse_gold(gold)
+    except Exception as exc:  # noqa: BLE001 - any parser failure is a scoring outcome, not a crash
+        return _failure(_PARSE_ERROR, f"gold answer {gold!r}: {type(exc).__name__}: {exc}")
+    if not gold_parsed:
+        return _failure(_PARSE_ERROR, f"gold answer {gold!r} has no parsable answer")
+    try:
+        predicted = parse(completion, parsing_timeout=None, raise_on_error=True)
+    except Exception as exc:  # noqa: BLE001
+        return _failure(_PARSE_ERROR, f"{type(exc).__name__}: {exc}")
+    if not predicted:
+        return _failure(_PARSE_ERROR, "no answer found in completion")
+    try:
+        # raise_on_error=False: math-verify tries every (gold, prediction) pair and counts a pair
+        # that raises as a mismatch; raising would abort the pairs that could still match.
+        matched = verify(gold_parsed, predicted, timeout_seconds=None, raise_on_error=False)
+    except Exception as exc:  # noqa: BLE001
+        return _failure(_VERIFY_ERROR, f"{type(exc).__name__}: {exc}")
+    return RewardResult(reward=1.0 if matched else 0.0, failed=False, error="")
+
+
+def _worker_main(conn: Connection) -> None:
+    """Entry point of a verifier process: JSON task in, JSON RewardResult out, until EOF."""
+    # Ctrl-C reaches the whole process group; the parent decides when its workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The "timeout is disabled" warning is expected: the parent enforces the deadline.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    score_completion("1", "1")  # import sympy/math-verify and build the LaTeX parser before "ready"
+    conn.send_bytes(_READY_MESSAGE)
+    while True:
+        try:
+            request = json.loads(conn.recv_bytes())
+        except EOFError:
+            return
+        result = score_completion(request["completion"], request["gold"])
+        conn.send_bytes(json.dumps(asdict(result)).encode("utf-8"))
+
+
+def _decode_reply(data: bytes) -> RewardResult:
+    reply = json.loads(data)
+    return RewardResult(reward=float(reply["reward"]), failed=bool(reply["failed"]), error=str(reply["error"]))
+
+
+class _WorkerSlot:
+    """One verifier process and the parent's end of its pipe; used by one dispatcher thread."""
+
+    def __init__(self, ctx: multiprocessing.context.ForkServerContext, index: int) -> None:
+        self.index = index
+        self._ctx = ctx
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None
+
+    def start(self) -> None:
+        """Start the process; call wait_ready() before sending it work."""
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(
+            target=_worker_main, args=(child_conn,), name=f"math-verifier-{self.index}", daemon=True
+        )
+        try:
+            process.start()
+        except BaseException:
+            parent_conn.close()
+            raise
+        finally:
+            child_conn.close()  # the child has its copy; closing ours lets the parent see EOF when it dies
+        self._process, self._conn = process, parent_conn
+
+    def wait_ready(self) -> None:
+        """Block until the process has imported math-verify, or raise WorkerStartError."""
+        assert self._conn is not None, "wait_ready() before start()"
+        if not self._conn.poll(_STARTUP_TIMEOUT_S):
+            self.kill()
+            raise WorkerStartError(f"verifier process {self.index} not ready after {_STARTUP_TIMEOUT_S:.0f} s")
+        try:
+            message = self._conn.recv_bytes(_MAX_REPLY_BYTES)
+        except (EOFError, OSError):
+            exitcode = self.kill()
+            raise WorkerStartError(
+                f"verifier process {self.index} exited during startup (exit code {exitcode}); its stderr says why"
+            ) from None
+        if message != _READY_MESSAGE:
+            self.kill()
+            raise WorkerStartError(f"verifier process {self.index} sent {message[:100]!r} instead of ready")
+
+    def run(self, payload: bytes, timeout_s: float) -> RewardResult | None:
+        """Send one task and wait for its result; None when the deadline passed first.
+
+        Raises EOFError/OSError when the process died or broke the protocol.
+        """
+        assert self._conn is not None, "run() on a slot without a process"
+        self._conn.send_bytes(payload)
+        if not self._conn.poll(timeout_s):
+            return None
+        return _decode_reply(self._conn.recv_bytes(_MAX_REPLY_BYTES))
+
+    def kill(self) -> int | None:
+        """SIGKILL the process (if any), reap it and return its exit code."""
+        process, conn = self._process, self._conn
+        self._process, self._conn = None, None
+        if conn is not None:
+            conn.close()
+        if process is None:
+            return None
+        process.kill()
+        process.join()
+        exitcode = process.exitcode
+        process.close()
+        return exitcode
+
+    def stop(self) -> None:
+        """Close the pipe so the process exits on EOF; kill it if it does not within the grace."""
+        process, conn = self._process, self._conn
+        if conn is not None:
+            conn.close()
+            self._conn = None
+        if process is None:
+            return
+        process.join(_SHUTDOWN_GRACE_S)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        process.close()
+        self._process = None
+
+
+@dataclass(slots=True)
+class _Task:
+    """One completion waiting for a verifier process."""
+
+    payload: bytes
+    """JSON {"gold": ..., "completion": ...} as sent to the process."""
+    completion_chars: int
+    """Length of the completion, for log lines."""
+    snippet: str
+    """Start of the completion, for log lines."""
+    future: Future
+    """Resolved with the RewardResult by the dispatcher thread."""
+
+
+class VerifierPool:
+    """A pool of math-verify processes with a hard per-sample deadline (see the module docstring).
+
+    Thread-safe and event-loop agnostic: dispatcher threads do the waiting, so `score` may be
+    awaited from any event loop and `score_sync` called from any thread.
+    """
+
+    def __init__(self, num_processes: int, timeout_s: float) -> None:
+        if not isinstance(num_processes, int) or num_processes < 1:
+            raise ValueError(f"VerifierPool: num_processes must be an int >= 1, got {num_processes!r}")
+        if not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
+            raise ValueError(f"VerifierPool: timeout_s must be a finite number > 0, got {timeout_s!r}")
+        self.num_processes = num_processes
+        self.timeout_s = float(timeout_s)
+        self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._counts = dict.fromkeys(
+            ("scored", "failed", "timeouts", "parse_errors", "verify_errors", "crashes", "restarts", "cancelled"), 0
+        )
+        ctx = multiprocessing.get_context("forkserver")
+        # Takes effect when this process's forkserver first starts (a no-op if one already runs).
+        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+        self._slots = [_WorkerSlot(ctx, i) for i in range(num_processes)]
+        self._start_all()
+        self._threads = [
+            threading.Thread(target=self._dispatch_loop, args=(slot,), name=f"verifier-dispatch-{slot.index}", daemon=True)
+            for slot in self._slots
+        ]
+        for thread in self._threads:
+            thread.start()
+        logger.info("verifier pool ready: %d processes, %.1f s deadline per sample", num_processes, self.timeout_s)
+
+    def _start_all(self) -> None:
+        """Start every process at once (imports overlap), then wait for each; all or nothing."""
+        try:
+            for slot in self._slots:
+                slot.start()
+            for slot in self._slots:
+                slot.wait_ready()
+        except BaseException:
+            for slot in self._slots:
+                slot.kill()
+            raise
+
+    def __enter__(self) -> VerifierPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def score(self, completions: Sequence[str], gt_answer: str) -> list[RewardResult]:
+        """Score completions against one gold answer, concurrently across the pool, in order."""
+        futures = self._submit(completions, gt_answer)
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+
+    def score_sync(self, completions: Sequence[str], gt_answer: str) -> list[RewardResult]:
+        """Blocking form of `score`, for code without an event loop."""
+        return [future.result() for future in self._submit(completions, gt_answer)]
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start: scored (results returned), failed, and failures by kind
+        (timeouts, parse_errors, verify_errors, crashes), restarts (replacement processes
+        started), cancelled (tasks dropped because their caller went away), num_processes."""
+        with self._lock:
+            return {**self._counts, "num_processes": self.num_processes}
+
+    def close(self) -> None:
+        """Fail queued samples, stop the dispatchers (each finishes its current sample) and processes."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        while True:
+            try:
+                task = self._tasks.get_nowait()
+            except queue.Empty:
+                break
+            if task is not None and task.future.set_running_or_notify_cancel():
+                task.future.set_exception(RuntimeError("VerifierPool closed before this sample was scored"))
+        for _ in self._threads:
+            self._tasks.put(None)
+        for thread in self._threads:
+            thread.join()
+        for slot in self._slots:
+            slot.stop()
+        logger.info("verifier pool closed: %s", self.stats())
+
+    def _submit(self, completions: Sequence[str], gt_answer: str) -> list[Future]:
+        if not isinstance(gt_answer, str):
+            raise TypeError(f"VerifierPool.score: gt_answer must be str, got {type(gt_answer).__name__}")
+        if isinstance(completions, str):
+            raise TypeError("VerifierPool.score: completions must be a list of str, got a single str")
+        for i, completion in enumerate(completions):
+            if not isinstance(completion, str):
+                raise TypeError(f"VerifierPool.score: completions[{i}] must be str, got {type(completion).__name__}")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("VerifierPool.score called after close()")
+        futures = []
+        for completion in completions:
+            payload = json.dumps({"gold": gt_answer, "completion": completion}).encode("utf-8")
+            task = _Task(
+                payload=payload,
+                completion_chars=len(completion),
+                snippet=completion[:_LOG_SNIPPET_CHARS],
+                future=Future(),
+            )
+            self._tasks.put(task)
+            futures.append(task.future)
+        return futures
+
+    def _dispatch_loop(self, slot: _WorkerSlot) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            if not task.future.set_running_or_notify_cancel():
+                self._count("cancelled")
+                continue
+            # A replacement that failed to start after a kill gets one more try per sample.
+            had_process = slot.alive or self._restart(slot)
+            try:
+                result = self._run_task(slot, task) if had_process else _failure(
+                    _VERIFY_ERROR, f"verifier process {slot.index} could not be started (see log)"
+                )
+            except Exception as exc:  # noqa: BLE001 - a dispatcher must outlive any one sample
+                logger.exception("verifier dispatcher %d failed on a sample", slot.index)
+                task.future.set_exception(exc)
+                continue
+            self._record(result)
+            task.future.set_result(result)
+            if had_process and not slot.alive:
+                self._restart(slot)  # after answering, so the caller does not wait for it
+
+    def _run_task(self, slot: _WorkerSlot, task: _Task) -> RewardResult:
+        """Run one task on the slot's process; kills the process on timeout or protocol failure."""
+        try:
+            result = slot.run(task.payload, self.timeout_s)
+        except (EOFError, OSError, ValueError, KeyError) as exc:
+            exitcode = slot.kill()
+            self._count("crashes")
+            logger.error("verifier process %d died or broke protocol (exit code %s): %r", slot.index, exitcode, exc)
+            return _failure(_VERIFY_ERROR, f"verifier process died (exit code {exitcode})")
+        if result is None:
+            slot.kill()
+            logger.warning(
+                "verifier timeout after %.1f s on a %d-char completion starting %r; replacing process %d",
+                self.timeout_s, task.completion_chars, task.snippet, slot.index,
+            )
+            return _failure(_TIMEOUT_ERROR)
+        return result
+
+    def _restart(self, slot: _WorkerSlot) -> bool:
+        """Start a replacement process for a slot whose process was killed; False if it failed."""
+        try:
+            slot.start()
+            slot.wait_ready()
+        except (WorkerStartError, OSError):
+            logger.exception("could not start a replacement verifier process %d", slot.index)
+            return False
+        self._count("restarts")
+        return True
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self._counts[key] += 1
+
+    def _record(self, result: RewardResult) -> None:
+        kind = result.error.split(":", 1)[0]
+        with self._lock:
+            self._counts["scored"] += 1
+            if result.failed:
+                self._counts["failed"] += 1
+            if kind == _TIMEOUT_ERROR:
+                self._counts["timeouts"] += 1
+            elif kind == _PARSE_ERROR:
+                self._counts["parse_errors"] += 1
+            elif kind == _VERIFY_ERROR:
+                self._counts["verify_errors"] += 1
+
+
+class VerifierPoolActor:
+    """Ray actor shell over a VerifierPool shared by every generation worker of a cluster.
+
+    An async actor: concurrent `score` calls from many workers interleave on its event loop while
+    the pool's processes do the work. Create it through `get_or_create_verifier_pool`.
+    """
+
+    def __init__(self, num_processes: int, timeout_s: float) -> None:
+        self._pool = VerifierPool(num_processes=num_processes, timeout_s=timeout_s)
+
+    async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]:
+        """See VerifierPool.score."""
+        return await self._pool.score(completions, gt_answer)
+
+    def stats(self) -> dict[str, int]:
+        """See VerifierPool.stats."""
+        return self._pool.stats()
+
+
+def get_or_create_verifier_pool(num_processes: int, timeout_s: float):
+    """The cluster's one verifier pool actor ("math-verifier-pool" in the project namespace).
+
+    The first caller creates it with its arguments (detached: it outlives its creator); every later
+    caller gets that same actor and its arguments are ignored, so start the component that should
+    size it (the seed's --global_num_verifiers) first, or pass the same values everywhere.
+    `stats()["num_processes"]` tells a caller what it got. num_cpus=0: the actor itself only waits;
+    its processes use one core each, outside Ray's accounting.
+    """
+    import ray
+
+    from vllm_registry import RAY_NAMESPACE
+
+    actor_cls = ray.remote(VerifierPoolActor)
+    return actor_cls.options(
+        name=VERIFIER_POOL_ACTOR_NAME,
+        namespace=RAY_NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached",
+        num_cpus=0,
+        max_restarts=_ACTOR_MAX_RESTARTS,
+    ).remote(num_processes, timeout_s)

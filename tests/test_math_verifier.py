@@ -1,0 +1,173 @@
+"""VerifierPool: real math-verify in worker processes, deadlines, replacement, the Ray actor path."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from math_verifier import VERIFIER_POOL_ACTOR_NAME, RewardResult, VerifierPool, get_or_create_verifier_pool
+
+# Deadline of the pools that only see well-behaved completions: far above math-verify's ~2 ms per
+# sample, so a loaded shared machine never turns a normal sample into a timeout.
+NORMAL_TIMEOUT_S = 5.0
+# Deadline of the pools that are fed hostile completions: short, to keep the tests quick.
+HOSTILE_TIMEOUT_S = 2.0
+# Slack on top of the deadline for pipe I/O and a busy 2-core machine. Without the watchdog these
+# inputs run for well over 20 s (measured), so deadline + slack still tells "killed" from "hung".
+DEADLINE_SLACK_S = 5.0
+# Above math-verify's own recursion and regex limits: parsing it hangs for far longer than a deadline.
+HOSTILE_MEGABYTE = "\\boxed{" + "1+" * 500_000 + "1}"
+HOSTILE_TOWER = "\\boxed{5^{5^{5^{5^5}}}}"
+TIMEOUT = RewardResult(reward=0.0, failed=True, error="timeout")
+CORRECT = RewardResult(reward=1.0, failed=False, error="")
+WRONG = RewardResult(reward=0.0, failed=False, error="")
+
+# (completion, gold answer, expected reward), all decided by hand.
+GRADED_CASES = [
+    ("The sum is \\boxed{7}.", "7", 1.0),
+    ("7", "7", 1.0),
+    ("3+4=7", "7", 1.0),
+    ("I think it is 7.", "7", 1.0),
+    ("\\boxed{7}", "\\boxed{7}", 1.0),
+    ("so the answer is $7$", "$7$", 1.0),
+    ("$\\frac{14}{2}$", "7", 1.0),
+    ("3+4=8", "7", 0.0),
+    ("\\boxed{8}", "7", 0.0),
+    ("The sum is \\boxed{70}.", "7", 0.0),
+    ("so we get $\\frac{1}{2}$", "\\frac{1}{2}", 1.0),
+    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\frac{2}{4}}", "$\\frac{1}{2}$", 1.0),
+    ("1/2", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}", 0.0),
+    ("\\boxed{-3}", "-3", 1.0),
+    ("\\boxed{3}", "-3", 0.0),
+    ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", 1.0),
+    ("\\boxed{2}", "\\sqrt{2}", 0.0),
+]
+
+
+def _pool_children() -> set[int]:
+    return {p.pid for p in multiprocessing.active_children() if p.name.startswith("math-verifier-")}
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[VerifierPool]:
+    with VerifierPool(num_processes=2, timeout_s=NORMAL_TIMEOUT_S) as verifier:
+        yield verifier
+
+
+def _graded(results: list[RewardResult]) -> list[tuple[float, bool]]:
+    return [(r.reward, r.failed) for r in results]
+
+
+def test_graded_answers_match_hand_made_expectations(pool: VerifierPool) -> None:
+    results = []
+    for completion, gold, _ in GRADED_CASES:
+        results += pool.score_sync([completion], gold)
+    assert _graded(results) == [(expected, False) for _, _, expected in GRADED_CASES]
+    assert all(r.error == "" for r in results)
+
+
+def test_async_score_keeps_order_across_processes(pool: VerifierPool) -> None:
+    completions = ["\\boxed{7}", "\\boxed{6}", "3+4=7", "no idea", "$7$", "7.0", "\\boxed{77}"]
+    results = asyncio.run(pool.score(completions, "7"))
+    assert _graded(results) == [(1.0, False), (0.0, False), (1.0, False), (0.0, True), (1.0, False), (1.0, False), (0.0, False)]
+    assert results == pool.score_sync(completions, "7")
+
+
+def test_completion_without_answer_is_a_counted_parse_failure(pool: VerifierPool) -> None:
+    before = pool.stats()
+    results = pool.score_sync(["I cannot solve this.", ""], "7")
+    assert results == [RewardResult(reward=0.0, failed=True, error="parse_error: no answer found in completion")] * 2
+    after = pool.stats()
+    assert after["parse_errors"] - before["parse_errors"] == 2
+    assert after["failed"] - before["failed"] == 2
+    assert after["scored"] - before["scored"] == 2
+
+
+def test_unparsable_gold_answer_fails_every_completion(pool: VerifierPool) -> None:
+    results = pool.score_sync(["\\boxed{7}", "7"], "")
+    assert [(r.reward, r.failed) for r in results] == [(0.0, True)] * 2
+    assert all(r.error.startswith("parse_error: gold answer ''") for r in results)
+
+
+def test_empty_batch_and_bad_arguments(pool: VerifierPool) -> None:
+    assert pool.score_sync([], "7") == []
+    with pytest.raises(TypeError, match="gt_answer must be str"):
+        pool.score_sync(["7"], 7)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"completions\[1\] must be str"):
+        pool.score_sync(["7", None], "7")  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="single str"):
+        pool.score_sync("7", "7")
+    with pytest.raises(ValueError, match="num_processes"):
+        VerifierPool(num_processes=0, timeout_s=1.0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        VerifierPool(num_processes=1, timeout_s=float("nan"))
+
+
+def test_hostile_outputs_time_out_and_the_replacement_serves() -> None:
+    """One process: every normal sample after a timeout is served by a freshly started process."""
+    before = _pool_children()
+    verifier = VerifierPool(num_processes=1, timeout_s=HOSTILE_TIMEOUT_S)
+    try:
+        for hostile in (HOSTILE_TOWER, HOSTILE_MEGABYTE, HOSTILE_TOWER):
+            start = time.monotonic()
+            assert verifier.score_sync([hostile], "7") == [TIMEOUT]
+            assert time.monotonic() - start < HOSTILE_TIMEOUT_S + DEADLINE_SLACK_S
+            assert verifier.score_sync(["so it is \\boxed{7}"], "7") == [CORRECT]
+        stats = verifier.stats()
+        assert (stats["timeouts"], stats["restarts"], stats["failed"], stats["scored"]) == (3, 3, 3, 6)
+        assert len(_pool_children() - before) == 1
+    finally:
+        verifier.close()
+    assert _pool_children() - before == set()
+    with pytest.raises(RuntimeError, match="after close"):
+        verifier.score_sync(["7"], "7")
+
+
+def test_normal_samples_flow_beside_timeouts() -> None:
+    """Two processes, a hostile sample in the same call: the others are scored right, in order."""
+    with VerifierPool(num_processes=2, timeout_s=HOSTILE_TIMEOUT_S) as verifier:
+        results = asyncio.run(verifier.score([HOSTILE_TOWER, "\\boxed{7}", "\\boxed{8}", "7"], "7"))
+        assert results == [TIMEOUT, CORRECT, WRONG, CORRECT]
+        assert verifier.stats()["timeouts"] == 1
+
+
+def test_process_killed_mid_sample_is_reported_and_replaced() -> None:
+    before = _pool_children()
+    with VerifierPool(num_processes=1, timeout_s=60.0) as verifier:
+        (pid,) = _pool_children() - before
+        results: list[RewardResult] = []
+
+        async def kill_while_scoring() -> None:
+            task = asyncio.ensure_future(verifier.score([HOSTILE_TOWER], "7"))
+            await asyncio.sleep(0.5)  # the tower keeps the process busy for far longer than this
+            os.kill(pid, signal.SIGKILL)
+            results.extend(await task)
+
+        asyncio.run(kill_while_scoring())
+        assert results == [RewardResult(reward=0.0, failed=True, error=f"verify_error: verifier process died (exit code {-signal.SIGKILL})")]
+        assert verifier.score_sync(["\\boxed{7}"], "7") == [CORRECT]
+        stats = verifier.stats()
+        assert (stats["crashes"], stats["verify_errors"], stats["restarts"]) == (1, 1, 1)
+
+
+def test_ray_actor_is_shared_and_sized_by_first_caller(ray_local) -> None:
+    handle = get_or_create_verifier_pool(num_processes=1, timeout_s=NORMAL_TIMEOUT_S)
+    try:
+        results = ray_local.get(handle.score.remote(["\\boxed{7}", "\\boxed{8}", "nothing"], "7"))
+        assert _graded(results) == [(1.0, False), (0.0, False), (0.0, True)]
+        same = get_or_create_verifier_pool(num_processes=3, timeout_s=1.0)
+        assert ray_local.get(same.stats.remote())["num_processes"] == 1
+        assert ray_local.get(same.stats.remote())["scored"] == 3
+        from vllm_registry import RAY_NAMESPACE
+
+        assert ray_local.get_actor(VERIFIER_POOL_ACTOR_NAME, namespace=RAY_NAMESPACE) is not None
+    finally:
+        ray_local.kill(handle)

@@ -6,19 +6,34 @@ Write the tiny demo/test model (random init, seeded, Hugging Face format, no net
 
 Everything else here is imported by the trainer (FSDP2 wrapping) and the logprob worker (plain
 model): both score tokens through `TokenLogprobModel`, so they compute identical logprobs.
+
+Trainer side, in order: `init_distributed` (torchrun env -> process group), `build_training_model`
+(from_pretrained, FSDP2 per decoder layer and at the root), `build_optimizer`/`build_scheduler`,
+then per step `gather_full_state_dict` or `local_shard_blobs` to publish weights and
+`export_hf_checkpoint` to save. The logprob worker loads published weights with
+`load_state_dict_into`.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import logging
+import math
+import os
+import shutil
 import string
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Literal, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+import weight_sync
 from grpo_loss import chunked_token_logprobs
 from sample_processing_utils import LogprobInput
 
@@ -197,6 +212,385 @@ class TokenLogprobModel(nn.Module):
             inputs.labels.to(device),
             inputs.output_indices.to(device),
         )
+
+
+# --------------------------------------------------------------------------------------------
+# Training setup: configs, process group, FSDP2 model, optimizer, schedule.
+# --------------------------------------------------------------------------------------------
+
+# Attribute prefix of the causal LM inside TokenLogprobModel; HF checkpoint names lack it.
+_WRAPPER_PREFIX = "causal_lm."
+# Files copied verbatim from the source checkpoint on export: everything a tokenizer (and
+# generation defaults) may be made of, but never weights or config, which export writes itself.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+_WEIGHTS_FILE = "model.safetensors"  # a single-file checkpoint, as from_pretrained and vLLM expect
+_SCHEDULES = ("constant", "cosine")
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = 1e-6
+    """Peak learning rate (reached at the end of warmup)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, applied to matrices only (not to biases or norm gains)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup: step s (0-based) uses lr * (s + 1) / warmup_steps."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """After warmup: 'constant' keeps lr; 'cosine' decays to lr * min_lr_ratio at total_steps."""
+    total_steps: int = 1000
+    """Step at which the cosine schedule reaches its floor (it stays there afterwards)."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of lr."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this before each step; math.inf measures without clipping."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"OptimConfig.lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"OptimConfig.betas must be two values in [0, 1), got {self.betas}")
+        if not self.eps > 0:
+            raise ValueError(f"OptimConfig.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"OptimConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"OptimConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.schedule not in _SCHEDULES:
+            raise ValueError(f"OptimConfig.schedule must be one of {_SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
+            raise ValueError(
+                f"OptimConfig.total_steps ({self.total_steps}) must exceed warmup_steps "
+                f"({self.warmup_steps}) for the cosine schedule"
+            )
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"OptimConfig.max_grad_norm must be > 0, got {self.max_grad_norm}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    """Which checkpoint to train and how to run it."""
+
+    model_path: str
+    """Hugging Face checkpoint folder (safetensors), loaded with from_pretrained."""
+    logprob_chunk_size: int = 1024
+    """Output tokens per lm_head chunk in chunked_token_logprobs (bounds the logits' memory)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer in backward (non-reentrant) to save activation memory."""
+    attn_implementation: str | None = None
+    """'sdpa', 'eager', 'flash_attention_2', ...; None picks default_attn_implementation(device)."""
+    mixed_precision: bool = True
+    """On CUDA, compute in bf16 with fp32 master weights and fp32 gradient reduction. CPU: fp32."""
+    reshard_after_forward: bool = True
+    """Free each layer's gathered weights after forward (ZeRO-3); False keeps them until backward."""
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("ModelConfig.model_path must be set")
+        if self.logprob_chunk_size <= 0:
+            raise ValueError(f"ModelConfig.logprob_chunk_size must be > 0, got {self.logprob_chunk_size}")
+        if self.attn_implementation is not None and not self.attn_implementation:
+            raise ValueError("ModelConfig.attn_implementation must be None or a non-empty name")
+
+
+@dataclass(frozen=True, slots=True)
+class DistInfo:
+    """This process's place in the training job, as init_distributed found it."""
+
+    rank: int
+    """Global rank, 0 .. world_size - 1."""
+    world_size: int
+    """Number of training processes."""
+    local_rank: int
+    """Rank on this node; picks the CUDA device."""
+    device: torch.device
+    """Device this rank computes on (cuda:local_rank, or cpu)."""
+    backend: str
+    """Process-group backend: 'nccl' on CUDA, 'gloo' on CPU."""
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that logs and writes files."""
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    """An integer from the environment (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK)."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError as err:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from err
+
+
+def init_distributed(timeout_s: float = 600.0) -> DistInfo:
+    """Join (or create) the default process group from torchrun's environment.
+
+    Without torchrun (no WORLD_SIZE) this makes a one-process group over an in-memory store, so
+    FSDP2 and the collective helpers below work unchanged. timeout_s bounds every collective: a
+    rank that died makes the others raise instead of waiting forever. Idempotent.
+    """
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if dist.is_initialized():
+        return DistInfo(
+            rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+            device=device, backend=dist.get_backend(),
+        )
+    timeout = timedelta(seconds=timeout_s)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    logger.info("rank %d/%d (local %d) joined on %s with %s", rank, world_size, local_rank, device, backend)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+def build_training_model(model_config: ModelConfig, dist_info: DistInfo) -> TokenLogprobModel:
+    """Load the HF model and shard it with FSDP2: one group per decoder layer, then the root.
+
+    The root group is the TokenLogprobModel wrapper, not the causal LM: its forward reads
+    lm_head's weight directly (chunked logprobs), which is gathered only while the root's
+    forward runs. Parameters stay fp32; on CUDA the compute copies are bf16.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # Loaded on CPU: fully_shard moves each rank's shard to the mesh's device.
+    causal_lm = load_causal_lm(
+        model_config.model_path,
+        dtype=torch.float32,
+        attn_implementation=model_config.attn_implementation or default_attn_implementation(dist_info.device),
+    )
+    causal_lm.config.use_cache = False
+    if model_config.gradient_checkpointing:
+        causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    causal_lm.train()
+    mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
+    if dist_info.device.type == "cuda" and model_config.mixed_precision:
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp_policy = MixedPrecisionPolicy()
+    for layer in causal_lm.get_decoder().layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=model_config.reshard_after_forward)
+    model = TokenLogprobModel(causal_lm, logprob_chunk_size=model_config.logprob_chunk_size)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    logger.info(
+        "FSDP2 model from %s: %d parameters over %d ranks",
+        model_config.model_path, sum(p.numel() for p in model.parameters()), dist_info.world_size,
+    )
+    return model
+
+
+def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only: decaying biases and norm gains only hurts."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+
+
+def lr_factor(step: int, config: OptimConfig) -> float:
+    """Multiplier of config.lr at 0-based optimizer step `step` (see OptimConfig)."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - config.warmup_steps) / (config.total_steps - config.warmup_steps))
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup, then constant or cosine (lr_factor); call scheduler.step() after each step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, config=config))
+
+
+# --------------------------------------------------------------------------------------------
+# Weights out (gather, shards, checkpoint) and in (plain model).
+# --------------------------------------------------------------------------------------------
+
+
+def _hf_name(name: str) -> str:
+    """Checkpoint name of a parameter of TokenLogprobModel (or of a bare causal LM)."""
+    return name.removeprefix(_WRAPPER_PREFIX)
+
+
+def _hf_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers under HF names, each tied tensor once.
+
+    state_dict lists a tied tensor under every name; only the first is kept, which for a causal
+    LM is 'model.embed_tokens.weight' (the input embedding is registered before lm_head), the
+    name tied HF checkpoints store. safetensors refuses to save one tensor twice anyway.
+    """
+    seen: set[int] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        tensors[_hf_name(name)] = tensor
+    return tensors
+
+
+def _is_main_process() -> bool:
+    """Rank 0, or the only process when no process group exists (e.g. the logprob worker)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: all-gathers a DTensor (collective), returns a plain tensor as is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def gather_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+    """Full, unsharded CPU copies of every weight under HF names, on rank 0; None elsewhere.
+
+    Collective: every rank must call it (each tensor is all-gathered in turn, so peak extra
+    memory is one full tensor). dtype casts the copies (e.g. bf16 for inference); None keeps them.
+    """
+    main = _is_main_process()
+    state: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, tensor in _hf_tensors(model).items():
+            full = _full_tensor(tensor.detach())
+            if main:
+                state[name] = full.to(device="cpu", dtype=dtype if dtype is not None else full.dtype, copy=True)
+    return state if main else None
+
+
+def fsdp_shard_extent(dim0_size: int, num_shards: int, shard_index: int) -> tuple[int, int]:
+    """(dim-0 offset, row count) of one FSDP2 shard: torch.chunk's split, trailing shards empty.
+
+    torch.chunk cuts ceil(n / k)-row pieces, so with n=5, k=4 the rows are 2, 2, 1, 0.
+    """
+    rows_per_shard = -(-dim0_size // num_shards)
+    offset = min(shard_index * rows_per_shard, dim0_size)
+    return offset, min(rows_per_shard, dim0_size - offset)
+
+
+def _local_piece(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's dim-0 piece of a parameter and its row offset in the full tensor."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tensor, 0
+    mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+    if mesh.ndim != 1 or placements != (Shard(0),):
+        raise ValueError(f"weight {name}: only 1-D FSDP meshes sharded on dim 0 are supported, got {placements}")
+    local = tensor.to_local()
+    offset, rows = fsdp_shard_extent(tensor.shape[0], mesh.size(), mesh.get_local_rank())
+    if local.shape[0] != rows:
+        raise RuntimeError(f"weight {name}: local shard has {local.shape[0]} rows, torch.chunk layout says {rows}")
+    return local, offset
+
+
+def local_shard_blobs(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, weight_sync.TensorBlob]:
+    """This rank's own dim-0 piece of every weight (no communication), as weight_sync blobs.
+
+    weight_sync.assemble_state_dict over all ranks' dicts rebuilds gather_full_state_dict.
+    A plain (unsharded) model yields whole tensors at offset 0.
+    """
+    blobs: dict[str, weight_sync.TensorBlob] = {}
+    with torch.no_grad():
+        for name, tensor in _hf_tensors(model).items():
+            local, offset = _local_piece(name, tensor.detach())
+            piece = local.to(dtype) if dtype is not None else local
+            blobs[name] = weight_sync.tensor_to_blob(piece, global_shape=tuple(tensor.shape), dim0_offset=offset)
+    return blobs
+
+
+def _unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The HF causal LM inside a TokenLogprobModel (or the model itself)."""
+    return model.causal_lm if isinstance(model, TokenLogprobModel) else model
+
+
+def _write_safetensors(state_dict: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Atomic safetensors write with the 'pt' format tag that loaders check."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path)
+
+
+def export_hf_checkpoint(model: nn.Module, out_dir: str | Path, source_model_path: str | Path) -> Path | None:
+    """Save the (FSDP) model as a Hugging Face checkpoint folder; collective, rank 0 writes.
+
+    Writes config.json (the model's config, KV cache re-enabled for generation, dtype of the
+    saved tensors), a single model.safetensors, and the tokenizer files of source_model_path.
+    Returns the folder on rank 0, None elsewhere; all ranks return after the files exist.
+    """
+    state = gather_full_state_dict(model)
+    out: Path | None = None
+    if state is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        config = copy.deepcopy(_unwrap_causal_lm(model).config)
+        config.use_cache = True  # training turned it off; inference engines want it back
+        config.dtype = next(iter(state.values())).dtype
+        config.save_pretrained(out)
+        _write_safetensors(state, out / _WEIGHTS_FILE)
+        source = Path(source_model_path)
+        for file_name in _TOKENIZER_FILES:
+            if (source / file_name).is_file():
+                shutil.copy2(source / file_name, out / file_name)
+        logger.info("exported %d tensors to %s", len(state), out)
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+
+
+def load_state_dict_into(causal_lm: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Copy full HF-named tensors into a plain HF model, in place (strict).
+
+    Tied embeddings take one tensor ('model.embed_tokens.weight'), which updates lm_head too;
+    an extra 'lm_head.weight' for a tied model is reported as unexpected. Raises KeyError naming
+    missing and unexpected keys, ValueError on a shape mismatch; nothing is copied on error.
+    """
+    targets = _hf_tensors(causal_lm)
+    missing = sorted(targets.keys() - state_dict.keys())
+    unexpected = sorted(state_dict.keys() - targets.keys())
+    if missing or unexpected:
+        raise KeyError(f"load_state_dict_into: missing keys {missing}, unexpected keys {unexpected}")
+    for name, target in targets.items():
+        if tuple(state_dict[name].shape) != tuple(target.shape):
+            raise ValueError(
+                f"load_state_dict_into: {name} has shape {tuple(state_dict[name].shape)}, "
+                f"model expects {tuple(target.shape)}"
+            )
+    with torch.no_grad():
+        for name, target in targets.items():
+            target.copy_(state_dict[name])
 
 
 def main() -> None:

@@ -1,0 +1,231 @@
+"""Packed vs right-padded training step on the same samples: how much does packing save?
+
+    cd /work/main && .venv/bin/python -m benchmarks.packing             # ~1-2 min on 2 CPU cores
+    .venv/bin/python -m benchmarks.packing --num_samples 32 --reps 7  # see --help for the rest
+
+Writes a random-init Qwen2 wider than the tiny test model to a temporary folder (no network),
+draws prompt lengths uniformly and output lengths log-normally (most rollouts short, a long tail),
+then times one training step on each layout:
+
+- packed: one [T] stream through TokenLogprobModel (positions restart per sample, no padding),
+  chunked lm_head on output positions only, grpo_loss, backward;
+- padded: [B, L] right-padded batch through the plain HF forward with attention_mask, logits of
+  the output positions, log_softmax, gather, the same grpo_loss, backward.
+
+Each side is warmed up, then timed `--reps` times; the median is reported. Both sides' losses are
+compared first, so the two steps provably compute the same thing. The last line is key=value
+pairs: speedup=<padded s / packed s>, and each side's real-token fraction.
+
+Reading the numbers: packing saves the linear layers' work on padding, but with sdpa (CPU, or
+CUDA without flash-attn) transformers runs a packed stream as one [T, T] attention with a
+block-diagonal mask, so attention work grows with T^2 rather than sum(len_i^2);
+packed_over_padded_attn_pairs reports that ratio. flash_attention_2's varlen kernel avoids it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from grpo_loss import LossConfig, grpo_loss
+from sample_processing_utils import PackedBatch, Sample, post_process_batch
+from setup_model import TinyModelConfig, TokenLogprobModel, load_causal_lm, write_tiny_model
+
+logger = logging.getLogger("benchmarks.packing")
+
+# The two layouts sum the same fp32 terms in different orders; anything beyond this is a bug.
+LOSS_MATCH_RTOL = 1e-4
+LOSS_CONFIG = LossConfig(kl_coef=0.05, tis_cap=2.0)
+
+
+@dataclass(kw_only=True, frozen=True)
+class BenchConfig:
+    """What to measure."""
+
+    num_samples: int = 16
+    """Samples in the batch (rollouts of one minibatch)."""
+    min_prompt: int = 16
+    """Shortest prompt, tokens."""
+    max_prompt: int = 96
+    """Longest prompt, tokens."""
+    output_median: float = 64.0
+    """Median output length (log-normal), tokens."""
+    output_sigma: float = 1.0
+    """Log-normal sigma of output lengths: 1.0 gives a p90/median ratio of about 3.6."""
+    max_output: int = 640
+    """Output lengths are cut here, as max_tokens cuts rollouts."""
+    hidden_size: int = 384
+    """Model width (the tiny test model has 128)."""
+    num_layers: int = 4
+    """Decoder layers."""
+    intermediate_size: int = 1024
+    """MLP width."""
+    warmup: int = 1
+    """Untimed steps per side before timing."""
+    reps: int = 3
+    """Timed steps per side; the median is reported."""
+    seed: int = 0
+    """Seed of the model weights and the sample draw."""
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1:
+            raise ValueError(f"BenchConfig.num_samples must be >= 1, got {self.num_samples}")
+        if not 1 <= self.min_prompt <= self.max_prompt:
+            raise ValueError(f"BenchConfig.min_prompt must be in [1, max_prompt], got {self.min_prompt}")
+        if self.output_median < 1 or self.output_sigma < 0 or self.max_output < 1:
+            raise ValueError("BenchConfig.output_median >= 1, output_sigma >= 0, max_output >= 1 required")
+        if self.reps < 1 or self.warmup < 0:
+            raise ValueError(f"BenchConfig.reps must be >= 1 and warmup >= 0, got {self.reps}, {self.warmup}")
+
+
+def draw_samples(config: BenchConfig, vocab: int) -> list[Sample]:
+    """Random tokens; log-normal output lengths; logprobs near 0 so the loss is well defined."""
+    gen = torch.Generator().manual_seed(config.seed)
+    log_lengths = torch.randn(config.num_samples, generator=gen) * config.output_sigma
+    output_lengths = (config.output_median * log_lengths.exp()).round().clamp(1, config.max_output).long()
+    samples = []
+    for i, output_len in enumerate(output_lengths.tolist()):
+        prompt_len = int(torch.randint(config.min_prompt, config.max_prompt + 1, (1,), generator=gen))
+        logprobs = (-torch.rand(output_len, generator=gen)).tolist()
+        samples.append(Sample(
+            input_token_ids=torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(),
+            output_token_ids=torch.randint(0, vocab, (output_len,), generator=gen).tolist(),
+            gt_answer="", prompt_id=i, advantage=float(torch.randn(1, generator=gen)),
+            sampling_logprobs=logprobs, ref_logprobs=logprobs,
+        ))
+    return samples
+
+
+@dataclass(slots=True)
+class PaddedInputs:
+    """Right-padded batch and where each output token's prediction sits in it."""
+
+    input_ids: torch.Tensor
+    """[B, L] token ids, 0 in padding."""
+    attention_mask: torch.Tensor
+    """[B, L] 1 for real tokens."""
+    rows: torch.Tensor
+    """[O] batch row of each output token's predicting position (packed order)."""
+    cols: torch.Tensor
+    """[O] column of that position."""
+    targets: torch.Tensor
+    """[O] the output tokens."""
+
+
+def pad_samples(samples: list[Sample]) -> PaddedInputs:
+    seqs = [s.input_token_ids + s.output_token_ids for s in samples]
+    max_len = max(len(seq) for seq in seqs)
+    input_ids = torch.zeros(len(seqs), max_len, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    rows, cols, targets = [], [], []
+    for row, (seq, s) in enumerate(zip(seqs, samples)):
+        input_ids[row, : len(seq)] = torch.tensor(seq)
+        attention_mask[row, : len(seq)] = 1
+        prompt_len, output_len = len(s.input_token_ids), len(s.output_token_ids)
+        rows += [row] * output_len
+        cols += range(prompt_len - 1, prompt_len - 1 + output_len)  # position before each output token
+        targets += s.output_token_ids
+    return PaddedInputs(input_ids, attention_mask, torch.tensor(rows), torch.tensor(cols), torch.tensor(targets))
+
+
+def packed_step(model: TokenLogprobModel, batch: PackedBatch) -> float:
+    logprobs, _ = model.score(batch.inputs)
+    loss, _ = grpo_loss(logprobs, batch, LOSS_CONFIG)
+    loss.backward()
+    return loss.item()
+
+
+def padded_step(causal_lm: torch.nn.Module, padded: PaddedInputs, batch: PackedBatch) -> float:
+    logits = causal_lm(input_ids=padded.input_ids, attention_mask=padded.attention_mask, use_cache=False).logits
+    log_p = torch.log_softmax(logits[padded.rows, padded.cols].float(), dim=-1)
+    logprobs = log_p.gather(1, padded.targets[:, None])[:, 0]
+    loss, _ = grpo_loss(logprobs, batch, LOSS_CONFIG)
+    loss.backward()
+    return loss.item()
+
+
+def median_seconds(step: Callable[[], float], model: torch.nn.Module, config: BenchConfig) -> float:
+    """Warm up, then the median wall time of `reps` steps (gradients cleared between steps)."""
+    for _ in range(config.warmup):
+        step()
+        model.zero_grad(set_to_none=True)
+    times = []
+    for _ in range(config.reps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def run(config: BenchConfig, model_dir: Path) -> dict[str, float]:
+    write_tiny_model(model_dir, TinyModelConfig(
+        hidden_size=config.hidden_size, num_layers=config.num_layers, num_heads=config.hidden_size // 64,
+        num_kv_heads=2, intermediate_size=config.intermediate_size,
+        max_position_embeddings=config.max_prompt + config.max_output, seed=config.seed,
+    ))
+    causal_lm = load_causal_lm(model_dir, attn_implementation="sdpa")
+    causal_lm.train()
+    model = TokenLogprobModel(causal_lm)
+    samples = draw_samples(config, causal_lm.config.vocab_size)
+    batch, padded = post_process_batch(samples), pad_samples(samples)
+
+    packed_loss, padded_loss = packed_step(model, batch), padded_step(causal_lm, padded, batch)
+    model.zero_grad(set_to_none=True)
+    if abs(packed_loss - padded_loss) > LOSS_MATCH_RTOL * max(1.0, abs(padded_loss)):
+        raise RuntimeError(f"packed loss {packed_loss} != padded loss {padded_loss}: the layouts disagree")
+
+    packed_s = median_seconds(lambda: packed_step(model, batch), model, config)
+    padded_s = median_seconds(lambda: padded_step(causal_lm, padded, batch), model, config)
+    real_tokens = batch.num_tokens
+    return {
+        "speedup": padded_s / packed_s,
+        "packed_s": packed_s,
+        "padded_s": padded_s,
+        "packed_real_token_frac": real_tokens / batch.inputs.input_ids.numel(),
+        "padded_real_token_frac": real_tokens / padded.input_ids.numel(),
+        # sdpa sees the packed stream as one [T, T] masked attention, the padded batch as B x [L, L]:
+        # this ratio of query-key pairs computed is what packing costs back in attention.
+        "packed_over_padded_attn_pairs": real_tokens**2 / (padded.input_ids.shape[0] * padded.input_ids.shape[1] ** 2),
+        "num_samples": len(samples),
+        "real_tokens": real_tokens,
+        "padded_tokens": padded.input_ids.numel(),
+        "output_tokens": int(batch.advantages.numel()),
+        "params_m": sum(p.numel() for p in causal_lm.parameters()) / 1e6,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _parse_args() -> BenchConfig:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default in BenchConfig.__dataclass_fields__.items():
+        parser.add_argument(f"--{name}", type=type(default.default), default=default.default)
+    return BenchConfig(**vars(parser.parse_args()))
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    config = _parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-packing-") as tmp:
+        result = run(config, Path(tmp))
+    print(
+        f"{result['num_samples']} samples, {result['real_tokens']} real tokens "
+        f"({result['output_tokens']} output); padded batch holds {result['padded_tokens']} positions; "
+        f"model {result['params_m']:.1f}M params, {result['threads']} threads"
+    )
+    print(f"packed: {result['packed_s']:.3f} s/step, real-token fraction {result['packed_real_token_frac']:.3f}")
+    print(f"padded: {result['padded_s']:.3f} s/step, real-token fraction {result['padded_real_token_frac']:.3f}")
+    print(f"padded / packed time ratio: {result['speedup']:.2f}x")
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
+
+
+if __name__ == "__main__":
+    main()

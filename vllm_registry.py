@@ -16,8 +16,15 @@ then raises an error that names the registry, so a caller never hangs silently.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +32,20 @@ RAY_NAMESPACE = "async-grpo"
 GENERATION = "generation"
 LOGPROB = "logprob"
 WORKER_KINDS = (GENERATION, LOGPROB)
+# Detached registries outlive whoever created them, so they carry the repo on their own path.
+_REPO_ROOT = str(Path(__file__).resolve().parent)
 
 
 def _check_kind(kind: str) -> str:
     if kind not in WORKER_KINDS:
         raise ValueError(f"unknown worker kind {kind!r}; expected one of {WORKER_KINDS}")
     return kind
+
+
+def repo_pythonpath() -> str:
+    """PYTHONPATH for actors that import project modules: this repo first, then the caller's."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _REPO_ROOT]
+    return os.pathsep.join([_REPO_ROOT, *inherited])
 
 
 def registry_name(kind: str) -> str:
@@ -116,3 +131,281 @@ class RegistryConfig:
                 raise ValueError(f"RegistryConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_retries_per_request < 0:
             raise ValueError(f"RegistryConfig.max_retries_per_request must be >= 0, got {self.max_retries_per_request}")
+
+
+class WorkerPoolError(RuntimeError):
+    """A registry could not serve a request: no live worker in time, or too many workers died."""
+
+
+# Ray wraps an exception raised *inside* a worker method in RayTaskError, which may also subclass
+# the cause's type; only errors about the worker actor itself mean the worker is gone.
+def is_worker_death(error: BaseException) -> bool:
+    """True when `error` says the actor is dead or unreachable, not that its method raised."""
+    return isinstance(error, ray.exceptions.RayActorError) and not isinstance(error, ray.exceptions.RayTaskError)
+
+
+_MAX_ERROR_CHARS = 500  # keeps status tables and logs readable when a worker dumps a traceback
+# Enough concurrent calls for every in-flight request of a large pool plus health checks; the
+# registry only awaits, so idle concurrency slots cost nothing.
+REGISTRY_MAX_CONCURRENCY = 10_000
+
+
+def _short(error: BaseException | str) -> str:
+    text = str(error).strip().splitlines()
+    return (text[-1] if text else repr(error))[:_MAX_ERROR_CHARS]
+
+
+async def _await_ref(ref: Any) -> Any:
+    return await ref
+
+
+@dataclass(slots=True)
+class _WorkerSlot:
+    """The registry's book-keeping for one registered worker."""
+
+    name: str
+    handle: Any
+    node_id: str
+    weight_version: int
+    inflight_cost: int = 0
+    inflight_requests: int = 0
+    requests_dispatched: int = 0
+    requests_served: int = 0
+    healthy: bool = True
+    last_error: str = ""
+
+
+class Registry:
+    """Routes requests over the live workers of one kind (plain class; `RegistryActor` wraps it)."""
+
+    def __init__(self, kind: str, config: RegistryConfig) -> None:
+        self.kind = _check_kind(kind)
+        self.name = registry_name(kind)
+        self.config = config
+        self._workers: dict[str, _WorkerSlot] = {}
+        self._changed = asyncio.Condition()
+        self._next_index = 0
+
+    def allocate_index(self) -> int:
+        """A worker index never handed out before by this registry (names stay unique)."""
+        index = self._next_index
+        self._next_index += 1
+        return index
+
+    def live_workers(self) -> list[str]:
+        """Names of the workers requests are routed to."""
+        return sorted(self._workers)
+
+    async def register(self, worker_name: str) -> None:
+        """Add the named worker actor (namespace RAY_NAMESPACE) to the pool after a health probe."""
+        try:
+            handle = ray.get_actor(worker_name, namespace=RAY_NAMESPACE)
+        except ValueError as err:
+            raise WorkerPoolError(f"{self.name}: cannot register {worker_name}: no such actor in {RAY_NAMESPACE!r}") from err
+        try:
+            health = await asyncio.wait_for(_await_ref(handle.health.remote()), self.config.health_timeout_s)
+        except (asyncio.TimeoutError, ray.exceptions.RayError) as err:
+            raise WorkerPoolError(f"{self.name}: cannot register {worker_name}: health() failed: {_short(err)}") from err
+        if health.kind != self.kind or not health.healthy:
+            raise WorkerPoolError(
+                f"{self.name}: cannot register {worker_name}: kind={health.kind!r} healthy={health.healthy} {health.detail}"
+            )
+        async with self._changed:
+            self._workers[worker_name] = _WorkerSlot(
+                name=worker_name, handle=handle, node_id=health.node_id, weight_version=health.weight_version
+            )
+            self._changed.notify_all()
+        logger.info("%s: registered %s on node %s (%d live)", self.name, worker_name, health.node_id, len(self._workers))
+
+    async def deregister(self, worker_name: str) -> None:
+        """Stop routing to the worker; requests already sent to it finish or fail over there."""
+        await self._drop(worker_name, None, "deregistered")
+
+    async def _drop(self, worker_name: str, slot: _WorkerSlot | None, reason: str) -> None:
+        """Remove the worker (only `slot`, if given, so a re-registered namesake survives)."""
+        async with self._changed:
+            current = self._workers.get(worker_name)
+            if current is None or (slot is not None and current is not slot):
+                return
+            del self._workers[worker_name]
+            self._changed.notify_all()
+        logger.warning("%s: removed %s (%s); %d live", self.name, worker_name, reason, len(self._workers))
+
+    def _pick(self, cost: int) -> _WorkerSlot | None:
+        """The least-loaded worker with room for `cost` (an idle worker always has room)."""
+        cap = self.config.max_inflight_cost_per_worker
+        fits = [s for s in self._workers.values() if s.inflight_requests == 0 or s.inflight_cost + cost <= cap]
+        if not fits:
+            return None
+        return min(fits, key=lambda s: (not s.healthy, s.inflight_cost, s.requests_dispatched, s.name))
+
+    async def _acquire(self, cost: int) -> _WorkerSlot:
+        """Reserve `cost` on a worker, waiting for capacity or for a worker to register."""
+        loop = asyncio.get_running_loop()
+        timeout = self.config.no_worker_timeout_s
+        async with self._changed:
+            deadline: float | None = None
+            while True:
+                if not self._workers:
+                    deadline = deadline if deadline is not None else loop.time() + timeout
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        raise WorkerPoolError(f"{self.name}: no live workers for {timeout} s")
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), remaining)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                deadline = None
+                slot = self._pick(cost)
+                if slot is not None:
+                    slot.inflight_cost += cost
+                    slot.inflight_requests += 1
+                    slot.requests_dispatched += 1
+                    return slot
+                await self._changed.wait()
+
+    async def _release(self, slot: _WorkerSlot, cost: int) -> None:
+        async with self._changed:
+            slot.inflight_cost -= cost
+            slot.inflight_requests -= 1
+            self._changed.notify_all()
+
+    async def submit(self, method: str, *args: Any, cost: int = 1) -> Any:
+        """Call `method(*args)` on the least-loaded live worker; re-send it if that worker dies."""
+        if cost < 1:
+            raise ValueError(f"{self.name}: submit cost must be >= 1, got {cost}")
+        died_on: list[str] = []
+        while True:
+            slot = await self._acquire(cost)
+            try:
+                result = await getattr(slot.handle, method).remote(*args)
+            except Exception as err:
+                if not is_worker_death(err):
+                    slot.last_error = f"{method}: {_short(err)}"
+                    raise
+                died_on.append(slot.name)
+                await self._drop(slot.name, slot, f"died during {method}: {_short(err)}")
+                if len(died_on) > self.config.max_retries_per_request:
+                    raise WorkerPoolError(
+                        f"{self.name}: {method} lost {len(died_on)} workers mid-request ({', '.join(died_on)})"
+                    ) from err
+                continue
+            finally:
+                await self._release(slot, cost)
+            slot.requests_served += 1
+            return result
+
+    async def broadcast(self, method: str, *args: Any) -> dict[str, Any]:
+        """Call `method(*args)` on every live worker at once; dead workers are removed and skipped."""
+        slots = list(self._workers.values())
+        outcomes = await asyncio.gather(
+            *(_await_ref(getattr(s.handle, method).remote(*args)) for s in slots), return_exceptions=True
+        )
+        results: dict[str, Any] = {}
+        failed: list[str] = []
+        for slot, outcome in zip(slots, outcomes):
+            if not isinstance(outcome, BaseException):
+                results[slot.name] = outcome
+            elif is_worker_death(outcome):
+                await self._drop(slot.name, slot, f"died during {method}: {_short(outcome)}")
+            else:
+                slot.last_error = f"{method}: {_short(outcome)}"
+                failed.append(f"{slot.name}: {slot.last_error}")
+        if failed:
+            raise WorkerPoolError(f"{self.name}: broadcast {method} failed on {'; '.join(failed)}")
+        return results
+
+    async def _probe(self, slot: _WorkerSlot) -> WorkerHealth | None:
+        """Ask one worker for its health; mark it unhealthy if it is slow, drop it if it is dead."""
+        timeout = self.config.health_timeout_s
+        try:
+            health = await asyncio.wait_for(_await_ref(slot.handle.health.remote()), timeout)
+        except asyncio.TimeoutError:
+            slot.healthy, slot.last_error = False, f"health() did not answer within {timeout} s"
+            return None
+        except Exception as err:
+            slot.healthy, slot.last_error = False, f"health: {_short(err)}"
+            if is_worker_death(err):
+                await self._drop(slot.name, slot, f"health check: {_short(err)}")
+            return None
+        slot.healthy, slot.weight_version = health.healthy, health.weight_version
+        if not health.healthy:
+            slot.last_error = f"unhealthy: {health.detail}"
+        return health
+
+    async def status(self) -> list[WorkerStatus]:
+        """Probe every registered worker and report one row each (dead ones once, then dropped)."""
+        slots = list(self._workers.values())
+        healths = await asyncio.gather(*(self._probe(s) for s in slots))
+        return [
+            WorkerStatus(
+                kind=self.kind,
+                name=s.name,
+                node_id=s.node_id,
+                inflight_cost=s.inflight_cost,
+                inflight_requests=s.inflight_requests,
+                requests_served=s.requests_served,
+                weight_version=h.weight_version if h is not None else -1,
+                healthy=h is not None and h.healthy,
+                last_error=s.last_error,
+            )
+            for s, h in zip(slots, healths)
+        ]
+
+    async def run_health_checks(self) -> None:
+        """Forever: probe all workers every `health_check_interval_s`, dropping dead ones."""
+        while True:
+            await asyncio.sleep(self.config.health_check_interval_s)
+            await asyncio.gather(*(self._probe(s) for s in list(self._workers.values())))
+
+
+@ray.remote
+class RegistryActor:
+    """Ray shell over `Registry`; runs the periodic health check in its event loop."""
+
+    def __init__(self, kind: str, config: RegistryConfig) -> None:
+        self._registry = Registry(kind, config)
+        # Async actors run __init__ inside their event loop, so the monitor can start here.
+        self._monitor = asyncio.get_running_loop().create_task(self._registry.run_health_checks())
+
+    async def get_config(self) -> RegistryConfig:
+        return self._registry.config
+
+    async def allocate_index(self) -> int:
+        return self._registry.allocate_index()
+
+    async def live_workers(self) -> list[str]:
+        return self._registry.live_workers()
+
+    async def register(self, worker_name: str) -> None:
+        await self._registry.register(worker_name)
+
+    async def deregister(self, worker_name: str) -> None:
+        await self._registry.deregister(worker_name)
+
+    async def submit(self, method: str, *args: Any, cost: int = 1) -> Any:
+        return await self._registry.submit(method, *args, cost=cost)
+
+    async def broadcast(self, method: str, *args: Any) -> dict[str, Any]:
+        return await self._registry.broadcast(method, *args)
+
+    async def status(self) -> list[WorkerStatus]:
+        return await self._registry.status()
+
+
+def get_or_create_registry(kind: str, config: RegistryConfig | None = None) -> ActorHandle:
+    """The registry actor of `kind`, created (detached, 0 CPUs) if this is the first caller.
+
+    `config` only applies when this call creates the registry; an existing one keeps its own.
+    """
+    return RegistryActor.options(
+        name=registry_name(kind),
+        namespace=RAY_NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached",
+        num_cpus=0,
+        max_concurrency=REGISTRY_MAX_CONCURRENCY,
+        max_restarts=0,
+        runtime_env={"env_vars": {"PYTHONPATH": repo_pythonpath()}},
+    ).remote(kind, config if config is not None else RegistryConfig())

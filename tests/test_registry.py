@@ -1,0 +1,307 @@
+"""Registry routing: least-loaded spreading, the per-worker cap, failover on worker death, errors.
+
+The unit tests use `FakeWorker`, a small Ray actor standing in for an inference worker: its
+`work` calls can be held behind a gate, so the tests control exactly which requests are in flight
+(no sleeps decide the outcome). The integration test at the end uses two real vLLM generation
+workers on the tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, Callable
+
+import pytest
+import ray
+
+from vllm_registry import (
+    GENERATION,
+    RAY_NAMESPACE,
+    RegistryConfig,
+    WorkerHealth,
+    WorkerPoolError,
+    get_or_create_registry,
+    registry_name,
+    worker_actor_name,
+)
+
+# Upper bound on how long a test waits for something that should happen at once; it keeps a
+# broken registry from hanging the suite and is never what decides a pass.
+_WAIT_BOUND_S = 60.0
+
+
+@ray.remote(num_cpus=0)
+class FakeWorker:
+    """Stands in for an inference worker: records calls; `work` waits for its gate when held."""
+
+    def __init__(self, name: str, held: bool = False, health_delay_s: float = 0.0) -> None:
+        self._name = name
+        self._gate = asyncio.Event()
+        if not held:
+            self._gate.set()
+        self._health_delay_s = health_delay_s
+        self._calls: list[Any] = []
+        self._active = 0
+        self._peak = 0
+        self._version = -1
+
+    async def work(self, tag: Any) -> tuple[str, Any]:
+        self._calls.append(tag)
+        self._active += 1
+        self._peak = max(self._peak, self._active)
+        try:
+            await self._gate.wait()
+        finally:
+            self._active -= 1
+        return self._name, tag
+
+    async def fail(self) -> None:
+        raise ValueError(f"{self._name}: bad request")
+
+    async def set_version(self, version: int) -> int:
+        self._version = version
+        return version
+
+    def set_health_delay(self, delay_s: float) -> None:
+        self._health_delay_s = delay_s
+
+    def open_gate(self) -> None:
+        self._gate.set()
+
+    def calls(self) -> list[Any]:
+        return list(self._calls)
+
+    def peak(self) -> int:
+        return self._peak
+
+    async def health(self) -> WorkerHealth:
+        await asyncio.sleep(self._health_delay_s)
+        node_id = ray.get_runtime_context().get_node_id()
+        return WorkerHealth(
+            name=self._name, kind=GENERATION, node_id=node_id, weight_version=self._version,
+            inflight_requests=self._active, healthy=True,
+        )
+
+
+def _wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + _WAIT_BOUND_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _start_worker(prefix: str, **options: Any) -> tuple[str, Any]:
+    """A named FakeWorker in the project namespace (unique name: tests share one cluster)."""
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    handle = FakeWorker.options(name=name, namespace=RAY_NAMESPACE).remote(name, **options)
+    ray.get(handle.health.remote())
+    return name, handle
+
+
+def _kill_registry() -> None:
+    try:
+        handle = ray.get_actor(registry_name(GENERATION), namespace=RAY_NAMESPACE)
+    except ValueError:
+        return
+    ray.kill(handle)
+
+    def gone() -> bool:
+        try:
+            ray.get_actor(registry_name(GENERATION), namespace=RAY_NAMESPACE)
+        except ValueError:
+            return True
+        return False
+
+    _wait_until(gone, "the killed registry's name to be released")
+
+
+@pytest.fixture
+def make_registry(ray_local):
+    """Build the generation registry with a test config; kill it (it is detached) afterwards."""
+    _kill_registry()
+
+    def make(**overrides: Any) -> Any:
+        return get_or_create_registry(GENERATION, RegistryConfig(**overrides))
+
+    yield make
+    _kill_registry()
+
+
+def _register(registry: Any, *names: str) -> None:
+    ray.get([registry.register.remote(name) for name in names])
+
+
+def test_actor_names():
+    assert registry_name(GENERATION) == "generation-registry"
+    assert registry_name("logprob") == "logprob-registry"
+    assert worker_actor_name(GENERATION, 0) == "generation-worker-0"
+    with pytest.raises(ValueError, match="unknown worker kind"):
+        registry_name("trainer")
+    with pytest.raises(ValueError, match="max_inflight_cost_per_worker"):
+        RegistryConfig(max_inflight_cost_per_worker=0)
+
+
+def test_get_if_exists_returns_the_same_actor(make_registry):
+    first = make_registry()
+    second = get_or_create_registry(GENERATION)
+    assert first._actor_id == second._actor_id
+    assert ray.get(first.allocate_index.remote()) == 0
+    assert ray.get(second.allocate_index.remote()) == 1
+
+
+def test_requests_go_to_the_least_loaded_worker(make_registry):
+    registry = make_registry()
+    (a, worker_a), (b, worker_b) = _start_worker("a", held=True), _start_worker("b", held=True)
+    _register(registry, a, b)
+
+    big = registry.submit.remote("work", "big", cost=10)
+    _wait_until(lambda: len(ray.get(worker_a.calls.remote())) + len(ray.get(worker_b.calls.remote())) == 1, "big")
+    small = [registry.submit.remote("work", i, cost=1) for i in range(4)]
+    _wait_until(lambda: len(ray.get(worker_a.calls.remote())) + len(ray.get(worker_b.calls.remote())) == 5, "small")
+
+    calls = {a: ray.get(worker_a.calls.remote()), b: ray.get(worker_b.calls.remote())}
+    big_worker = a if "big" in calls[a] else b
+    other = b if big_worker == a else a
+    assert calls[big_worker] == ["big"], "cost-1 requests went to the worker carrying cost 10"
+    assert sorted(calls[other]) == [0, 1, 2, 3]
+    ray.get([worker_a.open_gate.remote(), worker_b.open_gate.remote()])
+    assert ray.get(big)[0] == big_worker
+    assert {ray.get(ref)[0] for ref in small} == {other}
+
+
+def test_equal_costs_spread_evenly(make_registry):
+    registry = make_registry()
+    (a, worker_a), (b, worker_b) = _start_worker("a", held=True), _start_worker("b", held=True)
+    _register(registry, a, b)
+    refs = [registry.submit.remote("work", i) for i in range(6)]
+    _wait_until(lambda: len(ray.get(worker_a.calls.remote())) + len(ray.get(worker_b.calls.remote())) == 6, "all")
+    assert len(ray.get(worker_a.calls.remote())) == 3
+    assert len(ray.get(worker_b.calls.remote())) == 3
+    ray.get([worker_a.open_gate.remote(), worker_b.open_gate.remote()])
+    assert sorted(tag for _, tag in ray.get(refs)) == list(range(6))
+
+
+def test_cap_holds_requests_until_capacity_frees(make_registry):
+    registry = make_registry(max_inflight_cost_per_worker=2)
+    name, worker = _start_worker("capped", held=True)
+    _register(registry, name)
+    refs = [registry.submit.remote("work", i) for i in range(5)]
+    _wait_until(lambda: len(ray.get(worker.calls.remote())) == 2, "two requests at the worker")
+    (row,) = ray.get(registry.status.remote())
+    assert (row.inflight_requests, row.inflight_cost) == (2, 2)
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    assert ready == []
+
+    ray.get(worker.open_gate.remote())
+    assert sorted(tag for _, tag in ray.get(refs, timeout=_WAIT_BOUND_S)) == list(range(5))
+    assert ray.get(worker.peak.remote()) == 2
+    # A request costlier than the cap still runs on an idle worker instead of waiting forever.
+    assert ray.get(registry.submit.remote("work", "huge", cost=7), timeout=_WAIT_BOUND_S) == (name, "huge")
+    (row,) = ray.get(registry.status.remote())
+    assert (row.inflight_requests, row.inflight_cost, row.requests_served) == (0, 0, 6)
+
+
+def test_requests_on_a_killed_worker_complete_on_the_other(make_registry):
+    registry = make_registry()
+    (doomed, doomed_worker), (survivor, _) = _start_worker("doomed", held=True), _start_worker("survivor")
+    _register(registry, doomed, survivor)
+    refs = [registry.submit.remote("work", i) for i in range(8)]
+    _wait_until(lambda: len(ray.get(doomed_worker.calls.remote())) > 0, "requests held on the doomed worker")
+    ray.kill(doomed_worker)
+
+    results = ray.get(refs, timeout=_WAIT_BOUND_S)
+    assert sorted(tag for _, tag in results) == list(range(8))
+    assert {worker for worker, _ in results} == {survivor}
+    assert ray.get(registry.live_workers.remote()) == [survivor]
+
+
+def test_all_workers_dead_raises_an_error_naming_the_registry(make_registry):
+    timeout_s = 2.0
+    registry = make_registry(no_worker_timeout_s=timeout_s)
+    (a, worker_a), (b, worker_b) = _start_worker("a", held=True), _start_worker("b", held=True)
+    _register(registry, a, b)
+    refs = [registry.submit.remote("work", i) for i in range(4)]
+    _wait_until(lambda: len(ray.get(worker_a.calls.remote())) + len(ray.get(worker_b.calls.remote())) == 4, "all")
+    started = time.monotonic()
+    ray.kill(worker_a)
+    ray.kill(worker_b)
+    for ref in refs:
+        with pytest.raises(WorkerPoolError, match=f"generation-registry: no live workers for {timeout_s} s"):
+            ray.get(ref, timeout=_WAIT_BOUND_S)
+    assert time.monotonic() - started >= timeout_s, "the registry gave up before waiting for a new worker"
+
+
+def test_a_worker_registering_in_time_serves_waiting_requests(make_registry):
+    registry = make_registry(no_worker_timeout_s=_WAIT_BOUND_S)
+    ref = registry.submit.remote("work", "late")
+    ready, _ = ray.wait([ref], timeout=0.5)
+    assert ready == []
+    name, _ = _start_worker("late")
+    _register(registry, name)
+    assert ray.get(ref, timeout=_WAIT_BOUND_S) == (name, "late")
+
+
+def test_worker_errors_propagate_without_removing_the_worker(make_registry):
+    registry = make_registry()
+    name, _ = _start_worker("erring")
+    _register(registry, name)
+    with pytest.raises(ValueError, match="bad request"):
+        ray.get(registry.submit.remote("fail"))
+    assert ray.get(registry.live_workers.remote()) == [name]
+    (row,) = ray.get(registry.status.remote())
+    assert "bad request" in row.last_error and row.healthy
+
+
+def test_deregistered_worker_gets_no_requests(make_registry):
+    registry = make_registry()
+    (a, worker_a), (b, _) = _start_worker("a"), _start_worker("b")
+    _register(registry, a, b)
+    ray.get(registry.deregister.remote(a))
+    assert ray.get(registry.live_workers.remote()) == [b]
+    results = ray.get([registry.submit.remote("work", i) for i in range(4)])
+    assert {worker for worker, _ in results} == {b}
+    assert ray.get(worker_a.calls.remote()) == []
+    assert [row.name for row in ray.get(registry.status.remote())] == [b]
+
+
+def test_register_unknown_actor_names_the_registry(make_registry):
+    registry = make_registry()
+    with pytest.raises(WorkerPoolError, match="generation-registry: cannot register no-such-worker"):
+        ray.get(registry.register.remote("no-such-worker"))
+
+
+def test_broadcast_reaches_every_live_worker_and_drops_dead_ones(make_registry):
+    registry = make_registry()
+    (a, worker_a), (b, worker_b) = _start_worker("a"), _start_worker("b")
+    _register(registry, a, b)
+    assert ray.get(registry.broadcast.remote("set_version", 5)) == {a: 5, b: 5}
+    assert {row.name: row.weight_version for row in ray.get(registry.status.remote())} == {a: 5, b: 5}
+
+    ray.kill(worker_b)
+    assert ray.get(registry.broadcast.remote("set_version", 6)) == {a: 6}
+    assert ray.get(registry.live_workers.remote()) == [a]
+    with pytest.raises(WorkerPoolError, match=f"broadcast fail failed on {a}"):
+        ray.get(registry.broadcast.remote("fail"))
+
+
+def test_status_marks_an_unresponsive_worker_unhealthy(make_registry):
+    registry = make_registry(health_timeout_s=1.0, health_check_interval_s=3600.0)
+    (fast, _), (slow, slow_worker) = _start_worker("fast"), _start_worker("slow")
+    _register(registry, fast, slow)
+    ray.get(slow_worker.set_health_delay.remote(3600.0))
+    rows = {row.name: row for row in ray.get(registry.status.remote(), timeout=_WAIT_BOUND_S)}
+    assert rows[fast].healthy and rows[fast].last_error == ""
+    assert not rows[slow].healthy
+    assert "health() did not answer within 1.0 s" in rows[slow].last_error
+    assert ray.get(registry.live_workers.remote()) == sorted([fast, slow])
+
+
+def test_periodic_health_check_drops_a_dead_idle_worker(make_registry):
+    registry = make_registry(health_check_interval_s=0.2)
+    (a, worker_a), (b, _) = _start_worker("a"), _start_worker("b")
+    _register(registry, a, b)
+    ray.kill(worker_a)
+    _wait_until(lambda: ray.get(registry.live_workers.remote()) == [b], "the health check to drop the dead worker")

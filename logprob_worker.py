@@ -1,0 +1,459 @@
+"""Logprob worker: scores rollouts with the trainer's exact logprob function, many samples per forward.
+
+Callers (the logprob registry, on behalf of the experience batcher) send one sample per request.
+Scoring one sample per forward leaves an accelerator mostly idle, so the worker queues requests
+and packs them (padding-free, `get_input_for_logprobs`) into one forward of at most
+`max_tokens_per_gpu` tokens:
+
+    caller -> compute_logprobs(sample) -> queue -> batch (<= token budget, or max_wait_ms after
+    the first queued request) -> forward in a thread -> split_per_sample -> each caller's slice
+
+The forward runs in a thread, so the event loop keeps accepting requests for the next batch while
+one is scored. Weight updates wait for the running batch and hold the next one back, so a batch
+is always scored by one weight version. An error in a batch fails only that batch's callers.
+
+Throughput of batched vs one-at-a-time scoring: `python benchmarks/logprob_batching.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import ray
+import torch
+
+from sample_processing_utils import Sample, get_input_for_logprobs, split_per_sample
+from setup_model import TokenLogprobModel, load_causal_lm, load_state_dict_into
+from vllm_registry import LOGPROB, WorkerHealth
+from weight_sync import WeightUpdate, assemble_state_dict
+
+logger = logging.getLogger(__name__)
+
+INITIAL_WEIGHT_VERSION = -1  # WorkerHealth's convention for "still the checkpoint we loaded"
+# Every caller awaits inside the actor until its batch is scored, so the actor must accept far
+# more concurrent calls than one batch holds, or callers would be serialised before batching.
+ACTOR_MAX_CONCURRENCY = 4096
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(kw_only=True, frozen=True)
+class LogprobWorkerConfig:
+    """How one logprob worker loads its model and batches requests."""
+
+    model_path: str
+    """Hugging Face checkpoint folder (safetensors) loaded with from_pretrained."""
+    max_tokens_per_gpu: int = 16384
+    """Token budget of one packed forward (prompt + output tokens of all samples in it). A single
+    sample longer than this still runs, alone, and is counted in stats().oversized_samples.
+    With flash_attention_2 (varlen) attention cost follows each sample's own length; with sdpa a
+    packed forward attends over the whole budget squared under a block-diagonal mask, so on CPU
+    a few hundred to ~1k tokens is the sweet spot (benchmarks/logprob_batching.py sweeps it)."""
+    max_wait_ms: float = 20.0
+    """How long the first queued request waits for company before its batch runs even if not full.
+    0 runs whatever is queued as soon as the previous batch is done."""
+    logprob_chunk_size: int = 1024
+    """Output positions per lm_head chunk (bounds the [chunk, vocab] fp32 logits held at once)."""
+    device: str = "auto"
+    """'cuda', 'cpu', or 'auto' (cuda when available)."""
+    dtype: str = "float32"
+    """Parameter dtype: 'float32', 'bfloat16' or 'float16'. The log-softmax always runs in fp32."""
+    attn_implementation: str | None = None
+    """Attention kernel passed to from_pretrained; None: setup_model's default for the device."""
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("LogprobWorkerConfig.model_path must be a checkpoint folder, got ''")
+        if self.max_tokens_per_gpu < 1:
+            raise ValueError(f"LogprobWorkerConfig.max_tokens_per_gpu must be >= 1, got {self.max_tokens_per_gpu}")
+        if self.max_wait_ms < 0:
+            raise ValueError(f"LogprobWorkerConfig.max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if self.logprob_chunk_size < 1:
+            raise ValueError(f"LogprobWorkerConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
+        if self.device not in _DEVICES:
+            raise ValueError(f"LogprobWorkerConfig.device must be one of {_DEVICES}, got {self.device!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"LogprobWorkerConfig.dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass(slots=True)
+class LogprobWorkerStats:
+    """Counters since the worker started (successful batches only, unless named otherwise)."""
+
+    batches: int
+    """Forwards that completed."""
+    samples: int
+    """Samples scored by those forwards."""
+    tokens: int
+    """Packed tokens (prompt + output) in those forwards."""
+    output_tokens: int
+    """Output tokens scored (logprobs returned)."""
+    mean_batch_fill: float
+    """tokens / (batches * max_tokens_per_gpu): average share of the token budget a forward used
+    (an oversized single-sample batch counts above 1)."""
+    max_batch_tokens: int
+    """Largest packed forward, in tokens."""
+    max_batch_samples: int
+    """Most samples packed into one forward."""
+    oversized_samples: int
+    """Samples longer than max_tokens_per_gpu, each run alone."""
+    failed_batches: int
+    """Forwards that raised; their callers got the error."""
+    rejected_samples: int
+    """Requests refused before queueing (empty prompt, token id outside the vocabulary)."""
+    forward_s: float
+    """Wall seconds spent in forwards (successful or not)."""
+    weight_version: int
+    """Weight version served now."""
+
+
+@dataclass(slots=True)
+class _Request:
+    """One queued compute_logprobs call."""
+
+    sample: Sample
+    num_tokens: int
+    """Tokens the sample adds to a packed forward."""
+    future: asyncio.Future
+    """Resolved with the sample's logprobs, or the batch's error."""
+    enqueued_at: float
+    """Event-loop time when the request was queued."""
+
+
+@dataclass(slots=True)
+class _Counters:
+    """Mutable totals behind LogprobWorkerStats, updated on the event loop only."""
+
+    batches: int = 0
+    samples: int = 0
+    tokens: int = 0
+    output_tokens: int = 0
+    max_batch_tokens: int = 0
+    max_batch_samples: int = 0
+    oversized_samples: int = 0
+    failed_batches: int = 0
+    rejected_samples: int = 0
+    forward_s: float = 0.0
+    last_error: str = ""
+    """repr of the most recent batch error, '' if none."""
+
+
+def select_batch(token_counts: Sequence[int], budget: int) -> list[int]:
+    """Indices (in queue order) of the requests that form the next packed forward.
+
+    The head of the queue is always taken, alone if it exceeds the budget, so no request waits
+    more than one batch behind later ones. Then every later request that still fits is added
+    (first fit), so one long sample does not cut a batch short for the short ones behind it.
+    """
+    if not token_counts:
+        return []
+    chosen, used = [0], token_counts[0]
+    for index in range(1, len(token_counts)):
+        if used + token_counts[index] <= budget:
+            chosen.append(index)
+            used += token_counts[index]
+    return chosen
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def check_sample(sample: Sample, vocab_size: int) -> None:
+    """Raise ValueError if the sample cannot be scored: empty prompt or a token id outside the vocab.
+
+    Checked before queueing so one bad sample fails only its own caller; on CUDA an out-of-range
+    embedding index is a device-side assert that would poison the whole process.
+    """
+    if not sample.input_token_ids:
+        raise ValueError(f"sample prompt_id={sample.prompt_id} has an empty prompt")
+    ids = list(sample.input_token_ids) + list(sample.output_token_ids)
+    low, high = min(ids), max(ids)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"sample prompt_id={sample.prompt_id} has token id {bad} outside the model's vocabulary [0, {vocab_size})"
+        )
+
+
+def _current_node_id() -> str:
+    """Ray node id (hex) of this process, or '' outside Ray."""
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+
+class LogprobWorker:
+    """Queues compute_logprobs requests and scores them in token-budgeted packed forwards.
+
+    Use it from one asyncio event loop (the Ray actor's, or a test's): the batching task is bound
+    to the loop of the first call.
+    """
+
+    def __init__(self, worker_name: str, config: LogprobWorkerConfig) -> None:
+        self.name = worker_name
+        self.config = config
+        self.device = resolve_device(config.device)
+        causal_lm = load_causal_lm(
+            config.model_path,
+            device=self.device,
+            dtype=_DTYPES[config.dtype],
+            attn_implementation=config.attn_implementation,
+        )
+        self.model = TokenLogprobModel(causal_lm, logprob_chunk_size=config.logprob_chunk_size).eval()
+        self.vocab_size = int(causal_lm.get_input_embeddings().num_embeddings)
+        self.weight_version = INITIAL_WEIGHT_VERSION
+        self._node_id = _current_node_id()
+        self._queue: deque[_Request] = deque()
+        self._queued_tokens = 0
+        self._running_batch = 0
+        self._arrival = asyncio.Event()
+        # Held by every forward and by every weight load: a batch never sees two weight versions.
+        self._model_lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._batcher: asyncio.Task | None = None
+        self._closed = False
+        self._counters = _Counters()
+        logger.info(
+            "logprob worker %s: %s on %s (%s), budget %d tokens, max wait %.1f ms",
+            worker_name, config.model_path, self.device, config.dtype, config.max_tokens_per_gpu, config.max_wait_ms,
+        )
+
+    async def start(self) -> WorkerHealth:
+        """Start the batching task on the running event loop (idempotent) and report health."""
+        self._ensure_batcher()
+        return self.health()
+
+    async def compute_logprobs(self, sample: Sample) -> list[float]:
+        """Logprob of each of the sample's output tokens under the current weights (length O)."""
+        self._ensure_batcher()
+        try:
+            check_sample(sample, self.vocab_size)
+        except ValueError:
+            self._counters.rejected_samples += 1
+            raise
+        if not sample.output_token_ids:
+            return []
+        loop = asyncio.get_running_loop()
+        request = _Request(sample=sample, num_tokens=sample.num_tokens, future=loop.create_future(), enqueued_at=loop.time())
+        self._queue.append(request)
+        self._queued_tokens += request.num_tokens
+        self._arrival.set()
+        return await request.future
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        """Load full weights from a WeightUpdate between two batches; returns the version now served."""
+        self._ensure_batcher()
+        # fetch_state_dict's steps, with the object refs awaited rather than ray.get: a blocking
+        # get would stall (and warn about) the actor's event loop while the shards arrive.
+        shards = await asyncio.gather(*update.shard_refs)
+        state_dict = await asyncio.to_thread(assemble_state_dict, shards)
+        async with self._model_lock:
+            await asyncio.to_thread(self._load_weights, state_dict)
+            self.weight_version = update.version
+        logger.info("logprob worker %s now serves weight version %d", self.name, update.version)
+        return self.weight_version
+
+    def health(self) -> WorkerHealth:
+        """Liveness, weight version and load, in the record every worker returns."""
+        healthy, detail = True, f"device={self.device} queued={len(self._queue)}"
+        if self._closed:
+            healthy, detail = False, "shut down"
+        elif self._batcher is not None and self._batcher.done():
+            healthy, detail = False, f"batching task stopped: {self._batcher_failure()}"
+        elif self._counters.last_error:
+            detail += f" last batch error: {self._counters.last_error}"
+        return WorkerHealth(
+            name=self.name,
+            kind=LOGPROB,
+            node_id=self._node_id,
+            weight_version=self.weight_version,
+            inflight_requests=len(self._queue) + self._running_batch,
+            healthy=healthy,
+            detail=detail,
+        )
+
+    def stats(self) -> LogprobWorkerStats:
+        """A snapshot of the batching counters."""
+        c = self._counters
+        budget_tokens = c.batches * self.config.max_tokens_per_gpu
+        return LogprobWorkerStats(
+            batches=c.batches,
+            samples=c.samples,
+            tokens=c.tokens,
+            output_tokens=c.output_tokens,
+            mean_batch_fill=c.tokens / budget_tokens if budget_tokens else 0.0,
+            max_batch_tokens=c.max_batch_tokens,
+            max_batch_samples=c.max_batch_samples,
+            oversized_samples=c.oversized_samples,
+            failed_batches=c.failed_batches,
+            rejected_samples=c.rejected_samples,
+            forward_s=c.forward_s,
+            weight_version=self.weight_version,
+        )
+
+    async def shutdown(self) -> None:
+        """Finish the running batch, fail the queued requests, and stop the batching task."""
+        if self._closed:
+            return
+        self._closed = True
+        self._arrival.set()
+        if self._batcher is not None and self._loop is asyncio.get_running_loop():
+            await asyncio.gather(self._batcher, return_exceptions=True)
+        self._fail(list(self._queue), RuntimeError(f"logprob worker {self.name} shut down"))
+        self._queue.clear()
+        self._queued_tokens = 0
+        logger.info("logprob worker %s shut down: %s", self.name, self.stats())
+
+    def _ensure_batcher(self) -> None:
+        """Start the batching task on first use; refuse use after shutdown or from another loop."""
+        if self._closed:
+            raise RuntimeError(f"logprob worker {self.name} is shut down")
+        loop = asyncio.get_running_loop()
+        if self._batcher is None:
+            self._loop = loop
+            self._batcher = loop.create_task(self._batch_forever(), name=f"{self.name}-batcher")
+            self._batcher.add_done_callback(self._on_batcher_done)
+        elif self._loop is not loop:
+            raise RuntimeError(f"logprob worker {self.name} is bound to another event loop")
+        elif self._batcher.done():
+            raise RuntimeError(f"logprob worker {self.name} batching task stopped: {self._batcher_failure()}")
+
+    def _on_batcher_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("logprob worker %s batching task crashed", self.name, exc_info=task.exception())
+
+    def _batcher_failure(self) -> str:
+        assert self._batcher is not None
+        if self._batcher.cancelled():
+            return "cancelled"
+        return repr(self._batcher.exception())
+
+    async def _batch_forever(self) -> None:
+        """Form batches and score them, one at a time, until shutdown."""
+        while not self._closed:
+            batch = await self._next_batch()
+            if batch:
+                await self._run_batch(batch)
+
+    async def _next_batch(self) -> list[_Request]:
+        """Wait for a request, then until the budget is full or max_wait_ms after the oldest one."""
+        while not self._queue and not self._closed:
+            self._arrival.clear()
+            await self._arrival.wait()
+        if self._closed:
+            return []
+        loop = asyncio.get_running_loop()
+        deadline = self._queue[0].enqueued_at + self.config.max_wait_ms / 1000.0
+        while self._queued_tokens < self.config.max_tokens_per_gpu and not self._closed:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            self._arrival.clear()
+            try:
+                await asyncio.wait_for(self._arrival.wait(), remaining)
+            except TimeoutError:
+                break
+        return [] if self._closed else self._take_batch()
+
+    def _take_batch(self) -> list[_Request]:
+        """Remove the next batch from the queue, dropping requests whose callers gave up."""
+        live = [r for r in self._queue if not r.future.done()]
+        chosen = select_batch([r.num_tokens for r in live], self.config.max_tokens_per_gpu)
+        picked = set(chosen)
+        batch = [live[i] for i in chosen]
+        self._queue = deque(r for i, r in enumerate(live) if i not in picked)
+        self._queued_tokens = sum(r.num_tokens for r in self._queue)
+        return batch
+
+    async def _run_batch(self, batch: list[_Request]) -> None:
+        """Score one batch in a thread and hand every caller its slice (or the batch's error)."""
+        num_tokens = sum(r.num_tokens for r in batch)
+        if num_tokens > self.config.max_tokens_per_gpu:
+            self._counters.oversized_samples += 1
+            logger.warning(
+                "logprob worker %s: sample of %d tokens exceeds max_tokens_per_gpu=%d; scoring it alone (%d so far)",
+                self.name, num_tokens, self.config.max_tokens_per_gpu, self._counters.oversized_samples,
+            )
+        loop = asyncio.get_running_loop()
+        async with self._model_lock:
+            self._running_batch = len(batch)
+            started = loop.time()
+            try:
+                results = await asyncio.to_thread(self._score, [r.sample for r in batch])
+            except Exception as error:
+                self._counters.failed_batches += 1
+                self._counters.last_error = repr(error)
+                logger.exception("logprob worker %s: batch of %d samples failed", self.name, len(batch))
+                self._fail(batch, error)
+                return
+            finally:
+                self._counters.forward_s += loop.time() - started
+                self._running_batch = 0
+        self._record_batch(batch, num_tokens)
+        for request, logprobs in zip(batch, results):
+            if not request.future.done():
+                request.future.set_result(logprobs)
+
+    def _score(self, samples: list[Sample]) -> list[list[float]]:
+        """One packed forward (runs in a worker thread): per-sample output-token logprobs."""
+        inputs = get_input_for_logprobs(samples)
+        with torch.inference_mode():
+            logprobs, _entropy = self.model.score(inputs)
+        return split_per_sample(logprobs, inputs.output_lengths)
+
+    def _load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy full HF-named tensors into the model (runs in a worker thread)."""
+        with torch.no_grad():
+            load_state_dict_into(self.model.causal_lm, state_dict)
+
+    def _record_batch(self, batch: list[_Request], num_tokens: int) -> None:
+        c = self._counters
+        c.batches += 1
+        c.samples += len(batch)
+        c.tokens += num_tokens
+        c.output_tokens += sum(len(r.sample.output_token_ids) for r in batch)
+        c.max_batch_tokens = max(c.max_batch_tokens, num_tokens)
+        c.max_batch_samples = max(c.max_batch_samples, len(batch))
+
+    @staticmethod
+    def _fail(requests: list[_Request], error: BaseException) -> None:
+        for request in requests:
+            if not request.future.done():
+                request.future.set_exception(error)
+
+
+@ray.remote(max_concurrency=ACTOR_MAX_CONCURRENCY)
+class LogprobWorkerActor:
+    """Ray shell over LogprobWorker; all methods run on the actor's event loop."""
+
+    def __init__(self, worker_name: str, config: LogprobWorkerConfig) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._worker = LogprobWorker(worker_name, config)
+
+    async def start(self) -> WorkerHealth:
+        return await self._worker.start()
+
+    async def compute_logprobs(self, sample: Sample) -> list[float]:
+        return await self._worker.compute_logprobs(sample)
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        return await self._worker.update_weights(update)
+
+    async def health(self) -> WorkerHealth:
+        return self._worker.health()
+
+    async def stats(self) -> LogprobWorkerStats:
+        return self._worker.stats()
+
+    async def shutdown(self) -> None:
+        await self._worker.shutdown()

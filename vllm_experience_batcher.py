@@ -1,0 +1,763 @@
+"""Experience batcher: prompts in from every trainer rank, token-budgeted minibatches out.
+
+One batcher actor serves all trainer ranks. Each rank hands over its prompts for a step, then
+pulls messages until that step's `EndOfStep`:
+
+    batcher = get_or_create_batcher(config)
+    ray.get(batcher.submit_prompts.remote(rank, step, prompts))
+    while isinstance(msg := ray.get(batcher.next_message.remote(rank, step)), Minibatch):
+        loss, _ = grpo_loss(logprobs, post_process_batch(msg.samples), loss_config)
+        (loss * msg.loss_weight).backward()  # padding minibatches have loss_weight 0
+    # msg is EndOfStep: divide gradients by msg.num_samples (the step total over all ranks)
+
+Inside, every prompt runs as its own task the moment its rank submits it: n rollouts from the
+generation registry, then (optionally) one logprob request per rollout, all concurrent. Finished
+rollouts are packed by `MinibatchPacker` and a minibatch is sent to its rank as soon as it is
+closed, so trainers start on a step while its slowest prompts are still generating. A step ends
+when every rank has submitted and every prompt has finished or hit its deadline; then the open
+minibatches are flushed, all ranks are padded to the same number of minibatches (FSDP ranks must
+run the same number of forward/backward passes, or their collectives deadlock) and each rank gets
+the step's `EndOfStep`. Rollouts never disappear without a count: stale, timed-out, oversized and
+missing rollouts are all reported in `EndOfStep` and `stats()`.
+
+Benchmark of the packing alone: `python benchmarks/batcher.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import ray
+from ray.actor import ActorHandle
+
+from sample_processing_utils import Sample
+from vllm_registry import GENERATION, LOGPROB, RAY_NAMESPACE, get_or_create_registry, repo_pythonpath
+
+if TYPE_CHECKING:
+    # Type only: importing vllm_worker at run time would load vLLM into the batcher's process.
+    from vllm_worker import SamplingConfig
+
+logger = logging.getLogger(__name__)
+
+BATCHER_ACTOR_NAME = "experience-batcher"
+# Every rank may be blocked in next_message for several steps at once (async training keeps up to
+# max_lag steps open), plus submits and stats calls; a low cap would deadlock those waits.
+_ACTOR_MAX_CONCURRENCY = 1024
+# stats() keeps this many most recent steps, so a long run does not grow the actor's memory.
+_STATS_HISTORY_STEPS = 256
+LOSS_WEIGHT = 1.0
+"""loss_weight of a minibatch whose samples carry loss."""
+PADDING_LOSS_WEIGHT = 0.0
+"""loss_weight of a padding minibatch: a real forward/backward whose loss is multiplied away."""
+
+LogprobTarget = Literal["ref", "old"]
+_LOGPROB_FIELDS: dict[str, str] = {"ref": "ref_logprobs", "old": "old_logprobs"}
+
+
+@dataclass(kw_only=True, frozen=True)
+class BatcherConfig:
+    """How the batcher requests experience and cuts it into minibatches."""
+
+    world_size: int
+    """Number of trainer ranks that submit prompts and receive minibatches."""
+    max_tokens_per_gpu: int
+    """Token budget of one minibatch (prompt + output tokens of all its samples)."""
+    prompt_deadline_s: float
+    """A prompt not finished (generation and logprobs) this long after its rank submitted it is
+    cancelled and counted in `timed_out_prompts`. Queueing behind earlier steps counts too, so
+    leave room for max_lag steps of generation."""
+    sampling: SamplingConfig
+    """Sampling settings sent with every generate request; `sampling.n` rollouts per prompt."""
+    logprob_target: LogprobTarget | None = "ref"
+    """Sample field the logprob worker's result fills: 'ref' -> ref_logprobs, 'old' ->
+    old_logprobs; None skips logprob requests."""
+    max_lag: int = 1
+    """Most weight versions a rollout may lag the step that trains on it (step - weight_version);
+    staler rollouts are dropped from the loss and counted in `dropped_stale`."""
+    reorder_window: int = 16
+    """Rollouts the packer holds back to choose a best fit for the open minibatch (0: place each
+    rollout on arrival). Raises minibatch fill; see benchmarks/batcher.py for the figures."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"BatcherConfig.world_size must be >= 1, got {self.world_size}")
+        if self.max_tokens_per_gpu < 1:
+            raise ValueError(f"BatcherConfig.max_tokens_per_gpu must be >= 1, got {self.max_tokens_per_gpu}")
+        if not self.prompt_deadline_s > 0:
+            raise ValueError(f"BatcherConfig.prompt_deadline_s must be > 0, got {self.prompt_deadline_s}")
+        n = getattr(self.sampling, "n", None)
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"BatcherConfig.sampling.n must be an int >= 1, got {n!r}")
+        if self.logprob_target is not None and self.logprob_target not in _LOGPROB_FIELDS:
+            raise ValueError(
+                f"BatcherConfig.logprob_target must be 'ref', 'old' or None, got {self.logprob_target!r}"
+            )
+        if self.max_lag < 0:
+            raise ValueError(f"BatcherConfig.max_lag must be >= 0, got {self.max_lag}")
+        if self.reorder_window < 0:
+            raise ValueError(f"BatcherConfig.reorder_window must be >= 0, got {self.reorder_window}")
+
+
+@dataclass(slots=True)
+class Minibatch:
+    """Samples for one forward/backward pass on one rank."""
+
+    step: int
+    """Training step (= the weight version it trains at) the samples belong to."""
+    rank: int
+    """Trainer rank that receives it."""
+    index: int
+    """Position among this (step, rank)'s minibatches, from 0."""
+    samples: list[Sample]
+    """The samples, packed by the trainer into one token stream (total <= max_tokens_per_gpu,
+    except a single oversized sample, which travels alone)."""
+    loss_weight: float
+    """LOSS_WEIGHT, or PADDING_LOSS_WEIGHT for a padding minibatch (its loss must not count)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens over all samples."""
+        return sum(s.num_tokens for s in self.samples)
+
+
+@dataclass(slots=True)
+class EndOfStep:
+    """Last message of a step for one rank; the counts are step totals over all ranks."""
+
+    step: int
+    """The step that is complete."""
+    num_samples: int
+    """Samples carrying loss, over all ranks (padding and dropped excluded): divide gradients by
+    this for the mean over the whole step's batch."""
+    num_tokens: int
+    """Prompt + output tokens of those samples."""
+    num_minibatches: int
+    """Minibatches each rank received for the step, padding included (equal on every rank)."""
+    num_prompts: int
+    """Prompts submitted for the step by all ranks."""
+    timed_out_prompts: int
+    """Prompts cancelled at prompt_deadline_s; none of their rollouts are in the step."""
+    dropped_stale: int
+    """Rollouts dropped because step - weight_version > max_lag."""
+    oversized_samples: int
+    """Samples over max_tokens_per_gpu, each sent alone in its own minibatch."""
+    padding_minibatches: int
+    """Padding minibatches (loss_weight 0) added over all ranks to equalise the counts."""
+    missing_rollouts: int
+    """Rollouts the generation worker returned fewer than sampling.n, summed over prompts."""
+
+
+@dataclass(slots=True)
+class _StepFailed:
+    """Queue item that wakes a rank waiting on a step that failed."""
+
+
+class ExperienceBatcherError(RuntimeError):
+    """A step cannot complete: a registry request failed. The message carries the cause."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing (plain, synchronous: no Ray, no asyncio)
+# ---------------------------------------------------------------------------------------------
+
+
+class MinibatchPacker:
+    """Assigns one step's samples to ranks and cuts token-budgeted minibatches as they arrive.
+
+    Each sample goes to the rank with the fewest tokens assigned so far, so rank totals differ by
+    at most one sample's tokens, and with at least world_size samples every rank gets one (an
+    empty rank is always the least loaded). It joins that rank's open minibatch; when it does
+    not fit, the open minibatch is closed and returned for dispatch first. A sample over the
+    budget is sent alone and counted. With `reorder_window` > 0 up to that many samples wait, and
+    the rank's open minibatch takes the largest waiting sample that still fits (best fit), closing
+    only when none does: fewer, fuller minibatches at the price of a short hold-back.
+    """
+
+    def __init__(self, *, step: int, world_size: int, max_tokens_per_gpu: int, reorder_window: int = 0) -> None:
+        if world_size < 1 or max_tokens_per_gpu < 1 or reorder_window < 0:
+            raise ValueError(
+                f"MinibatchPacker needs world_size >= 1, max_tokens_per_gpu >= 1, reorder_window >= 0; got "
+                f"{world_size}, {max_tokens_per_gpu}, {reorder_window}"
+            )
+        self.step = step
+        self.world_size = world_size
+        self.max_tokens_per_gpu = max_tokens_per_gpu
+        self.reorder_window = reorder_window
+        self.rank_tokens = [0] * world_size
+        """Tokens assigned to each rank so far (dispatched and open), padding excluded."""
+        self.minibatches_per_rank = [0] * world_size
+        """Minibatches emitted to each rank so far, padding included."""
+        self.num_samples = 0
+        self.num_tokens = 0
+        self.oversized_samples = 0
+        self.padding_minibatches = 0
+        self._waiting: list[Sample] = []
+        self._open: list[list[Sample]] = [[] for _ in range(world_size)]
+        self._open_tokens = [0] * world_size
+        self._smallest: Sample | None = None
+        self._finished = False
+
+    def add(self, sample: Sample) -> list[Minibatch]:
+        """Take one sample (it will carry loss); return the minibatches now ready to send."""
+        if self._finished:
+            raise RuntimeError(f"MinibatchPacker(step={self.step}).add after finish")
+        if sample.num_tokens < 1:
+            raise ValueError(f"sample prompt_id={sample.prompt_id} has no tokens")
+        self.num_samples += 1
+        self.num_tokens += sample.num_tokens
+        if self._smallest is None or sample.num_tokens < self._smallest.num_tokens:
+            self._smallest = sample
+        self._waiting.append(sample)
+        ready: list[Minibatch] = []
+        while len(self._waiting) > self.reorder_window:
+            ready.extend(self._place_one())
+        return ready
+
+    def finish(self) -> list[Minibatch]:
+        """Place the waiting samples, flush open minibatches, then pad every rank to the same count.
+
+        Padding minibatches hold the step's smallest sample with loss_weight PADDING_LOSS_WEIGHT,
+        so the padded pass is a real forward/backward that adds nothing to the gradient. A step
+        without samples gives no minibatches at all.
+        """
+        if self._finished:
+            raise RuntimeError(f"MinibatchPacker(step={self.step}).finish called twice")
+        self._finished = True
+        ready: list[Minibatch] = []
+        while self._waiting:
+            ready.extend(self._place_one())
+        for rank in range(self.world_size):
+            ready.extend(self._close(rank))
+        target = max(self.minibatches_per_rank)
+        for rank in range(self.world_size):
+            while self.minibatches_per_rank[rank] < target:
+                assert self._smallest is not None  # target > 0 means some sample was added
+                ready.append(self._emit(rank, [self._smallest], PADDING_LOSS_WEIGHT))
+                self.padding_minibatches += 1
+        return ready
+
+    def _place_one(self) -> list[Minibatch]:
+        """Put one waiting sample on the least-loaded rank, closing its open minibatch if needed."""
+        rank = min(range(self.world_size), key=self.rank_tokens.__getitem__)
+        ready: list[Minibatch] = []
+        choice = self._best_fit(self.max_tokens_per_gpu - self._open_tokens[rank])
+        if choice is None:
+            ready.extend(self._close(rank))
+            choice = max(range(len(self._waiting)), key=lambda i: self._waiting[i].num_tokens)
+        sample = self._waiting.pop(choice)
+        self.rank_tokens[rank] += sample.num_tokens
+        if sample.num_tokens > self.max_tokens_per_gpu:
+            self.oversized_samples += 1
+            logger.warning(
+                "step %d: sample prompt_id=%d has %d tokens, over max_tokens_per_gpu=%d; sent alone",
+                self.step, sample.prompt_id, sample.num_tokens, self.max_tokens_per_gpu,
+            )
+            ready.append(self._emit(rank, [sample], LOSS_WEIGHT))
+            return ready
+        self._open[rank].append(sample)
+        self._open_tokens[rank] += sample.num_tokens
+        if self._open_tokens[rank] == self.max_tokens_per_gpu:
+            ready.extend(self._close(rank))  # exactly full: nothing more can join, send it now
+        return ready
+
+    def _best_fit(self, room: int) -> int | None:
+        """Index of the largest waiting sample with at most `room` tokens, or None."""
+        best: int | None = None
+        for i, sample in enumerate(self._waiting):
+            if sample.num_tokens <= room and (best is None or sample.num_tokens > self._waiting[best].num_tokens):
+                best = i
+        return best
+
+    def _close(self, rank: int) -> list[Minibatch]:
+        """Emit the rank's open minibatch if it has samples."""
+        if not self._open[rank]:
+            return []
+        samples, self._open[rank], self._open_tokens[rank] = self._open[rank], [], 0
+        return [self._emit(rank, samples, LOSS_WEIGHT)]
+
+    def _emit(self, rank: int, samples: list[Sample], loss_weight: float) -> Minibatch:
+        index = self.minibatches_per_rank[rank]
+        self.minibatches_per_rank[rank] += 1
+        return Minibatch(step=self.step, rank=rank, index=index, samples=samples, loss_weight=loss_weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# The batcher (plain async class) and its Ray shell
+# ---------------------------------------------------------------------------------------------
+
+
+class RequestClient(Protocol):
+    """Where the batcher sends requests: a worker registry, or a test double in unit tests."""
+
+    async def submit(self, method: str, *args: Any, cost: int) -> Any:
+        """Run `method(*args)` on some worker; `cost` is the registry's load unit."""
+        ...
+
+
+class RayRegistryClient:
+    """`RequestClient` over a registry actor handle (vllm_registry's `submit`)."""
+
+    def __init__(self, handle: ActorHandle) -> None:
+        self._handle = handle
+
+    async def submit(self, method: str, *args: Any, cost: int) -> Any:
+        ref = self._handle.submit.remote(method, *args, cost=cost)
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            # The prompt hit its deadline or its step failed: stop the remote request too, so it
+            # stops holding a worker slot (best effort; a finished request ignores the cancel).
+            ray.cancel(ref)
+            raise
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What happened in one step, for the trainer's metrics (see `as_metrics`)."""
+
+    step: int
+    num_prompts: int = 0
+    num_samples: int = 0
+    num_tokens: int = 0
+    minibatches_per_rank: int = 0
+    padding_minibatches: int = 0
+    loss_minibatches: int = 0
+    """Minibatches carrying loss, over all ranks."""
+    timed_out_prompts: int = 0
+    dropped_stale: int = 0
+    oversized_samples: int = 0
+    missing_rollouts: int = 0
+    failed: bool = False
+    first_submit_s: float = 0.0
+    """time.monotonic() of the step's first submit_prompts."""
+    last_submit_s: float = 0.0
+    """time.monotonic() when the last rank submitted."""
+    first_minibatch_s: float = 0.0
+    """time.monotonic() when the first minibatch was dispatched (0.0: none yet)."""
+    completed_s: float = 0.0
+    """time.monotonic() when EndOfStep was sent (0.0: not yet)."""
+    generate_s: float = 0.0
+    """Sum over prompts of the generate request's latency."""
+    logprob_s: float = 0.0
+    """Sum over prompts of the time spent waiting for all of its rollouts' logprobs."""
+    finished_prompts: int = 0
+    """Prompts whose generate (and logprobs) came back, stale or not."""
+    rank_wait_s: float = 0.0
+    """Time trainer ranks spent blocked in next_message for this step, summed over ranks."""
+
+    def as_metrics(self, max_tokens_per_gpu: int) -> dict[str, float]:
+        """Namespaced metrics: batcher/* are counts and ratios, timing/* are seconds."""
+        now = time.monotonic()
+        done = self.completed_s or now
+        capacity = self.loss_minibatches * max_tokens_per_gpu
+        return {
+            "batcher/num_prompts": float(self.num_prompts),
+            "batcher/num_samples": float(self.num_samples),
+            "batcher/num_tokens": float(self.num_tokens),
+            "batcher/minibatches_per_rank": float(self.minibatches_per_rank),
+            "batcher/padding_minibatches": float(self.padding_minibatches),
+            # Over all loss-carrying minibatches, each rank's final partial one included.
+            "batcher/fill": self.num_tokens / capacity if capacity else 0.0,
+            "batcher/timed_out_prompts": float(self.timed_out_prompts),
+            "batcher/dropped_stale": float(self.dropped_stale),
+            "batcher/oversized_samples": float(self.oversized_samples),
+            "batcher/missing_rollouts": float(self.missing_rollouts),
+            "batcher/failed": float(self.failed),
+            "timing/batcher_step_s": _elapsed(self.first_submit_s, done),
+            "timing/batcher_after_last_submit_s": _elapsed(self.last_submit_s, done),
+            "timing/batcher_first_minibatch_s": _elapsed(self.first_submit_s, self.first_minibatch_s),
+            "timing/batcher_generate_s_mean": _mean(self.generate_s, self.finished_prompts),
+            "timing/batcher_logprob_s_mean": _mean(self.logprob_s, self.finished_prompts),
+            "timing/batcher_rank_wait_s": self.rank_wait_s,
+        }
+
+
+def _elapsed(start: float, stop: float) -> float:
+    """stop - start, or 0.0 when either moment has not happened (0.0)."""
+    return stop - start if start and stop else 0.0
+
+
+def _mean(total: float, count: int) -> float:
+    return total / count if count else 0.0
+
+
+@dataclass(slots=True)
+class _PromptResult:
+    """What one prompt produced."""
+
+    fresh: list[Sample]
+    """Rollouts within max_lag, logprobs filled: they go to the packer."""
+    stale: int
+    """Rollouts dropped for staleness."""
+    missing: int
+    """sampling.n minus the rollouts the generation worker returned."""
+    generate_s: float
+    logprob_s: float
+
+
+@dataclass(slots=True)
+class _StepState:
+    """Everything the batcher tracks for one open step."""
+
+    packer: MinibatchPacker
+    queues: list[asyncio.Queue[Minibatch | EndOfStep | _StepFailed]]
+    """One mailbox per rank."""
+    stats: StepStats
+    submitted: set[int] = field(default_factory=set)
+    """Ranks that have submitted their prompts."""
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    """Running prompt tasks (held so they are not garbage-collected, and cancelled on failure)."""
+    pending_prompts: int = 0
+    error: ExperienceBatcherError | None = None
+    finished: bool = False
+    """EndOfStep has been queued for every rank."""
+    ended_ranks: set[int] = field(default_factory=set)
+    """Ranks that have received EndOfStep; when all have, the step is retired."""
+
+
+def _leaf_exception(exc: BaseException) -> BaseException:
+    """The first real error inside (nested) exception groups, e.g. from a TaskGroup."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+class ExperienceBatcher:
+    """Turns prompts from all ranks into per-rank minibatch streams; see the module docstring.
+
+    Single event loop, no locks: state changes happen between awaits only.
+    """
+
+    def __init__(self, config: BatcherConfig, generation: RequestClient, logprob: RequestClient | None) -> None:
+        if (config.logprob_target is None) != (logprob is None):
+            raise ValueError(
+                f"ExperienceBatcher: logprob_target={config.logprob_target!r} needs a logprob client exactly "
+                "when it is not None"
+            )
+        self.config = config
+        self._generation = generation
+        self._logprob = logprob
+        self._steps: dict[int, _StepState] = {}
+        self._retired_steps: set[int] = set()
+        self._stats: dict[int, StepStats] = {}
+
+    async def submit_prompts(self, rank: int, step: int, samples: list[Sample]) -> None:
+        """Start generating `rank`'s prompts for `step` (once per rank and step)."""
+        state = self._state(rank, step)
+        if rank in state.submitted:
+            raise ValueError(f"rank {rank} already submitted prompts for step {step}")
+        now = time.monotonic()
+        if not state.submitted:
+            state.stats.first_submit_s = now
+        state.submitted.add(rank)
+        if len(state.submitted) == self.config.world_size:
+            state.stats.last_submit_s = now
+        state.stats.num_prompts += len(samples)
+        deadline = asyncio.get_running_loop().time() + self.config.prompt_deadline_s
+        for sample in samples:
+            state.pending_prompts += 1
+            task = asyncio.create_task(self._run_prompt(state, sample, deadline))
+            state.tasks.add(task)
+            task.add_done_callback(state.tasks.discard)
+        self._maybe_finish(state)
+
+    async def next_message(self, rank: int, step: int) -> Minibatch | EndOfStep:
+        """Wait for `rank`'s next minibatch of `step`, or the step's EndOfStep after the last one.
+
+        Raises ExperienceBatcherError (carrying the cause) once the step has failed.
+        """
+        state = self._state(rank, step)
+        started = time.monotonic()
+        try:
+            message = await state.queues[rank].get()
+        finally:
+            state.stats.rank_wait_s += time.monotonic() - started
+        if isinstance(message, _StepFailed):
+            raise self._step_error(state)
+        if isinstance(message, EndOfStep):
+            state.ended_ranks.add(rank)
+            if len(state.ended_ranks) == self.config.world_size:
+                del self._steps[step]
+                self._retired_steps.add(step)
+        return message
+
+    def stats(self, step: int | None = None) -> dict[str, float]:
+        """Metrics of `step` (an open step reports its progress so far), or with None of the most
+        recently completed step; {} when there is no such step (stats keep the last
+        _STATS_HISTORY_STEPS steps)."""
+        if step is None:
+            completed = [s for s in self._stats.values() if s.completed_s]
+            if not completed:
+                return {}
+            stats = max(completed, key=lambda s: s.completed_s)
+        elif step in self._stats:
+            stats = self._stats[step]
+        else:
+            return {}
+        return {"batcher/step": float(stats.step), **stats.as_metrics(self.config.max_tokens_per_gpu)}
+
+    def _state(self, rank: int, step: int) -> _StepState:
+        """The step's state, created on first use; raises if the step cannot be used."""
+        if not 0 <= rank < self.config.world_size:
+            raise ValueError(f"rank must be in [0, {self.config.world_size}), got {rank}")
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        if step in self._retired_steps:
+            raise ValueError(f"step {step} is already finished: every rank received its EndOfStep")
+        state = self._steps.get(step)
+        if state is None:
+            state = self._new_state(step)
+        if state.error is not None:
+            raise self._step_error(state)
+        return state
+
+    def _new_state(self, step: int) -> _StepState:
+        packer = MinibatchPacker(
+            step=step,
+            world_size=self.config.world_size,
+            max_tokens_per_gpu=self.config.max_tokens_per_gpu,
+            reorder_window=self.config.reorder_window,
+        )
+        state = _StepState(
+            packer=packer,
+            queues=[asyncio.Queue() for _ in range(self.config.world_size)],
+            stats=StepStats(step=step),
+        )
+        self._steps[step] = state
+        self._stats[step] = state.stats
+        while len(self._stats) > _STATS_HISTORY_STEPS:
+            del self._stats[min(self._stats)]
+        return state
+
+    async def _run_prompt(self, state: _StepState, sample: Sample, deadline: float) -> None:
+        """One prompt, start to end: its rollouts reach the packer, or it is counted as timed out,
+        or its error fails the step."""
+        scope = asyncio.timeout_at(deadline)
+        try:
+            async with scope:
+                result = await self._process_prompt(state.packer.step, sample)
+        except TimeoutError as exc:
+            # A TimeoutError raised by a registry is an error like any other; only our own
+            # deadline (scope.expired()) counts as a timed-out prompt.
+            if scope.expired():
+                self._count_timeout(state, sample)
+            else:
+                self._fail(state, sample, exc)
+        except Exception as exc:
+            self._fail(state, sample, exc)
+        else:
+            self._accept(state, result)
+        finally:
+            state.pending_prompts -= 1
+        self._maybe_finish(state)
+
+    async def _process_prompt(self, step: int, sample: Sample) -> _PromptResult:
+        """Generate sampling.n rollouts, drop the stale ones, fill logprobs of the rest."""
+        n = self.config.sampling.n
+        started = time.monotonic()
+        rollouts: list[Sample] = await self._generation.submit("generate", sample, self.config.sampling, cost=n)
+        generated = time.monotonic()
+        if len(rollouts) > n:
+            raise ValueError(f"generate returned {len(rollouts)} rollouts for prompt_id={sample.prompt_id}, n={n}")
+        fresh = [r for r in rollouts if step - r.weight_version <= self.config.max_lag]
+        stale = len(rollouts) - len(fresh)
+        if stale:
+            logger.info(
+                "step %d: prompt_id=%d: %d rollouts older than max_lag=%d dropped (weight versions %s)",
+                step, sample.prompt_id, stale, self.config.max_lag, sorted({r.weight_version for r in rollouts}),
+            )
+        if self._logprob is not None and fresh:
+            await self._fill_logprobs(fresh)
+        return _PromptResult(
+            fresh=fresh,
+            stale=stale,
+            missing=n - len(rollouts),
+            generate_s=generated - started,
+            logprob_s=time.monotonic() - generated,
+        )
+
+    async def _fill_logprobs(self, rollouts: list[Sample]) -> None:
+        """Request every rollout's logprobs concurrently; the first failure cancels the rest."""
+        assert self._logprob is not None and self.config.logprob_target is not None
+        client, target = self._logprob, _LOGPROB_FIELDS[self.config.logprob_target]
+
+        async def fill(rollout: Sample) -> None:
+            values = await client.submit("compute_logprobs", rollout, cost=rollout.num_tokens)
+            if len(values) != len(rollout.output_token_ids):
+                raise ValueError(
+                    f"compute_logprobs returned {len(values)} values for {len(rollout.output_token_ids)} output "
+                    f"tokens (prompt_id={rollout.prompt_id})"
+                )
+            setattr(rollout, target, [float(v) for v in values])
+
+        async with asyncio.TaskGroup() as group:
+            for rollout in rollouts:
+                group.create_task(fill(rollout))
+
+    def _accept(self, state: _StepState, result: _PromptResult) -> None:
+        stats = state.stats
+        stats.finished_prompts += 1
+        stats.dropped_stale += result.stale
+        stats.generate_s += result.generate_s
+        stats.logprob_s += result.logprob_s
+        if result.missing:
+            stats.missing_rollouts += result.missing
+            logger.warning(
+                "step %d: generate returned %d rollouts short of n=%d for a prompt",
+                state.packer.step, result.missing, self.config.sampling.n,
+            )
+        for rollout in result.fresh:
+            for minibatch in state.packer.add(rollout):
+                self._deliver(state, minibatch)
+
+    def _deliver(self, state: _StepState, minibatch: Minibatch) -> None:
+        if not state.stats.first_minibatch_s:
+            state.stats.first_minibatch_s = time.monotonic()
+        state.queues[minibatch.rank].put_nowait(minibatch)
+
+    def _count_timeout(self, state: _StepState, sample: Sample) -> None:
+        state.stats.timed_out_prompts += 1
+        logger.warning(
+            "step %d: prompt_id=%d not finished within prompt_deadline_s=%.1f; cancelled, its rollouts are dropped",
+            state.packer.step, sample.prompt_id, self.config.prompt_deadline_s,
+        )
+
+    def _fail(self, state: _StepState, sample: Sample, exc: BaseException) -> None:
+        """Record the step's first error, cancel its other prompts and wake every waiting rank."""
+        cause = _leaf_exception(exc)
+        step = state.packer.step
+        if state.error is not None:
+            logger.warning("step %d: prompt_id=%d also failed: %s: %s", step, sample.prompt_id,
+                           type(cause).__name__, cause)
+            return
+        # The message carries the cause itself: Ray does not pickle __cause__ across processes.
+        state.error = ExperienceBatcherError(
+            f"step {step} failed: prompt_id={sample.prompt_id}: {type(cause).__name__}: {cause}"
+        )
+        state.error.__cause__ = cause
+        state.stats.failed = True
+        logger.error("%s", state.error)
+        current = asyncio.current_task()
+        for task in state.tasks:
+            if task is not current:
+                task.cancel()
+        for queue in state.queues:
+            while not queue.empty():
+                queue.get_nowait()
+            queue.put_nowait(_StepFailed())
+
+    @staticmethod
+    def _step_error(state: _StepState) -> ExperienceBatcherError:
+        """A fresh copy of the step's error (re-raising one object would pile up tracebacks)."""
+        assert state.error is not None
+        error = ExperienceBatcherError(str(state.error))
+        error.__cause__ = state.error.__cause__
+        return error
+
+    def _maybe_finish(self, state: _StepState) -> None:
+        """Close the step once every rank has submitted and no prompt is running."""
+        if (
+            state.finished
+            or state.error is not None
+            or state.pending_prompts
+            or len(state.submitted) < self.config.world_size
+        ):
+            return
+        state.finished = True
+        packer, stats = state.packer, state.stats
+        for minibatch in packer.finish():
+            self._deliver(state, minibatch)
+        stats.num_samples, stats.num_tokens = packer.num_samples, packer.num_tokens
+        stats.minibatches_per_rank = max(packer.minibatches_per_rank)
+        stats.padding_minibatches = packer.padding_minibatches
+        stats.loss_minibatches = sum(packer.minibatches_per_rank) - packer.padding_minibatches
+        stats.oversized_samples = packer.oversized_samples
+        stats.completed_s = time.monotonic()
+        end = EndOfStep(
+            step=packer.step,
+            num_samples=packer.num_samples,
+            num_tokens=packer.num_tokens,
+            num_minibatches=stats.minibatches_per_rank,
+            num_prompts=stats.num_prompts,
+            timed_out_prompts=stats.timed_out_prompts,
+            dropped_stale=stats.dropped_stale,
+            oversized_samples=packer.oversized_samples,
+            padding_minibatches=packer.padding_minibatches,
+            missing_rollouts=stats.missing_rollouts,
+        )
+        for queue in state.queues:
+            queue.put_nowait(end)
+        logger.info(
+            "step %d complete: %d samples, %d tokens, %d minibatches per rank (%d padding), %d timed-out prompts, "
+            "%d stale rollouts dropped",
+            end.step, end.num_samples, end.num_tokens, end.num_minibatches, end.padding_minibatches,
+            end.timed_out_prompts, end.dropped_stale,
+        )
+
+
+class ExperienceBatcherActor:
+    """Thin Ray shell over ExperienceBatcher (async actor; see get_or_create_batcher).
+
+    Registry handles default to the real registries; tests pass stand-ins.
+    """
+
+    def __init__(
+        self,
+        config: BatcherConfig,
+        generation_registry: ActorHandle | None = None,
+        logprob_registry: ActorHandle | None = None,
+    ) -> None:
+        if generation_registry is None:
+            generation_registry = get_or_create_registry(GENERATION)
+        logprob_client: RequestClient | None = None
+        if config.logprob_target is not None:
+            if logprob_registry is None:
+                logprob_registry = get_or_create_registry(LOGPROB)
+            logprob_client = RayRegistryClient(logprob_registry)
+        self._batcher = ExperienceBatcher(config, RayRegistryClient(generation_registry), logprob_client)
+
+    async def submit_prompts(self, rank: int, step: int, samples: list[Sample]) -> None:
+        await self._batcher.submit_prompts(rank, step, samples)
+
+    async def next_message(self, rank: int, step: int) -> Minibatch | EndOfStep:
+        return await self._batcher.next_message(rank, step)
+
+    async def stats(self, step: int | None = None) -> dict[str, float]:
+        return self._batcher.stats(step)
+
+    async def config(self) -> BatcherConfig:
+        return self._batcher.config
+
+
+def get_or_create_batcher(
+    config: BatcherConfig,
+    *,
+    generation_registry: ActorHandle | None = None,
+    logprob_registry: ActorHandle | None = None,
+) -> ActorHandle:
+    """The cluster's batcher actor ("experience-batcher" in RAY_NAMESPACE), created on first call.
+
+    Not detached: it lives as long as the trainer process that created it, so a restarted run
+    never inherits a previous run's half-finished steps. Raises ValueError if a batcher with a
+    different config already exists.
+    """
+    handle = (
+        ray.remote(ExperienceBatcherActor)
+        .options(
+            name=BATCHER_ACTOR_NAME,
+            namespace=RAY_NAMESPACE,
+            get_if_exists=True,
+            max_concurrency=_ACTOR_MAX_CONCURRENCY,
+            num_cpus=0,  # it only awaits other actors; packing costs microseconds per sample
+            runtime_env={"env_vars": {"PYTHONPATH": repo_pythonpath()}},
+        )
+        .remote(config, generation_registry, logprob_registry)
+    )
+    existing = ray.get(handle.config.remote())
+    if existing != config:
+        raise ValueError(f"{BATCHER_ACTOR_NAME} already exists with a different config: {existing} != {config}")
+    return handle

@@ -22,10 +22,14 @@ import asyncio
 import logging
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from math_verifier import VerifierPool
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from math_verifier import VerifierPool  # noqa: E402
 
 # Target length of a long reasoning completion: ~1k tokens, a typical math rollout.
 _LONG_COMPLETION_CHARS = 4000

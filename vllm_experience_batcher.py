@@ -38,7 +38,7 @@ from sample_processing_utils import Sample
 from vllm_registry import GENERATION, LOGPROB, RAY_NAMESPACE, get_or_create_registry, repo_pythonpath
 
 if TYPE_CHECKING:
-    # Type only: importing vllm_worker at run time would load vLLM into the batcher's process.
+    # Type only: the batcher reads sampling.n and forwards the rest untouched to the workers.
     from vllm_worker import SamplingConfig
 
 logger = logging.getLogger(__name__)

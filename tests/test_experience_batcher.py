@@ -465,7 +465,7 @@ def _drain_remote(batcher, rank: int, step: int) -> tuple[list[Minibatch], EndOf
 
 def test_actor_routes_two_steps_submitted_ahead_to_the_right_ranks(batcher_actors) -> None:
     generation, logprob = RegistryDouble.remote(), RegistryDouble.remote()
-    config = _config(max_tokens_per_gpu=30)
+    config = _config(max_tokens_per_gpu=30, reorder_window=4)
     batcher = batcher_actors(config, generation_registry=generation, logprob_registry=logprob)
     prompts = {(0, 0): range(0, 3), (1, 0): range(3, 6), (0, 1): range(10, 14), (1, 1): range(14, 16)}
     ray.get([batcher.submit_prompts.remote(rank, step, _prompts(ids)) for (rank, step), ids in prompts.items()])

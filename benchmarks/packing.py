@@ -12,9 +12,11 @@ then times one training step on each layout:
 - padded: [B, L] right-padded batch through the plain HF forward with attention_mask, logits of
   the output positions, log_softmax, gather, the same grpo_loss, backward.
 
-Each side is warmed up, then timed `--reps` times; the median is reported. Both sides' losses are
-compared first, so the two steps provably compute the same thing. The last line is key=value
-pairs: speedup=<padded s / packed s>, and each side's real-token fraction.
+Each side is warmed up, then the two are timed alternately `--reps` times (so both see the same
+background load); medians are reported. Both sides' losses are compared first, so the two steps
+provably compute the same thing. The last line is key=value pairs: speedup=<padded s / packed s>
+(wall clock), cpu_speedup (the same from CPU time, steadier on a busy machine) and each side's
+real-token fraction among them.
 
 Reading the numbers: packing saves the linear layers' work on padding, but with sdpa (CPU, or
 CUDA without flash-attn) transformers runs a packed stream as one [T, T] attention with a
@@ -74,6 +76,9 @@ class BenchConfig:
     """Timed steps per side; the median is reported."""
     seed: int = 0
     """Seed of the model weights and the sample draw."""
+    threads: int = 1
+    """torch intra-op threads. One by default: on a shared machine a single thread's CPU time
+    measures the work without OpenMP threads spinning while a sibling is descheduled."""
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -82,6 +87,8 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.min_prompt must be in [1, max_prompt], got {self.min_prompt}")
         if self.output_median < 1 or self.output_sigma < 0 or self.max_output < 1:
             raise ValueError("BenchConfig.output_median >= 1, output_sigma >= 0, max_output >= 1 required")
+        if self.threads < 1:
+            raise ValueError(f"BenchConfig.threads must be >= 1, got {self.threads}")
         if self.reps < 1 or self.warmup < 0:
             raise ValueError(f"BenchConfig.reps must be >= 1 and warmup >= 0, got {self.reps}, {self.warmup}")
 
@@ -152,18 +159,37 @@ def padded_step(causal_lm: torch.nn.Module, padded: PaddedInputs, batch: PackedB
     return loss.item()
 
 
-def median_seconds(step: Callable[[], float], model: torch.nn.Module, config: BenchConfig) -> float:
-    """Warm up, then the median wall time of `reps` steps (gradients cleared between steps)."""
-    for _ in range(config.warmup):
-        step()
-        model.zero_grad(set_to_none=True)
-    times = []
+@dataclass(slots=True)
+class Timing:
+    """Median cost of one step."""
+
+    wall_s: float
+    """Wall-clock seconds."""
+    cpu_s: float
+    """CPU seconds of this process (all threads): robust to other jobs sharing the cores."""
+
+
+def interleaved_medians(
+    steps: dict[str, Callable[[], float]], model: torch.nn.Module, config: BenchConfig
+) -> dict[str, Timing]:
+    """Warm up each step, then time them alternately `reps` times; medians per step.
+
+    Alternating (packed, padded, packed, ...) exposes both sides to the same background load.
+    """
+    for step in steps.values():
+        for _ in range(config.warmup):
+            step()
+            model.zero_grad(set_to_none=True)
+    wall: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(config.reps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+        for name, step in steps.items():
+            wall_start, cpu_start = time.perf_counter(), time.process_time()
+            step()
+            wall[name].append(time.perf_counter() - wall_start)
+            cpu[name].append(time.process_time() - cpu_start)
+            model.zero_grad(set_to_none=True)
+    return {name: Timing(statistics.median(wall[name]), statistics.median(cpu[name])) for name in steps}
 
 
 def run(config: BenchConfig, model_dir: Path) -> dict[str, float]:
@@ -183,13 +209,20 @@ def run(config: BenchConfig, model_dir: Path) -> dict[str, float]:
     if abs(packed_loss - padded_loss) > LOSS_MATCH_RTOL * max(1.0, abs(padded_loss)):
         raise RuntimeError(f"packed loss {packed_loss} != padded loss {padded_loss}: the layouts disagree")
 
-    packed_s = median_seconds(lambda: packed_step(model, batch), model, config)
-    padded_s = median_seconds(lambda: padded_step(causal_lm, padded, batch), model, config)
+    medians = interleaved_medians(
+        {"packed": lambda: packed_step(model, batch), "padded": lambda: padded_step(causal_lm, padded, batch)},
+        model,
+        config,
+    )
+    packed_time, padded_time = medians["packed"], medians["padded"]
     real_tokens = batch.num_tokens
     return {
-        "speedup": padded_s / packed_s,
-        "packed_s": packed_s,
-        "padded_s": padded_s,
+        "speedup": padded_time.wall_s / packed_time.wall_s,
+        "cpu_speedup": padded_time.cpu_s / packed_time.cpu_s,
+        "packed_s": packed_time.wall_s,
+        "padded_s": padded_time.wall_s,
+        "packed_cpu_s": packed_time.cpu_s,
+        "padded_cpu_s": padded_time.cpu_s,
         "packed_real_token_frac": real_tokens / batch.inputs.input_ids.numel(),
         "padded_real_token_frac": real_tokens / padded.input_ids.numel(),
         # sdpa sees the packed stream as one [T, T] masked attention, the padded batch as B x [L, L]:
@@ -214,6 +247,7 @@ def _parse_args() -> BenchConfig:
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     config = _parse_args()
+    torch.set_num_threads(config.threads)
     with tempfile.TemporaryDirectory(prefix="bench-packing-") as tmp:
         result = run(config, Path(tmp))
     print(
@@ -221,9 +255,12 @@ def main() -> None:
         f"({result['output_tokens']} output); padded batch holds {result['padded_tokens']} positions; "
         f"model {result['params_m']:.1f}M params, {result['threads']} threads"
     )
-    print(f"packed: {result['packed_s']:.3f} s/step, real-token fraction {result['packed_real_token_frac']:.3f}")
-    print(f"padded: {result['padded_s']:.3f} s/step, real-token fraction {result['padded_real_token_frac']:.3f}")
-    print(f"padded / packed time ratio: {result['speedup']:.2f}x")
+    for side in ("packed", "padded"):
+        print(
+            f"{side}: {result[side + '_s']:.3f} s/step wall, {result[side + '_cpu_s']:.3f} s CPU, "
+            f"real-token fraction {result[side + '_real_token_frac']:.3f}"
+        )
+    print(f"padded / packed time ratio: {result['speedup']:.2f}x wall, {result['cpu_speedup']:.2f}x CPU")
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
 
 

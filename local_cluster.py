@@ -44,8 +44,9 @@ class LocalClusterConfig:
     """Logprob workers (0 when the run uses logprob_role: none)."""
     num_cpus: int = 8
     """CPU slots Ray advertises (actors are light; real cores are shared)."""
-    gpu_memory_utilization: float = 0.1
-    """vLLM KV-cache share; on CPU builds a fraction of RAM."""
+    kv_cache_memory_bytes: int = 256 * 2**20
+    """vLLM KV cache per engine. Set explicitly: the CPU build otherwise reserves a fraction of
+    one NUMA node's RAM minus what the process already uses, which fails on a busy machine."""
     max_num_seqs: int = 256
     """vLLM's concurrent sequences per engine."""
     max_model_len: int = 512
@@ -113,7 +114,7 @@ class LocalCluster:
             self._dispatch(f"generation-{i}", common + [
                 "--mode", "generation", "--tensor_parallel_size", "1", "--max_num_seqs", str(c.max_num_seqs),
                 "--global_num_verifiers", str(c.global_num_verifiers),
-                "--gpu_memory_utilization", str(c.gpu_memory_utilization), "--max_model_len", str(c.max_model_len),
+                "--kv_cache_memory_bytes", str(c.kv_cache_memory_bytes), "--max_model_len", str(c.max_model_len),
             ])
         for i in range(c.logprob_workers):
             self._dispatch(f"logprob-{i}", common + ["--mode", "logprob", "--max_tokens_per_gpu", str(c.max_tokens_per_gpu)])
@@ -189,7 +190,7 @@ def main() -> int:
     parser.add_argument("--generation_workers", type=int, default=1)
     parser.add_argument("--logprob_workers", type=int, default=1)
     parser.add_argument("--global_num_verifiers", type=int, default=1)
-    parser.add_argument("--gpu_memory_utilization", type=float, default=0.1)
+    parser.add_argument("--kv_cache_memory_bytes", type=int, default=256 * 2**20)
     parser.add_argument("--max_model_len", type=int, default=512)
     args, trainer_args = parser.parse_known_args()
     trainer_args = [a for a in trainer_args if a != "--"]
@@ -197,7 +198,7 @@ def main() -> int:
     config = LocalClusterConfig(
         model_path=args.model_path, log_dir=args.run_dir, generation_workers=args.generation_workers,
         logprob_workers=args.logprob_workers, global_num_verifiers=args.global_num_verifiers,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_model_len=args.max_model_len,
     )
     with LocalCluster(config) as cluster:
         cluster.start_workers()

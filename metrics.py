@@ -112,7 +112,8 @@ class StepAccumulator:
             "counts/reward_failed": s["reward_failed"],
             "counts/minibatches_per_rank": float(end.num_minibatches),
         }
-        record.update({f"batcher/{k}": float(v) for k, v in batcher_stats.items() if isinstance(v, (int, float))})
+        # The batcher's keys are namespaced already (batcher/..., timing/generate_s, ...).
+        record.update({k: float(v) for k, v in batcher_stats.items() if isinstance(v, (int, float))})
         return record
 
 

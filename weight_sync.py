@@ -102,7 +102,10 @@ def assemble_state_dict(shards: Iterable[Mapping[str, TensorBlob]]) -> dict[str,
         blobs.sort(key=lambda b: b.dim0_offset)
         global_shape = blobs[0].global_shape
         tensors = [blob_to_tensor(b) for b in blobs if int(np.prod(b.shape)) > 0]
-        tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+        if not tensors:  # an empty tensor: every piece is empty
+            tensor = blob_to_tensor(blobs[0]).reshape(global_shape)
+        else:
+            tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
         if tuple(tensor.shape) != tuple(global_shape):
             raise ValueError(f"weight {name}: pieces assemble to {tuple(tensor.shape)}, expected {global_shape}")
         full[name] = tensor

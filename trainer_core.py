@@ -1,0 +1,388 @@
+"""The GRPO trainer: one process per GPU (or CPU slot) under torchrun, FSDP2 across ranks.
+
+    torchrun --nproc_per_node=8 trainer_core.py --config configs/my_run.yaml [--optim.lr 1e-6 ...]
+
+Inference workers must already be registered (see worker_dispatcher.py). Per step every rank
+submits its prompts to the ExperienceBatcher, trains on the packed minibatches it receives as
+they become ready, and after the optimizer step the new weights are pushed to the inference
+workers. Generation of the next `max_lag` steps overlaps training of the current one.
+
+Gradient scaling (the seed's exact-equivalence rule): each minibatch's loss is a sum over its
+samples; it is multiplied by world_size (FSDP averages gradients over ranks) and the summed
+gradients are divided by the step's total sample count, which equals one backward over the mean
+loss of all samples at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as torch_dist
+
+from checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from dataset import DatasetConfig, InfiniteDistributedSampler, load_prompts
+from grpo_loss import LossConfig, grpo_loss
+from metrics import MetricsLogger, StepAccumulator
+from run_config import load_config, save_config
+from sample_processing_utils import Sample, post_process_batch
+from setup_model import (
+    DistInfo,
+    ModelConfig,
+    OptimConfig,
+    build_optimizer,
+    build_scheduler,
+    build_training_model,
+    gather_full_state_dict,
+    init_distributed,
+    load_tokenizer,
+    local_shard_blobs,
+)
+from vllm_experience_batcher import BatcherConfig, EndOfStep, Minibatch, get_or_create_batcher
+from vllm_registry import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name
+from vllm_worker import SamplingConfig
+from weight_sync import WeightUpdate, get_or_create_shard_stager, state_dict_to_blobs
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainerConfig:
+    """Everything a run needs; saved as run_dir/config.yaml."""
+
+    run_dir: str = "runs/grpo"
+    """Where config, metrics, TensorBoard logs and checkpoints go."""
+    model: ModelConfig
+    """Policy model (path, chunk size, gradient checkpointing)."""
+    data: DatasetConfig
+    """Prompt dataset."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW, learning-rate schedule and gradient clipping."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """GRPO loss options (KL, clipping, importance sampling)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Rollout sampling (n per prompt, temperature, max_tokens) and advantage options."""
+    num_steps: int = 100
+    """Optimizer steps to train for (a resumed run continues up to this total)."""
+    prompts_per_rank: int = 8
+    """Prompts each rank submits per step (the step's batch is world_size x this x n samples)."""
+    max_tokens_per_gpu: int = 8192
+    """Token budget of one packed minibatch on one rank."""
+    max_lag: int = 1
+    """Weight versions generation may run ahead of training (0 = synchronous, on-policy)."""
+    weight_push_mode: Literal["gather", "sharded"] = "gather"
+    """gather: rank 0 publishes the full state; sharded: every rank publishes its FSDP shards."""
+    push_every: int = 1
+    """Push weights to inference workers every this many steps."""
+    logprob_role: Literal["reference", "old_policy", "none"] = "reference"
+    """What the logprob workers compute: reference logprobs (fixed weights, for the KL term),
+    old-policy logprobs (they receive weight pushes), or nothing (no logprob workers needed)."""
+    checkpoint_every: int = 0
+    """Checkpoint every N steps (0: only at the end of the run)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept on disk (older ones are deleted)."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in run_dir."""
+    seed: int = 0
+    """Seed of the data order and torch RNG."""
+    prompt_deadline_s: float = 600.0
+    """A prompt not finished (generation + logprobs) within this is reported and counted."""
+    message_timeout_s: float = 1800.0
+    """Longest wait for the next minibatch before the trainer gives up with an error."""
+    dist_timeout_s: float = 1800.0
+    """torch.distributed collective timeout: a dead rank stops the others with an error."""
+    ray_address: str = "auto"
+    """Ray cluster to join (started with `ray start`)."""
+    tensorboard: bool = True
+    """Also write metrics to run_dir/tensorboard."""
+    progress_bar: bool = True
+    """tqdm bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "prompts_per_rank", "max_tokens_per_gpu", "push_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_lag < 0:
+            raise ValueError(f"TrainerConfig.max_lag must be >= 0, got {self.max_lag}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"TrainerConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.loss.kl_coef > 0 and self.logprob_role != "reference":
+            raise ValueError("TrainerConfig.loss.kl_coef > 0 needs logprob_role: reference (reference logprobs)")
+
+    @property
+    def logprob_target(self) -> str | None:
+        """Which Sample field the logprob workers fill."""
+        return {"reference": "ref", "old_policy": "old", "none": None}[self.logprob_role]
+
+
+def _setup_logging(rank: int) -> None:
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
+
+
+def _connect_ray(config: TrainerConfig) -> None:
+    import ray
+
+    ray.init(
+        address=config.ray_address,
+        namespace=RAY_NAMESPACE,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
+    )
+
+
+def _registry(kind: str):
+    """The named registry of a worker kind, with an error that says how to start workers."""
+    import ray
+
+    try:
+        return ray.get_actor(registry_name(kind), namespace=RAY_NAMESPACE)
+    except ValueError:
+        raise RuntimeError(
+            f"{registry_name(kind)} not found in Ray namespace {RAY_NAMESPACE!r}: start {kind} workers "
+            f"with `python worker_dispatcher.py --mode {kind} ...` before the trainer"
+        ) from None
+
+
+class WeightPusher:
+    """Publishes the trainer's weights to every inference worker after a step."""
+
+    def __init__(self, config: TrainerConfig, dist: DistInfo) -> None:
+        self._mode = config.weight_push_mode
+        self._dist = dist
+        self._timeout_s = config.message_timeout_s
+        kinds = [GENERATION] + ([LOGPROB] if config.logprob_role == "old_policy" else [])
+        self._registries = [_registry(kind) for kind in kinds] if dist.rank == 0 else []
+        self._stager = get_or_create_shard_stager(RAY_NAMESPACE) if self._mode == "sharded" else None
+
+    def push(self, model: torch.nn.Module, version: int) -> float:
+        """Collective: every rank calls it. Returns seconds spent."""
+        import ray
+
+        start = time.perf_counter()
+        if self._mode == "gather":
+            state = gather_full_state_dict(model)
+            own_ref = ray.put(state_dict_to_blobs(state)) if self._dist.rank == 0 else None
+            refs = [own_ref]
+        else:
+            own_ref = ray.put(local_shard_blobs(model))
+            ray.get(self._stager.stage.remote(version, self._dist.rank, [own_ref]))
+            refs = (
+                ray.get(self._stager.collect.remote(version, self._dist.world_size, self._timeout_s))
+                if self._dist.rank == 0
+                else []
+            )
+        if self._dist.rank == 0:
+            update = WeightUpdate(version=version, shard_refs=refs, mode=self._mode)
+            results = ray.get([reg.broadcast.remote("update_weights", update) for reg in self._registries])
+            logger.info("pushed weights v%d (%s) to %d workers", version, self._mode, sum(len(r) for r in results))
+        # Workers fetch shards from every rank's object store: keep own_ref alive until all are done.
+        torch_dist.barrier()
+        del own_ref
+        return time.perf_counter() - start
+
+
+class PromptFeeder:
+    """Draws each step's prompts from this rank's shard and submits them to the batcher."""
+
+    def __init__(self, prompts: list[Sample], sampler: InfiniteDistributedSampler, batcher, config: TrainerConfig, dist: DistInfo) -> None:
+        self._prompts = prompts
+        self._sampler = sampler
+        self._batcher = batcher
+        self._per_rank = config.prompts_per_rank
+        self._rank = dist.rank
+        self._data_log = Path(config.run_dir) / f"data_rank{dist.rank}.jsonl"
+        self.sampler_state_at_step: dict[int, dict[str, Any]] = {}
+
+    def submit(self, step: int) -> None:
+        import json
+
+        import ray
+
+        self.sampler_state_at_step[step] = self._sampler.state_dict()
+        indices = self._sampler.next_batch(self._per_rank)
+        samples = [self._prompts[i] for i in indices]
+        ray.get(self._batcher.submit_prompts.remote(self._rank, step, samples))  # surfaces rejections
+        with self._data_log.open("a") as f:
+            f.write(json.dumps({"step": step, "prompt_ids": [s.prompt_id for s in samples]}) + "\n")
+
+
+def train_on_step(
+    model: torch.nn.Module, batcher, step: int, config: TrainerConfig, dist: DistInfo, acc: StepAccumulator
+) -> EndOfStep:
+    """Forward/backward every minibatch of this step as it arrives; returns the step's totals."""
+    import ray
+
+    while True:
+        wait_start = time.perf_counter()
+        message = ray.get(batcher.next_message.remote(dist.rank, step), timeout=config.message_timeout_s)
+        acc.add_time("wait_s", time.perf_counter() - wait_start)
+        if isinstance(message, EndOfStep):
+            return message
+        assert isinstance(message, Minibatch), f"unexpected batcher message {type(message).__name__}"
+        compute_start = time.perf_counter()
+        batch = post_process_batch(message.samples)
+        logprobs, entropy = model.score(batch.inputs)
+        loss, loss_metrics = grpo_loss(logprobs, batch, config.loss)
+        (loss * dist.world_size * message.loss_weight).backward()
+        if message.loss_weight > 0:
+            acc.add_minibatch(message.samples, batch, entropy.detach(), loss.detach().item(), loss_metrics)
+        acc.add_time("train_s", time.perf_counter() - compute_start)
+
+
+def take_gradient_step(model, optimizer, scheduler, end: EndOfStep, max_grad_norm: float) -> float:
+    """Scale summed gradients to a per-sample mean, clip, step. Returns the pre-clip grad norm."""
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.div_(end.num_samples)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
+
+
+def _restore(config: TrainerConfig, dist: DistInfo, model, optimizer, scheduler, sampler) -> int:
+    """Load the latest complete checkpoint if resuming; returns the first step to run."""
+    checkpoint = latest_checkpoint(Path(config.run_dir)) if config.resume else None
+    if checkpoint is None:
+        if config.resume:
+            logger.warning("--resume: no complete checkpoint in %s, starting from step 0", config.run_dir)
+        return 0
+    state = load_checkpoint(checkpoint, model, optimizer, scheduler, dist)
+    sampler.load_state_dict(state.sampler_state)
+    logger.info("resumed from %s at step %d", checkpoint, state.step)
+    return state.step
+
+
+def train(config: TrainerConfig) -> None:
+    """Run the GRPO loop: get batch, loss, step, push weights, log, checkpoint."""
+    dist = init_distributed(config.dist_timeout_s)
+    _setup_logging(dist.rank)
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if dist.rank == 0:
+        save_config(config, run_dir / "config.yaml")
+    torch.manual_seed(config.seed + dist.rank)
+    _connect_ray(config)
+
+    tokenizer = load_tokenizer(config.model.model_path)
+    prompts = load_prompts(config.data, tokenizer)
+    sampler = InfiniteDistributedSampler(len(prompts), dist.rank, dist.world_size, config.seed)
+    checkpoint = latest_checkpoint(run_dir) if config.resume else None
+    # A checkpoint is a full HF model directory: resuming loads the policy straight from it.
+    model_config = replace(config.model, model_path=str(checkpoint)) if checkpoint else config.model
+    model = build_training_model(model_config, dist)
+    optimizer = build_optimizer(model, config.optim)
+    scheduler = build_scheduler(optimizer, config.optim)
+    start_step = _restore(config, dist, model, optimizer, scheduler, sampler)
+
+    batcher = _make_batcher(config, dist)
+    pusher = WeightPusher(config, dist)
+    # Workers may hold other weights (base model, or a previous run's): start from ours.
+    pusher.push(model, version=start_step)
+    feeder = PromptFeeder(prompts, sampler, batcher, config, dist)
+    for step in range(start_step, min(start_step + config.max_lag + 1, config.num_steps)):
+        feeder.submit(step)
+
+    metrics = MetricsLogger(run_dir, enabled=dist.rank == 0, tensorboard=config.tensorboard,
+                            progress_total=config.num_steps, progress_start=start_step,
+                            progress_bar=config.progress_bar)
+    try:
+        for step in range(start_step, config.num_steps):
+            step_metrics = run_step(step, model, optimizer, scheduler, batcher, pusher, feeder, config, dist)
+            metrics.log(step, step_metrics)
+            if _should_checkpoint(step, config):
+                state = TrainerState(step=step + 1, sampler_state=feeder.sampler_state_at_step[step + 1]
+                                     if step + 1 in feeder.sampler_state_at_step else sampler.state_dict())
+                save_checkpoint(run_dir, model, optimizer, scheduler, state, config.model.model_path,
+                                dist, keep=config.keep_checkpoints)
+    finally:
+        metrics.close()
+    torch_dist.barrier()
+    logger.info("training finished at step %d; metrics in %s", config.num_steps, run_dir / "metrics.jsonl")
+    torch_dist.destroy_process_group()
+
+
+def _should_checkpoint(step: int, config: TrainerConfig) -> bool:
+    last = step + 1 == config.num_steps
+    return last or (config.checkpoint_every > 0 and (step + 1) % config.checkpoint_every == 0)
+
+
+def _make_batcher(config: TrainerConfig, dist: DistInfo):
+    """Rank 0 creates the batcher (get-if-exists); the others find it after a barrier."""
+    import ray
+
+    batcher_config = BatcherConfig(
+        world_size=dist.world_size,
+        max_tokens_per_gpu=config.max_tokens_per_gpu,
+        prompt_deadline_s=config.prompt_deadline_s,
+        logprob_target=config.logprob_target,
+        max_lag=config.max_lag,
+        sampling=config.sampling,
+    )
+    if dist.rank == 0:
+        _registry(GENERATION)
+        if config.logprob_target is not None:
+            _registry(LOGPROB)
+        batcher = get_or_create_batcher(batcher_config)
+        ray.get(batcher.stats.remote())  # wait until it is up
+    torch_dist.barrier()
+    if dist.rank != 0:
+        batcher = get_or_create_batcher(batcher_config)
+    return batcher
+
+
+def run_step(step, model, optimizer, scheduler, batcher, pusher, feeder, config: TrainerConfig, dist: DistInfo) -> dict[str, float]:
+    """One optimizer step: train on its minibatches, step, push weights, submit the next prompts."""
+    import ray
+
+    step_start = time.perf_counter()
+    acc = StepAccumulator(step=step)
+    end = train_on_step(model, batcher, step, config, dist, acc)
+    if end.num_samples > 0:
+        grad_norm = take_gradient_step(model, optimizer, scheduler, end, config.optim.max_grad_norm)
+    else:
+        logger.warning("step %d: no trainable samples (%s); skipping the optimizer step", step, end)
+        optimizer.zero_grad(set_to_none=True)
+        grad_norm = 0.0
+    version = step + 1
+    push_s = 0.0
+    if version % config.push_every == 0 or version == config.num_steps:
+        push_s = pusher.push(model, version)
+    next_step = step + config.max_lag + 1
+    if next_step < config.num_steps:
+        feeder.submit(next_step)
+    batcher_stats = ray.get(batcher.stats.remote(step)) if dist.rank == 0 else {}
+    return acc.finalize(
+        dist=dist,
+        end=end,
+        grad_norm=grad_norm,
+        lr=scheduler.get_last_lr()[0],
+        push_s=push_s,
+        step_s=time.perf_counter() - step_start,
+        batcher_stats=batcher_stats,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = load_config(TrainerConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    try:
+        train(config)
+    except Exception:
+        logging.getLogger(__name__).exception("rank %s failed", os.environ.get("RANK", "0"))
+        raise
+
+
+if __name__ == "__main__":
+    main()

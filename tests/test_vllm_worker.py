@@ -1,0 +1,418 @@
+"""Generation worker: advantages, reward policy, and a real vLLM engine inside Ray on the tiny model.
+
+    .venv/bin/python -m pytest tests/test_vllm_worker.py -x -q
+
+The engine tests share one engine (module scope, ~35 s to start on CPU) serving the tiny model
+rewired into an answer sampler, so rewards vary; the tied-embedding test starts a second engine
+on the tied tiny model. Rewards are re-derived here with math-verify
+itself, advantages with the statistics module, logprobs with the HF model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from math_verifier import RewardResult
+from sample_processing_utils import Sample, get_input_for_logprobs
+from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
+from weight_sync import WeightUpdate, state_dict_to_blobs
+from vllm_worker import (
+    GenerationWorker,
+    GenerationWorkerActor,
+    GenerationWorkerConfig,
+    SamplingConfig,
+    _with_tied_lm_head,
+    group_advantages,
+)
+
+logger = logging.getLogger(__name__)
+
+# A few MiB of KV cache hold every sequence these tests run; a fixed size avoids the CPU
+# backend's RAM-fraction sizing, which fails when other processes use the machine.
+TEST_KV_CACHE_BYTES = 64 << 20
+TEST_MAX_MODEL_LEN = 256
+# Short enough that the hostile test finishes quickly, long enough for ordinary answers on a busy
+# 2-core machine (they take milliseconds).
+TEST_VERIFIER_TIMEOUT_S = 3.0
+# Upper bound on a scoring call in the hostile test: a guard so a hung verifier fails the test
+# instead of hanging it, far above the verifier's own deadline (not a performance threshold).
+HANG_GUARD_S = 120.0
+# float32 engine vs float32 HF on the same tokens: observed max |diff| ~3e-6 (different kernels
+# and summation order); 1e-4 leaves room for that and is far below the perturbation's effect.
+LOGPROB_ATOL = 1e-4
+# A weight perturbation this size moves logprobs of the tiny model by ~1 nat; requiring a 0.1
+# gap proves the engine serves the new weights and not the old ones.
+PERTURBATION_SCALE = 0.1
+MIN_OLD_NEW_GAP = 0.1
+EXPONENT_TOWER = "The answer is $\\boxed{5^{5^{5^{5^{5^{5^{5}}}}}}}$"
+# The answering model (see _write_answering_model) samples each token independently from these
+# logits (all other tokens: 0), so its completions are answers like '7', '37 3' or '' and the
+# rewards of a group differ; the EOS share also leaves some completions truncated at max_tokens.
+ANSWER_LOGITS = {"7": 6.5, "3": 6.3, " ": 5.5}
+EOS_LOGIT = 6.3
+# Added to hidden dimension 0 of every token embedding: it dominates the residual stream, so the
+# final RMSNorm output is ~constant there and the lm_head column 0 alone sets the logits.
+EMBED_OFFSET = 100.0
+
+
+def _config(model_dir: Path, failed_samples_path: Path | None = None) -> GenerationWorkerConfig:
+    return GenerationWorkerConfig(
+        model_path=str(model_dir),
+        max_num_seqs=16,
+        gpu_memory_utilization=0.1,
+        kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
+        max_model_len=TEST_MAX_MODEL_LEN,
+        enforce_eager=True,
+        dtype="float32",
+        global_num_verifiers=1,
+        verifier_timeout_s=TEST_VERIFIER_TIMEOUT_S,
+        failed_samples_path=None if failed_samples_path is None else str(failed_samples_path),
+    )
+
+
+def _write_answering_model(src: Path, dst: Path) -> Path:
+    """The tiny model rewired into a context-free sampler over ANSWER_LOGITS and EOS."""
+    tokenizer = load_tokenizer(src)
+    model = load_causal_lm(src)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = EMBED_OFFSET
+        # RMSNorm of a vector dominated by dim 0 is ~sqrt(hidden) there: scale it to 1, drop the rest.
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0 / math.sqrt(hidden)
+        model.lm_head.weight.zero_()
+        for text, logit in ANSWER_LOGITS.items():
+            (token,) = tokenizer.encode(text)
+            model.lm_head.weight[token, 0] = logit
+        model.lm_head.weight[tokenizer.eos_token_id, 0] = EOS_LOGIT
+    shutil.copytree(src, dst)
+    model.save_pretrained(dst)
+    return dst
+
+
+def _build_sample(text: str, gt_answer: str, prompt_id: int, tokenizer) -> Sample:
+    return Sample(input_token_ids=tokenizer.encode(text), gt_answer=gt_answer, prompt_id=prompt_id)
+
+
+def _expected_reward(output_text: str, gt_answer: str) -> float:
+    """math-verify's verdict, computed here directly (gold given as LaTeX, as the pool does)."""
+    from math_verify import parse, verify
+
+    return 1.0 if verify(parse(f"${gt_answer}$"), parse(output_text)) else 0.0
+
+
+def _expected_advantages(rewards: list[float], scale_by_std: bool, eps: float) -> list[float]:
+    mean = statistics.fmean(rewards)
+    scale = statistics.pstdev(rewards) + eps if scale_by_std else 1.0
+    return [(r - mean) / scale for r in rewards]
+
+
+def _hf_logprobs(model_dir: Path, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Logprob of each output token under the HF model saved in model_dir."""
+    model = TokenLogprobModel(load_causal_lm(model_dir)).eval()
+    sample = Sample(input_token_ids=prompt, gt_answer="", output_token_ids=output)
+    with torch.no_grad():
+        logprobs, _ = model.score(get_input_for_logprobs([sample]))
+    return logprobs
+
+
+def _perturbed_copy(model_dir: Path, out_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    """Add seeded noise to every weight, save the model to out_dir, return its state dict."""
+    model = load_causal_lm(model_dir)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(PERTURBATION_SCALE * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(out_dir)
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def _greedy(ray, actor, sample: Sample) -> Sample:
+    (rollout,) = ray.get(actor.generate.remote(sample, SamplingConfig(n=1, temperature=0.0, max_tokens=24)))
+    return rollout
+
+
+def _max_diff(vllm_logprobs: list[float], hf_logprobs: torch.Tensor) -> float:
+    return float((torch.tensor(vllm_logprobs) - hf_logprobs).abs().max())
+
+
+def _start_actor(ray, name: str, config: GenerationWorkerConfig):
+    actor = GenerationWorkerActor.options(name=name).remote(name, config)
+    began = time.perf_counter()
+    ray.get(actor.start.remote())
+    logger.warning("engine %s started in %.1f s", name, time.perf_counter() - began)
+    return actor
+
+
+def _stop_actor(ray, actor) -> None:
+    ray.get(actor.shutdown.remote())
+    ray.kill(actor)
+
+
+# ---------------------------------------------------------------- pure logic, no engine
+
+
+@pytest.mark.parametrize("scale_by_std", [True, False])
+def test_group_advantages_match_reference(scale_by_std: bool) -> None:
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.5]
+    got = group_advantages(rewards, scale_by_std=scale_by_std, eps=1e-4)
+    assert got == pytest.approx(_expected_advantages(rewards, scale_by_std, 1e-4), abs=1e-12)
+    assert sum(got) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_group_advantages_scaled_by_std_have_unit_spread() -> None:
+    got = group_advantages([0.0, 1.0, 1.0, 0.0], scale_by_std=True, eps=0.0)
+    assert got == pytest.approx([-1.0, 1.0, 1.0, -1.0])
+    assert group_advantages([0.0, 1.0], scale_by_std=False, eps=0.0) == pytest.approx([-0.5, 0.5])
+
+
+@pytest.mark.parametrize("scale_by_std", [True, False])
+def test_group_advantages_equal_rewards_and_edge_sizes(scale_by_std: bool) -> None:
+    assert group_advantages([1.0, 1.0, 1.0], scale_by_std, eps=1e-4) == [0.0, 0.0, 0.0]
+    assert group_advantages([0.7], scale_by_std, eps=1e-4) == [0.0]
+    assert group_advantages([], scale_by_std, eps=1e-4) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"n": 0}, "n"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": 0.0, "n": 4}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"seed": -1}, "seed"),
+        ({"advantage_eps": -1e-3}, "advantage_eps"),
+        ({"truncated_reward": float("nan")}, "truncated_reward"),
+    ],
+)
+def test_sampling_config_rejects_bad_values(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"SamplingConfig.{field}"):
+        SamplingConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"model_path": ""}, "model_path"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
+        ({"weight_update_pause_mode": "abort"}, "weight_update_pause_mode"),
+        ({"verifier_timeout_s": 0.0}, "verifier_timeout_s"),
+    ],
+)
+def test_worker_config_rejects_bad_values(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"GenerationWorkerConfig.{field}"):
+        GenerationWorkerConfig(**{"model_path": "m", **kwargs})
+
+
+class _RecordingVerifier:
+    """Test double for the verifier pool: reward 1 for completions equal to the gold answer."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[list[str]] = []
+        self.fail = fail
+
+    async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]:
+        self.calls.append(list(completions))
+        if self.fail:
+            raise ConnectionError("verifier pool unreachable")
+        return [RewardResult(reward=float(c == gt_answer), failed=False, error="") for c in completions]
+
+
+def test_scoring_skips_truncated_and_keeps_order() -> None:
+    verifier = _RecordingVerifier()
+    worker = GenerationWorker("unit", GenerationWorkerConfig(model_path="unused"), verifier=verifier)
+    texts, truncated = ["7", "7", "3", "7"], [False, True, False, True]
+    got = asyncio.run(worker.score_completions(texts, truncated, "7", truncated_reward=-0.5))
+    assert [r.reward for r in got] == [1.0, -0.5, 0.0, -0.5]
+    assert verifier.calls == [["7", "3"]]
+    got_all = asyncio.run(worker.score_completions(texts, truncated, "7", truncated_reward=None))
+    assert [r.reward for r in got_all] == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_scoring_survives_verifier_failure() -> None:
+    worker = GenerationWorker("unit", GenerationWorkerConfig(model_path="unused"), verifier=_RecordingVerifier(fail=True))
+    got = asyncio.run(worker.score_completions(["7", "8"], [False, False], "7", truncated_reward=0.0))
+    assert [(r.reward, r.failed) for r in got] == [(0.0, True), (0.0, True)]
+    assert "unreachable" in got[0].error
+
+
+def test_tied_lm_head_is_fed_only_when_tied_and_missing() -> None:
+    class _Config:
+        def __init__(self, tied: bool) -> None:
+            self.tie_word_embeddings = tied
+
+    embed = torch.ones(3, 2)
+    weights = {"model.embed_tokens.weight": embed}
+    assert _with_tied_lm_head(weights, _Config(True))["lm_head.weight"] is embed
+    assert "lm_head.weight" not in _with_tied_lm_head(weights, _Config(False))
+    own_head = torch.zeros(3, 2)
+    given = {**weights, "lm_head.weight": own_head}
+    assert _with_tied_lm_head(given, _Config(True))["lm_head.weight"] is own_head
+
+
+# ---------------------------------------------------------------- real verifier pool (Ray)
+
+
+def test_hostile_and_truncated_outputs_through_scoring_path(ray_local, tiny_model_dir) -> None:
+    worker = GenerationWorker("scoring-test", _config(tiny_model_dir))
+
+    def score(texts: list[str], truncated: list[bool], gt: str, truncated_reward: float | None) -> list[RewardResult]:
+        call = worker.score_completions(texts, truncated, gt, truncated_reward)
+        return asyncio.run(asyncio.wait_for(call, HANG_GUARD_S))
+
+    boxed_seven = "so the answer is $\\boxed{7}$"
+    tower, boxed = score([EXPONENT_TOWER, boxed_seven], [False, False], "7", 0.0)
+    assert (tower.reward, tower.failed, tower.error) == (0.0, True, "timeout")
+    assert (boxed.reward, boxed.failed) == (_expected_reward(boxed_seven, "7"), False) == (1.0, False)
+
+    # math-verify reads a cut-off '9=9=' as the answer 9; the default policy pays 0 for it.
+    assert _expected_reward("9=9=", "9") == 1.0
+    (cut,) = score(["9=9="], [True], "9", SamplingConfig().truncated_reward)
+    assert (cut.reward, cut.failed) == (0.0, False)
+    (cut_verified,) = score(["9=9="], [True], "9", None)
+    assert (cut_verified.reward, cut_verified.failed) == (1.0, False)
+
+
+# ---------------------------------------------------------------- real engine (vLLM in Ray)
+
+
+@pytest.fixture(scope="module")
+def failed_samples_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("failed") / "failed_samples.jsonl"
+
+
+@pytest.fixture(scope="module")
+def answering_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_answering_model(tiny_model_dir, tmp_path_factory.mktemp("answering") / "model")
+
+
+@pytest.fixture(scope="module")
+def generation_actor(ray_local, answering_model_dir, failed_samples_path):
+    actor = _start_actor(ray_local, "generation-worker-test-0", _config(answering_model_dir, failed_samples_path))
+    yield actor
+    _stop_actor(ray_local, actor)
+
+
+def _count_lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(n=16, max_tokens=6, seed=1234, truncated_reward=None, scale_advantage_by_std=True),
+        SamplingConfig(n=12, max_tokens=6, seed=99, truncated_reward=0.0, scale_advantage_by_std=False),
+    ],
+    ids=["grpo-verify-truncated", "drgrpo-truncated-zero"],
+)
+def test_generate_rewards_advantages_versions(
+    ray_local, generation_actor, answering_model_dir, failed_samples_path, sampling: SamplingConfig
+) -> None:
+    tokenizer = load_tokenizer(answering_model_dir)
+    prompts = [("What is 3 + 4? ", "7"), ("Compute 14 / 2. ", "7"), ("6 + 1 = ", "7"), ("The prime after 5: ", "7")]
+    samples = [_build_sample(text, gt, i, tokenizer) for i, (text, gt) in enumerate(prompts)]
+    ray = ray_local
+    served_version = ray.get(generation_actor.health.remote()).weight_version
+    lines_before = _count_lines(failed_samples_path)
+
+    groups = ray.get([generation_actor.generate.remote(s, sampling) for s in samples])
+
+    reward_failures = 0
+    all_rewards: list[float] = []
+    for sample, group in zip(samples, groups):
+        assert len(group) == sampling.n
+        for rollout in group:
+            assert rollout.input_token_ids == sample.input_token_ids and rollout.prompt_id == sample.prompt_id
+            assert 1 <= len(rollout.output_token_ids) <= sampling.max_tokens
+            assert len(rollout.sampling_logprobs) == len(rollout.output_token_ids)
+            assert all(math.isfinite(lp) and lp <= 0.0 for lp in rollout.sampling_logprobs)
+            assert rollout.output_text == tokenizer.decode(rollout.output_token_ids, skip_special_tokens=True)
+            assert rollout.finish_reason in ("stop", "length")
+            assert rollout.truncated == (rollout.finish_reason == "length")
+            if rollout.truncated:
+                assert len(rollout.output_token_ids) == sampling.max_tokens
+            if rollout.truncated and sampling.truncated_reward is not None:
+                assert (rollout.reward, rollout.reward_failed) == (sampling.truncated_reward, False)
+            else:
+                assert rollout.reward == _expected_reward(rollout.output_text, sample.gt_answer)
+            assert rollout.weight_version == served_version
+            reward_failures += rollout.reward_failed
+            all_rewards.append(rollout.reward)
+        expected = _expected_advantages([r.reward for r in group], sampling.scale_advantage_by_std, sampling.advantage_eps)
+        assert [r.advantage for r in group] == pytest.approx(expected, abs=1e-9)
+        # Seeds differ per completion, so the n completions are not copies of one another.
+        assert len({tuple(r.output_token_ids) for r in group}) > 1
+
+    # The answering model makes these checks non-trivial: some rollouts are right, some wrong.
+    assert {0.0, 1.0} <= set(all_rewards)
+    records = [json.loads(line) for line in failed_samples_path.read_text().splitlines()[lines_before:]] if reward_failures else []
+    assert len(records) == reward_failures
+    assert all(r["error"].startswith("reward failed") and r["output_token_ids"] for r in records)
+
+
+@pytest.mark.vllm
+def test_weight_update_reaches_engine(
+    ray_local, generation_actor, answering_model_dir, tiny_model_dir, tmp_path: Path
+) -> None:
+    """The engine serves the answering model; the update swaps in the seeded perturbation of the
+    random tiny model, which HF loads from a saved copy."""
+    tokenizer = load_tokenizer(answering_model_dir)
+    sample = _build_sample("Find x if 2x = 14. ", "7", 0, tokenizer)
+    old_dir = answering_model_dir
+
+    before = _greedy(ray_local, generation_actor, sample)
+    assert _max_diff(before.sampling_logprobs, _hf_logprobs(old_dir, sample.input_token_ids, before.output_token_ids)) <= LOGPROB_ATOL
+
+    new_dir = tmp_path / "perturbed"
+    state_dict = _perturbed_copy(tiny_model_dir, new_dir, seed=7)
+    version = before.weight_version + 1
+    update = WeightUpdate(version=version, shard_refs=[ray_local.put(state_dict_to_blobs(state_dict))])
+    assert ray_local.get(generation_actor.update_weights.remote(update)) == version
+
+    after = _greedy(ray_local, generation_actor, sample)
+    assert after.weight_version == version
+    new_hf = _hf_logprobs(new_dir, sample.input_token_ids, after.output_token_ids)
+    old_hf = _hf_logprobs(old_dir, sample.input_token_ids, after.output_token_ids)
+    assert _max_diff(after.sampling_logprobs, new_hf) <= LOGPROB_ATOL
+    assert _max_diff(after.sampling_logprobs, old_hf) >= MIN_OLD_NEW_GAP
+    health = ray_local.get(generation_actor.health.remote())
+    assert (health.weight_version, health.healthy, health.inflight_requests) == (version, True, 0)
+
+
+@pytest.mark.vllm
+def test_weight_update_with_tied_embeddings(ray_local, tiny_tied_model_dir, tmp_path: Path) -> None:
+    """Tied models: the update matches HF whether or not the state dict carries lm_head.weight
+    (HF checkpoints of tied models omit it; a plain state_dict() includes it)."""
+    actor = _start_actor(ray_local, "generation-worker-test-tied", _config(tiny_tied_model_dir))
+    try:
+        tokenizer = load_tokenizer(tiny_tied_model_dir)
+        sample = _build_sample("1 + 1 = ", "2", 0, tokenizer)
+        for version, keep_lm_head in ((1, False), (2, True)):
+            new_dir = tmp_path / f"tied-v{version}"
+            state_dict = _perturbed_copy(tiny_tied_model_dir, new_dir, seed=100 + version)
+            if not keep_lm_head:
+                state_dict.pop("lm_head.weight")
+            update = WeightUpdate(version=version, shard_refs=[ray_local.put(state_dict_to_blobs(state_dict))])
+            assert ray_local.get(actor.update_weights.remote(update)) == version
+            rollout = _greedy(ray_local, actor, sample)
+            new_hf = _hf_logprobs(new_dir, sample.input_token_ids, rollout.output_token_ids)
+            old_hf = _hf_logprobs(tiny_tied_model_dir, sample.input_token_ids, rollout.output_token_ids)
+            assert rollout.weight_version == version
+            assert _max_diff(rollout.sampling_logprobs, new_hf) <= LOGPROB_ATOL
+            assert _max_diff(rollout.sampling_logprobs, old_hf) >= MIN_OLD_NEW_GAP
+    finally:
+        _stop_actor(ray_local, actor)

@@ -1,0 +1,557 @@
+"""Generation worker: rollouts from a vLLM V1 `AsyncLLM`, rewards from math-verify, GRPO advantages.
+
+One worker owns one engine (continuous batching, many concurrent requests). A request is one
+dataset `Sample` plus the trainer's `SamplingConfig`; the answer is n completed copies of the
+sample (tokens, sampling logprobs, reward, group advantage, weight version). New weights arrive
+as a `weight_sync.WeightUpdate`, are written to a safetensors file in shared memory, and are
+loaded inside the engine-core process by `WeightReloadExtension` (vLLM's `worker_extension_cls`
+hook, called by method name through `collective_rpc`).
+
+The dispatcher starts it as a Ray actor (the engine-core process must be able to import this
+module, so the actor's runtime env carries the repository on PYTHONPATH):
+
+    worker = GenerationWorkerActor.options(name="generation-worker-0").remote(
+        "generation-worker-0", GenerationWorkerConfig(model_path="runs/tiny-qwen2"))
+    ray.get(worker.start.remote())
+    samples = ray.get(worker.generate.remote(sample, SamplingConfig(n=8)))
+
+Tests: `.venv/bin/python -m pytest tests/test_vllm_worker.py -x -q` (starts real engines).
+This module imports neither vLLM nor math-verify at import time (math_verifier loads it in its
+own processes), so the trainer, which has neither installed, can import `SamplingConfig`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Sequence
+
+import numpy as np
+import ray
+
+from math_verifier import RewardResult, get_or_create_verifier_pool
+from sample_processing_utils import Sample
+from vllm_registry import GENERATION, WorkerHealth
+from weight_sync import WeightUpdate, fetch_state_dict, write_safetensors
+
+if TYPE_CHECKING:
+    from vllm.outputs import CompletionOutput
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+# Name of the `WeightReloadExtension` method that collective_rpc calls inside the engine. vLLM
+# mixes the extension into its worker class and refuses names the worker already has, hence
+# the project prefix.
+RELOAD_WEIGHTS_RPC = "grpo_reload_weights_from_file"
+# tmpfs on Linux: the weights file never touches disk and is read back at memory speed.
+SHARED_MEMORY_DIR = Path("/dev/shm")
+# One generate call holds one actor slot for its whole rollout, and the registry may send a
+# worker up to its cost cap (sequences) at once; Ray's async-actor default (1000) already fits,
+# stating it makes the limit visible.
+ACTOR_MAX_CONCURRENCY = 1024
+# vLLM's finish_reason for a completion cut off at max_tokens.
+FINISH_LENGTH = "length"
+# HF names of the input embedding and output projection of decoder-only causal LMs.
+_EMBED_WEIGHT = "model.embed_tokens.weight"
+_LM_HEAD_WEIGHT = "lm_head.weight"
+
+
+@dataclass(kw_only=True, frozen=True)
+class SamplingConfig:
+    """How to sample and score one prompt's rollouts; sent with every request by the trainer."""
+
+    n: int = 8
+    """Completions per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy, which needs n == 1."""
+    top_p: float = 1.0
+    """Nucleus-sampling mass in (0, 1]."""
+    max_tokens: int = 512
+    """Most tokens one completion may generate; a completion that reaches it is truncated."""
+    seed: int | None = None
+    """Base seed. The request for prompt k uses seed + k * n and vLLM gives its i-th completion
+    seed + k * n + i, so rollouts are reproducible for a given prompt and weights and no two
+    completions share a seed. None samples unseeded."""
+    scale_advantage_by_std: bool = True
+    """True: advantage = (r - mean) / (std + eps) (GRPO). False: r - mean (Dr. GRPO, which
+    argues the std division over-weights prompts that are nearly always solved or failed)."""
+    advantage_eps: float = 1e-4
+    """Added to the group std before dividing, so a group with equal rewards gets advantage 0."""
+    truncated_reward: float | None = 0.0
+    """Reward of a completion cut off at max_tokens, given without verifying it. math-verify
+    takes the first number it finds, so a cut-off '9=9=' would score as the answer 9; 0 stops
+    rewarding rambling. None verifies truncated completions like any other."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingConfig.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
+        if self.temperature == 0 and self.n != 1:
+            raise ValueError(f"SamplingConfig.temperature 0 (greedy) needs n == 1, got n={self.n}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"SamplingConfig.seed must be >= 0 or None, got {self.seed}")
+        if self.advantage_eps < 0:
+            raise ValueError(f"SamplingConfig.advantage_eps must be >= 0, got {self.advantage_eps}")
+        if self.truncated_reward is not None and not math.isfinite(self.truncated_reward):
+            raise ValueError(f"SamplingConfig.truncated_reward must be finite or None, got {self.truncated_reward}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class GenerationWorkerConfig:
+    """One generation worker: its vLLM engine, its verifiers, and where failed samples go."""
+
+    model_path: str
+    """Hugging Face model folder the engine loads (safetensors + tokenizer)."""
+    tensor_parallel_size: int = 1
+    """GPUs one engine spans."""
+    max_num_seqs: int = 128
+    """Most sequences the engine schedules in one step (continuous-batching width)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of accelerator memory vLLM may use; on the CPU backend, the fraction of RAM
+    reserved for the KV cache."""
+    kv_cache_memory_bytes: int | None = None
+    """Explicit KV-cache size in bytes, overriding gpu_memory_utilization. Useful on the CPU
+    backend, where the utilization fraction is of the NUMA node's RAM and must also cover the
+    engine process's own memory, so small fractions fail at start."""
+    max_model_len: int | None = None
+    """Longest prompt + completion in tokens; None takes the model's own limit."""
+    enforce_eager: bool = False
+    """Skip CUDA-graph capture (faster start, slower decoding)."""
+    dtype: str = "auto"
+    """Engine weight dtype ('auto' follows the checkpoint)."""
+    engine_seed: int = 0
+    """Seed of the engine's own random state (unseeded requests draw from it)."""
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    """Which distribution `sampling_logprobs` come from: the model's raw softmax (what the
+    trainer's logprob pass computes) or the one after temperature/top-p (the true sampler)."""
+    weight_update_pause_mode: Literal["keep", "wait"] = "keep"
+    """How an update treats rollouts in flight: 'keep' freezes them, swaps weights and finishes
+    them with the new weights (no stall; their tokens mix versions), 'wait' lets them finish on
+    the old weights first while new requests queue (each rollout on one version)."""
+    global_num_verifiers: int = 4
+    """Processes of the cluster-wide math-verify pool (created by the first worker to ask)."""
+    verifier_timeout_s: float = 10.0
+    """Hard deadline per verification; a verifier that passes it is killed and the reward is 0."""
+    failed_samples_path: str | None = None
+    """JSONL file that receives every sample whose generation or scoring failed, with the
+    error; None turns this off."""
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("GenerationWorkerConfig.model_path must be set")
+        for name in ("tensor_parallel_size", "max_num_seqs", "global_num_verifiers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GenerationWorkerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"GenerationWorkerConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"GenerationWorkerConfig.kv_cache_memory_bytes must be >= 1 or None, got {self.kv_cache_memory_bytes}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"GenerationWorkerConfig.max_model_len must be >= 2 or None, got {self.max_model_len}")
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError(f"GenerationWorkerConfig.logprobs_mode unknown: {self.logprobs_mode!r}")
+        if self.weight_update_pause_mode not in ("keep", "wait"):
+            raise ValueError(
+                f"GenerationWorkerConfig.weight_update_pause_mode unknown: {self.weight_update_pause_mode!r}"
+            )
+        if self.verifier_timeout_s <= 0:
+            raise ValueError(f"GenerationWorkerConfig.verifier_timeout_s must be > 0, got {self.verifier_timeout_s}")
+
+
+def group_advantages(rewards: Sequence[float], scale_by_std: bool, eps: float) -> list[float]:
+    """Group-relative advantages of one prompt's rollouts.
+
+    (r - mean) / (std + eps) when scale_by_std, else r - mean. The std is the population std
+    (ddof=0): it is defined for a group of one, and it is what the mean-centred rewards have.
+    """
+    if not rewards:
+        return []
+    values = np.asarray(rewards, dtype=np.float64)
+    centred = values - values.mean()
+    if scale_by_std:
+        centred = centred / (values.std() + eps)
+    return centred.tolist()
+
+
+class RewardScorer(Protocol):
+    """What the worker needs from a verifier: math_verifier.VerifierPool or a Ray handle's adapter."""
+
+    async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]: ...
+
+
+class _RayVerifierClient:
+    """Adapts the cluster's verifier-pool actor handle to RewardScorer."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]:
+        return await self._handle.score.remote(completions, gt_answer)
+
+
+class WeightReloadExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); runs in the engine-core process.
+
+    Called by name through `collective_rpc`, whose arguments cannot carry tensors: the weights
+    travel as a safetensors file path. `model_runner.reload_weights` (not `model.load_weights`)
+    is the loading path, because CPU and quantised kernels repack weights after loading and
+    reload_weights re-runs that processing.
+    """
+
+    def grpo_reload_weights_from_file(self, path: str) -> int:
+        """Load HF-named tensors from a safetensors file into the running model; returns their count."""
+        from safetensors.torch import load_file
+
+        weights = load_file(path, device="cpu")
+        weights = _with_tied_lm_head(weights, self.model_runner.model_config.hf_text_config)
+        self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
+        return len(weights)
+
+
+def _with_tied_lm_head(weights: dict[str, Any], hf_config: Any) -> dict[str, Any]:
+    """Add `lm_head.weight` (= the embedding) for a model with tied embeddings.
+
+    HF checkpoints of tied models omit lm_head.weight. On vLLM's in-place reload a layer that
+    receives no weights keeps its old processed kernel: on the CPU backend the lm_head's
+    prepacked GEMM weight stays the old embedding even though the shared parameter changed.
+    Feeding the tensor under the lm_head name makes vLLM reprocess that layer too.
+    """
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    if tied and _LM_HEAD_WEIGHT not in weights and _EMBED_WEIGHT in weights:
+        return {**weights, _LM_HEAD_WEIGHT: weights[_EMBED_WEIGHT]}
+    return weights
+
+
+def weights_file_dir() -> Path:
+    """Where update files go: shared memory when the machine has it, else the temp dir."""
+    return SHARED_MEMORY_DIR if SHARED_MEMORY_DIR.is_dir() else Path(tempfile.gettempdir())
+
+
+def _request_seed(seed: int | None, prompt_id: int, n: int) -> int | None:
+    """Per-request seed (see SamplingConfig.seed); a sample without a prompt id counts as prompt 0."""
+    return None if seed is None else seed + max(prompt_id, 0) * n
+
+
+def _token_logprobs(completion: CompletionOutput) -> list[float]:
+    """Logprob of each sampled token (SamplingParams(logprobs=0) returns exactly that one)."""
+    if completion.logprobs is None:
+        raise RuntimeError("vLLM returned no logprobs although the request asked for them")
+    return [float(position[token].logprob) for token, position in zip(completion.token_ids, completion.logprobs)]
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    """Counters of one worker since it started."""
+
+    requests: int = 0
+    """Generate calls answered with samples."""
+    samples: int = 0
+    """Completions returned."""
+    truncated: int = 0
+    """Completions cut off at max_tokens."""
+    reward_failures: int = 0
+    """Completions whose verification failed or timed out (reward 0)."""
+    generation_failures: int = 0
+    """Generate calls that raised inside the engine."""
+    weight_updates: int = 0
+    """Weight updates applied."""
+
+    def as_metrics(self) -> dict[str, float]:
+        """Namespaced metric keys, e.g. 'generation/reward_failures'."""
+        return {f"generation/{f.name}": float(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+class GenerationWorker:
+    """One vLLM AsyncLLM engine plus the scoring and weight-update logic around it.
+
+    Plain class: construct it without Ray; `start()` builds the engine. The verifier defaults
+    to the cluster's named verifier-pool actor (connected on first use); pass any RewardScorer
+    to use another one.
+    """
+
+    def __init__(self, worker_name: str, config: GenerationWorkerConfig, verifier: RewardScorer | None = None) -> None:
+        self.worker_name = worker_name
+        self.config = config
+        self.stats = GenerationStats()
+        self._verifier = verifier
+        self._engine: AsyncLLM | None = None
+        self._weight_version = -1
+        self._inflight = 0
+        self._request_counter = 0
+        self._update_lock = asyncio.Lock()
+        self._accepting = asyncio.Event()
+        self._accepting.set()
+        self._start_error = ""
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights the engine serves (-1: the initial checkpoint)."""
+        return self._weight_version
+
+    async def start(self) -> None:
+        """Build the engine (tens of seconds: the engine-core process loads and warms the model)."""
+        if self._engine is not None:
+            return
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cfg = self.config
+        args = AsyncEngineArgs(
+            model=cfg.model_path,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            max_num_seqs=cfg.max_num_seqs,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+            max_model_len=cfg.max_model_len,
+            enforce_eager=cfg.enforce_eager,
+            dtype=cfg.dtype,
+            seed=cfg.engine_seed,
+            logprobs_mode=cfg.logprobs_mode,
+            worker_extension_cls=f"{WeightReloadExtension.__module__}.{WeightReloadExtension.__qualname__}",
+            disable_log_stats=True,
+        )
+        began = time.perf_counter()
+        try:
+            self._engine = AsyncLLM.from_engine_args(args)
+        except Exception as exc:
+            self._start_error = f"{type(exc).__name__}: {exc}"
+            raise
+        logger.info("%s: engine for %s started in %.1f s", self.worker_name, cfg.model_path, time.perf_counter() - began)
+
+    def _require_engine(self) -> AsyncLLM:
+        if self._engine is None:
+            raise RuntimeError(f"{self.worker_name}: engine not started (call start() first)")
+        return self._engine
+
+    def _verifier_client(self) -> RewardScorer:
+        if self._verifier is None:
+            handle = get_or_create_verifier_pool(self.config.global_num_verifiers, self.config.verifier_timeout_s)
+            self._verifier = _RayVerifierClient(handle)
+        return self._verifier
+
+    def _sampling_params(self, sampling: SamplingConfig, prompt_id: int) -> SamplingParams:
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        # FINAL_ONLY: with n > 1 the default cumulative stream's last output can miss completions.
+        return SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_tokens,
+            seed=_request_seed(sampling.seed, prompt_id, sampling.n),
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def _run_engine(self, sample: Sample, sampling: SamplingConfig) -> list[CompletionOutput]:
+        from vllm.inputs import TokensPrompt
+
+        engine = self._require_engine()
+        self._request_counter += 1
+        request_id = f"{self.worker_name}-{self._request_counter}-{uuid.uuid4().hex[:8]}"
+        prompt = TokensPrompt(prompt_token_ids=list(sample.input_token_ids))
+        final = None
+        async for output in engine.generate(prompt, self._sampling_params(sampling, sample.prompt_id), request_id):
+            final = output
+        if final is None or len(final.outputs) != sampling.n:
+            got = 0 if final is None else len(final.outputs)
+            raise RuntimeError(f"request {request_id}: expected {sampling.n} completions, got {got}")
+        return sorted(final.outputs, key=lambda c: c.index)
+
+    async def generate(self, sample: Sample, sampling: SamplingConfig) -> list[Sample]:
+        """Sample n completions of one prompt and return n completed copies of the sample."""
+        await self._accepting.wait()
+        version = self._weight_version
+        self._inflight += 1
+        try:
+            try:
+                completions = await self._run_engine(sample, sampling)
+            except Exception as exc:
+                self.stats.generation_failures += 1
+                self._record_failures([(sample, f"generation failed: {type(exc).__name__}: {exc}")])
+                raise
+            samples = [self._completed_sample(sample, c, version) for c in completions]
+            rewards = await self.score_completions(
+                [s.output_text for s in samples], [s.truncated for s in samples], sample.gt_answer, sampling.truncated_reward
+            )
+            advantages = group_advantages([r.reward for r in rewards], sampling.scale_advantage_by_std, sampling.advantage_eps)
+            for s, reward, advantage in zip(samples, rewards, advantages):
+                s.reward, s.reward_failed, s.advantage = float(reward.reward), bool(reward.failed), float(advantage)
+            self._record_failures([(s, f"reward failed: {r.error}") for s, r in zip(samples, rewards) if r.failed])
+            self._count(samples)
+            return samples
+        finally:
+            self._inflight -= 1
+
+    def _completed_sample(self, sample: Sample, completion: CompletionOutput, version: int) -> Sample:
+        finish_reason = str(completion.finish_reason or "")
+        return dataclasses.replace(
+            sample,
+            input_token_ids=list(sample.input_token_ids),
+            output_token_ids=list(completion.token_ids),
+            output_text=completion.text,
+            sampling_logprobs=_token_logprobs(completion),
+            finish_reason=finish_reason,
+            truncated=finish_reason == FINISH_LENGTH,
+            weight_version=version,
+        )
+
+    def _count(self, samples: list[Sample]) -> None:
+        self.stats.requests += 1
+        self.stats.samples += len(samples)
+        self.stats.truncated += sum(s.truncated for s in samples)
+        self.stats.reward_failures += sum(s.reward_failed for s in samples)
+
+    async def score_completions(
+        self, completions: list[str], truncated: list[bool], gt_answer: str, truncated_reward: float | None
+    ) -> list[RewardResult]:
+        """Rewards of one group: truncated completions get truncated_reward (unless None), the
+        rest go to the verifier pool. A verifier-pool failure fails every reward of the call."""
+        if len(completions) != len(truncated):
+            raise ValueError(f"{len(completions)} completions but {len(truncated)} truncated flags")
+        results: list[RewardResult | None] = [
+            RewardResult(reward=float(truncated_reward), failed=False, error="")
+            if cut and truncated_reward is not None
+            else None
+            for cut in truncated
+        ]
+        pending = [i for i, r in enumerate(results) if r is None]
+        if pending:
+            for i, result in zip(pending, await self._verify([completions[i] for i in pending], gt_answer)):
+                results[i] = result
+        return [r for r in results if r is not None]
+
+    async def _verify(self, completions: list[str], gt_answer: str) -> list[RewardResult]:
+        try:
+            results = await self._verifier_client().score(completions, gt_answer)
+        except Exception as exc:
+            logger.exception("%s: verifier pool call failed", self.worker_name)
+            error = f"verifier pool failed: {type(exc).__name__}: {exc}"
+            return [RewardResult(reward=0.0, failed=True, error=error) for _ in completions]
+        if len(results) != len(completions):
+            raise RuntimeError(f"verifier returned {len(results)} results for {len(completions)} completions")
+        return list(results)
+
+    def _record_failures(self, failures: list[tuple[Sample, str]]) -> None:
+        """Append (sample, error) records to failed_samples_path as JSONL, when configured."""
+        path = self.config.failed_samples_path
+        if path is None or not failures:
+            return
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            for sample, error in failures:
+                record = dataclasses.asdict(sample)
+                record.update(worker=self.worker_name, error=error, time=time.time())
+                f.write(json.dumps(record) + "\n")
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        """Load a new weight version into the engine; returns the version now served."""
+        engine = self._require_engine()
+        async with self._update_lock:
+            if update.version < self._weight_version:
+                raise ValueError(
+                    f"{self.worker_name}: update to version {update.version} is older than served {self._weight_version}"
+                )
+            state_dict = await asyncio.to_thread(fetch_state_dict, update)
+            path = weights_file_dir() / f"grpo-weights-{self.worker_name}-v{update.version}-{uuid.uuid4().hex}.safetensors"
+            began = time.perf_counter()
+            try:
+                await asyncio.to_thread(write_safetensors, state_dict, path)
+                del state_dict
+                await self._reload_paused(engine, path, update.version)
+            finally:
+                path.unlink(missing_ok=True)
+            self.stats.weight_updates += 1
+            logger.info(
+                "%s: weights v%d loaded in %.2f s", self.worker_name, update.version, time.perf_counter() - began
+            )
+            return self._weight_version
+
+    async def _reload_paused(self, engine: AsyncLLM, path: Path, version: int) -> None:
+        """Pause scheduling, reload from the file, label the version, resume.
+
+        Prefix/KV caches are cleared: cached KV computed with the old weights would otherwise be
+        reused by new requests. Requests arriving meanwhile wait, so the version they record is
+        the one they run on.
+        """
+        self._accepting.clear()
+        try:
+            await engine.pause_generation(mode=self.config.weight_update_pause_mode, clear_cache=True)
+            try:
+                await engine.collective_rpc(RELOAD_WEIGHTS_RPC, args=(str(path),))
+                await engine.update_weight_version(str(version))
+                self._weight_version = version
+            finally:
+                await engine.resume_generation()
+        finally:
+            self._accepting.set()
+
+    def health(self) -> WorkerHealth:
+        """Liveness and load as the registry sees them."""
+        healthy, detail = self._engine_state()
+        return WorkerHealth(
+            name=self.worker_name,
+            kind=GENERATION,
+            node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else "",
+            weight_version=self._weight_version,
+            inflight_requests=self._inflight,
+            healthy=healthy,
+            detail=detail,
+        )
+
+    def _engine_state(self) -> tuple[bool, str]:
+        if self._engine is None:
+            return False, self._start_error or "engine not started"
+        if self._engine.errored:
+            return False, "engine dead"
+        metrics = self.stats.as_metrics()
+        return True, ", ".join(f"{k}={int(v)}" for k, v in metrics.items())
+
+    def shutdown(self) -> None:
+        """Stop the engine-core process."""
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+            logger.info("%s: engine shut down", self.worker_name)
+
+
+@ray.remote(max_concurrency=ACTOR_MAX_CONCURRENCY)
+class GenerationWorkerActor:
+    """Ray actor over GenerationWorker: same methods, nothing else."""
+
+    def __init__(self, worker_name: str, config: GenerationWorkerConfig) -> None:
+        self._worker = GenerationWorker(worker_name, config)
+
+    async def start(self) -> None:
+        await self._worker.start()
+
+    async def generate(self, sample: Sample, sampling: SamplingConfig) -> list[Sample]:
+        return await self._worker.generate(sample, sampling)
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        return await self._worker.update_weights(update)
+
+    async def health(self) -> WorkerHealth:
+        return self._worker.health()
+
+    async def shutdown(self) -> None:
+        self._worker.shutdown()

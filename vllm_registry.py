@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,10 @@ LOGPROB = "logprob"
 WORKER_KINDS = (GENERATION, LOGPROB)
 # Detached registries outlive whoever created them, so they carry the repo on their own path.
 _REPO_ROOT = str(Path(__file__).resolve().parent)
+# Enough concurrent calls for every in-flight and queued request of a large pool plus health
+# checks; the registry only awaits, so idle concurrency slots cost nothing.
+REGISTRY_MAX_CONCURRENCY = 10_000
+_MAX_ERROR_CHARS = 500  # keeps status tables and logs readable when a worker dumps a traceback
 
 
 def _check_kind(kind: str) -> str:
@@ -144,12 +150,6 @@ def is_worker_death(error: BaseException) -> bool:
     return isinstance(error, ray.exceptions.RayActorError) and not isinstance(error, ray.exceptions.RayTaskError)
 
 
-_MAX_ERROR_CHARS = 500  # keeps status tables and logs readable when a worker dumps a traceback
-# Enough concurrent calls for every in-flight request of a large pool plus health checks; the
-# registry only awaits, so idle concurrency slots cost nothing.
-REGISTRY_MAX_CONCURRENCY = 10_000
-
-
 def _short(error: BaseException | str) -> str:
     text = str(error).strip().splitlines()
     return (text[-1] if text else repr(error))[:_MAX_ERROR_CHARS]
@@ -175,15 +175,30 @@ class _WorkerSlot:
     last_error: str = ""
 
 
+@dataclass(slots=True)
+class _Waiter:
+    """A request queued for capacity; `future` receives the slot reserved for it."""
+
+    cost: int
+    future: asyncio.Future
+
+
 class Registry:
-    """Routes requests over the live workers of one kind (plain class; `RegistryActor` wraps it)."""
+    """Routes requests over the live workers of one kind (plain class; `RegistryActor` wraps it).
+
+    Requests that find every worker full queue in arrival order and are handed a worker as
+    capacity frees, so a costly request is not overtaken forever by cheap ones and a freed slot
+    wakes only the requests it can serve. Everything runs on one event loop: the book-keeping
+    between awaits needs no lock.
+    """
 
     def __init__(self, kind: str, config: RegistryConfig) -> None:
         self.kind = _check_kind(kind)
         self.name = registry_name(kind)
         self.config = config
         self._workers: dict[str, _WorkerSlot] = {}
-        self._changed = asyncio.Condition()
+        self._waiters: deque[_Waiter] = deque()
+        self._empty_since = time.monotonic()
         self._next_index = 0
 
     def allocate_index(self) -> int:
@@ -195,6 +210,10 @@ class Registry:
     def live_workers(self) -> list[str]:
         """Names of the workers requests are routed to."""
         return sorted(self._workers)
+
+    def queued_requests(self) -> int:
+        """Requests waiting for capacity or for a worker."""
+        return sum(not w.future.done() for w in self._waiters)
 
     async def register(self, worker_name: str) -> None:
         """Add the named worker actor (namespace RAY_NAMESPACE) to the pool after a health probe."""
@@ -210,69 +229,104 @@ class Registry:
             raise WorkerPoolError(
                 f"{self.name}: cannot register {worker_name}: kind={health.kind!r} healthy={health.healthy} {health.detail}"
             )
-        async with self._changed:
-            self._workers[worker_name] = _WorkerSlot(
-                name=worker_name, handle=handle, node_id=health.node_id, weight_version=health.weight_version
-            )
-            self._changed.notify_all()
+        self._workers[worker_name] = _WorkerSlot(
+            name=worker_name, handle=handle, node_id=health.node_id, weight_version=health.weight_version
+        )
         logger.info("%s: registered %s on node %s (%d live)", self.name, worker_name, health.node_id, len(self._workers))
+        self._serve_waiters()
 
     async def deregister(self, worker_name: str) -> None:
         """Stop routing to the worker; requests already sent to it finish or fail over there."""
-        await self._drop(worker_name, None, "deregistered")
+        self._drop(worker_name, None, "deregistered")
 
-    async def _drop(self, worker_name: str, slot: _WorkerSlot | None, reason: str) -> None:
+    def _drop(self, worker_name: str, slot: _WorkerSlot | None, reason: str) -> None:
         """Remove the worker (only `slot`, if given, so a re-registered namesake survives)."""
-        async with self._changed:
-            current = self._workers.get(worker_name)
-            if current is None or (slot is not None and current is not slot):
-                return
-            del self._workers[worker_name]
-            self._changed.notify_all()
+        current = self._workers.get(worker_name)
+        if current is None or (slot is not None and current is not slot):
+            return
+        del self._workers[worker_name]
+        if not self._workers:
+            self._empty_since = time.monotonic()
         logger.warning("%s: removed %s (%s); %d live", self.name, worker_name, reason, len(self._workers))
 
     def _pick(self, cost: int) -> _WorkerSlot | None:
-        """The least-loaded worker with room for `cost` (an idle worker always has room)."""
+        """The least-loaded worker with room for `cost` (an idle worker always has room).
+
+        Workers whose last health probe failed come last: still used, since a slow health()
+        on a busy machine does not mean the worker cannot serve.
+        """
         cap = self.config.max_inflight_cost_per_worker
         fits = [s for s in self._workers.values() if s.inflight_requests == 0 or s.inflight_cost + cost <= cap]
         if not fits:
             return None
         return min(fits, key=lambda s: (not s.healthy, s.inflight_cost, s.requests_dispatched, s.name))
 
+    @staticmethod
+    def _reserve(slot: _WorkerSlot, cost: int) -> _WorkerSlot:
+        slot.inflight_cost += cost
+        slot.inflight_requests += 1
+        slot.requests_dispatched += 1
+        return slot
+
+    def _release(self, slot: _WorkerSlot, cost: int) -> None:
+        slot.inflight_cost -= cost
+        slot.inflight_requests -= 1
+        self._serve_waiters()
+
+    def _serve_waiters(self) -> None:
+        """Hand freed capacity to queued requests, strictly in arrival order."""
+        while self._waiters:
+            head = self._waiters[0]
+            if head.future.done():  # its request gave up (timeout or cancellation)
+                self._waiters.popleft()
+                continue
+            slot = self._pick(head.cost)
+            if slot is None:
+                return
+            head.future.set_result(self._reserve(slot, head.cost))
+            self._waiters.popleft()
+
     async def _acquire(self, cost: int) -> _WorkerSlot:
-        """Reserve `cost` on a worker, waiting for capacity or for a worker to register."""
-        loop = asyncio.get_running_loop()
+        """Reserve `cost` on a worker, queueing for capacity or for a worker to register.
+
+        Raises WorkerPoolError once the pool has had no live worker for `no_worker_timeout_s`
+        counted from when this request arrived or the pool emptied, whichever is later.
+        """
+        waiter = _Waiter(cost=cost, future=asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        self._serve_waiters()  # served at once unless all are full or others queue ahead
+        arrived = time.monotonic()
         timeout = self.config.no_worker_timeout_s
-        async with self._changed:
-            deadline: float | None = None
+        try:
             while True:
+                # With workers alive the wait is only a periodic look at whether the pool emptied.
+                remaining = timeout
                 if not self._workers:
-                    deadline = deadline if deadline is not None else loop.time() + timeout
-                    remaining = deadline - loop.time()
+                    remaining = max(arrived, self._empty_since) + timeout - time.monotonic()
                     if remaining <= 0:
                         raise WorkerPoolError(f"{self.name}: no live workers for {timeout} s")
-                    try:
-                        await asyncio.wait_for(self._changed.wait(), remaining)
-                    except asyncio.TimeoutError:
-                        pass
+                try:
+                    return await asyncio.wait_for(asyncio.shield(waiter.future), remaining)
+                except asyncio.TimeoutError:
                     continue
-                deadline = None
-                slot = self._pick(cost)
-                if slot is not None:
-                    slot.inflight_cost += cost
-                    slot.inflight_requests += 1
-                    slot.requests_dispatched += 1
-                    return slot
-                await self._changed.wait()
+        except BaseException:
+            self._abandon(waiter)
+            raise
 
-    async def _release(self, slot: _WorkerSlot, cost: int) -> None:
-        async with self._changed:
-            slot.inflight_cost -= cost
-            slot.inflight_requests -= 1
-            self._changed.notify_all()
+    def _abandon(self, waiter: _Waiter) -> None:
+        """Give back what a departing waiter holds; let the requests behind it move up."""
+        if waiter.future.done() and not waiter.future.cancelled():
+            self._release(waiter.future.result(), waiter.cost)
+        else:
+            waiter.future.cancel()
+            self._serve_waiters()
 
     async def submit(self, method: str, *args: Any, cost: int = 1) -> Any:
-        """Call `method(*args)` on the least-loaded live worker; re-send it if that worker dies."""
+        """Call `method(*args)` on the least-loaded live worker; re-send it if that worker dies.
+
+        `cost` is the request's load in the pool's unit (generation: sequences, i.e. sampling n;
+        logprobs: tokens). Errors raised by the worker's method reach the caller unchanged.
+        """
         if cost < 1:
             raise ValueError(f"{self.name}: submit cost must be >= 1, got {cost}")
         died_on: list[str] = []
@@ -285,14 +339,14 @@ class Registry:
                     slot.last_error = f"{method}: {_short(err)}"
                     raise
                 died_on.append(slot.name)
-                await self._drop(slot.name, slot, f"died during {method}: {_short(err)}")
+                self._drop(slot.name, slot, f"died during {method}: {_short(err)}")
                 if len(died_on) > self.config.max_retries_per_request:
                     raise WorkerPoolError(
                         f"{self.name}: {method} lost {len(died_on)} workers mid-request ({', '.join(died_on)})"
                     ) from err
                 continue
             finally:
-                await self._release(slot, cost)
+                self._release(slot, cost)
             slot.requests_served += 1
             return result
 
@@ -308,7 +362,7 @@ class Registry:
             if not isinstance(outcome, BaseException):
                 results[slot.name] = outcome
             elif is_worker_death(outcome):
-                await self._drop(slot.name, slot, f"died during {method}: {_short(outcome)}")
+                self._drop(slot.name, slot, f"died during {method}: {_short(outcome)}")
             else:
                 slot.last_error = f"{method}: {_short(outcome)}"
                 failed.append(f"{slot.name}: {slot.last_error}")
@@ -316,28 +370,27 @@ class Registry:
             raise WorkerPoolError(f"{self.name}: broadcast {method} failed on {'; '.join(failed)}")
         return results
 
-    async def _probe(self, slot: _WorkerSlot) -> WorkerHealth | None:
-        """Ask one worker for its health; mark it unhealthy if it is slow, drop it if it is dead."""
+    async def _probe(self, slot: _WorkerSlot) -> None:
+        """Refresh one worker's health and version; unhealthy if slow or failing, dropped if dead."""
         timeout = self.config.health_timeout_s
         try:
-            health = await asyncio.wait_for(_await_ref(slot.handle.health.remote()), timeout)
+            health: WorkerHealth = await asyncio.wait_for(_await_ref(slot.handle.health.remote()), timeout)
         except asyncio.TimeoutError:
             slot.healthy, slot.last_error = False, f"health() did not answer within {timeout} s"
-            return None
+            return
         except Exception as err:
             slot.healthy, slot.last_error = False, f"health: {_short(err)}"
             if is_worker_death(err):
-                await self._drop(slot.name, slot, f"health check: {_short(err)}")
-            return None
+                self._drop(slot.name, slot, f"health check: {_short(err)}")
+            return
         slot.healthy, slot.weight_version = health.healthy, health.weight_version
         if not health.healthy:
             slot.last_error = f"unhealthy: {health.detail}"
-        return health
 
     async def status(self) -> list[WorkerStatus]:
         """Probe every registered worker and report one row each (dead ones once, then dropped)."""
         slots = list(self._workers.values())
-        healths = await asyncio.gather(*(self._probe(s) for s in slots))
+        await asyncio.gather(*(self._probe(s) for s in slots))
         return [
             WorkerStatus(
                 kind=self.kind,
@@ -346,11 +399,11 @@ class Registry:
                 inflight_cost=s.inflight_cost,
                 inflight_requests=s.inflight_requests,
                 requests_served=s.requests_served,
-                weight_version=h.weight_version if h is not None else -1,
-                healthy=h is not None and h.healthy,
+                weight_version=s.weight_version,
+                healthy=s.healthy,
                 last_error=s.last_error,
             )
-            for s, h in zip(slots, healths)
+            for s in slots
         ]
 
     async def run_health_checks(self) -> None:
@@ -377,6 +430,9 @@ class RegistryActor:
 
     async def live_workers(self) -> list[str]:
         return self._registry.live_workers()
+
+    async def queued_requests(self) -> int:
+        return self._registry.queued_requests()
 
     async def register(self, worker_name: str) -> None:
         await self._registry.register(worker_name)
@@ -406,6 +462,8 @@ def get_or_create_registry(kind: str, config: RegistryConfig | None = None) -> A
         lifetime="detached",
         num_cpus=0,
         max_concurrency=REGISTRY_MAX_CONCURRENCY,
-        max_restarts=0,
+        # A crashed registry comes back under the same name (callers' handles keep working),
+        # empty: every dispatcher re-registers its worker at its next health check.
+        max_restarts=-1,
         runtime_env={"env_vars": {"PYTHONPATH": repo_pythonpath()}},
     ).remote(kind, config if config is not None else RegistryConfig())

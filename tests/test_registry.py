@@ -146,10 +146,31 @@ def test_actor_names():
 
 def test_get_if_exists_returns_the_same_actor(make_registry):
     first = make_registry()
-    second = get_or_create_registry(GENERATION)
+    second = get_or_create_registry(GENERATION, RegistryConfig(max_inflight_cost_per_worker=7))
     assert first._actor_id == second._actor_id
+    assert ray.get(second.get_config.remote()) == RegistryConfig(), "an existing registry keeps its config"
     assert ray.get(first.allocate_index.remote()) == 0
     assert ray.get(second.allocate_index.remote()) == 1
+
+
+def test_a_crashed_registry_restarts_empty_under_the_same_handle(make_registry):
+    registry = make_registry(max_inflight_cost_per_worker=5)
+    name, _ = _start_worker("survivor")
+    _register(registry, name)
+    ray.kill(registry, no_restart=False)
+    _wait_until(lambda: _answers(registry), "the registry to restart")
+    assert ray.get(registry.live_workers.remote()) == []
+    assert ray.get(registry.get_config.remote()).max_inflight_cost_per_worker == 5
+    _register(registry, name)
+    assert ray.get(registry.submit.remote("work", "again"), timeout=_WAIT_BOUND_S) == (name, "again")
+
+
+def _answers(registry: Any) -> bool:
+    try:
+        ray.get(registry.live_workers.remote(), timeout=5)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
+    return True
 
 
 def test_requests_go_to_the_least_loaded_worker(make_registry):
@@ -192,6 +213,7 @@ def test_cap_holds_requests_until_capacity_frees(make_registry):
     _wait_until(lambda: len(ray.get(worker.calls.remote())) == 2, "two requests at the worker")
     (row,) = ray.get(registry.status.remote())
     assert (row.inflight_requests, row.inflight_cost) == (2, 2)
+    _wait_until(lambda: ray.get(registry.queued_requests.remote()) == 3, "three requests queued at the registry")
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
     assert ready == []
 
@@ -202,6 +224,40 @@ def test_cap_holds_requests_until_capacity_frees(make_registry):
     assert ray.get(registry.submit.remote("work", "huge", cost=7), timeout=_WAIT_BOUND_S) == (name, "huge")
     (row,) = ray.get(registry.status.remote())
     assert (row.inflight_requests, row.inflight_cost, row.requests_served) == (0, 0, 6)
+
+
+def test_queued_requests_are_served_in_arrival_order(make_registry):
+    registry = make_registry(max_inflight_cost_per_worker=4)
+    name, worker = _start_worker("fifo", held=True)
+    _register(registry, name)
+    first = [registry.submit.remote("work", i) for i in range(4)]
+    _wait_until(lambda: len(ray.get(worker.calls.remote())) == 4, "the worker to be full")
+    big = registry.submit.remote("work", "big", cost=4)
+    _wait_until(lambda: ray.get(registry.queued_requests.remote()) == 1, "the big request to queue")
+    small = [registry.submit.remote("work", f"small-{i}") for i in range(3)]
+    ray.get(worker.open_gate.remote())
+    ray.get(first + [big] + small, timeout=_WAIT_BOUND_S)
+    # The costly request waited for the whole worker; the cheap ones behind it did not overtake it.
+    assert ray.get(worker.calls.remote()) == [0, 1, 2, 3, "big", "small-0", "small-1", "small-2"]
+
+
+def test_a_cancelled_queued_request_frees_its_place(make_registry):
+    registry = make_registry(max_inflight_cost_per_worker=1)
+    name, worker = _start_worker("cancel", held=True)
+    _register(registry, name)
+    running = registry.submit.remote("work", "running")
+    _wait_until(lambda: len(ray.get(worker.calls.remote())) == 1, "the first request to run")
+    queued = registry.submit.remote("work", "queued")
+    _wait_until(lambda: ray.get(registry.queued_requests.remote()) == 1, "the second request to queue")
+    ray.cancel(queued)
+    with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError)):
+        ray.get(queued, timeout=_WAIT_BOUND_S)
+    ray.get(worker.open_gate.remote())
+    assert ray.get(running, timeout=_WAIT_BOUND_S) == (name, "running")
+    assert ray.get(registry.submit.remote("work", "after"), timeout=_WAIT_BOUND_S) == (name, "after")
+    assert ray.get(worker.calls.remote()) == ["running", "after"]
+    (row,) = ray.get(registry.status.remote())
+    assert (row.inflight_requests, row.inflight_cost) == (0, 0)
 
 
 def test_requests_on_a_killed_worker_complete_on_the_other(make_registry):
@@ -305,3 +361,83 @@ def test_periodic_health_check_drops_a_dead_idle_worker(make_registry):
     _register(registry, a, b)
     ray.kill(worker_a)
     _wait_until(lambda: ray.get(registry.live_workers.remote()) == [b], "the health check to drop the dead worker")
+
+
+# Real engines: small enough for CPU (a fixed KV cache avoids the RAM-fraction sizing that fails
+# on a busy machine), long enough completions that requests are still running when a worker dies.
+_ENGINE_KV_CACHE_BYTES = 64 << 20
+_ENGINE_MAX_MODEL_LEN = 256
+_ENGINE_START_BOUND_S = 900.0
+_ROLLOUTS_PER_PROMPT = 2
+_MAX_TOKENS = 200
+
+
+@pytest.fixture(scope="module")
+def real_workers(ray_local, tiny_model_dir):
+    """Two GenerationWorkerActors on the tiny model, started together (~1 min each on 2 cores)."""
+    from vllm_registry import repo_pythonpath
+    from vllm_worker import GenerationWorkerActor, GenerationWorkerConfig
+
+    config = GenerationWorkerConfig(
+        model_path=str(tiny_model_dir), max_num_seqs=16, gpu_memory_utilization=0.08,
+        kv_cache_memory_bytes=_ENGINE_KV_CACHE_BYTES, max_model_len=_ENGINE_MAX_MODEL_LEN, enforce_eager=True,
+        dtype="float32", global_num_verifiers=1,
+    )
+    workers = {}
+    for index in range(2):
+        name = worker_actor_name(GENERATION, index)
+        workers[name] = GenerationWorkerActor.options(
+            name=name, namespace=RAY_NAMESPACE, runtime_env={"env_vars": {"PYTHONPATH": repo_pythonpath()}}
+        ).remote(name, config)
+    ray.get([w.start.remote() for w in workers.values()], timeout=_ENGINE_START_BOUND_S)
+    yield workers
+    for worker in workers.values():
+        ray.kill(worker)
+
+
+def _inflight(worker: Any) -> int:
+    return ray.get(worker.health.remote()).inflight_requests
+
+
+@pytest.mark.vllm
+def test_real_workers_spread_fail_over_and_report_a_dead_pool(make_registry, real_workers, tiny_model_dir):
+    from sample_processing_utils import Sample
+    from setup_model import load_tokenizer
+    from vllm_worker import SamplingConfig
+
+    timeout_s = 5.0
+    registry = make_registry(no_worker_timeout_s=timeout_s)
+    (first, first_worker), (second, second_worker) = real_workers.items()
+    _register(registry, first, second)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    sampling = SamplingConfig(n=_ROLLOUTS_PER_PROMPT, max_tokens=_MAX_TOKENS, seed=0)
+
+    def submit(count: int) -> list[Any]:
+        return [
+            registry.submit.remote(
+                "generate", Sample(input_token_ids=tokenizer.encode(f"{i}+{i}="), gt_answer=str(2 * i), prompt_id=i),
+                sampling, cost=sampling.n,
+            )
+            for i in range(count)
+        ]
+
+    def check(groups: list[list[Any]]) -> None:
+        for group in groups:
+            assert len(group) == sampling.n and all(s.output_token_ids for s in group)
+
+    check(ray.get(submit(6), timeout=_WAIT_BOUND_S))
+    served = {row.name: row.requests_served for row in ray.get(registry.status.remote())}
+    assert sum(served.values()) == 6 and min(served.values()) >= 1, served
+
+    refs = submit(6)
+    _wait_until(lambda: _inflight(first_worker) > 0, f"requests running on {first}")
+    ray.kill(first_worker)
+    check(ray.get(refs, timeout=_WAIT_BOUND_S))
+    assert ray.get(registry.live_workers.remote()) == [second]
+
+    refs = submit(4)
+    _wait_until(lambda: _inflight(second_worker) > 0, f"requests running on {second}")
+    ray.kill(second_worker)
+    for ref in refs:
+        with pytest.raises(WorkerPoolError, match=f"generation-registry: no live workers for {timeout_s} s"):
+            ray.get(ref, timeout=_WAIT_BOUND_S)

@@ -1,0 +1,190 @@
+"""worker_dispatcher.py as an operator runs it: against a `ray start` head, with a real vLLM worker.
+
+The test owns its Ray head (`ray start --head --block` in its own temp dir, bound to 127.0.0.1,
+no dashboard) and stops it by terminating that one process, which takes down exactly the Ray
+processes it started; other clusters on the machine are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from vllm_registry import GENERATION, registry_name, worker_actor_name
+from worker_dispatcher import REGISTERED_LINE, DispatcherConfig, format_status
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DISPATCHER = str(REPO_ROOT / "worker_dispatcher.py")
+# Bounds that only keep a broken run from hanging the suite (engine start is ~1 min on 2 cores).
+_CLUSTER_START_BOUND_S = 120.0
+_REGISTER_BOUND_S = 600.0
+_EXIT_BOUND_S = 120.0
+_KV_CACHE_BYTES = 64 << 20  # the tiny model needs little KV cache; a fixed size starts reliably on CPU
+_MAX_MODEL_LEN = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _OutputLog:
+    """Collects a subprocess's merged output lines on a thread; lets the test wait for a line."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._pump, args=(process,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, process: subprocess.Popen) -> None:
+        for line in process.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+
+    def wait_for(self, text: str, process: subprocess.Popen, bound_s: float) -> None:
+        deadline = time.monotonic() + bound_s
+        with self._cond:
+            while not any(line.strip() == text for line in self.lines):
+                if process.poll() is not None and not self._thread.is_alive():
+                    raise AssertionError(f"process exited ({process.returncode}) before {text!r}:\n{self.tail()}")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"no {text!r} within {bound_s:.0f} s:\n{self.tail()}")
+                self._cond.wait(1.0)
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.lines[-n:])
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[dict[str, str]]:
+    """A private `ray start` head; yields the environment for processes that should join it."""
+    temp_dir = tempfile.mkdtemp(prefix="rdt", dir="/tmp")  # short: Ray's socket paths must fit 107 chars
+    address = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+    head = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+            "--node-ip-address", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
+            "--include-dashboard=false", "--num-cpus", "4", "--temp-dir", temp_dir,
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    log = _OutputLog(head)
+    try:
+        deadline = time.monotonic() + _CLUSTER_START_BOUND_S
+        while not any("Ray runtime started" in line for line in log.lines):
+            assert head.poll() is None, f"ray start exited {head.returncode}:\n{log.tail()}"
+            assert time.monotonic() < deadline, f"ray head not up:\n{log.tail()}"
+            time.sleep(0.5)
+        yield {**env, "RAY_ADDRESS": address}
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=_EXIT_BOUND_S)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
+
+
+# Run in a child process: joining a cluster switches Ray's auth mode for the whole process.
+_LIST_NAMED_ACTORS = """
+import json, ray, worker_dispatcher
+worker_dispatcher.connect("auto", log_to_driver=False)
+print(json.dumps(sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                        if a["namespace"] == worker_dispatcher.RAY_NAMESPACE)))
+"""
+
+
+def _named_actors(env: dict[str, str]) -> list[str]:
+    """Live named actors of the project namespace: what `ray list actors | grep ALIVE` shows.
+
+    (`ray list actors` itself is served by the dashboard, which local runs keep off.)
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", _LIST_NAMED_ACTORS], capture_output=True, text=True, env=env, timeout=_EXIT_BOUND_S
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_config_rejects_bad_fields():
+    with pytest.raises(ValueError, match="DispatcherConfig.mode"):
+        DispatcherConfig(mode="trainer", model_path="m")
+    with pytest.raises(ValueError, match="DispatcherConfig.tensor_parallel_size"):
+        DispatcherConfig(mode="logprob", model_path="m", tensor_parallel_size=2)
+
+
+@pytest.mark.vllm
+def test_dispatcher_registers_reports_and_stops_cleanly(ray_head, tiny_model_dir):
+    command = [
+        sys.executable, DISPATCHER, "--model_path", str(tiny_model_dir), "--mode", GENERATION,
+        "--tensor_parallel_size", "1", "--max_num_seqs", "8", "--global_num_verifiers", "1",
+        "--gpu_memory_utilization", "0.08", "--kv_cache_memory_bytes", str(_KV_CACHE_BYTES),
+        "--max_model_len", str(_MAX_MODEL_LEN), "--health_check_interval_s", "1",
+    ]
+    dispatcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_head)
+    log = _OutputLog(dispatcher)
+    name = worker_actor_name(GENERATION, 0)
+    try:
+        log.wait_for(REGISTERED_LINE.format(name=name), dispatcher, _REGISTER_BOUND_S)
+
+        status = subprocess.run(
+            [sys.executable, DISPATCHER, "status"], capture_output=True, text=True, env=ray_head, timeout=_EXIT_BOUND_S
+        )
+        assert status.returncode == 0, status.stderr
+        table = status.stdout.splitlines()
+        assert table[0].split() == ["kind", "name", "node", "load", "in-flight", "served", "version", "health"]
+        (row,) = [line.split() for line in table if name in line]
+        assert row[0] == GENERATION and row[-1] == "ok", status.stdout
+
+        actors = _named_actors(ray_head)
+        assert name in actors and registry_name(GENERATION) in actors, actors
+
+        dispatcher.send_signal(signal.SIGINT)
+        assert dispatcher.wait(timeout=_EXIT_BOUND_S) == 0, log.tail()
+        log.wait_for(f"worker {name} deregistered and stopped", dispatcher, _EXIT_BOUND_S)
+
+        after = subprocess.run(
+            [sys.executable, DISPATCHER, "status"], capture_output=True, text=True, env=ray_head, timeout=_EXIT_BOUND_S
+        )
+        assert f"{registry_name(GENERATION)}: no live workers" in after.stdout, after.stdout
+        deadline = time.monotonic() + _EXIT_BOUND_S
+        while name in (actors := _named_actors(ray_head)):
+            assert time.monotonic() < deadline, f"{name} still alive after the dispatcher stopped: {actors}"
+            time.sleep(1.0)
+        assert registry_name(GENERATION) in actors, "the detached registry must outlive its dispatcher"
+    finally:
+        if dispatcher.poll() is None:
+            dispatcher.kill()
+            dispatcher.wait()
+
+
+def test_status_table_format():
+    from vllm_registry import WorkerStatus
+
+    rows = [
+        WorkerStatus(kind=GENERATION, name="generation-worker-0", node_id="ab" * 28, inflight_cost=3,
+                     inflight_requests=1, requests_served=12, weight_version=4, healthy=True, last_error=""),
+        WorkerStatus(kind=GENERATION, name="generation-worker-1", node_id="cd" * 28, inflight_cost=0,
+                     inflight_requests=0, requests_served=0, weight_version=-1, healthy=False,
+                     last_error="health() did not answer within 10.0 s"),
+    ]
+    lines = format_status(rows).splitlines()
+    assert lines[0].split() == ["kind", "name", "node", "load", "in-flight", "served", "version", "health"]
+    assert lines[1].split() == [GENERATION, "generation-worker-0", "ab" * 6, "3", "1", "12", "4", "ok"]
+    assert lines[2].split()[:7] == [GENERATION, "generation-worker-1", "cd" * 6, "0", "0", "0", "-1"]
+    assert lines[2].endswith("UNHEALTHY health() did not answer within 10.0 s")

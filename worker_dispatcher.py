@@ -1,0 +1,457 @@
+"""Start one inference worker on this node, register it with its pool, and keep it alive.
+
+Run one dispatcher per worker, on the node that should host it, after the Ray cluster is up
+(`ray start --head ...` on the head, `ray start --address=<head>:6379` elsewhere):
+
+    python worker_dispatcher.py --model_path /dev/shm/qwen7b-math-base --mode generation \
+        --tensor_parallel_size 1 --max_num_seqs 128 --global_num_verifiers 100 \
+        --write_failed_generation_samples | tee generation_worker_0.log &
+    torchrun --nproc_per_node=1 --master_port=12347 worker_dispatcher.py \
+        --model_path /dev/shm/qwen7b-math-base --mode logprob | tee logprob_worker_0.log &
+
+Each dispatcher joins the cluster (RAY_ADDRESS, else --ray_address), gets or creates the
+registry of its kind, claims the next free worker name ("generation-worker-3"), starts the
+worker actor pinned to this node with the repository on its PYTHONPATH, waits for its engine,
+registers it and prints `worker <name> registered`. Start training once every worker has
+printed that line. The dispatcher then watches its worker: it exits 1 with a message if the
+worker dies, and on Ctrl-C / SIGTERM it deregisters the worker, stops it and exits 0. The
+worker is owned by the dispatcher, so killing the dispatcher outright takes the worker with it
+(the registry then drops it at its next health check or failed request).
+
+Operators see every pool's workers with:
+
+    python worker_dispatcher.py status
+
+Ray has no authentication unless its token auth is on: run clusters on a trusted network only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import ray
+from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+from ray.actor import ActorHandle
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from vllm_registry import (
+    GENERATION,
+    LOGPROB,
+    RAY_NAMESPACE,
+    WORKER_KINDS,
+    RegistryConfig,
+    WorkerStatus,
+    get_or_create_registry,
+    registry_name,
+    repo_pythonpath,
+    worker_actor_name,
+)
+
+logger = logging.getLogger(__name__)
+
+REGISTERED_LINE = "worker {name} registered"  # launch scripts wait for this exact line
+STATUS_COMMAND = "status"
+DEFAULT_FAILED_SAMPLES_PATH = "failed_generation_samples.jsonl"
+# A worker holds a request's cost while it also scores the finished group, so a cap of twice
+# the engine's batch keeps the engine fed while earlier groups are being verified.
+_GENERATION_CAP_PER_SEQ_SLOT = 2
+# Likewise for logprob workers: one token-budgeted batch running and one filling.
+_LOGPROB_CAP_PER_BATCH = 2
+# How many indices to try before concluding that names are not being freed (a registry that
+# restarted hands out indices from 0 again while older workers still hold them).
+_MAX_NAME_ATTEMPTS = 1000
+_STOP_POLL_S = 1.0  # how often a long wait checks whether Ctrl-C / SIGTERM arrived
+_TEARDOWN_TIMEOUT_S = 30.0  # bound on each cleanup call, so a wedged worker cannot block exit
+_NODE_ID_CHARS = 12  # enough of the hex node id to tell nodes apart in the status table
+
+
+@dataclass(kw_only=True, frozen=True)
+class DispatcherConfig:
+    """One dispatcher: which worker to start, how, and how to watch it.
+
+    Worker fields left at None take the worker config's own default, so defaults live in one
+    place (vllm_worker.GenerationWorkerConfig / logprob_worker.LogprobWorkerConfig).
+    """
+
+    mode: str = ""
+    """Worker kind: 'generation' (vLLM rollouts + rewards) or 'logprob' (reference logprobs)."""
+    model_path: str = ""
+    """Hugging Face model folder, readable at the same path on this node."""
+    tensor_parallel_size: int = 1
+    """GPUs of one generation engine (the actor reserves that many GPUs on GPU nodes)."""
+    max_num_seqs: int | None = None
+    """Generation: sequences one engine step schedules."""
+    global_num_verifiers: int | None = None
+    """Generation: processes of the cluster-wide math-verify pool (one CPU each)."""
+    verifier_timeout_s: float | None = None
+    """Generation: hard deadline of one verification."""
+    write_failed_generation_samples: bool = False
+    """Generation: append samples whose generation or scoring failed to failed_samples_path."""
+    failed_samples_path: str = DEFAULT_FAILED_SAMPLES_PATH
+    """Generation: JSONL file for failed samples (relative paths resolve against the cwd)."""
+    gpu_memory_utilization: float | None = None
+    """Generation: vLLM's memory fraction (on CPU builds, of RAM, for the KV cache)."""
+    kv_cache_memory_bytes: int | None = None
+    """Generation: explicit KV-cache size, overriding gpu_memory_utilization (handy on CPU)."""
+    max_model_len: int | None = None
+    """Generation: longest prompt + completion in tokens."""
+    enforce_eager: bool = False
+    """Generation: skip CUDA-graph capture (faster start)."""
+    max_tokens_per_gpu: int | None = None
+    """Logprob: token budget of one packed forward."""
+    num_cpus: float = 1.0
+    """CPUs the worker actor reserves in Ray's accounting."""
+    ray_address: str = "auto"
+    """Cluster to join when RAY_ADDRESS is unset ('auto': the one started on this machine)."""
+    start_timeout_s: float = 1800.0
+    """Give up (exit 1) if the worker is not started by then (unschedulable, stuck loading)."""
+    health_check_interval_s: float = 10.0
+    """Seconds between checks that the worker is alive and still registered."""
+    health_timeout_s: float = 60.0
+    """How long one health() call may take before it is logged as unresponsive."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in WORKER_KINDS:
+            raise ValueError(f"DispatcherConfig.mode must be one of {WORKER_KINDS}, got {self.mode!r}")
+        if not self.model_path:
+            raise ValueError("DispatcherConfig.model_path must be set (--model_path)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"DispatcherConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.mode == LOGPROB and self.tensor_parallel_size != 1:
+            raise ValueError("DispatcherConfig.tensor_parallel_size must be 1 in logprob mode (one device per worker)")
+        if self.num_cpus < 0:
+            raise ValueError(f"DispatcherConfig.num_cpus must be >= 0, got {self.num_cpus}")
+        for name in ("start_timeout_s", "health_check_interval_s", "health_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"DispatcherConfig.{name} must be > 0, got {getattr(self, name)}")
+
+
+def _given(**fields: Any) -> dict[str, Any]:
+    """The fields the operator set (None means: keep the worker config's default)."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def generation_worker_config(cfg: DispatcherConfig) -> Any:
+    """vllm_worker.GenerationWorkerConfig for this dispatcher (paths made absolute for the actor)."""
+    from vllm_worker import GenerationWorkerConfig
+
+    failed = str(Path(cfg.failed_samples_path).resolve()) if cfg.write_failed_generation_samples else None
+    return GenerationWorkerConfig(
+        model_path=str(Path(cfg.model_path).resolve()),
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        enforce_eager=cfg.enforce_eager,
+        failed_samples_path=failed,
+        **_given(
+            max_num_seqs=cfg.max_num_seqs,
+            global_num_verifiers=cfg.global_num_verifiers,
+            verifier_timeout_s=cfg.verifier_timeout_s,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+            max_model_len=cfg.max_model_len,
+        ),
+    )
+
+
+def logprob_worker_config(cfg: DispatcherConfig, on_gpu_node: bool) -> Any:
+    """logprob_worker.LogprobWorkerConfig for this dispatcher.
+
+    The device is the GPU Ray grants the actor (it sees only that one, as cuda:0), else the CPU.
+    """
+    from logprob_worker import LogprobWorkerConfig
+
+    return LogprobWorkerConfig(
+        model_path=str(Path(cfg.model_path).resolve()),
+        device="cuda" if on_gpu_node else "cpu",
+        **_given(max_tokens_per_gpu=cfg.max_tokens_per_gpu),
+    )
+
+
+def registry_config_for(mode: str, worker_config: Any) -> RegistryConfig:
+    """Per-worker cap in the pool's cost unit: sequences (generation) or tokens (logprob)."""
+    if mode == GENERATION:
+        return RegistryConfig(max_inflight_cost_per_worker=_GENERATION_CAP_PER_SEQ_SLOT * worker_config.max_num_seqs)
+    return RegistryConfig(max_inflight_cost_per_worker=_LOGPROB_CAP_PER_BATCH * worker_config.max_tokens_per_gpu)
+
+
+def node_has_gpus(node_id: str) -> bool:
+    """Whether the Ray node advertises GPUs."""
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return node["Resources"].get("GPU", 0) > 0
+    raise RuntimeError(f"node {node_id} is not in the Ray cluster's node list")
+
+
+def actor_exists(name: str) -> bool:
+    """Whether a live actor already holds `name` in the project namespace."""
+    try:
+        ray.get_actor(name, namespace=RAY_NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
+def claim_worker_name(registry: ActorHandle, kind: str) -> str:
+    """The first registry-allocated worker name that no live actor holds."""
+    for _ in range(_MAX_NAME_ATTEMPTS):
+        name = worker_actor_name(kind, ray.get(registry.allocate_index.remote()))
+        if not actor_exists(name):
+            return name
+    raise RuntimeError(f"{registry_name(kind)}: no free worker name after {_MAX_NAME_ATTEMPTS} indices")
+
+
+def create_worker_actor(cfg: DispatcherConfig, name: str, worker_config: Any, node_id: str, gpus: int) -> ActorHandle:
+    """The worker actor, pinned to this node, importing this repository (vLLM's engine-core too)."""
+    if cfg.mode == GENERATION:
+        from vllm_worker import GenerationWorkerActor as actor_class
+    else:
+        from logprob_worker import LogprobWorkerActor as actor_class
+    return actor_class.options(
+        name=name,
+        namespace=RAY_NAMESPACE,
+        num_cpus=cfg.num_cpus,
+        num_gpus=gpus,
+        max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        runtime_env={"env_vars": {"PYTHONPATH": repo_pythonpath()}},
+    ).remote(name, worker_config)
+
+
+class StopFlag:
+    """Set by SIGINT / SIGTERM; long waits poll it so the dispatcher can clean up and exit 0."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        logger.info("received %s; stopping", signal.Signals(signum).name)
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._event.wait(timeout_s)
+
+
+def wait_started(actor: ActorHandle, name: str, timeout_s: float, stop: StopFlag) -> bool:
+    """Block until the worker's start() returns (True) or a stop signal arrives (False).
+
+    Raises RuntimeError naming the worker if it fails, dies or does not start in time.
+    """
+    ref = actor.start.remote()
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set():
+        ready, _ = ray.wait([ref], timeout=_STOP_POLL_S)
+        if ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as err:
+                raise RuntimeError(f"worker {name} failed to start: {err}") from err
+            return True
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"worker {name} not started after {timeout_s:.0f} s (unschedulable on this node, or stuck loading)"
+            )
+    return False
+
+
+class WorkerDiedError(RuntimeError):
+    """The dispatcher's worker actor died while serving."""
+
+
+def ensure_registered(kind: str, name: str, registry_config: RegistryConfig) -> None:
+    """Register the worker again if its registry lost it (the registry was restarted, or dropped
+    the worker after a transient error); a failure is logged and retried at the next check."""
+    registry = get_or_create_registry(kind, registry_config)
+    try:
+        if name not in ray.get(registry.live_workers.remote()):
+            logger.warning("worker %s was not registered with %s; registering again", name, registry_name(kind))
+            ray.get(registry.register.remote(name))
+    except ray.exceptions.RayError as err:
+        logger.warning("could not check or renew %s's registration: %s", name, err)
+
+
+def keep_alive(
+    cfg: DispatcherConfig, actor: ActorHandle, name: str, registry_config: RegistryConfig, stop: StopFlag
+) -> None:
+    """Watch the worker until a stop signal; raise WorkerDiedError if it dies."""
+    while not stop.wait(cfg.health_check_interval_s):
+        try:
+            health = ray.get(actor.health.remote(), timeout=cfg.health_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            logger.warning("worker %s did not answer health() within %.0f s", name, cfg.health_timeout_s)
+            continue
+        except ray.exceptions.RayActorError as err:
+            raise WorkerDiedError(f"worker {name} died: {err}") from err
+        if not health.healthy:
+            logger.warning("worker %s reports itself unhealthy: %s", name, health.detail)
+            continue
+        ensure_registered(cfg.mode, name, registry_config)
+
+
+def _best_effort(what: str, call: Any) -> None:
+    try:
+        ray.get(call, timeout=_TEARDOWN_TIMEOUT_S)
+    except Exception as err:
+        logger.warning("%s failed: %s", what, err)
+
+
+def teardown(kind: str, actor: ActorHandle, name: str, worker_died: bool) -> None:
+    """Deregister the worker (no new requests), stop its engine, and kill the actor."""
+    if actor_exists(registry_name(kind)):
+        registry = ray.get_actor(registry_name(kind), namespace=RAY_NAMESPACE)
+        _best_effort(f"deregistering {name}", registry.deregister.remote(name))
+    if not worker_died:
+        _best_effort(f"shutting down {name}", actor.shutdown.remote())
+        ray.kill(actor)
+    print(f"worker {name} deregistered{'' if worker_died else ' and stopped'}", flush=True)
+
+
+def connect(address: str, log_to_driver: bool) -> None:
+    """Join the running cluster (RAY_ADDRESS wins over `address`, as in Ray itself).
+
+    Ray switches its token auth on by itself only for a cluster it finds with 'auto' and no
+    RAY_ADDRESS. A head started by `ray start` where a token exists (~/.ray/auth_token) demands
+    the token from everyone, so the same rule is applied for any address; an explicit
+    RAY_AUTH_MODE still wins. A token-carrying client also joins a cluster without auth.
+    """
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=log_to_driver)
+
+
+def serve(cfg: DispatcherConfig) -> int:
+    """Start, register and watch one worker; the process's exit code."""
+    connect(cfg.ray_address, log_to_driver=True)  # worker logs show up in this process's output
+    stop = StopFlag()
+    stop.install()  # after ray.init, so these handlers are the ones in force
+    node_id = ray.get_runtime_context().get_node_id()
+    on_gpu_node = node_has_gpus(node_id)
+    if cfg.mode == GENERATION:
+        worker_config, gpus = generation_worker_config(cfg), cfg.tensor_parallel_size if on_gpu_node else 0
+    else:
+        worker_config, gpus = logprob_worker_config(cfg, on_gpu_node), 1 if on_gpu_node else 0
+    registry_config = registry_config_for(cfg.mode, worker_config)
+    registry = get_or_create_registry(cfg.mode, registry_config)
+    name = claim_worker_name(registry, cfg.mode)
+    local_rank = os.environ.get("LOCAL_RANK")
+    logger.info("starting %s on node %s (gpus=%d%s)", name, node_id, gpus, f", LOCAL_RANK={local_rank}" if local_rank else "")
+    actor = create_worker_actor(cfg, name, worker_config, node_id, gpus)
+    died = False
+    try:
+        if wait_started(actor, name, cfg.start_timeout_s, stop):
+            ray.get(registry.register.remote(name))
+            print(REGISTERED_LINE.format(name=name), flush=True)
+            keep_alive(cfg, actor, name, registry_config, stop)
+        return 0
+    except WorkerDiedError as err:
+        died = True
+        print(str(err), file=sys.stderr, flush=True)
+        return 1
+    except RuntimeError as err:
+        print(str(err), file=sys.stderr, flush=True)
+        return 1
+    finally:
+        teardown(cfg.mode, actor, name, worker_died=died)
+
+
+def format_status(rows: Sequence[WorkerStatus]) -> str:
+    """Operator table: one line per worker."""
+    header = ("kind", "name", "node", "load", "in-flight", "served", "version", "health")
+    lines = [header]
+    for r in rows:
+        health = "ok" if r.healthy else f"UNHEALTHY {r.last_error}".strip()
+        lines.append((
+            r.kind, r.name, r.node_id[:_NODE_ID_CHARS], str(r.inflight_cost), str(r.inflight_requests),
+            str(r.requests_served), str(r.weight_version), health,
+        ))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(line, widths)), line[-1]]).rstrip() for line in lines)
+
+
+def print_status(ray_address: str) -> int:
+    """Print every existing registry's workers (creates no registry); 0 if any registry exists."""
+    connect(ray_address, log_to_driver=False)
+    rows: list[WorkerStatus] = []
+    notes: list[str] = []
+    found = 0
+    for kind in WORKER_KINDS:
+        try:
+            registry = ray.get_actor(registry_name(kind), namespace=RAY_NAMESPACE)
+        except ValueError:
+            notes.append(f"{registry_name(kind)}: not running")
+            continue
+        found += 1
+        kind_rows = ray.get(registry.status.remote())
+        if not kind_rows:
+            notes.append(f"{registry_name(kind)}: no live workers")
+        queued = ray.get(registry.queued_requests.remote())
+        if queued:
+            notes.append(f"{registry_name(kind)}: {queued} requests queued for capacity")
+        rows.extend(kind_rows)
+    if rows:
+        print(format_status(rows))
+    for note in notes:
+        print(note)
+    return 0 if found else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI; unset options stay None so DispatcherConfig's defaults apply."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", nargs="?", choices=("serve", STATUS_COMMAND), default="serve",
+                        help="serve (default): start one worker; status: print the pools' workers")
+    parser.add_argument("--model_path")
+    parser.add_argument("--mode", choices=WORKER_KINDS)
+    parser.add_argument("--tensor_parallel_size", type=int)
+    parser.add_argument("--max_num_seqs", type=int)
+    parser.add_argument("--global_num_verifiers", type=int)
+    parser.add_argument("--verifier_timeout_s", type=float)
+    parser.add_argument("--write_failed_generation_samples", action="store_true", default=None)
+    parser.add_argument("--failed_samples_path", help=f"default: {DEFAULT_FAILED_SAMPLES_PATH}")
+    parser.add_argument("--gpu_memory_utilization", type=float)
+    parser.add_argument("--kv_cache_memory_bytes", type=int)
+    parser.add_argument("--max_model_len", type=int)
+    parser.add_argument("--enforce_eager", action="store_true", default=None)
+    parser.add_argument("--max_tokens_per_gpu", type=int)
+    parser.add_argument("--num_cpus", type=float)
+    parser.add_argument("--ray_address", help="used when RAY_ADDRESS is unset; default: auto")
+    parser.add_argument("--start_timeout_s", type=float)
+    parser.add_argument("--health_check_interval_s", type=float)
+    parser.add_argument("--health_timeout_s", type=float)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    given = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+    try:
+        if args.command == STATUS_COMMAND:
+            return print_status(given.get("ray_address", DispatcherConfig.ray_address))
+        try:
+            cfg = DispatcherConfig(**given)
+        except ValueError as err:
+            parser.error(str(err))
+        return serve(cfg)
+    except ConnectionError as err:
+        print(f"cannot join the Ray cluster (start it with `ray start --head` or set RAY_ADDRESS): {err}",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,6 +6,8 @@ Write the tiny demo/test model (random init, seeded, Hugging Face format, no net
 
 Everything else here is imported by the trainer (FSDP2 wrapping) and the logprob worker (plain
 model): both score tokens through `TokenLogprobModel`, so they compute identical logprobs.
+Without flash-attn both run PACKED_SDPA, an attention registered with transformers here that
+attends within each packed sample (no [T, T] block mask).
 
 Trainer side, in order: `init_distributed` (torchrun env -> process group), `build_training_model`
 (from_pretrained, FSDP2 per decoder layer and at the root), `build_optimizer`/`build_scheduler`,
@@ -141,16 +143,197 @@ def load_tokenizer(model_path: str | Path):
     return AutoTokenizer.from_pretrained(str(model_path))
 
 
+# --------------------------------------------------------------------------------------------
+# Packed attention without flash-attn: causal sdpa per sample, plugged into transformers.
+# --------------------------------------------------------------------------------------------
+
+PACKED_SDPA = "packed_sdpa"
+"""attn_implementation name of the packed-aware sdpa below, as registered by register_packed_sdpa.
+
+Plain "sdpa" runs a packed stream (positions restarting, no attention_mask) as one [T, T]
+attention under a block-diagonal mask that transformers materialises: T^2 work and memory.
+PACKED_SDPA runs causal sdpa on each sample instead (sum of len_i^2, no mask), and defers to
+plain sdpa whenever a mask is needed (padding, KV-cache decoding), so `generate` and padded
+batches behave exactly as with "sdpa".
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class PackedSegments:
+    """Where the samples of a (flattened) batch lie, read from its position ids."""
+
+    starts: tuple[int, ...]
+    """Offset of each sample in the flattened [B * T] token stream, ascending; starts[0] == 0."""
+    lengths: tuple[int, ...]
+    """Tokens in each sample; they sum to B * T."""
+
+
+def packed_segments(position_ids: torch.Tensor, batch_size: int) -> PackedSegments:
+    """Samples of a [B, T] (or broadcastable [1, T]) position-id tensor, rows laid end to end.
+
+    A sample starts at every row start and wherever a position is not its predecessor + 1 (a
+    restart at 0 in our packed streams): the rule transformers' find_packed_sequence_indices
+    uses to build its block mask, so both paths isolate exactly the same samples.
+    """
+    positions = position_ids.expand(batch_size, -1)
+    is_start = torch.ones_like(positions, dtype=torch.bool)
+    is_start[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
+    starts = is_start.flatten().nonzero().flatten().tolist()  # the one host sync of a forward
+    ends = starts[1:] + [positions.numel()]
+    return PackedSegments(starts=tuple(starts), lengths=tuple(end - start for start, end in zip(starts, ends)))
+
+
+# Segments of the last position-id tensor seen, keyed on the tensor object and its in-place
+# version: every decoder layer (and gradient checkpointing's recompute) receives the same tensor,
+# so a forward pays packed_segments' host sync once, not once per layer. A single tuple, so
+# threads that forward concurrently (the logprob worker) at worst recompute it.
+_last_segments: tuple[torch.Tensor, int, int, PackedSegments] | None = None
+
+
+def _segments_of(position_ids: torch.Tensor, batch_size: int) -> PackedSegments:
+    """packed_segments, reusing the last result when given the same, unmodified tensor."""
+    global _last_segments
+    cached = _last_segments
+    if (
+        cached is not None
+        and cached[0] is position_ids
+        and cached[1] == position_ids._version
+        and cached[2] == batch_size
+    ):
+        return cached[3]
+    segments = packed_segments(position_ids, batch_size)
+    _last_segments = (position_ids, position_ids._version, batch_size, segments)
+    return segments
+
+
+def _sliding_window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, L, L] bool: causal, and each query sees only its `window` latest keys (itself included)."""
+    offsets = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)[None, :]
+    return ((offsets >= 0) & (offsets < window))[None, None]
+
+
+def _gather_segments(stream: torch.Tensor, starts: tuple[int, ...], indices: list[int], length: int) -> torch.Tensor:
+    """[n, H, L, D] from a [B * T, H, D] stream: one sample is a view, several are stacked (a copy)."""
+    if len(indices) == 1:
+        start = starts[indices[0]]
+        return stream[start : start + length].unsqueeze(0).transpose(1, 2)
+    return torch.stack([stream[starts[i] : starts[i] + length] for i in indices]).transpose(1, 2)
+
+
+def packed_sdpa_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """AttentionInterface entry for PACKED_SDPA: causal sdpa on each packed sample.
+
+    query: [B, H, T, D]; key, value: [B, H_kv, T, D] (H_kv divides H: GQA is left to sdpa's
+    enable_gqa or transformers' repeat_kv, as plain sdpa does). kwargs carry what the decoder
+    layer forwards, position_ids [B or 1, T] among them. Returns ([B, T, H, D], None) like
+    transformers' sdpa_attention_forward, which it defers to when there is a mask to honour,
+    no position ids, a KV cache (queries and keys differ in length) or non-causal attention.
+    Samples of equal length share one batched sdpa call.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    position_ids = kwargs.get("position_ids")
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2] or not causal:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    batch, heads, length, head_dim = query.shape
+    segments = _segments_of(position_ids, batch)
+    if len(segments.starts) == batch and (sliding_window is None or length <= sliding_window):
+        # One sample per row: exactly plain causal sdpa.
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
+
+    # [B, H, T, D] -> [B * T, H, D]: undoes the decoder's transpose, a view in the usual layout.
+    q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (query, key, value))
+    by_length: dict[int, list[int]] = {}
+    for index, segment_length in enumerate(segments.lengths):
+        by_length.setdefault(segment_length, []).append(index)
+    outputs: list[torch.Tensor | None] = [None] * len(segments.starts)
+    for segment_length, indices in by_length.items():
+        q_group, k_group, v_group = (_gather_segments(t, segments.starts, indices, segment_length) for t in (q, k, v))
+        mask = None
+        if sliding_window is not None and segment_length > sliding_window:
+            mask = _sliding_window_mask(segment_length, sliding_window, query.device)
+        group_out, _ = sdpa_attention_forward(
+            module, q_group, k_group, v_group, mask, dropout=dropout, scaling=scaling, **kwargs
+        )  # [n, L, H, D]
+        for i, out in zip(indices, group_out.unbind(0)):
+            outputs[i] = out
+    return torch.cat(outputs).view(batch, length, heads, head_dim), None
+
+
+def packed_sdpa_mask(
+    *,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    config=None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """AttentionMaskInterface entry for PACKED_SDPA: no mask for a whole, unpadded causal forward.
+
+    That case (every query and key of the sequence present, no padding mask: training and
+    logprob forwards) is where transformers would build the [T, T] block mask of a packed
+    stream; packed_sdpa_attention gets the samples from position_ids instead. Anything else
+    (padding, a KV cache, bidirectional models) gets transformers' own sdpa mask.
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    whole_causal_forward = (
+        attention_mask is None
+        and q_length == kv_length
+        and isinstance(q_offset, int) and q_offset == 0
+        and isinstance(kv_offset, int) and kv_offset == 0
+        and getattr(config, "is_causal", True)
+    )
+    if whole_causal_forward:
+        return None
+    return sdpa_mask(
+        q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+        attention_mask=attention_mask, config=config, **kwargs,
+    )
+
+
+def register_packed_sdpa() -> None:
+    """Register PACKED_SDPA with transformers' attention and mask interfaces (idempotent).
+
+    from_pretrained(attn_implementation=PACKED_SDPA) validates the name against
+    AttentionInterface, so this must run first in every process (load_causal_lm does it).
+    """
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+    AttentionMaskInterface.register(PACKED_SDPA, packed_sdpa_mask)
+
+
 def default_attn_implementation(device: torch.device) -> str:
-    """flash_attention_2 on CUDA when flash-attn imports (fast packed batches), else sdpa."""
+    """flash_attention_2 on CUDA when flash-attn imports, else PACKED_SDPA (registered on demand).
+
+    Both cost sum(len_i^2) on packed streams; plain "sdpa" would cost T^2 (see _packed_sdpa_attention).
+    """
     if device.type == "cuda":
         try:
             import flash_attn  # noqa: F401
 
             return "flash_attention_2"
         except ImportError:
-            logger.warning("flash-attn not importable on CUDA; falling back to sdpa")
-    return "sdpa"
+            logger.warning("flash-attn not importable on CUDA; falling back to %s", PACKED_SDPA)
+    register_packed_sdpa()
+    return PACKED_SDPA
 
 
 def load_causal_lm(
@@ -164,6 +347,8 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM
 
     attn = attn_implementation or default_attn_implementation(device)
+    if attn == PACKED_SDPA:
+        register_packed_sdpa()  # from_pretrained rejects names missing from AttentionInterface
     model = AutoModelForCausalLM.from_pretrained(
         str(model_path), dtype=dtype, attn_implementation=attn, use_safetensors=True
     )
@@ -174,7 +359,8 @@ class TokenLogprobModel(nn.Module):
     """Wraps a causal LM: packed inputs in, logprobs (and entropy) of the output tokens out.
 
     The decoder runs on the whole packed stream with `use_cache=False`: transformers isolates
-    packed samples (positions restarting at 0, no attention mask) only without a KV cache. Only
+    packed samples (positions restarting at 0, no attention mask) only without a KV cache; with
+    PACKED_SDPA or flash_attention_2 each sample's attention costs its own length squared. Only
     positions that predict output tokens go through the lm_head, in chunks (grpo_loss).
     This module is the FSDP root in training, so its forward drives FSDP2's unshard hooks.
     """
@@ -296,7 +482,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     """Recompute each decoder layer in backward (non-reentrant) to save activation memory."""
     attn_implementation: str | None = None
-    """'sdpa', 'eager', 'flash_attention_2', ...; None picks default_attn_implementation(device)."""
+    """PACKED_SDPA, 'sdpa', 'eager', 'flash_attention_2', ...; None picks default_attn_implementation(device)."""
     mixed_precision: bool = True
     """On CUDA, compute in bf16 with fp32 master weights and fp32 gradient reduction. CPU: fp32."""
     reshard_after_forward: bool = True

@@ -2,6 +2,7 @@
 
     cd /work/main && .venv/bin/python benchmarks/logprob_batching.py
     .venv/bin/python benchmarks/logprob_batching.py --num_samples 96 --budgets 1024,512,2048 --repeats 3
+    .venv/bin/python benchmarks/logprob_batching.py --attn_implementation sdpa  # the block-mask path
 
 For each model shape (the bundled tiny Qwen2, and a wider one: hidden 512, 4 layers),
 random-init weights are written to a temporary folder and the same random samples are scored by
@@ -15,12 +16,15 @@ Every worker uses max_wait_ms=0 (sequential requests would otherwise wait for co
 comes). Throughput is packed tokens (prompt + output) per second of wall time, best of the
 repeats, with the modes alternating so that load from other processes hits both. The last line is
 key=value pairs: `speedup` is the wider model's batched/sequential ratio at the first budget,
-`tiny_speedup` the tiny model's, `speedup_by_budget` the wider model's at every budget.
+`tiny_speedup` the tiny model's, `speedup_by_budget` the wider model's at every budget,
+`cpu_speedup`/`tiny_cpu_speedup` the same ratios from this process's CPU time (steadier on a
+shared machine), and `attn` the attention implementation the workers ran.
 
-On sdpa (CPU, or GPU without flash-attn) a packed forward attends over its whole T x T token
-square with a block-diagonal mask, so attention work grows with the square of the budget rather
-than with the sum of each sample's square; flash_attention_2's varlen kernel does not pay this.
-That is why the budget sweep is printed: on CPU a large budget can be slower than no batching.
+Workers use setup_model's default attention unless --attn_implementation names one: without
+flash-attn that is PACKED_SDPA, which attends within each packed sample, so attention work follows
+the sum of each sample's square. With plain "sdpa" a packed forward attends over its whole T x T
+token square under a block-diagonal mask, so attention work grows with the square of the budget
+and a large budget can be slower than no batching; the budget sweep shows either behaviour.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from logprob_worker import LogprobWorker, LogprobWorkerConfig, resolve_device  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
-from setup_model import TinyModelConfig, write_tiny_model  # noqa: E402
+from setup_model import TinyModelConfig, default_attn_implementation, write_tiny_model  # noqa: E402
 
 TINY_SHAPE = TinyModelConfig()
 WIDE_SHAPE = TinyModelConfig(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1408)
@@ -66,11 +70,13 @@ class BenchConfig:
     """Longest output, in tokens."""
     budgets: tuple[int, ...] = (512, 1024, 2048)
     """Token budgets (max_tokens_per_gpu) of the batched mode; the first is the one `speedup`
-    reports (512: the CPU sweet spot under sdpa, see the module docstring)."""
+    reports (512: the CPU sweet spot under plain sdpa, kept so results stay comparable)."""
     repeats: int = 2
     """Timed passes per mode; the best is reported."""
     seed: int = 0
     """Seed of the random samples."""
+    attn_implementation: str | None = None
+    """Workers' attn_implementation; None: setup_model.default_attn_implementation for the device."""
 
     def __post_init__(self) -> None:
         for name in ("num_samples", "min_prompt", "min_output", "repeats"):
@@ -91,6 +97,10 @@ class ShapeResult:
     sequential_tok_s: float
     batched_tok_s: dict[int, float]
     """Budget -> batched throughput."""
+    sequential_cpu_s: float
+    """CPU seconds of the best sequential pass (this process, all threads)."""
+    batched_cpu_s: dict[int, float]
+    """Budget -> CPU seconds of the best batched pass."""
     forwards: dict[int, int]
     """Budget -> forwards of one batched pass."""
     max_abs_diff: float
@@ -98,6 +108,9 @@ class ShapeResult:
 
     def speedup(self, budget: int) -> float:
         return self.batched_tok_s[budget] / self.sequential_tok_s
+
+    def cpu_speedup(self, budget: int) -> float:
+        return self.sequential_cpu_s / self.batched_cpu_s[budget]
 
 
 def build_samples(config: BenchConfig, vocab_size: int) -> list[Sample]:
@@ -121,39 +134,45 @@ async def _batched(worker: LogprobWorker, samples: list[Sample]) -> list[list[fl
     return list(await asyncio.gather(*(worker.compute_logprobs(s) for s in samples)))
 
 
-async def _timed(coro: Awaitable[list[list[float]]]) -> tuple[float, list[list[float]]]:
-    started = time.perf_counter()
+async def _timed(coro: Awaitable[list[list[float]]]) -> tuple[float, float, list[list[float]]]:
+    """(wall seconds, CPU seconds of this process, results)."""
+    started, cpu_started = time.perf_counter(), time.process_time()
     results = await coro
-    return time.perf_counter() - started, results
+    return time.perf_counter() - started, time.process_time() - cpu_started, results
 
 
 def _max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max((torch.tensor(x) - torch.tensor(y)).abs().max().item() for x, y in zip(a, b))
 
 
-def _worker(label: str, model_dir: Path, budget: int) -> LogprobWorker:
+def _worker(label: str, model_dir: Path, budget: int, attn_implementation: str | None) -> LogprobWorker:
     # max_wait_ms=0: the sequential mode would otherwise wait for company on every request, and
     # the batched mode queues all its requests before the first batch forms anyway.
-    config = LogprobWorkerConfig(model_path=str(model_dir), max_tokens_per_gpu=budget, max_wait_ms=0.0)
+    config = LogprobWorkerConfig(
+        model_path=str(model_dir), max_tokens_per_gpu=budget, max_wait_ms=0.0, attn_implementation=attn_implementation
+    )
     return LogprobWorker(f"logprob-bench-{label}-{budget}", config)
 
 
 async def measure(label: str, model_dir: Path, samples: list[Sample], config: BenchConfig) -> ShapeResult:
     """Best-of-repeats throughput; the modes alternate so load from other processes hits both."""
     num_tokens = sum(s.num_tokens for s in samples)
-    sequential_worker = _worker(label, model_dir, max(config.budgets))
-    batched_workers = {budget: _worker(label, model_dir, budget) for budget in config.budgets}
+    attn = config.attn_implementation
+    sequential_worker = _worker(label, model_dir, max(config.budgets), attn)
+    batched_workers = {budget: _worker(label, model_dir, budget, attn) for budget in config.budgets}
     for worker in [sequential_worker, *batched_workers.values()]:
         await _batched(worker, samples[:WARMUP_SAMPLES])
     best_sequential, best_batched = float("inf"), {b: float("inf") for b in config.budgets}
+    cpu_sequential, cpu_batched = float("inf"), {b: float("inf") for b in config.budgets}
     forwards, diff = {}, 0.0
     for _ in range(config.repeats):
-        seconds, reference = await _timed(_sequential(sequential_worker, samples))
-        best_sequential = min(best_sequential, seconds)
+        seconds, cpu_seconds, reference = await _timed(_sequential(sequential_worker, samples))
+        best_sequential, cpu_sequential = min(best_sequential, seconds), min(cpu_sequential, cpu_seconds)
         for budget, worker in batched_workers.items():
             before = worker.stats().batches
-            seconds, results = await _timed(_batched(worker, samples))
+            seconds, cpu_seconds, results = await _timed(_batched(worker, samples))
             best_batched[budget] = min(best_batched[budget], seconds)
+            cpu_batched[budget] = min(cpu_batched[budget], cpu_seconds)
             forwards[budget] = worker.stats().batches - before
             diff = max(diff, _max_abs_diff(results, reference))
     for worker in [sequential_worker, *batched_workers.values()]:
@@ -161,6 +180,8 @@ async def measure(label: str, model_dir: Path, samples: list[Sample], config: Be
     return ShapeResult(
         sequential_tok_s=num_tokens / best_sequential,
         batched_tok_s={b: num_tokens / s for b, s in best_batched.items()},
+        sequential_cpu_s=cpu_sequential,
+        batched_cpu_s=cpu_batched,
         forwards=forwards,
         max_abs_diff=diff,
     )
@@ -181,7 +202,8 @@ def run_shape(label: str, shape: TinyModelConfig, config: BenchConfig, workdir: 
     for budget in sorted(config.budgets):
         print(
             f"  batched, budget {budget:5d}: {result.batched_tok_s[budget]:10,.0f} tok/s "
-            f"({result.forwards[budget]} forwards)  speedup {result.speedup(budget):.2f}x",
+            f"({result.forwards[budget]} forwards)  speedup {result.speedup(budget):.2f}x wall, "
+            f"{result.cpu_speedup(budget):.2f}x CPU",
             flush=True,
         )
     return result
@@ -197,11 +219,16 @@ def main() -> None:
     parser.add_argument("--num_samples", type=int, default=defaults.num_samples)
     parser.add_argument("--budgets", type=_parse_budgets, default=defaults.budgets, help="comma-separated; first is reported")
     parser.add_argument("--repeats", type=int, default=defaults.repeats)
+    parser.add_argument("--attn_implementation", default=defaults.attn_implementation, help="default: setup_model's")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = BenchConfig(num_samples=args.num_samples, budgets=args.budgets, repeats=args.repeats)
+    config = BenchConfig(
+        num_samples=args.num_samples, budgets=args.budgets, repeats=args.repeats,
+        attn_implementation=args.attn_implementation,
+    )
     device = resolve_device(LogprobWorkerConfig.device)
-    print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads", flush=True)
+    attn = config.attn_implementation or default_attn_implementation(device)
+    print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads, attn {attn}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         tiny = run_shape("tiny", TINY_SHAPE, config, Path(tmp))
         wide = run_shape("wide", WIDE_SHAPE, config, Path(tmp))
@@ -211,8 +238,9 @@ def main() -> None:
         f"speedup={wide.speedup(budget):.2f} tiny_speedup={tiny.speedup(budget):.2f} budget={budget} "
         f"batched_tok_s={wide.batched_tok_s[budget]:.0f} sequential_tok_s={wide.sequential_tok_s:.0f} "
         f"tiny_batched_tok_s={tiny.batched_tok_s[budget]:.0f} tiny_sequential_tok_s={tiny.sequential_tok_s:.0f} "
-        f"speedup_by_budget={by_budget} device={device} num_samples={config.num_samples} "
-        f"max_abs_diff={max(tiny.max_abs_diff, wide.max_abs_diff):.1e}"
+        f"speedup_by_budget={by_budget} cpu_speedup={wide.cpu_speedup(budget):.2f} "
+        f"tiny_cpu_speedup={tiny.cpu_speedup(budget):.2f} attn={attn} device={device} "
+        f"num_samples={config.num_samples} max_abs_diff={max(tiny.max_abs_diff, wide.max_abs_diff):.1e}"
     )
 
 

@@ -8,20 +8,24 @@ draws prompt lengths uniformly and output lengths log-normally (most rollouts sh
 then times one training step on each layout:
 
 - packed: one [T] stream through TokenLogprobModel (positions restart per sample, no padding),
-  chunked lm_head on output positions only, grpo_loss, backward;
-- padded: [B, L] right-padded batch through the plain HF forward with attention_mask, logits of
-  the output positions, log_softmax, gather, the same grpo_loss, backward.
+  chunked lm_head on output positions only, grpo_loss, backward; attention is --packed_attn
+  (default setup_model.PACKED_SDPA, what the trainer uses without flash-attn);
+- padded: [B, L] right-padded batch through the plain HF forward with attention_mask (its own
+  copy of the model, always plain "sdpa"), logits of the output positions, log_softmax, gather,
+  the same grpo_loss, backward.
 
 Each side is warmed up, then the two are timed alternately `--reps` times (so both see the same
 background load); medians are reported. Both sides' losses are compared first, so the two steps
 provably compute the same thing. The last line is key=value pairs: speedup=<padded s / packed s>
 (wall clock), cpu_speedup (the same from CPU time, steadier on a busy machine) and each side's
-real-token fraction among them.
+real-token fraction among them, and packed_attn.
 
-Reading the numbers: packing saves the linear layers' work on padding, but with sdpa (CPU, or
-CUDA without flash-attn) transformers runs a packed stream as one [T, T] attention with a
-block-diagonal mask, so attention work grows with T^2 rather than sum(len_i^2);
-packed_over_padded_attn_pairs reports that ratio. flash_attention_2's varlen kernel avoids it.
+Reading the numbers: packing saves the linear layers' work on padding. With plain "sdpa"
+(`--packed_attn sdpa`, what the trainer used before PACKED_SDPA) transformers runs a packed stream
+as one [T, T] attention under a block-diagonal mask, so attention work grows with T^2 rather than
+sum(len_i^2) and gives much of that saving back; PACKED_SDPA (like flash_attention_2's varlen
+kernel) attends within each sample only. packed_over_padded_attn_pairs is the ratio of
+query-key pairs the packed side computes to the padded side's.
 """
 
 from __future__ import annotations
@@ -39,13 +43,14 @@ import torch
 
 from grpo_loss import LossConfig, grpo_loss
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
-from setup_model import TinyModelConfig, TokenLogprobModel, load_causal_lm, write_tiny_model
+from setup_model import PACKED_SDPA, TinyModelConfig, TokenLogprobModel, load_causal_lm, write_tiny_model
 
 logger = logging.getLogger("benchmarks.packing")
 
 # The two layouts sum the same fp32 terms in different orders; anything beyond this is a bug.
 LOSS_MATCH_RTOL = 1e-4
 LOSS_CONFIG = LossConfig(kl_coef=0.05, tis_cap=2.0)
+PADDED_ATTN = "sdpa"  # the baseline: transformers' own sdpa with the padding mask
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -76,6 +81,8 @@ class BenchConfig:
     """Timed steps per side; the median is reported."""
     seed: int = 0
     """Seed of the model weights and the sample draw."""
+    packed_attn: str = PACKED_SDPA
+    """attn_implementation of the packed side; 'sdpa' measures transformers' block-mask path."""
     threads: int = 1
     """torch intra-op threads. One by default: on a shared machine a single thread's CPU time
     measures the work without OpenMP threads spinning while a sibling is descheduled."""
@@ -174,6 +181,8 @@ def interleaved_medians(
 ) -> dict[str, Timing]:
     """Warm up each step, then time them alternately `reps` times; medians per step.
 
+    model: everything the steps put gradients on (zeroed after each step).
+
     Alternating (packed, padded, packed, ...) exposes both sides to the same background load.
     """
     for step in steps.values():
@@ -198,24 +207,29 @@ def run(config: BenchConfig, model_dir: Path) -> dict[str, float]:
         num_kv_heads=2, intermediate_size=config.intermediate_size,
         max_position_embeddings=config.max_prompt + config.max_output, seed=config.seed,
     ))
-    causal_lm = load_causal_lm(model_dir, attn_implementation="sdpa")
-    causal_lm.train()
+    # Two copies of the same checkpoint, so that each side runs its own attention implementation.
+    causal_lm = load_causal_lm(model_dir, attn_implementation=config.packed_attn).train()
+    padded_lm = load_causal_lm(model_dir, attn_implementation=PADDED_ATTN).train()
     model = TokenLogprobModel(causal_lm)
+    both = torch.nn.ModuleList([model, padded_lm])
     samples = draw_samples(config, causal_lm.config.vocab_size)
     batch, padded = post_process_batch(samples), pad_samples(samples)
 
-    packed_loss, padded_loss = packed_step(model, batch), padded_step(causal_lm, padded, batch)
-    model.zero_grad(set_to_none=True)
+    packed_loss, padded_loss = packed_step(model, batch), padded_step(padded_lm, padded, batch)
+    both.zero_grad(set_to_none=True)
     if abs(packed_loss - padded_loss) > LOSS_MATCH_RTOL * max(1.0, abs(padded_loss)):
         raise RuntimeError(f"packed loss {packed_loss} != padded loss {padded_loss}: the layouts disagree")
 
     medians = interleaved_medians(
-        {"packed": lambda: packed_step(model, batch), "padded": lambda: padded_step(causal_lm, padded, batch)},
-        model,
+        {"packed": lambda: packed_step(model, batch), "padded": lambda: padded_step(padded_lm, padded, batch)},
+        both,
         config,
     )
     packed_time, padded_time = medians["packed"], medians["padded"]
     real_tokens = batch.num_tokens
+    # PACKED_SDPA attends within each sample; the other implementations see one [T, T] square.
+    sample_lengths = [s.num_tokens for s in samples]
+    packed_pairs = sum(n * n for n in sample_lengths) if config.packed_attn == PACKED_SDPA else real_tokens**2
     return {
         "speedup": padded_time.wall_s / packed_time.wall_s,
         "cpu_speedup": padded_time.cpu_s / packed_time.cpu_s,
@@ -225,15 +239,15 @@ def run(config: BenchConfig, model_dir: Path) -> dict[str, float]:
         "padded_cpu_s": padded_time.cpu_s,
         "packed_real_token_frac": real_tokens / batch.inputs.input_ids.numel(),
         "padded_real_token_frac": real_tokens / padded.input_ids.numel(),
-        # sdpa sees the packed stream as one [T, T] masked attention, the padded batch as B x [L, L]:
-        # this ratio of query-key pairs computed is what packing costs back in attention.
-        "packed_over_padded_attn_pairs": real_tokens**2 / (padded.input_ids.shape[0] * padded.input_ids.shape[1] ** 2),
+        # The padded batch is B x [L, L] for sdpa: above 1, packing pays back some of its saving.
+        "packed_over_padded_attn_pairs": packed_pairs / (padded.input_ids.shape[0] * padded.input_ids.shape[1] ** 2),
         "num_samples": len(samples),
         "real_tokens": real_tokens,
         "padded_tokens": padded.input_ids.numel(),
         "output_tokens": int(batch.advantages.numel()),
         "params_m": sum(p.numel() for p in causal_lm.parameters()) / 1e6,
         "threads": torch.get_num_threads(),
+        "packed_attn": config.packed_attn,
     }
 
 

@@ -5,19 +5,32 @@
 - chunked lm_head == one full log_softmax, values and gradients, for several chunk sizes;
 - loss and parameter gradients == a right-padded reference written here (plain HF forward with
   attention_mask, full log_softmax, gather, the GRPO formula by hand);
-- post_process_batch's layout and broadcasts against hand-built tensors, and its errors.
+- post_process_batch's layout and broadcasts against hand-built tensors, and its errors;
+- PACKED_SDPA (setup_model's default without flash-attn): per-sample causal sdpa equals the
+  per-sample forward and transformers' block-mask sdpa (values and gradients, with and without
+  gradient checkpointing, GQA and not, sliding window), never sees a mask or a [T, T] square on
+  packed streams, and is plain sdpa wherever a mask is given (padded batches, `generate`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
 
 from grpo_loss import LossConfig, chunked_token_logprobs, grpo_loss
 from sample_processing_utils import IGNORE_INDEX, Sample, get_input_for_logprobs, post_process_batch
-from setup_model import TokenLogprobModel, load_causal_lm
+from setup_model import (
+    PACKED_SDPA,
+    PackedSegments,
+    TinyModelConfig,
+    TokenLogprobModel,
+    load_causal_lm,
+    packed_segments,
+    write_tiny_model,
+)
 
 # fp32 on CPU: packing changes attention's matrix shapes (and so summation order), not the maths.
 LOGPROB_ATOL = 1e-5
@@ -47,7 +60,7 @@ def _random_samples(vocab: int, num_samples: int, seed: int) -> list[Sample]:
     return samples
 
 
-@pytest.fixture(scope="module", params=["sdpa", "eager"])
+@pytest.fixture(scope="module", params=["sdpa", "eager", PACKED_SDPA])
 def logprob_model(request, tiny_model_dir: Path) -> TokenLogprobModel:
     return TokenLogprobModel(load_causal_lm(tiny_model_dir, attn_implementation=request.param), logprob_chunk_size=16)
 
@@ -277,3 +290,211 @@ def test_post_process_batch_errors(make_samples, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         post_process_batch(make_samples())
 
+
+
+# ------------------------------------------------------------------------------------------
+# 5. PACKED_SDPA: per-sample attention without flash-attn.
+# ------------------------------------------------------------------------------------------
+
+# Lengths (prompt, output) with repeats, so equal-length samples share one batched sdpa call, and a
+# one-token-prompt sample; 12 samples, 5..63 tokens each.
+_SEGMENT_SHAPES = [
+    (3, 2), (9, 30), (1, 4), (20, 11), (3, 2), (17, 5), (9, 30), (40, 23), (2, 3), (11, 11), (3, 2), (6, 1),
+]
+
+
+def _fixed_shape_samples(vocab: int, seed: int) -> list[Sample]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        Sample(
+            input_token_ids=torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(),
+            output_token_ids=torch.randint(0, vocab, (output_len,), generator=gen).tolist(),
+            gt_answer="",
+            prompt_id=i,
+        )
+        for i, (prompt_len, output_len) in enumerate(_SEGMENT_SHAPES)
+    ]
+
+
+@pytest.fixture(scope="module")
+def mha_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model without grouped-query attention (as many kv heads as query heads)."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-mha"), TinyModelConfig(num_kv_heads=4))
+
+
+@pytest.fixture(scope="module")
+def sliding_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """The tiny model with a 7-token sliding window on its second layer (Qwen2's max_window_layers)."""
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 7, 1
+    config.layer_types = None  # re-derived from the three fields above
+    config = type(config)(**config.to_dict())
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    torch.manual_seed(1)
+    out = tmp_path_factory.mktemp("tiny-qwen2-sliding")
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    return out
+
+
+_MODEL_FIXTURES = {"gqa": "tiny_model_dir", "mha": "mha_model_dir", "sliding": "sliding_model_dir"}
+
+
+def _model_dir(shape: str, request: pytest.FixtureRequest) -> Path:
+    """The checkpoint folder of one model shape (see _MODEL_FIXTURES)."""
+    return request.getfixturevalue(_MODEL_FIXTURES[shape])
+
+
+def test_packed_segments_follow_position_restarts() -> None:
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3]])
+    assert packed_segments(positions, 1) == PackedSegments(starts=(0, 3, 5, 6), lengths=(3, 2, 1, 4))
+    # A [1, T] row broadcast over a batch of 2: every row starts a sample.
+    assert packed_segments(torch.tensor([[0, 1, 2]]), 2) == PackedSegments(starts=(0, 3), lengths=(3, 3))
+    # Consecutive positions that do not start at 0 are one sample (a continuation), as in transformers.
+    assert packed_segments(torch.tensor([[5, 6, 7, 0, 1]]), 1) == PackedSegments(starts=(0, 3), lengths=(3, 2))
+
+
+def test_packed_sdpa_is_the_default_and_loads(tiny_model_dir: Path) -> None:
+    causal_lm = load_causal_lm(tiny_model_dir)
+    assert causal_lm.config._attn_implementation == PACKED_SDPA
+    # The tiny model is GQA: 4 query heads share 2 key/value heads.
+    assert causal_lm.config.num_key_value_heads < causal_lm.config.num_attention_heads
+
+
+@pytest.mark.parametrize("shape", ["gqa", "mha", "sliding"])
+def test_packed_sdpa_equals_per_sample(shape: str, request: pytest.FixtureRequest) -> None:
+    model_dir = _model_dir(shape, request)
+    model = TokenLogprobModel(load_causal_lm(model_dir, attn_implementation=PACKED_SDPA), logprob_chunk_size=16)
+    samples = _fixed_shape_samples(model.causal_lm.config.vocab_size, seed=11)
+    with torch.no_grad():
+        packed_lp, packed_ent = model.score(get_input_for_logprobs(samples))
+        alone = [model.score(get_input_for_logprobs([s])) for s in samples]
+    assert (packed_lp - torch.cat([lp for lp, _ in alone])).abs().max() <= LOGPROB_ATOL
+    assert (packed_ent - torch.cat([ent for _, ent in alone])).abs().max() <= LOGPROB_ATOL
+
+
+def _value_and_grads(model: TokenLogprobModel, samples: list[Sample], upstream: torch.Tensor) -> list[torch.Tensor]:
+    """Logprobs, entropy and every parameter's gradient of (logprobs * upstream).sum()."""
+    model.zero_grad(set_to_none=True)
+    logprobs, entropy = model.score(get_input_for_logprobs(samples))
+    (logprobs * upstream).sum().backward()
+    return [logprobs.detach(), entropy.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "grad-checkpointing"])
+@pytest.mark.parametrize("shape", ["gqa", "mha", "sliding"])
+def test_packed_sdpa_values_and_grads_equal_block_mask_sdpa(
+    shape: str, checkpointing: bool, request: pytest.FixtureRequest
+) -> None:
+    """Same packed stream, transformers' [T, T] block-mask sdpa as the reference."""
+    model_dir = _model_dir(shape, request)
+    models = {}
+    for attn in ("sdpa", PACKED_SDPA):
+        causal_lm = load_causal_lm(model_dir, attn_implementation=attn).train()  # dropout is 0
+        if checkpointing and attn == PACKED_SDPA:
+            causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        models[attn] = TokenLogprobModel(causal_lm, logprob_chunk_size=16)
+    samples = _random_samples(models["sdpa"].causal_lm.config.vocab_size, NUM_SAMPLES, seed=5)
+    upstream = torch.randn(sum(len(s.output_token_ids) for s in samples), generator=torch.Generator().manual_seed(0))
+
+    reference = _value_and_grads(models["sdpa"], samples, upstream)
+    got = _value_and_grads(models[PACKED_SDPA], samples, upstream)
+    names = ["logprobs", "entropy"] + [name for name, _ in models["sdpa"].named_parameters()]
+    torch.testing.assert_close(got[0], reference[0], rtol=0, atol=LOGPROB_ATOL)
+    torch.testing.assert_close(got[1], reference[1], rtol=0, atol=LOGPROB_ATOL)
+    for name, g, want in zip(names[2:], got[2:], reference[2:]):
+        assert want.abs().max() > 0, name
+        torch.testing.assert_close(g, want, rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict]]:
+    """Records (query shape, key length, mask shape, is_causal) of every torch sdpa call."""
+    calls: list[dict] = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        calls.append({
+            "batch": query.shape[0], "q_len": query.shape[-2], "kv_len": key.shape[-2],
+            "mask": None if attn_mask is None else tuple(attn_mask.shape), "is_causal": is_causal,
+        })
+        return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    yield calls
+
+
+def test_packed_sdpa_attends_per_sample_without_a_mask(tiny_model_dir: Path, sdpa_calls: list[dict]) -> None:
+    """The work is sum(len_i^2) in unmasked causal calls; the block-mask path would fail this."""
+    samples = _fixed_shape_samples(vocab=90, seed=2)
+    lengths = [s.num_tokens for s in samples]
+    packed = get_input_for_logprobs(samples)
+    num_layers = 2
+    for attn in ("sdpa", PACKED_SDPA):
+        model = TokenLogprobModel(load_causal_lm(tiny_model_dir, attn_implementation=attn))
+        assert model.causal_lm.config.num_hidden_layers == num_layers
+        sdpa_calls.clear()
+        with torch.no_grad():
+            model.score(packed)
+        if attn == "sdpa":
+            # Power of the check: transformers' path is one [T, T] masked call per layer.
+            total = sum(lengths)
+            block_mask_call = {
+                "batch": 1, "q_len": total, "kv_len": total, "mask": (1, 1, total, total), "is_causal": False,
+            }
+            assert sdpa_calls == [block_mask_call] * num_layers
+            continue
+        assert all(call["mask"] is None and call["is_causal"] for call in sdpa_calls)
+        assert all(call["q_len"] == call["kv_len"] for call in sdpa_calls)
+        pairs = sum(call["batch"] * call["q_len"] * call["kv_len"] for call in sdpa_calls)
+        assert pairs == num_layers * sum(n * n for n in lengths)
+        # Equal lengths share a call: one call per distinct length and layer.
+        assert len(sdpa_calls) == num_layers * len(set(lengths))
+
+
+def _padded_batch(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    seqs = [s.input_token_ids + s.output_token_ids for s in samples]
+    width = max(len(seq) for seq in seqs)
+    input_ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, seq in enumerate(seqs):
+        input_ids[row, : len(seq)] = torch.tensor(seq)
+        attention_mask[row, : len(seq)] = 1
+    return input_ids, attention_mask
+
+
+def test_packed_sdpa_with_a_mask_is_plain_sdpa(tiny_model_dir: Path, sdpa_calls: list[dict]) -> None:
+    """Padded batches and `generate` (left padding, KV cache) get exactly transformers' sdpa."""
+    models = {attn: load_causal_lm(tiny_model_dir, attn_implementation=attn).eval() for attn in ("sdpa", PACKED_SDPA)}
+    input_ids, attention_mask = _padded_batch(_fixed_shape_samples(vocab=90, seed=4)[:4])
+    calls, logits = {}, {}
+    for attn, causal_lm in models.items():
+        sdpa_calls.clear()
+        with torch.no_grad():
+            logits[attn] = causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        calls[attn] = list(sdpa_calls)
+    assert torch.equal(logits[PACKED_SDPA], logits["sdpa"])
+    assert calls[PACKED_SDPA] == calls["sdpa"] and calls["sdpa"][0]["mask"] is not None
+
+    prompts = torch.tensor([[1, 1, 40, 41, 42], [50, 51, 52, 53, 54]])  # token 1 is the pad token
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    generated = {
+        attn: causal_lm.generate(
+            input_ids=prompts, attention_mask=prompt_mask, max_new_tokens=6, do_sample=False, pad_token_id=1
+        )
+        for attn, causal_lm in models.items()
+    }
+    assert torch.equal(generated[PACKED_SDPA], generated["sdpa"])
+
+
+def test_packed_sdpa_single_sequence_is_plain_causal_sdpa(tiny_model_dir: Path, sdpa_calls: list[dict]) -> None:
+    sample = _fixed_shape_samples(vocab=90, seed=6)[7]
+    single = get_input_for_logprobs([sample])
+    results = {}
+    for attn in ("sdpa", PACKED_SDPA):
+        sdpa_calls.clear()
+        with torch.no_grad():
+            results[attn] = TokenLogprobModel(load_causal_lm(tiny_model_dir, attn_implementation=attn)).score(single)
+        assert all(call["mask"] is None and call["is_causal"] for call in sdpa_calls)
+    assert torch.equal(results[PACKED_SDPA][0], results["sdpa"][0])

@@ -93,10 +93,15 @@ def _wait_until(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.05)
 
 
+# FakeWorkers started by the current test; make_registry kills them when the test ends.
+_started_workers: list[Any] = []
+
+
 def _start_worker(prefix: str, **options: Any) -> tuple[str, Any]:
     """A named FakeWorker in the project namespace (unique name: tests share one cluster)."""
     name = f"{prefix}-{uuid.uuid4().hex[:6]}"
     handle = FakeWorker.options(name=name, namespace=RAY_NAMESPACE).remote(name, **options)
+    _started_workers.append(handle)
     ray.get(handle.health.remote())
     return name, handle
 
@@ -128,6 +133,8 @@ def make_registry(ray_local):
 
     yield make
     _kill_registry()
+    while _started_workers:
+        ray.kill(_started_workers.pop())
 
 
 def _register(registry: Any, *names: str) -> None:

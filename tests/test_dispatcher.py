@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -98,6 +99,7 @@ def ray_head() -> Iterator[dict[str, str]]:
         except subprocess.TimeoutExpired:
             head.kill()
             head.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 # Run in a child process: joining a cluster switches Ray's auth mode for the whole process.

@@ -54,9 +54,10 @@ class LogprobWorkerConfig:
     max_tokens_per_gpu: int = 16384
     """Token budget of one packed forward (prompt + output tokens of all samples in it). A single
     sample longer than this still runs, alone, and is counted in stats().oversized_samples.
-    With flash_attention_2 (varlen) attention cost follows each sample's own length; with sdpa a
-    packed forward attends over the whole budget squared under a block-diagonal mask, so on CPU
-    a few hundred to ~1k tokens is the sweet spot (benchmarks/logprob_batching.py sweeps it)."""
+    Attention cost follows each sample's own length (flash_attention_2, or setup_model's
+    packed_sdpa without flash-attn), so larger budgets amortise more per-forward overhead;
+    benchmarks/logprob_batching.py sweeps it (on the 2-core CPU: 1.0x / 1.19x / 1.27x at
+    512 / 1024 / 2048 tokens)."""
     max_wait_ms: float = 20.0
     """How long the first queued request waits for company before its batch runs even if not full.
     0 runs whatever is queued as soon as the previous batch is done."""

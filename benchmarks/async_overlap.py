@@ -1,0 +1,423 @@
+"""Step time with generation overlapped with training (max_lag=1) vs synchronous (max_lag=0).
+
+    cd /work/main && .venv/bin/python benchmarks/async_overlap.py                 # both modes, ~15 min on 2 cores
+    .venv/bin/python benchmarks/async_overlap.py --modes simulated                # simulated engine only (~5 min)
+    .venv/bin/python benchmarks/async_overlap.py --assets_dir runs/demo-assets    # reuse prepared demo assets
+
+Both modes run `torchrun --nproc_per_node=2 trainer_core.py` (FSDP2 on gloo) in one local
+cluster, alternating max_lag=0 and max_lag=1 runs of `--num_steps` steps (`--rounds` pairs),
+settings otherwise identical; each run resumes from the previous run's final checkpoint, so
+weight versions only grow (every run first pushes its start version, and the generation worker
+refuses one older than it serves). Alternating spreads slow drifts in the machine's load over
+both settings. Per setting, the median `timing/step_s` is taken over the steady-state steps of
+its runs: each run's first `--skip_steps` (start-up, and the two steps max_lag=1 submits before
+training starts) and its last step (max_lag=1 has no next step to generate during it) are left
+out. `speedup = t(max_lag=0) / t(max_lag=1)`. Each run's own median and the machine's load
+average are printed too: other processes on the same cores make single steps noisy.
+
+- real: the real vLLM generation worker and the real logprob worker (reference logprobs) on the
+  demo model (scripts/prepare_demo.py, short format warm-up), launched by LocalCluster. On a
+  2-core machine generation, logprobs and both trainer ranks compete for the same cores, so
+  overlapping them cannot shorten a step much: expect a speedup near 1.
+- simulated: the generation engine is SIMULATED: a small Ray actor registered in the generation
+  registry that sleeps a fixed latency G per request (all of a step's requests sleep
+  concurrently, like one engine batch on hardware of its own), then returns uniformly random
+  tokens of length `sampling.max_tokens`, random 0/1 rewards and group advantages, and that
+  fetches and assembles every weight push like a real worker. The trainer runs with
+  `logprob_role: none`. A first calibration run (max_lag=0, G tiny) measures T, the trainer's
+  busy time per step (`timing/step_s - timing/wait_s`: forward/backward, optimizer, weight push,
+  bookkeeping), then G is set to T, where overlap helps most. The ideal speedup is
+  (G + T) / max(G, T) (2 at G = T), with T re-measured in the comparison's own max_lag=0 runs;
+  overlap_efficiency = measured / ideal.
+
+Reference points: one-step-off async GRPO reports 1.2-1.4x (verl), fully async 2.3-2.8x at
+scale (AReaL, many generation GPUs per trainer GPU); with one pipeline stage each the ceiling
+is 2x, reached when generation and training take equal time.
+
+The LAST line is key=value pairs:
+`speedup=<real> simulated_speedup=<x> simulated_ideal=<y> overlap_efficiency=<z> G_s=... T_s=...`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
+from metrics import read_metrics  # noqa: E402
+from sample_processing_utils import Sample  # noqa: E402
+from vllm_registry import (  # noqa: E402
+    GENERATION,
+    RAY_NAMESPACE,
+    RegistryConfig,
+    WorkerHealth,
+    get_or_create_registry,
+    worker_actor_name,
+)
+from vllm_worker import SamplingConfig, group_advantages  # noqa: E402
+from weight_sync import WeightUpdate, assemble_state_dict  # noqa: E402
+
+logger = logging.getLogger("async_overlap")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
+WORLD_SIZE = 2  # trainer ranks, as in the demo and the end-to-end tests
+LAGS = (0, 1)  # synchronous, then one-step-off
+# Short warm-up: the benchmark needs a model that emits answer-shaped completions, not a good one.
+WARMUP_STEPS = 50
+NUM_PROMPTS = 500
+PREPARE_TIMEOUT_S = 900  # the demo warm-up took ~3 min on a loaded 2-core machine
+MAX_MODEL_LEN = 64  # demo prompts are <= 16 tokens; completions are a few tokens
+KV_CACHE_BYTES = 128 * 2**20  # plenty for 64-token sequences; small enough on a busy machine
+# The simulated engine is a single worker that takes every request at once: lift the registry's
+# per-worker cap so that max_lag + 1 steps of requests are never throttled by routing.
+SIM_REGISTRY_CAP = 1_000_000
+SIM_ACTOR_MAX_CONCURRENCY = 10_000  # every in-flight request holds one actor slot while it sleeps
+SIM_CALIBRATION_LATENCY_S = 0.05  # G during calibration: small, so T is measured nearly alone
+SIM_REWARD_PROBABILITY = 0.5  # coin-flip rewards: most groups have a spread, so most advantages are non-zero
+
+
+@dataclass(kw_only=True, frozen=True)
+class BenchConfig:
+    """What each trainer run looks like; both max_lag runs of a mode share it."""
+
+    num_steps: int
+    """Optimizer steps per trainer run."""
+    rounds: int
+    """How many times the pair of runs (max_lag 0, then 1) is repeated, alternating."""
+    skip_steps: int
+    """Leading steps left out of the median (start-up; max_lag=1 pre-submits steps 0 and 1)."""
+    prompts_per_rank: int
+    """Prompts each rank submits per step."""
+    n: int
+    """Rollouts per prompt."""
+    max_tokens: int
+    """Completion length cap (the simulated engine always emits exactly this many tokens)."""
+    trainer_timeout_s: float
+    """Kill a trainer run that takes longer than this."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "rounds", "prompts_per_rank", "n", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BenchConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.skip_steps <= self.num_steps - 2:
+            raise ValueError(
+                f"BenchConfig.skip_steps must leave >= 1 step besides the last, got {self.skip_steps} of {self.num_steps}"
+            )
+
+
+@dataclass(slots=True)
+class RunTimes:
+    """Medians over steady-state steps (one run's, or all runs' of one max_lag), in seconds."""
+
+    step_s: float
+    wait_s: float
+    train_s: float
+    push_s: float
+    steps: int
+    """Steps the medians are taken over."""
+    max_staleness: int
+
+    @property
+    def busy_s(self) -> float:
+        """Trainer time not spent waiting for rollouts (what generation can hide behind)."""
+        return self.step_s - self.wait_s
+
+
+class SimulatedGenerationEngine:
+    """SIMULATED generation worker: fixed latency, random tokens and rewards, real weight fetches.
+
+    Implements the generation worker's actor interface (generate, update_weights, health), so
+    the registry and the batcher treat it like a vLLM worker. Wrapped with ray.remote at start.
+    """
+
+    def __init__(self, name: str, latency_s: float, vocab_size: int, seed: int) -> None:
+        self.name = name
+        self.latency_s = latency_s
+        self.vocab_size = vocab_size
+        self.weight_version = -1
+        self.inflight = 0
+        self.weight_bytes = 0
+        self._rng = random.Random(seed)
+
+    async def set_latency(self, latency_s: float) -> None:
+        self.latency_s = latency_s
+
+    async def generate(self, sample: Sample, sampling: SamplingConfig) -> list[Sample]:
+        """n completions of sampling.max_tokens uniform random tokens after latency_s."""
+        version = self.weight_version  # like vLLM: the version at request start
+        self.inflight += 1
+        try:
+            await asyncio.sleep(self.latency_s)
+        finally:
+            self.inflight -= 1
+        rewards = [float(self._rng.random() < SIM_REWARD_PROBABILITY) for _ in range(sampling.n)]
+        advantages = group_advantages(rewards, sampling.scale_advantage_by_std, sampling.advantage_eps)
+        uniform_logprob = -math.log(self.vocab_size)  # tokens are drawn uniformly: exact sampler logprob
+        return [self._completion(sample, sampling.max_tokens, reward, advantage, version, uniform_logprob)
+                for reward, advantage in zip(rewards, advantages)]
+
+    def _completion(self, sample: Sample, length: int, reward: float, advantage: float, version: int,
+                    logprob: float) -> Sample:
+        tokens = [self._rng.randrange(self.vocab_size) for _ in range(length)]
+        return Sample(
+            input_token_ids=list(sample.input_token_ids), gt_answer=sample.gt_answer, prompt_id=sample.prompt_id,
+            output_token_ids=tokens, sampling_logprobs=[logprob] * length, finish_reason="length",
+            truncated=True, reward=reward, advantage=advantage, weight_version=version,
+        )
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        """Fetch and assemble the pushed weights as a real worker does, then serve the version."""
+        shards = await asyncio.gather(*update.shard_refs)
+        state_dict = await asyncio.to_thread(assemble_state_dict, shards)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+        self.weight_version = update.version
+        return self.weight_version
+
+    async def health(self) -> WorkerHealth:
+        import ray
+
+        return WorkerHealth(
+            name=self.name, kind=GENERATION, node_id=ray.get_runtime_context().get_node_id(),
+            weight_version=self.weight_version, inflight_requests=self.inflight, healthy=True,
+            detail=f"SIMULATED engine, latency {self.latency_s:.3f} s, last update {self.weight_bytes} bytes",
+        )
+
+
+def prepare_assets(out_dir: Path) -> Path:
+    """The demo model (short format warm-up) and prompts, written by scripts/prepare_demo.py."""
+    logger.info("preparing demo assets in %s (%d warm-up steps)", out_dir, WARMUP_STEPS)
+    subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "prepare_demo.py"), "--out_dir", str(out_dir),
+         "--warmup_steps", str(WARMUP_STEPS), "--num_prompts", str(NUM_PROMPTS)],
+        check=True, cwd=REPO_ROOT, timeout=PREPARE_TIMEOUT_S, stdout=subprocess.DEVNULL,
+    )
+    return out_dir
+
+
+def trainer_args(assets: Path, run_dir: Path, cfg: BenchConfig, num_steps: int, max_lag: int,
+                 extra: list[str]) -> list[str]:
+    """trainer_core.py flags: the demo config with this benchmark's step shape."""
+    return [
+        "--config", str(DEMO_CONFIG), "--run_dir", str(run_dir),
+        "--model.model_path", str(assets / "model"), "--data.path", str(assets / "arithmetic.jsonl"),
+        "--num_steps", str(num_steps), "--max_lag", str(max_lag),
+        "--prompts_per_rank", str(cfg.prompts_per_rank), "--sampling.n", str(cfg.n),
+        "--sampling.max_tokens", str(cfg.max_tokens), "--checkpoint_every", "0",
+        "--progress_bar", "false", "--tensorboard", "false", *extra,
+    ]
+
+
+def train_segment(cluster: LocalCluster, args: list[str], run_dir: Path, label: str, first: int, end: int,
+                  timeout_s: float) -> list[dict[str, Any]]:
+    """One trainer run covering steps [first, end); returns those steps' metrics records.
+
+    A run that exits non-zero after logging all its steps still counts, with a warning: on a
+    loaded machine the end-of-run checkpoint can fail after training is over (see the report of
+    this benchmark: checkpoint.save_checkpoint lets rank 0 rename the directory while another
+    rank may still be writing into it; the checkpoint itself is complete). Missing steps are an error.
+    """
+    log = run_dir.parent / f"{label}.trainer.log"
+    began = time.perf_counter()
+    code = cluster.run_trainer(args, nproc_per_node=WORLD_SIZE, timeout_s=timeout_s, log_path=log)
+    metrics_path = run_dir / "metrics.jsonl"
+    records = [r for r in (read_metrics(metrics_path) if metrics_path.is_file() else []) if first <= r["step"] < end]
+    lines = log.read_text(errors="replace").splitlines()
+    if code != 0 and len(records) < end - first:
+        tail = "\n".join(lines[-30:])
+        raise RuntimeError(f"trainer run {label} exited {code}; last lines of {log}:\n{tail}")
+    if code != 0:
+        errors = [line for line in lines if "Error" in line]
+        logger.warning("%s exited %d after logging all its steps; using its metrics. Last error: %s",
+                       label, code, errors[-1] if errors else "(none in log)")
+    logger.info("%s (steps %d-%d) finished in %.0f s", label, first, end - 1, time.perf_counter() - began)
+    return records
+
+
+def steady(records: list[dict[str, Any]], skip_steps: int) -> list[dict[str, Any]]:
+    """A run's steps without its first skip_steps and its last (no next step to overlap with)."""
+    kept = records[skip_steps:-1]
+    if not kept:
+        raise ValueError(f"no steady-state steps among {len(records)} records (skip {skip_steps})")
+    return kept
+
+
+def summarise(records: list[dict[str, Any]]) -> RunTimes:
+    """Medians of steady-state step records."""
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in records)
+
+    return RunTimes(
+        step_s=median("timing/step_s"), wait_s=median("timing/wait_s"), train_s=median("timing/train_s"),
+        push_s=median("timing/push_s"), steps=len(records),
+        max_staleness=int(max(r["staleness/max"] for r in records)),
+    )
+
+
+def run_schedule(cluster: LocalCluster, assets: Path, run_dir: Path, cfg: BenchConfig, extra: list[str],
+                 first_step: int) -> dict[int, RunTimes]:
+    """Alternate max_lag 0 and 1 for cfg.rounds rounds, each run resuming from the previous one.
+
+    Alternating spreads slow drifts in the machine's load over both settings. Resuming (instead
+    of starting each run at step 0) keeps weight versions increasing: every run first pushes its
+    start version, and the real generation worker refuses one older than it serves.
+    """
+    pooled: dict[int, list[dict[str, Any]]] = {lag: [] for lag in LAGS}
+    first = first_step
+    for round_index in range(cfg.rounds):
+        for lag in LAGS:
+            end = first + cfg.num_steps
+            resume = ["--resume", "true"] if first > 0 else []
+            label = f"{run_dir.name}-r{round_index}-lag{lag}"
+            records = train_segment(cluster, trainer_args(assets, run_dir, cfg, end, lag, extra + resume), run_dir,
+                                    label, first, end, cfg.trainer_timeout_s)
+            kept = steady(records, cfg.skip_steps)
+            pooled[lag].extend(kept)
+            print(f"{label:<22} median step {summarise(kept).step_s:6.3f} s over {len(kept)} steps "
+                  f"(load average now {_load_average()})")
+            first = end
+    return {lag: summarise(records) for lag, records in pooled.items()}
+
+
+def run_real(assets: Path, work: Path, cfg: BenchConfig) -> dict[int, RunTimes]:
+    """Real vLLM generation worker + real logprob worker (reference logprobs)."""
+    cluster_config = LocalClusterConfig(
+        model_path=str(assets / "model"), log_dir=str(work / "real-workers"), generation_workers=1,
+        logprob_workers=1, kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
+        global_num_verifiers=1,
+    )
+    with LocalCluster(cluster_config) as cluster:
+        cluster.start_workers()
+        return run_schedule(cluster, assets, work / "real", cfg, [], first_step=0)
+
+
+def start_simulated_engine(vocab_size: int, latency_s: float):
+    """Create the SIMULATED engine actor and register it with the generation registry."""
+    import ray
+
+    registry = get_or_create_registry(GENERATION, RegistryConfig(max_inflight_cost_per_worker=SIM_REGISTRY_CAP))
+    name = worker_actor_name(GENERATION, ray.get(registry.allocate_index.remote()))
+    engine = ray.remote(SimulatedGenerationEngine).options(
+        name=name, namespace=RAY_NAMESPACE, num_cpus=0, max_concurrency=SIM_ACTOR_MAX_CONCURRENCY,
+    ).remote(name, latency_s, vocab_size, 0)
+    ray.get(registry.register.remote(name))
+    logger.info("SIMULATED generation engine %s registered (latency %.3f s)", name, latency_s)
+    return engine
+
+
+@dataclass(slots=True)
+class SimulatedResult:
+    latency_s: float
+    """G: the simulated engine's per-request latency."""
+    calibration: RunTimes
+    """max_lag=0 run at a tiny G, which measures T."""
+    times: dict[int, RunTimes]
+
+    @property
+    def trainer_s(self) -> float:
+        """T: the trainer's busy time per step in the max_lag=0 runs (measured beside the comparison;
+        the calibration run's estimate only chose G)."""
+        return self.times[0].busy_s
+
+    @property
+    def ideal(self) -> float:
+        return (self.latency_s + self.trainer_s) / max(self.latency_s, self.trainer_s)
+
+
+def run_simulated(assets: Path, work: Path, cfg: BenchConfig, latency_s: float | None,
+                  calibration_steps: int) -> SimulatedResult:
+    """Calibrate T with a near-zero G, set G (= T unless given), then max_lag 0 vs 1."""
+    import ray
+
+    vocab_size = json.loads((assets / "model" / "config.json").read_text())["vocab_size"]
+    cluster_config = LocalClusterConfig(model_path=str(assets / "model"), log_dir=str(work / "sim-workers"),
+                                        logprob_workers=0)
+    extra = ["--logprob_role", "none", "--loss.kl_coef", "0"]
+    with LocalCluster(cluster_config) as cluster:
+        engine = start_simulated_engine(vocab_size, SIM_CALIBRATION_LATENCY_S)
+        run_dir = work / "sim"
+        records = train_segment(cluster, trainer_args(assets, run_dir, cfg, calibration_steps, 0, extra), run_dir,
+                                "sim-calibration", 0, calibration_steps, cfg.trainer_timeout_s)
+        calibration = summarise(steady(records, min(cfg.skip_steps, calibration_steps - 2)))
+        chosen = latency_s if latency_s is not None else calibration.busy_s
+        logger.info("calibration: T = %.3f s per step; SIMULATED G = %.3f s", calibration.busy_s, chosen)
+        ray.get(engine.set_latency.remote(chosen))
+        times = run_schedule(cluster, assets, run_dir, cfg, extra, first_step=calibration_steps)
+    return SimulatedResult(latency_s=chosen, calibration=calibration, times=times)
+
+
+def describe(label: str, times: dict[int, RunTimes]) -> None:
+    for lag, t in times.items():
+        print(f"{label:<10} max_lag={lag}  step {t.step_s:6.3f} s  wait {t.wait_s:6.3f} s  "
+              f"train {t.train_s:6.3f} s  push {t.push_s:6.3f} s  busy {t.busy_s:6.3f} s  "
+              f"(median of {t.steps} steps, max staleness {t.max_staleness})")
+
+
+def _load_average() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", nargs="+", choices=("real", "simulated"), default=["real", "simulated"])
+    parser.add_argument("--assets_dir", type=Path, help="existing prepare_demo.py output (default: prepare one)")
+    parser.add_argument("--work_dir", type=Path, help="where runs and logs go (default: a temp dir)")
+    parser.add_argument("--num_steps", type=int, default=8, help="steps per trainer run")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating (max_lag 0, max_lag 1) pairs of runs")
+    parser.add_argument("--skip_steps", type=int, default=2)
+    parser.add_argument("--prompts_per_rank", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max_tokens", type=int, default=4, help="real mode completion cap (demo: 4)")
+    parser.add_argument("--sim_max_tokens", type=int, default=16, help="simulated completion length")
+    parser.add_argument("--sim_latency_s", type=float, help="simulated G (default: T from calibration)")
+    parser.add_argument("--calibration_steps", type=int, default=6)
+    parser.add_argument("--trainer_timeout_s", type=float, default=600.0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="async-overlap-"))
+    work.mkdir(parents=True, exist_ok=True)
+    assets = args.assets_dir or prepare_assets(work / "assets")
+    shape = dict(num_steps=args.num_steps, rounds=args.rounds, skip_steps=args.skip_steps, prompts_per_rank=args.prompts_per_rank,
+                 n=args.n, trainer_timeout_s=args.trainer_timeout_s)
+    summary: dict[str, str] = {}
+    load_before = _load_average()
+    if "real" in args.modes:
+        real = run_real(assets, work, BenchConfig(max_tokens=args.max_tokens, **shape))
+        describe("real", real)
+        print("real: vLLM generation, the logprob worker and both trainer ranks share "
+              f"{os.cpu_count()} cores, so overlap can only fill time when the cores would otherwise idle")
+        summary["speedup"] = f"{real[0].step_s / real[1].step_s:.3f}"
+    if "simulated" in args.modes:
+        sim = run_simulated(assets, work, BenchConfig(max_tokens=args.sim_max_tokens, **shape), args.sim_latency_s,
+                            args.calibration_steps)
+        print(f"SIMULATED generation engine: G = {sim.latency_s:.3f} s per request (fixed sleep; calibration "
+              f"T was {sim.calibration.busy_s:.3f} s); T = {sim.trainer_s:.3f} s trainer busy time per step "
+              f"(step - wait, max_lag=0 runs)")
+        describe("simulated", sim.times)
+        measured = sim.times[0].step_s / sim.times[1].step_s
+        summary.update(simulated_speedup=f"{measured:.3f}", simulated_ideal=f"{sim.ideal:.3f}",
+                       overlap_efficiency=f"{measured / sim.ideal:.3f}", G_s=f"{sim.latency_s:.3f}",
+                       T_s=f"{sim.trainer_s:.3f}")
+    print(f"runs and logs: {work}; load average at start {load_before}, at end {_load_average()} "
+          f"on {os.cpu_count()} cores")
+    print(" ".join(f"{k}={v}" for k, v in summary.items()))
+
+
+if __name__ == "__main__":
+    main()

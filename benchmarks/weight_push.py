@@ -1,0 +1,416 @@
+"""Weight push time and effective bandwidth of both push modes, against raw memory-copy bandwidth.
+
+    cd /work/main && .venv/bin/python benchmarks/weight_push.py                 # ~134M params fp32, 1 receiver
+    .venv/bin/python benchmarks/weight_push.py --num_layers 20 --receivers 2 --repeats 7
+
+One run: a random-init Qwen2 big enough to be bandwidth-bound (default hidden 1024, 12 layers,
+MLP 2816: ~134M parameters, ~0.54 GB fp32) is written with setup_model.write_tiny_model; a private
+Ray head (LocalCluster) hosts `--receivers` real LogprobWorkerActors registered in the logprob
+registry (each update fetches the shards, assembles full tensors and loads them into its HF
+model) and an empty generation registry; `torchrun --nproc_per_node=2` runs this file as the
+trainer (FSDP2 on gloo) and pushes with trainer_core.WeightPusher (logprob_role: old_policy, so
+it broadcasts to the logprob registry) in both modes, alternating, after one warm-up each:
+
+- gather:  rank 0 all-gathers the full state dict and ray.put's it as one object;
+- sharded: every rank ray.put's its own FSDP dim-0 shards; receivers fetch both and concatenate.
+
+push_s is the median of `WeightPusher.push` on rank 0 (publish, broadcast, receivers' load,
+final barrier). GB/s = model bytes / push_s: the rate at which a weight version reaches every
+receiver. The reference is a plain copy of the same number of bytes into a fresh buffer
+(`torch.empty_like(x).copy_(x)`, best of several) measured in this run on this machine;
+`fraction_of_memcpy` is the better mode's GB/s over it. A push makes several such copies
+(gather: all-gather + CPU copy + object-store put; both: receiver assembly + load), so a
+fraction well below 1 is expected.
+
+Breakdown (separate pushes with the same library calls, timed one by one): trainer side
+gather_full_state_dict / local_shard_blobs, then ray.put; receiver side (a probe actor holding
+the same HF model, doing what LogprobWorker.update_weights does) fetching the objects, assembling
+full tensors (weight_sync.assemble_state_dict) and loading them (setup_model.load_state_dict_into).
+
+The LAST line is key=value pairs:
+`fraction_of_memcpy=<x> best_mode=<m> gather_s=... sharded_s=... gather_gbps=... sharded_gbps=... memcpy_gbps=... model_gb=...`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from local_cluster import LocalCluster, LocalClusterConfig, free_port  # noqa: E402
+from setup_model import TinyModelConfig, write_tiny_model  # noqa: E402
+from vllm_registry import GENERATION, LOGPROB, RAY_NAMESPACE, get_or_create_registry, worker_actor_name  # noqa: E402
+
+logger = logging.getLogger("weight_push")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WORLD_SIZE = 2  # FSDP ranks under torchrun, as in the demo
+MODES = ("gather", "sharded")
+GB = 1e9  # decimal gigabytes, for bytes and bytes per second alike
+PROBE_ACTOR_NAME = "weight-push-receiver-probe"  # the breakdown's receiver, next to the real ones
+MEMCPY_REPEATS = 5  # best of: the first copies also pay page faults of the allocator's fresh pages
+# WeightPusher reads no data, but TrainerConfig requires a dataset section; nothing opens this path.
+UNUSED_DATA_PATH = "unused-by-weight-push.jsonl"
+TRAINER_TIMEOUT_S = 1200.0
+RECEIVER_START_TIMEOUT_S = 600.0
+_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}  # safetensors dtype names -> bytes per element
+
+
+@dataclass(kw_only=True, frozen=True)
+class PushBenchConfig:
+    """The model and how many pushes the trainer role makes."""
+
+    hidden_size: int
+    """Model width (the tiny tokenizer's ~100-token vocabulary makes embeddings negligible)."""
+    num_layers: int
+    """Decoder layers: the knob that sets the model's size."""
+    intermediate_size: int
+    """MLP width."""
+    num_heads: int
+    """Attention heads."""
+    num_kv_heads: int
+    """Key/value heads (grouped-query attention)."""
+    receivers: int
+    """LogprobWorkerActors receiving every push."""
+    repeats: int
+    """Timed WeightPusher.push calls per mode (after one warm-up each)."""
+    breakdown_repeats: int
+    """Step-by-step timed pushes per mode (0: skip the breakdown)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads", "receivers", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PushBenchConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.breakdown_repeats < 0:
+            raise ValueError(f"PushBenchConfig.breakdown_repeats must be >= 0, got {self.breakdown_repeats}")
+
+    def model(self) -> TinyModelConfig:
+        return TinyModelConfig(hidden_size=self.hidden_size, num_layers=self.num_layers, num_heads=self.num_heads,
+                               num_kv_heads=self.num_kv_heads, intermediate_size=self.intermediate_size)
+
+
+@dataclass(slots=True)
+class ModeResult:
+    """What the trainer role measured for one push mode (seconds)."""
+
+    push_s: list[float] = field(default_factory=list)
+    """WeightPusher.push on rank 0, one per timed push."""
+    collect_s: list[float] = field(default_factory=list)
+    """gather_full_state_dict (gather) or local_shard_blobs (sharded), slowest rank."""
+    put_s: list[float] = field(default_factory=list)
+    """ray.put of the blobs, slowest rank."""
+    fetch_s: list[float] = field(default_factory=list)
+    """Receiver probe: awaiting every shard object."""
+    assemble_s: list[float] = field(default_factory=list)
+    """Receiver probe: weight_sync.assemble_state_dict."""
+    load_s: list[float] = field(default_factory=list)
+    """Receiver probe: setup_model.load_state_dict_into the HF model."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver side: model, memcpy reference, cluster with receivers, torchrun, report.
+# ---------------------------------------------------------------------------------------------
+
+
+def memcpy_gbps(num_bytes: int, threads: int) -> float:
+    """Best-of-MEMCPY_REPEATS copy bandwidth of num_bytes into a freshly allocated buffer."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        source = torch.ones(num_bytes, dtype=torch.uint8)  # ones, not empty: every page really exists
+        best = float("inf")
+        for _ in range(MEMCPY_REPEATS):
+            began = time.perf_counter()
+            copy = torch.empty_like(source).copy_(source)
+            best = min(best, time.perf_counter() - began)
+            del copy
+    finally:
+        torch.set_num_threads(previous)
+    return num_bytes / best / GB
+
+
+def model_bytes(model_dir: Path) -> int:
+    """Bytes of every tensor in the checkpoint (what one push carries)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                total += math.prod(tensor.get_shape()) * _DTYPE_BYTES[tensor.get_dtype()]
+    return total
+
+
+class ReceiverProbe:
+    """Breakdown receiver: LogprobWorker.update_weights' three steps, each timed.
+
+    Holds the same HF model as the real receivers. Wrapped with ray.remote by the driver.
+    """
+
+    def __init__(self, model_path: str) -> None:
+        from setup_model import load_causal_lm
+
+        self.causal_lm = load_causal_lm(model_path)
+
+    async def receive(self, update: Any) -> dict[str, float]:
+        from weight_sync import assemble_state_dict
+
+        began = time.perf_counter()
+        shards = await asyncio.gather(*update.shard_refs)
+        fetched = time.perf_counter()
+        state_dict = await asyncio.to_thread(assemble_state_dict, shards)
+        assembled = time.perf_counter()
+        await asyncio.to_thread(self._load, state_dict)
+        loaded = time.perf_counter()
+        return {"fetch_s": fetched - began, "assemble_s": assembled - fetched, "load_s": loaded - assembled}
+
+    def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
+        from setup_model import load_state_dict_into
+
+        with torch.no_grad():
+            load_state_dict_into(self.causal_lm, state_dict)
+
+
+def start_receivers(model_dir: Path, count: int, with_probe: bool) -> list[Any]:
+    """Real LogprobWorkerActors in the logprob registry, an empty generation registry, the probe."""
+    import ray
+
+    from logprob_worker import LogprobWorkerActor, LogprobWorkerConfig
+
+    get_or_create_registry(GENERATION)  # WeightPusher always broadcasts here too; no worker: a no-op
+    registry = get_or_create_registry(LOGPROB)
+    actors = []
+    for _ in range(count):
+        name = worker_actor_name(LOGPROB, ray.get(registry.allocate_index.remote()))
+        actor = LogprobWorkerActor.options(name=name, namespace=RAY_NAMESPACE).remote(
+            name, LogprobWorkerConfig(model_path=str(model_dir)))
+        ray.get(actor.start.remote(), timeout=RECEIVER_START_TIMEOUT_S)
+        ray.get(registry.register.remote(name))
+        actors.append(actor)
+        logger.info("receiver %s registered", name)
+    if with_probe:
+        probe = ray.remote(ReceiverProbe).options(name=PROBE_ACTOR_NAME, namespace=RAY_NAMESPACE).remote(str(model_dir))
+        ray.get(probe.__ray_ready__.remote(), timeout=RECEIVER_START_TIMEOUT_S)
+        actors.append(probe)
+    return actors
+
+
+def run_trainer_role(cluster: LocalCluster, model_dir: Path, cfg: PushBenchConfig, out: Path, log: Path) -> dict[str, ModeResult]:
+    """torchrun this file in --role trainer; returns what rank 0 wrote."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD_SIZE}",
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(Path(__file__).resolve()),
+        "--role", "trainer", "--model_dir", str(model_dir), "--out", str(out),
+        "--repeats", str(cfg.repeats), "--breakdown_repeats", str(cfg.breakdown_repeats),
+    ]
+    with log.open("w") as handle:
+        code = subprocess.run(command, env=cluster.env(), cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT,
+                              timeout=TRAINER_TIMEOUT_S).returncode
+    if code != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"trainer role exited {code}; last lines of {log}:\n{tail}")
+    return {mode: ModeResult(**values) for mode, values in json.loads(out.read_text()).items()}
+
+
+def _load_average() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def report(results: dict[str, ModeResult], num_bytes: int, memcpy_by_threads: dict[int, float], receivers: int) -> None:
+    """Per-mode lines, then the key=value line."""
+    model_gb = num_bytes / GB
+    copy_gbps = max(memcpy_by_threads.values())
+    copies = ", ".join(f"{t} thread(s) {g:.2f} GB/s" for t, g in memcpy_by_threads.items())
+    print(f"model {model_gb:.3f} GB fp32 ({num_bytes // 4 / 1e6:.0f}M params), {receivers} receiver(s), "
+          f"{WORLD_SIZE} FSDP ranks (gloo); load average {_load_average()} on {os.cpu_count()} cores")
+    print(f"memcpy into a fresh buffer, best of {MEMCPY_REPEATS}: {copies}; reference {copy_gbps:.2f} GB/s")
+    gbps = {}
+    for mode, r in results.items():
+        push = _median(r.push_s)
+        gbps[mode] = model_gb / push
+        print(f"{mode:<8} push {push:6.3f} s (median of {len(r.push_s)}, min {min(r.push_s):.3f})  "
+              f"{model_gb:.3f} GB -> {gbps[mode]:.3f} GB/s = {gbps[mode] / copy_gbps:.3f} x memcpy")
+        if r.load_s:
+            collect = "gather_full_state_dict" if mode == "gather" else "local_shard_blobs"
+            print(f"{'':<8} breakdown (median of {len(r.load_s)}): trainer {collect} {_median(r.collect_s):.3f} s, "
+                  f"ray.put {_median(r.put_s):.3f} s | receiver fetch {_median(r.fetch_s):.3f} s, "
+                  f"assemble {_median(r.assemble_s):.3f} s, load {_median(r.load_s):.3f} s")
+    best = max(gbps, key=gbps.get)
+    fields = {
+        "fraction_of_memcpy": f"{gbps[best] / copy_gbps:.3f}", "best_mode": best,
+        **{f"{m}_s": f"{_median(results[m].push_s):.3f}" for m in results},
+        **{f"{m}_gbps": f"{gbps[m]:.3f}" for m in results},
+        "memcpy_gbps": f"{copy_gbps:.3f}", "model_gb": f"{model_gb:.3f}", "receivers": str(receivers),
+    }
+    print(" ".join(f"{k}={v}" for k, v in fields.items()))
+
+
+def drive(cfg: PushBenchConfig, work: Path) -> None:
+    model_dir = write_tiny_model(work / "model", cfg.model())
+    num_bytes = model_bytes(model_dir)
+    logger.info("model: %.3f GB in %s", num_bytes / GB, model_dir)
+    # Push copies run one thread per process (torchrun and Ray set OMP_NUM_THREADS=1); the
+    # reference is the better of one thread and all of torch's threads, so it is not flattered.
+    by_threads = {threads: memcpy_gbps(num_bytes, threads) for threads in sorted({1, torch.get_num_threads()})}
+    logger.info("memcpy GB/s by threads: %s", by_threads)
+    copy_gbps = max(by_threads.values())
+    cluster_config = LocalClusterConfig(model_path=str(model_dir), log_dir=str(work / "logs"), logprob_workers=cfg.receivers)
+    with LocalCluster(cluster_config) as cluster:
+        # Keep the handles: an actor whose last handle goes out of scope is stopped, named or not.
+        receivers = start_receivers(model_dir, cfg.receivers, with_probe=cfg.breakdown_repeats > 0)
+        results = run_trainer_role(cluster, model_dir, cfg, work / "trainer_results.json", work / "trainer.log")
+        del receivers
+    report(results, num_bytes, by_threads, cfg.receivers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer role (under torchrun): FSDP2 model, WeightPusher in both modes, step-by-step pushes.
+# ---------------------------------------------------------------------------------------------
+
+
+class TrainerRole:
+    """One FSDP rank: the model, a WeightPusher per mode, and the breakdown's manual pushes."""
+
+    def __init__(self, model_dir: Path, with_probe: bool) -> None:
+        import ray
+
+        from dataset import DatasetConfig
+        from setup_model import ModelConfig, build_training_model, init_distributed
+        from trainer_core import TrainerConfig, WeightPusher
+        from weight_sync import get_or_create_shard_stager
+
+        self.dist = init_distributed()
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace=RAY_NAMESPACE, log_to_driver=False)
+        model_config = ModelConfig(model_path=str(model_dir))
+        self.model = build_training_model(model_config, self.dist)
+        self.pushers = {
+            mode: WeightPusher(TrainerConfig(model=model_config, data=DatasetConfig(path=UNUSED_DATA_PATH),
+                                             weight_push_mode=mode, logprob_role="old_policy"), self.dist)
+            for mode in MODES
+        }
+        self.stager = get_or_create_shard_stager(RAY_NAMESPACE)
+        with_probe = with_probe and self.dist.rank == 0
+        self.probe = ray.get_actor(PROBE_ACTOR_NAME, namespace=RAY_NAMESPACE) if with_probe else None
+        self.version = 0
+
+    def next_version(self) -> int:
+        self.version += 1
+        return self.version
+
+    def timed_push(self, mode: str) -> float:
+        return self.pushers[mode].push(self.model, self.next_version())
+
+    def slowest(self, seconds: float) -> float:
+        """Max over ranks (collective)."""
+        import torch.distributed as torch_dist
+
+        value = torch.tensor([seconds], dtype=torch.float64)
+        torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MAX)
+        return float(value.item())
+
+    def breakdown_push(self, mode: str) -> dict[str, float]:
+        """One push with each step timed; rank 0 returns the receiver probe's timings too."""
+        import ray
+        import torch.distributed as torch_dist
+
+        from setup_model import gather_full_state_dict, local_shard_blobs
+        from weight_sync import WeightUpdate, state_dict_to_blobs
+
+        version = self.next_version()
+        began = time.perf_counter()
+        if mode == "gather":
+            state = gather_full_state_dict(self.model)
+            collected = time.perf_counter()
+            own_ref = ray.put(state_dict_to_blobs(state)) if self.dist.rank == 0 else None
+        else:
+            blobs = local_shard_blobs(self.model)
+            collected = time.perf_counter()
+            own_ref = ray.put(blobs)
+        put = time.perf_counter()
+        timings = {"collect_s": self.slowest(collected - began), "put_s": self.slowest(put - collected)}
+        if mode == "gather":
+            refs = [own_ref]
+        else:
+            ray.get(self.stager.stage.remote(version, self.dist.rank, [own_ref]))
+            refs = ray.get(self.stager.collect.remote(version, self.dist.world_size, TRAINER_TIMEOUT_S)) if self.dist.rank == 0 else []
+        if self.dist.rank == 0:
+            timings.update(ray.get(self.probe.receive.remote(WeightUpdate(version=version, shard_refs=refs, mode=mode))))
+        torch_dist.barrier()  # the probe fetched from every rank's objects: release them only now
+        del own_ref
+        return timings
+
+
+def trainer_main(model_dir: Path, out: Path, repeats: int, breakdown_repeats: int) -> None:
+    role = TrainerRole(model_dir, with_probe=breakdown_repeats > 0)
+    results = {mode: ModeResult() for mode in MODES}
+    for mode in MODES:
+        role.timed_push(mode)  # warm-up: first allocation of object-store and receiver buffers
+    for _ in range(repeats):
+        for mode in MODES:  # alternating, so load from other processes hits both modes alike
+            results[mode].push_s.append(role.timed_push(mode))
+    for _ in range(breakdown_repeats):
+        for mode in MODES:
+            timings = role.breakdown_push(mode)
+            for key, value in timings.items():
+                getattr(results[mode], key).append(value)
+    if role.dist.rank == 0:
+        out.write_text(json.dumps({mode: asdict(r) for mode, r in results.items()}))
+        logger.info("trainer results written to %s", out)
+    import torch.distributed as torch_dist
+
+    torch_dist.barrier()
+    torch_dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--role", choices=("driver", "trainer"), default="driver", help="trainer: used by torchrun")
+    parser.add_argument("--work_dir", type=Path, help="model, logs, results (default: a temp dir)")
+    parser.add_argument("--hidden_size", type=int, default=1024)
+    parser.add_argument("--num_layers", type=int, default=12)
+    parser.add_argument("--intermediate_size", type=int, default=2816)
+    parser.add_argument("--num_heads", type=int, default=16)
+    parser.add_argument("--num_kv_heads", type=int, default=4)
+    parser.add_argument("--receivers", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--breakdown_repeats", type=int, default=3)
+    parser.add_argument("--model_dir", type=Path, help="trainer role: the model to shard")
+    parser.add_argument("--out", type=Path, help="trainer role: where rank 0 writes its results")
+    args = parser.parse_args()
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.role == "trainer":
+        trainer_main(args.model_dir, args.out, args.repeats, args.breakdown_repeats)
+        return
+    cfg = PushBenchConfig(hidden_size=args.hidden_size, num_layers=args.num_layers,
+                          intermediate_size=args.intermediate_size, num_heads=args.num_heads,
+                          num_kv_heads=args.num_kv_heads, receivers=args.receivers, repeats=args.repeats,
+                          breakdown_repeats=args.breakdown_repeats)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="weight-push-"))
+    work.mkdir(parents=True, exist_ok=True)
+    drive(cfg, work)
+
+
+if __name__ == "__main__":
+    main()

@@ -163,7 +163,7 @@ class WeightPusher:
         self._registries = [_registry(kind) for kind in kinds] if dist.rank == 0 else []
         self._stager = get_or_create_shard_stager(RAY_NAMESPACE) if self._mode == "sharded" else None
 
-    def push(self, model: torch.nn.Module, version: int) -> float:
+    def push(self, model: torch.nn.Module, version: int, initial: bool = False) -> float:
         """Collective: every rank calls it. Returns seconds spent."""
         import ray
 
@@ -181,7 +181,7 @@ class WeightPusher:
                 else []
             )
         if self._dist.rank == 0:
-            update = WeightUpdate(version=version, shard_refs=refs, mode=self._mode)
+            update = WeightUpdate(version=version, shard_refs=refs, mode=self._mode, initial=initial)
             results = ray.get([reg.broadcast.remote("update_weights", update) for reg in self._registries])
             logger.info("pushed weights v%d (%s) to %d workers", version, self._mode, sum(len(r) for r in results))
         # Workers fetch shards from every rank's object store: keep own_ref alive until all are done.
@@ -290,7 +290,7 @@ def train(config: TrainerConfig) -> None:
     batcher = _make_batcher(config, dist)
     pusher = WeightPusher(config, dist)
     # Workers may hold other weights (base model, or a previous run's): start from ours.
-    pusher.push(model, version=start_step)
+    pusher.push(model, version=start_step, initial=True)
     feeder = PromptFeeder(prompts, sampler, batcher, config, dist)
     for step in range(start_step, min(start_step + config.max_lag + 1, config.num_steps)):
         feeder.submit(step)

@@ -467,7 +467,7 @@ class GenerationWorker:
         """Load a new weight version into the engine; returns the version now served."""
         engine = self._require_engine()
         async with self._update_lock:
-            if update.version < self._weight_version:
+            if update.version < self._weight_version and not update.initial:
                 raise ValueError(
                     f"{self.worker_name}: update to version {update.version} is older than served {self._weight_version}"
                 )

@@ -56,6 +56,9 @@ class WeightUpdate:
     """Ray ObjectRefs, one per publishing rank; each resolves to dict[str, TensorBlob]."""
     mode: str = "gather"
     """'gather' (one full shard from rank 0) or 'sharded' (one shard per FSDP rank)."""
+    initial: bool = False
+    """A run's first push: workers take it whatever version they serve (they may hold a newer
+    version from an earlier run); later pushes must not go backwards."""
 
 
 def tensor_to_blob(tensor: torch.Tensor, global_shape: tuple[int, ...] | None = None, dim0_offset: int = 0) -> TensorBlob:

@@ -1,7 +1,7 @@
 """Step time with generation overlapped with training (max_lag=1) vs synchronous (max_lag=0).
 
-    cd /work/main && .venv/bin/python benchmarks/async_overlap.py                 # both modes, ~15 min on 2 cores
-    .venv/bin/python benchmarks/async_overlap.py --modes simulated                # simulated engine only (~5 min)
+    cd /work/main && .venv/bin/python benchmarks/async_overlap.py                 # both modes, 9-15 min on 2 cores
+    .venv/bin/python benchmarks/async_overlap.py --modes simulated                # simulated engine only, ~4-6 min
     .venv/bin/python benchmarks/async_overlap.py --assets_dir runs/demo-assets    # reuse prepared demo assets
 
 Both modes run `torchrun --nproc_per_node=2 trainer_core.py` (FSDP2 on gloo) in one local
@@ -129,14 +129,12 @@ class RunTimes:
     wait_s: float
     train_s: float
     push_s: float
+    busy_s: float
+    """Median of step_s - wait_s: trainer time not spent waiting for rollouts (what generation
+    can hide behind)."""
     steps: int
     """Steps the medians are taken over."""
     max_staleness: int
-
-    @property
-    def busy_s(self) -> float:
-        """Trainer time not spent waiting for rollouts (what generation can hide behind)."""
-        return self.step_s - self.wait_s
 
 
 class SimulatedGenerationEngine:
@@ -264,7 +262,8 @@ def summarise(records: list[dict[str, Any]]) -> RunTimes:
 
     return RunTimes(
         step_s=median("timing/step_s"), wait_s=median("timing/wait_s"), train_s=median("timing/train_s"),
-        push_s=median("timing/push_s"), steps=len(records),
+        push_s=median("timing/push_s"),
+        busy_s=statistics.median(r["timing/step_s"] - r["timing/wait_s"] for r in records), steps=len(records),
         max_staleness=int(max(r["staleness/max"] for r in records)),
     )
 

@@ -30,17 +30,19 @@ from vllm_registry import (
 # Upper bound on how long a test waits for something that should happen at once; it keeps a
 # broken registry from hanging the suite and is never what decides a pass.
 _WAIT_BOUND_S = 60.0
+# How long one probe of a restarting actor may take before it is retried.
+_PROBE_TIMEOUT_S = 5.0
 
 
 @ray.remote(num_cpus=0)
 class FakeWorker:
-    """Stands in for an inference worker: records calls; `work` waits for its gate when held."""
+    """Stands in for an inference worker: records calls; when held, each `work` call waits until
+    `release(tag)` or `open_gate()` lets it finish."""
 
     def __init__(self, name: str, held: bool = False, health_delay_s: float = 0.0) -> None:
         self._name = name
-        self._gate = asyncio.Event()
-        if not held:
-            self._gate.set()
+        self._held = held
+        self._gates: dict[Any, asyncio.Event] = {}  # one per tag, so calls can be let go one by one
         self._health_delay_s = health_delay_s
         self._calls: list[Any] = []
         self._active = 0
@@ -52,7 +54,7 @@ class FakeWorker:
         self._active += 1
         self._peak = max(self._peak, self._active)
         try:
-            await self._gate.wait()
+            await self._gate(tag).wait()
         finally:
             self._active -= 1
         return self._name, tag
@@ -67,8 +69,22 @@ class FakeWorker:
     def set_health_delay(self, delay_s: float) -> None:
         self._health_delay_s = delay_s
 
+    def _gate(self, tag: Any) -> asyncio.Event:
+        if tag not in self._gates:
+            self._gates[tag] = asyncio.Event()
+            if not self._held:
+                self._gates[tag].set()
+        return self._gates[tag]
+
     def open_gate(self) -> None:
-        self._gate.set()
+        """Let every held call, and every later one, finish."""
+        self._held = False
+        for gate in self._gates.values():
+            gate.set()
+
+    def release(self, tag: Any) -> None:
+        """Let the call tagged `tag` finish (now, or as soon as it arrives)."""
+        self._gate(tag).set()
 
     def calls(self) -> list[Any]:
         return list(self._calls)
@@ -164,20 +180,29 @@ def test_a_crashed_registry_restarts_empty_under_the_same_handle(make_registry):
     registry = make_registry(max_inflight_cost_per_worker=5)
     name, _ = _start_worker("survivor")
     _register(registry, name)
+    crashed = ray.get(registry.__ray_call__.remote(_worker_id))
     ray.kill(registry, no_restart=False)
-    _wait_until(lambda: _answers(registry), "the registry to restart")
+    # The kill reaches the actor asynchronously: until it lands, the old process still answers
+    # calls, and a call it accepted then fails with ActorUnavailableError. So wait for an answer
+    # from a new process, not for any answer.
+    _wait_until(lambda: _incarnation(registry) not in (None, crashed), "the registry to restart")
     assert ray.get(registry.live_workers.remote()) == []
     assert ray.get(registry.get_config.remote()).max_inflight_cost_per_worker == 5
     _register(registry, name)
     assert ray.get(registry.submit.remote("work", "again"), timeout=_WAIT_BOUND_S) == (name, "again")
 
 
-def _answers(registry: Any) -> bool:
+# Run on an actor through `__ray_call__`: the Ray worker id of its process, new on each restart.
+# A lambda travels by value (the detached registry cannot import this test module).
+_worker_id = lambda _actor: ray.get_runtime_context().get_worker_id()  # noqa: E731
+
+
+def _incarnation(registry: Any) -> str | None:
+    """The worker id of the process serving `registry`, or None while it does not answer."""
     try:
-        ray.get(registry.live_workers.remote(), timeout=5)
+        return ray.get(registry.__ray_call__.remote(_worker_id), timeout=_PROBE_TIMEOUT_S)
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        return False
-    return True
+        return None
 
 
 def test_requests_go_to_the_least_loaded_worker(make_registry):
@@ -234,18 +259,51 @@ def test_cap_holds_requests_until_capacity_frees(make_registry):
 
 
 def test_queued_requests_are_served_in_arrival_order(make_registry):
+    # Ray starts calls to an async actor in no fixed order, even calls from one caller. So each
+    # request is sent once the one before it has reached the worker or the queue (that fixes the
+    # arrival order), and capacity frees one request at a time, so that each step lets at most one
+    # request through (that makes the worker's record the registry's dispatch order).
     registry = make_registry(max_inflight_cost_per_worker=4)
     name, worker = _start_worker("fifo", held=True)
     _register(registry, name)
-    first = [registry.submit.remote("work", i) for i in range(4)]
-    _wait_until(lambda: len(ray.get(worker.calls.remote())) == 4, "the worker to be full")
-    big = registry.submit.remote("work", "big", cost=4)
-    _wait_until(lambda: ray.get(registry.queued_requests.remote()) == 1, "the big request to queue")
-    small = [registry.submit.remote("work", f"small-{i}") for i in range(3)]
+
+    def calls() -> list[Any]:
+        return ray.get(worker.calls.remote())
+
+    def queued() -> int:
+        return ray.get(registry.queued_requests.remote())
+
+    first = []
+    for i in range(4):
+        first.append(registry.submit.remote("work", i))
+        _wait_until(lambda: len(calls()) == i + 1, f"request {i} to reach the worker")
+    big = registry.submit.remote("work", "big", cost=3)
+    _wait_until(lambda: queued() == 1, "the big request to queue")
+    small = []
+    for i in range(3):
+        small.append(registry.submit.remote("work", f"small-{i}"))
+        _wait_until(lambda: queued() == i + 2, f"small-{i} to queue")
+
+    # A result comes back only after the registry has released the request's cost and handed the
+    # freed capacity on, so reading the queue right after it does not race the hand-over.
+    for i in range(2):
+        ray.get(worker.release.remote(i))
+        ray.get(first[i], timeout=_WAIT_BOUND_S)
+        assert queued() == 4, f"a cheap request overtook the costly one once request {i} finished"
+    ray.get(worker.release.remote(2))
+    ray.get(first[2], timeout=_WAIT_BOUND_S)
+    assert queued() == 3, "the costly request did not run once its cost fit"
+    _wait_until(lambda: len(calls()) == 5, "the big request to reach the worker")
+    # "big" holds 3 of 4 units from here on: each finished cost-1 request lets the next one in.
+    for step, (tag, ref) in enumerate([(3, first[3]), ("small-0", small[0]), ("small-1", small[1])]):
+        ray.get(worker.release.remote(tag))
+        ray.get(ref, timeout=_WAIT_BOUND_S)
+        assert queued() == 2 - step, f"not exactly one queued request ran once {tag} finished"
+        _wait_until(lambda: len(calls()) == 6 + step, f"the next queued request to reach the worker after {tag}")
     ray.get(worker.open_gate.remote())
     ray.get(first + [big] + small, timeout=_WAIT_BOUND_S)
-    # The costly request waited for the whole worker; the cheap ones behind it did not overtake it.
-    assert ray.get(worker.calls.remote()) == [0, 1, 2, 3, "big", "small-0", "small-1", "small-2"]
+    # The costly request waited until its cost fit; the cheap ones behind it did not overtake it.
+    assert calls() == [0, 1, 2, 3, "big", "small-0", "small-1", "small-2"]
 
 
 def test_a_cancelled_queued_request_frees_its_place(make_registry):

@@ -93,6 +93,7 @@ def save_checkpoint(run_dir: Path, model, optimizer, scheduler, state: TrainerSt
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     torch.save(torch.get_rng_state(), tmp / f"rng_rank{dist.rank}.pt")
+    torch_dist.barrier()  # every rank's files are in tmp before rank 0 renames it into place
     if dist.rank == 0:
         torch.save(optim_state, tmp / "optimizer.pt")
         state.scheduler_state = _jsonable(scheduler.state_dict())

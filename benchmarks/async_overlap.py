@@ -6,14 +6,13 @@
 
 Both modes run `torchrun --nproc_per_node=2 trainer_core.py` (FSDP2 on gloo) in one local
 cluster, alternating max_lag=0 and max_lag=1 runs of `--num_steps` steps (`--rounds` pairs),
-settings otherwise identical; each run resumes from the previous run's final checkpoint, so
-weight versions only grow (every run first pushes its start version, and the generation worker
-refuses one older than it serves). Alternating spreads slow drifts in the machine's load over
-both settings. Per setting, the median `timing/step_s` is taken over the steady-state steps of
-its runs: each run's first `--skip_steps` (start-up, and the two steps max_lag=1 submits before
-training starts) and its last step (max_lag=1 has no next step to generate during it) are left
-out. `speedup = t(max_lag=0) / t(max_lag=1)`. Each run's own median and the machine's load
-average are printed too: other processes on the same cores make single steps noisy.
+each from step 0 with settings otherwise identical. Alternating spreads slow drifts in the
+machine's load over both settings. Per setting, the median `timing/step_s` is taken over the
+steady-state steps of its runs: each run's first `--skip_steps` (start-up, and the two steps
+max_lag=1 submits before training starts) and its last step (max_lag=1 has no next step to
+generate during it) are left out. `speedup = t(max_lag=0) / t(max_lag=1)`. Each run's own median
+and the machine's load average are printed too: other processes on the same cores make single
+steps noisy.
 
 - real: the real vLLM generation worker and the real logprob worker (reference logprobs) on the
   demo model (scripts/prepare_demo.py, short format warm-up), launched by LocalCluster. On a
@@ -221,29 +220,29 @@ def trainer_args(assets: Path, run_dir: Path, cfg: BenchConfig, num_steps: int, 
     ]
 
 
-def train_segment(cluster: LocalCluster, args: list[str], run_dir: Path, label: str, first: int, end: int,
-                  timeout_s: float) -> list[dict[str, Any]]:
-    """One trainer run covering steps [first, end); returns those steps' metrics records.
+def train_run(cluster: LocalCluster, args: list[str], run_dir: Path, num_steps: int,
+              timeout_s: float) -> list[dict[str, Any]]:
+    """One trainer run of num_steps steps from step 0; returns its metrics records.
 
     A run that exits non-zero after logging all its steps still counts, with a warning: on a
     loaded machine the end-of-run checkpoint can fail after training is over (see the report of
     this benchmark: checkpoint.save_checkpoint lets rank 0 rename the directory while another
-    rank may still be writing into it; the checkpoint itself is complete). Missing steps are an error.
+    rank may still be writing into it). Missing steps are an error.
     """
-    log = run_dir.parent / f"{label}.trainer.log"
+    log = run_dir.parent / f"{run_dir.name}.trainer.log"
     began = time.perf_counter()
     code = cluster.run_trainer(args, nproc_per_node=WORLD_SIZE, timeout_s=timeout_s, log_path=log)
     metrics_path = run_dir / "metrics.jsonl"
-    records = [r for r in (read_metrics(metrics_path) if metrics_path.is_file() else []) if first <= r["step"] < end]
+    records = read_metrics(metrics_path) if metrics_path.is_file() else []
     lines = log.read_text(errors="replace").splitlines()
-    if code != 0 and len(records) < end - first:
+    if code != 0 and len(records) < num_steps:
         tail = "\n".join(lines[-30:])
-        raise RuntimeError(f"trainer run {label} exited {code}; last lines of {log}:\n{tail}")
+        raise RuntimeError(f"trainer run {run_dir.name} exited {code}; last lines of {log}:\n{tail}")
     if code != 0:
         errors = [line for line in lines if "Error" in line]
-        logger.warning("%s exited %d after logging all its steps; using its metrics. Last error: %s",
-                       label, code, errors[-1] if errors else "(none in log)")
-    logger.info("%s (steps %d-%d) finished in %.0f s", label, first, end - 1, time.perf_counter() - began)
+        logger.warning("%s exited %d after logging all its steps; using its metrics. First error: %s",
+                       run_dir.name, code, errors[0] if errors else "(none in log)")
+    logger.info("%s (%d steps) finished in %.0f s", run_dir.name, num_steps, time.perf_counter() - began)
     return records
 
 
@@ -268,28 +267,22 @@ def summarise(records: list[dict[str, Any]]) -> RunTimes:
     )
 
 
-def run_schedule(cluster: LocalCluster, assets: Path, run_dir: Path, cfg: BenchConfig, extra: list[str],
-                 first_step: int) -> dict[int, RunTimes]:
-    """Alternate max_lag 0 and 1 for cfg.rounds rounds, each run resuming from the previous one.
+def run_schedule(cluster: LocalCluster, assets: Path, work: Path, prefix: str, cfg: BenchConfig,
+                 extra: list[str]) -> dict[int, RunTimes]:
+    """Alternate max_lag 0 and 1 for cfg.rounds rounds; every run starts afresh at step 0.
 
-    Alternating spreads slow drifts in the machine's load over both settings. Resuming (instead
-    of starting each run at step 0) keeps weight versions increasing: every run first pushes its
-    start version, and the real generation worker refuses one older than it serves.
+    Alternating spreads slow drifts in the machine's load over both settings.
     """
     pooled: dict[int, list[dict[str, Any]]] = {lag: [] for lag in LAGS}
-    first = first_step
     for round_index in range(cfg.rounds):
         for lag in LAGS:
-            end = first + cfg.num_steps
-            resume = ["--resume", "true"] if first > 0 else []
-            label = f"{run_dir.name}-r{round_index}-lag{lag}"
-            records = train_segment(cluster, trainer_args(assets, run_dir, cfg, end, lag, extra + resume), run_dir,
-                                    label, first, end, cfg.trainer_timeout_s)
+            run_dir = work / f"{prefix}-r{round_index}-lag{lag}"
+            records = train_run(cluster, trainer_args(assets, run_dir, cfg, cfg.num_steps, lag, extra), run_dir,
+                                cfg.num_steps, cfg.trainer_timeout_s)
             kept = steady(records, cfg.skip_steps)
             pooled[lag].extend(kept)
-            print(f"{label:<22} median step {summarise(kept).step_s:6.3f} s over {len(kept)} steps "
+            print(f"{run_dir.name:<22} median step {summarise(kept).step_s:6.3f} s over {len(kept)} steps "
                   f"(load average now {_load_average()})")
-            first = end
     return {lag: summarise(records) for lag, records in pooled.items()}
 
 
@@ -302,7 +295,7 @@ def run_real(assets: Path, work: Path, cfg: BenchConfig) -> dict[int, RunTimes]:
     )
     with LocalCluster(cluster_config) as cluster:
         cluster.start_workers()
-        return run_schedule(cluster, assets, work / "real", cfg, [], first_step=0)
+        return run_schedule(cluster, assets, work, "real", cfg, [])
 
 
 def start_simulated_engine(vocab_size: int, latency_s: float):
@@ -349,14 +342,14 @@ def run_simulated(assets: Path, work: Path, cfg: BenchConfig, latency_s: float |
     extra = ["--logprob_role", "none", "--loss.kl_coef", "0"]
     with LocalCluster(cluster_config) as cluster:
         engine = start_simulated_engine(vocab_size, SIM_CALIBRATION_LATENCY_S)
-        run_dir = work / "sim"
-        records = train_segment(cluster, trainer_args(assets, run_dir, cfg, calibration_steps, 0, extra), run_dir,
-                                "sim-calibration", 0, calibration_steps, cfg.trainer_timeout_s)
+        run_dir = work / "sim-calibration"
+        records = train_run(cluster, trainer_args(assets, run_dir, cfg, calibration_steps, 0, extra), run_dir,
+                            calibration_steps, cfg.trainer_timeout_s)
         calibration = summarise(steady(records, min(cfg.skip_steps, calibration_steps - 2)))
         chosen = latency_s if latency_s is not None else calibration.busy_s
         logger.info("calibration: T = %.3f s per step; SIMULATED G = %.3f s", calibration.busy_s, chosen)
         ray.get(engine.set_latency.remote(chosen))
-        times = run_schedule(cluster, assets, run_dir, cfg, extra, first_step=calibration_steps)
+        times = run_schedule(cluster, assets, work, "sim", cfg, extra)
     return SimulatedResult(latency_s=chosen, calibration=calibration, times=times)
 
 

@@ -720,15 +720,6 @@ def _unwrap_causal_lm(model: nn.Module) -> nn.Module:
     return model.causal_lm if isinstance(model, TokenLogprobModel) else model
 
 
-def _write_safetensors(state_dict: Mapping[str, torch.Tensor], path: Path) -> None:
-    """Atomic safetensors write with the 'pt' format tag that loaders check."""
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp), metadata={"format": "pt"})
-    tmp.replace(path)
-
-
 def export_hf_checkpoint(model: nn.Module, out_dir: str | Path, source_model_path: str | Path) -> Path | None:
     """Save the (FSDP) model as a Hugging Face checkpoint folder; collective, rank 0 writes.
 
@@ -745,7 +736,7 @@ def export_hf_checkpoint(model: nn.Module, out_dir: str | Path, source_model_pat
         config.use_cache = True  # training turned it off; inference engines want it back
         config.dtype = next(iter(state.values())).dtype
         config.save_pretrained(out)
-        _write_safetensors(state, out / _WEIGHTS_FILE)
+        weight_sync.write_safetensors(state, out / _WEIGHTS_FILE)
         source = Path(source_model_path)
         for file_name in _TOKENIZER_FILES:
             if (source / file_name).is_file():

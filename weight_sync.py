@@ -123,12 +123,13 @@ def fetch_state_dict(update: WeightUpdate) -> dict[str, torch.Tensor]:
 
 
 def write_safetensors(state_dict: Mapping[str, torch.Tensor], path: Path) -> Path:
-    """Write tensors to a safetensors file atomically (temp name, then rename)."""
+    """Write tensors to a safetensors file atomically (temp name, then rename), with the 'pt'
+    format tag that transformers' loader checks."""
     from safetensors.torch import save_file
 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp))
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp), metadata={"format": "pt"})
     tmp.replace(path)
     return path
 

@@ -1,9 +1,12 @@
 """Logprob worker: scores rollouts with the trainer's exact logprob function, many samples per forward.
 
-Callers (the logprob registry, on behalf of the experience batcher) send one sample per request.
-Scoring one sample per forward leaves an accelerator mostly idle, so the worker queues requests
-and packs them (padding-free, `get_input_for_logprobs`) into one forward of at most
-`max_tokens_per_gpu` tokens:
+Callers (the logprob registry, on behalf of the experience batcher) send one sample per
+`compute_logprobs` call, or a whole GRPO group per `compute_group_logprobs` call: the batcher uses
+the latter, because a Ray call through the registry costs more CPU than scoring a short sample
+(512 per-sample calls per demo step took ~1.5 core-seconds across registry, worker and batcher).
+Either way every sample is queued on its own. Scoring one sample per forward leaves an
+accelerator mostly idle, so the worker packs queued samples (padding-free,
+`get_input_for_logprobs`) into one forward of at most `max_tokens_per_gpu` tokens:
 
     caller -> compute_logprobs(sample) -> queue -> batch (<= token budget, or max_wait_ms after
     the first queued request) -> forward in a thread -> split_per_sample -> each caller's slice
@@ -237,11 +240,7 @@ class LogprobWorker:
     async def compute_logprobs(self, sample: Sample) -> list[float]:
         """Logprob of each of the sample's output tokens under the current weights (length O)."""
         self._ensure_batcher()
-        try:
-            check_sample(sample, self.vocab_size)
-        except ValueError:
-            self._counters.rejected_samples += 1
-            raise
+        self._check(sample)
         if not sample.output_token_ids:
             return []
         loop = asyncio.get_running_loop()
@@ -250,6 +249,24 @@ class LogprobWorker:
         self._queued_tokens += request.num_tokens
         self._arrival.set()
         return await request.future
+
+    def _check(self, sample: Sample) -> None:
+        """check_sample, counting refusals in stats().rejected_samples."""
+        try:
+            check_sample(sample, self.vocab_size)
+        except ValueError:
+            self._counters.rejected_samples += 1
+            raise
+
+    async def compute_group_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """compute_logprobs of each sample, in order, from one call (one Ray round trip per group).
+
+        Each sample is still its own queued request, so a group may be split across batches and
+        packed with other callers' samples. An invalid sample fails the call before any is queued.
+        """
+        for sample in samples:
+            self._check(sample)
+        return list(await asyncio.gather(*(self.compute_logprobs(s) for s in samples)))
 
     async def update_weights(self, update: WeightUpdate) -> int:
         """Load full weights from a WeightUpdate between two batches; returns the version now served."""
@@ -446,6 +463,9 @@ class LogprobWorkerActor:
 
     async def compute_logprobs(self, sample: Sample) -> list[float]:
         return await self._worker.compute_logprobs(sample)
+
+    async def compute_group_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        return await self._worker.compute_group_logprobs(samples)
 
     async def update_weights(self, update: WeightUpdate) -> int:
         return await self._worker.update_weights(update)

@@ -419,13 +419,6 @@ class _StepState:
     """Ranks that have received EndOfStep; when all have, the step is retired."""
 
 
-def _leaf_exception(exc: BaseException) -> BaseException:
-    """The first real error inside (nested) exception groups, e.g. from a TaskGroup."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc
-
-
 class ExperienceBatcher:
     """Turns prompts from all ranks into per-rank minibatch streams; see the module docstring.
 
@@ -581,22 +574,23 @@ class ExperienceBatcher:
         )
 
     async def _fill_logprobs(self, rollouts: list[Sample]) -> None:
-        """Request every rollout's logprobs concurrently; the first failure cancels the rest."""
+        """Fill the group's logprobs with one registry call (the worker still batches per sample)."""
         assert self._logprob is not None and self.config.logprob_target is not None
-        client, target = self._logprob, _LOGPROB_FIELDS[self.config.logprob_target]
-
-        async def fill(rollout: Sample) -> None:
-            values = await client.submit("compute_logprobs", rollout, cost=rollout.num_tokens)
-            if len(values) != len(rollout.output_token_ids):
+        target = _LOGPROB_FIELDS[self.config.logprob_target]
+        cost = sum(r.num_tokens for r in rollouts)
+        values = await self._logprob.submit("compute_group_logprobs", rollouts, cost=cost)
+        if len(values) != len(rollouts):
+            raise ValueError(
+                f"compute_group_logprobs returned {len(values)} answers for {len(rollouts)} rollouts "
+                f"(prompt_id={rollouts[0].prompt_id})"
+            )
+        for rollout, logprobs in zip(rollouts, values):
+            if len(logprobs) != len(rollout.output_token_ids):
                 raise ValueError(
-                    f"compute_logprobs returned {len(values)} values for {len(rollout.output_token_ids)} output "
-                    f"tokens (prompt_id={rollout.prompt_id})"
+                    f"compute_group_logprobs returned {len(logprobs)} values for {len(rollout.output_token_ids)} "
+                    f"output tokens (prompt_id={rollout.prompt_id})"
                 )
-            setattr(rollout, target, [float(v) for v in values])
-
-        async with asyncio.TaskGroup() as group:
-            for rollout in rollouts:
-                group.create_task(fill(rollout))
+            setattr(rollout, target, [float(v) for v in logprobs])
 
     def _accept(self, state: _StepState, result: _PromptResult) -> None:
         stats = state.stats
@@ -626,9 +620,8 @@ class ExperienceBatcher:
             state.packer.step, sample.prompt_id, self.config.prompt_deadline_s,
         )
 
-    def _fail(self, state: _StepState, sample: Sample, exc: BaseException) -> None:
+    def _fail(self, state: _StepState, sample: Sample, cause: BaseException) -> None:
         """Record the step's first error, cancel its other prompts and wake every waiting rank."""
-        cause = _leaf_exception(exc)
         step = state.packer.step
         if state.error is not None:
             logger.warning("step %d: prompt_id=%d also failed: %s: %s", step, sample.prompt_id,

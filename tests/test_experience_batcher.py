@@ -255,12 +255,13 @@ class FakeLogprob:
         self.calls: list[tuple[int, int]] = []
         self._wrong = wrong_length_for or set()
 
-    async def submit(self, method: str, *args: Any, cost: int) -> list[float]:
-        assert method == "compute_logprobs"
-        (rollout,) = args
-        self.calls.append((rollout.prompt_id, cost))
-        values = _fake_logprobs(rollout)
-        return values + [0.0] if rollout.prompt_id in self._wrong else values
+    async def submit(self, method: str, *args: Any, cost: int) -> list[list[float]]:
+        assert method == "compute_group_logprobs"
+        (rollouts,) = args
+        assert len({r.prompt_id for r in rollouts}) == 1, "one call per prompt group"
+        self.calls.append((rollouts[0].prompt_id, cost))
+        values = [_fake_logprobs(r) for r in rollouts]
+        return [v + [0.0] for v in values] if rollouts[0].prompt_id in self._wrong else values
 
 
 async def _drain(batcher: ExperienceBatcher, rank: int, step: int) -> tuple[list[Minibatch], EndOfStep]:
@@ -290,7 +291,10 @@ def test_batcher_fills_the_target_logprobs_and_reports_step_totals(target: str, 
         for s in real:
             assert getattr(s, field) == _fake_logprobs(s) and getattr(s, other) is None
         assert sorted(generation.calls) == [(pid, _N) for pid in range(5)]
-        assert sorted(logprob.calls) == sorted((s.prompt_id, s.num_tokens) for s in real)
+        group_tokens: dict[int, int] = {}
+        for s in real:
+            group_tokens[s.prompt_id] = group_tokens.get(s.prompt_id, 0) + s.num_tokens
+        assert sorted(logprob.calls) == sorted(group_tokens.items())  # one call per group, costed in tokens
         stats = batcher.stats()  # no step: the most recently completed one
         assert (stats["batcher/step"], stats["batcher/num_samples"], stats["batcher/num_prompts"]) == (0, 5 * _N, 5)
         assert all(value >= 0 for key, value in stats.items() if key.startswith("timing/"))
@@ -374,7 +378,7 @@ class NoWorkerError(RuntimeError):
         (NoWorkerError("generation-registry: no live workers for 60 s"), set(), "generation-registry: no live workers"),
         # A TimeoutError from a registry is an error, not this batcher's deadline.
         (TimeoutError("generation-registry: worker timed out"), set(), "TimeoutError: generation-registry"),
-        (None, {1}, "compute_logprobs returned"),
+        (None, {1}, "compute_group_logprobs returned"),
     ],
 )
 def test_a_failing_request_fails_the_step_for_every_rank(
@@ -414,7 +418,7 @@ def test_a_failing_request_fails_the_step_for_every_rank(
 
 @ray.remote(num_cpus=0)
 class RegistryDouble:
-    """Stands in for a registry actor: answers `generate` and `compute_logprobs` itself.
+    """Stands in for a registry actor: answers `generate` and `compute_group_logprobs` itself.
 
     Prompts listed in `hang` never get an answer; the double records the cancellation when the
     batcher gives up on them.
@@ -427,7 +431,7 @@ class RegistryDouble:
         self._cancelled: list[int] = []
 
     async def submit(self, method: str, *args: Any, cost: int = 1) -> Any:
-        sample = args[0]
+        sample = args[0] if method == "generate" else args[0][0]  # a prompt, or a group's first rollout
         self._calls.append((method, sample.prompt_id, cost))
         if sample.prompt_id in self._hang:
             try:
@@ -437,7 +441,7 @@ class RegistryDouble:
                 raise
         if method == "generate":
             return _rollouts(sample, args[1].n, self._version)
-        return _fake_logprobs(sample)
+        return [_fake_logprobs(s) for s in args[0]]
 
     def calls(self) -> list[tuple[str, int, int]]:
         return list(self._calls)

@@ -241,6 +241,29 @@ def test_bad_sample_fails_only_its_caller(tiny_model_dir: Path) -> None:
     assert worker.stats().rejected_samples == 1 and worker.stats().failed_batches == 0
 
 
+def test_group_call_answers_in_order_and_a_bad_sample_fails_it_before_queueing(tiny_model_dir: Path) -> None:
+    vocab = _vocab_size(tiny_model_dir)
+    good = _build_samples(6, vocab, seed=7)
+    bad = Sample(input_token_ids=[1, 2, 3], gt_answer="", prompt_id=8, output_token_ids=[vocab])
+    worker = LogprobWorker("logprob-worker-0", LogprobWorkerConfig(model_path=str(tiny_model_dir), max_wait_ms=50.0))
+
+    async def run() -> tuple[list[list[float]], BaseException | None]:
+        answers = await worker.compute_group_logprobs(good)
+        try:
+            await worker.compute_group_logprobs([*good[:3], bad])
+        except ValueError as err:
+            return answers, err
+        finally:
+            await worker.shutdown()
+        return answers, None
+
+    answers, error = asyncio.run(run())
+    assert _max_diff(answers, _trainer_logprobs(tiny_model_dir, good)) <= FP32_TOLERANCE
+    assert error is not None and str(vocab) in str(error)
+    stats = worker.stats()
+    assert stats.rejected_samples == 1 and stats.samples == len(good)  # nothing of the failed call was scored
+
+
 def test_failing_batch_errors_its_callers_and_worker_keeps_serving(tiny_model_dir: Path) -> None:
     samples = _build_samples(5, _vocab_size(tiny_model_dir), seed=6)
     worker = LogprobWorker("logprob-worker-0", LogprobWorkerConfig(model_path=str(tiny_model_dir)))
@@ -330,7 +353,7 @@ def test_ray_actor_serves_batches_and_updates(ray_local, tiny_model_dir: Path, o
         stats = ray.get(actor.stats.remote())
         assert stats.samples == len(samples) and stats.batches < len(samples)
         assert ray.get(actor.update_weights.remote(_weight_update(other_model_dirs[False], version=5))) == 5
-        after = ray.get([actor.compute_logprobs.remote(s) for s in samples])
+        after = ray.get(actor.compute_group_logprobs.remote(samples))  # one call, answers in order
         assert _max_diff(after, _hf_logprobs(other_model_dirs[False], samples)) <= FP32_TOLERANCE
         assert ray.get(actor.health.remote()).weight_version == 5
         ray.get(actor.shutdown.remote())

@@ -45,6 +45,7 @@ import multiprocessing
 import queue
 import signal
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -67,6 +68,8 @@ _MAX_REPLY_BYTES = 1 << 16
 _LOG_SNIPPET_CHARS = 80
 # Distinct gold answers whose parse a process keeps: the n rollouts of a prompt share one gold.
 _GOLD_CACHE_SIZE = 1024
+# Completions longer than this are never cached: they are rarely repeated and would bloat the cache.
+_MAX_CACHED_COMPLETION_CHARS = 1024
 # Ray restarts the shared pool actor if its process dies (e.g. OOM), with its creation arguments,
 # so the generation workers regain a verifier instead of failing every reward from then on.
 _ACTOR_MAX_RESTARTS = -1
@@ -268,6 +271,8 @@ class _Task:
     """Start of the completion, for log lines."""
     future: Future
     """Resolved with the RewardResult by the dispatcher thread."""
+    cache_key: tuple[str, str] | None
+    """(gold, completion) under which a deterministic result is cached, or None: do not cache."""
 
 
 class VerifierPool:
@@ -275,20 +280,31 @@ class VerifierPool:
 
     Thread-safe and event-loop agnostic: dispatcher threads do the waiting, so `score` may be
     awaited from any event loop and `score_sync` called from any thread.
+
+    Results are deterministic in (gold, completion) except timeouts and process deaths, so the
+    others are kept in an LRU cache of `cache_size` entries, and a completion repeated within one
+    call is verified once. GRPO samples the same short answer many times (a demo step of 512
+    rollouts has a few dozen distinct (gold, completion) pairs), and each verification costs a
+    pipe round trip plus math-verify's parse: ~1-3 ms of CPU. `cache_size=0` turns both off.
     """
 
-    def __init__(self, num_processes: int, timeout_s: float) -> None:
+    def __init__(self, num_processes: int, timeout_s: float, cache_size: int = 65536) -> None:
         if not isinstance(num_processes, int) or num_processes < 1:
             raise ValueError(f"VerifierPool: num_processes must be an int >= 1, got {num_processes!r}")
         if not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
             raise ValueError(f"VerifierPool: timeout_s must be a finite number > 0, got {timeout_s!r}")
+        if not isinstance(cache_size, int) or cache_size < 0:
+            raise ValueError(f"VerifierPool: cache_size must be an int >= 0, got {cache_size!r}")
         self.num_processes = num_processes
         self.timeout_s = float(timeout_s)
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], RewardResult] = OrderedDict()
         self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
         self._counts = dict.fromkeys(
-            ("scored", "failed", "timeouts", "parse_errors", "verify_errors", "crashes", "restarts", "cancelled"), 0
+            ("scored", "failed", "timeouts", "parse_errors", "verify_errors", "crashes", "restarts", "cancelled",
+             "cache_hits"), 0
         )
         ctx = multiprocessing.get_context("forkserver")
         # Takes effect when this process's forkserver first starts (a no-op if one already runs).
@@ -331,9 +347,10 @@ class VerifierPool:
         return [future.result() for future in self._submit(completions, gt_answer)]
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: scored (results returned), failed, and failures by kind
+        """Counters since start: scored (results from a process), failed, and failures by kind
         (timeouts, parse_errors, verify_errors, crashes), restarts (replacement processes
-        started), cancelled (tasks dropped because their caller went away), num_processes."""
+        started), cancelled (tasks dropped because their caller went away), cache_hits (samples
+        answered from the cache or by an identical completion of the same call), num_processes."""
         with self._lock:
             return {**self._counts, "num_processes": self.num_processes}
 
@@ -369,18 +386,52 @@ class VerifierPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError("VerifierPool.score called after close()")
-        futures = []
+        futures: list[Future] = []
+        in_this_call: dict[str, Future] = {}
         for completion in completions:
-            payload = json.dumps({"gold": gt_answer, "completion": completion}).encode("utf-8")
+            known = in_this_call.get(completion) or self._cached_future(gt_answer, completion)
+            if known is not None:
+                self._count("cache_hits")
+                futures.append(known)
+                continue
+            cacheable = self.cache_size > 0 and len(completion) <= _MAX_CACHED_COMPLETION_CHARS
             task = _Task(
-                payload=payload,
+                payload=json.dumps({"gold": gt_answer, "completion": completion}).encode("utf-8"),
                 completion_chars=len(completion),
                 snippet=completion[:_LOG_SNIPPET_CHARS],
                 future=Future(),
+                cache_key=(gt_answer, completion) if cacheable else None,
             )
             self._tasks.put(task)
             futures.append(task.future)
+            if cacheable:
+                in_this_call[completion] = task.future
         return futures
+
+    def _cached_future(self, gt_answer: str, completion: str) -> Future | None:
+        """A resolved Future holding the cached result for (gt_answer, completion), or None."""
+        if self.cache_size == 0:
+            return None
+        key = (gt_answer, completion)
+        with self._lock:
+            result = self._cache.get(key)
+            if result is None:
+                return None
+            self._cache.move_to_end(key)
+        future: Future = Future()
+        future.set_result(result)
+        return future
+
+    def _remember(self, key: tuple[str, str], result: RewardResult) -> None:
+        """Cache a result that another run of the same input would repeat (LRU eviction)."""
+        kind = result.error.split(":", 1)[0]
+        if kind in (_TIMEOUT_ERROR, _VERIFY_ERROR):  # load or a dying process, not the input
+            return
+        with self._lock:
+            self._cache[key] = result
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
 
     def _dispatch_loop(self, slot: _WorkerSlot) -> None:
         while True:
@@ -401,6 +452,8 @@ class VerifierPool:
                 task.future.set_exception(exc)
                 continue
             self._record(result)
+            if task.cache_key is not None:
+                self._remember(task.cache_key, result)
             task.future.set_result(result)
             if had_process and not slot.alive:
                 self._restart(slot)  # after answering, so the caller does not wait for it

@@ -10,6 +10,9 @@ answer, half of them right; a `hostile_fraction` of them are outputs that hang m
 exponent tower, a megabyte of LaTeX). Every reward is checked against the answer the completion
 was built with.
 
+The pool's result cache is off by default (`--cache_size 0`): these completions are long and
+mostly distinct, so the figure is the cost of verification itself. Pass a size to include it.
+
 Latency is per completion, from its group's submission to its result (queueing included).
 Startup is excluded. The last line is key=value pairs: samples_per_s, p50_ms, p99_ms, the pool
 size, hostile fraction, deadline, timeouts, restarts and reward mismatches (should be 0).
@@ -114,12 +117,13 @@ def main() -> None:
     parser.add_argument("--num_clients", type=int, default=4)
     parser.add_argument("--hostile_fraction", type=float, default=0.03)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache_size", type=int, default=0, help="VerifierPool result cache (0: off)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     groups = build_workload(args.num_samples, args.group_size, args.hostile_fraction, args.seed)
     num_hostile = sum(case.expected_reward is None for group in groups for case in group)
-    with VerifierPool(num_processes=args.num_processes, timeout_s=args.timeout_s) as pool:
+    with VerifierPool(num_processes=args.num_processes, timeout_s=args.timeout_s, cache_size=args.cache_size) as pool:
         start = time.perf_counter()
         latencies, mismatches = asyncio.run(run(pool, groups, args.num_clients))
         elapsed = time.perf_counter() - start
@@ -131,7 +135,7 @@ def main() -> None:
         f"p50_ms={statistics.median(latencies_ms):.1f} num_processes={args.num_processes} "
         f"hostile_fraction={args.hostile_fraction} hostile={num_hostile} samples={len(latencies)} "
         f"timeout_s={args.timeout_s} timeouts={stats['timeouts']} restarts={stats['restarts']} "
-        f"mismatches={mismatches}"
+        f"cache_hits={stats['cache_hits']} mismatches={mismatches}"
     )
 
 

@@ -111,18 +111,42 @@ def test_empty_batch_and_bad_arguments(pool: VerifierPool) -> None:
         VerifierPool(num_processes=1, timeout_s=float("nan"))
 
 
+def test_repeated_completions_are_verified_once_and_the_cache_is_lru() -> None:
+    with VerifierPool(num_processes=2, timeout_s=NORMAL_TIMEOUT_S, cache_size=3) as verifier:
+        first = verifier.score_sync(["7", "8", "7", "no idea", "7", "8"], "7")
+        assert first == [CORRECT, WRONG, CORRECT, first[3], CORRECT, WRONG] and first[3].error.startswith("parse_error")
+        stats = verifier.stats()
+        assert (stats["scored"], stats["cache_hits"]) == (3, 3)  # three distinct completions
+        # The same gold: all from the cache (a parse failure is as deterministic as a grade).
+        assert asyncio.run(verifier.score(["no idea", "8", "7"], "7")) == [first[3], WRONG, CORRECT]
+        assert (verifier.stats()["scored"], verifier.stats()["cache_hits"]) == (3, 6)
+        # Another gold is another key; with 3 entries the least recently used ("no idea" for gold "7") goes.
+        assert verifier.score_sync(["8"], "8") == [CORRECT]
+        assert verifier.score_sync(["8", "7", "no idea"], "7") == [WRONG, CORRECT, first[3]]
+        assert (verifier.stats()["scored"], verifier.stats()["cache_hits"]) == (5, 8)
+    with VerifierPool(num_processes=1, timeout_s=NORMAL_TIMEOUT_S, cache_size=0) as uncached:
+        assert uncached.score_sync(["7", "7"], "7") == [CORRECT, CORRECT]
+        assert (uncached.stats()["scored"], uncached.stats()["cache_hits"]) == (2, 0)
+    with pytest.raises(ValueError, match="cache_size"):
+        VerifierPool(num_processes=1, timeout_s=1.0, cache_size=-1)
+
+
 def test_hostile_outputs_time_out_and_the_replacement_serves() -> None:
     """One process: every normal sample after a timeout is served by a freshly started process."""
     before = _pool_children()
     verifier = VerifierPool(num_processes=1, timeout_s=HOSTILE_TIMEOUT_S)
     try:
-        for hostile in (HOSTILE_TOWER, HOSTILE_MEGABYTE, HOSTILE_TOWER):
+        # The tower comes twice: a timeout is never cached, so the second one is verified (and killed)
+        # again. The normal completions differ, so each one is served by a process, not the cache.
+        normal = ["so it is \\boxed{7}", "it is \\boxed{7}", "\\boxed{7}, it is"]
+        for hostile, completion in zip((HOSTILE_TOWER, HOSTILE_MEGABYTE, HOSTILE_TOWER), normal):
             start = time.monotonic()
             assert verifier.score_sync([hostile], "7") == [TIMEOUT]
             assert time.monotonic() - start < HOSTILE_TIMEOUT_S + DEADLINE_SLACK_S
-            assert verifier.score_sync(["so it is \\boxed{7}"], "7") == [CORRECT]
+            assert verifier.score_sync([completion], "7") == [CORRECT]
         stats = verifier.stats()
         assert (stats["timeouts"], stats["restarts"], stats["failed"], stats["scored"]) == (3, 3, 3, 6)
+        assert stats["cache_hits"] == 0
         assert len(_pool_children() - before) == 1
     finally:
         verifier.close()

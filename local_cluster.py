@@ -92,6 +92,9 @@ class LocalCluster:
             _node_ip_address="127.0.0.1",
             namespace=RAY_NAMESPACE,
             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
+            # Nothing reads Ray's own metrics here, and its OpenTelemetry collector thread once
+            # segfaulted a fresh actor process during start-up (Ray 2.60, a demo run on 2026-11-21).
+            _system_config={"enable_metrics_collection": False},
             log_to_driver=False,
         )
         self.address = ray.get_runtime_context().gcs_address

@@ -40,6 +40,9 @@ def ray_local():
         namespace=TEST_NAMESPACE,
         _node_ip_address="127.0.0.1",
         runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
+        # Nothing reads Ray's own metrics here, and its OpenTelemetry collector thread once
+        # segfaulted a fresh actor process during start-up (Ray 2.60, a demo run on 2026-11-21).
+        _system_config={"enable_metrics_collection": False},
         log_to_driver=True,
     )
     yield ray

@@ -55,6 +55,10 @@ class LocalClusterConfig:
     """Verifier processes shared by all generation workers."""
     max_tokens_per_gpu: int = 8192
     """Token budget of one logprob-worker batch."""
+    dtype: str = "float32"
+    """Dtype of both workers' models. fp32, as the CPU trainer computes: vLLM's 'auto' would
+    serve an fp32 checkpoint in bf16, which CPUs without bf16 instructions emulate slowly, and
+    whose sampling logprobs then differ from the trainer's (~6e-3 per token on the demo)."""
     worker_start_timeout_s: float = 600.0
     """Give up if a worker has not registered by then (vLLM on CPU takes ~1 min)."""
 
@@ -112,7 +116,7 @@ class LocalCluster:
     def start_workers(self) -> None:
         """Dispatch every configured worker and wait until each has registered."""
         c = self.config
-        common = ["--model_path", c.model_path]
+        common = ["--model_path", c.model_path, "--dtype", c.dtype]
         for i in range(c.generation_workers):
             self._dispatch(f"generation-{i}", common + [
                 "--mode", "generation", "--tensor_parallel_size", "1", "--max_num_seqs", str(c.max_num_seqs),
@@ -195,13 +199,14 @@ def main() -> int:
     parser.add_argument("--global_num_verifiers", type=int, default=1)
     parser.add_argument("--kv_cache_memory_bytes", type=int, default=256 * 2**20)
     parser.add_argument("--max_model_len", type=int, default=512)
+    parser.add_argument("--dtype", default="float32", help="inference workers' model dtype")
     args, trainer_args = parser.parse_known_args()
     trainer_args = [a for a in trainer_args if a != "--"]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = LocalClusterConfig(
         model_path=args.model_path, log_dir=args.run_dir, generation_workers=args.generation_workers,
         logprob_workers=args.logprob_workers, global_num_verifiers=args.global_num_verifiers,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_model_len=args.max_model_len, dtype=args.dtype,
     )
     with LocalCluster(config) as cluster:
         cluster.start_workers()

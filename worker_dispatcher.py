@@ -108,6 +108,9 @@ class DispatcherConfig:
     """Generation: skip CUDA-graph capture (faster start)."""
     max_tokens_per_gpu: int | None = None
     """Logprob: token budget of one packed forward."""
+    dtype: str | None = None
+    """Dtype the worker runs its model in. Generation: vLLM's dtype ('auto' by default, which
+    serves an fp32 checkpoint in bf16 on CPU); logprob: 'float32', 'bfloat16' or 'float16'."""
     num_cpus: float = 1.0
     """CPUs the worker actor reserves in Ray's accounting."""
     ray_address: str = "auto"
@@ -157,6 +160,7 @@ def generation_worker_config(cfg: DispatcherConfig) -> Any:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
             max_model_len=cfg.max_model_len,
+            dtype=cfg.dtype,
         ),
     )
 
@@ -171,7 +175,7 @@ def logprob_worker_config(cfg: DispatcherConfig, on_gpu_node: bool) -> Any:
     return LogprobWorkerConfig(
         model_path=str(Path(cfg.model_path).resolve()),
         device="cuda" if on_gpu_node else "cpu",
-        **_given(max_tokens_per_gpu=cfg.max_tokens_per_gpu),
+        **_given(max_tokens_per_gpu=cfg.max_tokens_per_gpu, dtype=cfg.dtype),
     )
 
 
@@ -426,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max_model_len", type=int)
     parser.add_argument("--enforce_eager", action="store_true", default=None)
     parser.add_argument("--max_tokens_per_gpu", type=int)
+    parser.add_argument("--dtype", help="model dtype (generation default: auto; logprob default: float32)")
     parser.add_argument("--num_cpus", type=float)
     parser.add_argument("--ray_address", help="used when RAY_ADDRESS is unset; default: auto")
     parser.add_argument("--start_timeout_s", type=float)

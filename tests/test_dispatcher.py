@@ -130,6 +130,17 @@ def test_config_rejects_bad_fields():
         DispatcherConfig(mode="logprob", model_path="m", tensor_parallel_size=2)
 
 
+def test_dtype_reaches_each_worker_config_and_unset_keeps_their_defaults():
+    from worker_dispatcher import generation_worker_config, logprob_worker_config
+
+    assert generation_worker_config(DispatcherConfig(mode="generation", model_path="m")).dtype == "auto"
+    assert generation_worker_config(DispatcherConfig(mode="generation", model_path="m", dtype="float32")).dtype == "float32"
+    assert logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m"), on_gpu_node=False).dtype == "float32"
+    assert logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m", dtype="bfloat16"), False).dtype == "bfloat16"
+    with pytest.raises(ValueError, match="LogprobWorkerConfig.dtype"):
+        logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m", dtype="auto"), on_gpu_node=False)
+
+
 @pytest.mark.vllm
 def test_dispatcher_registers_reports_and_stops_cleanly(ray_head, tiny_model_dir):
     command = [

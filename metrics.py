@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 _SUM_KEYS = (
     "samples", "reward_sum", "correct", "response_tokens", "tokens", "truncated", "reward_failed",
     "staleness_sum", "loss_sum", "output_tokens", "kl_sum", "clip_sum", "entropy_sum",
-    "first_entropy_sum", "ratio_sum", "wait_s", "train_s",
+    "first_entropy_sum", "ratio_sum", "wait_s", "train_s", "later_clip_sum", "later_ratio_sum", "later_tokens",
 )
 
 
@@ -64,6 +64,13 @@ class StepAccumulator:
         s["entropy_sum"] += float(entropy.sum())
         first_positions = torch.cumsum(torch.tensor([0] + batch.inputs.output_lengths[:-1]), 0)
         s["first_entropy_sum"] += float(entropy.cpu()[first_positions].sum())
+
+    def add_later_epoch(self, loss_metrics: dict[str, float], num_tokens: int) -> None:
+        """Clip statistics of a pass after the first (epochs_per_step > 1), token-weighted."""
+        s = self.sums
+        s["later_clip_sum"] += loss_metrics.get("loss/clip_frac", 0.0) * num_tokens
+        s["later_ratio_sum"] += loss_metrics.get("loss/ratio_mean", 1.0) * num_tokens
+        s["later_tokens"] += num_tokens
 
     def _reduced(self, device: torch.device) -> tuple[dict[str, float], int, float]:
         """Sum across ranks (max for staleness and wait: the slowest rank sets the pace)."""
@@ -112,6 +119,9 @@ class StepAccumulator:
             "counts/reward_failed": s["reward_failed"],
             "counts/minibatches_per_rank": float(end.num_minibatches),
         }
+        if s["later_tokens"] > 0:  # passes 2.. of epochs_per_step: how far pi moved from pi_old
+            record["loss/clip_frac_later_epochs"] = s["later_clip_sum"] / s["later_tokens"]
+            record["loss/ratio_mean_later_epochs"] = s["later_ratio_sum"] / s["later_tokens"]
         # The batcher's keys are namespaced already (batcher/..., timing/generate_s, ...).
         record.update({k: float(v) for k, v in batcher_stats.items() if isinstance(v, (int, float))})
         return record

@@ -31,7 +31,7 @@ from dataset import DatasetConfig, InfiniteDistributedSampler, load_prompts
 from grpo_loss import LossConfig, grpo_loss
 from metrics import MetricsLogger, StepAccumulator
 from run_config import load_config, save_config
-from sample_processing_utils import Sample, post_process_batch
+from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from setup_model import (
     DistInfo,
     ModelConfig,
@@ -78,6 +78,11 @@ class TrainerConfig:
     """Token budget of one packed minibatch on one rank."""
     max_lag: int = 1
     """Weight versions generation may run ahead of training (0 = synchronous, on-policy)."""
+    epochs_per_step: int = 1
+    """Passes over each step's samples, each ending in an optimizer step (PPO epochs; TRL's
+    num_iterations). Passes after the first take the first pass's logprobs as pi_old (unless
+    the samples carry old-policy logprobs), so the clipped ratio bounds how far one batch moves
+    the policy. Weights are pushed, and the lr schedule advances, once per step."""
     weight_push_mode: Literal["gather", "sharded"] = "gather"
     """gather: rank 0 publishes the full state; sharded: every rank publishes its FSDP shards."""
     push_every: int = 1
@@ -107,7 +112,8 @@ class TrainerConfig:
     """tqdm bar on rank 0."""
 
     def __post_init__(self) -> None:
-        for name in ("num_steps", "prompts_per_rank", "max_tokens_per_gpu", "push_every", "keep_checkpoints"):
+        for name in ("num_steps", "prompts_per_rank", "max_tokens_per_gpu", "push_every", "keep_checkpoints",
+                     "epochs_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_lag < 0:
@@ -215,10 +221,25 @@ class PromptFeeder:
             f.write(json.dumps({"step": step, "prompt_ids": [s.prompt_id for s in samples]}) + "\n")
 
 
+@dataclass(slots=True)
+class KeptMinibatch:
+    """A minibatch kept for the step's later passes (epochs_per_step > 1)."""
+
+    batch: PackedBatch
+    """Its packed tensors, old_logprobs set to pi_old."""
+    loss_weight: float
+    """The batcher's loss weight (0 for a rank's padding minibatch)."""
+
+
 def train_on_step(
-    model: torch.nn.Module, batcher, step: int, config: TrainerConfig, dist: DistInfo, acc: StepAccumulator
+    model: torch.nn.Module, batcher, step: int, config: TrainerConfig, dist: DistInfo, acc: StepAccumulator,
+    keep: list[KeptMinibatch] | None = None,
 ) -> EndOfStep:
-    """Forward/backward every minibatch of this step as it arrives; returns the step's totals."""
+    """Forward/backward every minibatch of this step as it arrives; returns the step's totals.
+
+    With `keep`, each minibatch is appended to it for later passes, with this pass's logprobs as
+    its old_logprobs when the samples carry none.
+    """
     import ray
 
     while True:
@@ -235,10 +256,28 @@ def train_on_step(
         (loss * dist.world_size * message.loss_weight).backward()
         if message.loss_weight > 0:
             acc.add_minibatch(message.samples, batch, entropy.detach(), loss.detach().item(), loss_metrics)
+        if keep is not None:
+            if batch.old_logprobs is None:
+                batch = replace(batch, old_logprobs=logprobs.detach())
+            keep.append(KeptMinibatch(batch=batch, loss_weight=message.loss_weight))
         acc.add_time("train_s", time.perf_counter() - compute_start)
 
 
-def take_gradient_step(model, optimizer, scheduler, end: EndOfStep, max_grad_norm: float) -> float:
+def train_again(model: torch.nn.Module, kept: list[KeptMinibatch], config: TrainerConfig, dist: DistInfo,
+                acc: StepAccumulator) -> None:
+    """Another forward/backward pass over a step's kept minibatches (every rank has as many)."""
+    for minibatch in kept:
+        compute_start = time.perf_counter()
+        logprobs, _ = model.score(minibatch.batch.inputs)
+        loss, loss_metrics = grpo_loss(logprobs, minibatch.batch, config.loss)
+        (loss * dist.world_size * minibatch.loss_weight).backward()
+        if minibatch.loss_weight > 0:
+            acc.add_later_epoch(loss_metrics, num_tokens=int(logprobs.numel()))
+        acc.add_time("train_s", time.perf_counter() - compute_start)
+
+
+def take_gradient_step(model, optimizer, scheduler, end: EndOfStep, max_grad_norm: float,
+                       advance_schedule: bool = True) -> float:
     """Scale summed gradients to a per-sample mean, clip, step. Returns the pre-clip grad norm."""
     for param in model.parameters():
         if param.grad is not None:
@@ -247,7 +286,8 @@ def take_gradient_step(model, optimizer, scheduler, end: EndOfStep, max_grad_nor
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
-    scheduler.step()
+    if advance_schedule:
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(grad_norm)
 
@@ -349,9 +389,16 @@ def run_step(step, model, optimizer, scheduler, batcher, pusher, feeder, config:
 
     step_start = time.perf_counter()
     acc = StepAccumulator(step=step)
-    end = train_on_step(model, batcher, step, config, dist, acc)
+    epochs = config.epochs_per_step
+    kept: list[KeptMinibatch] | None = [] if epochs > 1 else None
+    end = train_on_step(model, batcher, step, config, dist, acc, keep=kept)
     if end.num_samples > 0:
-        grad_norm = take_gradient_step(model, optimizer, scheduler, end, config.optim.max_grad_norm)
+        grad_norm = take_gradient_step(model, optimizer, scheduler, end, config.optim.max_grad_norm,
+                                       advance_schedule=epochs == 1)
+        for epoch in range(1, epochs):
+            train_again(model, kept, config, dist, acc)
+            take_gradient_step(model, optimizer, scheduler, end, config.optim.max_grad_norm,
+                               advance_schedule=epoch == epochs - 1)
     else:
         logger.warning("step %d: no trainable samples (%s); skipping the optimizer step", step, end)
         optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,150 @@
+"""vLLM-CPU generation: CPU time per rollout step with the engine's default executor vs in process.
+
+    cd /work/main && .venv/bin/python benchmarks/generation_executor.py
+    .venv/bin/python benchmarks/generation_executor.py --prompts 32 --n 16 --repeats 5
+
+vLLM's CPU platform forces its multiprocess ('mp') executor, whose model-runner process
+busy-polls shared memory for a second after every engine step. On a machine where generation
+shares cores with trainer ranks (the local demo), that polling takes CPU from them.
+GenerationWorker therefore runs the model inside the engine-core process on CPU
+(`GenerationWorkerConfig.cpu_in_process_executor`). This script measures both ways on a demo-shaped
+step: the bundled tiny Qwen2 (random init, fp32), `--prompts` prompts x `--n` rollouts of up to
+`--max_tokens` tokens. Each mode runs in a child process of its own (vLLM reads its executor
+settings once per process), warms up once, then times `--repeats` steps. After each step it
+idles for `--idle_s` seconds, as a worker does between steps, so the CPU count includes the
+polling that follows a step.
+
+Reported per mode: wall ms per step (latency), and CPU seconds per step summed over the
+engine's processes (the engine-core process and, for 'mp', its model-runner process). The last
+line is key=value pairs; `cpu_ratio` = default CPU / in-process CPU (higher = more saved), and
+`latency_ratio` = default wall / in-process wall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # run as a script from anywhere
+
+
+def _descendant_cpu_s(root_pid: int) -> float:
+    """User + system CPU seconds of every live descendant of root_pid (not root_pid itself)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    parent_of: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent_of[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / ticks
+    family = {root_pid}
+    grew = True
+    while grew:
+        grew = False
+        for pid, parent in parent_of.items():
+            if parent in family and pid not in family:
+                family.add(pid)
+                grew = True
+    return sum(cpu[pid] for pid in family if pid != root_pid)
+
+
+async def _measure(model_dir: str, in_process: bool, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Time steps of one engine; runs inside the child process."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as GenerationWorker.start does
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=model_dir, dtype="float32", max_num_seqs=args.prompts * args.n, max_model_len=64,
+        kv_cache_memory_bytes=256 * 2**20, disable_log_stats=True, seed=0,
+        distributed_executor_backend="uni" if in_process else None,
+    ))
+    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, logprobs=0,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    prompts = [f"{i % 10}+{(i * 7) % 10}=" for i in range(args.prompts)]
+
+    async def one(request_id: str, prompt: str) -> None:
+        async for _ in engine.generate({"prompt": prompt}, params, request_id=request_id):
+            pass
+
+    walls: list[float] = []
+    cpus: list[float] = []
+    try:
+        for step in range(args.repeats + 1):  # step 0 warms up
+            cpu_before, start = _descendant_cpu_s(os.getpid()), time.perf_counter()
+            await asyncio.gather(*(one(f"{step}-{i}", p) for i, p in enumerate(prompts)))
+            wall = time.perf_counter() - start
+            await asyncio.sleep(args.idle_s)
+            if step:
+                walls.append(wall)
+                cpus.append(_descendant_cpu_s(os.getpid()) - cpu_before)
+    finally:
+        engine.shutdown()
+    return {"wall_s": walls, "cpu_s": cpus}
+
+
+def _child(model_dir: str, mode: str, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Run one mode in a fresh interpreter; returns its measurements."""
+    command = [
+        sys.executable, __file__, "--child_mode", mode, "--child_model", model_dir,
+        "--prompts", str(args.prompts), "--n", str(args.n), "--max_tokens", str(args.max_tokens),
+        "--repeats", str(args.repeats), "--idle_s", str(args.idle_s),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"{mode} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=16)
+    parser.add_argument("--max_tokens", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--idle_s", type=float, default=1.5)
+    parser.add_argument("--child_mode", choices=("default", "in_process"), help=argparse.SUPPRESS)
+    parser.add_argument("--child_model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child_mode:
+        result = asyncio.run(_measure(args.child_model, args.child_mode == "in_process", args))
+        print(json.dumps(result))
+        return
+
+    from setup_model import write_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(write_tiny_model(Path(tmp) / "model"))
+        results = {mode: _child(model_dir, mode, args) for mode in ("default", "in_process")}
+    for mode, r in results.items():
+        print(f"{mode:>10}: wall {1000 * statistics.median(r['wall_s']):.0f} ms/step, "
+              f"engine CPU {statistics.median(r['cpu_s']):.2f} s/step (incl. {args.idle_s} s idle after each)")
+    default, inproc = results["default"], results["in_process"]
+    print(
+        f"cpu_ratio={statistics.median(default['cpu_s']) / statistics.median(inproc['cpu_s']):.2f} "
+        f"latency_ratio={statistics.median(default['wall_s']) / statistics.median(inproc['wall_s']):.2f} "
+        f"default_cpu_s={statistics.median(default['cpu_s']):.2f} in_process_cpu_s={statistics.median(inproc['cpu_s']):.2f} "
+        f"rollouts_per_step={args.prompts * args.n} repeats={args.repeats}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parent
 REGISTERED_MARKER = "registered"  # worker_dispatcher prints `worker <name> registered` when ready
 _POLL_S = 0.5  # how often the launcher looks at dispatcher logs while waiting
+_STOP_GRACE_S = 30.0  # how long a stopped trainer gets to exit before SIGKILL
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -162,9 +163,16 @@ class LocalCluster:
         ]
         logger.info("starting trainer: %s", " ".join(command[2:]))
         out = log_path.open("w") if log_path else None
+        # Its own process group, so that stopping reaches torchrun *and* every rank: killing
+        # torchrun alone would orphan the ranks, which then wait on the batcher for up to
+        # message_timeout_s.
+        process = subprocess.Popen(command, env=self.env(), cwd=REPO_ROOT, start_new_session=True,
+                                   stdout=out, stderr=subprocess.STDOUT if out else None)
         try:
-            return subprocess.run(command, env=self.env(), cwd=REPO_ROOT, timeout=timeout_s,
-                                  stdout=out, stderr=subprocess.STDOUT if out else None).returncode
+            return process.wait(timeout=timeout_s)
+        except BaseException:  # Ctrl-C, SIGTERM (see main), timeout
+            stop_process_group(process)
+            raise
         finally:
             if out:
                 out.close()
@@ -185,6 +193,32 @@ class LocalCluster:
         logger.info("local cluster stopped")
 
 
+def stop_process_group(process: subprocess.Popen, grace_s: float = _STOP_GRACE_S) -> None:
+    """SIGTERM the process group `process` leads, SIGKILL whatever is left after grace_s."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        logger.warning("trainer did not stop within %.0f s of SIGTERM; killing it", grace_s)
+    try:  # the leader may be gone while ranks linger: the group still exists then
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _interrupt_on_sigterm() -> None:
+    """Make SIGTERM (kill, a scheduler's stop) unwind like Ctrl-C, so every cleanup runs."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def _tail(text: str, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
@@ -203,6 +237,7 @@ def main() -> int:
     args, trainer_args = parser.parse_known_args()
     trainer_args = [a for a in trainer_args if a != "--"]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _interrupt_on_sigterm()
     config = LocalClusterConfig(
         model_path=args.model_path, log_dir=args.run_dir, generation_workers=args.generation_workers,
         logprob_workers=args.logprob_workers, global_num_verifiers=args.global_num_verifiers,

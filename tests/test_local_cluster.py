@@ -1,0 +1,80 @@
+"""local_cluster's stopping of the trainer: the whole process group goes, children included.
+
+torchrun's ranks are children of torchrun; killing torchrun alone orphans them. The trainer is
+therefore started as a process-group leader and stopped with stop_process_group. These tests use
+a stand-in tree (a leader that starts a child, both sleeping) instead of torchrun, and one whose
+members ignore SIGTERM, to check the SIGKILL fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from local_cluster import stop_process_group
+
+# Leader: start a child that sleeps (optionally ignoring SIGTERM), print its pid, sleep.
+_TREE = """
+import signal, subprocess, sys, time
+ignore = sys.argv[1] == "ignore"
+if ignore:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, sys, time\\n"
+    "if sys.argv[1] == 'ignore': signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+    "time.sleep(600)", sys.argv[1]])
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is dead for our purpose.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _start_tree(mode: str) -> tuple[subprocess.Popen, int]:
+    leader = subprocess.Popen([sys.executable, "-c", _TREE, mode], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    child_pid = int(leader.stdout.readline())
+    assert _alive(leader.pid) and _alive(child_pid)
+    return leader, child_pid
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_stop_reaches_the_children_of_the_leader() -> None:
+    leader, child_pid = _start_tree("obey")
+    stop_process_group(leader, grace_s=10.0)
+    assert leader.returncode is not None
+    assert _wait_gone(child_pid), "the leader's child outlived stop_process_group"
+
+
+def test_members_ignoring_sigterm_are_killed_after_the_grace_period() -> None:
+    leader, child_pid = _start_tree("ignore")
+    started = time.monotonic()
+    stop_process_group(leader, grace_s=1.0)
+    assert time.monotonic() - started < 10.0
+    assert leader.returncode == -9
+    assert _wait_gone(child_pid)
+
+
+def test_stopping_a_finished_group_is_a_no_op() -> None:
+    done = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    done.wait()
+    stop_process_group(done, grace_s=1.0)
+    assert done.returncode == 0

@@ -188,6 +188,34 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [by_step[k] for k in sorted(by_step)]
 
 
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Mean of each value and the up to window - 1 before it (a trailing window)."""
+    if window < 1:
+        raise ValueError(f"moving_average window must be >= 1, got {window}")
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def summarize_reward(records: Sequence[dict[str, Any]], window: int = 10, target: float = 0.6) -> str:
+    """One line: reward at the start and end (window-step means) and when the mean first reached target."""
+    rewards = [r["reward/mean"] for r in records]
+    smoothed = moving_average(rewards, window)
+    first = sum(rewards[:window]) / len(rewards[:window])
+    line = (f"reward {first:.3f} (mean of steps 0-{min(window, len(rewards)) - 1}) -> {smoothed[-1]:.3f} "
+            f"(mean of the last {min(window, len(rewards))} steps, step {records[-1]['step']}, "
+            f"{records[-1]['time_s'] / 60:.1f} min)")
+    reached = next((i for i in range(window - 1, len(smoothed)) if smoothed[i] >= target), None)
+    if reached is None:
+        return line + f"; the {window}-step mean never reached {target}"
+    r = records[reached]
+    return line + f"; the {window}-step mean first reached {target} at step {r['step']} ({r['time_s'] / 60:.1f} min)"
+
+
 def plot_reward_curve(run_dir: Path, out: Path, title: str = "") -> Path:
     """Draw reward mean and accuracy against step and wall time to a PNG."""
     import matplotlib
@@ -202,7 +230,9 @@ def plot_reward_curve(run_dir: Path, out: Path, title: str = "") -> Path:
     minutes = [r["time_s"] / 60 for r in records]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, xs, label in ((axes[0], steps, "step"), (axes[1], minutes, "wall time (min)")):
-        ax.plot(xs, [r["reward/mean"] for r in records], label="sampled reward (mean)")
+        rewards = [r["reward/mean"] for r in records]
+        ax.plot(xs, rewards, label="sampled reward (mean)", alpha=0.35, color="tab:blue")
+        ax.plot(xs, moving_average(rewards, 10), label="sampled reward, 10-step mean", color="tab:blue")
         if "entropy/first_token" in records[0]:
             ax.plot(xs, [r["entropy/first_token"] for r in records], label="first-token entropy", alpha=0.6)
         ax.set_xlabel(label)

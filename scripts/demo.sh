@@ -25,9 +25,6 @@ $PY metrics.py plot --run_dir "$RUN_DIR" --out "$RUN_DIR/reward.png" --title "de
 $PY - "$RUN_DIR" <<'PYEOF'
 import sys
 from pathlib import Path
-from metrics import read_metrics
-records = read_metrics(Path(sys.argv[1]) / "metrics.jsonl")
-first, last = records[0], records[-1]
-print(f"[demo] reward {first['reward/mean']:.3f} (step {first['step']}) -> {last['reward/mean']:.3f} "
-      f"(step {last['step']}, {last['time_s'] / 60:.1f} min)")
+from metrics import read_metrics, summarize_reward
+print("[demo]", summarize_reward(read_metrics(Path(sys.argv[1]) / "metrics.jsonl")))
 PYEOF

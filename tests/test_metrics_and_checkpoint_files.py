@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from checkpoint import latest_checkpoint
-from metrics import plot_reward_curve, read_metrics
+from metrics import moving_average, plot_reward_curve, read_metrics, summarize_reward
 
 
 def _complete(root: Path, step: int) -> Path:
@@ -38,3 +38,14 @@ def test_read_metrics_last_record_per_step_wins_and_plots(tmp_path: Path) -> Non
     assert [r["reward/mean"] for r in records] == [0.1, 0.3]
     out = plot_reward_curve(tmp_path, tmp_path / "reward.png")
     assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_moving_average_and_reward_summary_by_hand() -> None:
+    assert moving_average([1.0, 2.0, 3.0, 4.0, 5.0], 2) == [1.0, 1.5, 2.5, 3.5, 4.5]
+    assert moving_average([3.0], 10) == [3.0]
+    records = [{"step": i, "time_s": 30.0 * i, "reward/mean": r} for i, r in enumerate([0.0, 0.1, 0.5, 0.7, 0.6, 0.9])]
+    # 3-step means: 0, .05, .2, .433, .6, .733 -> first >= 0.6 at step 4 (2.0 min).
+    line = summarize_reward(records, window=3, target=0.6)
+    assert line.startswith("reward 0.200 (mean of steps 0-2) -> 0.733 (mean of the last 3 steps, step 5, 2.5 min)")
+    assert line.endswith("first reached 0.6 at step 4 (2.0 min)")
+    assert summarize_reward(records, window=3, target=0.95).endswith("never reached 0.95")

@@ -49,7 +49,7 @@ _TINY_ALPHABET = string.printable[:95] + "\n"
 
 @dataclass(kw_only=True, frozen=True)
 class TinyModelConfig:
-    """Shape of the bundled tiny Qwen2 model (defaults: the demo model, ~0.5M parameters)."""
+    """Shape of the bundled tiny Qwen2 model (defaults: the demo model, 0.32M parameters)."""
 
     hidden_size: int = 128
     """Width of the residual stream."""

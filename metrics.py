@@ -234,7 +234,7 @@ def plot_reward_curve(run_dir: Path, out: Path, title: str = "") -> Path:
         ax.plot(xs, rewards, label="sampled reward (mean)", alpha=0.35, color="tab:blue")
         ax.plot(xs, moving_average(rewards, 10), label="sampled reward, 10-step mean", color="tab:blue")
         if "entropy/first_token" in records[0]:
-            ax.plot(xs, [r["entropy/first_token"] for r in records], label="first-token entropy", alpha=0.6)
+            ax.plot(xs, [r["entropy/first_token"] for r in records], label="first-token entropy", alpha=0.6, color="tab:orange")
         ax.set_xlabel(label)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)

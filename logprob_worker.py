@@ -241,6 +241,10 @@ class LogprobWorker:
         """Logprob of each of the sample's output tokens under the current weights (length O)."""
         self._ensure_batcher()
         self._check(sample)
+        return await self._queued(sample)
+
+    async def _queued(self, sample: Sample) -> list[float]:
+        """Queue an already checked sample for the next batches; its logprobs once scored."""
         if not sample.output_token_ids:
             return []
         loop = asyncio.get_running_loop()
@@ -264,9 +268,10 @@ class LogprobWorker:
         Each sample is still its own queued request, so a group may be split across batches and
         packed with other callers' samples. An invalid sample fails the call before any is queued.
         """
+        self._ensure_batcher()
         for sample in samples:
             self._check(sample)
-        return list(await asyncio.gather(*(self.compute_logprobs(s) for s in samples)))
+        return list(await asyncio.gather(*(self._queued(s) for s in samples)))
 
     async def update_weights(self, update: WeightUpdate) -> int:
         """Load full weights from a WeightUpdate between two batches; returns the version now served."""

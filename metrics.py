@@ -205,9 +205,9 @@ def summarize_reward(records: Sequence[dict[str, Any]], window: int = 10, target
     """One line: reward at the start and end (window-step means) and when the mean first reached target."""
     rewards = [r["reward/mean"] for r in records]
     smoothed = moving_average(rewards, window)
-    first = sum(rewards[:window]) / len(rewards[:window])
-    line = (f"reward {first:.3f} (mean of steps 0-{min(window, len(rewards)) - 1}) -> {smoothed[-1]:.3f} "
-            f"(mean of the last {min(window, len(rewards))} steps, step {records[-1]['step']}, "
+    span = min(window, len(rewards))
+    line = (f"reward {smoothed[span - 1]:.3f} (mean of steps 0-{span - 1}) -> {smoothed[-1]:.3f} "
+            f"(mean of the last {span} steps, step {records[-1]['step']}, "
             f"{records[-1]['time_s'] / 60:.1f} min)")
     reached = next((i for i in range(window - 1, len(smoothed)) if smoothed[i] >= target), None)
     if reached is None:

@@ -231,6 +231,16 @@ class KeptMinibatch:
     """The batcher's loss weight (0 for a rank's padding minibatch)."""
 
 
+def _forward_backward(model: torch.nn.Module, batch: PackedBatch, loss_weight: float, config: TrainerConfig,
+                      dist: DistInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Score one minibatch, backward its GRPO loss (x world_size x loss_weight: see the module
+    docstring); returns (logprobs, entropy, loss, loss metrics)."""
+    logprobs, entropy = model.score(batch.inputs)
+    loss, loss_metrics = grpo_loss(logprobs, batch, config.loss)
+    (loss * dist.world_size * loss_weight).backward()
+    return logprobs, entropy, loss, loss_metrics
+
+
 def train_on_step(
     model: torch.nn.Module, batcher, step: int, config: TrainerConfig, dist: DistInfo, acc: StepAccumulator,
     keep: list[KeptMinibatch] | None = None,
@@ -251,9 +261,7 @@ def train_on_step(
         assert isinstance(message, Minibatch), f"unexpected batcher message {type(message).__name__}"
         compute_start = time.perf_counter()
         batch = post_process_batch(message.samples)
-        logprobs, entropy = model.score(batch.inputs)
-        loss, loss_metrics = grpo_loss(logprobs, batch, config.loss)
-        (loss * dist.world_size * message.loss_weight).backward()
+        logprobs, entropy, loss, loss_metrics = _forward_backward(model, batch, message.loss_weight, config, dist)
         if message.loss_weight > 0:
             acc.add_minibatch(message.samples, batch, entropy.detach(), loss.detach().item(), loss_metrics)
         if keep is not None:
@@ -268,9 +276,7 @@ def train_again(model: torch.nn.Module, kept: list[KeptMinibatch], config: Train
     """Another forward/backward pass over a step's kept minibatches (every rank has as many)."""
     for minibatch in kept:
         compute_start = time.perf_counter()
-        logprobs, _ = model.score(minibatch.batch.inputs)
-        loss, loss_metrics = grpo_loss(logprobs, minibatch.batch, config.loss)
-        (loss * dist.world_size * minibatch.loss_weight).backward()
+        logprobs, _, _, loss_metrics = _forward_backward(model, minibatch.batch, minibatch.loss_weight, config, dist)
         if minibatch.loss_weight > 0:
             acc.add_later_epoch(loss_metrics, num_tokens=int(logprobs.numel()))
         acc.add_time("train_s", time.perf_counter() - compute_start)

@@ -27,6 +27,7 @@ _SUM_KEYS = (
     "samples", "reward_sum", "correct", "response_tokens", "tokens", "truncated", "reward_failed",
     "staleness_sum", "loss_sum", "output_tokens", "kl_sum", "clip_sum", "entropy_sum",
     "first_entropy_sum", "ratio_sum", "wait_s", "train_s", "later_clip_sum", "later_ratio_sum", "later_tokens",
+    "zero_advantage",
 )
 
 
@@ -52,6 +53,8 @@ class StepAccumulator:
         s["tokens"] += batch.num_tokens
         s["truncated"] += sum(1 for x in samples if x.truncated)
         s["reward_failed"] += sum(1 for x in samples if x.reward_failed)
+        # A group whose rollouts all scored the same has advantage 0: no policy-gradient signal.
+        s["zero_advantage"] += sum(1 for x in samples if x.advantage == 0.0)
         staleness = [self.step - x.weight_version for x in samples]
         s["staleness_sum"] += sum(staleness)
         self.max_staleness = max(self.max_staleness, max(staleness))
@@ -117,6 +120,7 @@ class StepAccumulator:
             "counts/timed_out_prompts": float(end.timed_out_prompts),
             "counts/oversized_samples": float(end.oversized_samples),
             "counts/reward_failed": s["reward_failed"],
+            "counts/zero_advantage_samples": s["zero_advantage"],
             "counts/minibatches_per_rank": float(end.num_minibatches),
         }
         if s["later_tokens"] > 0:  # passes 2.. of epochs_per_step: how far pi moved from pi_old

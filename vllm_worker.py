@@ -194,6 +194,9 @@ def group_advantages(rewards: Sequence[float], scale_by_std: bool, eps: float) -
     if not rewards:
         return []
     values = np.asarray(rewards, dtype=np.float64)
+    if values.min() == values.max():
+        # Exactly 0 (the float mean of equal values can be off by an ulp), so such groups are countable.
+        return [0.0] * len(rewards)
     centred = values - values.mean()
     if scale_by_std:
         centred = centred / (values.std() + eps)

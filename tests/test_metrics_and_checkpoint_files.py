@@ -1,12 +1,18 @@
-"""Checkpoint discovery ignores half-written directories; metrics files read and plot."""
+"""Checkpoint discovery ignores half-written directories; metrics files read and plot; step counts."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from types import SimpleNamespace
+
+import torch
+
 from checkpoint import latest_checkpoint
-from metrics import moving_average, plot_reward_curve, read_metrics, summarize_reward
+from metrics import StepAccumulator, moving_average, plot_reward_curve, read_metrics, summarize_reward
+from sample_processing_utils import Sample, post_process_batch
+from setup_model import DistInfo
 
 
 def _complete(root: Path, step: int) -> Path:
@@ -49,3 +55,23 @@ def test_moving_average_and_reward_summary_by_hand() -> None:
     assert line.startswith("reward 0.200 (mean of steps 0-2) -> 0.733 (mean of the last 3 steps, step 5, 2.5 min)")
     assert line.endswith("first reached 0.6 at step 4 (2.0 min)")
     assert summarize_reward(records, window=3, target=0.95).endswith("never reached 0.95")
+
+
+def test_step_record_counts_equal_reward_groups_and_samples() -> None:
+    # Two groups from vllm_worker.group_advantages' point of view: one all-wrong (advantage 0),
+    # one mixed. Only the mixed group carries a policy-gradient signal.
+    rewards_adv = [(0.0, 0.0), (0.0, 0.0), (1.0, 1.0), (0.0, -1.0)]
+    samples = [Sample(input_token_ids=[5, 6], output_token_ids=[7] * (i + 1), gt_answer="1", prompt_id=i // 2,
+                      sampling_logprobs=[-0.5] * (i + 1), reward=r, advantage=a, weight_version=0)
+               for i, (r, a) in enumerate(rewards_adv)]
+    batch = post_process_batch(samples)
+    acc = StepAccumulator(step=1)
+    acc.add_minibatch(samples, batch, torch.zeros(batch.advantages.numel()), 0.5, {})
+    end = SimpleNamespace(dropped_stale=0, timed_out_prompts=0, oversized_samples=0, num_minibatches=1)
+    dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    record = acc.finalize(dist=dist, end=end, grad_norm=1.0, lr=1e-3, push_s=0.0, step_s=2.0, batcher_stats={})
+    assert record["counts/samples"] == 4
+    assert record["counts/zero_advantage_samples"] == 2
+    assert record["reward/mean"] == 0.25 and record["reward/accuracy"] == 0.25
+    assert record["response/length_mean"] == (1 + 2 + 3 + 4) / 4
+    assert record["staleness/max"] == 1.0 and record["counts/tokens"] == 4 * 2 + 10

@@ -180,6 +180,8 @@ def test_group_advantages_scaled_by_std_have_unit_spread() -> None:
 def test_group_advantages_equal_rewards_and_edge_sizes(scale_by_std: bool) -> None:
     assert group_advantages([1.0, 1.0, 1.0], scale_by_std, eps=1e-4) == [0.0, 0.0, 0.0]
     assert group_advantages([0.7], scale_by_std, eps=1e-4) == [0.0]
+    # 0.1 is inexact in binary: a float mean of three of them is not 0.1, the advantage still is 0.
+    assert group_advantages([0.1, 0.1, 0.1], scale_by_std, eps=0.0) == [0.0, 0.0, 0.0]
     assert group_advantages([], scale_by_std, eps=1e-4) == []
 
 

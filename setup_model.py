@@ -212,12 +212,36 @@ def _sliding_window_mask(length: int, window: int, device: torch.device) -> torc
     return ((offsets >= 0) & (offsets < window))[None, None]
 
 
-def _gather_segments(stream: torch.Tensor, starts: tuple[int, ...], indices: list[int], length: int) -> torch.Tensor:
-    """[n, H, L, D] from a [B * T, H, D] stream: one sample is a view, several are stacked (a copy)."""
-    if len(indices) == 1:
-        start = starts[indices[0]]
-        return stream[start : start + length].unsqueeze(0).transpose(1, 2)
-    return torch.stack([stream[starts[i] : starts[i] + length] for i in indices]).transpose(1, 2)
+@dataclass(frozen=True, slots=True)
+class LengthGroups:
+    """The tokens of a packed stream reordered so that samples of equal length sit together.
+
+    Per-sample slices would cost a full-size zero fill each in backward (SliceBackward), which
+    is quadratic in the number of samples; one index_select in and one out costs O(tokens).
+    """
+
+    order: torch.Tensor
+    """[B * T] long: stream positions, grouped by sample length (a permutation)."""
+    inverse: torch.Tensor
+    """[B * T] long: where each stream position landed in `order`."""
+    groups: tuple[tuple[int, int], ...]
+    """(sample length, number of samples) of each group, in `order`'s order."""
+
+
+def length_groups(segments: PackedSegments, device: torch.device) -> LengthGroups:
+    """Group the samples of `segments` by length, as index tensors on `device`."""
+    by_length: dict[int, list[int]] = {}
+    for start, length in zip(segments.starts, segments.lengths):
+        by_length.setdefault(length, []).append(start)
+    pieces, groups = [], []
+    for length, starts in by_length.items():
+        offsets = torch.arange(length, dtype=torch.long)
+        pieces.append((torch.tensor(starts, dtype=torch.long)[:, None] + offsets[None, :]).flatten())
+        groups.append((length, len(starts)))
+    order = torch.cat(pieces)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return LengthGroups(order=order.to(device), inverse=inverse.to(device), groups=tuple(groups))
 
 
 def packed_sdpa_attention(
@@ -257,21 +281,22 @@ def packed_sdpa_attention(
 
     # [B, H, T, D] -> [B * T, H, D]: undoes the decoder's transpose, a view in the usual layout.
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (query, key, value))
-    by_length: dict[int, list[int]] = {}
-    for index, segment_length in enumerate(segments.lengths):
-        by_length.setdefault(segment_length, []).append(index)
-    outputs: list[torch.Tensor | None] = [None] * len(segments.starts)
-    for segment_length, indices in by_length.items():
-        q_group, k_group, v_group = (_gather_segments(t, segments.starts, indices, segment_length) for t in (q, k, v))
+    plan = length_groups(segments, query.device)
+    group_sizes = [segment_length * count for segment_length, count in plan.groups]
+    q_groups, k_groups, v_groups = (torch.split(t.index_select(0, plan.order), group_sizes) for t in (q, k, v))
+    outputs = []
+    for (segment_length, count), q_group, k_group, v_group in zip(plan.groups, q_groups, k_groups, v_groups):
+        # [n * L, H, D] -> [n, H, L, D]
+        q_group, k_group, v_group = (g.view(count, segment_length, g.shape[1], head_dim).transpose(1, 2)
+                                     for g in (q_group, k_group, v_group))
         mask = None
         if sliding_window is not None and segment_length > sliding_window:
             mask = _sliding_window_mask(segment_length, sliding_window, query.device)
         group_out, _ = sdpa_attention_forward(
             module, q_group, k_group, v_group, mask, dropout=dropout, scaling=scaling, **kwargs
         )  # [n, L, H, D]
-        for i, out in zip(indices, group_out.unbind(0)):
-            outputs[i] = out
-    return torch.cat(outputs).view(batch, length, heads, head_dim), None
+        outputs.append(group_out.reshape(count * segment_length, heads, head_dim))
+    return torch.cat(outputs).index_select(0, plan.inverse).view(batch, length, heads, head_dim), None
 
 
 def packed_sdpa_mask(

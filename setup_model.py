@@ -10,7 +10,8 @@ Without flash-attn both run PACKED_SDPA, an attention registered with transforme
 attends within each packed sample (no [T, T] block mask).
 
 Trainer side, in order: `init_distributed` (torchrun env -> process group), `build_training_model`
-(from_pretrained, FSDP2 per decoder layer and at the root), `build_optimizer`/`build_scheduler`,
+(from_pretrained on rank 0 and a meta skeleton elsewhere, FSDP2 per decoder layer and at the
+root, `copy_weights_from_rank0`), `build_optimizer`/`build_scheduler`,
 then per step `gather_full_state_dict` or `local_shard_blobs` to publish weights and
 `export_hf_checkpoint` to save. The logprob worker loads published weights with
 `load_state_dict_into`.
@@ -380,6 +381,51 @@ def load_causal_lm(
     return model.to(device)
 
 
+def meta_causal_lm(model_path: str | Path, *, attn_implementation: str) -> nn.Module:
+    """The checkpoint's architecture with every parameter and buffer on the meta device.
+
+    No memory and no initialisation: the trainer's ranks other than 0 build this, shard it, and
+    fill it with copy_weights_from_rank0. Same config, same modules, same names as from_pretrained.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if attn_implementation == PACKED_SDPA:
+        register_packed_sdpa()
+    config = AutoConfig.from_pretrained(str(model_path))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+
+
+def copy_weights_from_rank0(
+    causal_lm: nn.Module, full_weights: dict[str, torch.Tensor] | None, device: torch.device
+) -> None:
+    """Collective: every rank's (FSDP-sharded) model takes rank 0's weights and buffers.
+
+    Rank 0 passes its full, unsharded parameters by name (the dict is emptied as they are sent,
+    so each full tensor is freed once broadcast); the others pass None. Each tensor is broadcast
+    whole in turn (peak extra memory: one full tensor) and every rank keeps its own dim-0 rows. Buffers (rotary frequencies, ...) are replicated, so they are broadcast as is:
+    on a rank that built a meta skeleton they hold garbage until then.
+    """
+    rank = dist.get_rank()
+    if (full_weights is not None) != (rank == 0):
+        raise ValueError(f"copy_weights_from_rank0: rank {rank} must pass full weights iff it is rank 0")
+    with torch.no_grad():
+        for name, param in causal_lm.named_parameters():
+            local, offset = _local_piece(name, param)
+            if rank == 0:
+                full = full_weights.pop(name)
+                if tuple(full.shape) != tuple(param.shape):
+                    raise ValueError(f"weight {name}: full shape {tuple(full.shape)} != sharded {tuple(param.shape)}")
+                whole = full.to(device=device, dtype=param.dtype)
+            else:
+                whole = torch.empty(param.shape, dtype=param.dtype, device=device)
+            dist.broadcast(whole, src=0)
+            if rank != 0:
+                local.copy_(whole[offset : offset + local.shape[0]])
+        for buffer in causal_lm.buffers():
+            dist.broadcast(buffer, src=0)
+
+
 class TokenLogprobModel(nn.Module):
     """Wraps a causal LM: packed inputs in, logprobs (and entropy) of the output tokens out.
 
@@ -583,7 +629,8 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
 
 
 def build_training_model(model_config: ModelConfig, dist_info: DistInfo) -> TokenLogprobModel:
-    """Load the HF model and shard it with FSDP2: one group per decoder layer, then the root.
+    """Load the HF model (rank 0 reads it, the others receive their shards) and shard it with
+    FSDP2: one group per decoder layer, then the root.
 
     The root group is the TokenLogprobModel wrapper, not the causal LM: its forward reads
     lm_head's weight directly (chunked logprobs), which is gathered only while the root's
@@ -592,12 +639,16 @@ def build_training_model(model_config: ModelConfig, dist_info: DistInfo) -> Toke
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # Loaded on CPU: fully_shard moves each rank's shard to the mesh's device.
-    causal_lm = load_causal_lm(
-        model_config.model_path,
-        dtype=torch.float32,
-        attn_implementation=model_config.attn_implementation or default_attn_implementation(dist_info.device),
-    )
+    attn = model_config.attn_implementation or default_attn_implementation(dist_info.device)
+    # Only rank 0 reads the checkpoint (on CPU; fully_shard moves each shard to the device); the
+    # other ranks build a parameter-less skeleton and receive their shards from it, so host
+    # memory holds one full copy per node's rank 0, not one per rank.
+    full_weights: dict[str, torch.Tensor] | None = None
+    if dist_info.rank == 0:
+        causal_lm = load_causal_lm(model_config.model_path, dtype=torch.float32, attn_implementation=attn)
+        full_weights = {name: p.detach() for name, p in causal_lm.named_parameters()}
+    else:
+        causal_lm = meta_causal_lm(model_config.model_path, attn_implementation=attn)
     causal_lm.config.use_cache = False
     if model_config.gradient_checkpointing:
         causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -611,6 +662,11 @@ def build_training_model(model_config: ModelConfig, dist_info: DistInfo) -> Toke
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=model_config.reshard_after_forward)
     model = TokenLogprobModel(causal_lm, logprob_chunk_size=model_config.logprob_chunk_size)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    if dist_info.rank != 0:
+        model.to_empty(device=dist_info.device)
+    if dist_info.world_size > 1:
+        copy_weights_from_rank0(causal_lm, full_weights, dist_info.device)
+    del full_weights
     logger.info(
         "FSDP2 model from %s: %d parameters over %d ranks",
         model_config.model_path, sum(p.numel() for p in model.parameters()), dist_info.world_size,

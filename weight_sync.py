@@ -67,7 +67,8 @@ def tensor_to_blob(tensor: torch.Tensor, global_shape: tuple[int, ...] | None = 
     dtype_name = str(cpu.dtype).removeprefix("torch.")
     if dtype_name not in _DTYPES:
         raise ValueError(f"weight_sync cannot carry dtype {cpu.dtype}")
-    data = cpu.view(torch.uint8).numpy() if cpu.numel() else np.empty(0, dtype=np.uint8)
+    # reshape first: a 0-dim tensor cannot be viewed as bytes of another element size
+    data = cpu.reshape(-1).view(torch.uint8).numpy() if cpu.numel() else np.empty(0, dtype=np.uint8)
     return TensorBlob(
         data=data.reshape(-1),
         dtype=dtype_name,
@@ -77,24 +78,27 @@ def tensor_to_blob(tensor: torch.Tensor, global_shape: tuple[int, ...] | None = 
     )
 
 
-def blob_to_tensor(blob: TensorBlob) -> torch.Tensor:
-    """Rebuild the tensor of one blob (a copy, so the object-store buffer can be released)."""
-    dtype = _DTYPES[blob.dtype]
-    if int(np.prod(blob.shape)) == 0:
-        return torch.empty(blob.shape, dtype=dtype)
-    raw = torch.from_numpy(np.array(blob.data, dtype=np.uint8, copy=True))
-    return raw.view(dtype).reshape(blob.shape)
-
-
 def state_dict_to_blobs(state_dict: Mapping[str, torch.Tensor]) -> dict[str, TensorBlob]:
     """Full tensors -> blobs (the 'gather' mode payload)."""
     return {name: tensor_to_blob(t) for name, t in state_dict.items()}
 
 
-def assemble_state_dict(shards: Iterable[Mapping[str, TensorBlob]]) -> dict[str, torch.Tensor]:
-    """Concatenate every tensor's pieces from all shards in dim-0 order into full tensors.
+def _blob_view(blob: TensorBlob) -> torch.Tensor:
+    """The blob's bytes as a tensor of its dtype and shape, without a copy (read-only memory:
+    the object store's buffer; only ever copied from)."""
+    import warnings
 
-    Raises ValueError if a tensor's pieces do not cover its global shape exactly.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        raw = torch.from_numpy(blob.data)
+    return raw.view(_DTYPES[blob.dtype]).reshape(blob.shape)
+
+
+def assemble_state_dict(shards: Iterable[Mapping[str, TensorBlob]]) -> dict[str, torch.Tensor]:
+    """Every tensor's pieces from all shards, copied once each into its rows of a full tensor.
+
+    Raises ValueError naming the weight if its pieces do not tile dim 0 of its global shape
+    exactly (a gap, an overlap, a wrong trailing shape, or mixed dtypes).
     """
     pieces: dict[str, list[TensorBlob]] = {}
     for shard in shards:
@@ -103,14 +107,28 @@ def assemble_state_dict(shards: Iterable[Mapping[str, TensorBlob]]) -> dict[str,
     full: dict[str, torch.Tensor] = {}
     for name, blobs in pieces.items():
         blobs.sort(key=lambda b: b.dim0_offset)
-        global_shape = blobs[0].global_shape
-        tensors = [blob_to_tensor(b) for b in blobs if int(np.prod(b.shape)) > 0]
-        if not tensors:  # an empty tensor: every piece is empty
-            tensor = blob_to_tensor(blobs[0]).reshape(global_shape)
-        else:
-            tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
-        if tuple(tensor.shape) != tuple(global_shape):
-            raise ValueError(f"weight {name}: pieces assemble to {tuple(tensor.shape)}, expected {global_shape}")
+        global_shape = tuple(blobs[0].global_shape)
+        dtypes = {b.dtype for b in blobs}
+        if len(dtypes) != 1:
+            raise ValueError(f"weight {name}: pieces have mixed dtypes {sorted(dtypes)}")
+        tensor = torch.empty(global_shape, dtype=_DTYPES[blobs[0].dtype])
+        if not global_shape:  # a scalar travels whole
+            tensor.copy_(_blob_view(blobs[0]))
+            full[name] = tensor
+            continue
+        row = 0
+        for blob in blobs:
+            rows = blob.shape[0] if blob.shape else 0
+            if blob.dim0_offset != row or tuple(blob.shape[1:]) != global_shape[1:]:
+                raise ValueError(
+                    f"weight {name}: piece at row {blob.dim0_offset} with shape {tuple(blob.shape)} does not "
+                    f"continue rows 0-{row} of {global_shape}"
+                )
+            if rows:
+                tensor[row : row + rows].copy_(_blob_view(blob))
+            row += rows
+        if row != global_shape[0]:
+            raise ValueError(f"weight {name}: pieces cover {row} of {global_shape[0]} rows")
         full[name] = tensor
     return full
 

@@ -70,6 +70,23 @@ class LocalClusterConfig:
             raise ValueError(f"LocalClusterConfig.logprob_workers must be >= 0, got {self.logprob_workers}")
 
 
+# Ray 2.60 turns a node IP of 127.0.0.1 into the host's routable address
+# (services.resolve_ip_for_localhost), and its GCS, raylet, workers and agents then listen on all
+# interfaces. With this variable false, Ray's node-IP lookup returns 127.0.0.1 (the path it takes
+# for single-machine macOS and Windows), and every one of them listens on loopback only (checked
+# in tests/test_end_to_end.py). Child processes inherit it, so the trainer and the dispatchers
+# look for their local node at the same address.
+LOOPBACK_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def use_loopback_only_ray() -> None:
+    """Make the next `ray.init` in this process (and every child's) run on 127.0.0.1 only."""
+    os.environ.update(LOOPBACK_ONLY_ENV)
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:  # ray is imported already and read the variable then
+        constants.ENABLE_RAY_CLUSTER = False
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 (for torchrun's rendezvous)."""
     with socket.socket() as sock:
@@ -91,6 +108,7 @@ class LocalCluster:
         from vllm_registry import RAY_NAMESPACE
 
         Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
+        use_loopback_only_ray()
         ray.init(
             num_cpus=self.config.num_cpus,
             include_dashboard=False,

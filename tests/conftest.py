@@ -32,8 +32,11 @@ def ray_local():
     """A private local Ray cluster bound to 127.0.0.1, dashboard off, project code importable."""
     import ray
 
+    from local_cluster import use_loopback_only_ray
+
     if ray.is_initialized():
         ray.shutdown()
+    use_loopback_only_ray()
     ray.init(
         num_cpus=max(4, os.cpu_count() or 1),
         include_dashboard=False,

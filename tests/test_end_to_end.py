@@ -7,6 +7,7 @@ each run pushes its own weights at start, so runs do not see each other's weight
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import subprocess
 import sys
@@ -77,6 +78,29 @@ def _load_weights(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path / "model.safetensors"))
+
+
+def _is_loopback(ip: str) -> bool:
+    """127.0.0.1, ::1, or 127.0.0.1 as an IPv6 socket sees it (::ffff:127.0.0.1); not ::, 0.0.0.0."""
+    address = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def test_cluster_listens_on_loopback_only(cluster: LocalCluster) -> None:
+    """Every socket the local cluster's processes listen on (GCS, raylet, agents, workers, the
+    vLLM engine) is on 127.0.0.1: Ray would otherwise listen on all interfaces."""
+    import psutil  # a vLLM dependency
+    import ray
+
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    me = psutil.Process()
+    pids = {me.pid} | {child.pid for child in me.children(recursive=True)}
+    listening = [(c.laddr.ip, c.laddr.port, c.pid) for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.pid in pids]
+    assert len(listening) >= 3, f"expected the GCS, raylet and workers among {listening}"
+    exposed = [(ip, port, psutil.Process(pid).name()) for ip, port, pid in listening if not _is_loopback(ip)]
+    assert not exposed, f"listening beyond loopback: {exposed}"
 
 
 def test_few_steps_train_push_and_log(cluster: LocalCluster, demo_assets: Path, tmp_path: Path) -> None:

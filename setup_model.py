@@ -184,27 +184,42 @@ def packed_segments(position_ids: torch.Tensor, batch_size: int) -> PackedSegmen
     return PackedSegments(starts=tuple(starts), lengths=tuple(end - start for start, end in zip(starts, ends)))
 
 
-# Segments of the last position-id tensor seen, keyed on the tensor object and its in-place
+# Layout of the last position-id tensor seen, keyed on the tensor object and its in-place
 # version: every decoder layer (and gradient checkpointing's recompute) receives the same tensor,
-# so a forward pays packed_segments' host sync once, not once per layer. A single tuple, so
-# threads that forward concurrently (the logprob worker) at worst recompute it.
-_last_segments: tuple[torch.Tensor, int, int, PackedSegments] | None = None
+# so a forward pays packed_segments' host sync, and builds its length groups, once rather than
+# once per layer. A single tuple, so threads that forward concurrently (the logprob worker) at
+# worst recompute it. The dict holds length_groups per device, filled on first use.
+_last_layout: tuple[torch.Tensor, int, int, PackedSegments, dict[torch.device, LengthGroups]] | None = None
 
 
-def _segments_of(position_ids: torch.Tensor, batch_size: int) -> PackedSegments:
-    """packed_segments, reusing the last result when given the same, unmodified tensor."""
-    global _last_segments
-    cached = _last_segments
+def _layout_of(
+    position_ids: torch.Tensor, batch_size: int
+) -> tuple[torch.Tensor, int, int, PackedSegments, dict[torch.device, LengthGroups]]:
+    """The cache entry for position_ids, recomputed unless given the same, unmodified tensor."""
+    global _last_layout
+    cached = _last_layout
     if (
         cached is not None
         and cached[0] is position_ids
         and cached[1] == position_ids._version
         and cached[2] == batch_size
     ):
-        return cached[3]
-    segments = packed_segments(position_ids, batch_size)
-    _last_segments = (position_ids, position_ids._version, batch_size, segments)
-    return segments
+        return cached
+    _last_layout = (position_ids, position_ids._version, batch_size, packed_segments(position_ids, batch_size), {})
+    return _last_layout
+
+
+def _segments_of(position_ids: torch.Tensor, batch_size: int) -> PackedSegments:
+    """packed_segments, reusing the last result when given the same, unmodified tensor."""
+    return _layout_of(position_ids, batch_size)[3]
+
+
+def _length_groups_of(position_ids: torch.Tensor, batch_size: int, device: torch.device) -> LengthGroups:
+    """length_groups of _segments_of(position_ids, batch_size), built once per forward and device."""
+    _, _, _, segments, by_device = _layout_of(position_ids, batch_size)
+    if device not in by_device:
+        by_device[device] = length_groups(segments, device)
+    return by_device[device]
 
 
 def _sliding_window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
@@ -282,7 +297,7 @@ def packed_sdpa_attention(
 
     # [B, H, T, D] -> [B * T, H, D]: undoes the decoder's transpose, a view in the usual layout.
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (query, key, value))
-    plan = length_groups(segments, query.device)
+    plan = _length_groups_of(position_ids, batch, query.device)
     group_sizes = [segment_length * count for segment_length, count in plan.groups]
     q_groups, k_groups, v_groups = (torch.split(t.index_select(0, plan.order), group_sizes) for t in (q, k, v))
     outputs = []
@@ -403,8 +418,9 @@ def copy_weights_from_rank0(
 
     Rank 0 passes its full, unsharded parameters by name (the dict is emptied as they are sent,
     so each full tensor is freed once broadcast); the others pass None. Each tensor is broadcast
-    whole in turn (peak extra memory: one full tensor) and every rank keeps its own dim-0 rows. Buffers (rotary frequencies, ...) are replicated, so they are broadcast as is:
-    on a rank that built a meta skeleton they hold garbage until then.
+    whole in turn (peak extra memory: one full tensor) and every rank keeps its own dim-0 rows.
+    Buffers (rotary frequencies, ...) are replicated, so they are broadcast as is: on a rank that
+    built a meta skeleton they hold garbage until then.
     """
     rank = dist.get_rank()
     if (full_weights is not None) != (rank == 0):

@@ -119,7 +119,10 @@ def assemble_state_dict(shards: Iterable[Mapping[str, TensorBlob]]) -> dict[str,
                 row += rows
             if row != global_shape[0]:
                 raise ValueError(f"weight {name}: pieces cover {row} of {global_shape[0]} rows")
-        full[name] = torch.from_numpy(out).view(dtype).reshape(global_shape) if out.size else torch.empty(global_shape, dtype=dtype)
+        if out.size:
+            full[name] = torch.from_numpy(out).view(dtype).reshape(global_shape)
+        else:  # numpy's empty buffer cannot be viewed as another dtype
+            full[name] = torch.empty(global_shape, dtype=dtype)
     return full
 
 

@@ -87,6 +87,29 @@ def use_loopback_only_ray() -> None:
         constants.ENABLE_RAY_CLUSTER = False
 
 
+def init_local_ray(*, num_cpus: int, namespace: str, log_to_driver: bool) -> str:
+    """Start a private Ray head owned by this process; returns its GCS address.
+
+    Loopback only (use_loopback_only_ray), dashboard off, this repository importable in every
+    worker, and Ray's own metrics off: nothing reads them here, and their OpenTelemetry collector
+    thread once segfaulted a fresh actor process during start-up (Ray 2.60, a demo run on
+    2026-11-21). LocalCluster and the tests' Ray fixture both start their heads here.
+    """
+    import ray
+
+    use_loopback_only_ray()
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        namespace=namespace,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
+        _system_config={"enable_metrics_collection": False},
+        log_to_driver=log_to_driver,
+    )
+    return ray.get_runtime_context().gcs_address
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 (for torchrun's rendezvous)."""
     with socket.socket() as sock:
@@ -103,24 +126,10 @@ class LocalCluster:
         self._dispatchers: list[tuple[str, subprocess.Popen, Path]] = []
 
     def __enter__(self) -> "LocalCluster":
-        import ray
-
         from vllm_registry import RAY_NAMESPACE
 
         Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
-        use_loopback_only_ray()
-        ray.init(
-            num_cpus=self.config.num_cpus,
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            namespace=RAY_NAMESPACE,
-            runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
-            # Nothing reads Ray's own metrics here, and its OpenTelemetry collector thread once
-            # segfaulted a fresh actor process during start-up (Ray 2.60, a demo run on 2026-11-21).
-            _system_config={"enable_metrics_collection": False},
-            log_to_driver=False,
-        )
-        self.address = ray.get_runtime_context().gcs_address
+        self.address = init_local_ray(num_cpus=self.config.num_cpus, namespace=RAY_NAMESPACE, log_to_driver=False)
         logger.info("Ray head at %s (127.0.0.1 only, no dashboard)", self.address)
         return self
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_NAMESPACE = "grpo-tests"
 
 
@@ -32,21 +31,10 @@ def ray_local():
     """A private local Ray cluster bound to 127.0.0.1, dashboard off, project code importable."""
     import ray
 
-    from local_cluster import use_loopback_only_ray
+    from local_cluster import init_local_ray
 
     if ray.is_initialized():
         ray.shutdown()
-    use_loopback_only_ray()
-    ray.init(
-        num_cpus=max(4, os.cpu_count() or 1),
-        include_dashboard=False,
-        namespace=TEST_NAMESPACE,
-        _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
-        # Nothing reads Ray's own metrics here, and its OpenTelemetry collector thread once
-        # segfaulted a fresh actor process during start-up (Ray 2.60, a demo run on 2026-11-21).
-        _system_config={"enable_metrics_collection": False},
-        log_to_driver=True,
-    )
+    init_local_ray(num_cpus=max(4, os.cpu_count() or 1), namespace=TEST_NAMESPACE, log_to_driver=True)
     yield ray
     ray.shutdown()

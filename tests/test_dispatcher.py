@@ -22,6 +22,7 @@ from typing import Iterator
 
 import pytest
 
+from local_cluster import LOOPBACK_ONLY_ENV
 from vllm_registry import GENERATION, registry_name, worker_actor_name
 from worker_dispatcher import REGISTERED_LINE, DispatcherConfig, format_status
 
@@ -75,7 +76,8 @@ def ray_head() -> Iterator[dict[str, str]]:
     """A private `ray start` head; yields the environment for processes that should join it."""
     temp_dir = tempfile.mkdtemp(prefix="rdt", dir="/tmp")  # short: Ray's socket paths must fit 107 chars
     address = f"127.0.0.1:{_free_port()}"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+    # LOOPBACK_ONLY_ENV: --node-ip-address 127.0.0.1 alone still listens on all interfaces.
+    env = {**os.environ, **LOOPBACK_ONLY_ENV, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
     head = subprocess.Popen(
         [
             str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",

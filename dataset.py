@@ -10,7 +10,8 @@ Loading is all or nothing: the first bad line fails the whole load with a Datase
 file, the line number and the problem, so a run never trains on a silently shortened dataset.
 Blank lines are the one thing passed over, and they are counted (PromptFileStats, logged).
 
-Write the demo's single-digit addition prompts, or check a prompt file against a tokenizer:
+Write the demo's single-digit addition prompts, or check a prompt file against a tokenizer
+(`write_arithmetic_table` writes every problem once, for an evaluation set):
 
     python dataset.py write-arithmetic --out data.jsonl --num_samples 1000 --seed 0
     python dataset.py check --path data.jsonl --model_path runs/tiny-qwen2 --max_prompt_tokens 16
@@ -277,6 +278,41 @@ def write_arithmetic_dataset(
             f.write(json.dumps({PROMPT_TEXT_FIELD: f"{a}{op}{b}=", ANSWER_FIELD: str(ARITHMETIC_OPERATORS[op](a, b))}) + "\n")
     os.replace(partial, out)
     logger.info("wrote %d arithmetic prompts to %s", num_samples, out)
+    return out
+
+
+def write_arithmetic_table(
+    path: str | Path, max_operand: int = 9, min_operand: int = 0, operators: tuple[str, ...] = ("+",)
+) -> Path:
+    """Write every problem `a op b` with a, b in [min_operand, max_operand] exactly once, as JSONL.
+
+    An evaluation set that covers the task instead of sampling it: the defaults give the 100
+    single-digit sums "0+0=" ... "9+9=", in that order (operator, then a, then b), so two
+    evaluations always see the same prompts. Written to a temporary name first, like
+    write_arithmetic_dataset.
+    """
+    if not 0 <= min_operand <= max_operand:
+        raise ValueError(
+            f"write_arithmetic_table: need 0 <= min_operand <= max_operand, got {min_operand} and {max_operand}"
+        )
+    unknown = [op for op in operators if op not in ARITHMETIC_OPERATORS]
+    if not operators or unknown or len(set(operators)) != len(operators):
+        raise ValueError(
+            f"write_arithmetic_table: operators must be distinct members of {sorted(ARITHMETIC_OPERATORS)}, "
+            f"got {list(operators)}"
+        )
+    operands = range(min_operand, max_operand + 1)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    with partial.open("w", encoding="utf-8") as f:
+        for op in operators:
+            for a in operands:
+                for b in operands:
+                    record = {PROMPT_TEXT_FIELD: f"{a}{op}{b}=", ANSWER_FIELD: str(ARITHMETIC_OPERATORS[op](a, b))}
+                    f.write(json.dumps(record) + "\n")
+    os.replace(partial, out)
+    logger.info("wrote %d arithmetic problems to %s", len(operators) * len(operands) ** 2, out)
     return out
 
 

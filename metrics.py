@@ -1,7 +1,8 @@
 """Per-step training metrics: accumulated on every rank, reduced once, written by rank 0.
 
 One record per step goes to run_dir/metrics.jsonl (and TensorBoard); keys are namespaced
-(`reward/mean`, `timing/generate_s`, ...). Draw the reward curve of a run:
+(`reward/mean`, `timing/generate_s`, ...). Steps that ran an evaluation (evaluation.py) also
+carry `eval/...` keys. Draw the reward curve of a run (with evaluation points, if any):
 
     python metrics.py plot --run_dir runs/demo --out reward.png
 """
@@ -9,6 +10,7 @@ One record per step goes to run_dir/metrics.jsonl (and TensorBoard); keys are na
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import time
@@ -21,6 +23,11 @@ import torch
 from sample_processing_utils import PackedBatch, Sample
 
 logger = logging.getLogger(__name__)
+
+# Evaluation keys drawn on the reward plot (evaluation.py writes them on the steps it ran).
+EVAL_ACCURACY = "eval/accuracy"
+EVAL_PASS_AT_PREFIX = "eval/pass@"
+_PASS_AT_COLORS = ("tab:red", "tab:purple", "tab:brown")
 
 # Keys summed across ranks; their order fixes the layout of the all-reduced tensor.
 _SUM_KEYS = (
@@ -153,6 +160,8 @@ class MetricsLogger:
             self._bar = tqdm(total=progress_total, initial=progress_start, desc="grpo", unit="step", dynamic_ncols=True)
 
     def log(self, step: int, record: dict[str, float]) -> None:
+        """Write one step's record. Keys may differ between steps (evaluation keys appear only on
+        steps that evaluated): each JSONL line and TensorBoard scalar carries the keys it has."""
         if not self._enabled:
             return
         line = {"step": step, "time_s": round(time.time() - self._start_time, 3), **record}
@@ -164,6 +173,8 @@ class MetricsLogger:
         summary = (f"step {step} reward {record['reward/mean']:.3f} acc {record['reward/accuracy']:.3f} "
                    f"kl {record['loss/kl']:.4f} len {record['response/length_mean']:.1f} "
                    f"ent0 {record['entropy/first_token']:.2f} {record['timing/step_s']:.1f}s")
+        if EVAL_ACCURACY in record:
+            summary += f" eval_acc {record[EVAL_ACCURACY]:.3f}"
         if self._bar is not None:
             self._bar.set_postfix_str(summary.split(" ", 2)[2])
             self._bar.update(1)
@@ -220,8 +231,29 @@ def summarize_reward(records: Sequence[dict[str, Any]], window: int = 10, target
     return line + f"; the {window}-step mean first reached {target} at step {r['step']} ({r['time_s'] / 60:.1f} min)"
 
 
+def eval_series(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Evaluation keys to draw, found in any record: eval/accuracy, then each eval/pass@k by k."""
+    keys = {k for r in records for k in r}
+    pass_keys = [k for k in keys if k.startswith(EVAL_PASS_AT_PREFIX) and k.removeprefix(EVAL_PASS_AT_PREFIX).isdigit()]
+    pass_keys.sort(key=lambda k: int(k.removeprefix(EVAL_PASS_AT_PREFIX)))
+    return ([EVAL_ACCURACY] if EVAL_ACCURACY in keys else []) + pass_keys
+
+
+def plot_eval_points(ax: Any, xs: Sequence[float], records: Sequence[dict[str, Any]]) -> None:
+    """Evaluation points (only the steps that evaluated carry them), joined by lines."""
+    pass_colors = itertools.cycle(_PASS_AT_COLORS)
+    for key in eval_series(records):
+        points = [(x, r[key]) for x, r in zip(xs, records) if key in r]
+        if key == EVAL_ACCURACY:
+            label, color, marker, style = "eval greedy accuracy", "tab:green", "o", "-"
+        else:
+            label, color, marker, style = f"eval {key.removeprefix('eval/')}", next(pass_colors), "s", "--"
+        ax.plot([x for x, _ in points], [y for _, y in points], label=label, color=color, marker=marker,
+                markersize=4, linestyle=style)
+
+
 def plot_reward_curve(run_dir: Path, out: Path, title: str = "") -> Path:
-    """Draw reward mean and accuracy against step and wall time to a PNG."""
+    """Draw reward mean (and evaluation accuracy / pass@k, where logged) against step and wall time to a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,6 +271,7 @@ def plot_reward_curve(run_dir: Path, out: Path, title: str = "") -> Path:
         ax.plot(xs, moving_average(rewards, 10), label="sampled reward, 10-step mean", color="tab:blue")
         if "entropy/first_token" in records[0]:
             ax.plot(xs, [r["entropy/first_token"] for r in records], label="first-token entropy", alpha=0.6, color="tab:orange")
+        plot_eval_points(ax, xs, records)
         ax.set_xlabel(label)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)

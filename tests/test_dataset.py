@@ -18,6 +18,7 @@ from dataset import (
     load_prompt_file,
     load_prompts,
     write_arithmetic_dataset,
+    write_arithmetic_table,
 )
 from setup_model import load_tokenizer
 
@@ -179,6 +180,25 @@ def test_arithmetic_is_seeded_and_supports_other_operators(tmp_path: Path) -> No
         write_arithmetic_dataset(tmp_path / "bad.jsonl", num_samples=1, seed=0, operators=("/",))
     with pytest.raises(ValueError, match="min_operand"):
         write_arithmetic_dataset(tmp_path / "bad.jsonl", num_samples=1, seed=0, min_operand=5, max_operand=2)
+
+
+def test_arithmetic_table_holds_every_problem_exactly_once(tmp_path: Path, tokenizer) -> None:
+    path = write_arithmetic_table(tmp_path / "table.jsonl")
+    rows = _parse_arithmetic(path)
+    assert len(rows) == 100 and len({(a, b) for a, _, b, _ in rows}) == 100
+    assert rows[0] == (0, "+", 0, "0") and rows[1] == (0, "+", 1, "1") and rows[-1] == (9, "+", 9, "18")
+    assert all(op == "+" and gt == str(a + b) for a, op, b, gt in rows)
+    assert len(load_prompts(_config(path), tokenizer)) == 100
+    mixed = _parse_arithmetic(write_arithmetic_table(tmp_path / "mixed.jsonl", max_operand=3, min_operand=1,
+                                                     operators=("-", "*")))
+    assert [(a, op, b) for a, op, b, _ in mixed] == [(a, op, b) for op in "-*" for a in (1, 2, 3) for b in (1, 2, 3)]
+    assert all(gt == str(a - b if op == "-" else a * b) for a, op, b, gt in mixed)
+    assert not list(tmp_path.glob("*.partial"))
+    for operators in (("/",), ("+", "+"), ()):
+        with pytest.raises(ValueError, match="write_arithmetic_table: operators"):
+            write_arithmetic_table(tmp_path / "bad.jsonl", operators=operators)
+    with pytest.raises(ValueError, match="write_arithmetic_table: need 0 <= min_operand <= max_operand"):
+        write_arithmetic_table(tmp_path / "bad.jsonl", min_operand=5, max_operand=2)
 
 
 def test_arithmetic_cli_writes_the_same_file(tmp_path: Path) -> None:

@@ -10,7 +10,16 @@ from types import SimpleNamespace
 import torch
 
 from checkpoint import latest_checkpoint
-from metrics import StepAccumulator, moving_average, plot_reward_curve, read_metrics, summarize_reward
+from metrics import (
+    MetricsLogger,
+    StepAccumulator,
+    eval_series,
+    moving_average,
+    plot_eval_points,
+    plot_reward_curve,
+    read_metrics,
+    summarize_reward,
+)
 from sample_processing_utils import Sample, post_process_batch
 from setup_model import DistInfo
 
@@ -75,3 +84,44 @@ def test_step_record_counts_equal_reward_groups_and_samples() -> None:
     assert record["reward/mean"] == 0.25 and record["reward/accuracy"] == 0.25
     assert record["response/length_mean"] == (1 + 2 + 3 + 4) / 4
     assert record["staleness/max"] == 1.0 and record["counts/tokens"] == 4 * 2 + 10
+
+
+def _step_record(reward: float) -> dict[str, float]:
+    """The keys MetricsLogger's summary line reads, as every training step has them."""
+    return {"reward/mean": reward, "reward/accuracy": reward, "loss/kl": 0.0, "response/length_mean": 2.0,
+            "entropy/first_token": 1.0, "timing/step_s": 1.0}
+
+
+def test_eval_keys_of_some_steps_reach_jsonl_tensorboard_and_the_plot(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    evals = {1: {"eval/accuracy": 0.25, "eval/pass@4": 0.5},
+             3: {"eval/accuracy": 0.75, "eval/pass@16": 1.0, "eval/pass@4": 0.875}}
+    sink = MetricsLogger(tmp_path, enabled=True, tensorboard=True, progress_total=4, progress_bar=False)
+    for step in range(4):
+        sink.log(step, {**_step_record(0.1 * step), **evals.get(step, {})})
+    sink.close()
+
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r.get("eval/accuracy") for r in records] == [None, 0.25, None, 0.75]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert scalars["eval/accuracy"] == [(1, 0.25), (3, 0.75)]
+    assert scalars["eval/pass@4"] == [(1, 0.5), (3, 0.875)] and scalars["eval/pass@16"] == [(3, 1.0)]
+    assert [step for step, _ in scalars["reward/mean"]] == [0, 1, 2, 3]
+
+    assert eval_series(records) == ["eval/accuracy", "eval/pass@4", "eval/pass@16"]
+    fig, ax = plt.subplots()
+    plot_eval_points(ax, [r["step"] for r in records], records)
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+    plt.close(fig)
+    assert lines == {"eval greedy accuracy": ([1, 3], [0.25, 0.75]), "eval pass@4": ([1, 3], [0.5, 0.875]),
+                     "eval pass@16": ([3], [1.0])}
+    out = plot_reward_curve(tmp_path, tmp_path / "reward.png")
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert eval_series(records[:1]) == []  # a run without evaluation draws what it drew before

@@ -1,0 +1,221 @@
+"""One rank of tests/test_step_parity.py: the system's optimizer step on samples the test wrote.
+
+    torchrun --nproc_per_node=2 tests/step_parity_worker.py --spec SPEC.json --out_dir OUT
+
+SPEC.json (written by the test):
+    model_path          HF checkpoint folder both this worker and the test's reference load
+    model               ModelConfig fields other than model_path
+    samples             Sample fields of every rollout of the step (rewards, advantages,
+                        ref_logprobs and sampling_logprobs filled in)
+    max_tokens_per_gpu  the packer's token budget (small, so each rank gets several minibatches)
+    reorder_window      the packer's best-fit window
+    cases               {name: {"epochs_per_step": int, "loss": LossConfig fields,
+                                "optim": OptimConfig fields}}
+
+For each case every rank builds the FSDP2 model, AdamW and schedule afresh with setup_model's
+builders, packs the samples with the real MinibatchPacker (every rank runs it over the same
+samples in the same order; it is deterministic, so each rank keeps exactly the minibatches the
+ExperienceBatcher would have sent it), and runs trainer_core.run_step for step 0 of a one-step run.
+Only the transport is stood in for: a batcher double replays the rank's minibatches and the
+step's EndOfStep, and a pusher double takes gather_full_state_dict of the weights the real
+WeightPusher would publish. Rank 0 writes OUT/<case>.pt, a dict of
+    params       HF name -> full tensor after the step (what the pusher received)
+    grads        one dict per optimizer step (HF name -> full gradient as AdamW received it:
+                 after the division by the step's sample count and after clipping), recorded by
+                 an optimizer step pre-hook
+    metrics      run_step's metrics record ("optim/grad_norm": the first pass's pre-clip norm)
+    minibatches  per rank, per minibatch: {"samples": sample indices, "loss_weight": float}
+    num_samples  EndOfStep.num_samples
+    lr_steps     scheduler.last_epoch after the step (1: the schedule advanced once)
+    pushed       versions the pusher double was asked to publish
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import ray
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import trainer_core  # noqa: E402
+from dataset import DatasetConfig  # noqa: E402
+from grpo_loss import LossConfig  # noqa: E402
+from sample_processing_utils import Sample  # noqa: E402
+from setup_model import (  # noqa: E402
+    DistInfo,
+    ModelConfig,
+    OptimConfig,
+    build_optimizer,
+    build_scheduler,
+    build_training_model,
+    gather_full_state_dict,
+    init_distributed,
+)
+from vllm_experience_batcher import EndOfStep, Minibatch, MinibatchPacker  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+DIST_TIMEOUT_S = 120.0  # a crashed peer turns into an error well inside the test's own timeout
+STEP = 0  # the one step each case runs: a one-step run, so run_step submits no further prompts
+# run_step reads no data (the prompts come with the spec), but TrainerConfig requires a section.
+UNUSED_DATA = DatasetConfig(path="unused-by-run_step.jsonl")
+_WRAPPER_PREFIX = "causal_lm."  # TokenLogprobModel's attribute; HF names lack it
+
+
+class _RemoteMethod:
+    """`handle.method.remote(*args)` of a Ray actor, answered in-process."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        return self._fn(*args)
+
+
+class ReplayBatcher:
+    """Stands in for the ExperienceBatcher actor: one rank's minibatches of a step, then EndOfStep."""
+
+    def __init__(self, messages: list[Minibatch | EndOfStep], rank: int) -> None:
+        self._messages = iter(messages)
+        self._rank = rank
+        self.next_message = _RemoteMethod(self._next_message)
+        self.stats = _RemoteMethod(lambda step=None: {})
+
+    def _next_message(self, rank: int, step: int) -> Minibatch | EndOfStep:
+        if (rank, step) != (self._rank, STEP):
+            raise AssertionError(f"next_message({rank}, {step}) on the stand-in for rank {self._rank}, step {STEP}")
+        return next(self._messages)
+
+
+@dataclass
+class RecordingPusher:
+    """Stands in for WeightPusher (gather mode): keeps what rank 0 would publish."""
+
+    versions: list[int] = field(default_factory=list)
+    state: dict[str, torch.Tensor] | None = None
+
+    def push(self, model: torch.nn.Module, version: int, initial: bool = False) -> float:
+        self.versions.append(version)
+        self.state = gather_full_state_dict(model)  # collective, as in WeightPusher.push
+        return 0.0
+
+
+class NoFeeder:
+    """A one-step run submits no further prompts: any use would mean run_step's bounds changed."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"run_step used the prompt feeder ({name}) in a one-step run")
+
+
+@contextlib.contextmanager
+def ray_get_passthrough() -> Iterator[None]:
+    """The doubles answer `.remote()` with the value itself, so `ray.get` hands it through."""
+    original = ray.get
+    ray.get = lambda value, timeout=None: value
+    try:
+        yield
+    finally:
+        ray.get = original
+
+
+def pack_step(samples: list[Sample], world_size: int, max_tokens: int,
+              reorder_window: int) -> tuple[list[Minibatch], MinibatchPacker]:
+    """All minibatches of the step, in dispatch order, as the batcher's packer cuts them."""
+    packer = MinibatchPacker(step=STEP, world_size=world_size, max_tokens_per_gpu=max_tokens,
+                             reorder_window=reorder_window)
+    minibatches = [mb for sample in samples for mb in packer.add(sample)]
+    return minibatches + packer.finish(), packer
+
+
+def end_of_step(packer: MinibatchPacker, num_prompts: int) -> EndOfStep:
+    """The step's EndOfStep with the packer's totals, as the batcher builds it."""
+    return EndOfStep(step=STEP, num_samples=packer.num_samples, num_tokens=packer.num_tokens,
+                     num_minibatches=max(packer.minibatches_per_rank), num_prompts=num_prompts,
+                     timed_out_prompts=0, dropped_stale=0, oversized_samples=packer.oversized_samples,
+                     padding_minibatches=packer.padding_minibatches, missing_rollouts=0)
+
+
+def record_grads_before_each_step(model: torch.nn.Module,
+                                  optimizer: torch.optim.Optimizer) -> list[dict[str, torch.Tensor]]:
+    """Collective hook: before every optimizer.step, all-gather each gradient; rank 0 keeps them."""
+    recorded: list[dict[str, torch.Tensor]] = []
+
+    def hook(_optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        grads = {name.removeprefix(_WRAPPER_PREFIX): p.grad.full_tensor().detach().clone()
+                 for name, p in model.named_parameters()}
+        if dist.get_rank() == 0:
+            recorded.append(grads)
+
+    optimizer.register_step_pre_hook(hook)
+    return recorded
+
+
+def trainer_config(spec: dict, case: dict) -> trainer_core.TrainerConfig:
+    """A one-step, synchronous run's config (JSON turned OptimConfig.betas into a list)."""
+    return trainer_core.TrainerConfig(
+        model=ModelConfig(model_path=spec["model_path"], **spec["model"]),
+        data=UNUSED_DATA,
+        optim=OptimConfig(**{**case["optim"], "betas": tuple(case["optim"]["betas"])}),
+        loss=LossConfig(**case["loss"]),
+        num_steps=1,
+        max_lag=0,
+        epochs_per_step=case["epochs_per_step"],
+        max_tokens_per_gpu=spec["max_tokens_per_gpu"],
+        message_timeout_s=DIST_TIMEOUT_S,
+        tensorboard=False,
+        progress_bar=False,
+    )
+
+
+def run_case(name: str, case: dict, spec: dict, info: DistInfo, out_dir: Path) -> None:
+    """Build everything afresh, run one step of the system, rank 0 saves the outcome."""
+    config = trainer_config(spec, case)
+    samples = [Sample(**fields) for fields in spec["samples"]]
+    index_of = {id(s): i for i, s in enumerate(samples)}
+    minibatches, packer = pack_step(samples, info.world_size, config.max_tokens_per_gpu, spec["reorder_window"])
+    mine: list[Minibatch | EndOfStep] = [mb for mb in minibatches if mb.rank == info.rank]
+    mine.append(end_of_step(packer, num_prompts=len({s.prompt_id for s in samples})))
+
+    model = build_training_model(config.model, info)
+    optimizer = build_optimizer(model, config.optim)
+    scheduler = build_scheduler(optimizer, config.optim)
+    grads = record_grads_before_each_step(model, optimizer)
+    pusher = RecordingPusher()
+    with ray_get_passthrough():
+        metrics = trainer_core.run_step(STEP, model, optimizer, scheduler, ReplayBatcher(mine, info.rank), pusher,
+                                        NoFeeder(), config, info)
+    if info.is_main:
+        per_rank = [[{"samples": [index_of[id(s)] for s in mb.samples], "loss_weight": mb.loss_weight}
+                     for mb in minibatches if mb.rank == rank] for rank in range(info.world_size)]
+        torch.save({"params": pusher.state, "grads": grads, "metrics": metrics, "minibatches": per_rank,
+                    "num_samples": packer.num_samples, "lr_steps": scheduler.last_epoch,
+                    "pushed": pusher.versions}, out_dir / f"{name}.pt")
+        logger.info("case %s: %d optimizer steps, minibatches per rank %s", name, len(grads),
+                    [len(r) for r in per_rank])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--out_dir", required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = json.loads(Path(args.spec).read_text())
+    info = init_distributed(DIST_TIMEOUT_S)
+    for name, case in spec["cases"].items():
+        run_case(name, case, spec, info, Path(args.out_dir))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -46,7 +46,7 @@ from setup_model import (
 )
 from vllm_experience_batcher import BatcherConfig, EndOfStep, Minibatch, get_or_create_batcher
 from vllm_registry import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name
-from vllm_worker import SamplingConfig
+from vllm_worker import SEED_BOUND, SamplingConfig
 from weight_sync import WeightUpdate, get_or_create_shard_stager, state_dict_to_blobs
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     """GRPO loss options (KL, clipping, importance sampling)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    """Rollout sampling (n per prompt, temperature, max_tokens) and advantage options."""
+    """Rollout sampling (n per prompt, temperature, max_tokens, seed) and advantage options.
+    An unset sampling.seed is filled in from `seed` (see seed_sampling)."""
     num_steps: int = 100
     """Optimizer steps to train for (a resumed run continues up to this total)."""
     prompts_per_rank: int = 8
@@ -97,7 +98,14 @@ class TrainerConfig:
     resume: bool = False
     """Continue from the latest complete checkpoint in run_dir."""
     seed: int = 0
-    """Seed of the data order and torch RNG."""
+    """Seed of the data order, the torch RNG and (see seed_sampling) rollout sampling."""
+    seed_sampling: bool = True
+    """Seed rollout sampling with `seed` when sampling.seed is unset, so a rerun or a resumed run
+    samples the same rollouts (within float-level kernel differences); each step still gets its
+    own seed (vllm_experience_batcher.step_sampling). False samples unseeded, and then
+    sampling.seed must stay unset: vLLM draws a seeded request's noise from its own generator, one
+    request at a time in every decoding step (a loop vLLM marks as slow), which can cost
+    throughput on large batches."""
     prompt_deadline_s: float = 600.0
     """A prompt not finished (generation + logprobs) within this is reported and counted."""
     message_timeout_s: float = 1800.0
@@ -122,6 +130,16 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.loss.kl_coef > 0 and self.logprob_role != "reference":
             raise ValueError("TrainerConfig.loss.kl_coef > 0 needs logprob_role: reference (reference logprobs)")
+        if not self.seed_sampling and self.sampling.seed is not None:
+            raise ValueError(
+                f"TrainerConfig.seed_sampling is false but sampling.seed is {self.sampling.seed}: unset one of them"
+            )
+        if self.seed_sampling and self.sampling.seed is None:
+            if not 0 <= self.seed < SEED_BOUND:
+                raise ValueError(f"TrainerConfig.seed seeds sampling and must be in [0, 2**31), got {self.seed}")
+            # The resolved seed is what config.yaml records and what the batcher sends.
+            object.__setattr__(self, "sampling", replace(self.sampling, seed=self.seed))
+
 
     @property
     def logprob_target(self) -> str | None:

@@ -26,20 +26,19 @@ Benchmark of the packing alone: `python benchmarks/batcher.py`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import ray
 from ray.actor import ActorHandle
 
 from sample_processing_utils import Sample
 from vllm_registry import GENERATION, LOGPROB, RAY_NAMESPACE, get_or_create_registry, repo_pythonpath
-
-if TYPE_CHECKING:
-    # Type only: the batcher reads sampling.n and forwards the rest untouched to the workers.
-    from vllm_worker import SamplingConfig
+# vllm_worker imports neither vLLM nor math-verify at import time: cheap in the batcher's process.
+from vllm_worker import SamplingConfig, derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +70,8 @@ class BatcherConfig:
     cancelled and counted in `timed_out_prompts`. Queueing behind earlier steps counts too, so
     leave room for max_lag steps of generation."""
     sampling: SamplingConfig
-    """Sampling settings sent with every generate request; `sampling.n` rollouts per prompt."""
+    """Sampling settings sent with every generate request; `sampling.n` rollouts per prompt. A
+    seeded config is sent with each step's own seed (`step_sampling`)."""
     logprob_target: LogprobTarget | None = "ref"
     """Sample field the logprob worker's result fills: 'ref' -> ref_logprobs, 'old' ->
     old_logprobs; None skips logprob requests."""
@@ -158,6 +158,18 @@ class _StepFailed:
 
 class ExperienceBatcherError(RuntimeError):
     """A step cannot complete: a registry request failed. The message carries the cause."""
+
+
+def step_sampling(sampling: SamplingConfig, step: int) -> SamplingConfig:
+    """The sampling settings of one step's requests.
+
+    A seeded config gets the step's own seed, derive_seed(seed, step): the worker derives each
+    request's seed from it and the prompt id, so a prompt drawn again at a later step gets fresh
+    randomness, and a rerun (or a resumed run) of a step repeats it. Unseeded configs pass as is.
+    """
+    if sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=derive_seed(sampling.seed, step))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,6 +416,8 @@ class _StepState:
     """Everything the batcher tracks for one open step."""
 
     packer: MinibatchPacker
+    sampling: SamplingConfig
+    """What the step's generate requests carry (step_sampling: the step's own seed)."""
     queues: list[asyncio.Queue[Minibatch | EndOfStep | _StepFailed]]
     """One mailbox per rank."""
     stats: StepStats
@@ -517,6 +531,7 @@ class ExperienceBatcher:
         )
         state = _StepState(
             packer=packer,
+            sampling=step_sampling(self.config.sampling, step),
             queues=[asyncio.Queue() for _ in range(self.config.world_size)],
             stats=StepStats(step=step),
         )
@@ -532,7 +547,7 @@ class ExperienceBatcher:
         scope = asyncio.timeout_at(deadline)
         try:
             async with scope:
-                result = await self._process_prompt(state.packer.step, sample)
+                result = await self._process_prompt(state.packer.step, sample, state.sampling)
         except TimeoutError as exc:
             # A TimeoutError raised by a registry is an error like any other; only our own
             # deadline (scope.expired()) counts as a timed-out prompt.
@@ -548,11 +563,11 @@ class ExperienceBatcher:
             state.pending_prompts -= 1
         self._maybe_finish(state)
 
-    async def _process_prompt(self, step: int, sample: Sample) -> _PromptResult:
+    async def _process_prompt(self, step: int, sample: Sample, sampling: SamplingConfig) -> _PromptResult:
         """Generate sampling.n rollouts, drop the stale ones, fill logprobs of the rest."""
-        n = self.config.sampling.n
+        n = sampling.n
         started = time.monotonic()
-        rollouts: list[Sample] = await self._generation.submit("generate", sample, self.config.sampling, cost=n)
+        rollouts: list[Sample] = await self._generation.submit("generate", sample, sampling, cost=n)
         generated = time.monotonic()
         if len(rollouts) > n:
             raise ValueError(f"generate returned {len(rollouts)} rollouts for prompt_id={sample.prompt_id}, n={n}")

@@ -60,6 +60,9 @@ SHARED_MEMORY_DIR = Path("/dev/shm")
 # worker up to its cost cap (sequences) at once; Ray's async-actor default (1000) already fits,
 # stating it makes the limit visible.
 ACTOR_MAX_CONCURRENCY = 1024
+# Every sampling seed stays below this: 31 bits fit any RNG API that takes a C int or an int32
+# (vLLM passes request seeds to torch.Generator.manual_seed, other engines may be narrower).
+SEED_BOUND = 2**31
 # vLLM's finish_reason for a completion cut off at max_tokens.
 FINISH_LENGTH = "length"
 # HF names of the input embedding and output projection of decoder-only causal LMs.
@@ -80,9 +83,11 @@ class SamplingConfig:
     max_tokens: int = 512
     """Most tokens one completion may generate; a completion that reaches it is truncated."""
     seed: int | None = None
-    """Base seed. The request for prompt k uses seed + k * n and vLLM gives its i-th completion
-    seed + k * n + i, so rollouts are reproducible for a given prompt and weights and no two
-    completions share a seed. None samples unseeded."""
+    """Seed of a request's sampling: the request for prompt k uses request_seed(seed, k, n) and
+    vLLM gives its i-th completion that seed + i, so the same (seed, prompt, weights) give the
+    same rollouts. The trainer sets it from TrainerConfig.seed, and its batcher sends each step
+    its own seed, derive_seed(seed, step), so a prompt drawn again at a later step gets fresh
+    randomness. None samples unseeded (from the engine's own random state)."""
     scale_advantage_by_std: bool = True
     """True: advantage = (r - mean) / (std + eps) (GRPO). False: r - mean (Dr. GRPO, which
     argues the std division over-weights prompts that are nearly always solved or failed)."""
@@ -104,8 +109,8 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"SamplingConfig.max_tokens must be >= 1, got {self.max_tokens}")
-        if self.seed is not None and self.seed < 0:
-            raise ValueError(f"SamplingConfig.seed must be >= 0 or None, got {self.seed}")
+        if self.seed is not None and not 0 <= self.seed < SEED_BOUND:
+            raise ValueError(f"SamplingConfig.seed must be in [0, 2**31) or None, got {self.seed}")
         if self.advantage_eps < 0:
             raise ValueError(f"SamplingConfig.advantage_eps must be >= 0, got {self.advantage_eps}")
         if self.truncated_reward is not None and not math.isfinite(self.truncated_reward):
@@ -264,9 +269,29 @@ def weights_file_dir() -> Path:
     return SHARED_MEMORY_DIR if SHARED_MEMORY_DIR.is_dir() else Path(tempfile.gettempdir())
 
 
-def _request_seed(seed: int | None, prompt_id: int, n: int) -> int | None:
-    """Per-request seed (see SamplingConfig.seed); a sample without a prompt id counts as prompt 0."""
-    return None if seed is None else seed + max(prompt_id, 0) * n
+def derive_seed(base_seed: int, *keys: int, bound: int = SEED_BOUND) -> int:
+    """A seed in [0, bound) drawn from (base_seed, *keys) by numpy's SeedSequence.
+
+    SeedSequence hashes its whole entropy list, so nearby inputs (step 3 and step 4, or seed 0 and
+    seed 1) give unrelated outputs, unlike base + key arithmetic, where seed s at step t+1 would
+    repeat seed s+1 at step t. Deterministic across processes and platforms. Every input must be
+    >= 0.
+    """
+    if bound < 1:
+        raise ValueError(f"derive_seed: bound must be >= 1, got {bound}")
+    (word,) = np.random.SeedSequence([base_seed, *keys]).generate_state(1, dtype=np.uint64)
+    return int(word) % bound
+
+
+def request_seed(seed: int | None, prompt_id: int, n: int) -> int | None:
+    """Seed of one generate request (see SamplingConfig.seed), None when unseeded.
+
+    vLLM seeds the request's i-th completion with seed + i, so the seed stays n - 1 below
+    SEED_BOUND. A sample without a prompt id (-1) counts as prompt 0. Two requests of one step
+    share a completion seed with probability ~prompts^2 * n / 2^31 (8 in a million for 32 prompts
+    of 16 completions), harmless: they sample different prompts.
+    """
+    return None if seed is None else derive_seed(seed, max(prompt_id, 0), bound=SEED_BOUND - (n - 1))
 
 
 def _token_logprobs(completion: CompletionOutput) -> list[float]:
@@ -385,7 +410,7 @@ class GenerationWorker:
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             max_tokens=sampling.max_tokens,
-            seed=_request_seed(sampling.seed, prompt_id, sampling.n),
+            seed=request_seed(sampling.seed, prompt_id, sampling.n),
             logprobs=0,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )

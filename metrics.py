@@ -164,7 +164,10 @@ class MetricsLogger:
         steps that evaluated): each JSONL line and TensorBoard scalar carries the keys it has."""
         if not self._enabled:
             return
-        line = {"step": step, "time_s": round(time.time() - self._start_time, 3), **record}
+        now = time.time()
+        # time_s counts from the trainer's start; unix_time lets a caller measure from elsewhere
+        # (the demo reports time from its command's start, Ray and worker start-up included).
+        line = {"step": step, "time_s": round(now - self._start_time, 3), "unix_time": round(now, 3), **record}
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
         if self._writer is not None:

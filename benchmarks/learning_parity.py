@@ -1,0 +1,368 @@
+"""Learning parity: the full system against a plain single-process GRPO loop, same start and settings.
+
+    .venv/bin/python benchmarks/learning_parity.py --model_dir runs/demo-assets/model \
+        --data runs/demo-assets/arithmetic.jsonl --config configs/demo.yaml --seeds 0 1 2
+    .venv/bin/python benchmarks/learning_parity.py ... --only reference     # the reference alone
+
+The *reference* is written here from the definitions, sharing no maths with the system: a
+Hugging Face model sampled token by token with its own sampler, rewards from math-verify's
+`score_completion` in-process, group advantages, reference logprobs from a frozen copy of the
+starting model, and the GRPO loss on a padded batch (clipped ratio, per-sample token mean, k1/k2/k3
+KL, mean over the step's samples), one backward, clipping and AdamW. It draws the same prompts as
+the system (the same `InfiniteDistributedSampler` per rank, concatenated over ranks) and takes
+every hyperparameter from the same trainer config.
+
+The *system* is `local_cluster.py` (Ray, a vLLM generation worker, a logprob worker, the
+ExperienceBatcher, 2 FSDP ranks, weight push) with the same config and seed.
+
+Printed per seed: the 10-step mean reward every `--print_every` steps for both, the step at
+which each first reached 0.5/0.6/0.9, samples/s, and `parity=<ratio>`, the system's mean
+reward over the last 100 steps divided by the reference's (1.0 = learns as much per step).
+The system's time per stage comes from its metrics.jsonl (`timing/*`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import math
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from dataset import InfiniteDistributedSampler, load_prompts  # noqa: E402
+from math_verifier import score_completion  # noqa: E402
+from metrics import moving_average, read_metrics  # noqa: E402
+from run_config import load_config  # noqa: E402
+from sample_processing_utils import Sample  # noqa: E402
+from trainer_core import TrainerConfig  # noqa: E402
+
+logger = logging.getLogger("learning_parity")
+
+WINDOW = 10  # steps in the trailing mean that the thresholds and the curves use
+THRESHOLDS = (0.5, 0.6, 0.9)
+PARITY_TAIL = 100  # parity compares mean reward over the last this-many steps
+_MAX_LOG_RATIO = 20.0  # the same guard any PPO loss needs so exp() stays finite
+
+
+@dataclass(slots=True)
+class Rollout:
+    """One sampled completion of one prompt, as the reference loop keeps it."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    """Sampled tokens, EOS included when the completion finished."""
+    reward: float
+    advantage: float = 0.0
+
+
+class ReferenceGRPO:
+    """A plain GRPO loop on one process: sample, score, advantages, padded loss, AdamW."""
+
+    def __init__(self, config: TrainerConfig, model_dir: Path, world_size: int, seed: int) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.eos = self.tokenizer.eos_token_id
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos
+        torch.manual_seed(seed)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                          attn_implementation="eager")
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        optim = config.optim
+        matrices = [p for p in self.model.parameters() if p.ndim >= 2]
+        vectors = [p for p in self.model.parameters() if p.ndim < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": matrices, "weight_decay": optim.weight_decay}, {"params": vectors, "weight_decay": 0.0}],
+            lr=optim.lr, betas=optim.betas, eps=optim.eps,
+        )
+        self.generator = torch.Generator().manual_seed(seed)
+        self.prompts = load_prompts(config.data, self.tokenizer)
+        self.samplers = [InfiniteDistributedSampler(len(self.prompts), r, world_size, config.seed)
+                         for r in range(world_size)]
+        self._reward_cache: dict[tuple[str, str], float] = {}
+        self.step = 0
+
+    # ---- sampling ----------------------------------------------------------------------------
+
+    def _padded(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded ids, attention mask and positions (0 at each sequence's first real token)."""
+        width = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for i, s in enumerate(sequences):
+            ids[i, width - len(s):] = torch.tensor(s)
+            mask[i, width - len(s):] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        return ids, mask, positions
+
+    @torch.no_grad()
+    def sample(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """n completions per prompt, token by token at the configured temperature and top-p."""
+        sampling = self.config.sampling
+        sequences = [list(p) for p in prompt_ids for _ in range(sampling.n)]
+        outputs: list[list[int]] = [[] for _ in sequences]
+        done = [False] * len(sequences)
+        self.model.eval()
+        for _ in range(sampling.max_tokens):
+            ids, mask, positions = self._padded([s + o for s, o in zip(sequences, outputs)])
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                use_cache=False).logits[:, -1].float()
+            probs = self._sampling_probs(logits)
+            tokens = torch.multinomial(probs, 1, generator=self.generator)[:, 0].tolist()
+            for i, token in enumerate(tokens):
+                if not done[i]:
+                    outputs[i].append(token)
+                    done[i] = token == self.eos
+            if all(done):
+                break
+        self.model.train()
+        return outputs
+
+    def _sampling_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        sampling = self.config.sampling
+        probs = torch.softmax(logits / max(sampling.temperature, 1e-6), dim=-1)
+        if sampling.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            outside = sorted_probs.cumsum(dim=-1) - sorted_probs > sampling.top_p
+            sorted_probs[outside] = 0.0
+            probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
+        return probs
+
+    # ---- rewards and advantages --------------------------------------------------------------
+
+    def reward(self, output_ids: list[int], gt_answer: str) -> float:
+        """math-verify's verdict; a completion without EOS (cut off at max_tokens) earns the
+        configured truncated reward instead, as the generation worker does."""
+        truncated_reward = self.config.sampling.truncated_reward
+        if (not output_ids or output_ids[-1] != self.eos) and truncated_reward is not None:
+            return float(truncated_reward)
+        text = self.tokenizer.decode([t for t in output_ids if t != self.eos], skip_special_tokens=True)
+        key = (text, gt_answer)
+        if key not in self._reward_cache:
+            self._reward_cache[key] = float(score_completion(text, gt_answer).reward)
+        return self._reward_cache[key]
+
+    def advantages(self, rewards: list[float]) -> list[float]:
+        """(r - mean) / (population std + eps), or r - mean without std scaling; 0 for equal rewards."""
+        sampling = self.config.sampling
+        mean = sum(rewards) / len(rewards)
+        if max(rewards) == min(rewards):
+            return [0.0] * len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+        scale = (std + sampling.advantage_eps) if sampling.scale_advantage_by_std else 1.0
+        return [(r - mean) / scale for r in rewards]
+
+    # ---- the loss on a padded batch ----------------------------------------------------------
+
+    def _token_logprobs(self, model: torch.nn.Module, rollouts: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, O] logprobs of each rollout's output tokens (right-padded), and the [B, O] mask."""
+        sequences = [r.prompt_ids + r.output_ids for r in rollouts]
+        width = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for i, s in enumerate(sequences):
+            ids[i, :len(s)] = torch.tensor(s)
+            mask[i, :len(s)] = 1
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+        logp_all = torch.log_softmax(logits[:, :-1], dim=-1).gather(2, ids[:, 1:, None])[..., 0]
+        out_width = max(len(r.output_ids) for r in rollouts)
+        logp = torch.zeros((len(rollouts), out_width))
+        out_mask = torch.zeros((len(rollouts), out_width))
+        for i, r in enumerate(rollouts):
+            start = len(r.prompt_ids) - 1  # position predicting the first output token
+            logp[i, :len(r.output_ids)] = logp_all[i, start:start + len(r.output_ids)]
+            out_mask[i, :len(r.output_ids)] = 1.0
+        return logp, out_mask
+
+    def loss(self, logp: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, mask: torch.Tensor,
+             advantages: torch.Tensor) -> torch.Tensor:
+        """Mean over samples of each sample's token-mean of the clipped PPO term plus the KL term."""
+        lc = self.config.loss
+        ratio = torch.exp((logp - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        adv = advantages[:, None]
+        per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - lc.clip_low, 1 + lc.clip_high) * adv)
+        if lc.kl_coef > 0:
+            d = (ref - logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # log ref/pi
+            kl = {"k1": -d, "k2": 0.5 * d * d, "k3": torch.exp(d) - d - 1.0}[lc.kl_estimator]
+            per_token = per_token + lc.kl_coef * kl
+        per_sample = (per_token * mask).sum(dim=1) / mask.sum(dim=1)
+        return per_sample.mean()
+
+    def lr_factor(self, step: int) -> float:
+        optim = self.config.optim
+        if step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        if optim.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - optim.warmup_steps) / (optim.total_steps - optim.warmup_steps))
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def train_step(self) -> dict[str, float]:
+        """Draw the step's prompts, sample, score, and take epochs_per_step optimizer steps."""
+        started = time.perf_counter()
+        prompts: list[Sample] = []
+        for sampler in self.samplers:
+            prompts += [self.prompts[i] for i in sampler.next_batch(self.config.prompts_per_rank)]
+        outputs = self.sample([p.input_token_ids for p in prompts])
+        n = self.config.sampling.n
+        rollouts: list[Rollout] = []
+        for k, prompt in enumerate(prompts):
+            group = [Rollout(prompt.input_token_ids, o, self.reward(o, prompt.gt_answer))
+                     for o in outputs[k * n:(k + 1) * n]]
+            for r, a in zip(group, self.advantages([r.reward for r in group])):
+                r.advantage = a
+            rollouts += group
+        sample_s = time.perf_counter() - started
+        advantages = torch.tensor([r.advantage for r in rollouts])
+        with torch.no_grad():
+            ref = self._token_logprobs(self.ref_model, rollouts)[0] if self.config.loss.kl_coef > 0 else None
+        old = None
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = self.config.optim.lr * self.lr_factor(self.step)
+        for _ in range(self.config.epochs_per_step):
+            logp, mask = self._token_logprobs(self.model, rollouts)
+            if old is None:
+                old = logp.detach()
+            loss = self.loss(logp, old, ref, mask, advantages)
+            self.optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.max_grad_norm)
+            self.optimizer.step()
+        self.step += 1
+        rewards = [r.reward for r in rollouts]
+        return {"step": self.step - 1, "reward/mean": sum(rewards) / len(rewards),
+                "time_s": 0.0, "timing/step_s": time.perf_counter() - started, "timing/sample_s": sample_s,
+                "samples": float(len(rollouts))}
+
+
+def run_reference(config: TrainerConfig, model_dir: Path, seed: int, num_steps: int, world_size: int,
+                  out: Path) -> list[dict[str, float]]:
+    """The reference loop for num_steps; records written to out as JSONL."""
+    loop = ReferenceGRPO(config, model_dir, world_size, seed)
+    records = []
+    began = time.perf_counter()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as f:
+        for _ in range(num_steps):
+            record = loop.train_step()
+            record["time_s"] = time.perf_counter() - began
+            records.append(record)
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            if record["step"] % 50 == 0:
+                recent = [r["reward/mean"] for r in records[-WINDOW:]]
+                logger.info("reference seed %d step %d: %d-step mean reward %.3f (%.2f s/step)", seed,
+                            record["step"], WINDOW, sum(recent) / len(recent), record["timing/step_s"])
+    return records
+
+
+def run_system(args: argparse.Namespace, seed: int, run_dir: Path) -> list[dict[str, float]]:
+    """The full system through local_cluster.py, as the demo runs it."""
+    command = [sys.executable, str(REPO_ROOT / "local_cluster.py"), "--model_path", str(args.model_dir),
+               "--run_dir", str(run_dir), "--nproc_per_node", str(args.world_size), "--",
+               "--config", str(args.config), "--data.path", str(args.data), "--seed", str(seed),
+               "--num_steps", str(args.num_steps), "--progress_bar", "false", "--tensorboard", "false",
+               "--checkpoint_every", "0", *args.trainer_args]
+    logger.info("system seed %d: %s", seed, " ".join(command))
+    log = run_dir.with_suffix(".log")
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        subprocess.run(command, check=True, stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def first_step_at(records: list[dict[str, float]], threshold: float) -> int | None:
+    smoothed = moving_average([r["reward/mean"] for r in records], WINDOW)
+    return next((records[i]["step"] for i in range(WINDOW - 1, len(smoothed)) if smoothed[i] >= threshold), None)
+
+
+def tail_mean(records: list[dict[str, float]]) -> float:
+    tail = records[-PARITY_TAIL:]
+    return sum(r["reward/mean"] for r in tail) / len(tail)
+
+
+def samples_per_s(records: list[dict[str, float]], key_samples: str) -> float:
+    total = sum(r[key_samples] for r in records)
+    return total / sum(r["timing/step_s"] for r in records)
+
+
+def describe(name: str, records: list[dict[str, float]], key_samples: str) -> str:
+    reached = ", ".join(f"{t}: step {first_step_at(records, t)}" for t in THRESHOLDS)
+    return (f"{name:9s} last-{PARITY_TAIL} mean reward {tail_mean(records):.3f}; {WINDOW}-step mean first >= "
+            f"{reached}; {samples_per_s(records, key_samples):.0f} samples/s; median step "
+            f"{statistics.median(r['timing/step_s'] for r in records):.3f} s")
+
+
+def system_timing(records: list[dict[str, float]]) -> str:
+    keys = sorted(k for k in records[0] if k.startswith("timing/"))
+    return ", ".join(f"{k.removeprefix('timing/')}={statistics.median(r.get(k, 0.0) for r in records):.3f}"
+                     for k in keys)
+
+
+def print_curves(seed: int, runs: dict[str, list[dict[str, float]]], every: int) -> None:
+    smoothed = {name: moving_average([r["reward/mean"] for r in recs], WINDOW) for name, recs in runs.items()}
+    print(f"seed {seed}: {WINDOW}-step mean reward per step")
+    print("  step " + " ".join(f"{name:>9s}" for name in runs))
+    length = min(len(s) for s in smoothed.values())
+    for i in list(range(every - 1, length, every)) + ([length - 1] if (length - 1) % every != every - 1 else []):
+        print(f"  {i:4d} " + " ".join(f"{smoothed[name][i]:9.3f}" for name in runs))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_dir", type=Path, required=True, help="starting model (HF folder)")
+    parser.add_argument("--data", type=Path, required=True, help="prompt JSONL")
+    parser.add_argument("--config", type=Path, default=REPO_ROOT / "configs/demo.yaml")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--num_steps", type=int, default=None, help="default: the config's num_steps")
+    parser.add_argument("--world_size", type=int, default=2, help="the system's trainer ranks")
+    parser.add_argument("--only", choices=("reference", "system", "both"), default="both")
+    parser.add_argument("--out_dir", type=Path, default=REPO_ROOT / "runs/learning_parity")
+    parser.add_argument("--print_every", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the reference loop")
+    parser.add_argument("trainer_args", nargs="*", help="extra trainer flags after --, for both loops")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    base = ["--config", str(args.config), "--data.path", str(args.data), "--model.model_path", str(args.model_dir)]
+    config = load_config(TrainerConfig, base + args.trainer_args)
+    args.num_steps = args.num_steps or config.num_steps
+    summary = []
+    for seed in args.seeds:
+        seeded = load_config(TrainerConfig, base + ["--seed", str(seed)] + args.trainer_args)
+        runs: dict[str, list[dict[str, float]]] = {}
+        if args.only in ("reference", "both"):
+            runs["reference"] = run_reference(seeded, args.model_dir, seed, args.num_steps, args.world_size,
+                                              args.out_dir / f"reference_seed{seed}.jsonl")
+        if args.only in ("system", "both"):
+            runs["system"] = run_system(args, seed, args.out_dir / f"system_seed{seed}")
+        print_curves(seed, runs, args.print_every)
+        keys = {"reference": "samples", "system": "counts/samples"}
+        for name, records in runs.items():
+            line = describe(name, records, keys[name])
+            print("  " + line)
+            summary.append(f"seed {seed} {line}")
+        if "system" in runs:
+            print(f"  system timing (median s): {system_timing(runs['system'])}")
+        if len(runs) == 2:
+            ratio = tail_mean(runs["system"]) / max(tail_mean(runs["reference"]), 1e-9)
+            print(f"  parity={ratio:.3f}")
+            summary.append(f"seed {seed} parity={ratio:.3f}")
+    print("\n".join(["summary:"] + summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -78,7 +78,11 @@ class TrainerConfig:
     max_tokens_per_gpu: int = 8192
     """Token budget of one packed minibatch on one rank."""
     max_lag: int = 1
-    """Weight versions generation may run ahead of training (0 = synchronous, on-policy)."""
+    """Most optimizer steps a rollout's weights may lag the step that trains on it (step -
+    weight_version; 0 = synchronous, on-policy). A step's prompts are submitted as soon as weights
+    recent enough for it are published (version >= step - max_lag), so generation runs up to
+    max_lag steps ahead of training; rollouts staler than this (e.g. from a worker that missed a
+    push) are dropped and counted. Must be >= push_every - 1 (see push_every)."""
     epochs_per_step: int = 1
     """Passes over each step's samples, each ending in an optimizer step (PPO epochs; TRL's
     num_iterations). Passes after the first take the first pass's logprobs as pi_old (unless
@@ -87,7 +91,13 @@ class TrainerConfig:
     weight_push_mode: Literal["gather", "sharded"] = "gather"
     """gather: rank 0 publishes the full state; sharded: every rank publishes its FSDP shards."""
     push_every: int = 1
-    """Push weights to inference workers every this many steps."""
+    """Publish weights to the inference workers after every this many steps (and after the last
+    step), i.e. only versions that are multiples of push_every (plus the start). The staleness
+    bound stays max_lag steps, counted against the published versions: step s's prompts wait for
+    a published version >= s - max_lag. That needs max_lag >= push_every - 1 (step
+    push_every - 1 can only use version 0). With max_lag == push_every - 1 the prompts of the step
+    right after a push are generated only after that push, while nothing trains; from max_lag >=
+    push_every on, generation overlaps training at every step."""
     logprob_role: Literal["reference", "old_policy", "none"] = "reference"
     """What the logprob workers compute: reference logprobs (fixed weights, for the KL term),
     old-policy logprobs (they receive weight pushes), or nothing (no logprob workers needed)."""
@@ -126,6 +136,13 @@ class TrainerConfig:
                 raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_lag < 0:
             raise ValueError(f"TrainerConfig.max_lag must be >= 0, got {self.max_lag}")
+        if self.max_lag < self.push_every - 1:
+            raise ValueError(
+                f"TrainerConfig.max_lag={self.max_lag} is below push_every - 1 = {self.push_every - 1}: with "
+                f"push_every={self.push_every} step {self.push_every - 1} can only sample from weights published "
+                f"{self.push_every - 1} steps earlier, and all its rollouts would be dropped as stale; raise "
+                f"max_lag to at least {self.push_every - 1} (to {self.push_every} for full overlap) or lower push_every"
+            )
         if self.checkpoint_every < 0:
             raise ValueError(f"TrainerConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.loss.kl_coef > 0 and self.logprob_role != "reference":
@@ -139,7 +156,6 @@ class TrainerConfig:
                 raise ValueError(f"TrainerConfig.seed seeds sampling and must be in [0, 2**31), got {self.seed}")
             # The resolved seed is what config.yaml records and what the batcher sends.
             object.__setattr__(self, "sampling", replace(self.sampling, seed=self.seed))
-
 
     @property
     def logprob_target(self) -> str | None:
@@ -214,10 +230,18 @@ class WeightPusher:
         return time.perf_counter() - start
 
 
-class PromptFeeder:
-    """Draws each step's prompts from this rank's shard and submits them to the batcher."""
+def last_step_to_submit(published_version: int, config: TrainerConfig) -> int:
+    """The last step whose prompts may be generated once weights `published_version` are
+    published: step s needs a version >= s - max_lag (capped at the run's last step)."""
+    return min(published_version + config.max_lag, config.num_steps - 1)
 
-    def __init__(self, prompts: list[Sample], sampler: InfiniteDistributedSampler, batcher, config: TrainerConfig, dist: DistInfo) -> None:
+
+class PromptFeeder:
+    """Draws each step's prompts from this rank's shard and submits them to the batcher, in step
+    order, each step once."""
+
+    def __init__(self, prompts: list[Sample], sampler: InfiniteDistributedSampler, batcher, config: TrainerConfig,
+                 dist: DistInfo, first_step: int) -> None:
         self._prompts = prompts
         self._sampler = sampler
         self._batcher = batcher
@@ -225,8 +249,16 @@ class PromptFeeder:
         self._rank = dist.rank
         self._data_log = Path(config.run_dir) / f"data_rank{dist.rank}.jsonl"
         self.sampler_state_at_step: dict[int, dict[str, Any]] = {}
+        self.next_step = first_step
+        """The first step whose prompts are not submitted yet."""
 
-    def submit(self, step: int) -> None:
+    def submit_through(self, last_step: int) -> None:
+        """Submit the prompts of every step not submitted yet, up to and including last_step."""
+        while self.next_step <= last_step:
+            self._submit(self.next_step)
+            self.next_step += 1
+
+    def _submit(self, step: int) -> None:
         import json
 
         import ray
@@ -353,17 +385,18 @@ def train(config: TrainerConfig) -> None:
 
     batcher = _make_batcher(config, dist)
     pusher = WeightPusher(config, dist)
-    # Workers may hold other weights (base model, or a previous run's): start from ours.
-    pusher.push(model, version=start_step, initial=True)
-    feeder = PromptFeeder(prompts, sampler, batcher, config, dist)
-    for step in range(start_step, min(start_step + config.max_lag + 1, config.num_steps)):
-        feeder.submit(step)
+    feeder = PromptFeeder(prompts, sampler, batcher, config, dist, first_step=start_step)
+    start_generation(model, pusher, feeder, start_step, config)
 
     metrics = MetricsLogger(run_dir, enabled=dist.rank == 0, tensorboard=config.tensorboard,
                             progress_total=config.num_steps, progress_start=start_step,
                             progress_bar=config.progress_bar)
     try:
         for step in range(start_step, config.num_steps):
+            if feeder.next_step <= step:
+                # TrainerConfig's max_lag >= push_every - 1 rules this out; were it to happen, the
+                # ranks would wait on the batcher for message_timeout_s instead of failing here.
+                raise RuntimeError(f"step {step} would train before its prompts were submitted")
             step_metrics = run_step(step, model, optimizer, scheduler, batcher, pusher, feeder, config, dist)
             metrics.log(step, step_metrics)
             if _should_checkpoint(step, config):
@@ -376,6 +409,17 @@ def train(config: TrainerConfig) -> None:
     torch_dist.barrier()
     logger.info("training finished at step %d; metrics in %s", config.num_steps, run_dir / "metrics.jsonl")
     torch_dist.destroy_process_group()
+
+
+def start_generation(model: torch.nn.Module, pusher: WeightPusher, feeder: PromptFeeder, start_step: int,
+                     config: TrainerConfig) -> None:
+    """Publish our weights as version start_step, then submit the steps they are recent enough for.
+
+    Collective (the push). Workers may hold other weights (the base model, or a previous run's):
+    the run starts from its own, also when resuming.
+    """
+    pusher.push(model, version=start_step, initial=True)
+    feeder.submit_through(last_step_to_submit(start_step, config))
 
 
 def _should_checkpoint(step: int, config: TrainerConfig) -> bool:
@@ -408,7 +452,8 @@ def _make_batcher(config: TrainerConfig, dist: DistInfo):
 
 
 def run_step(step, model, optimizer, scheduler, batcher, pusher, feeder, config: TrainerConfig, dist: DistInfo) -> dict[str, float]:
-    """One optimizer step: train on its minibatches, step, push weights, submit the next prompts."""
+    """One optimizer step: train on its minibatches, step, push weights, submit the prompts that
+    the pushed weights are recent enough for (none when this step does not push)."""
     import ray
 
     step_start = time.perf_counter()
@@ -431,9 +476,11 @@ def run_step(step, model, optimizer, scheduler, batcher, pusher, feeder, config:
     push_s = 0.0
     if version % config.push_every == 0 or version == config.num_steps:
         push_s = pusher.push(model, version)
-    next_step = step + config.max_lag + 1
-    if next_step < config.num_steps:
-        feeder.submit(next_step)
+        # Right after the push, so generation of the released steps overlaps what follows. Steps
+        # up to this one were submitted before they trained.
+        last_step = last_step_to_submit(version, config)
+        if last_step > step:
+            feeder.submit_through(last_step)
     batcher_stats = ray.get(batcher.stats.remote(step)) if dist.rank == 0 else {}
     return acc.finalize(
         dist=dist,

@@ -77,7 +77,10 @@ class BatcherConfig:
     old_logprobs; None skips logprob requests."""
     max_lag: int = 1
     """Most weight versions a rollout may lag the step that trains on it (step - weight_version);
-    staler rollouts are dropped from the loss and counted in `dropped_stale`."""
+    staler rollouts are dropped from the loss and counted in `dropped_stale`. The batcher starts
+    a step's prompts as soon as they are submitted: the submitter must wait until weights of
+    version >= step - max_lag are served (the trainer submits after publishing them), or every
+    rollout of the step is dropped."""
     reorder_window: int = 16
     """Rollouts the packer holds back to choose a best fit for the open minibatch (0: place each
     rollout on arrival). Raises minibatch fill; see benchmarks/batcher.py for the figures."""

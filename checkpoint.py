@@ -3,7 +3,7 @@
 Layout of run_dir/checkpoints/step_000010/:
     config.json, model.safetensors, tokenizer files   (loadable by vLLM and transformers)
     optimizer.pt        full (unsharded) AdamW state, tensors only (loaded with weights_only=True)
-    rng_rank{r}.pt      each rank's torch RNG state
+    rng_rank{r}.pt      each rank's torch RNG states: {"cpu": ..., "cuda": ... (on GPU ranks)}
     trainer_state.json  step, sampler position, scheduler state (written last)
 
 Everything is written into `step_000010.tmp` and renamed into place once complete, so a crash
@@ -79,6 +79,27 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _rng_state() -> dict[str, torch.Tensor]:
+    """This process's torch RNG states: the CPU generator and, on a GPU rank, its device's.
+
+    Python's and numpy's global generators are not saved: the trainer draws from neither (the data
+    sampler keeps its own seeded generator, whose position is in trainer_state.json).
+    """
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(saved: dict[str, torch.Tensor] | torch.Tensor) -> None:
+    """Restore what _rng_state saved (or a bare CPU state, the format of earlier checkpoints)."""
+    if isinstance(saved, torch.Tensor):
+        saved = {"cpu": saved}
+    torch.set_rng_state(saved["cpu"])
+    if "cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state(saved["cuda"])
+
+
 def save_checkpoint(run_dir: Path, model, optimizer, scheduler, state: TrainerState, source_model_path: str,
                     dist, *, keep: int) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path."""
@@ -92,7 +113,7 @@ def save_checkpoint(run_dir: Path, model, optimizer, scheduler, state: TrainerSt
     optim_state = get_optimizer_state_dict(
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
-    torch.save(torch.get_rng_state(), tmp / f"rng_rank{dist.rank}.pt")
+    torch.save(_rng_state(), tmp / f"rng_rank{dist.rank}.pt")
     torch_dist.barrier()  # every rank's files are in tmp before rank 0 renames it into place
     if dist.rank == 0:
         torch.save(optim_state, tmp / "optimizer.pt")
@@ -127,5 +148,8 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, dist) -> TrainerSta
     scheduler.load_state_dict(state.scheduler_state)
     rng_file = path / f"rng_rank{dist.rank}.pt"
     if rng_file.is_file():
-        torch.set_rng_state(torch.load(rng_file, weights_only=True))
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    else:
+        logger.warning("%s has no RNG state for rank %d (saved with fewer ranks?): keeping this run's seed",
+                       path, dist.rank)
     return state

@@ -28,6 +28,7 @@ import torch.distributed as torch_dist
 
 from checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from dataset import DatasetConfig, InfiniteDistributedSampler, load_prompts
+from evaluation import EvalConfig, Evaluator
 from grpo_loss import LossConfig, grpo_loss
 from metrics import MetricsLogger, StepAccumulator
 from run_config import load_config, save_config
@@ -44,7 +45,7 @@ from setup_model import (
     load_tokenizer,
     local_shard_blobs,
 )
-from vllm_experience_batcher import BatcherConfig, EndOfStep, Minibatch, get_or_create_batcher
+from vllm_experience_batcher import BatcherConfig, EndOfStep, Minibatch, RayRegistryClient, get_or_create_batcher
 from vllm_registry import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name
 from vllm_worker import SEED_BOUND, SamplingConfig
 from weight_sync import WeightUpdate, get_or_create_shard_stager, state_dict_to_blobs
@@ -71,6 +72,9 @@ class TrainerConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Rollout sampling (n per prompt, temperature, max_tokens, seed) and advantage options.
     An unset sampling.seed is filled in from `seed` (see seed_sampling)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Periodic greedy accuracy (and pass@k) on held-out prompts through the generation workers
+    (`eval.data.path`, `eval.every`; off by default). Rank 0 evaluates the weights just pushed."""
     num_steps: int = 100
     """Optimizer steps to train for (a resumed run continues up to this total)."""
     prompts_per_rank: int = 8
@@ -374,6 +378,9 @@ def train(config: TrainerConfig) -> None:
 
     tokenizer = load_tokenizer(config.model.model_path)
     prompts = load_prompts(config.data, tokenizer)
+    # Loaded before the model is built, so a bad evaluation file fails before any expensive start-up.
+    evaluator = (Evaluator.load(config.eval, config.data, config.sampling, tokenizer)
+                 if dist.rank == 0 and config.eval.enabled else None)
     sampler = InfiniteDistributedSampler(len(prompts), dist.rank, dist.world_size, config.seed)
     checkpoint = latest_checkpoint(run_dir) if config.resume else None
     # A checkpoint is a full HF model directory: resuming loads the policy straight from it.
@@ -398,6 +405,8 @@ def train(config: TrainerConfig) -> None:
                 # ranks would wait on the batcher for message_timeout_s instead of failing here.
                 raise RuntimeError(f"step {step} would train before its prompts were submitted")
             step_metrics = run_step(step, model, optimizer, scheduler, batcher, pusher, feeder, config, dist)
+            if evaluator is not None and config.eval.is_due(step, config.num_steps):
+                step_metrics.update(evaluate(evaluator, step, config))
             metrics.log(step, step_metrics)
             if _should_checkpoint(step, config):
                 state = TrainerState(step=step + 1, sampler_state=feeder.sampler_state_at_step[step + 1]
@@ -409,6 +418,14 @@ def train(config: TrainerConfig) -> None:
     torch_dist.barrier()
     logger.info("training finished at step %d; metrics in %s", config.num_steps, run_dir / "metrics.jsonl")
     torch_dist.destroy_process_group()
+
+
+def evaluate(evaluator: Evaluator, step: int, config: TrainerConfig) -> dict[str, float]:
+    """Rank 0: evaluate the weights the workers serve after this step's push. The other ranks
+    meanwhile wait in the next step's first collective (well inside dist_timeout_s)."""
+    if (step + 1) % config.push_every != 0 and step + 1 != config.num_steps:
+        logger.info("step %d: evaluating the last pushed weights (push_every=%d)", step, config.push_every)
+    return evaluator.run(RayRegistryClient(_registry(GENERATION))).metrics()
 
 
 def start_generation(model: torch.nn.Module, pusher: WeightPusher, feeder: PromptFeeder, start_step: int,

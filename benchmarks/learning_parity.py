@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -130,6 +130,22 @@ class ReferenceGRPO:
                 break
         self.model.train()
         return outputs
+
+    @torch.no_grad()
+    def greedy_accuracy(self, prompts: list[Sample]) -> float:
+        """Share of prompts whose greedy completion earns the full reward."""
+        outputs: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        self.model.eval()
+        for _ in range(self.config.sampling.max_tokens):
+            ids, mask, positions = self._padded([p.input_token_ids + o for p, o in zip(prompts, outputs)])
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            for i, token in enumerate(logits[:, -1].argmax(dim=-1).tolist()):
+                if not done[i]:
+                    outputs[i].append(token)
+                    done[i] = token == self.eos
+        self.model.train()
+        return sum(self.reward(o, p.gt_answer) >= 1.0 for o, p in zip(outputs, prompts)) / len(prompts)
 
     def _sampling_probs(self, logits: torch.Tensor) -> torch.Tensor:
         sampling = self.config.sampling
@@ -249,8 +265,9 @@ class ReferenceGRPO:
 
 
 def run_reference(config: TrainerConfig, model_dir: Path, seed: int, num_steps: int, world_size: int,
-                  out: Path) -> list[dict[str, float]]:
-    """The reference loop for num_steps; records written to out as JSONL."""
+                  out: Path, eval_path: Path | None = None) -> list[dict[str, float]]:
+    """The reference loop for num_steps; records written to out as JSONL. With eval_path, the
+    last record carries the greedy accuracy on those prompts as eval/accuracy."""
     loop = ReferenceGRPO(config, model_dir, world_size, seed)
     records = []
     began = time.perf_counter()
@@ -266,6 +283,10 @@ def run_reference(config: TrainerConfig, model_dir: Path, seed: int, num_steps: 
                 recent = [r["reward/mean"] for r in records[-WINDOW:]]
                 logger.info("reference seed %d step %d: %d-step mean reward %.3f (%.2f s/step)", seed,
                             record["step"], WINDOW, sum(recent) / len(recent), record["timing/step_s"])
+        if eval_path is not None:
+            eval_prompts = load_prompts(replace(config.data, path=str(eval_path)), loop.tokenizer)
+            records[-1]["eval/accuracy"] = loop.greedy_accuracy(eval_prompts)
+            f.write(json.dumps({"final_eval_accuracy": records[-1]["eval/accuracy"]}) + "\n")
     return records
 
 
@@ -299,10 +320,17 @@ def samples_per_s(records: list[dict[str, float]], key_samples: str) -> float:
     return total / sum(r["timing/step_s"] for r in records)
 
 
+def final_eval_accuracy(records: list[dict[str, float]]) -> float | None:
+    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+    return evals[-1] if evals else None
+
+
 def describe(name: str, records: list[dict[str, float]], key_samples: str) -> str:
     reached = ", ".join(f"{t}: step {first_step_at(records, t)}" for t in THRESHOLDS)
+    accuracy = final_eval_accuracy(records)
+    evaluated = "" if accuracy is None else f"; final greedy eval accuracy {accuracy:.3f}"
     return (f"{name:9s} last-{PARITY_TAIL} mean reward {tail_mean(records):.3f}; {WINDOW}-step mean first >= "
-            f"{reached}; {samples_per_s(records, key_samples):.0f} samples/s; median step "
+            f"{reached}{evaluated}; {samples_per_s(records, key_samples):.0f} samples/s; median step "
             f"{statistics.median(r['timing/step_s'] for r in records):.3f} s")
 
 
@@ -330,6 +358,11 @@ def main() -> None:
     parser.add_argument("--num_steps", type=int, default=None, help="default: the config's num_steps")
     parser.add_argument("--world_size", type=int, default=2, help="the system's trainer ranks")
     parser.add_argument("--only", choices=("reference", "system", "both"), default="both")
+    parser.add_argument("--eval_data", type=Path, default=None,
+                        help="prompt JSONL for a final greedy accuracy (the system evaluates per its config)")
+    parser.add_argument("--system_runs", type=Path, default=None,
+                        help="take the system's runs from <dir>/demo-seed<seed> (e.g. runs/, after "
+                             "scripts/demo_seeds.sh) instead of starting them")
     parser.add_argument("--out_dir", type=Path, default=REPO_ROOT / "runs/learning_parity")
     parser.add_argument("--print_every", type=int, default=50)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the reference loop")
@@ -346,9 +379,12 @@ def main() -> None:
         runs: dict[str, list[dict[str, float]]] = {}
         if args.only in ("reference", "both"):
             runs["reference"] = run_reference(seeded, args.model_dir, seed, args.num_steps, args.world_size,
-                                              args.out_dir / f"reference_seed{seed}.jsonl")
+                                              args.out_dir / f"reference_seed{seed}.jsonl", args.eval_data)
         if args.only in ("system", "both"):
-            runs["system"] = run_system(args, seed, args.out_dir / f"system_seed{seed}")
+            if args.system_runs is not None:
+                runs["system"] = read_metrics(args.system_runs / f"demo-seed{seed}" / "metrics.jsonl")[:args.num_steps]
+            else:
+                runs["system"] = run_system(args, seed, args.out_dir / f"system_seed{seed}")
         print_curves(seed, runs, args.print_every)
         keys = {"reference": "samples", "system": "counts/samples"}
         for name, records in runs.items():

@@ -6,7 +6,10 @@
 2. Warms it up with supervised steps on "a+b=" followed by a *random* number (0-18) and EOS. The
    random answers teach the shape of an answer (digits, then stop) but not arithmetic, so the
    GRPO run starts at chance level (about 1 in 19 correct) and any rise is learned from rewards.
-3. Writes the arithmetic prompt set (dataset.write_arithmetic_dataset).
+3. Writes the training prompts (dataset.write_arithmetic_dataset) and the evaluation table
+   (dataset.write_arithmetic_table: each of the 100 single-digit sums exactly once). The task has
+   only 100 distinct problems and the training prompts cover them all, so the evaluation measures
+   greedy accuracy on the whole task, not generalisation to unseen problems.
 
 The SFT loss is the mean negative logprob of the answer tokens, computed with the trainer's own
 packed path (TokenLogprobModel), and the model is saved with save_pretrained (safetensors).
@@ -24,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dataset import write_arithmetic_dataset  # noqa: E402
+from dataset import write_arithmetic_dataset, write_arithmetic_table  # noqa: E402
 from sample_processing_utils import Sample, get_input_for_logprobs  # noqa: E402
 from setup_model import TinyModelConfig, TokenLogprobModel, load_causal_lm, load_tokenizer, write_tiny_model  # noqa: E402
 
@@ -77,7 +80,8 @@ def main() -> None:
     warm_up_format(model_dir, args.warmup_steps, args.warmup_batch_size, args.warmup_lr, args.seed)
     data_path = args.out_dir / "arithmetic.jsonl"
     write_arithmetic_dataset(data_path, num_samples=args.num_prompts, seed=args.seed)
-    print(f"model: {model_dir}\ndata: {data_path}")
+    eval_path = write_arithmetic_table(args.out_dir / "arithmetic_eval.jsonl")
+    print(f"model: {model_dir}\ndata: {data_path}\neval: {eval_path}")
 
 
 if __name__ == "__main__":

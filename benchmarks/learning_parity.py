@@ -296,7 +296,7 @@ def run_system(args: argparse.Namespace, seed: int, run_dir: Path) -> list[dict[
                "--run_dir", str(run_dir), "--nproc_per_node", str(args.world_size), "--",
                "--config", str(args.config), "--data.path", str(args.data), "--seed", str(seed),
                "--num_steps", str(args.num_steps), "--progress_bar", "false", "--tensorboard", "false",
-               "--checkpoint_every", "0", *args.trainer_args]
+               "--checkpoint_every", "0", *args.eval_args, *args.trainer_args]
     logger.info("system seed %d: %s", seed, " ".join(command))
     log = run_dir.with_suffix(".log")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -371,6 +371,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     base = ["--config", str(args.config), "--data.path", str(args.data), "--model.model_path", str(args.model_dir)]
+    # The system evaluates per its config when given the held-out file; without one, it does not.
+    args.eval_args = ["--eval.data.path", str(args.eval_data)] if args.eval_data else ["--eval.every", "0"]
+    base += args.eval_args
     config = load_config(TrainerConfig, base + args.trainer_args)
     args.num_steps = args.num_steps or config.num_steps
     summary = []

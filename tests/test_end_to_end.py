@@ -29,17 +29,17 @@ WORLD_SIZE = 2
 # Small steps keep each run to tens of seconds on 2 cores: 2 ranks x 4 prompts x 4 rollouts.
 FAST_RUN = ["--prompts_per_rank", "4", "--sampling.n", "4", "--sampling.max_tokens", "4",
             "--max_tokens_per_gpu", "256", "--progress_bar", "false", "--tensorboard", "false",
-            "--data.max_prompt_tokens", "16"]
+            "--data.max_prompt_tokens", "16", "--eval.every", "0"]
 TRAINER_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
 def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo's starting model (format warm-up only) and arithmetic prompts."""
+    """The demo's starting model (its format warm-up only) and arithmetic prompts."""
     out = tmp_path_factory.mktemp("demo-assets")
     subprocess.run(
         [sys.executable, str(REPO_ROOT / "scripts" / "prepare_demo.py"), "--out_dir", str(out),
-         "--warmup_steps", "150", "--num_prompts", "500"],
+         "--num_prompts", "500"],
         check=True, cwd=REPO_ROOT, timeout=900,
     )
     return out
@@ -106,9 +106,19 @@ def test_cluster_listens_on_loopback_only(cluster: LocalCluster) -> None:
 def test_few_steps_train_push_and_log(cluster: LocalCluster, demo_assets: Path, tmp_path: Path) -> None:
     # 8 rollouts per prompt: the warmed-up model scores ~7%, so with 4 a whole step often has only
     # equal-reward groups (advantage 0, and at step 0 the KL term's gradient is 0 too).
+    from dataset import write_arithmetic_table
+
+    table = write_arithmetic_table(tmp_path / "eval.jsonl", max_operand=2)  # 9 held-out prompts
     records = _train(cluster, demo_assets, tmp_path / "run", "--num_steps", "3", "--max_lag", "1",
-                     "--sampling.n", "8")
+                     "--sampling.n", "8", "--eval.every", "2", "--eval.data.path", str(table),
+                     "--eval.pass_k", "2")
     assert [r["step"] for r in records] == [0, 1, 2]
+    # Evaluated after step 1 (every 2) and after the last step, on the weights pushed by then.
+    assert ["eval/accuracy" in r for r in records] == [False, True, True]
+    for record in records[1:]:
+        assert record["eval/num_prompts"] == 9
+        assert 0.0 <= record["eval/accuracy"] <= 1.0 and 0.0 <= record["eval/pass@2"] <= 1.0
+        assert record["eval/weight_version"] == record["step"] + 1
     for record in records:
         assert record["counts/samples"] == WORLD_SIZE * 4 * 8 - record["counts/dropped_stale"]
         assert 0 <= record["counts/zero_advantage_samples"] <= record["counts/samples"]

@@ -21,11 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -51,6 +46,7 @@ from setup_model import (
     lr_factor,
     write_tiny_model,
 )
+from torchrun_launch import run_worker
 from weight_sync import assemble_state_dict
 
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
@@ -99,34 +95,9 @@ def _build_samples(model_dir: Path, num_samples: int, seed: int) -> list[Sample]
     return samples
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(worker_args: list[str], out_dir: Path, nproc: int | None) -> None:
     """Run the worker (torchrun with nproc ranks, or plain python when nproc is None)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    if nproc is None:
-        launcher = [sys.executable]
-    else:
-        port = _free_port()
-        env["MASTER_PORT"] = str(port)
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                    "--master_addr=127.0.0.1", f"--master_port={port}"]
-    cmd = launcher + [str(WORKER), "--out_dir", str(out_dir)] + worker_args
-    # A session of its own, so a hung launch is killed with all its ranks, not just torchrun.
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, text=True, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{stdout[-4000:]}\n{stderr[-8000:]}")
+    run_worker(WORKER, ["--out_dir", str(out_dir)] + worker_args, nproc, LAUNCH_TIMEOUT_S)
 
 
 def _launch_spec(spec: dict, out_dir: Path, nproc: int | None) -> None:

@@ -183,6 +183,14 @@ def test_process_killed_mid_sample_is_reported_and_replaced() -> None:
 
 
 def test_ray_actor_is_shared_and_sized_by_first_caller(ray_local) -> None:
+    from vllm_registry import RAY_NAMESPACE
+
+    # The pool is detached and the Ray fixture session-wide: a generation worker started by an
+    # earlier test may have created it. Remove it, so this test's call is really the first.
+    try:
+        ray_local.kill(ray_local.get_actor(VERIFIER_POOL_ACTOR_NAME, namespace=RAY_NAMESPACE))
+    except ValueError:
+        pass
     handle = get_or_create_verifier_pool(num_processes=1, timeout_s=NORMAL_TIMEOUT_S)
     try:
         results = ray_local.get(handle.score.remote(["\\boxed{7}", "\\boxed{8}", "nothing"], "7"))
@@ -190,8 +198,6 @@ def test_ray_actor_is_shared_and_sized_by_first_caller(ray_local) -> None:
         same = get_or_create_verifier_pool(num_processes=3, timeout_s=1.0)
         assert ray_local.get(same.stats.remote())["num_processes"] == 1
         assert ray_local.get(same.stats.remote())["scored"] == 3
-        from vllm_registry import RAY_NAMESPACE
-
         assert ray_local.get_actor(VERIFIER_POOL_ACTOR_NAME, namespace=RAY_NAMESPACE) is not None
     finally:
         ray_local.kill(handle)

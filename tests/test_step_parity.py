@@ -44,11 +44,6 @@ clipped term wins for a good share of the tokens, so both branches of the object
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,6 +54,7 @@ from transformers import AutoModelForCausalLM
 from grpo_loss import LossConfig
 from sample_processing_utils import Sample
 from setup_model import OptimConfig
+from torchrun_launch import run_worker
 
 WORKER = Path(__file__).resolve().parent / "step_parity_worker.py"
 REPO_ROOT = WORKER.parent.parent
@@ -282,31 +278,11 @@ def build_samples(model_dir: Path, seed: int) -> list[Sample]:
     return samples
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_worker(spec: dict, out_dir: Path) -> None:
     """torchrun the worker on WORLD_SIZE ranks (127.0.0.1, a free port); raise with its output on failure."""
     spec_path = out_dir / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    port = _free_port()
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD_SIZE}", "--master_addr=127.0.0.1",
-           f"--master_port={port}", str(WORKER), "--spec", str(spec_path), "--out_dir", str(out_dir)]
-    # A session of its own, so a hung launch is killed with all its ranks, not just torchrun.
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, text=True, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{stdout[-4000:]}\n{stderr[-8000:]}")
+    run_worker(WORKER, ["--spec", str(spec_path), "--out_dir", str(out_dir)], WORLD_SIZE, LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -127,6 +127,23 @@ def markdown_table(summaries: list[RunSummary]) -> str:
     return "\n".join(rows)
 
 
+TIMING_KEYS = ("timing/step_s", "timing/wait_s", "timing/train_s", "timing/push_s",
+               "timing/batcher_generate_s_mean", "timing/batcher_logprob_s_mean", "perf/samples_per_s")
+
+
+def timing_line(run_dirs: list[Path]) -> str:
+    """Medians over every step of every run: where a step's time goes, and what an evaluation costs.
+    `rest` is step - wait - train - push (optimizer steps, metrics, the batcher's stats call)."""
+    records = [r for run in run_dirs for r in read_metrics(run / "metrics.jsonl")]
+    medians = {k.split("/", 1)[1]: statistics.median(r[k] for r in records if k in r) for k in TIMING_KEYS}
+    medians["rest_s"] = statistics.median(
+        r["timing/step_s"] - r["timing/wait_s"] - r["timing/train_s"] - r["timing/push_s"] for r in records)
+    evals = [r["eval/time_s"] for r in records if "eval/time_s" in r]
+    if evals:
+        medians["eval_time_s"] = statistics.median(evals)
+    return "medians over all steps: " + " ".join(f"{k}={v:.3f}" for k, v in medians.items())
+
+
 def machine_line() -> str:
     cpu = platform.processor() or "unknown CPU"
     cpuinfo = Path("/proc/cpuinfo")
@@ -180,11 +197,13 @@ def main() -> None:
     summaries = [summarize_run(run) for run in args.runs]
     for s in summaries:
         print("[demo]", summary_line(s))
+    timing = timing_line(args.runs)
+    print("[demo]", timing)
     if args.out_md:
         text = [f"Measured {machine_line()}.", ""]
         if args.command:
             text += [f"Command: `{args.command}`", ""]
-        text += [markdown_table(summaries), ""]
+        text += [markdown_table(summaries), "", f"Step time, {timing}", ""]
         args.out_md.parent.mkdir(parents=True, exist_ok=True)
         args.out_md.write_text("\n".join(text))
         print(f"[demo] wrote {args.out_md}")

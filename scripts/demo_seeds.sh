@@ -19,4 +19,4 @@ for seed in $SEEDS; do
   runs+=("$run")
 done
 .venv/bin/python scripts/demo_report.py --runs "${runs[@]}" --out_md "$OUT_MD" --out_png "$OUT_PNG" \
-  --command "SEEDS=\"$SEEDS\" bash scripts/demo_seeds.sh $*"
+  --command "SEEDS=\"$SEEDS\" bash scripts/demo_seeds.sh${*:+ $*}"

@@ -219,6 +219,12 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
+def first_reached(records: Sequence[dict[str, Any]], target: float, window: int = 10) -> int | None:
+    """Index of the first record whose trailing window-step mean reward (a full window) is >= target."""
+    smoothed = moving_average([r["reward/mean"] for r in records], window)
+    return next((i for i in range(window - 1, len(smoothed)) if smoothed[i] >= target), None)
+
+
 def summarize_reward(records: Sequence[dict[str, Any]], window: int = 10, target: float = 0.6) -> str:
     """One line: reward at the start and end (window-step means) and when the mean first reached target."""
     rewards = [r["reward/mean"] for r in records]
@@ -227,7 +233,7 @@ def summarize_reward(records: Sequence[dict[str, Any]], window: int = 10, target
     line = (f"reward {smoothed[span - 1]:.3f} (mean of steps 0-{span - 1}) -> {smoothed[-1]:.3f} "
             f"(mean of the last {span} steps, step {records[-1]['step']}, "
             f"{records[-1]['time_s'] / 60:.1f} min)")
-    reached = next((i for i in range(window - 1, len(smoothed)) if smoothed[i] >= target), None)
+    reached = first_reached(records, target, window)
     if reached is None:
         return line + f"; the {window}-step mean never reached {target}"
     r = records[reached]

@@ -420,10 +420,16 @@ def train(config: TrainerConfig) -> None:
     torch_dist.destroy_process_group()
 
 
+def pushes_after(step: int, config: TrainerConfig) -> bool:
+    """Whether weights are published after `step`: every push_every steps, and after the last."""
+    version = step + 1
+    return version % config.push_every == 0 or version == config.num_steps
+
+
 def evaluate(evaluator: Evaluator, step: int, config: TrainerConfig) -> dict[str, float]:
     """Rank 0: evaluate the weights the workers serve after this step's push. The other ranks
     meanwhile wait in the next step's first collective (well inside dist_timeout_s)."""
-    if (step + 1) % config.push_every != 0 and step + 1 != config.num_steps:
+    if not pushes_after(step, config):
         logger.info("step %d: evaluating the last pushed weights (push_every=%d)", step, config.push_every)
     return evaluator.run(RayRegistryClient(_registry(GENERATION))).metrics()
 
@@ -491,7 +497,7 @@ def run_step(step, model, optimizer, scheduler, batcher, pusher, feeder, config:
         grad_norm = 0.0
     version = step + 1
     push_s = 0.0
-    if version % config.push_every == 0 or version == config.num_steps:
+    if pushes_after(step, config):
         push_s = pusher.push(model, version)
         # Right after the push, so generation of the released steps overlaps what follows. Steps
         # up to this one were submitted before they trained.

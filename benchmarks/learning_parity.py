@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from dataset import InfiniteDistributedSampler, load_prompts  # noqa: E402
 from math_verifier import score_completion  # noqa: E402
-from metrics import moving_average, read_metrics  # noqa: E402
+from metrics import first_reached, moving_average, read_metrics  # noqa: E402
 from run_config import load_config  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
 from trainer_core import TrainerConfig  # noqa: E402
@@ -305,8 +305,8 @@ def run_system(args: argparse.Namespace, seed: int, run_dir: Path) -> list[dict[
 
 
 def first_step_at(records: list[dict[str, float]], threshold: float) -> int | None:
-    smoothed = moving_average([r["reward/mean"] for r in records], WINDOW)
-    return next((records[i]["step"] for i in range(WINDOW - 1, len(smoothed)) if smoothed[i] >= threshold), None)
+    index = first_reached(records, threshold, WINDOW)
+    return None if index is None else records[index]["step"]
 
 
 def tail_mean(records: list[dict[str, float]]) -> float:

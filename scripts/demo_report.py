@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from metrics import moving_average, read_metrics  # noqa: E402
+from metrics import first_reached, moving_average, read_metrics  # noqa: E402
 
 WINDOW = 10  # the README's "10-step mean reward"
 THRESHOLDS = (0.5, 0.6, 0.9)
@@ -69,7 +69,7 @@ def summarize_run(run_dir: Path) -> RunSummary:
     smoothed = moving_average([r["reward/mean"] for r in records], WINDOW)
     reached: dict[float, tuple[int, float] | None] = {}
     for threshold in THRESHOLDS:
-        i = next((i for i in range(WINDOW - 1, len(smoothed)) if smoothed[i] >= threshold), None)
+        i = first_reached(records, threshold, WINDOW)
         reached[threshold] = None if i is None else (records[i]["step"], minutes(records[i]))
     evals = [r[EVAL_ACCURACY] for r in records if EVAL_ACCURACY in r]
     config_seed = _config_seed(run_dir)

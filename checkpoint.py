@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from setup_model import export_hf_checkpoint
+from weight_sync import export_hf_checkpoint
 
 logger = logging.getLogger(__name__)
 

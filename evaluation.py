@@ -29,7 +29,7 @@ from typing import Awaitable, Iterable, Sequence, TypeVar
 from dataset import DatasetConfig, PromptTokenizer, load_prompts
 from sample_processing_utils import Sample
 from vllm_experience_batcher import RequestClient
-from vllm_worker import SamplingConfig
+from sampling import SamplingConfig
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ray_env import RAY_NAMESPACE, REPO_ROOT, actor_runtime_env, repo_pythonpath
+
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent
 REGISTERED_MARKER = "registered"  # worker_dispatcher prints `worker <name> registered` when ready
 _POLL_S = 0.5  # how often the launcher looks at dispatcher logs while waiting
 _STOP_GRACE_S = 30.0  # how long a stopped trainer gets to exit before SIGKILL
@@ -103,7 +104,7 @@ def init_local_ray(*, num_cpus: int, namespace: str, log_to_driver: bool) -> str
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         namespace=namespace,
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
+        runtime_env=actor_runtime_env(),
         _system_config={"enable_metrics_collection": False},
         log_to_driver=log_to_driver,
     )
@@ -126,8 +127,6 @@ class LocalCluster:
         self._dispatchers: list[tuple[str, subprocess.Popen, Path]] = []
 
     def __enter__(self) -> "LocalCluster":
-        from vllm_registry import RAY_NAMESPACE
-
         Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
         self.address = init_local_ray(num_cpus=self.config.num_cpus, namespace=RAY_NAMESPACE, log_to_driver=False)
         logger.info("Ray head at %s (127.0.0.1 only, no dashboard)", self.address)
@@ -137,7 +136,7 @@ class LocalCluster:
         """Environment for child processes: join this cluster, import this repo."""
         env = dict(os.environ)
         env["RAY_ADDRESS"] = self.address
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = repo_pythonpath(env.get("PYTHONPATH", ""))
         env["PYTHONUNBUFFERED"] = "1"
         return env
 

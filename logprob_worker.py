@@ -30,8 +30,10 @@ import ray
 import torch
 
 from sample_processing_utils import Sample, get_input_for_logprobs, split_per_sample
-from setup_model import TokenLogprobModel, load_causal_lm, load_state_dict_into
-from vllm_registry import LOGPROB, WorkerHealth
+from setup_model import MODEL_DTYPES, TokenLogprobModel, load_causal_lm
+from weight_sync import load_state_dict_into
+from ray_env import LOGPROB
+from vllm_registry import WorkerHealth
 from weight_sync import WeightUpdate, assemble_state_dict
 
 logger = logging.getLogger(__name__)
@@ -40,11 +42,6 @@ INITIAL_WEIGHT_VERSION = -1  # WorkerHealth's convention for "still the checkpoi
 # Every caller awaits inside the actor until its batch is scored, so the actor must accept far
 # more concurrent calls than one batch holds, or callers would be serialised before batching.
 ACTOR_MAX_CONCURRENCY = 4096
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 _DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -57,7 +54,7 @@ class LogprobWorkerConfig:
     max_tokens_per_gpu: int = 16384
     """Token budget of one packed forward (prompt + output tokens of all samples in it). A single
     sample longer than this still runs, alone, and is counted in stats().oversized_samples.
-    Attention cost follows each sample's own length (flash_attention_2, or setup_model's
+    Attention cost follows each sample's own length (flash_attention_2, or packed_attention's
     packed_sdpa without flash-attn), so larger budgets amortise more per-forward overhead;
     benchmarks/logprob_batching.py sweeps it (on the 2-core CPU: 1.0x / 1.19x / 1.27x at
     512 / 1024 / 2048 tokens)."""
@@ -84,8 +81,8 @@ class LogprobWorkerConfig:
             raise ValueError(f"LogprobWorkerConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         if self.device not in _DEVICES:
             raise ValueError(f"LogprobWorkerConfig.device must be one of {_DEVICES}, got {self.device!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"LogprobWorkerConfig.dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"LogprobWorkerConfig.dtype must be one of {tuple(MODEL_DTYPES)}, got {self.dtype!r}")
 
 
 @dataclass(slots=True)
@@ -210,7 +207,7 @@ class LogprobWorker:
         causal_lm = load_causal_lm(
             config.model_path,
             device=self.device,
-            dtype=_DTYPES[config.dtype],
+            dtype=MODEL_DTYPES[config.dtype],
             attn_implementation=config.attn_implementation,
         )
         self.model = TokenLogprobModel(causal_lm, logprob_chunk_size=config.logprob_chunk_size).eval()

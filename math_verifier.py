@@ -54,7 +54,6 @@ from typing import Any, Sequence
 
 logger = logging.getLogger(__name__)
 
-VERIFIER_POOL_ACTOR_NAME = "math-verifier-pool"
 # A new process warms math-verify's LaTeX parser (~0.2 s from the forkserver; the server's own
 # first start imports sympy, a few seconds on a busy machine or in a Ray worker); past this it is broken.
 _STARTUP_TIMEOUT_S = 120.0
@@ -535,7 +534,7 @@ def get_or_create_verifier_pool(num_processes: int, timeout_s: float):
     """
     import ray
 
-    from vllm_registry import RAY_NAMESPACE
+    from ray_env import RAY_NAMESPACE, VERIFIER_POOL_ACTOR_NAME
 
     actor_cls = ray.remote(VerifierPoolActor)
     return actor_cls.options(

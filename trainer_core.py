@@ -15,44 +15,37 @@ loss of all samples at once.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
+import ray
 import torch
 import torch.distributed as torch_dist
+from ray.actor import ActorHandle
+from torch.optim.lr_scheduler import LRScheduler
 
 from checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from dataset import DatasetConfig, InfiniteDistributedSampler, load_prompts
 from evaluation import EvalConfig, Evaluator
+from fsdp_setup import DistInfo, build_training_model, init_distributed
 from grpo_loss import LossConfig, grpo_loss
 from metrics import MetricsLogger, StepAccumulator
+from optimizer import OptimConfig, build_optimizer, build_scheduler
+from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, actor_runtime_env, registry_name
 from run_config import load_config, save_config
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
-from setup_model import (
-    DistInfo,
-    ModelConfig,
-    OptimConfig,
-    build_optimizer,
-    build_scheduler,
-    build_training_model,
-    gather_full_state_dict,
-    init_distributed,
-    load_tokenizer,
-    local_shard_blobs,
-)
+from sampling import SEED_BOUND, SamplingConfig
+from setup_model import ModelConfig, TokenLogprobModel, load_tokenizer
 from vllm_experience_batcher import BatcherConfig, EndOfStep, Minibatch, RayRegistryClient, get_or_create_batcher
-from vllm_registry import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name
-from vllm_worker import SEED_BOUND, SamplingConfig
-from weight_sync import WeightUpdate, get_or_create_shard_stager, state_dict_to_blobs
+from weight_sync import WeightPusher
 
 logger = logging.getLogger(__name__)
-
-REPO_ROOT = Path(__file__).resolve().parent
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -173,20 +166,16 @@ def _setup_logging(rank: int) -> None:
 
 
 def _connect_ray(config: TrainerConfig) -> None:
-    import ray
-
     ray.init(
         address=config.ray_address,
         namespace=RAY_NAMESPACE,
         log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
+        runtime_env=actor_runtime_env(),
     )
 
 
-def _registry(kind: str):
+def _registry(kind: str) -> ActorHandle:
     """The named registry of a worker kind, with an error that says how to start workers."""
-    import ray
-
     try:
         return ray.get_actor(registry_name(kind), namespace=RAY_NAMESPACE)
     except ValueError:
@@ -196,42 +185,12 @@ def _registry(kind: str):
         ) from None
 
 
-class WeightPusher:
-    """Publishes the trainer's weights to every inference worker after a step."""
-
-    def __init__(self, config: TrainerConfig, dist: DistInfo) -> None:
-        self._mode = config.weight_push_mode
-        self._dist = dist
-        self._timeout_s = config.message_timeout_s
-        kinds = [GENERATION] + ([LOGPROB] if config.logprob_role == "old_policy" else [])
-        self._registries = [_registry(kind) for kind in kinds] if dist.rank == 0 else []
-        self._stager = get_or_create_shard_stager(RAY_NAMESPACE) if self._mode == "sharded" else None
-
-    def push(self, model: torch.nn.Module, version: int, initial: bool = False) -> float:
-        """Collective: every rank calls it. Returns seconds spent."""
-        import ray
-
-        start = time.perf_counter()
-        if self._mode == "gather":
-            state = gather_full_state_dict(model)
-            own_ref = ray.put(state_dict_to_blobs(state)) if self._dist.rank == 0 else None
-            refs = [own_ref]
-        else:
-            own_ref = ray.put(local_shard_blobs(model))
-            ray.get(self._stager.stage.remote(version, self._dist.rank, [own_ref]))
-            refs = (
-                ray.get(self._stager.collect.remote(version, self._dist.world_size, self._timeout_s))
-                if self._dist.rank == 0
-                else []
-            )
-        if self._dist.rank == 0:
-            update = WeightUpdate(version=version, shard_refs=refs, mode=self._mode, initial=initial)
-            results = ray.get([reg.broadcast.remote("update_weights", update) for reg in self._registries])
-            logger.info("pushed weights v%d (%s) to %d workers", version, self._mode, sum(len(r) for r in results))
-        # Workers fetch shards from every rank's object store: keep own_ref alive until all are done.
-        torch_dist.barrier()
-        del own_ref
-        return time.perf_counter() - start
+def make_weight_pusher(config: TrainerConfig, dist: DistInfo) -> WeightPusher:
+    """The pusher of this rank: rank 0 broadcasts to the registries of every kind that serves
+    the policy (generation; logprob too when it computes old-policy logprobs)."""
+    kinds = [GENERATION] + ([LOGPROB] if config.logprob_role == "old_policy" else [])
+    registries = [_registry(kind) for kind in kinds] if dist.rank == 0 else []
+    return WeightPusher(config.weight_push_mode, dist.rank, dist.world_size, registries, config.message_timeout_s)
 
 
 def last_step_to_submit(published_version: int, config: TrainerConfig) -> int:
@@ -244,8 +203,8 @@ class PromptFeeder:
     """Draws each step's prompts from this rank's shard and submits them to the batcher, in step
     order, each step once."""
 
-    def __init__(self, prompts: list[Sample], sampler: InfiniteDistributedSampler, batcher, config: TrainerConfig,
-                 dist: DistInfo, first_step: int) -> None:
+    def __init__(self, prompts: list[Sample], sampler: InfiniteDistributedSampler, batcher: ActorHandle,
+                 config: TrainerConfig, dist: DistInfo, first_step: int) -> None:
         self._prompts = prompts
         self._sampler = sampler
         self._batcher = batcher
@@ -263,10 +222,6 @@ class PromptFeeder:
             self.next_step += 1
 
     def _submit(self, step: int) -> None:
-        import json
-
-        import ray
-
         self.sampler_state_at_step[step] = self._sampler.state_dict()
         indices = self._sampler.next_batch(self._per_rank)
         samples = [self._prompts[i] for i in indices]
@@ -296,16 +251,14 @@ def _forward_backward(model: torch.nn.Module, batch: PackedBatch, loss_weight: f
 
 
 def train_on_step(
-    model: torch.nn.Module, batcher, step: int, config: TrainerConfig, dist: DistInfo, acc: StepAccumulator,
-    keep: list[KeptMinibatch] | None = None,
+    model: torch.nn.Module, batcher: ActorHandle, step: int, config: TrainerConfig, dist: DistInfo,
+    acc: StepAccumulator, keep: list[KeptMinibatch] | None = None,
 ) -> EndOfStep:
     """Forward/backward every minibatch of this step as it arrives; returns the step's totals.
 
     With `keep`, each minibatch is appended to it for later passes, with this pass's logprobs as
     its old_logprobs when the samples carry none.
     """
-    import ray
-
     while True:
         wait_start = time.perf_counter()
         message = ray.get(batcher.next_message.remote(dist.rank, step), timeout=config.message_timeout_s)
@@ -336,8 +289,8 @@ def train_again(model: torch.nn.Module, kept: list[KeptMinibatch], config: Train
         acc.add_time("train_s", time.perf_counter() - compute_start)
 
 
-def take_gradient_step(model, optimizer, scheduler, end: EndOfStep, max_grad_norm: float,
-                       advance_schedule: bool = True) -> float:
+def take_gradient_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
+                       end: EndOfStep, max_grad_norm: float, advance_schedule: bool = True) -> float:
     """Scale summed gradients to a per-sample mean, clip, step. Returns the pre-clip grad norm."""
     for param in model.parameters():
         if param.grad is not None:
@@ -352,7 +305,8 @@ def take_gradient_step(model, optimizer, scheduler, end: EndOfStep, max_grad_nor
     return float(grad_norm)
 
 
-def _restore(config: TrainerConfig, dist: DistInfo, model, optimizer, scheduler, sampler) -> int:
+def _restore(config: TrainerConfig, dist: DistInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler: LRScheduler, sampler: InfiniteDistributedSampler) -> int:
     """Load the latest complete checkpoint if resuming; returns the first step to run."""
     checkpoint = latest_checkpoint(Path(config.run_dir)) if config.resume else None
     if checkpoint is None:
@@ -391,9 +345,11 @@ def train(config: TrainerConfig) -> None:
     start_step = _restore(config, dist, model, optimizer, scheduler, sampler)
 
     batcher = _make_batcher(config, dist)
-    pusher = WeightPusher(config, dist)
+    pusher = make_weight_pusher(config, dist)
     feeder = PromptFeeder(prompts, sampler, batcher, config, dist, first_step=start_step)
     start_generation(model, pusher, feeder, start_step, config)
+    parts = StepParts(model=model, optimizer=optimizer, scheduler=scheduler, batcher=batcher, pusher=pusher,
+                      feeder=feeder)
 
     metrics = MetricsLogger(run_dir, enabled=dist.rank == 0, tensorboard=config.tensorboard,
                             progress_total=config.num_steps, progress_start=start_step,
@@ -404,7 +360,7 @@ def train(config: TrainerConfig) -> None:
                 # TrainerConfig's max_lag >= push_every - 1 rules this out; were it to happen, the
                 # ranks would wait on the batcher for message_timeout_s instead of failing here.
                 raise RuntimeError(f"step {step} would train before its prompts were submitted")
-            step_metrics = run_step(step, model, optimizer, scheduler, batcher, pusher, feeder, config, dist)
+            step_metrics = run_step(step, parts, config, dist)
             if evaluator is not None and config.eval.is_due(step, config.num_steps):
                 step_metrics.update(evaluate(evaluator, step, config))
             metrics.log(step, step_metrics)
@@ -434,7 +390,7 @@ def evaluate(evaluator: Evaluator, step: int, config: TrainerConfig) -> dict[str
     return evaluator.run(RayRegistryClient(_registry(GENERATION))).metrics()
 
 
-def start_generation(model: torch.nn.Module, pusher: WeightPusher, feeder: PromptFeeder, start_step: int,
+def start_generation(model: torch.nn.Module, pusher: Publisher, feeder: PromptFeeder, start_step: int,
                      config: TrainerConfig) -> None:
     """Publish our weights as version start_step, then submit the steps they are recent enough for.
 
@@ -450,10 +406,8 @@ def _should_checkpoint(step: int, config: TrainerConfig) -> bool:
     return last or (config.checkpoint_every > 0 and (step + 1) % config.checkpoint_every == 0)
 
 
-def _make_batcher(config: TrainerConfig, dist: DistInfo):
+def _make_batcher(config: TrainerConfig, dist: DistInfo) -> ActorHandle:
     """Rank 0 creates the batcher (get-if-exists); the others find it after a barrier."""
-    import ray
-
     batcher_config = BatcherConfig(
         world_size=dist.world_size,
         max_tokens_per_gpu=config.max_tokens_per_gpu,
@@ -474,11 +428,34 @@ def _make_batcher(config: TrainerConfig, dist: DistInfo):
     return batcher
 
 
-def run_step(step, model, optimizer, scheduler, batcher, pusher, feeder, config: TrainerConfig, dist: DistInfo) -> dict[str, float]:
+class Publisher(Protocol):
+    """What run_step needs from a weight pusher (weight_sync.WeightPusher; tests pass stand-ins)."""
+
+    def push(self, model: torch.nn.Module, version: int, initial: bool = False) -> float: ...
+
+
+@dataclass(slots=True)
+class StepParts:
+    """What every step works on, built once by `train`."""
+
+    model: TokenLogprobModel
+    """The FSDP2-sharded policy."""
+    optimizer: torch.optim.Optimizer
+    """Its AdamW."""
+    scheduler: LRScheduler
+    """Its learning-rate schedule, advanced once per step."""
+    batcher: ActorHandle
+    """The ExperienceBatcher actor that sends this rank its minibatches."""
+    pusher: Publisher
+    """Publishes new weights to the inference workers."""
+    feeder: PromptFeeder
+    """Submits each step's prompts to the batcher."""
+
+
+def run_step(step: int, parts: StepParts, config: TrainerConfig, dist: DistInfo) -> dict[str, float]:
     """One optimizer step: train on its minibatches, step, push weights, submit the prompts that
     the pushed weights are recent enough for (none when this step does not push)."""
-    import ray
-
+    model, optimizer, scheduler, batcher = parts.model, parts.optimizer, parts.scheduler, parts.batcher
     step_start = time.perf_counter()
     acc = StepAccumulator(step=step)
     epochs = config.epochs_per_step
@@ -498,12 +475,12 @@ def run_step(step, model, optimizer, scheduler, batcher, pusher, feeder, config:
     version = step + 1
     push_s = 0.0
     if pushes_after(step, config):
-        push_s = pusher.push(model, version)
+        push_s = parts.pusher.push(model, version)
         # Right after the push, so generation of the released steps overlaps what follows. Steps
         # up to this one were submitted before they trained.
         last_step = last_step_to_submit(version, config)
         if last_step > step:
-            feeder.submit_through(last_step)
+            parts.feeder.submit_through(last_step)
     batcher_stats = ray.get(batcher.stats.remote(step)) if dist.rank == 0 else {}
     return acc.finalize(
         dist=dist,

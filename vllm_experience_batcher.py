@@ -36,13 +36,13 @@ import ray
 from ray.actor import ActorHandle
 
 from sample_processing_utils import Sample
-from vllm_registry import GENERATION, LOGPROB, RAY_NAMESPACE, get_or_create_registry, repo_pythonpath
+from ray_env import BATCHER_ACTOR_NAME, GENERATION, LOGPROB, RAY_NAMESPACE, actor_runtime_env
+from vllm_registry import get_or_create_registry
 # vllm_worker imports neither vLLM nor math-verify at import time: cheap in the batcher's process.
-from vllm_worker import SamplingConfig, derive_seed
+from sampling import SamplingConfig, derive_seed
 
 logger = logging.getLogger(__name__)
 
-BATCHER_ACTOR_NAME = "experience-batcher"
 # Every rank may be blocked in next_message for several steps at once (async training keeps up to
 # max_lag steps open), plus submits and stats calls; a low cap would deadlock those waits.
 _ACTOR_MAX_CONCURRENCY = 1024
@@ -764,7 +764,7 @@ def get_or_create_batcher(
             get_if_exists=True,
             max_concurrency=_ACTOR_MAX_CONCURRENCY,
             num_cpus=0,  # it only awaits other actors; packing costs microseconds per sample
-            runtime_env={"env_vars": {"PYTHONPATH": repo_pythonpath()}},
+            runtime_env=actor_runtime_env(),
         )
         .remote(config, generation_registry, logprob_registry)
     )

@@ -18,52 +18,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
 from ray.actor import ActorHandle
 
+from ray_env import RAY_NAMESPACE, actor_runtime_env, check_kind, registry_name
+
 logger = logging.getLogger(__name__)
 
-RAY_NAMESPACE = "async-grpo"
-GENERATION = "generation"
-LOGPROB = "logprob"
-WORKER_KINDS = (GENERATION, LOGPROB)
-# Detached registries outlive whoever created them, so they carry the repo on their own path.
-_REPO_ROOT = str(Path(__file__).resolve().parent)
 # Enough concurrent calls for every in-flight and queued request of a large pool plus health
 # checks; the registry only awaits, so idle concurrency slots cost nothing.
 REGISTRY_MAX_CONCURRENCY = 10_000
 _MAX_ERROR_CHARS = 500  # keeps status tables and logs readable when a worker dumps a traceback
-
-
-def _check_kind(kind: str) -> str:
-    if kind not in WORKER_KINDS:
-        raise ValueError(f"unknown worker kind {kind!r}; expected one of {WORKER_KINDS}")
-    return kind
-
-
-def repo_pythonpath() -> str:
-    """PYTHONPATH for actors that import project modules: this repo first, then the caller's."""
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _REPO_ROOT]
-    return os.pathsep.join([_REPO_ROOT, *inherited])
-
-
-def registry_name(kind: str) -> str:
-    """Ray actor name of the registry of one worker kind, e.g. 'generation-registry'."""
-    return f"{_check_kind(kind)}-registry"
-
-
-def worker_actor_name(kind: str, index: int) -> str:
-    """Ray actor name of one worker, e.g. 'generation-worker-0' (what `ray list actors` shows)."""
-    if index < 0:
-        raise ValueError(f"worker index must be >= 0, got {index}")
-    return f"{_check_kind(kind)}-worker-{index}"
 
 
 @dataclass(slots=True)
@@ -193,7 +163,7 @@ class Registry:
     """
 
     def __init__(self, kind: str, config: RegistryConfig) -> None:
-        self.kind = _check_kind(kind)
+        self.kind = check_kind(kind)
         self.name = registry_name(kind)
         self.config = config
         self._workers: dict[str, _WorkerSlot] = {}
@@ -465,5 +435,6 @@ def get_or_create_registry(kind: str, config: RegistryConfig | None = None) -> A
         # A crashed registry comes back under the same name (callers' handles keep working),
         # empty: every dispatcher re-registers its worker at its next health check.
         max_restarts=-1,
-        runtime_env={"env_vars": {"PYTHONPATH": repo_pythonpath()}},
+        # Detached: it outlives whoever created it, so it carries the repository on its own path.
+        runtime_env=actor_runtime_env(),
     ).remote(kind, config if config is not None else RegistryConfig())

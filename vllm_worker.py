@@ -17,7 +17,7 @@ module, so the actor's runtime env carries the repository on PYTHONPATH):
 
 Tests: `.venv/bin/python -m pytest tests/test_vllm_worker.py -x -q` (starts real engines).
 This module imports neither vLLM nor math-verify at import time (math_verifier loads it in its
-own processes), so the trainer, which has neither installed, can import `SamplingConfig`.
+own processes), so a process without them can still import it (the dispatcher, the tests).
 """
 
 from __future__ import annotations
@@ -26,21 +26,22 @@ import asyncio
 import dataclasses
 import json
 import logging
-import math
 import os
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import numpy as np
 import ray
 
+from advantages import group_advantages
 from math_verifier import RewardResult, get_or_create_verifier_pool
+from ray_env import GENERATION
 from sample_processing_utils import Sample
-from vllm_registry import GENERATION, WorkerHealth
+from sampling import SamplingConfig, request_seed
+from vllm_registry import WorkerHealth
 from weight_sync import WeightUpdate, fetch_state_dict, write_safetensors
 
 if TYPE_CHECKING:
@@ -60,61 +61,11 @@ SHARED_MEMORY_DIR = Path("/dev/shm")
 # worker up to its cost cap (sequences) at once; Ray's async-actor default (1000) already fits,
 # stating it makes the limit visible.
 ACTOR_MAX_CONCURRENCY = 1024
-# Every sampling seed stays below this: 31 bits fit any RNG API that takes a C int or an int32
-# (vLLM passes request seeds to torch.Generator.manual_seed, other engines may be narrower).
-SEED_BOUND = 2**31
 # vLLM's finish_reason for a completion cut off at max_tokens.
 FINISH_LENGTH = "length"
 # HF names of the input embedding and output projection of decoder-only causal LMs.
 _EMBED_WEIGHT = "model.embed_tokens.weight"
 _LM_HEAD_WEIGHT = "lm_head.weight"
-
-
-@dataclass(kw_only=True, frozen=True)
-class SamplingConfig:
-    """How to sample and score one prompt's rollouts; sent with every request by the trainer."""
-
-    n: int = 8
-    """Completions per prompt (the GRPO group size)."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 means greedy, which needs n == 1."""
-    top_p: float = 1.0
-    """Nucleus-sampling mass in (0, 1]."""
-    max_tokens: int = 512
-    """Most tokens one completion may generate; a completion that reaches it is truncated."""
-    seed: int | None = None
-    """Seed of a request's sampling: the request for prompt k uses request_seed(seed, k, n) and
-    vLLM gives its i-th completion that seed + i, so the same (seed, prompt, weights) give the
-    same rollouts. The trainer sets it from TrainerConfig.seed, and its batcher sends each step
-    its own seed, derive_seed(seed, step), so a prompt drawn again at a later step gets fresh
-    randomness. None samples unseeded (from the engine's own random state)."""
-    scale_advantage_by_std: bool = True
-    """True: advantage = (r - mean) / (std + eps) (GRPO). False: r - mean (Dr. GRPO, which
-    argues the std division over-weights prompts that are nearly always solved or failed)."""
-    advantage_eps: float = 1e-4
-    """Added to the group std before dividing, so a group with equal rewards gets advantage 0."""
-    truncated_reward: float | None = 0.0
-    """Reward of a completion cut off at max_tokens, given without verifying it. math-verify
-    takes the first number it finds, so a cut-off '9=9=' would score as the answer 9; 0 stops
-    rewarding rambling. None verifies truncated completions like any other."""
-
-    def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"SamplingConfig.n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
-        if self.temperature == 0 and self.n != 1:
-            raise ValueError(f"SamplingConfig.temperature 0 (greedy) needs n == 1, got n={self.n}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingConfig.max_tokens must be >= 1, got {self.max_tokens}")
-        if self.seed is not None and not 0 <= self.seed < SEED_BOUND:
-            raise ValueError(f"SamplingConfig.seed must be in [0, 2**31) or None, got {self.seed}")
-        if self.advantage_eps < 0:
-            raise ValueError(f"SamplingConfig.advantage_eps must be >= 0, got {self.advantage_eps}")
-        if self.truncated_reward is not None and not math.isfinite(self.truncated_reward):
-            raise ValueError(f"SamplingConfig.truncated_reward must be finite or None, got {self.truncated_reward}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -190,24 +141,6 @@ class GenerationWorkerConfig:
             raise ValueError(f"GenerationWorkerConfig.verifier_timeout_s must be > 0, got {self.verifier_timeout_s}")
 
 
-def group_advantages(rewards: Sequence[float], scale_by_std: bool, eps: float) -> list[float]:
-    """Group-relative advantages of one prompt's rollouts.
-
-    (r - mean) / (std + eps) when scale_by_std, else r - mean. The std is the population std
-    (ddof=0): it is defined for a group of one, and it is what the mean-centred rewards have.
-    """
-    if not rewards:
-        return []
-    values = np.asarray(rewards, dtype=np.float64)
-    if values.min() == values.max():
-        # Exactly 0 (the float mean of equal values can be off by an ulp), so such groups are countable.
-        return [0.0] * len(rewards)
-    centred = values - values.mean()
-    if scale_by_std:
-        centred = centred / (values.std() + eps)
-    return centred.tolist()
-
-
 class RewardScorer(Protocol):
     """What the worker needs from a verifier: math_verifier.VerifierPool or a Ray handle's adapter."""
 
@@ -267,31 +200,6 @@ def _on_cpu_platform() -> bool:
 def weights_file_dir() -> Path:
     """Where update files go: shared memory when the machine has it, else the temp dir."""
     return SHARED_MEMORY_DIR if SHARED_MEMORY_DIR.is_dir() else Path(tempfile.gettempdir())
-
-
-def derive_seed(base_seed: int, *keys: int, bound: int = SEED_BOUND) -> int:
-    """A seed in [0, bound) drawn from (base_seed, *keys) by numpy's SeedSequence.
-
-    SeedSequence hashes its whole entropy list, so nearby inputs (step 3 and step 4, or seed 0 and
-    seed 1) give unrelated outputs, unlike base + key arithmetic, where seed s at step t+1 would
-    repeat seed s+1 at step t. Deterministic across processes and platforms. Every input must be
-    >= 0.
-    """
-    if bound < 1:
-        raise ValueError(f"derive_seed: bound must be >= 1, got {bound}")
-    (word,) = np.random.SeedSequence([base_seed, *keys]).generate_state(1, dtype=np.uint64)
-    return int(word) % bound
-
-
-def request_seed(seed: int | None, prompt_id: int, n: int) -> int | None:
-    """Seed of one generate request (see SamplingConfig.seed), None when unseeded.
-
-    vLLM seeds the request's i-th completion with seed + i, so the seed stays n - 1 below
-    SEED_BOUND. A sample without a prompt id (-1) counts as prompt 0. Two requests of one step
-    share a completion seed with probability ~prompts^2 * n / 2^31 (8 in a million for 32 prompts
-    of 16 completions), harmless: they sample different prompts.
-    """
-    return None if seed is None else derive_seed(seed, max(prompt_id, 0), bound=SEED_BOUND - (n - 1))
 
 
 def _token_logprobs(completion: CompletionOutput) -> list[float]:

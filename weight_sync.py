@@ -1,33 +1,44 @@
-"""How trainer weights travel to inference workers: tensor blobs in Ray's object store.
+"""How trainer weights reach inference workers and disk: every step of weight publishing.
 
-Two publishing modes produce the same `WeightUpdate` record, so workers have one loading path:
+Out of the trainer: `gather_full_state_dict` (rank 0 gets full tensors), `local_shard_blobs`
+(each FSDP rank its own rows) and `export_hf_checkpoint` (a Hugging Face folder on disk).
+`WeightPusher` runs one push per weight version; both publishing modes produce the same
+`WeightUpdate` record, so workers have one loading path:
 
 - "gather": rank 0 gathers the full (unsharded) state dict and `ray.put`s it as one shard.
 - "sharded": every FSDP rank `ray.put`s its own dim-0 shards (no gather on rank 0); a worker
   fetches all ranks' objects and concatenates each tensor's pieces in dim-0 offset order
   (seed 002's fan-in, for full weights).
 
+Into a worker: `fetch_state_dict` / `assemble_state_dict`, then `load_state_dict_into` a plain
+model (logprob worker) or `write_safetensors` for vLLM to reload (generation worker).
+
 Tensors are stored as raw uint8 numpy buffers plus dtype and shape: numpy has no bfloat16, and
 plain buffers let Ray hand them over zero-copy from shared memory. Nothing here unpickles data of
-its own; Ray's serialisation carries the object refs.
-"""
+its own; Ray's serialisation carries the object refs."""
 
 from __future__ import annotations
 
+import copy
+import logging
+import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch import nn
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-}
+from ray_env import RAY_NAMESPACE, SHARD_STAGER_NAME
+from setup_model import MODEL_DTYPES, TokenLogprobModel
+
+logger = logging.getLogger(__name__)
+
+# Dtypes a blob can carry: every model dtype, plus integer buffers (e.g. position ids).
+_DTYPES: dict[str, torch.dtype] = {**MODEL_DTYPES, "int64": torch.int64, "int32": torch.int32}
 
 
 @dataclass(slots=True)
@@ -145,7 +156,173 @@ def write_safetensors(state_dict: Mapping[str, torch.Tensor], path: Path) -> Pat
     return path
 
 
-SHARD_STAGER_NAME = "weight-shard-stager"  # `ray list actors` shows it next to the registries
+# --------------------------------------------------------------------------------------------
+# Out of the trainer: gather, per-rank shards, Hugging Face export. In: a plain model.
+# --------------------------------------------------------------------------------------------
+
+# Attribute prefix of the causal LM inside TokenLogprobModel; HF checkpoint names lack it.
+_WRAPPER_PREFIX = "causal_lm."
+# Files copied verbatim from the source checkpoint on export: everything a tokenizer (and
+# generation defaults) may be made of, but never weights or config, which export writes itself.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+_WEIGHTS_FILE = "model.safetensors"  # a single-file checkpoint, as from_pretrained and vLLM expect
+
+
+def _hf_name(name: str) -> str:
+    """Checkpoint name of a parameter of TokenLogprobModel (or of a bare causal LM)."""
+    return name.removeprefix(_WRAPPER_PREFIX)
+
+
+def _hf_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers under HF names, each tied tensor once.
+
+    state_dict lists a tied tensor under every name; only the first is kept, which for a causal
+    LM is 'model.embed_tokens.weight' (the input embedding is registered before lm_head), the
+    name tied HF checkpoints store. safetensors refuses to save one tensor twice anyway.
+    """
+    seen: set[int] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        tensors[_hf_name(name)] = tensor
+    return tensors
+
+
+def _is_main_process() -> bool:
+    """Rank 0, or the only process when no process group exists (e.g. the logprob worker)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: all-gathers a DTensor (collective), returns a plain tensor as is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def gather_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+    """Full, unsharded CPU copies of every weight under HF names, on rank 0; None elsewhere.
+
+    Collective: every rank must call it (each tensor is all-gathered in turn, so peak extra
+    memory is one full tensor). dtype casts the copies (e.g. bf16 for inference); None keeps them.
+    """
+    main = _is_main_process()
+    state: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, tensor in _hf_tensors(model).items():
+            full = _full_tensor(tensor.detach())
+            if main:
+                state[name] = full.to(device="cpu", dtype=dtype if dtype is not None else full.dtype, copy=True)
+    return state if main else None
+
+
+def fsdp_shard_extent(dim0_size: int, num_shards: int, shard_index: int) -> tuple[int, int]:
+    """(dim-0 offset, row count) of one FSDP2 shard: torch.chunk's split, trailing shards empty.
+
+    torch.chunk cuts ceil(n / k)-row pieces, so with n=5, k=4 the rows are 2, 2, 1, 0.
+    """
+    rows_per_shard = -(-dim0_size // num_shards)
+    offset = min(shard_index * rows_per_shard, dim0_size)
+    return offset, min(rows_per_shard, dim0_size - offset)
+
+
+def local_dim0_piece(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's dim-0 piece of a parameter and its row offset in the full tensor."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tensor, 0
+    mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+    if mesh.ndim != 1 or placements != (Shard(0),):
+        raise ValueError(f"weight {name}: only 1-D FSDP meshes sharded on dim 0 are supported, got {placements}")
+    local = tensor.to_local()
+    offset, rows = fsdp_shard_extent(tensor.shape[0], mesh.size(), mesh.get_local_rank())
+    if local.shape[0] != rows:
+        raise RuntimeError(f"weight {name}: local shard has {local.shape[0]} rows, torch.chunk layout says {rows}")
+    return local, offset
+
+
+def local_shard_blobs(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, TensorBlob]:
+    """This rank's own dim-0 piece of every weight (no communication), as weight_sync blobs.
+
+    assemble_state_dict over all ranks' dicts rebuilds gather_full_state_dict.
+    A plain (unsharded) model yields whole tensors at offset 0.
+    """
+    blobs: dict[str, TensorBlob] = {}
+    with torch.no_grad():
+        for name, tensor in _hf_tensors(model).items():
+            local, offset = local_dim0_piece(name, tensor.detach())
+            piece = local.to(dtype) if dtype is not None else local
+            blobs[name] = tensor_to_blob(piece, global_shape=tuple(tensor.shape), dim0_offset=offset)
+    return blobs
+
+
+def _unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The HF causal LM inside a TokenLogprobModel (or the model itself)."""
+    return model.causal_lm if isinstance(model, TokenLogprobModel) else model
+
+
+def export_hf_checkpoint(model: nn.Module, out_dir: str | Path, source_model_path: str | Path) -> Path | None:
+    """Save the (FSDP) model as a Hugging Face checkpoint folder; collective, rank 0 writes.
+
+    Writes config.json (the model's config, KV cache re-enabled for generation, dtype of the
+    saved tensors), a single model.safetensors, and the tokenizer files of source_model_path.
+    Returns the folder on rank 0, None elsewhere; all ranks return after the files exist.
+    """
+    state = gather_full_state_dict(model)
+    out: Path | None = None
+    if state is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        config = copy.deepcopy(_unwrap_causal_lm(model).config)
+        config.use_cache = True  # training turned it off; inference engines want it back
+        config.dtype = next(iter(state.values())).dtype
+        config.save_pretrained(out)
+        write_safetensors(state, out / _WEIGHTS_FILE)
+        source = Path(source_model_path)
+        for file_name in _TOKENIZER_FILES:
+            if (source / file_name).is_file():
+                shutil.copy2(source / file_name, out / file_name)
+        logger.info("exported %d tensors to %s", len(state), out)
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+
+
+def load_state_dict_into(causal_lm: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Copy full HF-named tensors into a plain HF model, in place (strict).
+
+    Tied embeddings take one tensor ('model.embed_tokens.weight'), which updates lm_head too;
+    an extra 'lm_head.weight' for a tied model is reported as unexpected. Raises KeyError naming
+    missing and unexpected keys, ValueError on a shape mismatch; nothing is copied on error.
+    """
+    targets = _hf_tensors(causal_lm)
+    missing = sorted(targets.keys() - state_dict.keys())
+    unexpected = sorted(state_dict.keys() - targets.keys())
+    if missing or unexpected:
+        raise KeyError(f"load_state_dict_into: missing keys {missing}, unexpected keys {unexpected}")
+    for name, target in targets.items():
+        if tuple(state_dict[name].shape) != tuple(target.shape):
+            raise ValueError(
+                f"load_state_dict_into: {name} has shape {tuple(state_dict[name].shape)}, "
+                f"model expects {tuple(target.shape)}"
+            )
+    with torch.no_grad():
+        for name, target in targets.items():
+            target.copy_(state_dict[name])
 
 
 class ShardStager:
@@ -188,9 +365,56 @@ class ShardStager:
         return [by_rank[r] for r in range(world_size)]
 
 
-def get_or_create_shard_stager(namespace: str):
+def get_or_create_shard_stager():
     """The named shard-staging actor of this run (created by the first rank that asks)."""
     import ray
 
     actor_cls = ray.remote(num_cpus=0, max_concurrency=64)(ShardStager)
-    return actor_cls.options(name=SHARD_STAGER_NAME, namespace=namespace, get_if_exists=True).remote()
+    return actor_cls.options(name=SHARD_STAGER_NAME, namespace=RAY_NAMESPACE, get_if_exists=True).remote()
+
+
+class WeightPusher:
+    """Publishes the trainer's weights to every inference worker, one version at a time.
+
+    Collective: every trainer rank builds one and calls `push` together. Rank 0 holds the
+    registries of the kinds that serve the policy and announces each `WeightUpdate` to them; in
+    "sharded" mode every rank stages its own shard ref with the shard stager first.
+    """
+
+    def __init__(self, mode: Literal["gather", "sharded"], rank: int, world_size: int,
+                 registries: Sequence[Any], timeout_s: float) -> None:
+        """registries: Ray handles of the registries to broadcast to (rank 0; [] elsewhere)."""
+        if mode not in ("gather", "sharded"):
+            raise ValueError(f"WeightPusher mode must be 'gather' or 'sharded', got {mode!r}")
+        self._mode = mode
+        self._rank = rank
+        self._world_size = world_size
+        self._timeout_s = timeout_s
+        self._registries = list(registries)
+        self._stager = get_or_create_shard_stager() if mode == "sharded" else None
+
+    def push(self, model: nn.Module, version: int, initial: bool = False) -> float:
+        """Collective: every rank calls it. Returns seconds spent."""
+        import ray
+
+        start = time.perf_counter()
+        if self._mode == "gather":
+            state = gather_full_state_dict(model)
+            own_ref = ray.put(state_dict_to_blobs(state)) if self._rank == 0 else None
+            refs = [own_ref]
+        else:
+            own_ref = ray.put(local_shard_blobs(model))
+            ray.get(self._stager.stage.remote(version, self._rank, [own_ref]))
+            refs = (
+                ray.get(self._stager.collect.remote(version, self._world_size, self._timeout_s))
+                if self._rank == 0
+                else []
+            )
+        if self._rank == 0:
+            update = WeightUpdate(version=version, shard_refs=refs, mode=self._mode, initial=initial)
+            results = ray.get([reg.broadcast.remote("update_weights", update) for reg in self._registries])
+            logger.info("pushed weights v%d (%s) to %d workers", version, self._mode, sum(len(r) for r in results))
+        # Workers fetch shards from every rank's object store: keep own_ref alive until all are done.
+        dist.barrier()
+        del own_ref
+        return time.perf_counter() - start

@@ -43,18 +43,8 @@ from ray._private.authentication.authentication_token_setup import maybe_enable_
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from vllm_registry import (
-    GENERATION,
-    LOGPROB,
-    RAY_NAMESPACE,
-    WORKER_KINDS,
-    RegistryConfig,
-    WorkerStatus,
-    get_or_create_registry,
-    registry_name,
-    repo_pythonpath,
-    worker_actor_name,
-)
+from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, worker_actor_name
+from vllm_registry import RegistryConfig, WorkerStatus, get_or_create_registry
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +215,7 @@ def create_worker_actor(cfg: DispatcherConfig, name: str, worker_config: Any, no
         num_gpus=gpus,
         max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-        runtime_env={"env_vars": {"PYTHONPATH": repo_pythonpath()}},
+        runtime_env=actor_runtime_env(),
     ).remote(name, worker_config)
 
 

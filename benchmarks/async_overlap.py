@@ -60,15 +60,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
 from metrics import read_metrics  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
-from vllm_registry import (  # noqa: E402
-    GENERATION,
-    RAY_NAMESPACE,
-    RegistryConfig,
-    WorkerHealth,
-    get_or_create_registry,
-    worker_actor_name,
-)
-from vllm_worker import SamplingConfig, group_advantages  # noqa: E402
+from ray_env import GENERATION, RAY_NAMESPACE, worker_actor_name
+from vllm_registry import RegistryConfig, WorkerHealth, get_or_create_registry
+from advantages import group_advantages  # noqa: E402
+from sampling import SamplingConfig  # noqa: E402
 from weight_sync import WeightUpdate, assemble_state_dict  # noqa: E402
 
 logger = logging.getLogger("async_overlap")

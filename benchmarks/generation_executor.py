@@ -129,7 +129,7 @@ def main() -> None:
         print(json.dumps(result))
         return
 
-    from setup_model import write_tiny_model
+    from tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(write_tiny_model(Path(tmp) / "model"))

@@ -31,7 +31,8 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 from prepare_demo import warm_up_format  # noqa: E402
-from setup_model import TinyModelConfig, load_causal_lm, load_tokenizer, write_tiny_model  # noqa: E402
+from setup_model import load_causal_lm, load_tokenizer  # noqa: E402
+from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
 
 PROBLEMS = [(a, b) for a in range(10) for b in range(10)]
 SFT_LR = 1e-3

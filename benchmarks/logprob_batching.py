@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from logprob_worker import LogprobWorker, LogprobWorkerConfig, resolve_device  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
-from setup_model import TinyModelConfig, default_attn_implementation, write_tiny_model  # noqa: E402
+from setup_model import default_attn_implementation  # noqa: E402
+from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
 
 TINY_SHAPE = TinyModelConfig()
 WIDE_SHAPE = TinyModelConfig(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1408)

@@ -9,7 +9,7 @@ then times one training step on each layout:
 
 - packed: one [T] stream through TokenLogprobModel (positions restart per sample, no padding),
   chunked lm_head on output positions only, grpo_loss, backward; attention is --packed_attn
-  (default setup_model.PACKED_SDPA, what the trainer uses without flash-attn);
+  (default packed_attention.PACKED_SDPA, what the trainer uses without flash-attn);
 - padded: [B, L] right-padded batch through the plain HF forward with attention_mask (its own
   copy of the model, always plain "sdpa"), logits of the output positions, log_softmax, gather,
   the same grpo_loss, backward.
@@ -43,7 +43,9 @@ import torch
 
 from grpo_loss import LossConfig, grpo_loss
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
-from setup_model import PACKED_SDPA, TinyModelConfig, TokenLogprobModel, load_causal_lm, write_tiny_model
+from packed_attention import PACKED_SDPA
+from setup_model import TokenLogprobModel, load_causal_lm
+from tiny_model import TinyModelConfig, write_tiny_model
 
 logger = logging.getLogger("benchmarks.packing")
 

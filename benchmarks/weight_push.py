@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/weight_push.py --num_layers 20 --receivers 2 --repeats 7
 
 One run: a random-init Qwen2 big enough to be bandwidth-bound (default hidden 1024, 12 layers,
-MLP 2816: ~134M parameters, ~0.54 GB fp32) is written with setup_model.write_tiny_model; a private
+MLP 2816: ~134M parameters, ~0.54 GB fp32) is written with tiny_model.write_tiny_model; a private
 Ray head (LocalCluster) hosts `--receivers` real LogprobWorkerActors registered in the logprob
 registry (each update fetches the shards, assembles full tensors and loads them into its HF
 model) and an empty generation registry; `torchrun --nproc_per_node=2` runs this file as the
@@ -25,7 +25,7 @@ fraction well below 1 is expected.
 Breakdown (separate pushes with the same library calls, timed one by one): trainer side
 gather_full_state_dict / local_shard_blobs, then ray.put; receiver side (a probe actor holding
 the same HF model, doing what LogprobWorker.update_weights does) fetching the objects, assembling
-full tensors (weight_sync.assemble_state_dict) and loading them (setup_model.load_state_dict_into).
+full tensors (weight_sync.assemble_state_dict) and loading them (weight_sync.load_state_dict_into).
 
 The LAST line is key=value pairs:
 `fraction_of_memcpy=<x> best_mode=<m> gather_s=... sharded_s=... gather_gbps=... sharded_gbps=... memcpy_gbps=... model_gb=...`
@@ -53,8 +53,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from local_cluster import LocalCluster, LocalClusterConfig, free_port  # noqa: E402
-from setup_model import TinyModelConfig, write_tiny_model  # noqa: E402
-from vllm_registry import GENERATION, LOGPROB, RAY_NAMESPACE, get_or_create_registry, worker_actor_name  # noqa: E402
+from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
+from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, worker_actor_name  # noqa: E402
+from vllm_registry import get_or_create_registry  # noqa: E402
 
 logger = logging.getLogger("weight_push")
 
@@ -119,7 +120,7 @@ class ModeResult:
     assemble_s: list[float] = field(default_factory=list)
     """Receiver probe: weight_sync.assemble_state_dict."""
     load_s: list[float] = field(default_factory=list)
-    """Receiver probe: setup_model.load_state_dict_into the HF model."""
+    """Receiver probe: weight_sync.load_state_dict_into the HF model."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +182,7 @@ class ReceiverProbe:
         return {"fetch_s": fetched - began, "assemble_s": assembled - fetched, "load_s": loaded - assembled}
 
     def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
-        from setup_model import load_state_dict_into
+        from weight_sync import load_state_dict_into
 
         with torch.no_grad():
             load_state_dict_into(self.causal_lm, state_dict)
@@ -295,8 +296,9 @@ class TrainerRole:
         import ray
 
         from dataset import DatasetConfig
-        from setup_model import ModelConfig, build_training_model, init_distributed
-        from trainer_core import TrainerConfig, WeightPusher
+        from fsdp_setup import build_training_model, init_distributed
+        from setup_model import ModelConfig
+        from trainer_core import TrainerConfig, make_weight_pusher
         from weight_sync import get_or_create_shard_stager
 
         self.dist = init_distributed()
@@ -304,11 +306,11 @@ class TrainerRole:
         model_config = ModelConfig(model_path=str(model_dir))
         self.model = build_training_model(model_config, self.dist)
         self.pushers = {
-            mode: WeightPusher(TrainerConfig(model=model_config, data=DatasetConfig(path=UNUSED_DATA_PATH),
+            mode: make_weight_pusher(TrainerConfig(model=model_config, data=DatasetConfig(path=UNUSED_DATA_PATH),
                                              weight_push_mode=mode, logprob_role="old_policy"), self.dist)
             for mode in MODES
         }
-        self.stager = get_or_create_shard_stager(RAY_NAMESPACE)
+        self.stager = get_or_create_shard_stager()
         with_probe = with_probe and self.dist.rank == 0
         self.probe = ray.get_actor(PROBE_ACTOR_NAME, namespace=RAY_NAMESPACE) if with_probe else None
         self.version = 0
@@ -333,7 +335,7 @@ class TrainerRole:
         import ray
         import torch.distributed as torch_dist
 
-        from setup_model import gather_full_state_dict, local_shard_blobs
+        from weight_sync import gather_full_state_dict, local_shard_blobs
         from weight_sync import WeightUpdate, state_dict_to_blobs
 
         version = self.next_version()

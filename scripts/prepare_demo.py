@@ -2,7 +2,7 @@
 
     python scripts/prepare_demo.py --out_dir runs/demo-assets
 
-1. Writes a randomly initialised tiny Qwen2 + char tokenizer (setup_model.write_tiny_model).
+1. Writes a randomly initialised tiny Qwen2 + char tokenizer (tiny_model.write_tiny_model).
 2. Warms it up with supervised steps on "a+b=" followed by a *random* number (0-18) and EOS. The
    random answers teach the shape of an answer (digits, then stop) but not arithmetic, so the
    GRPO run starts at chance level (about 1 in 19 correct) and any rise is learned from rewards.
@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dataset import write_arithmetic_dataset, write_arithmetic_table  # noqa: E402
 from sample_processing_utils import Sample, get_input_for_logprobs  # noqa: E402
-from setup_model import TinyModelConfig, TokenLogprobModel, load_causal_lm, load_tokenizer, write_tiny_model  # noqa: E402
+from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer  # noqa: E402
+from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
 
 logger = logging.getLogger("prepare_demo")
 

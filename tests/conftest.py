@@ -13,7 +13,7 @@ TEST_NAMESPACE = "grpo-tests"
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bundled tiny Qwen2 (untied embeddings), written once and loaded via from_pretrained."""
-    from setup_model import write_tiny_model
+    from tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
 
@@ -21,7 +21,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2 with tied input/output embeddings (as Qwen2.5 0.5B/1.5B)."""
-    from setup_model import TinyModelConfig, write_tiny_model
+    from tiny_model import TinyModelConfig, write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-tied"), TinyModelConfig(tie_word_embeddings=True))
 

@@ -12,7 +12,7 @@ SPEC.json (written by the test):
     cases               {name: {"epochs_per_step": int, "loss": LossConfig fields,
                                 "optim": OptimConfig fields}}
 
-For each case every rank builds the FSDP2 model, AdamW and schedule afresh with setup_model's
+For each case every rank builds the FSDP2 model, AdamW and schedule afresh with fsdp_setup's and optimizer's
 builders, packs the samples with the real MinibatchPacker (every rank runs it over the same
 samples in the same order; it is deterministic, so each rank keeps exactly the minibatches the
 ExperienceBatcher would have sent it), and runs trainer_core.run_step for step 0 of a one-step run.
@@ -51,16 +51,10 @@ import trainer_core  # noqa: E402
 from dataset import DatasetConfig  # noqa: E402
 from grpo_loss import LossConfig  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
-from setup_model import (  # noqa: E402
-    DistInfo,
-    ModelConfig,
-    OptimConfig,
-    build_optimizer,
-    build_scheduler,
-    build_training_model,
-    gather_full_state_dict,
-    init_distributed,
-)
+from fsdp_setup import DistInfo, build_training_model, init_distributed
+from optimizer import OptimConfig, build_optimizer, build_scheduler
+from setup_model import ModelConfig
+from weight_sync import gather_full_state_dict
 from vllm_experience_batcher import EndOfStep, Minibatch, MinibatchPacker  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -192,8 +186,9 @@ def run_case(name: str, case: dict, spec: dict, info: DistInfo, out_dir: Path) -
     grads = record_grads_before_each_step(model, optimizer)
     pusher = RecordingPusher()
     with ray_get_passthrough():
-        metrics = trainer_core.run_step(STEP, model, optimizer, scheduler, ReplayBatcher(mine, info.rank), pusher,
-                                        NoFeeder(), config, info)
+        parts = trainer_core.StepParts(model=model, optimizer=optimizer, scheduler=scheduler,
+                                       batcher=ReplayBatcher(mine, info.rank), pusher=pusher, feeder=NoFeeder())
+        metrics = trainer_core.run_step(STEP, parts, config, info)
     if info.is_main:
         per_rank = [[{"samples": [index_of[id(s)] for s in mb.samples], "loss_weight": mb.loss_weight}
                      for mb in minibatches if mb.rank == rank] for rank in range(info.world_size)]

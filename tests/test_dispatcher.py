@@ -23,7 +23,7 @@ from typing import Iterator
 import pytest
 
 from local_cluster import LOOPBACK_ONLY_ENV
-from vllm_registry import GENERATION, registry_name, worker_actor_name
+from ray_env import GENERATION, registry_name, worker_actor_name
 from worker_dispatcher import REGISTERED_LINE, DispatcherConfig, format_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -20,7 +20,7 @@ from checkpoint import latest_checkpoint
 from dataset import InfiniteDistributedSampler
 from local_cluster import LocalCluster, LocalClusterConfig
 from metrics import read_metrics
-from vllm_registry import GENERATION, RAY_NAMESPACE, registry_name
+from ray_env import GENERATION, RAY_NAMESPACE, registry_name
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
 
@@ -168,7 +168,7 @@ def _seeded_tokens(demo_assets: Path, seed: int | None) -> list[list[list[int]]]
 
     from dataset import DatasetConfig, load_prompts
     from setup_model import load_tokenizer
-    from vllm_worker import SamplingConfig
+    from sampling import SamplingConfig
 
     prompts = load_prompts(DatasetConfig(path=str(demo_assets / "arithmetic.jsonl"), max_prompt_tokens=16),
                            load_tokenizer(demo_assets / "model"))[:3]
@@ -181,7 +181,7 @@ def _seeded_tokens(demo_assets: Path, seed: int | None) -> list[list[list[int]]]
 def test_seeded_requests_repeat_exactly_and_steps_differ(cluster: LocalCluster, demo_assets: Path) -> None:
     """The real engine: one request seed gives the same completions again; the seed the batcher
     derives for another step gives other ones (8 samples of a 0-18 answer rarely repeat)."""
-    from vllm_worker import derive_seed
+    from sampling import derive_seed
 
     step0, step1 = derive_seed(0, 0), derive_seed(0, 1)
     first = _seeded_tokens(demo_assets, step0)

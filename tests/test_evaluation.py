@@ -28,7 +28,7 @@ from evaluation import (
     pass_at_k,
 )
 from sample_processing_utils import Sample
-from vllm_worker import SamplingConfig
+from sampling import SamplingConfig
 
 # The training sampling the evaluator derives its requests from: its reward policy for truncated
 # completions (-0.5, to tell it from a wrong answer) and max_tokens carry over.
@@ -311,7 +311,8 @@ def test_evaluator_through_a_real_registry_and_worker(ray_local, tiny_model_dir:
     from test_vllm_worker import _config, _expected_reward, _write_answering_model
 
     from vllm_experience_batcher import RayRegistryClient
-    from vllm_registry import GENERATION, RAY_NAMESPACE, RegistryConfig, get_or_create_registry, repo_pythonpath
+    from ray_env import GENERATION, RAY_NAMESPACE, actor_runtime_env
+    from vllm_registry import RegistryConfig, get_or_create_registry
     from vllm_worker import GenerationWorkerActor
     from setup_model import load_tokenizer
 
@@ -327,7 +328,7 @@ def test_evaluator_through_a_real_registry_and_worker(ray_local, tiny_model_dir:
     ray = ray_local
     name = "generation-worker-eval-test"
     worker = GenerationWorkerActor.options(
-        name=name, namespace=RAY_NAMESPACE, runtime_env={"env_vars": {"PYTHONPATH": repo_pythonpath()}}
+        name=name, namespace=RAY_NAMESPACE, runtime_env=actor_runtime_env()
     ).remote(name, _config(model_dir))
     registry = get_or_create_registry(GENERATION, RegistryConfig(no_worker_timeout_s=30.0))
     try:

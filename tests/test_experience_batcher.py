@@ -21,8 +21,8 @@ import pytest
 import ray
 
 from sample_processing_utils import Sample
+from ray_env import BATCHER_ACTOR_NAME
 from vllm_experience_batcher import (
-    BATCHER_ACTOR_NAME,
     LOSS_WEIGHT,
     PADDING_LOSS_WEIGHT,
     BatcherConfig,
@@ -33,8 +33,9 @@ from vllm_experience_batcher import (
     MinibatchPacker,
     get_or_create_batcher,
 )
-from vllm_registry import GENERATION, RAY_NAMESPACE, RegistryActor, RegistryConfig
-from vllm_worker import SamplingConfig
+from ray_env import GENERATION, RAY_NAMESPACE
+from vllm_registry import RegistryActor, RegistryConfig
+from sampling import SamplingConfig
 
 # Ray workers cannot import this test module (tests/ is not on their path): ship the stand-in
 # actors and the builders they call by value.

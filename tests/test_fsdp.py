@@ -30,22 +30,10 @@ from safetensors import safe_open
 
 from grpo_loss import LossConfig, grpo_loss
 from sample_processing_utils import Sample, get_input_for_logprobs, post_process_batch
-from setup_model import (
-    ModelConfig,
-    OptimConfig,
-    TinyModelConfig,
-    TokenLogprobModel,
-    build_optimizer,
-    build_scheduler,
-    fsdp_shard_extent,
-    gather_full_state_dict,
-    load_causal_lm,
-    load_state_dict_into,
-    load_tokenizer,
-    local_shard_blobs,
-    lr_factor,
-    write_tiny_model,
-)
+from optimizer import OptimConfig, build_optimizer, build_scheduler, lr_factor
+from setup_model import ModelConfig, TokenLogprobModel, load_causal_lm, load_tokenizer
+from tiny_model import TinyModelConfig, write_tiny_model
+from weight_sync import fsdp_shard_extent, gather_full_state_dict, load_state_dict_into, local_shard_blobs
 from torchrun_launch import run_worker
 from weight_sync import assemble_state_dict
 

@@ -23,8 +23,10 @@ from logprob_worker import (
     select_batch,
 )
 from sample_processing_utils import Sample, get_input_for_logprobs
-from setup_model import TinyModelConfig, TokenLogprobModel, load_causal_lm, write_tiny_model
-from vllm_registry import LOGPROB, WorkerHealth
+from setup_model import TokenLogprobModel, load_causal_lm
+from tiny_model import TinyModelConfig, write_tiny_model
+from ray_env import LOGPROB
+from vllm_registry import WorkerHealth
 from weight_sync import WeightUpdate, state_dict_to_blobs
 
 FP32_TOLERANCE = 1e-5  # packed vs per-sample fp32 attention differed by ~3e-7 on this machine

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from math_verifier import VERIFIER_POOL_ACTOR_NAME, RewardResult, VerifierPool, get_or_create_verifier_pool
+from math_verifier import RewardResult, VerifierPool, get_or_create_verifier_pool
+from ray_env import VERIFIER_POOL_ACTOR_NAME
 
 # Deadline of the pools that only see well-behaved completions: far above math-verify's ~2 ms per
 # sample, so a loaded shared machine never turns a normal sample into a timeout.
@@ -183,7 +184,7 @@ def test_process_killed_mid_sample_is_reported_and_replaced() -> None:
 
 
 def test_ray_actor_is_shared_and_sized_by_first_caller(ray_local) -> None:
-    from vllm_registry import RAY_NAMESPACE
+    from ray_env import RAY_NAMESPACE
 
     # The pool is detached and the Ray fixture session-wide: a generation worker started by an
     # earlier test may have created it. Remove it, so this test's call is really the first.

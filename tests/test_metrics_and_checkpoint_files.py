@@ -21,7 +21,7 @@ from metrics import (
     summarize_reward,
 )
 from sample_processing_utils import Sample, post_process_batch
-from setup_model import DistInfo
+from fsdp_setup import DistInfo
 
 
 def _complete(root: Path, step: int) -> Path:

@@ -6,7 +6,7 @@
 - loss and parameter gradients == a right-padded reference written here (plain HF forward with
   attention_mask, full log_softmax, gather, the GRPO formula by hand);
 - post_process_batch's layout and broadcasts against hand-built tensors, and its errors;
-- PACKED_SDPA (setup_model's default without flash-attn): per-sample causal sdpa equals the
+- PACKED_SDPA (packed_attention's kernel, the default without flash-attn): per-sample causal sdpa equals the
   per-sample forward and transformers' block-mask sdpa (values and gradients, with and without
   gradient checkpointing, GQA and not, sliding window), never sees a mask or a [T, T] square on
   packed streams, and is plain sdpa wherever a mask is given (padded batches, `generate`).
@@ -22,15 +22,9 @@ import torch
 
 from grpo_loss import LossConfig, chunked_token_logprobs, grpo_loss
 from sample_processing_utils import IGNORE_INDEX, Sample, get_input_for_logprobs, post_process_batch
-from setup_model import (
-    PACKED_SDPA,
-    PackedSegments,
-    TinyModelConfig,
-    TokenLogprobModel,
-    load_causal_lm,
-    packed_segments,
-    write_tiny_model,
-)
+from packed_attention import PACKED_SDPA, PackedSegments, packed_segments
+from setup_model import TokenLogprobModel, load_causal_lm
+from tiny_model import TinyModelConfig, write_tiny_model
 
 # fp32 on CPU: packing changes attention's matrix shapes (and so summation order), not the maths.
 LOGPROB_ATOL = 1e-5

@@ -16,16 +16,8 @@ from typing import Any, Callable
 import pytest
 import ray
 
-from vllm_registry import (
-    GENERATION,
-    RAY_NAMESPACE,
-    RegistryConfig,
-    WorkerHealth,
-    WorkerPoolError,
-    get_or_create_registry,
-    registry_name,
-    worker_actor_name,
-)
+from ray_env import GENERATION, RAY_NAMESPACE, registry_name, worker_actor_name
+from vllm_registry import RegistryConfig, WorkerHealth, WorkerPoolError, get_or_create_registry
 
 # Upper bound on how long a test waits for something that should happen at once; it keeps a
 # broken registry from hanging the suite and is never what decides a pass.
@@ -440,7 +432,7 @@ _MAX_TOKENS = 200
 @pytest.fixture(scope="module")
 def real_workers(ray_local, tiny_model_dir):
     """Two GenerationWorkerActors on the tiny model, started together (~1 min each on 2 cores)."""
-    from vllm_registry import repo_pythonpath
+    from ray_env import actor_runtime_env
     from vllm_worker import GenerationWorkerActor, GenerationWorkerConfig
 
     config = GenerationWorkerConfig(
@@ -452,7 +444,7 @@ def real_workers(ray_local, tiny_model_dir):
     for index in range(2):
         name = worker_actor_name(GENERATION, index)
         workers[name] = GenerationWorkerActor.options(
-            name=name, namespace=RAY_NAMESPACE, runtime_env={"env_vars": {"PYTHONPATH": repo_pythonpath()}}
+            name=name, namespace=RAY_NAMESPACE, runtime_env=actor_runtime_env()
         ).remote(name, config)
     ray.get([w.start.remote() for w in workers.values()], timeout=_ENGINE_START_BOUND_S)
     yield workers
@@ -468,7 +460,7 @@ def _inflight(worker: Any) -> int:
 def test_real_workers_spread_fail_over_and_report_a_dead_pool(make_registry, real_workers, tiny_model_dir):
     from sample_processing_utils import Sample
     from setup_model import load_tokenizer
-    from vllm_worker import SamplingConfig
+    from sampling import SamplingConfig
 
     timeout_s = 5.0
     registry = make_registry(no_worker_timeout_s=timeout_s)

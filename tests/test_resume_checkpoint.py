@@ -11,7 +11,6 @@ come from the trainer objects that were saved, and the lr from the warmup formul
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,9 @@ import torch
 
 from checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from sample_processing_utils import Sample, post_process_batch
-from setup_model import ModelConfig, OptimConfig, build_optimizer, build_scheduler, build_training_model, init_distributed
+from fsdp_setup import build_training_model, init_distributed
+from optimizer import OptimConfig, build_optimizer, build_scheduler
+from setup_model import ModelConfig
 
 LR = 1e-2
 WARMUP_STEPS = 6

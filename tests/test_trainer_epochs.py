@@ -20,7 +20,9 @@ import trainer_core
 from grpo_loss import LossConfig
 from metrics import StepAccumulator
 from sample_processing_utils import Sample
-from setup_model import DistInfo, OptimConfig, TokenLogprobModel, build_scheduler, load_causal_lm
+from fsdp_setup import DistInfo
+from optimizer import OptimConfig, build_scheduler
+from setup_model import TokenLogprobModel, load_causal_lm
 from trainer_core import KeptMinibatch, take_gradient_step, train_again, train_on_step
 from vllm_experience_batcher import EndOfStep, Minibatch
 

@@ -19,12 +19,13 @@ from typing import Any, Callable
 import pytest
 import torch
 
-import trainer_core
 from dataset import InfiniteDistributedSampler
 from grpo_loss import LossConfig
 from sample_processing_utils import Sample
-from setup_model import DistInfo, OptimConfig, TokenLogprobModel, build_optimizer, build_scheduler, load_causal_lm
-from trainer_core import PromptFeeder, TrainerConfig, run_step, start_generation
+from fsdp_setup import DistInfo
+from optimizer import OptimConfig, build_optimizer, build_scheduler
+from setup_model import TokenLogprobModel, load_causal_lm
+from trainer_core import PromptFeeder, StepParts, TrainerConfig, run_step, start_generation
 from vllm_experience_batcher import EndOfStep, Minibatch
 
 NUM_STEPS = 7
@@ -125,8 +126,9 @@ def _run(tiny_model_dir: Path, tmp_path: Path, monkeypatch, push_every: int, max
     sampler = InfiniteDistributedSampler(NUM_PROMPTS, 0, 1, seed=0)
     feeder = PromptFeeder(prompts, sampler, batcher, config, dist, first_step=start)
     start_generation(model, pusher, feeder, start, config)
-    records = [run_step(step, model, optimizer, scheduler, batcher, pusher, feeder, config, dist)
-               for step in range(start, NUM_STEPS)]
+    parts = StepParts(model=model, optimizer=optimizer, scheduler=scheduler, batcher=batcher, pusher=pusher,
+                      feeder=feeder)
+    records = [run_step(step, parts, config, dist) for step in range(start, NUM_STEPS)]
     return batcher, pusher, records
 
 

@@ -19,7 +19,8 @@ from run_config import load_config, save_config
 from sample_processing_utils import Sample
 from trainer_core import TrainerConfig
 from vllm_experience_batcher import BatcherConfig, ExperienceBatcher, Minibatch
-from vllm_worker import SEED_BOUND, GenerationWorker, GenerationWorkerConfig, SamplingConfig, derive_seed
+from sampling import SEED_BOUND, SamplingConfig, derive_seed
+from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
 N = 4  # completions per request
 PROMPT_IDS = range(6)

@@ -26,14 +26,9 @@ from math_verifier import RewardResult
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
 from weight_sync import WeightUpdate, state_dict_to_blobs
-from vllm_worker import (
-    GenerationWorker,
-    GenerationWorkerActor,
-    GenerationWorkerConfig,
-    SamplingConfig,
-    _with_tied_lm_head,
-    group_advantages,
-)
+from advantages import group_advantages
+from sampling import SamplingConfig
+from vllm_worker import GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig, _with_tied_lm_head
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from setup_model import fsdp_shard_extent
+from weight_sync import fsdp_shard_extent
 from weight_sync import assemble_state_dict, tensor_to_blob
 
 

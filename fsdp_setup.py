@@ -1,0 +1,159 @@
+"""The trainer's process group and its FSDP2-sharded model.
+
+In order: `init_distributed` (torchrun's environment -> process group and device), then
+`build_training_model`: from_pretrained on rank 0 and a meta skeleton elsewhere, FSDP2 per
+decoder layer and at the root, and `copy_weights_from_rank0` to fill every rank's shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from setup_model import ModelConfig, TokenLogprobModel, default_attn_implementation, load_causal_lm, meta_causal_lm
+from weight_sync import local_dim0_piece
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DistInfo:
+    """This process's place in the training job, as init_distributed found it."""
+
+    rank: int
+    """Global rank, 0 .. world_size - 1."""
+    world_size: int
+    """Number of training processes."""
+    local_rank: int
+    """Rank on this node; picks the CUDA device."""
+    device: torch.device
+    """Device this rank computes on (cuda:local_rank, or cpu)."""
+    backend: str
+    """Process-group backend: 'nccl' on CUDA, 'gloo' on CPU."""
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that logs and writes files."""
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    """An integer from the environment (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK)."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError as err:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from err
+
+
+def init_distributed(timeout_s: float = 600.0) -> DistInfo:
+    """Join (or create) the default process group from torchrun's environment.
+
+    Without torchrun (no WORLD_SIZE) this makes a one-process group over an in-memory store, so
+    FSDP2 and the collective helpers below work unchanged. timeout_s bounds every collective: a
+    rank that died makes the others raise instead of waiting forever. Idempotent.
+    """
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if dist.is_initialized():
+        return DistInfo(
+            rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+            device=device, backend=dist.get_backend(),
+        )
+    timeout = timedelta(seconds=timeout_s)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    logger.info("rank %d/%d (local %d) joined on %s with %s", rank, world_size, local_rank, device, backend)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+def build_training_model(model_config: ModelConfig, dist_info: DistInfo) -> TokenLogprobModel:
+    """Load the HF model (rank 0 reads it, the others receive their shards) and shard it with
+    FSDP2: one group per decoder layer, then the root.
+
+    The root group is the TokenLogprobModel wrapper, not the causal LM: its forward reads
+    lm_head's weight directly (chunked logprobs), which is gathered only while the root's
+    forward runs. Parameters stay fp32; on CUDA the compute copies are bf16.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    attn = model_config.attn_implementation or default_attn_implementation(dist_info.device)
+    # Only rank 0 reads the checkpoint (on CPU; fully_shard moves each shard to the device); the
+    # other ranks build a parameter-less skeleton and receive their shards from it, so host
+    # memory holds one full copy per node's rank 0, not one per rank.
+    full_weights: dict[str, torch.Tensor] | None = None
+    if dist_info.rank == 0:
+        causal_lm = load_causal_lm(model_config.model_path, dtype=torch.float32, attn_implementation=attn)
+        full_weights = {name: p.detach() for name, p in causal_lm.named_parameters()}
+    else:
+        causal_lm = meta_causal_lm(model_config.model_path, attn_implementation=attn)
+    causal_lm.config.use_cache = False
+    if model_config.gradient_checkpointing:
+        causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    causal_lm.train()
+    mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
+    if dist_info.device.type == "cuda" and model_config.mixed_precision:
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp_policy = MixedPrecisionPolicy()
+    for layer in causal_lm.get_decoder().layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=model_config.reshard_after_forward)
+    model = TokenLogprobModel(causal_lm, logprob_chunk_size=model_config.logprob_chunk_size)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    if dist_info.rank != 0:
+        model.to_empty(device=dist_info.device)
+    if dist_info.world_size > 1:
+        copy_weights_from_rank0(causal_lm, full_weights, dist_info.device)
+    del full_weights
+    logger.info(
+        "FSDP2 model from %s: %d parameters over %d ranks",
+        model_config.model_path, sum(p.numel() for p in model.parameters()), dist_info.world_size,
+    )
+    return model
+
+
+def copy_weights_from_rank0(
+    causal_lm: nn.Module, full_weights: dict[str, torch.Tensor] | None, device: torch.device
+) -> None:
+    """Collective: every rank's (FSDP-sharded) model takes rank 0's weights and buffers.
+
+    Rank 0 passes its full, unsharded parameters by name (the dict is emptied as they are sent,
+    so each full tensor is freed once broadcast); the others pass None. Each tensor is broadcast
+    whole in turn (peak extra memory: one full tensor) and every rank keeps its own dim-0 rows.
+    Buffers (rotary frequencies, ...) are replicated, so they are broadcast as is: on a rank that
+    built a meta skeleton they hold garbage until then.
+    """
+    rank = dist.get_rank()
+    if (full_weights is not None) != (rank == 0):
+        raise ValueError(f"copy_weights_from_rank0: rank {rank} must pass full weights iff it is rank 0")
+    with torch.no_grad():
+        for name, param in causal_lm.named_parameters():
+            local, offset = local_dim0_piece(name, param)
+            if rank == 0:
+                full = full_weights.pop(name)
+                if tuple(full.shape) != tuple(param.shape):
+                    raise ValueError(f"weight {name}: full shape {tuple(full.shape)} != sharded {tuple(param.shape)}")
+                whole = full.to(device=device, dtype=param.dtype)
+            else:
+                whole = torch.empty(param.shape, dtype=param.dtype, device=device)
+            dist.broadcast(whole, src=0)
+            if rank != 0:
+                local.copy_(whole[offset : offset + local.shape[0]])
+        for buffer in causal_lm.buffers():
+            dist.broadcast(buffer, src=0)

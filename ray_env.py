@@ -1,0 +1,62 @@
+"""Where the project's actors live in Ray: one namespace, their names, and the runtime env they run in.
+
+Every process that talks to the cluster (trainer ranks, dispatchers, the batcher, the tests)
+finds actors by these names, so `ray list actors` reads the same everywhere:
+
+    generation-registry, logprob-registry        one per worker kind (vllm_registry.py)
+    generation-worker-0, logprob-worker-0, ...   one per worker (worker_dispatcher.py)
+    experience-batcher                           one per run (vllm_experience_batcher.py)
+    math-verifier-pool                           one per cluster (math_verifier.py)
+    weight-shard-stager                          "sharded" weight pushes (weight_sync.py)
+
+Actors import project modules (vLLM's engine-core process too), so they run with this
+repository first on their PYTHONPATH: `actor_runtime_env()`. Imports nothing but the stdlib.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+RAY_NAMESPACE = "async-grpo"
+GENERATION = "generation"
+LOGPROB = "logprob"
+WORKER_KINDS = (GENERATION, LOGPROB)
+BATCHER_ACTOR_NAME = "experience-batcher"
+VERIFIER_POOL_ACTOR_NAME = "math-verifier-pool"
+SHARD_STAGER_NAME = "weight-shard-stager"
+# The folder holding this module: the repository in a checkout, site-packages once installed.
+REPO_ROOT = Path(__file__).resolve().parent
+
+
+def check_kind(kind: str) -> str:
+    """`kind` itself if it is a worker kind, else a ValueError that lists the kinds."""
+    if kind not in WORKER_KINDS:
+        raise ValueError(f"unknown worker kind {kind!r}; expected one of {WORKER_KINDS}")
+    return kind
+
+
+def registry_name(kind: str) -> str:
+    """Ray actor name of the registry of one worker kind, e.g. 'generation-registry'."""
+    return f"{check_kind(kind)}-registry"
+
+
+def worker_actor_name(kind: str, index: int) -> str:
+    """Ray actor name of one worker, e.g. 'generation-worker-0' (what `ray list actors` shows)."""
+    if index < 0:
+        raise ValueError(f"worker index must be >= 0, got {index}")
+    return f"{check_kind(kind)}-worker-{index}"
+
+
+def repo_pythonpath(inherited: str | None = None) -> str:
+    """PYTHONPATH that imports this repository first, then `inherited` (default: this process's)."""
+    root = str(REPO_ROOT)
+    inherited = os.environ.get("PYTHONPATH", "") if inherited is None else inherited
+    rest = [p for p in inherited.split(os.pathsep) if p and p != root]
+    return os.pathsep.join([root, *rest])
+
+
+def actor_runtime_env() -> dict[str, Any]:
+    """Ray runtime_env of every project actor and of ray.init: this repository importable."""
+    return {"env_vars": {"PYTHONPATH": repo_pythonpath()}}

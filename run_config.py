@@ -3,17 +3,26 @@
 Every field of a config dataclass becomes a flag: top-level fields as `--name`, fields of a
 nested section as `--section.name`. Precedence: defaults < config file < CLI flags. Unknown keys
 (in the file or on the command line) are errors that name the key, and each section's own
-`__post_init__` validation runs on the final values.
+`__post_init__` validation runs on the final values. A bool flag alone means true
+(`--enforce_eager`, or `--enforce_eager false`); a list field takes one or more values
+(`--seeds 0 1 2`, or JSON: `--seeds "[0, 1, 2]"`).
+
+Every entry point of the project parses its command line this way, so defaults live in one
+place, the config class:
 
     cfg = load_config(TrainerConfig, ["--config", "demo.yaml", "--optim.lr", "3e-4"])
     save_config(cfg, run_dir / "config.yaml")
+    own, rest = split_passthrough(sys.argv[1:])  # launchers: flags after `--` go to a child
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
 import json
+import textwrap
 import tomllib
 import types
 import typing
@@ -59,7 +68,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return choice
         raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
     if origin in (list, tuple):
-        items = json.loads(value) if isinstance(value, str) else value
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) and value[0].startswith("["):
+            value = value[0]  # one JSON list given to a multi-value flag
+        try:
+            items = json.loads(value) if isinstance(value, str) else value
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: expected a list, got {value!r} ({exc})") from None
         if not isinstance(items, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         item_type = args[0] if args else Any
@@ -131,20 +145,71 @@ def _set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
     target[keys[-1]] = value
 
 
-def _flag_names(cls: type, prefix: str = "") -> list[str]:
-    names = []
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (our configs document every field so)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):  # no source (e.g. built in a REPL): flags without help
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    for field_node, doc_node in zip(body, body[1:]):
+        if (isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name)
+                and isinstance(doc_node, ast.Expr) and isinstance(doc_node.value, ast.Constant)
+                and isinstance(doc_node.value.value, str)):
+            docs[field_node.target.id] = " ".join(doc_node.value.value.split())
+    return docs
+
+
+def _flags(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(dotted flag name, annotated type, help) of every leaf field, nested sections flattened."""
+    flags = []
+    docs = _field_docs(cls)
+    defaults = {
+        f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        for f in dataclasses.fields(cls)
+    }
     for name, tp in _field_types(cls).items():
         dotted = f"{prefix}{name}"
-        names.extend(_flag_names(tp, dotted + ".") if _is_dataclass_type(tp) else [dotted])
-    return names
+        if _is_dataclass_type(tp):
+            flags.extend(_flags(tp, dotted + "."))
+            continue
+        default = defaults.get(name, dataclasses.MISSING)
+        shown = "required" if default is dataclasses.MISSING else f"default: {default!r}"
+        # argparse formats help with %: escape it so docs may mention percentages.
+        flags.append((dotted, tp, f"{docs.get(name, '')} ({shown})".strip().replace("%", "%%")))
+    return flags
+
+
+def _is_list_type(tp: Any) -> bool:
+    """list[...] or tuple[...], also inside `| None`."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_is_list_type(arg) for arg in typing.get_args(tp) if arg is not type(None))
+    return typing.get_origin(tp) in (list, tuple)
+
+
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(flags before the first `--`, everything after it): a launcher's own flags and its child's."""
+    if "--" not in argv:
+        return list(argv), []
+    cut = argv.index("--")
+    return list(argv[:cut]), list(argv[cut + 1 :])
 
 
 def load_config(cls: type[T], argv: list[str], description: str = "") -> T:
     """Build `cls` from defaults, then `--config FILE` (YAML or TOML), then `--key value` flags."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, help="YAML or TOML file with config values")
-    for dotted in _flag_names(cls):
-        parser.add_argument(f"--{dotted}", dest=dotted, default=argparse.SUPPRESS, metavar="VALUE")
+    for dotted, tp, help_text in _flags(cls):
+        if tp is bool:
+            parser.add_argument(f"--{dotted}", dest=dotted, default=argparse.SUPPRESS, metavar="BOOL",
+                                nargs="?", const="true", help=help_text)
+        elif _is_list_type(tp):
+            parser.add_argument(f"--{dotted}", dest=dotted, default=argparse.SUPPRESS, metavar="VALUE", nargs="+",
+                                help=help_text)
+        else:
+            parser.add_argument(f"--{dotted}", dest=dotted, default=argparse.SUPPRESS, metavar="VALUE",
+                                help=help_text)
     args = vars(parser.parse_args(argv))
     file_path = args.pop("config", None)
     values = _read_file(file_path) if file_path else {}

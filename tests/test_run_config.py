@@ -8,7 +8,7 @@ from typing import Literal
 
 import pytest
 
-from run_config import ConfigError, load_config, save_config
+from run_config import ConfigError, load_config, save_config, split_passthrough
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -71,3 +71,40 @@ def test_saved_config_round_trips(tmp_path: Path) -> None:
     cfg = load_config(_Outer, ["--path", "p", "--inner.betas", "[0.5, 0.6]"])
     save_config(cfg, tmp_path / "resolved.yaml")
     assert load_config(_Outer, ["--config", str(tmp_path / "resolved.yaml")]) == cfg
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Flags:
+    enabled: bool = False
+    """A switch."""
+    seeds: list[int] = field(default_factory=lambda: [0])
+    """Seeds, one or more."""
+    pair: tuple[float, float] = (0.5, 0.5)
+    """Two numbers."""
+
+
+def test_bare_bool_flag_means_true_and_takes_an_explicit_value():
+    assert load_config(_Flags, ["--enabled"]).enabled is True
+    assert load_config(_Flags, ["--enabled", "false"]).enabled is False
+    assert load_config(_Flags, []).enabled is False
+
+
+def test_list_flags_take_several_values_or_one_json_list():
+    assert load_config(_Flags, ["--seeds", "3", "4", "5"]).seeds == [3, 4, 5]
+    assert load_config(_Flags, ["--seeds", "[6, 7]"]).seeds == [6, 7]
+    assert load_config(_Flags, ["--pair", "0.1", "0.2"]).pair == (0.1, 0.2)
+    with pytest.raises(ConfigError, match="seeds"):
+        load_config(_Flags, ["--seeds", "x"])
+
+
+def test_split_passthrough_cuts_at_the_first_double_dash():
+    assert split_passthrough(["--a", "1", "--", "--b", "2", "--", "x"]) == (["--a", "1"], ["--b", "2", "--", "x"])
+    assert split_passthrough(["--a", "1"]) == (["--a", "1"], [])
+
+
+def test_help_shows_each_fields_docstring_and_default(capsys):
+    with pytest.raises(SystemExit):
+        load_config(_Flags, ["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Seeds, one or more. (default: [0])" in out
+    assert "A switch. (default: False)" in out

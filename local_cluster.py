@@ -12,7 +12,6 @@ everything it started on exit, Ctrl-C or failure. Owning the head in-process (ra
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ray_env import RAY_NAMESPACE, REPO_ROOT, actor_runtime_env, repo_pythonpath
+from run_config import load_config, split_passthrough
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,12 @@ class LocalClusterConfig:
 
     model_path: str
     """Model the inference workers load (the trainer's --model.model_path)."""
-    log_dir: str
-    """Where dispatcher logs go."""
+    run_dir: str = ""
+    """The trainer's run directory (its --run_dir), when this launcher starts the trainer."""
+    log_dir: str = ""
+    """Where dispatcher logs go; '' means run_dir."""
+    nproc_per_node: int = 2
+    """Trainer ranks (torchrun's --nproc_per_node)."""
     generation_workers: int = 1
     """Generation workers (each its own vLLM engine)."""
     logprob_workers: int = 1
@@ -65,6 +69,12 @@ class LocalClusterConfig:
     """Give up if a worker has not registered by then (vLLM on CPU takes ~1 min)."""
 
     def __post_init__(self) -> None:
+        if not self.log_dir:
+            if not self.run_dir:
+                raise ValueError("LocalClusterConfig needs run_dir (--run_dir) or log_dir")
+            object.__setattr__(self, "log_dir", self.run_dir)
+        if self.nproc_per_node < 1:
+            raise ValueError(f"LocalClusterConfig.nproc_per_node must be >= 1, got {self.nproc_per_node}")
         if self.generation_workers < 1:
             raise ValueError(f"LocalClusterConfig.generation_workers must be >= 1, got {self.generation_workers}")
         if self.logprob_workers < 0:
@@ -249,30 +259,18 @@ def _tail(text: str, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model_path", required=True, help="model for workers and trainer")
-    parser.add_argument("--run_dir", required=True, help="trainer run directory (logs go here too)")
-    parser.add_argument("--nproc_per_node", type=int, default=2, help="trainer ranks")
-    parser.add_argument("--generation_workers", type=int, default=1)
-    parser.add_argument("--logprob_workers", type=int, default=1)
-    parser.add_argument("--global_num_verifiers", type=int, default=1)
-    parser.add_argument("--kv_cache_memory_bytes", type=int, default=256 * 2**20)
-    parser.add_argument("--max_model_len", type=int, default=512)
-    parser.add_argument("--dtype", default="float32", help="inference workers' model dtype")
-    args, trainer_args = parser.parse_known_args()
-    trainer_args = [a for a in trainer_args if a != "--"]
+def main(argv: list[str] | None = None) -> int:
+    own, trainer_args = split_passthrough(list(sys.argv[1:] if argv is None else argv))
+    config = load_config(LocalClusterConfig, own, description=__doc__)
+    if not config.run_dir:
+        raise SystemExit("local_cluster.py: --run_dir is required (the trainer's run directory)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _interrupt_on_sigterm()
-    config = LocalClusterConfig(
-        model_path=args.model_path, log_dir=args.run_dir, generation_workers=args.generation_workers,
-        logprob_workers=args.logprob_workers, global_num_verifiers=args.global_num_verifiers,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_model_len=args.max_model_len, dtype=args.dtype,
-    )
     with LocalCluster(config) as cluster:
         cluster.start_workers()
         return cluster.run_trainer(
-            ["--run_dir", args.run_dir, "--model.model_path", args.model_path, *trainer_args], args.nproc_per_node
+            ["--run_dir", config.run_dir, "--model.model_path", config.model_path, *trainer_args],
+            config.nproc_per_node,
         )
 
 

@@ -27,7 +27,6 @@ Ray has no authentication unless its token auth is on: run clusters on a trusted
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -44,6 +43,7 @@ from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, worker_actor_name
+from run_config import ConfigError, load_config
 from vllm_registry import RegistryConfig, WorkerStatus, get_or_create_registry
 
 logger = logging.getLogger(__name__)
@@ -402,45 +402,27 @@ def print_status(ray_address: str) -> int:
     return 0 if found else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The CLI; unset options stay None so DispatcherConfig's defaults apply."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", choices=("serve", STATUS_COMMAND), default="serve",
-                        help="serve (default): start one worker; status: print the pools' workers")
-    parser.add_argument("--model_path")
-    parser.add_argument("--mode", choices=WORKER_KINDS)
-    parser.add_argument("--tensor_parallel_size", type=int)
-    parser.add_argument("--max_num_seqs", type=int)
-    parser.add_argument("--global_num_verifiers", type=int)
-    parser.add_argument("--verifier_timeout_s", type=float)
-    parser.add_argument("--write_failed_generation_samples", action="store_true", default=None)
-    parser.add_argument("--failed_samples_path", help=f"default: {DEFAULT_FAILED_SAMPLES_PATH}")
-    parser.add_argument("--gpu_memory_utilization", type=float)
-    parser.add_argument("--kv_cache_memory_bytes", type=int)
-    parser.add_argument("--max_model_len", type=int)
-    parser.add_argument("--enforce_eager", action="store_true", default=None)
-    parser.add_argument("--max_tokens_per_gpu", type=int)
-    parser.add_argument("--dtype", help="model dtype (generation default: auto; logprob default: float32)")
-    parser.add_argument("--num_cpus", type=float)
-    parser.add_argument("--ray_address", help="used when RAY_ADDRESS is unset; default: auto")
-    parser.add_argument("--start_timeout_s", type=float)
-    parser.add_argument("--health_check_interval_s", type=float)
-    parser.add_argument("--health_timeout_s", type=float)
-    return parser
+@dataclass(kw_only=True, frozen=True)
+class StatusConfig:
+    """`python worker_dispatcher.py status`: print every pool's workers."""
+
+    ray_address: str = DispatcherConfig.ray_address
+    """Cluster to join when RAY_ADDRESS is unset ('auto': the one started on this machine)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`worker_dispatcher.py [serve] --mode ... --model_path ...` or `worker_dispatcher.py status`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    given = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = args.pop(0) if args and args[0] in ("serve", STATUS_COMMAND) else "serve"
     try:
-        if args.command == STATUS_COMMAND:
-            return print_status(given.get("ray_address", DispatcherConfig.ray_address))
+        if command == STATUS_COMMAND:
+            return print_status(load_config(StatusConfig, args, description=StatusConfig.__doc__).ray_address)
         try:
-            cfg = DispatcherConfig(**given)
-        except ValueError as err:
-            parser.error(str(err))
+            cfg = load_config(DispatcherConfig, args, description=__doc__)
+        except ConfigError as err:
+            print(f"worker_dispatcher.py: {err}", file=sys.stderr)
+            return 2
         return serve(cfg)
     except ConnectionError as err:
         print(f"cannot join the Ray cluster (start it with `ray start --head` or set RAY_ADDRESS): {err}",

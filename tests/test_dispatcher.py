@@ -23,7 +23,7 @@ from typing import Iterator
 import pytest
 
 from local_cluster import LOOPBACK_ONLY_ENV
-from ray_env import GENERATION, registry_name, worker_actor_name
+from ray_env import GENERATION, registry_name, repo_pythonpath, worker_actor_name
 from worker_dispatcher import REGISTERED_LINE, DispatcherConfig, format_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +77,7 @@ def ray_head() -> Iterator[dict[str, str]]:
     temp_dir = tempfile.mkdtemp(prefix="rdt", dir="/tmp")  # short: Ray's socket paths must fit 107 chars
     address = f"127.0.0.1:{_free_port()}"
     # LOOPBACK_ONLY_ENV: --node-ip-address 127.0.0.1 alone still listens on all interfaces.
-    env = {**os.environ, **LOOPBACK_ONLY_ENV, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **LOOPBACK_ONLY_ENV, "PYTHONPATH": repo_pythonpath(), "PYTHONUNBUFFERED": "1"}
     head = subprocess.Popen(
         [
             str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ray_env import repo_pythonpath
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -23,7 +25,7 @@ def run_worker(worker: Path, args: list[str], nproc: int | None, timeout_s: floa
     """Run `worker` with torchrun on nproc ranks (plain python when nproc is None); raise with its
     output if it fails or outlives timeout_s."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    env.update(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1", PYTHONPATH=repo_pythonpath())
     if nproc is None:
         launcher = [sys.executable]
     else:

@@ -23,12 +23,15 @@ from typing import Any
 
 import torch
 import torch.distributed as torch_dist
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.optim.lr_scheduler import LRScheduler
 
+from fsdp_setup import DistInfo
 from weight_sync import export_hf_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ class TrainerState:
 
 
 def checkpoints_root(run_dir: Path) -> Path:
+    """Folder holding a run's step_NNNNNN checkpoints."""
     return Path(run_dir) / "checkpoints"
 
 
@@ -100,8 +104,8 @@ def _set_rng_state(saved: dict[str, torch.Tensor] | torch.Tensor) -> None:
         torch.cuda.set_rng_state(saved["cuda"])
 
 
-def save_checkpoint(run_dir: Path, model, optimizer, scheduler, state: TrainerState, source_model_path: str,
-                    dist, *, keep: int) -> Path:
+def save_checkpoint(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
+                    state: TrainerState, source_model_path: str, dist: DistInfo, *, keep: int) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path."""
     final = checkpoints_root(run_dir) / f"step_{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -129,6 +133,7 @@ def save_checkpoint(run_dir: Path, model, optimizer, scheduler, state: TrainerSt
 
 
 def _prune(run_dir: Path, keep: int) -> None:
+    """Delete all but the `keep` newest complete checkpoints."""
     complete = sorted(
         (int(m.group(1)), p) for p in checkpoints_root(run_dir).iterdir() if (m := _STEP_DIR.match(p.name))
     )
@@ -136,7 +141,8 @@ def _prune(run_dir: Path, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, model, optimizer, scheduler, dist) -> TrainerState:
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
+                    dist: DistInfo) -> TrainerState:
     """Collective: restore optimizer, scheduler and RNG (weights come from the HF files via
     build_training_model). Returns the trainer state."""
     state = TrainerState(**json.loads((path / _STATE_FILE).read_text()))

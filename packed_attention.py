@@ -9,9 +9,13 @@ each sample only, at the cost of sum(len_i^2) instead of the [T, T] block mask p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 PACKED_SDPA = "packed_sdpa"
 """attn_implementation name of the packed-aware sdpa below, as registered by register_packed_sdpa.
@@ -187,7 +191,7 @@ def packed_sdpa_mask(
     q_offset: int | torch.Tensor = 0,
     kv_offset: int = 0,
     attention_mask: torch.Tensor | None = None,
-    config=None,
+    config: PretrainedConfig | None = None,
     **kwargs,
 ) -> torch.Tensor | None:
     """AttentionMaskInterface entry for PACKED_SDPA: no mask for a whole, unpadded causal forward.

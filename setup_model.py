@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from torch import nn
 from grpo_loss import chunked_token_logprobs
 from packed_attention import PACKED_SDPA, register_packed_sdpa
 from sample_processing_utils import LogprobInput
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +59,7 @@ class ModelConfig:
             raise ValueError("ModelConfig.attn_implementation must be None or a non-empty name")
 
 
-def load_tokenizer(model_path: str | Path):
+def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:
     """Load the tokenizer the way vLLM does (AutoTokenizer), so both sides tokenize identically."""
     from transformers import AutoTokenizer
 

@@ -13,8 +13,12 @@ import string
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +69,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, chars)))
 
 
-def build_tiny_tokenizer():
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer that is a byte-level BPE with no merges.
 
     transformers 5 loads any folder whose config says `qwen2` with `Qwen2Tokenizer` (a byte-level

@@ -185,6 +185,30 @@ def _registry(kind: str) -> ActorHandle:
         ) from None
 
 
+class Publisher(Protocol):
+    """What run_step needs from a weight pusher (weight_sync.WeightPusher; tests pass stand-ins)."""
+
+    def push(self, model: torch.nn.Module, version: int, initial: bool = False) -> float: ...
+
+
+@dataclass(slots=True)
+class StepParts:
+    """What every step works on, built once by `train`."""
+
+    model: TokenLogprobModel
+    """The FSDP2-sharded policy."""
+    optimizer: torch.optim.Optimizer
+    """Its AdamW."""
+    scheduler: LRScheduler
+    """Its learning-rate schedule, advanced once per step."""
+    batcher: ActorHandle
+    """The ExperienceBatcher actor that sends this rank its minibatches."""
+    pusher: Publisher
+    """Publishes new weights to the inference workers."""
+    feeder: PromptFeeder
+    """Submits each step's prompts to the batcher."""
+
+
 def make_weight_pusher(config: TrainerConfig, dist: DistInfo) -> WeightPusher:
     """The pusher of this rank: rank 0 broadcasts to the registries of every kind that serves
     the policy (generation; logprob too when it computes old-policy logprobs)."""
@@ -426,30 +450,6 @@ def _make_batcher(config: TrainerConfig, dist: DistInfo) -> ActorHandle:
     if dist.rank != 0:
         batcher = get_or_create_batcher(batcher_config)
     return batcher
-
-
-class Publisher(Protocol):
-    """What run_step needs from a weight pusher (weight_sync.WeightPusher; tests pass stand-ins)."""
-
-    def push(self, model: torch.nn.Module, version: int, initial: bool = False) -> float: ...
-
-
-@dataclass(slots=True)
-class StepParts:
-    """What every step works on, built once by `train`."""
-
-    model: TokenLogprobModel
-    """The FSDP2-sharded policy."""
-    optimizer: torch.optim.Optimizer
-    """Its AdamW."""
-    scheduler: LRScheduler
-    """Its learning-rate schedule, advanced once per step."""
-    batcher: ActorHandle
-    """The ExperienceBatcher actor that sends this rank its minibatches."""
-    pusher: Publisher
-    """Publishes new weights to the inference workers."""
-    feeder: PromptFeeder
-    """Submits each step's prompts to the batcher."""
 
 
 def run_step(step: int, parts: StepParts, config: TrainerConfig, dist: DistInfo) -> dict[str, float]:

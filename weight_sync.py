@@ -365,7 +365,7 @@ class ShardStager:
         return [by_rank[r] for r in range(world_size)]
 
 
-def get_or_create_shard_stager():
+def get_or_create_shard_stager() -> Any:
     """The named shard-staging actor of this run (created by the first rank that asks)."""
     import ray
 

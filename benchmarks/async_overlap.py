@@ -39,7 +39,6 @@ The LAST line is key=value pairs:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -51,14 +50,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
 from metrics import read_metrics  # noqa: E402
+from run_config import load_config  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
 from ray_env import GENERATION, RAY_NAMESPACE, worker_actor_name
 from vllm_registry import RegistryConfig, WorkerHealth, get_or_create_registry
@@ -84,6 +84,44 @@ SIM_REGISTRY_CAP = 1_000_000
 SIM_ACTOR_MAX_CONCURRENCY = 10_000  # every in-flight request holds one actor slot while it sleeps
 SIM_CALIBRATION_LATENCY_S = 0.05  # G during calibration: small, so T is measured nearly alone
 SIM_REWARD_PROBABILITY = 0.5  # coin-flip rewards: most groups have a spread, so most advantages are non-zero
+
+
+@dataclass(kw_only=True, frozen=True)
+class AsyncOverlapConfig:
+    """Command line of `python benchmarks/async_overlap.py`."""
+
+    modes: list[Literal["real", "simulated"]] = field(default_factory=lambda: ["real", "simulated"])
+    """Which engines to measure: the real vLLM worker, the SIMULATED one, or both."""
+    assets_dir: str | None = None
+    """Existing scripts/prepare_demo.py output; None: prepare one in the work dir."""
+    work_dir: str | None = None
+    """Where runs and logs go; None: a fresh temp dir."""
+    num_steps: int = 8
+    """Optimizer steps per trainer run."""
+    rounds: int = 2
+    """Alternating (max_lag 0, max_lag 1) pairs of runs."""
+    skip_steps: int = 2
+    """Leading steps of each run left out of the median."""
+    prompts_per_rank: int = 16
+    """Prompts each rank submits per step."""
+    n: int = 8
+    """Rollouts per prompt."""
+    max_tokens: int = 4
+    """Real mode's completion cap (the demo's: 4)."""
+    sim_max_tokens: int = 16
+    """Simulated mode's completion length (the simulated engine always emits exactly this many)."""
+    sim_latency_s: float | None = None
+    """Simulated G, seconds per request; None: T measured by the calibration run."""
+    calibration_steps: int = 6
+    """Steps of the simulated mode's calibration run (max_lag=0, tiny G)."""
+    trainer_timeout_s: float = 600.0
+    """Kill a trainer run that takes longer than this."""
+
+    def bench(self, max_tokens: int) -> BenchConfig:
+        """One mode's run shape, with that mode's completion length."""
+        return BenchConfig(num_steps=self.num_steps, rounds=self.rounds, skip_steps=self.skip_steps,
+                           prompts_per_rank=self.prompts_per_rank, n=self.n, max_tokens=max_tokens,
+                           trainer_timeout_s=self.trainer_timeout_s)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -353,39 +391,23 @@ def _load_average() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", nargs="+", choices=("real", "simulated"), default=["real", "simulated"])
-    parser.add_argument("--assets_dir", type=Path, help="existing prepare_demo.py output (default: prepare one)")
-    parser.add_argument("--work_dir", type=Path, help="where runs and logs go (default: a temp dir)")
-    parser.add_argument("--num_steps", type=int, default=8, help="steps per trainer run")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating (max_lag 0, max_lag 1) pairs of runs")
-    parser.add_argument("--skip_steps", type=int, default=2)
-    parser.add_argument("--prompts_per_rank", type=int, default=16)
-    parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--max_tokens", type=int, default=4, help="real mode completion cap (demo: 4)")
-    parser.add_argument("--sim_max_tokens", type=int, default=16, help="simulated completion length")
-    parser.add_argument("--sim_latency_s", type=float, help="simulated G (default: T from calibration)")
-    parser.add_argument("--calibration_steps", type=int, default=6)
-    parser.add_argument("--trainer_timeout_s", type=float, default=600.0)
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = load_config(AsyncOverlapConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="async-overlap-"))
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="async-overlap-"))
     work.mkdir(parents=True, exist_ok=True)
-    assets = args.assets_dir or prepare_assets(work / "assets")
-    shape = dict(num_steps=args.num_steps, rounds=args.rounds, skip_steps=args.skip_steps, prompts_per_rank=args.prompts_per_rank,
-                 n=args.n, trainer_timeout_s=args.trainer_timeout_s)
+    assets = Path(args.assets_dir) if args.assets_dir else prepare_assets(work / "assets")
     summary: dict[str, str] = {}
     load_before = _load_average()
     if "real" in args.modes:
-        real = run_real(assets, work, BenchConfig(max_tokens=args.max_tokens, **shape))
+        real = run_real(assets, work, args.bench(args.max_tokens))
         describe("real", real)
         print("real: vLLM generation, the logprob worker and both trainer ranks share "
               f"{os.cpu_count()} cores, so overlap can only fill time when the cores would otherwise idle")
         summary["speedup"] = f"{real[0].step_s / real[1].step_s:.3f}"
     if "simulated" in args.modes:
-        sim = run_simulated(assets, work, BenchConfig(max_tokens=args.sim_max_tokens, **shape), args.sim_latency_s,
+        sim = run_simulated(assets, work, args.bench(args.sim_max_tokens), args.sim_latency_s,
                             args.calibration_steps)
         print(f"SIMULATED generation engine: G = {sim.latency_s:.3f} s per request (fixed sleep; calibration "
               f"T was {sim.calibration.busy_s:.3f} s); T = {sim.trainer_s:.3f} s trainer busy time per step "

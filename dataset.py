@@ -19,18 +19,19 @@ Write the demo's single-digit addition prompts, or check a prompt file against a
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import operator
 import os
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 import numpy as np
 
+from run_config import load_config
 from sample_processing_utils import Sample
 
 logger = logging.getLogger(__name__)
@@ -405,40 +406,74 @@ class InfiniteDistributedSampler:
         self._shard = self._epoch_shard(epoch)
 
 
-def _check_command(args: argparse.Namespace) -> None:
+@dataclass(kw_only=True, frozen=True)
+class WriteArithmeticConfig:
+    """`python dataset.py write-arithmetic`: write the demo's addition prompts as JSONL."""
+
+    out: str = ""
+    """File to write."""
+    num_samples: int = 0
+    """Prompts to write."""
+    seed: int = 0
+    """Seed of the operands and operators."""
+    min_operand: int = 0
+    """Smallest operand."""
+    max_operand: int = 9
+    """Largest operand."""
+    operators: str = "+"
+    """Operators to draw from, e.g. '+-*'."""
+
+    def __post_init__(self) -> None:
+        if not self.out:
+            raise ValueError("WriteArithmeticConfig.out must be set (--out)")
+        if self.num_samples < 1:
+            raise ValueError(f"WriteArithmeticConfig.num_samples must be >= 1 (--num_samples), got {self.num_samples}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckConfig:
+    """`python dataset.py check`: load a prompt file with a model's tokenizer and report."""
+
+    path: str = ""
+    """Prompt file (JSONL) to check."""
+    model_path: str = ""
+    """Model folder whose tokenizer encodes the prompts."""
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    """Longest prompt allowed, in tokens."""
+
+    def __post_init__(self) -> None:
+        if not self.path or not self.model_path:
+            raise ValueError("CheckConfig needs --path and --model_path")
+
+
+def _check_command(config: CheckConfig) -> None:
     from setup_model import load_tokenizer
 
-    config = DatasetConfig(path=args.path, max_prompt_tokens=args.max_prompt_tokens)
-    loaded = load_prompt_file(config, load_tokenizer(args.model_path))
+    dataset_config = DatasetConfig(path=config.path, max_prompt_tokens=config.max_prompt_tokens)
+    loaded = load_prompt_file(dataset_config, load_tokenizer(config.model_path))
     lengths = [len(s.input_token_ids) for s in loaded.samples]
     print(f"ok: {loaded.stats}; prompt tokens min={min(lengths)} max={max(lengths)} mean={np.mean(lengths):.1f}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    arithmetic = sub.add_parser("write-arithmetic", help="write the demo's addition prompts as JSONL")
-    arithmetic.add_argument("--out", required=True)
-    arithmetic.add_argument("--num_samples", type=int, required=True)
-    arithmetic.add_argument("--seed", type=int, default=0)
-    arithmetic.add_argument("--min_operand", type=int, default=0)
-    arithmetic.add_argument("--max_operand", type=int, default=9)
-    arithmetic.add_argument("--operators", default="+", help="operators to draw from, e.g. '+-*'")
-    check = sub.add_parser("check", help="load a prompt file with a model's tokenizer and report")
-    check.add_argument("--path", required=True)
-    check.add_argument("--model_path", required=True)
-    check.add_argument("--max_prompt_tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS)
-    args = parser.parse_args()
+_COMMANDS = {"write-arithmetic": WriteArithmeticConfig, "check": CheckConfig}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in _COMMANDS:
+        raise SystemExit(f"usage: python dataset.py {{{','.join(_COMMANDS)}}} [--flag value ...] (--help per command)")
+    command = args.pop(0)
+    config = load_config(_COMMANDS[command], args, description=_COMMANDS[command].__doc__)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "write-arithmetic":
+    if isinstance(config, WriteArithmeticConfig):
         out = write_arithmetic_dataset(
-            args.out, args.num_samples, args.seed, max_operand=args.max_operand,
-            min_operand=args.min_operand, operators=tuple(args.operators),
+            config.out, config.num_samples, config.seed, max_operand=config.max_operand,
+            min_operand=config.min_operand, operators=tuple(config.operators),
         )
-        print(f"wrote {args.num_samples} prompts to {out}")
+        print(f"wrote {config.num_samples} prompts to {out}")
     else:
         try:
-            _check_command(args)
+            _check_command(config)
         except DatasetError as exc:
             raise SystemExit(f"error: {exc}") from None
 

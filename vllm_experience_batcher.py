@@ -92,9 +92,8 @@ class BatcherConfig:
             raise ValueError(f"BatcherConfig.max_tokens_per_gpu must be >= 1, got {self.max_tokens_per_gpu}")
         if not self.prompt_deadline_s > 0:
             raise ValueError(f"BatcherConfig.prompt_deadline_s must be > 0, got {self.prompt_deadline_s}")
-        n = getattr(self.sampling, "n", None)
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"BatcherConfig.sampling.n must be an int >= 1, got {n!r}")
+        if not isinstance(self.sampling, SamplingConfig):  # SamplingConfig validates its own fields
+            raise ValueError(f"BatcherConfig.sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
         if self.logprob_target is not None and self.logprob_target not in _LOGPROB_FIELDS:
             raise ValueError(
                 f"BatcherConfig.logprob_target must be 'ref', 'old' or None, got {self.logprob_target!r}"

@@ -22,16 +22,17 @@ The LAST line is key=value for the configured `--window` (default: the BatcherCo
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from run_config import load_config  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
 from vllm_experience_batcher import PADDING_LOSS_WEIGHT, BatcherConfig, Minibatch, MinibatchPacker  # noqa: E402
 
@@ -40,6 +41,7 @@ _MIN_PROMPT_TOKENS = 8  # a prompt shorter than this is not a realistic question
 _OUTPUT_MEDIAN = 300.0  # median completion length of a math model early in training
 _OUTPUT_SIGMA = 0.9  # log-space spread: ~1.5% of completions reach max_tokens=2048
 _FILL_TARGET = 0.95
+_DEFAULT_WINDOW = BatcherConfig.__dataclass_fields__["reorder_window"].default
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -66,6 +68,37 @@ class BenchConfig:
                 raise ValueError(f"BenchConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.arrival not in ("sample", "prompt"):
             raise ValueError(f"BenchConfig.arrival must be 'sample' or 'prompt', got {self.arrival!r}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class BatcherFillConfig:
+    """Command line of `python benchmarks/batcher.py`: the synthetic step and the windows to compare."""
+
+    ranks: int = 8
+    """Trainer ranks (world_size)."""
+    prompts: int = 64
+    """Prompts per step, over all ranks."""
+    rollouts: int = 16
+    """Rollouts per prompt (sampling n)."""
+    max_tokens: int = 2048
+    """Generation cap: output lengths are cut here."""
+    budget: int = 16384
+    """max_tokens_per_gpu of one minibatch."""
+    arrival: Literal["sample", "prompt"] = "prompt"
+    """'sample': rollouts arrive one by one in random order; 'prompt': whole groups arrive together."""
+    trials: int = 20
+    """Seeded steps each window's metrics are averaged over."""
+    seed: int = 0
+    """Seed of the first step (step t uses seed + t, the same for every window)."""
+    windows: list[int] = field(default_factory=lambda: [0, 4, 16, 64])
+    """Reorder windows to compare (`--windows "[]"`: none, only the LAST line's)."""
+    window: int = _DEFAULT_WINDOW
+    """Reorder window of the LAST line; the default is BatcherConfig.reorder_window's."""
+
+    def step(self) -> BenchConfig:
+        """The synthetic step's shape."""
+        return BenchConfig(ranks=self.ranks, prompts=self.prompts, rollouts=self.rollouts,
+                           max_tokens=self.max_tokens, budget=self.budget, arrival=self.arrival)
 
 
 @dataclass(slots=True)
@@ -146,22 +179,9 @@ def _format(values: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
 
 
-def main() -> None:
-    default_window = BatcherConfig.__dataclass_fields__["reorder_window"].default
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--rollouts", type=int, default=16)
-    parser.add_argument("--max_tokens", type=int, default=2048)
-    parser.add_argument("--budget", type=int, default=16384, help="max_tokens_per_gpu")
-    parser.add_argument("--arrival", choices=("sample", "prompt"), default="prompt")
-    parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--windows", type=int, nargs="*", default=[0, 4, 16, 64], help="windows to compare")
-    parser.add_argument("--window", type=int, default=default_window, help="window of the LAST line")
-    args = parser.parse_args()
-    cfg = BenchConfig(ranks=args.ranks, prompts=args.prompts, rollouts=args.rollouts, max_tokens=args.max_tokens,
-                      budget=args.budget, arrival=args.arrival)
+def main(argv: list[str] | None = None) -> None:
+    args = load_config(BatcherFillConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    cfg = args.step()
     print(f"# {cfg}, trials={args.trials}, seed={args.seed}")
     for window in args.windows:
         print(f"window={window} {_format(run(cfg, window, args.trials, args.seed))}")

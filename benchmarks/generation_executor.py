@@ -22,7 +22,6 @@ line is key=value pairs; `cpu_ratio` = default CPU / in-process CPU (higher = mo
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -31,10 +30,38 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a script from anywhere
+
+from run_config import load_config  # noqa: E402
+
+
+@dataclass(kw_only=True, frozen=True)
+class GenerationExecutorConfig:
+    """Command line of `python benchmarks/generation_executor.py`."""
+
+    prompts: int = 32
+    """Prompts per step."""
+    n: int = 16
+    """Rollouts per prompt."""
+    max_tokens: int = 4
+    """Completion length cap."""
+    repeats: int = 5
+    """Timed steps per mode (after one warm-up step)."""
+    idle_s: float = 1.5
+    """Idle seconds after each step, counted in its CPU time (a worker's pause between steps)."""
+    child_mode: Literal["default", "in_process"] | None = None
+    """Internal: set by the parent for the child process that measures this mode."""
+    child_model: str | None = None
+    """Internal: the model folder the parent passes to its child process."""
+
+    def __post_init__(self) -> None:
+        if self.child_mode is not None and not self.child_model:
+            raise ValueError("GenerationExecutorConfig.child_model must be set (--child_model) with --child_mode")
 
 
 def _descendant_cpu_s(root_pid: int) -> float:
@@ -62,7 +89,7 @@ def _descendant_cpu_s(root_pid: int) -> float:
     return sum(cpu[pid] for pid in family if pid != root_pid)
 
 
-async def _measure(model_dir: str, in_process: bool, args: argparse.Namespace) -> dict[str, list[float]]:
+async def _measure(model_dir: str, in_process: bool, args: GenerationExecutorConfig) -> dict[str, list[float]]:
     """Time steps of one engine; runs inside the child process."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -100,7 +127,7 @@ async def _measure(model_dir: str, in_process: bool, args: argparse.Namespace) -
     return {"wall_s": walls, "cpu_s": cpus}
 
 
-def _child(model_dir: str, mode: str, args: argparse.Namespace) -> dict[str, list[float]]:
+def _child(model_dir: str, mode: str, args: GenerationExecutorConfig) -> dict[str, list[float]]:
     """Run one mode in a fresh interpreter; returns its measurements."""
     command = [
         sys.executable, __file__, "--child_mode", mode, "--child_model", model_dir,
@@ -114,16 +141,8 @@ def _child(model_dir: str, mode: str, args: argparse.Namespace) -> dict[str, lis
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--n", type=int, default=16)
-    parser.add_argument("--max_tokens", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--idle_s", type=float, default=1.5)
-    parser.add_argument("--child_mode", choices=("default", "in_process"), help=argparse.SUPPRESS)
-    parser.add_argument("--child_model", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = load_config(GenerationExecutorConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
     if args.child_mode:
         result = asyncio.run(_measure(args.child_model, args.child_mode == "in_process", args))
         print(json.dumps(result))

@@ -17,11 +17,11 @@ operands, which it must then unlearn (benchmarks/RESULTS.md, "Learning").
 
 from __future__ import annotations
 
-import argparse
 import random
 import re
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 from prepare_demo import warm_up_format  # noqa: E402
+from run_config import load_config  # noqa: E402
 from setup_model import load_causal_lm, load_tokenizer  # noqa: E402
 from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
 
@@ -39,6 +40,22 @@ SFT_LR = 1e-3
 SFT_BATCH = 32
 WELL_FORMED = re.compile(r"\d{1,2}")
 MAX_NEW_TOKENS = 4
+
+
+@dataclass(kw_only=True, frozen=True)
+class LearnabilityConfig:
+    """Command line of `python benchmarks/learnability.py`."""
+
+    warmups: list[str] = field(default_factory=lambda: ["0:0", "150:3e-3", "150:1e-3"])
+    """Format warm-ups to compare, each as steps:lr (0:0 = no warm-up)."""
+    sft_steps: int = 200
+    """Supervised steps on the true sums after each warm-up."""
+    every: int = 50
+    """Greedy accuracy on all 100 sums is measured every this many supervised steps."""
+    seed: int = 0
+    """Seed of the model, its warm-up and the problems drawn."""
+    threads: int = 1
+    """torch intra-op threads."""
 
 
 def encode(tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
@@ -92,15 +109,8 @@ def supervised_curve(model, tokenizer, steps: int, every: int, rng: random.Rando
     return curve
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--warmups", nargs="+", default=["0:0", "150:3e-3", "150:1e-3"],
-                        help="format warm-ups as steps:lr (0:0 = no warm-up)")
-    parser.add_argument("--sft_steps", type=int, default=200)
-    parser.add_argument("--every", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = load_config(LearnabilityConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
     torch.set_num_threads(args.threads)
     for spec in args.warmups:
         steps, lr = int(spec.split(":")[0]), float(spec.split(":")[1])

@@ -1,8 +1,9 @@
 """Learning parity: the full system against a plain single-process GRPO loop, same start and settings.
 
     .venv/bin/python benchmarks/learning_parity.py --model_dir runs/demo-assets/model \
-        --data runs/demo-assets/arithmetic.jsonl --config configs/demo.yaml --seeds 0 1 2
+        --data runs/demo-assets/arithmetic.jsonl --trainer_config configs/demo.yaml --seeds 0 1 2
     .venv/bin/python benchmarks/learning_parity.py ... --only reference     # the reference alone
+    .venv/bin/python benchmarks/learning_parity.py ... -- --optim.lr 3e-4   # trainer flags for both loops
 
 The *reference* is written here from the definitions, sharing no maths with the system: a
 Hugging Face model sampled token by token with its own sampler, rewards from math-verify's
@@ -23,7 +24,6 @@ The system's time per stage comes from its metrics.jsonl (`timing/*`).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import logging
@@ -32,8 +32,9 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -43,7 +44,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from dataset import InfiniteDistributedSampler, load_prompts  # noqa: E402
 from math_verifier import score_completion  # noqa: E402
 from metrics import first_reached, moving_average, read_metrics  # noqa: E402
-from run_config import load_config  # noqa: E402
+from run_config import load_config, split_passthrough  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
 from trainer_core import TrainerConfig  # noqa: E402
 
@@ -53,6 +54,38 @@ WINDOW = 10  # steps in the trailing mean that the thresholds and the curves use
 THRESHOLDS = (0.5, 0.6, 0.9)
 PARITY_TAIL = 100  # parity compares mean reward over the last this-many steps
 _MAX_LOG_RATIO = 20.0  # the same guard any PPO loss needs so exp() stays finite
+
+
+@dataclass(kw_only=True, frozen=True)
+class LearningParityConfig:
+    """Command line of `python benchmarks/learning_parity.py`; trainer flags for both loops go after `--`."""
+
+    model_dir: str
+    """Starting model (Hugging Face folder)."""
+    data: str
+    """Prompt JSONL."""
+    trainer_config: str = str(REPO_ROOT / "configs" / "demo.yaml")
+    """Trainer config file (YAML/TOML) both loops take their settings from (not `--config`: that one
+    reads this command's own flags from a file)."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """Seeds to run, one comparison each."""
+    num_steps: int | None = None
+    """Steps per run; None: the trainer config's num_steps."""
+    world_size: int = 2
+    """The system's trainer ranks."""
+    only: Literal["reference", "system", "both"] = "both"
+    """Which loops to run."""
+    eval_data: str | None = None
+    """Prompt JSONL for a final greedy accuracy (the system evaluates per its config)."""
+    system_runs: str | None = None
+    """Take the system's runs from <dir>/demo-seed<seed> (e.g. runs/, after scripts/demo_seeds.sh)
+    instead of starting them."""
+    out_dir: str = str(REPO_ROOT / "runs" / "learning_parity")
+    """Where the reference's records and the system's runs go."""
+    print_every: int = 50
+    """Print the curves every this many steps."""
+    threads: int = 2
+    """torch threads of the reference loop."""
 
 
 @dataclass(slots=True)
@@ -289,13 +322,14 @@ def run_reference(config: TrainerConfig, model_dir: Path, seed: int, num_steps: 
     return records
 
 
-def run_system(args: argparse.Namespace, seed: int, run_dir: Path) -> list[dict[str, float]]:
-    """The full system through local_cluster.py, as the demo runs it."""
+def run_system(args: LearningParityConfig, num_steps: int, trainer_args: list[str], seed: int,
+               run_dir: Path) -> list[dict[str, float]]:
+    """The full system through local_cluster.py, as the demo runs it; trainer_args go last."""
     command = [sys.executable, str(REPO_ROOT / "local_cluster.py"), "--model_path", str(args.model_dir),
                "--run_dir", str(run_dir), "--nproc_per_node", str(args.world_size), "--",
-               "--config", str(args.config), "--data.path", str(args.data), "--seed", str(seed),
-               "--num_steps", str(args.num_steps), "--progress_bar", "false", "--tensorboard", "false",
-               "--checkpoint_every", "0", *args.eval_args, *args.trainer_args]
+               "--config", str(args.trainer_config), "--data.path", str(args.data), "--seed", str(seed),
+               "--num_steps", str(num_steps), "--progress_bar", "false", "--tensorboard", "false",
+               "--checkpoint_every", "0", *trainer_args]
     logger.info("system seed %d: %s", seed, " ".join(command))
     log = run_dir.with_suffix(".log")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -348,45 +382,33 @@ def print_curves(seed: int, runs: dict[str, list[dict[str, float]]], every: int)
         print(f"  {i:4d} " + " ".join(f"{smoothed[name][i]:9.3f}" for name in runs))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model_dir", type=Path, required=True, help="starting model (HF folder)")
-    parser.add_argument("--data", type=Path, required=True, help="prompt JSONL")
-    parser.add_argument("--config", type=Path, default=REPO_ROOT / "configs/demo.yaml")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--num_steps", type=int, default=None, help="default: the config's num_steps")
-    parser.add_argument("--world_size", type=int, default=2, help="the system's trainer ranks")
-    parser.add_argument("--only", choices=("reference", "system", "both"), default="both")
-    parser.add_argument("--eval_data", type=Path, default=None,
-                        help="prompt JSONL for a final greedy accuracy (the system evaluates per its config)")
-    parser.add_argument("--system_runs", type=Path, default=None,
-                        help="take the system's runs from <dir>/demo-seed<seed> (e.g. runs/, after "
-                             "scripts/demo_seeds.sh) instead of starting them")
-    parser.add_argument("--out_dir", type=Path, default=REPO_ROOT / "runs/learning_parity")
-    parser.add_argument("--print_every", type=int, default=50)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of the reference loop")
-    parser.add_argument("trainer_args", nargs="*", help="extra trainer flags after --, for both loops")
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    own, trainer_args = split_passthrough(sys.argv[1:] if argv is None else argv)
+    args = load_config(LearningParityConfig, own, description=__doc__)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
-    base = ["--config", str(args.config), "--data.path", str(args.data), "--model.model_path", str(args.model_dir)]
+    model_dir, out_dir = Path(args.model_dir), Path(args.out_dir)
+    eval_data = Path(args.eval_data) if args.eval_data else None
+    base = ["--config", str(args.trainer_config), "--data.path", str(args.data),
+            "--model.model_path", str(args.model_dir)]
     # The system evaluates per its config when given the held-out file; without one, it does not.
-    args.eval_args = ["--eval.data.path", str(args.eval_data)] if args.eval_data else ["--eval.every", "0"]
-    base += args.eval_args
-    config = load_config(TrainerConfig, base + args.trainer_args)
-    args.num_steps = args.num_steps or config.num_steps
+    eval_args = ["--eval.data.path", str(args.eval_data)] if args.eval_data else ["--eval.every", "0"]
+    base += eval_args
+    config = load_config(TrainerConfig, base + trainer_args)
+    num_steps = args.num_steps or config.num_steps
     summary = []
     for seed in args.seeds:
-        seeded = load_config(TrainerConfig, base + ["--seed", str(seed)] + args.trainer_args)
+        seeded = load_config(TrainerConfig, base + ["--seed", str(seed)] + trainer_args)
         runs: dict[str, list[dict[str, float]]] = {}
         if args.only in ("reference", "both"):
-            runs["reference"] = run_reference(seeded, args.model_dir, seed, args.num_steps, args.world_size,
-                                              args.out_dir / f"reference_seed{seed}.jsonl", args.eval_data)
+            runs["reference"] = run_reference(seeded, model_dir, seed, num_steps, args.world_size,
+                                              out_dir / f"reference_seed{seed}.jsonl", eval_data)
         if args.only in ("system", "both"):
             if args.system_runs is not None:
-                runs["system"] = read_metrics(args.system_runs / f"demo-seed{seed}" / "metrics.jsonl")[:args.num_steps]
+                runs["system"] = read_metrics(Path(args.system_runs) / f"demo-seed{seed}" / "metrics.jsonl")[:num_steps]
             else:
-                runs["system"] = run_system(args, seed, args.out_dir / f"system_seed{seed}")
+                runs["system"] = run_system(args, num_steps, eval_args + trainer_args, seed,
+                                            out_dir / f"system_seed{seed}")
         print_curves(seed, runs, args.print_every)
         keys = {"reference": "samples", "system": "counts/samples"}
         for name, records in runs.items():

@@ -1,7 +1,7 @@
 """Logprob worker throughput: packed batches of concurrent requests vs one sample per forward.
 
     cd /work/main && .venv/bin/python benchmarks/logprob_batching.py
-    .venv/bin/python benchmarks/logprob_batching.py --num_samples 96 --budgets 1024,512,2048 --repeats 3
+    .venv/bin/python benchmarks/logprob_batching.py --num_samples 96 --budgets 1024 512 2048 --repeats 3
     .venv/bin/python benchmarks/logprob_batching.py --attn_implementation sdpa  # the block-mask path
 
 For each model shape (the bundled tiny Qwen2, and a wider one: hidden 512, 4 layers),
@@ -29,7 +29,6 @@ and a large budget can be slower than no batching; the budget sweep shows either
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import random
@@ -46,6 +45,7 @@ from transformers import AutoConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from logprob_worker import LogprobWorker, LogprobWorkerConfig, resolve_device  # noqa: E402
+from run_config import load_config  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
 from setup_model import default_attn_implementation  # noqa: E402
 from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
@@ -57,7 +57,7 @@ WARMUP_SAMPLES = 4  # first forwards pay one-off allocation and kernel-selection
 
 @dataclass(kw_only=True, frozen=True)
 class BenchConfig:
-    """Workload of one benchmark run."""
+    """Workload of one benchmark run: the command line of `python benchmarks/logprob_batching.py`."""
 
     num_samples: int = 64
     """Samples scored per mode and repeat."""
@@ -210,23 +210,9 @@ def run_shape(label: str, shape: TinyModelConfig, config: BenchConfig, workdir: 
     return result
 
 
-def _parse_budgets(text: str) -> tuple[int, ...]:
-    return tuple(int(b) for b in text.split(","))
-
-
-def main() -> None:
-    defaults = BenchConfig()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num_samples", type=int, default=defaults.num_samples)
-    parser.add_argument("--budgets", type=_parse_budgets, default=defaults.budgets, help="comma-separated; first is reported")
-    parser.add_argument("--repeats", type=int, default=defaults.repeats)
-    parser.add_argument("--attn_implementation", default=defaults.attn_implementation, help="default: setup_model's")
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    config = load_config(BenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = BenchConfig(
-        num_samples=args.num_samples, budgets=args.budgets, repeats=args.repeats,
-        attn_implementation=args.attn_implementation,
-    )
     device = resolve_device(LogprobWorkerConfig.device)
     attn = config.attn_implementation or default_attn_implementation(device)
     print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads, attn {attn}", flush=True)

@@ -30,9 +30,9 @@ query-key pairs the packed side computes to the padded side's.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -44,6 +44,7 @@ import torch
 from grpo_loss import LossConfig, grpo_loss
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from packed_attention import PACKED_SDPA
+from run_config import load_config
 from setup_model import TokenLogprobModel, load_causal_lm
 from tiny_model import TinyModelConfig, write_tiny_model
 
@@ -57,7 +58,7 @@ PADDED_ATTN = "sdpa"  # the baseline: transformers' own sdpa with the padding ma
 
 @dataclass(kw_only=True, frozen=True)
 class BenchConfig:
-    """What to measure."""
+    """What to measure: the command line of `python -m benchmarks.packing`."""
 
     num_samples: int = 16
     """Samples in the batch (rollouts of one minibatch)."""
@@ -253,16 +254,9 @@ def run(config: BenchConfig, model_dir: Path) -> dict[str, float]:
     }
 
 
-def _parse_args() -> BenchConfig:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in BenchConfig.__dataclass_fields__.items():
-        parser.add_argument(f"--{name}", type=type(default.default), default=default.default)
-    return BenchConfig(**vars(parser.parse_args()))
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    config = load_config(BenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
     logging.basicConfig(level=logging.WARNING)
-    config = _parse_args()
     torch.set_num_threads(config.threads)
     with tempfile.TemporaryDirectory(prefix="bench-packing-") as tmp:
         result = run(config, Path(tmp))

@@ -20,7 +20,6 @@ size, hostile fraction, deadline, timeouts, restarts and reward mismatches (shou
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import random
@@ -33,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from math_verifier import VerifierPool  # noqa: E402
+from run_config import load_config  # noqa: E402
 
 # Target length of a long reasoning completion: ~1k tokens, a typical math rollout.
 _LONG_COMPLETION_CHARS = 4000
@@ -41,6 +41,28 @@ _HOSTILE_OUTPUTS = (
     "\\boxed{" + "1+" * 500_000 + "1}",
     "$" + "x" * 1_000_000 + "$",
 )
+
+
+@dataclass(kw_only=True, frozen=True)
+class RewardBenchConfig:
+    """Command line of `python benchmarks/reward.py`."""
+
+    num_processes: int = 2
+    """Verifier worker processes in the pool."""
+    timeout_s: float = 2.0
+    """Hard deadline per completion; a verifier past it is killed and replaced."""
+    num_samples: int = 800
+    """Completions scored in all."""
+    group_size: int = 8
+    """Completions per prompt, sent to the pool together."""
+    num_clients: int = 4
+    """Groups in flight at once."""
+    hostile_fraction: float = 0.03
+    """Share of completions that hang math-verify (they must time out)."""
+    seed: int = 0
+    """Seed of the workload."""
+    cache_size: int = 0
+    """VerifierPool result cache entries (0: off)."""
 
 
 @dataclass(slots=True)
@@ -108,17 +130,8 @@ async def run(pool: VerifierPool, groups: list[list[Case]], num_clients: int) ->
     return latencies, mismatches
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num_processes", type=int, default=2)
-    parser.add_argument("--timeout_s", type=float, default=2.0)
-    parser.add_argument("--num_samples", type=int, default=800)
-    parser.add_argument("--group_size", type=int, default=8)
-    parser.add_argument("--num_clients", type=int, default=4)
-    parser.add_argument("--hostile_fraction", type=float, default=0.03)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cache_size", type=int, default=0, help="VerifierPool result cache (0: off)")
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = load_config(RewardBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     groups = build_workload(args.num_samples, args.group_size, args.hostile_fraction, args.seed)

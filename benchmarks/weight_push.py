@@ -33,7 +33,6 @@ The LAST line is key=value pairs:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -46,13 +45,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from local_cluster import LocalCluster, LocalClusterConfig, free_port  # noqa: E402
+from run_config import load_config  # noqa: E402
 from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
 from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, worker_actor_name  # noqa: E402
 from vllm_registry import get_or_create_registry  # noqa: E402
@@ -74,26 +74,37 @@ _DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}  # safetensors dtype names -> byt
 
 @dataclass(kw_only=True, frozen=True)
 class PushBenchConfig:
-    """The model and how many pushes the trainer role makes."""
+    """The model and how many pushes the trainer role makes: the command line of
+    `python benchmarks/weight_push.py` (torchrun runs the same file with `--role trainer`)."""
 
-    hidden_size: int
+    hidden_size: int = 1024
     """Model width (the tiny tokenizer's ~100-token vocabulary makes embeddings negligible)."""
-    num_layers: int
+    num_layers: int = 12
     """Decoder layers: the knob that sets the model's size."""
-    intermediate_size: int
+    intermediate_size: int = 2816
     """MLP width."""
-    num_heads: int
+    num_heads: int = 16
     """Attention heads."""
-    num_kv_heads: int
+    num_kv_heads: int = 4
     """Key/value heads (grouped-query attention)."""
-    receivers: int
+    receivers: int = 1
     """LogprobWorkerActors receiving every push."""
-    repeats: int
+    repeats: int = 5
     """Timed WeightPusher.push calls per mode (after one warm-up each)."""
-    breakdown_repeats: int
+    breakdown_repeats: int = 3
     """Step-by-step timed pushes per mode (0: skip the breakdown)."""
+    role: Literal["driver", "trainer"] = "driver"
+    """'driver' runs the benchmark; 'trainer' is what it starts under torchrun."""
+    work_dir: str | None = None
+    """Driver: where the model, logs and results go; None: a fresh temp dir."""
+    model_dir: str | None = None
+    """Trainer role: the model to shard."""
+    out: str | None = None
+    """Trainer role: where rank 0 writes its results."""
 
     def __post_init__(self) -> None:
+        if self.role == "trainer" and not (self.model_dir and self.out):
+            raise ValueError("PushBenchConfig: --role trainer needs --model_dir and --out")
         for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads", "receivers", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PushBenchConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -384,32 +395,15 @@ def trainer_main(model_dir: Path, out: Path, repeats: int, breakdown_repeats: in
     torch_dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--role", choices=("driver", "trainer"), default="driver", help="trainer: used by torchrun")
-    parser.add_argument("--work_dir", type=Path, help="model, logs, results (default: a temp dir)")
-    parser.add_argument("--hidden_size", type=int, default=1024)
-    parser.add_argument("--num_layers", type=int, default=12)
-    parser.add_argument("--intermediate_size", type=int, default=2816)
-    parser.add_argument("--num_heads", type=int, default=16)
-    parser.add_argument("--num_kv_heads", type=int, default=4)
-    parser.add_argument("--receivers", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--breakdown_repeats", type=int, default=3)
-    parser.add_argument("--model_dir", type=Path, help="trainer role: the model to shard")
-    parser.add_argument("--out", type=Path, help="trainer role: where rank 0 writes its results")
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    cfg = load_config(PushBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.role == "trainer":
-        trainer_main(args.model_dir, args.out, args.repeats, args.breakdown_repeats)
+    if cfg.role == "trainer":
+        trainer_main(Path(cfg.model_dir), Path(cfg.out), cfg.repeats, cfg.breakdown_repeats)
         return
-    cfg = PushBenchConfig(hidden_size=args.hidden_size, num_layers=args.num_layers,
-                          intermediate_size=args.intermediate_size, num_heads=args.num_heads,
-                          num_kv_heads=args.num_kv_heads, receivers=args.receivers, repeats=args.repeats,
-                          breakdown_repeats=args.breakdown_repeats)
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="weight-push-"))
+    work = Path(cfg.work_dir) if cfg.work_dir else Path(tempfile.mkdtemp(prefix="weight-push-"))
     work.mkdir(parents=True, exist_ok=True)
     drive(cfg, work)
 

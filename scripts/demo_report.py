@@ -12,7 +12,6 @@ computed from those files; nothing is typed in by hand.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
@@ -24,12 +23,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from metrics import first_reached, moving_average, read_metrics  # noqa: E402
+from run_config import load_config  # noqa: E402
 
 WINDOW = 10  # the README's "10-step mean reward"
 THRESHOLDS = (0.5, 0.6, 0.9)
 STARTED_FILE = "command_started_at"
 FINISHED_FILE = "command_finished_at"
 EVAL_ACCURACY = "eval/accuracy"
+
+
+@dataclass(kw_only=True, frozen=True)
+class DemoReportConfig:
+    """Command line of `python scripts/demo_report.py`."""
+
+    runs: list[str]
+    """Run directories (each with the trainer's metrics.jsonl), one or more."""
+    out_md: str | None = None
+    """Write the table (markdown) here; None: print the summary lines only."""
+    out_png: str | None = None
+    """Draw all runs' curves here; None: no plot."""
+    command: str = ""
+    """The command that produced the runs, quoted in the table."""
 
 
 @dataclass(slots=True)
@@ -187,28 +201,25 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=Path, nargs="+", required=True)
-    parser.add_argument("--out_md", type=Path, default=None, help="write the table (markdown) here")
-    parser.add_argument("--out_png", type=Path, default=None, help="draw all runs' curves here")
-    parser.add_argument("--command", default="", help="the command that produced the runs, quoted in the table")
-    args = parser.parse_args()
-    summaries = [summarize_run(run) for run in args.runs]
+def main(argv: list[str] | None = None) -> None:
+    args = load_config(DemoReportConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    runs = [Path(run) for run in args.runs]
+    summaries = [summarize_run(run) for run in runs]
     for s in summaries:
         print("[demo]", summary_line(s))
-    timing = timing_line(args.runs)
+    timing = timing_line(runs)
     print("[demo]", timing)
     if args.out_md:
+        out_md = Path(args.out_md)
         text = [f"Measured {machine_line()}.", ""]
         if args.command:
             text += [f"Command: `{args.command}`", ""]
         text += [markdown_table(summaries), "", f"Step time, {timing}", ""]
-        args.out_md.parent.mkdir(parents=True, exist_ok=True)
-        args.out_md.write_text("\n".join(text))
-        print(f"[demo] wrote {args.out_md}")
+        out_md.parent.mkdir(parents=True, exist_ok=True)
+        out_md.write_text("\n".join(text))
+        print(f"[demo] wrote {out_md}")
     if args.out_png:
-        print(f"[demo] wrote {plot_runs(args.runs, args.out_png)}")
+        print(f"[demo] wrote {plot_runs(runs, Path(args.out_png))}")
 
 
 if __name__ == "__main__":

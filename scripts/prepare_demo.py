@@ -22,10 +22,10 @@ packed path (TokenLogprobModel), and the model is saved with save_pretrained (sa
 
 from __future__ import annotations
 
-import argparse
 import logging
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dataset import write_arithmetic_dataset, write_arithmetic_table  # noqa: E402
+from run_config import load_config  # noqa: E402
 from sample_processing_utils import Sample, get_input_for_logprobs  # noqa: E402
 from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer  # noqa: E402
 from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
@@ -40,6 +41,24 @@ from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
 logger = logging.getLogger("prepare_demo")
 
 MAX_SUM = 18  # largest sum of two single digits: random answers are drawn from 0..MAX_SUM
+
+
+@dataclass(kw_only=True, frozen=True)
+class PrepareDemoConfig:
+    """Command line of `python scripts/prepare_demo.py`."""
+
+    out_dir: str
+    """Folder to write model/, arithmetic.jsonl and arithmetic_eval.jsonl to."""
+    warmup_steps: int = 50
+    """Supervised format warm-up steps on random answers (0: none)."""
+    warmup_batch_size: int = 64
+    """Prompts per warm-up step."""
+    warmup_lr: float = 1e-3
+    """AdamW learning rate of the warm-up."""
+    num_prompts: int = 2000
+    """Training prompts written to arithmetic.jsonl."""
+    seed: int = 0
+    """Seed of the model's initialisation, the warm-up and the training prompts."""
 
 
 def format_warmup_samples(tokenizer, batch_size: int, rng: random.Random) -> list[Sample]:
@@ -71,22 +90,16 @@ def warm_up_format(model_dir: Path, steps: int, batch_size: int, lr: float, seed
     causal_lm.save_pretrained(model_dir, safe_serialization=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out_dir", type=Path, required=True)
-    parser.add_argument("--warmup_steps", type=int, default=50)
-    parser.add_argument("--warmup_batch_size", type=int, default=64)
-    parser.add_argument("--warmup_lr", type=float, default=1e-3)
-    parser.add_argument("--num_prompts", type=int, default=2000)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = load_config(PrepareDemoConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
-    model_dir = write_tiny_model(args.out_dir / "model", TinyModelConfig(seed=args.seed))
+    out_dir = Path(args.out_dir)
+    model_dir = write_tiny_model(out_dir / "model", TinyModelConfig(seed=args.seed))
     warm_up_format(model_dir, args.warmup_steps, args.warmup_batch_size, args.warmup_lr, args.seed)
-    data_path = args.out_dir / "arithmetic.jsonl"
+    data_path = out_dir / "arithmetic.jsonl"
     write_arithmetic_dataset(data_path, num_samples=args.num_prompts, seed=args.seed)
-    eval_path = write_arithmetic_table(args.out_dir / "arithmetic_eval.jsonl")
+    eval_path = write_arithmetic_table(out_dir / "arithmetic_eval.jsonl")
     print(f"model: {model_dir}\ndata: {data_path}\neval: {eval_path}")
 
 

@@ -41,12 +41,14 @@ from typing import Callable
 
 import torch
 
-from grpo_loss import LossConfig, grpo_loss
-from sample_processing_utils import PackedBatch, Sample, post_process_batch
-from packed_attention import PACKED_SDPA
-from run_config import load_config
-from setup_model import TokenLogprobModel, load_causal_lm
-from tiny_model import TinyModelConfig, write_tiny_model
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or with -m
+
+from grpo_loss import LossConfig, grpo_loss  # noqa: E402
+from packed_attention import PACKED_SDPA  # noqa: E402
+from run_config import load_config  # noqa: E402
+from sample_processing_utils import PackedBatch, Sample, post_process_batch  # noqa: E402
+from setup_model import TokenLogprobModel, load_causal_lm  # noqa: E402
+from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
 
 logger = logging.getLogger("benchmarks.packing")
 

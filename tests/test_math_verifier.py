@@ -1,8 +1,10 @@
-"""VerifierPool: real math-verify in worker processes, deadlines, replacement, the Ray actor path."""
+"""VerifierPool: real math-verify in worker processes, which answer of a long text counts,
+deadlines, replacement, the Ray actor path (the verification_slot path: tests/test_verifier_slots.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import signal
@@ -11,7 +13,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from math_verifier import RewardResult, VerifierPool, get_or_create_verifier_pool
+from math_verifier import (
+    RewardResult,
+    VerifierPool,
+    VerifierPoolActor,
+    connect_verifier_pool,
+    get_or_create_verifier_pool,
+    last_boxed,
+    plan_verifier_shards,
+    shutdown_verifier_pool,
+)
 from ray_env import VERIFIER_POOL_ACTOR_NAME
 
 # Deadline of the pools that only see well-behaved completions: far above math-verify's ~2 ms per
@@ -25,6 +36,8 @@ DEADLINE_SLACK_S = 5.0
 # Above math-verify's own recursion and regex limits: parsing it hangs for far longer than a deadline.
 HOSTILE_MEGABYTE = "\\boxed{" + "1+" * 500_000 + "1}"
 HOSTILE_TOWER = "\\boxed{5^{5^{5^{5^5}}}}"
+# How long a killed actor's name may take to disappear (Ray marks it dead asynchronously).
+ACTOR_GONE_WAIT_S = 30.0
 TIMEOUT = RewardResult(reward=0.0, failed=True, error="timeout")
 CORRECT = RewardResult(reward=1.0, failed=False, error="")
 WRONG = RewardResult(reward=0.0, failed=False, error="")
@@ -53,6 +66,39 @@ GRADED_CASES = [
 ]
 
 
+# Long reasoning texts: (completion, gold answer, expected reward), decided by hand from the rule in
+# math_verifier's docstring: the last complete \boxed{} alone, else math-verify's pick (the
+# rightmost answer, an "answer"-anchored one first).
+LONG_TEXT_CASES = [
+    ("The answer is 3. Let me check: 2+2=4. \\boxed{5}", "5", 1.0),
+    ("The answer is 3. Let me check: 2+2=4. \\boxed{5}", "3", 0.0),
+    ("The answer is 3. Let me check: 2+2=4. \\boxed{5}", "4", 0.0),
+    # Several boxes: only the last counts (math-verify alone reads the set {3, 5}: neither matched).
+    ("First \\boxed{3}. Hmm, that is wrong. Recounting: 2+3=5, so \\boxed{5}", "5", 1.0),
+    ("First \\boxed{3}. Hmm, that is wrong. Recounting: 2+3=5, so \\boxed{5}", "3", 0.0),
+    ("$\\boxed{2}$ and $\\boxed{3}$", "3", 1.0),
+    # A box followed by more reasoning still answers with the box.
+    ("So \\boxed{7}. Sanity check: 3+4=7, 7-3=4, and 10 is too many.", "7", 1.0),
+    # Nested braces stay whole.
+    ("Half of the pie: \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
+    ("Half of the pie: \\boxed{\\frac{1}{2}}", "1", 0.0),
+    ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{\\sqrt{2}}{2}", 1.0),
+    ("\\boxed{\\{1, 2\\}}", "\\{1,2\\}", 1.0),
+    # An unclosed last box (a cut-off output) does not count; the complete one before it does.
+    ("\\boxed{3}, or rather \\boxed{5", "3", 1.0),
+    # No box: the last number.
+    ("We start with 12 apples, then 7 more: 19", "19", 1.0),
+    ("We start with 12 apples, then 7 more: 19", "12", 0.0),
+    ("12 apples. 7 more. In total 19 apples.", "19", 1.0),
+    ("Step 1: 2+3=5. Step 2: 5*2=10", "10", 1.0),
+    ("$\\frac{1}{3}$ first, then $\\frac{1}{2}$", "\\frac{1}{2}", 1.0),
+    # ... unless the word "answer" introduces an earlier one.
+    ("The answer is 5 (I checked it with 2 methods)", "5", 1.0),
+    ("The answer is 5. Later: 3", "5", 1.0),
+    ("The answer is 5. Later: 3", "3", 0.0),
+]
+
+
 def _pool_children() -> set[int]:
     return {p.pid for p in multiprocessing.active_children() if p.name.startswith("math-verifier-")}
 
@@ -73,6 +119,38 @@ def test_graded_answers_match_hand_made_expectations(pool: VerifierPool) -> None
         results += pool.score_sync([completion], gold)
     assert _graded(results) == [(expected, False) for _, _, expected in GRADED_CASES]
     assert all(r.error == "" for r in results)
+
+
+def test_long_texts_answer_with_the_last_box_or_the_last_number(pool: VerifierPool) -> None:
+    results = [result for completion, gold, _ in LONG_TEXT_CASES for result in pool.score_sync([completion], gold)]
+    assert _graded(results) == [(expected, False) for _, _, expected in LONG_TEXT_CASES]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("no box", None),
+        ("\\boxed{7}", "7"),
+        ("a \\boxed{3} b \\boxed{5} c", "5"),
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\\boxed {7}", "7"),
+        ("\\boxed{}", ""),
+        ("\\boxed{3} \\boxed{5", "3"),
+        ("\\boxed{5", None),
+        ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),
+        ("\\boxed{a \\} b}", "a \\} b"),
+        ("{ \\boxed{4} }", "4"),
+        ("} stray \\boxed{4}", "4"),
+        ("\\boxed{x \\boxed{2}}", "2"),
+    ],
+)
+def test_last_boxed_takes_the_last_complete_box(text: str, expected: str | None) -> None:
+    assert last_boxed(text) == expected
+
+
+def test_empty_last_box_is_no_answer(pool: VerifierPool) -> None:
+    (result,) = pool.score_sync(["\\boxed{7} ... \\boxed{}"], "7")
+    assert result == RewardResult(reward=0.0, failed=True, error="parse_error: no answer found in the last \\boxed{}")
 
 
 def test_async_score_keeps_order_across_processes(pool: VerifierPool) -> None:
@@ -183,15 +261,43 @@ def test_process_killed_mid_sample_is_reported_and_replaced() -> None:
         assert (stats["crashes"], stats["verify_errors"], stats["restarts"]) == (1, 1, 1)
 
 
+@pytest.mark.parametrize(
+    ("node_slots", "num_processes", "expected"),
+    [
+        ({}, 4, {}),
+        ({"a": 0.0, "b": 0.5}, 4, {}),
+        ({"a": 100.0}, 4, {"a": 4}),
+        ({"b": 100.0, "a": 100.0}, 5, {"a": 3, "b": 2}),
+        ({"a": 1.0, "b": 100.0, "c": 0.0}, 5, {"a": 1, "b": 4}),
+        ({"a": 2.0, "b": 1.0}, 4, {"a": 2, "b": 1}),
+        ({"a": 2.5, "b": 2.0}, 1, {"a": 1}),
+    ],
+)
+def test_processes_are_dealt_over_the_nodes_with_slots(node_slots, num_processes, expected) -> None:
+    assert plan_verifier_shards(node_slots, num_processes) == expected
+
+
+def test_without_verification_slots_the_pool_runs_in_its_actor_and_says_so(ray_local, caplog) -> None:
+    """The fixture's cluster offers no verification_slot: today's behaviour, logged as unaccounted."""
+    with caplog.at_level(logging.WARNING, logger="math_verifier"):
+        actor = VerifierPoolActor(num_processes=1, timeout_s=NORMAL_TIMEOUT_S)  # the plain class, in process
+    try:
+        warnings = [r.getMessage() for r in caplog.records if r.name == "math_verifier"]
+        assert len(warnings) == 1 and "outside Ray's CPU accounting" in warnings[0] and "verification_slot" in warnings[0]
+        assert asyncio.run(actor.shards()) == []
+        assert asyncio.run(actor.placement()) == {ray_local.get_runtime_context().get_node_id(): 1}
+        assert asyncio.run(actor.score(["\\boxed{7}"], "7")) == [CORRECT]
+        assert asyncio.run(actor.stats())["shards"] == 0
+    finally:
+        actor.close()
+
+
 def test_ray_actor_is_shared_and_sized_by_first_caller(ray_local) -> None:
     from ray_env import RAY_NAMESPACE
 
     # The pool is detached and the Ray fixture session-wide: a generation worker started by an
     # earlier test may have created it. Remove it, so this test's call is really the first.
-    try:
-        ray_local.kill(ray_local.get_actor(VERIFIER_POOL_ACTOR_NAME, namespace=RAY_NAMESPACE))
-    except ValueError:
-        pass
+    shutdown_verifier_pool()
     handle = get_or_create_verifier_pool(num_processes=1, timeout_s=NORMAL_TIMEOUT_S)
     try:
         results = ray_local.get(handle.score.remote(["\\boxed{7}", "\\boxed{8}", "nothing"], "7"))
@@ -200,5 +306,15 @@ def test_ray_actor_is_shared_and_sized_by_first_caller(ray_local) -> None:
         assert ray_local.get(same.stats.remote())["num_processes"] == 1
         assert ray_local.get(same.stats.remote())["scored"] == 3
         assert ray_local.get_actor(VERIFIER_POOL_ACTOR_NAME, namespace=RAY_NAMESPACE) is not None
+        # No verification_slot here: no shards, the client scores on the pool actor itself.
+        assert ray_local.get(same.shards.remote()) == []
+        client = connect_verifier_pool(num_processes=3, timeout_s=1.0)
+        assert asyncio.run(client.score(["\\boxed{7}", "\\boxed{9}"], "7")) == [CORRECT, WRONG]
+        assert ray_local.get(same.stats.remote())["scored"] == 4  # "\\boxed{7}" came from the cache
     finally:
-        ray_local.kill(handle)
+        shutdown_verifier_pool()
+    # The kill is asynchronous: the name goes once Ray has marked the actor dead.
+    deadline = time.monotonic() + ACTOR_GONE_WAIT_S
+    while VERIFIER_POOL_ACTOR_NAME in {a["name"] for a in ray_local.util.list_named_actors(all_namespaces=True)}:
+        assert time.monotonic() < deadline, "the pool actor outlived shutdown_verifier_pool()"
+        time.sleep(0.2)

@@ -3,14 +3,33 @@ and the seeds that make sampling reproducible.
 
 The trainer fills it, the batcher stamps each step's seed on it, the generation worker obeys
 it. Imports no Ray, vLLM or torch.
+
+What a completion holds when generation stops (the generation worker passes `stop` and
+`stop_token_ids` to vLLM with include_stop_str_in_output=True):
+
+    ends on             output_token_ids (trained)          output_text (rewarded)   finish_reason
+    EOS                 ... + the EOS id                    without EOS (special)    'stop'
+    a stop token id     ... + that id                       with its text, unless    'stop'
+                                                            it is a special token
+    a stop string       ... up to the token completing it   up to the stop string's  'stop'
+                                                            end, the string included
+    max_tokens          max_tokens tokens                   all of them              'length' (truncated)
+
+So output_text == tokenizer.decode(output_token_ids, skip_special_tokens=True), and the tokens
+the trainer trains on are the text the reward was computed on. One exception: when the token
+that completes a stop string carries characters past the string's end (a BPE token such as
+'>\\n' completing '</answer>'), vLLM cuts the text at the string's end while the token stays
+whole: those trailing characters are trained but were not seen by the reward.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from rewards import RewardConfig
 
 # Every sampling seed stays below this: 31 bits fit any RNG API that takes a C int or an int32
 # (vLLM passes request seeds to torch.Generator.manual_seed, other engines may be narrower).
@@ -41,9 +60,19 @@ class SamplingConfig:
     advantage_eps: float = 1e-4
     """Added to the group std before dividing, so a group with equal rewards gets advantage 0."""
     truncated_reward: float | None = 0.0
-    """Reward of a completion cut off at max_tokens, given without verifying it. math-verify
-    takes the first number it finds, so a cut-off '9=9=' would score as the answer 9; 0 stops
-    rewarding rambling. None verifies truncated completions like any other."""
+    """Reward of a completion cut off at max_tokens, given without verifying it (nor shaping it by
+    `reward`). math-verify reads an answer from whatever the text holds, so a cut-off '9=9=' would
+    score as the answer 9; 0 stops rewarding rambling. None verifies truncated completions like
+    any other."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a completion (vLLM stop strings), besides the model's EOS. The stop string
+    stays in the completion's text and tokens (see the module docstring), so the model is trained
+    to emit it and the reward and format check see it: choose strings that hold no answer."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a completion, besides the model's EOS; the stop token is kept as the
+    completion's last token (trained, like EOS)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward shaping after verification: an optional answer-format bonus or penalty."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -62,6 +91,24 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.advantage_eps must be >= 0, got {self.advantage_eps}")
         if self.truncated_reward is not None and not math.isfinite(self.truncated_reward):
             raise ValueError(f"SamplingConfig.truncated_reward must be finite or None, got {self.truncated_reward}")
+        self._check_stops()
+        if not isinstance(self.reward, RewardConfig):  # RewardConfig validates its own fields
+            raise ValueError(f"SamplingConfig.reward must be a RewardConfig, got {type(self.reward).__name__}")
+
+    def _check_stops(self) -> None:
+        """stop: non-empty strings; stop_token_ids: ints >= 0 (stored as tuples: the config is frozen)."""
+        for name in ("stop", "stop_token_ids"):
+            if isinstance(getattr(self, name), (str, bytes)):
+                raise ValueError(f"SamplingConfig.{name} must be a list, got the single value {getattr(self, name)!r}")
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"SamplingConfig.stop must hold non-empty strings, got {text!r} in {list(self.stop)}")
+        for token in self.stop_token_ids:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(
+                    f"SamplingConfig.stop_token_ids must hold ints >= 0, got {token!r} in {list(self.stop_token_ids)}"
+                )
 
 
 def derive_seed(base_seed: int, *keys: int, bound: int = SEED_BOUND) -> int:

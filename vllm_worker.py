@@ -2,10 +2,13 @@
 
 One worker owns one engine (continuous batching, many concurrent requests). A request is one
 dataset `Sample` plus the trainer's `SamplingConfig`; the answer is n completed copies of the
-sample (tokens, sampling logprobs, reward, group advantage, weight version). New weights arrive
-as a `weight_sync.WeightUpdate`, are written to a safetensors file in shared memory, and are
-loaded inside the engine-core process by `WeightReloadExtension` (vLLM's `worker_extension_cls`
-hook, called by method name through `collective_rpc`).
+sample (tokens, sampling logprobs, reward, group advantage, weight version). The reward is the
+verifier pool's verdict plus the optional format bonus or penalty of `SamplingConfig.reward`
+(rewards.py); what the tokens and text hold when a stop string, stop token or EOS ends a
+completion is set out in sampling.py. New weights arrive as a `weight_sync.WeightUpdate`, are
+written to a safetensors file in shared memory, and are loaded inside the engine-core process
+by `WeightReloadExtension` (vLLM's `worker_extension_cls` hook, called by method name through
+`collective_rpc`).
 
 The dispatcher starts it as a Ray actor (the engine-core process must be able to import this
 module, so the actor's runtime env carries the repository on PYTHONPATH):
@@ -37,8 +40,9 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import ray
 
 from advantages import group_advantages
-from math_verifier import RewardResult, get_or_create_verifier_pool
+from math_verifier import RewardResult, connect_verifier_pool
 from ray_env import GENERATION
+from rewards import ShapedReward, shape_reward
 from sample_processing_utils import Sample
 from sampling import SamplingConfig, request_seed
 from vllm_registry import WorkerHealth
@@ -108,7 +112,10 @@ class GenerationWorkerConfig:
     them with the new weights (no stall; their tokens mix versions), 'wait' lets them finish on
     the old weights first while new requests queue (each rollout on one version)."""
     global_num_verifiers: int = 4
-    """Processes of the cluster-wide math-verify pool (created by the first worker to ask)."""
+    """Processes of the cluster-wide math-verify pool (created by the first worker to ask), spread
+    over the nodes that advertise the `verification_slot` resource, one slot each (capped at the
+    slots offered); without such nodes, all in one process outside Ray's accounting (see
+    math_verifier.VerifierPoolActor)."""
     verifier_timeout_s: float = 10.0
     """Hard deadline per verification; a verifier that passes it is killed and the reward is 0."""
     failed_samples_path: str | None = None
@@ -142,19 +149,9 @@ class GenerationWorkerConfig:
 
 
 class RewardScorer(Protocol):
-    """What the worker needs from a verifier: math_verifier.VerifierPool or a Ray handle's adapter."""
+    """What the worker needs from a verifier: math_verifier.VerifierPool or VerifierPoolClient."""
 
     async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]: ...
-
-
-class _RayVerifierClient:
-    """Adapts the cluster's verifier-pool actor handle to RewardScorer."""
-
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
-
-    async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]:
-        return await self._handle.score.remote(completions, gt_answer)
 
 
 class WeightReloadExtension:
@@ -209,6 +206,16 @@ def _token_logprobs(completion: CompletionOutput) -> list[float]:
     return [float(position[token].logprob) for token, position in zip(completion.token_ids, completion.logprobs)]
 
 
+def _shaped_rewards(samples: list[Sample], results: list[RewardResult], sampling: SamplingConfig) -> list[ShapedReward]:
+    """Final rewards of one group: the verifier's verdicts plus the format bonus or penalty
+    (rewards.shape_reward); completions given truncated_reward keep it unshaped."""
+    fixed = sampling.truncated_reward is not None
+    return [
+        shape_reward(r.reward, s.output_text, verified=not (s.truncated and fixed), config=sampling.reward)
+        for s, r in zip(samples, results)
+    ]
+
+
 @dataclass(slots=True)
 class GenerationStats:
     """Counters of one worker since it started."""
@@ -220,9 +227,13 @@ class GenerationStats:
     truncated: int = 0
     """Completions cut off at max_tokens."""
     reward_failures: int = 0
-    """Completions whose verification failed or timed out (reward 0)."""
+    """Completions whose verification failed or timed out (verdict 0, before format shaping)."""
     generation_failures: int = 0
     """Generate calls that raised inside the engine."""
+    format_checked: int = 0
+    """Completions checked against SamplingConfig.reward.format_pattern (verified ones only)."""
+    format_matched: int = 0
+    """Of those, completions that matched it (got format_bonus; the others got -format_penalty)."""
     weight_updates: int = 0
     """Weight updates applied."""
 
@@ -305,20 +316,25 @@ class GenerationWorker:
 
     def _verifier_client(self) -> RewardScorer:
         if self._verifier is None:
-            handle = get_or_create_verifier_pool(self.config.global_num_verifiers, self.config.verifier_timeout_s)
-            self._verifier = _RayVerifierClient(handle)
+            self._verifier = connect_verifier_pool(self.config.global_num_verifiers, self.config.verifier_timeout_s)
         return self._verifier
 
     def _sampling_params(self, sampling: SamplingConfig, prompt_id: int) -> SamplingParams:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         # FINAL_ONLY: with n > 1 the default cumulative stream's last output can miss completions.
+        # include_stop_str_in_output: vLLM keeps the tokens of a stop string (up to the one that
+        # completes it) in token_ids either way; keeping the string in the text too makes the
+        # rewarded text the decoded trained tokens (see sampling.py's module docstring).
         return SamplingParams(
             n=sampling.n,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             max_tokens=sampling.max_tokens,
             seed=request_seed(sampling.seed, prompt_id, sampling.n),
+            stop=list(sampling.stop),
+            stop_token_ids=list(sampling.stop_token_ids),
+            include_stop_str_in_output=True,
             logprobs=0,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
@@ -354,11 +370,14 @@ class GenerationWorker:
             rewards = await self.score_completions(
                 [s.output_text for s in samples], [s.truncated for s in samples], sample.gt_answer, sampling.truncated_reward
             )
-            advantages = group_advantages([r.reward for r in rewards], sampling.scale_advantage_by_std, sampling.advantage_eps)
-            for s, reward, advantage in zip(samples, rewards, advantages):
-                s.reward, s.reward_failed, s.advantage = float(reward.reward), bool(reward.failed), float(advantage)
+            shaped = _shaped_rewards(samples, rewards, sampling)
+            advantages = group_advantages(
+                [r.reward for r in shaped], sampling.scale_advantage_by_std, sampling.advantage_eps
+            )
+            for s, result, final, advantage in zip(samples, rewards, shaped, advantages):
+                s.reward, s.reward_failed, s.advantage = final.reward, bool(result.failed), float(advantage)
             self._record_failures([(s, f"reward failed: {r.error}") for s, r in zip(samples, rewards) if r.failed])
-            self._count(samples)
+            self._count(samples, shaped)
             return samples
         finally:
             self._inflight -= 1
@@ -376,11 +395,13 @@ class GenerationWorker:
             weight_version=version,
         )
 
-    def _count(self, samples: list[Sample]) -> None:
+    def _count(self, samples: list[Sample], shaped: list[ShapedReward]) -> None:
         self.stats.requests += 1
         self.stats.samples += len(samples)
         self.stats.truncated += sum(s.truncated for s in samples)
         self.stats.reward_failures += sum(s.reward_failed for s in samples)
+        self.stats.format_checked += sum(r.format_matched is not None for r in shaped)
+        self.stats.format_matched += sum(r.format_matched is True for r in shaped)
 
     async def score_completions(
         self, completions: list[str], truncated: list[bool], gt_answer: str, truncated_reward: float | None

@@ -1,4 +1,5 @@
-"""Generation worker: advantages, reward policy, and a real vLLM engine inside Ray on the tiny model.
+"""Generation worker: advantages, reward policy (truncation, format shaping), stop strings, stop
+token ids and EOS, and a real vLLM engine inside Ray on the tiny model.
 
     .venv/bin/python -m pytest tests/test_vllm_worker.py -x -q
 
@@ -17,7 +18,9 @@ import math
 import shutil
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
 from weight_sync import WeightUpdate, state_dict_to_blobs
 from advantages import group_advantages
+from rewards import RewardConfig
 from sampling import SamplingConfig
 from vllm_worker import GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig, _with_tied_lm_head
 
@@ -55,6 +59,12 @@ EXPONENT_TOWER = "The answer is $\\boxed{5^{5^{5^{5^{5^{5^{5}}}}}}}$"
 # rewards of a group differ; the EOS share also leaves some completions truncated at max_tokens.
 ANSWER_LOGITS = {"7": 6.5, "3": 6.3, " ": 5.5}
 EOS_LOGIT = 6.3
+# Seed of the stop tests' requests: the same seed with and without a stop samples the same tokens
+# up to the stop (the answering model's logits do not depend on the context), and this one gives
+# completions with and without each stop (checked in the test).
+STOP_TEST_SEED = 4321
+# A format the answering model meets about a third of the time: the completion starts with "7".
+STARTS_WITH_SEVEN = RewardConfig(format_pattern=r"^7", format_bonus=0.5, format_penalty=0.25)
 # Added to hidden dimension 0 of every token embedding: it dominates the residual stream, so the
 # final RMSNorm output is ~constant there and the lm_head column 0 alone sets the logits.
 EMBED_OFFSET = 100.0
@@ -246,6 +256,75 @@ def test_scoring_survives_verifier_failure() -> None:
     assert "unreachable" in got[0].error
 
 
+class _TableVerifier:
+    """Test double for the verifier pool: the result of each completion from a table."""
+
+    def __init__(self, table: dict[str, RewardResult]) -> None:
+        self.table = table
+        self.calls: list[list[str]] = []
+
+    async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]:
+        self.calls.append(list(completions))
+        return [self.table[c] for c in completions]
+
+
+def _fake_completion(index: int, text: str, finish_reason: str) -> SimpleNamespace:
+    """What the worker reads of a vLLM CompletionOutput; one token per character."""
+    tokens = [ord(c) for c in text]
+    return SimpleNamespace(
+        index=index, text=text, token_ids=tokens, finish_reason=finish_reason,
+        logprobs=[{t: SimpleNamespace(logprob=-0.5)} for t in tokens],
+    )
+
+
+@pytest.mark.parametrize("truncated_reward", [0.0, None])
+def test_generate_adds_the_format_bonus_or_penalty_and_counts_it(truncated_reward: float | None) -> None:
+    ok = RewardResult(reward=1.0, failed=False, error="")
+    wrong = RewardResult(reward=0.0, failed=False, error="")
+    unparsable = RewardResult(reward=0.0, failed=True, error="parse_error: no answer found in completion")
+    # (text, finish reason, verifier's result), and the reward expected with \boxed{} required
+    # (bonus 0.1, penalty 0.2), decided by hand.
+    rows = [
+        ("so \\boxed{7}", "stop", ok, 1.1),
+        ("so 7", "stop", ok, 0.8),
+        ("so \\boxed{8}", "stop", wrong, 0.1),
+        ("no idea", "stop", unparsable, -0.2),
+        # Cut off: truncated_reward 0.0 unverified and unshaped; None verifies (math-verify reads 7) and shapes.
+        ("\\boxed{7", "length", ok, 0.0 if truncated_reward is not None else 0.8),
+    ]
+    verifier = _TableVerifier({text: result for text, _, result, _ in rows})
+    worker = GenerationWorker("unit", GenerationWorkerConfig(model_path="unused"), verifier=verifier)
+
+    async def fake_engine(sample: Sample, sampling: SamplingConfig) -> list[SimpleNamespace]:
+        return [_fake_completion(i, text, finish) for i, (text, finish, _, _) in enumerate(rows)]
+
+    worker._run_engine = fake_engine  # type: ignore[method-assign]
+    sampling = SamplingConfig(
+        n=len(rows), truncated_reward=truncated_reward,
+        reward=RewardConfig(format_pattern=r"\\boxed\{.+\}", format_bonus=0.1, format_penalty=0.2),
+    )
+    samples = asyncio.run(worker.generate(Sample(input_token_ids=[1], gt_answer="7", prompt_id=0), sampling))
+
+    expected = [reward for *_, reward in rows]
+    assert [s.reward for s in samples] == pytest.approx(expected, abs=1e-12)
+    assert [s.reward_failed for s in samples] == [False, False, False, True, False]
+    assert [s.advantage for s in samples] == pytest.approx(_expected_advantages(expected, True, sampling.advantage_eps))
+    verified = len(rows) - 1 if truncated_reward is not None else len(rows)
+    assert verifier.calls == [[text for text, *_ in rows[:verified]]]
+    stats = worker.stats
+    assert (stats.format_checked, stats.format_matched) == (verified, 2)
+    assert (stats.samples, stats.truncated, stats.reward_failures) == (len(rows), 1, 1)
+
+
+def test_sampling_params_carry_stops_and_keep_stop_strings() -> None:
+    worker = GenerationWorker("unit", GenerationWorkerConfig(model_path="unused"), verifier=_RecordingVerifier())
+    params = worker._sampling_params(SamplingConfig(n=2, stop=["</answer>", "\n\n"], stop_token_ids=[5, 9]), 0)
+    assert (params.stop, params.stop_token_ids) == (["</answer>", "\n\n"], [5, 9])
+    assert params.include_stop_str_in_output
+    plain = worker._sampling_params(SamplingConfig(n=2), 0)
+    assert (plain.stop, plain.stop_token_ids, plain.ignore_eos) == ([], [], False)
+
+
 def test_tied_lm_head_is_fed_only_when_tied_and_missing() -> None:
     class _Config:
         def __init__(self, tied: bool) -> None:
@@ -413,3 +492,88 @@ def test_weight_update_with_tied_embeddings(ray_local, tiny_tied_model_dir, tmp_
             assert _max_diff(rollout.sampling_logprobs, old_hf) >= MIN_OLD_NEW_GAP
     finally:
         _stop_actor(ray_local, actor)
+
+
+def _generation_counters(ray, actor) -> dict[str, int]:
+    """The worker's GenerationStats, read from its health detail ('generation/<name>=<count>, ...')."""
+    detail = ray.get(actor.health.remote()).detail
+    return {key: int(value) for key, value in (item.split("=") for item in detail.split(", "))}
+
+
+def _without_eos(rollout: Sample, eos: int) -> list[int]:
+    tokens = rollout.output_token_ids
+    return tokens[:-1] if tokens and tokens[-1] == eos else tokens
+
+
+@pytest.mark.vllm
+def test_stop_strings_stop_token_ids_and_eos(ray_local, generation_actor, answering_model_dir) -> None:
+    """One seed, three requests: no stop, the stop string "73" (with a format reward), the stop
+    token "3". A stop cuts the unstopped completion right after the stop's last token, which stays
+    in the tokens and the text; EOS stays the last token and is left out of the text."""
+    tokenizer = load_tokenizer(answering_model_dir)
+    eos = tokenizer.eos_token_id
+    (three,) = tokenizer.encode("3")
+    sample = _build_sample("What is 3 + 4? ", "7", 0, tokenizer)
+    plain_sampling = SamplingConfig(n=16, max_tokens=8, seed=STOP_TEST_SEED, truncated_reward=0.0)
+    stop_sampling = replace(plain_sampling, stop=("73",), reward=STARTS_WITH_SEVEN)
+    token_sampling = replace(plain_sampling, stop_token_ids=(three,))
+    counters_before = _generation_counters(ray_local, generation_actor)
+    plain, by_string, by_token = ray_local.get(
+        [generation_actor.generate.remote(sample, s) for s in (plain_sampling, stop_sampling, token_sampling)]
+    )
+    counters_after = _generation_counters(ray_local, generation_actor)
+
+    for rollout in plain + by_string + by_token:
+        assert len(rollout.sampling_logprobs) == len(rollout.output_token_ids) >= 1
+        assert rollout.output_text == tokenizer.decode(rollout.output_token_ids, skip_special_tokens=True)
+        assert rollout.truncated == (rollout.finish_reason == "length")
+
+    # EOS: the last trained token (with its sampling logprob), not in the text; a completion cut at
+    # max_tokens has no EOS.
+    assert {r.finish_reason for r in plain} == {"stop", "length"}
+    for rollout in plain:
+        if rollout.finish_reason == "stop":
+            assert rollout.output_token_ids[-1] == eos and eos not in rollout.output_token_ids[:-1]
+        else:
+            assert eos not in rollout.output_token_ids and len(rollout.output_token_ids) == plain_sampling.max_tokens
+        assert tokenizer.eos_token not in rollout.output_text
+
+    # The tiny tokenizer is one character per token, so a text position is a token position.
+    cut_by_string = cut_by_token = 0
+    for unstopped, stopped in zip(plain, by_string):
+        at = tokenizer.decode(_without_eos(unstopped, eos)).find("73")
+        if at >= 0:
+            assert stopped.output_token_ids == unstopped.output_token_ids[: at + 2]
+            assert stopped.output_text.endswith("73") and "73" not in stopped.output_text[:-1]
+            assert (stopped.finish_reason, stopped.truncated) == ("stop", False)
+            cut_by_string += 1
+        else:
+            assert stopped.output_token_ids == unstopped.output_token_ids
+            assert (stopped.finish_reason, stopped.truncated) == (unstopped.finish_reason, unstopped.truncated)
+        kept = len(stopped.sampling_logprobs)
+        assert stopped.sampling_logprobs == pytest.approx(unstopped.sampling_logprobs[:kept], abs=1e-6)
+    for unstopped, stopped in zip(plain, by_token):
+        if three in unstopped.output_token_ids:
+            at = unstopped.output_token_ids.index(three)
+            assert stopped.output_token_ids == unstopped.output_token_ids[: at + 1]
+            assert stopped.output_text.endswith("3")  # a stop token that is not special stays in the text
+            assert (stopped.finish_reason, stopped.truncated) == ("stop", False)
+            cut_by_token += 1
+        else:
+            assert stopped.output_token_ids == unstopped.output_token_ids
+            assert (stopped.finish_reason, stopped.truncated) == (unstopped.finish_reason, unstopped.truncated)
+    n = plain_sampling.n
+    assert 0 < cut_by_string < n and 0 < cut_by_token < n, (cut_by_string, cut_by_token)
+
+    # The format reward rides on the verdict of the text the tokens decode to; truncated keeps 0.
+    checked = [r for r in by_string if not r.truncated]
+    for rollout in by_string:
+        if rollout.truncated:
+            assert rollout.reward == stop_sampling.truncated_reward
+        else:
+            shift = 0.5 if rollout.output_text.startswith("7") else -0.25
+            assert rollout.reward == pytest.approx(_expected_reward(rollout.output_text, "7") + shift, abs=1e-12)
+    matched = sum(r.output_text.startswith("7") for r in checked)
+    assert 0 < matched < len(checked)
+    assert counters_after["generation/format_checked"] - counters_before["generation/format_checked"] == len(checked)
+    assert counters_after["generation/format_matched"] - counters_before["generation/format_matched"] == matched

@@ -29,12 +29,12 @@ from typing import Sequence
 import ray
 import torch
 
+from packed_attention import PACKED_SDPA
 from sample_processing_utils import Sample, get_input_for_logprobs, split_per_sample
-from setup_model import MODEL_DTYPES, TokenLogprobModel, load_causal_lm
-from weight_sync import load_state_dict_into
 from ray_env import LOGPROB
+from setup_model import MODEL_DTYPES, TokenLogprobModel, default_attn_implementation, load_causal_lm
 from vllm_registry import WorkerHealth
-from weight_sync import WeightUpdate, assemble_state_dict
+from weight_sync import WeightUpdate, assemble_state_dict, load_state_dict_into
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,9 @@ INITIAL_WEIGHT_VERSION = -1  # WorkerHealth's convention for "still the checkpoi
 # more concurrent calls than one batch holds, or callers would be serialised before batching.
 ACTOR_MAX_CONCURRENCY = 4096
 _DEVICES = ("auto", "cpu", "cuda")
+AUTO_DTYPE = "auto"
+# flash-attn's kernels take only fp16/bf16 inputs: an fp32 model fails on its first batch.
+FLASH_ATTENTION_2 = "flash_attention_2"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -65,10 +68,16 @@ class LogprobWorkerConfig:
     """Output positions per lm_head chunk (bounds the [chunk, vocab] fp32 logits held at once)."""
     device: str = "auto"
     """'cuda', 'cpu', or 'auto' (cuda when available)."""
-    dtype: str = "float32"
-    """Parameter dtype: 'float32', 'bfloat16' or 'float16'. The log-softmax always runs in fp32."""
+    dtype: str = AUTO_DTYPE
+    """Parameter dtype: 'auto', 'float32', 'bfloat16' or 'float16'. 'auto' is what the trainer
+    computes in with its default ModelConfig.mixed_precision: bfloat16 on CUDA, float32 on CPU,
+    so reference logprobs match the trainer's (pass 'float32' on CUDA when the trainer runs with
+    model.mixed_precision: false). The log-softmax always runs in fp32."""
     attn_implementation: str | None = None
-    """Attention kernel passed to from_pretrained; None: setup_model's default for the device."""
+    """Attention kernel passed to from_pretrained; None: the trainer's default for the device
+    (setup_model.default_attn_implementation: flash_attention_2 on CUDA when flash-attn imports,
+    else packed_sdpa), except that a float32 model takes packed_sdpa, since flash-attn runs only
+    fp16/bf16. An explicit flash_attention_2 with a float32 dtype is refused."""
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -81,8 +90,18 @@ class LogprobWorkerConfig:
             raise ValueError(f"LogprobWorkerConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         if self.device not in _DEVICES:
             raise ValueError(f"LogprobWorkerConfig.device must be one of {_DEVICES}, got {self.device!r}")
-        if self.dtype not in MODEL_DTYPES:
-            raise ValueError(f"LogprobWorkerConfig.dtype must be one of {tuple(MODEL_DTYPES)}, got {self.dtype!r}")
+        if self.dtype != AUTO_DTYPE and self.dtype not in MODEL_DTYPES:
+            raise ValueError(
+                f"LogprobWorkerConfig.dtype must be one of {(AUTO_DTYPE, *MODEL_DTYPES)}, got {self.dtype!r}"
+            )
+        if self.attn_implementation is not None and not self.attn_implementation:
+            raise ValueError("LogprobWorkerConfig.attn_implementation must be None or a non-empty name")
+        # dtype 'auto' on device 'auto' resolves only on the worker, where resolve_model_settings
+        # repeats this check; every other combination is known here already.
+        if self.dtype != AUTO_DTYPE:
+            check_attn_dtype(self.attn_implementation, MODEL_DTYPES[self.dtype])
+        elif self.device != "auto":
+            check_attn_dtype(self.attn_implementation, resolve_dtype(self.dtype, torch.device(self.device)))
 
 
 @dataclass(slots=True)
@@ -171,6 +190,40 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The model dtype: 'auto' -> bfloat16 on CUDA, float32 elsewhere (what the trainer computes
+    in: fsdp_setup.build_training_model casts to bf16 on CUDA under ModelConfig.mixed_precision,
+    its default, and stays fp32 on CPU); any other name as given."""
+    if dtype == AUTO_DTYPE:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return MODEL_DTYPES[dtype]
+
+
+def check_attn_dtype(attn_implementation: str | None, dtype: torch.dtype) -> None:
+    """Raise ValueError naming both fields if flash_attention_2 is asked for in float32."""
+    if attn_implementation == FLASH_ATTENTION_2 and dtype == torch.float32:
+        raise ValueError(
+            "LogprobWorkerConfig.attn_implementation='flash_attention_2' needs LogprobWorkerConfig.dtype "
+            "'bfloat16' or 'float16' (or 'auto' on CUDA): flash-attn does not run float32 models"
+        )
+
+
+def resolve_model_settings(config: LogprobWorkerConfig, device: torch.device) -> tuple[torch.dtype, str]:
+    """(dtype, attention implementation) the worker loads its model with on `device`.
+
+    Both default to the trainer's choice for the device (resolve_dtype,
+    setup_model.default_attn_implementation); a float32 model never gets flash_attention_2 by
+    default (packed_sdpa instead, with a warning), and an explicit one raises ValueError.
+    """
+    dtype = resolve_dtype(config.dtype, device)
+    check_attn_dtype(config.attn_implementation, dtype)
+    attn = config.attn_implementation or default_attn_implementation(device)
+    if attn == FLASH_ATTENTION_2 and dtype == torch.float32:
+        logger.warning("flash-attn does not run float32 models; the float32 logprob worker uses %s", PACKED_SDPA)
+        attn = PACKED_SDPA
+    return dtype, attn
+
+
 def check_sample(sample: Sample, vocab_size: int) -> None:
     """Raise ValueError if the sample cannot be scored: empty prompt or a token id outside the vocab.
 
@@ -204,11 +257,9 @@ class LogprobWorker:
         self.name = worker_name
         self.config = config
         self.device = resolve_device(config.device)
+        self.dtype, self.attn_implementation = resolve_model_settings(config, self.device)
         causal_lm = load_causal_lm(
-            config.model_path,
-            device=self.device,
-            dtype=MODEL_DTYPES[config.dtype],
-            attn_implementation=config.attn_implementation,
+            config.model_path, device=self.device, dtype=self.dtype, attn_implementation=self.attn_implementation
         )
         self.model = TokenLogprobModel(causal_lm, logprob_chunk_size=config.logprob_chunk_size).eval()
         self.vocab_size = int(causal_lm.get_input_embeddings().num_embeddings)
@@ -225,8 +276,9 @@ class LogprobWorker:
         self._closed = False
         self._counters = _Counters()
         logger.info(
-            "logprob worker %s: %s on %s (%s), budget %d tokens, max wait %.1f ms",
-            worker_name, config.model_path, self.device, config.dtype, config.max_tokens_per_gpu, config.max_wait_ms,
+            "logprob worker %s: %s on %s (%s, %s), budget %d tokens, max wait %.1f ms",
+            worker_name, config.model_path, self.device, self.dtype, self.attn_implementation,
+            config.max_tokens_per_gpu, config.max_wait_ms,
         )
 
     async def start(self) -> WorkerHealth:

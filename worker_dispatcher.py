@@ -100,7 +100,8 @@ class DispatcherConfig:
     """Logprob: token budget of one packed forward."""
     dtype: str | None = None
     """Dtype the worker runs its model in. Generation: vLLM's dtype ('auto' by default, which
-    serves an fp32 checkpoint in bf16 on CPU); logprob: 'float32', 'bfloat16' or 'float16'."""
+    serves an fp32 checkpoint in bf16 on CPU); logprob: 'auto' (the default: the trainer's
+    compute dtype, bfloat16 on a GPU node and float32 on CPU), 'float32', 'bfloat16' or 'float16'."""
     num_cpus: float = 1.0
     """CPUs the worker actor reserves in Ray's accounting."""
     ray_address: str = "auto"

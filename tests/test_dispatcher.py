@@ -137,10 +137,10 @@ def test_dtype_reaches_each_worker_config_and_unset_keeps_their_defaults():
 
     assert generation_worker_config(DispatcherConfig(mode="generation", model_path="m")).dtype == "auto"
     assert generation_worker_config(DispatcherConfig(mode="generation", model_path="m", dtype="float32")).dtype == "float32"
-    assert logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m"), on_gpu_node=False).dtype == "float32"
+    assert logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m"), on_gpu_node=False).dtype == "auto"
     assert logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m", dtype="bfloat16"), False).dtype == "bfloat16"
     with pytest.raises(ValueError, match="LogprobWorkerConfig.dtype"):
-        logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m", dtype="auto"), on_gpu_node=False)
+        logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m", dtype="int8"), on_gpu_node=False)
 
 
 @pytest.mark.vllm

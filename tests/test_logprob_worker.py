@@ -16,14 +16,18 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+import logprob_worker
 from logprob_worker import (
     LogprobWorker,
     LogprobWorkerActor,
     LogprobWorkerConfig,
+    resolve_dtype,
+    resolve_model_settings,
     select_batch,
 )
+from packed_attention import PACKED_SDPA
 from sample_processing_utils import Sample, get_input_for_logprobs
-from setup_model import TokenLogprobModel, load_causal_lm
+from setup_model import TokenLogprobModel, default_attn_implementation, load_causal_lm
 from tiny_model import TinyModelConfig, write_tiny_model
 from ray_env import LOGPROB
 from vllm_registry import WorkerHealth
@@ -113,12 +117,54 @@ def other_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Pat
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("model_path", ""), ("max_tokens_per_gpu", 0), ("max_wait_ms", -1.0), ("logprob_chunk_size", 0), ("device", "tpu"), ("dtype", "int8")],
+    [("model_path", ""), ("max_tokens_per_gpu", 0), ("max_wait_ms", -1.0), ("logprob_chunk_size", 0), ("device", "tpu"),
+     ("dtype", "int8"), ("attn_implementation", "")],
 )
 def test_config_rejects_bad_field(field: str, value: object) -> None:
     kwargs = {"model_path": "m", field: value}
     with pytest.raises(ValueError, match=f"LogprobWorkerConfig.{field}"):
         LogprobWorkerConfig(**kwargs)
+
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+def test_dtype_defaults_to_what_the_trainer_computes_in() -> None:
+    # The trainer: bf16 compute on CUDA (ModelConfig.mixed_precision, on by default), fp32 on CPU.
+    assert LogprobWorkerConfig(model_path="m").dtype == "auto"
+    assert resolve_dtype("auto", CUDA) == torch.bfloat16
+    assert resolve_dtype("auto", CPU) == torch.float32
+    assert resolve_dtype("float32", CUDA) == torch.float32  # explicit names win
+    assert resolve_dtype("float16", CPU) == torch.float16
+
+
+def test_attention_defaults_to_the_trainers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """resolve_model_settings picks setup_model's default for the device, as the trainer does
+    (the device is only named, never used: no GPU needed)."""
+    config = LogprobWorkerConfig(model_path="m", device="cuda")
+    assert resolve_model_settings(config, CUDA) == (torch.bfloat16, default_attn_implementation(CUDA))
+    assert resolve_model_settings(LogprobWorkerConfig(model_path="m", device="cpu"), CPU) == (torch.float32, PACKED_SDPA)
+    # A CUDA node with flash-attn installed: bf16 runs it; an fp32 worker falls back to packed_sdpa.
+    monkeypatch.setattr(logprob_worker, "default_attn_implementation", lambda device: "flash_attention_2")
+    assert resolve_model_settings(config, CUDA) == (torch.bfloat16, "flash_attention_2")
+    fp32 = LogprobWorkerConfig(model_path="m", device="cuda", dtype="float32")
+    assert resolve_model_settings(fp32, CUDA) == (torch.float32, PACKED_SDPA)
+    explicit = LogprobWorkerConfig(model_path="m", device="cuda", attn_implementation="sdpa")
+    assert resolve_model_settings(explicit, CUDA) == (torch.bfloat16, "sdpa")
+
+
+@pytest.mark.parametrize("device, dtype", [("cuda", "float32"), ("auto", "float32"), ("cpu", "auto")])
+def test_flash_attention_in_float32_is_refused_at_config_time(device: str, dtype: str) -> None:
+    with pytest.raises(ValueError, match=r"attn_implementation='flash_attention_2' needs LogprobWorkerConfig.dtype"):
+        LogprobWorkerConfig(model_path="m", device=device, dtype=dtype, attn_implementation="flash_attention_2")
+    LogprobWorkerConfig(model_path="m", device=device, dtype="bfloat16", attn_implementation="flash_attention_2")
+
+
+def test_flash_attention_with_auto_dtype_on_auto_device_is_checked_where_it_resolves() -> None:
+    config = LogprobWorkerConfig(model_path="m", attn_implementation="flash_attention_2")  # cuda: bf16, fine
+    assert resolve_model_settings(config, CUDA) == (torch.bfloat16, "flash_attention_2")
+    with pytest.raises(ValueError, match="flash-attn does not run float32 models"):
+        resolve_model_settings(config, CPU)
 
 
 def test_select_batch_takes_head_then_first_fit() -> None:
@@ -147,6 +193,7 @@ def test_one_at_a_time_equals_trainer_function_and_hf(tiny_model_dir: Path) -> N
         return results
 
     results = asyncio.run(run())
+    assert (worker.dtype, worker.attn_implementation) == (torch.float32, PACKED_SDPA)  # the CPU trainer's
     # Same module, same single-sample input: the worker must reproduce the trainer bit for bit.
     for got, want in zip(results, _trainer_logprobs(tiny_model_dir, samples)):
         assert torch.equal(torch.tensor(got), want)

@@ -10,8 +10,12 @@ Out of the trainer: `gather_full_state_dict` (rank 0 gets full tensors), `local_
   fetches all ranks' objects and concatenates each tensor's pieces in dim-0 offset order
   (seed 002's fan-in, for full weights).
 
-Into a worker: `fetch_state_dict` / `assemble_state_dict`, then `load_state_dict_into` a plain
-model (logprob worker) or `write_safetensors` for vLLM to reload (generation worker).
+Pushes carry the serving dtype (`resolve_push_dtype`: bf16 when the trainer computes in bf16,
+else fp32), cast on each rank before anything leaves it; checkpoints keep the fp32 weights.
+
+Into a worker: `fetch_state_dict` / `assemble_state_dict` (all tensors at once) or
+`iter_state_dict` (one full tensor at a time), then `load_state_dict_into` a plain model
+(logprob worker) or `write_safetensors` for vLLM to reload (generation worker).
 
 Tensors are stored as raw uint8 numpy buffers plus dtype and shape: numpy has no bfloat16, and
 plain buffers let Ray hand them over zero-copy from shared memory. Nothing here unpickles data of
@@ -25,7 +29,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -94,54 +98,83 @@ def state_dict_to_blobs(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Ten
     return {name: tensor_to_blob(t) for name, t in state_dict.items()}
 
 
-def assemble_state_dict(shards: Iterable[Mapping[str, TensorBlob]]) -> dict[str, torch.Tensor]:
-    """Every tensor's pieces from all shards, copied once each into its rows of a full tensor.
+def _pieces_by_name(shards: Iterable[Mapping[str, TensorBlob]]) -> dict[str, list[TensorBlob]]:
+    """Every tensor's pieces from all shards, by name, in the order names first appear."""
+    pieces: dict[str, list[TensorBlob]] = {}
+    for shard in shards:
+        for name, blob in shard.items():
+            pieces.setdefault(name, []).append(blob)
+    return pieces
+
+
+def _assemble_tensor(name: str, blobs: list[TensorBlob]) -> torch.Tensor:
+    """One full tensor from its pieces, copied once each into its rows of a fresh buffer.
 
     The copies are numpy byte copies (a plain memcpy, faster than torch's copy_ on one thread,
     which is what a Ray actor gets). Raises ValueError naming the weight if its pieces do not tile
     dim 0 of its global shape exactly (a gap, an overlap, a wrong trailing shape, mixed dtypes).
     """
-    pieces: dict[str, list[TensorBlob]] = {}
-    for shard in shards:
-        for name, blob in shard.items():
-            pieces.setdefault(name, []).append(blob)
-    full: dict[str, torch.Tensor] = {}
-    for name, blobs in pieces.items():
-        blobs.sort(key=lambda b: b.dim0_offset)
-        global_shape = tuple(blobs[0].global_shape)
-        dtypes = {b.dtype for b in blobs}
-        if len(dtypes) != 1:
-            raise ValueError(f"weight {name}: pieces have mixed dtypes {sorted(dtypes)}")
-        dtype = _DTYPES[blobs[0].dtype]
-        out = np.empty(int(np.prod(global_shape)) * dtype.itemsize, dtype=np.uint8)
-        if not global_shape:  # a scalar travels whole
-            out[:] = blobs[0].data
-        else:
-            row_bytes = int(np.prod(global_shape[1:])) * dtype.itemsize
-            row = 0
-            for blob in blobs:
-                if blob.dim0_offset != row or tuple(blob.shape[1:]) != global_shape[1:]:
-                    raise ValueError(
-                        f"weight {name}: piece at row {blob.dim0_offset} with shape {tuple(blob.shape)} does not "
-                        f"continue rows 0-{row} of {global_shape}"
-                    )
-                rows = blob.shape[0]
-                out[row * row_bytes : (row + rows) * row_bytes] = blob.data
-                row += rows
-            if row != global_shape[0]:
-                raise ValueError(f"weight {name}: pieces cover {row} of {global_shape[0]} rows")
-        if out.size:
-            full[name] = torch.from_numpy(out).view(dtype).reshape(global_shape)
-        else:  # numpy's empty buffer cannot be viewed as another dtype
-            full[name] = torch.empty(global_shape, dtype=dtype)
-    return full
+    blobs = sorted(blobs, key=lambda b: b.dim0_offset)
+    global_shape = tuple(blobs[0].global_shape)
+    dtypes = {b.dtype for b in blobs}
+    if len(dtypes) != 1:
+        raise ValueError(f"weight {name}: pieces have mixed dtypes {sorted(dtypes)}")
+    dtype = _DTYPES[blobs[0].dtype]
+    out = np.empty(int(np.prod(global_shape)) * dtype.itemsize, dtype=np.uint8)
+    if not global_shape:  # a scalar travels whole
+        out[:] = blobs[0].data
+    else:
+        row_bytes = int(np.prod(global_shape[1:])) * dtype.itemsize
+        row = 0
+        for blob in blobs:
+            if blob.dim0_offset != row or tuple(blob.shape[1:]) != global_shape[1:]:
+                raise ValueError(
+                    f"weight {name}: piece at row {blob.dim0_offset} with shape {tuple(blob.shape)} does not "
+                    f"continue rows 0-{row} of {global_shape}"
+                )
+            rows = blob.shape[0]
+            out[row * row_bytes : (row + rows) * row_bytes] = blob.data
+            row += rows
+        if row != global_shape[0]:
+            raise ValueError(f"weight {name}: pieces cover {row} of {global_shape[0]} rows")
+    if not out.size:  # numpy's empty buffer cannot be viewed as another dtype
+        return torch.empty(global_shape, dtype=dtype)
+    return torch.from_numpy(out).view(dtype).reshape(global_shape)
+
+
+def iter_assembled(shards: Iterable[Mapping[str, TensorBlob]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every weight in the shards, assembled one at a time.
+
+    Each tensor is a fresh, writable buffer built only when the iteration reaches it, so beyond
+    the shards themselves a consumer that drops each tensor before taking the next holds one
+    full tensor at a time. Errors as _assemble_tensor, raised when the bad weight is reached.
+    """
+    for name, blobs in _pieces_by_name(shards).items():
+        yield name, _assemble_tensor(name, blobs)
+
+
+def assemble_state_dict(shards: Iterable[Mapping[str, TensorBlob]]) -> dict[str, torch.Tensor]:
+    """Every tensor's pieces from all shards, each assembled into a full tensor (iter_assembled)."""
+    return dict(iter_assembled(shards))
 
 
 def fetch_state_dict(update: WeightUpdate) -> dict[str, torch.Tensor]:
     """Fetch every shard of an update from Ray's object store and assemble full tensors."""
+    return dict(iter_state_dict(update))
+
+
+def iter_state_dict(update: WeightUpdate) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of every weight of an update, one tensor assembled at a time.
+
+    Both modes: a 'gather' update's one shard holds whole tensors, a 'sharded' update's pieces
+    are concatenated per tensor. The shards are fetched first (Ray maps them from its
+    shared-memory object store without copying); only the tensor being yielded is built in this
+    process, so a consumer that streams each one into a model (e.g. vLLM's reload_weights) and
+    drops it never holds a second full copy of the weights.
+    """
     import ray  # imported here so the pure helpers above work without Ray installed
 
-    return assemble_state_dict(ray.get(list(update.shard_refs)))
+    yield from iter_assembled(ray.get(list(update.shard_refs)))
 
 
 def write_safetensors(state_dict: Mapping[str, torch.Tensor], path: Path) -> Path:
@@ -213,11 +246,17 @@ def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def _cast_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a published copy of `tensor` takes: `dtype` for floating-point tensors, else its own."""
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+
 def gather_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
     """Full, unsharded CPU copies of every weight under HF names, on rank 0; None elsewhere.
 
     Collective: every rank must call it (each tensor is all-gathered in turn, so peak extra
-    memory is one full tensor). dtype casts the copies (e.g. bf16 for inference); None keeps them.
+    memory is one full tensor). dtype casts the floating-point copies (e.g. bf16 for inference;
+    integer buffers keep theirs); None keeps them.
     """
     main = _is_main_process()
     state: dict[str, torch.Tensor] = {}
@@ -225,7 +264,7 @@ def gather_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
         for name, tensor in _hf_tensors(model).items():
             full = _full_tensor(tensor.detach())
             if main:
-                state[name] = full.to(device="cpu", dtype=dtype if dtype is not None else full.dtype, copy=True)
+                state[name] = full.to(device="cpu", dtype=_cast_dtype(full, dtype), copy=True)
     return state if main else None
 
 
@@ -258,14 +297,21 @@ def local_dim0_piece(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, int
 def local_shard_blobs(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, TensorBlob]:
     """This rank's own dim-0 piece of every weight (no communication), as weight_sync blobs.
 
-    assemble_state_dict over all ranks' dicts rebuilds gather_full_state_dict.
-    A plain (unsharded) model yields whole tensors at offset 0.
+    assemble_state_dict over all ranks' dicts rebuilds gather_full_state_dict (with the same
+    dtype, which casts floating-point pieces only). Tensors FSDP does not shard (persistent
+    buffers, or every tensor of a plain model) are replicated, so only rank 0 (or the only
+    process) includes them, whole at offset 0: a copy from every rank would overlap.
     """
+    from torch.distributed.tensor import DTensor
+
+    main = _is_main_process()
     blobs: dict[str, TensorBlob] = {}
     with torch.no_grad():
         for name, tensor in _hf_tensors(model).items():
+            if not main and not isinstance(tensor, DTensor):
+                continue
             local, offset = local_dim0_piece(name, tensor.detach())
-            piece = local.to(dtype) if dtype is not None else local
+            piece = local.to(_cast_dtype(local, dtype))
             blobs[name] = tensor_to_blob(piece, global_shape=tuple(tensor.shape), dim0_offset=offset)
     return blobs
 
@@ -373,20 +419,39 @@ def get_or_create_shard_stager() -> Any:
     return actor_cls.options(name=SHARD_STAGER_NAME, namespace=RAY_NAMESPACE, get_if_exists=True).remote()
 
 
+AUTO_PUSH_DTYPE = "auto"
+
+
+def resolve_push_dtype(name: str, device: torch.device, mixed_precision: bool) -> torch.dtype:
+    """The dtype weight pushes carry: 'auto' -> bfloat16 when the trainer computes in bf16 (on
+    CUDA with ModelConfig.mixed_precision, see fsdp_setup.build_training_model), else float32;
+    any other name of setup_model.MODEL_DTYPES as given."""
+    if name == AUTO_PUSH_DTYPE:
+        return torch.bfloat16 if device.type == "cuda" and mixed_precision else torch.float32
+    if name not in MODEL_DTYPES:
+        raise ValueError(f"weight push dtype must be one of {(AUTO_PUSH_DTYPE, *MODEL_DTYPES)}, got {name!r}")
+    return MODEL_DTYPES[name]
+
+
 class WeightPusher:
     """Publishes the trainer's weights to every inference worker, one version at a time.
 
     Collective: every trainer rank builds one and calls `push` together. Rank 0 holds the
     registries of the kinds that serve the policy and announces each `WeightUpdate` to them; in
-    "sharded" mode every rank stages its own shard ref with the shard stager first.
+    "sharded" mode every rank stages its own shard ref with the shard stager first. Tensors are
+    cast to `dtype` on the rank that holds them, before they are put into Ray's object store.
     """
 
     def __init__(self, mode: Literal["gather", "sharded"], rank: int, world_size: int,
-                 registries: Sequence[Any], timeout_s: float) -> None:
-        """registries: Ray handles of the registries to broadcast to (rank 0; [] elsewhere)."""
+                 registries: Sequence[Any], timeout_s: float, *, dtype: torch.dtype = torch.float32) -> None:
+        """registries: Ray handles of the registries to broadcast to (rank 0; [] elsewhere);
+        dtype: what the pushed tensors carry (resolve_push_dtype; the model's own fp32 by default)."""
         if mode not in ("gather", "sharded"):
             raise ValueError(f"WeightPusher mode must be 'gather' or 'sharded', got {mode!r}")
+        if dtype not in MODEL_DTYPES.values():
+            raise ValueError(f"WeightPusher dtype must be one of {tuple(MODEL_DTYPES.values())}, got {dtype}")
         self._mode = mode
+        self.dtype = dtype
         self._rank = rank
         self._world_size = world_size
         self._timeout_s = timeout_s
@@ -399,11 +464,11 @@ class WeightPusher:
 
         start = time.perf_counter()
         if self._mode == "gather":
-            state = gather_full_state_dict(model)
+            state = gather_full_state_dict(model, dtype=self.dtype)
             own_ref = ray.put(state_dict_to_blobs(state)) if self._rank == 0 else None
             refs = [own_ref]
         else:
-            own_ref = ray.put(local_shard_blobs(model))
+            own_ref = ray.put(local_shard_blobs(model, dtype=self.dtype))
             ray.get(self._stager.stage.remote(version, self._rank, [own_ref]))
             refs = (
                 ray.get(self._stager.collect.remote(version, self._world_size, self._timeout_s))
@@ -413,7 +478,8 @@ class WeightPusher:
         if self._rank == 0:
             update = WeightUpdate(version=version, shard_refs=refs, mode=self._mode, initial=initial)
             results = ray.get([reg.broadcast.remote("update_weights", update) for reg in self._registries])
-            logger.info("pushed weights v%d (%s) to %d workers", version, self._mode, sum(len(r) for r in results))
+            logger.info("pushed weights v%d (%s, %s) to %d workers", version, self._mode, self.dtype,
+                        sum(len(r) for r in results))
         # Workers fetch shards from every rank's object store: keep own_ref alive until all are done.
         dist.barrier()
         del own_ref

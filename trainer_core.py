@@ -38,12 +38,12 @@ from grpo_loss import LossConfig, grpo_loss
 from metrics import MetricsLogger, StepAccumulator
 from optimizer import OptimConfig, build_optimizer, build_scheduler
 from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, actor_runtime_env, registry_name
-from run_config import load_config, save_config
+from run_config import ConfigError, load_config, save_config
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from sampling import SEED_BOUND, SamplingConfig
 from setup_model import ModelConfig, TokenLogprobModel, load_tokenizer
 from vllm_experience_batcher import BatcherConfig, EndOfStep, Minibatch, RayRegistryClient, get_or_create_batcher
-from weight_sync import WeightPusher
+from weight_sync import WeightPusher, resolve_push_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,14 @@ class TrainerConfig:
     prompts_per_rank: int = 8
     """Prompts each rank submits per step (the step's batch is world_size x this x n samples)."""
     max_tokens_per_gpu: int = 8192
-    """Token budget of one packed minibatch on one rank."""
+    """Token budget of one packed minibatch on one rank (prompt + output tokens). Must be at least
+    data.max_prompt_tokens + sampling.max_tokens, the longest sample a run can produce, so that no
+    minibatch exceeds it (see oversized_sample_policy)."""
+    oversized_sample_policy: Literal["refuse", "train_alone"] = "refuse"
+    """refuse: a config under which one sample could exceed max_tokens_per_gpu
+    (data.max_prompt_tokens + sampling.max_tokens > max_tokens_per_gpu) is an error at load time,
+    so the budget bounds every minibatch. train_alone: accept it; a sample over the budget is
+    trained alone in its own minibatch, over the bound (counts/oversized_samples per step)."""
     max_lag: int = 1
     """Most optimizer steps a rollout's weights may lag the step that trains on it (step -
     weight_version; 0 = synchronous, on-policy). A step's prompts are submitted as soon as weights
@@ -87,6 +94,11 @@ class TrainerConfig:
     the policy. Weights are pushed, and the lr schedule advances, once per step."""
     weight_push_mode: Literal["gather", "sharded"] = "gather"
     """gather: rank 0 publishes the full state; sharded: every rank publishes its FSDP shards."""
+    weight_push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype of the weights pushed to the inference workers (cast on each rank before they leave
+    it; checkpoints stay fp32). auto: bfloat16 when the trainer computes in bf16 (on CUDA with
+    model.mixed_precision), else float32, so workers receive what the trainer computed with and
+    a push moves half the bytes of fp32 on GPU."""
     push_every: int = 1
     """Publish weights to the inference workers after every this many steps (and after the last
     step), i.e. only versions that are multiples of push_every (plus the start). The staleness
@@ -140,6 +152,7 @@ class TrainerConfig:
                 f"{self.push_every - 1} steps earlier, and all its rollouts would be dropped as stale; raise "
                 f"max_lag to at least {self.push_every - 1} (to {self.push_every} for full overlap) or lower push_every"
             )
+        self._check_sample_budget()
         if self.checkpoint_every < 0:
             raise ValueError(f"TrainerConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.loss.kl_coef > 0 and self.logprob_role != "reference":
@@ -153,6 +166,17 @@ class TrainerConfig:
                 raise ValueError(f"TrainerConfig.seed seeds sampling and must be in [0, 2**31), got {self.seed}")
             # The resolved seed is what config.yaml records and what the batcher sends.
             object.__setattr__(self, "sampling", replace(self.sampling, seed=self.seed))
+
+    def _check_sample_budget(self) -> None:
+        """Refuse (unless oversized_sample_policy allows it) a budget one sample could exceed."""
+        longest = self.data.max_prompt_tokens + self.sampling.max_tokens
+        if self.oversized_sample_policy == "refuse" and longest > self.max_tokens_per_gpu:
+            raise ValueError(
+                f"TrainerConfig.max_tokens_per_gpu={self.max_tokens_per_gpu} is below data.max_prompt_tokens + "
+                f"sampling.max_tokens = {self.data.max_prompt_tokens} + {self.sampling.max_tokens} = {longest}: "
+                f"one sample could exceed the minibatch budget; raise max_tokens_per_gpu to at least {longest}, "
+                f"lower data.max_prompt_tokens or sampling.max_tokens, or set oversized_sample_policy: train_alone"
+            )
 
     @property
     def logprob_target(self) -> str | None:
@@ -214,7 +238,9 @@ def make_weight_pusher(config: TrainerConfig, dist: DistInfo) -> WeightPusher:
     the policy (generation; logprob too when it computes old-policy logprobs)."""
     kinds = [GENERATION] + ([LOGPROB] if config.logprob_role == "old_policy" else [])
     registries = [_registry(kind) for kind in kinds] if dist.rank == 0 else []
-    return WeightPusher(config.weight_push_mode, dist.rank, dist.world_size, registries, config.message_timeout_s)
+    dtype = resolve_push_dtype(config.weight_push_dtype, dist.device, config.model.mixed_precision)
+    return WeightPusher(config.weight_push_mode, dist.rank, dist.world_size, registries, config.message_timeout_s,
+                        dtype=dtype)
 
 
 def last_step_to_submit(published_version: int, config: TrainerConfig) -> int:
@@ -493,8 +519,33 @@ def run_step(step: int, parts: StepParts, config: TrainerConfig, dist: DistInfo)
     )
 
 
+CONFIG_HINT = ("trainer_core.py needs a config: --config FILE (e.g. configs/demo.yaml) and/or "
+               "--model.model_path PATH --data.path FILE; see --help")
+# Exit status for a config that does not load (argparse's, for the same kind of usage error).
+CONFIG_ERROR_EXIT = 2
+
+
+def config_error_line(error: ConfigError) -> str:
+    """One line for a config that did not load: CONFIG_HINT when required fields are missing
+    (no config given, or one without model.model_path / data.path), else the error itself."""
+    if isinstance(error.__cause__, TypeError) and "missing" in str(error.__cause__):
+        return f"{CONFIG_HINT} ({error})"
+    return f"trainer_core.py: {error}"
+
+
+def load_trainer_config(argv: list[str]) -> TrainerConfig:
+    """Parse the command line; a config that does not load exits with one line and no traceback,
+    printed by each node's first rank (LOCAL_RANK 0) only, before any process group or Ray."""
+    try:
+        return load_config(TrainerConfig, argv, description=__doc__)
+    except ConfigError as error:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(config_error_line(error), file=sys.stderr, flush=True)
+        raise SystemExit(CONFIG_ERROR_EXIT) from None
+
+
 def main(argv: list[str] | None = None) -> None:
-    config = load_config(TrainerConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = load_trainer_config(sys.argv[1:] if argv is None else argv)
     try:
         train(config)
     except Exception:

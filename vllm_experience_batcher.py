@@ -146,7 +146,8 @@ class EndOfStep:
     dropped_stale: int
     """Rollouts dropped because step - weight_version > max_lag."""
     oversized_samples: int
-    """Samples over max_tokens_per_gpu, each sent alone in its own minibatch."""
+    """Samples over max_tokens_per_gpu, each sent alone in its own minibatch (the trainer logs
+    it as counts/oversized_samples; expected only under oversized_sample_policy: train_alone)."""
     padding_minibatches: int
     """Padding minibatches (loss_weight 0) added over all ranks to equalise the counts."""
     missing_rollouts: int
@@ -186,9 +187,11 @@ class MinibatchPacker:
     at most one sample's tokens, and with at least world_size samples every rank gets one (an
     empty rank is always the least loaded). It joins that rank's open minibatch; when it does
     not fit, the open minibatch is closed and returned for dispatch first. A sample over the
-    budget is sent alone and counted. With `reorder_window` > 0 up to that many samples wait, and
-    the rank's open minibatch takes the largest waiting sample that still fits (best fit), closing
-    only when none does: fewer, fuller minibatches at the price of a short hold-back.
+    budget is sent alone and counted: a fallback, since the trainer refuses a config under which
+    one could occur unless its oversized_sample_policy is train_alone. With `reorder_window` > 0
+    up to that many samples wait, and the rank's open minibatch takes the largest waiting sample
+    that still fits (best fit), closing only when none does: fewer, fuller minibatches at the
+    price of a short hold-back.
     """
 
     def __init__(self, *, step: int, world_size: int, max_tokens_per_gpu: int, reorder_window: int = 0) -> None:

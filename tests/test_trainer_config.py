@@ -1,0 +1,104 @@
+"""TrainerConfig at load time: the token budget bounds every sample, the push dtype, and what
+`trainer_core.py` says when it is started without a config."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dataset import DatasetConfig
+from fsdp_setup import DistInfo
+from run_config import load_config
+from sampling import SamplingConfig
+from setup_model import ModelConfig
+from trainer_core import CONFIG_ERROR_EXIT, TrainerConfig, make_weight_pusher
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TRAINER = REPO_ROOT / "trainer_core.py"
+# Importing the trainer (torch, Ray, transformers) takes ~10 s on the 2 shared cores.
+START_TIMEOUT_S = 120
+
+
+def _config(**overrides) -> TrainerConfig:
+    sections = {"model": ModelConfig(model_path="m"), "data": DatasetConfig(path="d.jsonl")}
+    return TrainerConfig(**{**sections, **overrides})
+
+
+def _budget_config(max_prompt_tokens: int, max_tokens: int, max_tokens_per_gpu: int, **overrides) -> TrainerConfig:
+    return _config(data=DatasetConfig(path="d.jsonl", max_prompt_tokens=max_prompt_tokens),
+                   sampling=SamplingConfig(max_tokens=max_tokens), max_tokens_per_gpu=max_tokens_per_gpu,
+                   **overrides)
+
+
+def test_budget_must_hold_the_longest_sample() -> None:
+    _budget_config(100, 28, 128)  # exactly the longest sample: fine
+    with pytest.raises(ValueError, match=r"TrainerConfig.max_tokens_per_gpu=127 is below data.max_prompt_tokens \+ "
+                                         r"sampling.max_tokens = 100 \+ 28 = 128.*oversized_sample_policy"):
+        _budget_config(100, 28, 127)
+    # An explicit policy accepts it: such a sample trains alone, over the budget, and is counted.
+    assert _budget_config(100, 28, 127, oversized_sample_policy="train_alone").max_tokens_per_gpu == 127
+    assert _config().oversized_sample_policy == "refuse"
+
+
+def test_the_rule_is_checked_at_load_time_and_the_demo_satisfies_it() -> None:
+    required = ["--model.model_path", "m", "--data.path", "d.jsonl", "--eval.every", "0"]
+    demo = load_config(TrainerConfig, ["--config", str(REPO_ROOT / "configs" / "demo.yaml"), *required])
+    assert demo.data.max_prompt_tokens + demo.sampling.max_tokens <= demo.max_tokens_per_gpu
+    with pytest.raises(ValueError, match="max_tokens_per_gpu=8 is below"):
+        load_config(TrainerConfig, ["--config", str(REPO_ROOT / "configs" / "demo.yaml"), *required,
+                                    "--max_tokens_per_gpu", "8"])
+    _config()  # the defaults (1024 + 512 <= 8192) too
+
+
+@pytest.mark.parametrize(
+    "setting, device, mixed_precision, expected",
+    [
+        ("auto", "cuda", True, torch.bfloat16),
+        ("auto", "cuda", False, torch.float32),
+        ("auto", "cpu", True, torch.float32),
+        ("bfloat16", "cpu", True, torch.bfloat16),
+    ],
+)
+def test_weight_push_dtype_reaches_the_pusher(setting: str, device: str, mixed_precision: bool,
+                                               expected: torch.dtype) -> None:
+    config = _config(weight_push_dtype=setting, model=ModelConfig(model_path="m", mixed_precision=mixed_precision))
+    # Rank 1 of a gather push holds no registries and needs no Ray: the device is only named.
+    dist = DistInfo(rank=1, world_size=2, local_rank=1, device=torch.device(device), backend="gloo")
+    assert make_weight_pusher(config, dist).dtype == expected
+    assert _config().weight_push_dtype == "auto"
+
+
+def _start_trainer(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    return subprocess.run([sys.executable, str(TRAINER), *args], cwd=tmp_path, env={**base, **env},
+                          capture_output=True, text=True, timeout=START_TIMEOUT_S)
+
+
+def test_no_arguments_says_how_to_pass_a_config(tmp_path: Path) -> None:
+    done = _start_trainer(tmp_path)
+    assert done.returncode == CONFIG_ERROR_EXIT != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr  # one line, no traceback
+    assert lines[0].startswith("trainer_core.py needs a config: --config FILE"), lines[0]
+    assert "--model.model_path PATH --data.path FILE" in lines[0] and "see --help" in lines[0]
+    assert not any(tmp_path.iterdir())  # it stopped before making a run directory (or anything else)
+
+
+def test_a_bad_config_is_one_line_printed_by_each_nodes_first_rank(tmp_path: Path) -> None:
+    # Under torchrun every rank parses the command line: only LOCAL_RANK 0 prints, all exit non-zero.
+    silent = _start_trainer(tmp_path, "--model.model_path", "m", LOCAL_RANK="1", RANK="1", WORLD_SIZE="2")
+    assert (silent.returncode, silent.stderr) == (CONFIG_ERROR_EXIT, "")
+    done = _start_trainer(tmp_path, "--model.model_path", "m", "--data.path", "d.jsonl", "--max_tokens_per_gpu", "8",
+                          LOCAL_RANK="0", RANK="0", WORLD_SIZE="2")
+    assert done.returncode == CONFIG_ERROR_EXIT
+    assert done.stderr.strip().splitlines() == [
+        "trainer_core.py: TrainerConfig: TrainerConfig.max_tokens_per_gpu=8 is below data.max_prompt_tokens + "
+        "sampling.max_tokens = 1024 + 512 = 1536: one sample could exceed the minibatch budget; raise "
+        "max_tokens_per_gpu to at least 1536, lower data.max_prompt_tokens or sampling.max_tokens, or set "
+        "oversized_sample_policy: train_alone"
+    ]

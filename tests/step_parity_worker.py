@@ -53,6 +53,7 @@ from grpo_loss import LossConfig  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
 from fsdp_setup import DistInfo, build_training_model, init_distributed
 from optimizer import OptimConfig, build_optimizer, build_scheduler
+from sampling import SamplingConfig
 from setup_model import ModelConfig
 from weight_sync import gather_full_state_dict
 from vllm_experience_batcher import EndOfStep, Minibatch, MinibatchPacker  # noqa: E402
@@ -62,7 +63,7 @@ logger = logging.getLogger(__name__)
 DIST_TIMEOUT_S = 120.0  # a crashed peer turns into an error well inside the test's own timeout
 STEP = 0  # the one step each case runs: a one-step run, so run_step submits no further prompts
 # run_step reads no data (the prompts come with the spec), but TrainerConfig requires a section.
-UNUSED_DATA = DatasetConfig(path="unused-by-run_step.jsonl")
+UNUSED_DATA_PATH = "unused-by-run_step.jsonl"
 _WRAPPER_PREFIX = "causal_lm."  # TokenLogprobModel's attribute; HF names lack it
 
 
@@ -158,7 +159,8 @@ def trainer_config(spec: dict, case: dict) -> trainer_core.TrainerConfig:
     """A one-step, synchronous run's config (JSON turned OptimConfig.betas into a list)."""
     return trainer_core.TrainerConfig(
         model=ModelConfig(model_path=spec["model_path"], **spec["model"]),
-        data=UNUSED_DATA,
+        data=DatasetConfig(path=UNUSED_DATA_PATH, max_prompt_tokens=spec["max_prompt_tokens"]),
+        sampling=SamplingConfig(max_tokens=spec["max_output_tokens"]),
         optim=OptimConfig(**{**case["optim"], "betas": tuple(case["optim"]["betas"])}),
         loss=LossConfig(**case["loss"]),
         num_steps=1,

@@ -299,6 +299,9 @@ def system_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, s
         "model": {"logprob_chunk_size": LOGPROB_CHUNK_SIZE},
         "samples": [asdict(s) for s in samples],
         "max_tokens_per_gpu": MAX_TOKENS_PER_GPU,
+        # The longest prompt and output build_samples makes: the budget must hold their sum.
+        "max_prompt_tokens": PROMPT_LEN_RANGE[1] - 1,
+        "max_output_tokens": OUTPUT_LEN_RANGE[1] - 1,
         "reorder_window": REORDER_WINDOW,
         "cases": {name: {"epochs_per_step": c.epochs_per_step, "loss": asdict(c.loss), "optim": asdict(c.optim)}
                   for name, c in CASES.items()},

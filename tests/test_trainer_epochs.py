@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import trainer_core
+from dataset import DatasetConfig
 from grpo_loss import LossConfig
 from metrics import StepAccumulator
 from sample_processing_utils import Sample
@@ -118,4 +119,4 @@ def test_later_passes_match_a_hand_written_ppo_epoch_loop(tiny_model_dir: Path, 
 
 def test_epochs_per_step_must_be_positive() -> None:
     with pytest.raises(ValueError, match="epochs_per_step"):
-        trainer_core.TrainerConfig(model=SimpleNamespace(), data=SimpleNamespace(), epochs_per_step=0)
+        trainer_core.TrainerConfig(model=SimpleNamespace(), data=DatasetConfig(path="unused.jsonl"), epochs_per_step=0)

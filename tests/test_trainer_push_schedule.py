@@ -19,7 +19,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from dataset import InfiniteDistributedSampler
+from dataset import DatasetConfig, InfiniteDistributedSampler
 from grpo_loss import LossConfig
 from sample_processing_utils import Sample
 from fsdp_setup import DistInfo
@@ -27,6 +27,9 @@ from optimizer import OptimConfig, build_optimizer, build_scheduler
 from setup_model import TokenLogprobModel, load_causal_lm
 from trainer_core import PromptFeeder, StepParts, TrainerConfig, run_step, start_generation
 from vllm_experience_batcher import EndOfStep, Minibatch
+
+# run_step reads no data (the stand-in batcher makes the prompts), but TrainerConfig checks its budget.
+UNUSED_DATA = DatasetConfig(path="unused.jsonl")
 
 NUM_STEPS = 7
 PROMPTS_PER_RANK = 2
@@ -112,7 +115,7 @@ def _run(tiny_model_dir: Path, tmp_path: Path, monkeypatch, push_every: int, max
     import ray
 
     monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
-    config = TrainerConfig(model=SimpleNamespace(), data=SimpleNamespace(), run_dir=str(tmp_path),
+    config = TrainerConfig(model=SimpleNamespace(), data=UNUSED_DATA, run_dir=str(tmp_path),
                            num_steps=NUM_STEPS, prompts_per_rank=PROMPTS_PER_RANK, max_lag=max_lag,
                            push_every=push_every, loss=LossConfig(kl_coef=0.0), logprob_role="none")
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
@@ -164,5 +167,5 @@ def test_full_overlap_from_max_lag_equal_push_every(tiny_model_dir: Path, tmp_pa
 @pytest.mark.parametrize("push_every, max_lag", [(2, 0), (3, 1), (5, 3)])
 def test_max_lag_below_push_every_minus_one_is_refused(push_every: int, max_lag: int) -> None:
     with pytest.raises(ValueError, match=f"TrainerConfig.max_lag={max_lag} is below push_every - 1"):
-        TrainerConfig(model=SimpleNamespace(), data=SimpleNamespace(), push_every=push_every, max_lag=max_lag)
-    TrainerConfig(model=SimpleNamespace(), data=SimpleNamespace(), push_every=push_every, max_lag=push_every - 1)
+        TrainerConfig(model=SimpleNamespace(), data=UNUSED_DATA, push_every=push_every, max_lag=max_lag)
+    TrainerConfig(model=SimpleNamespace(), data=UNUSED_DATA, push_every=push_every, max_lag=push_every - 1)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dataset import DatasetConfig
 from run_config import load_config, save_config
 from sample_processing_utils import Sample
 from trainer_core import TrainerConfig
@@ -28,7 +29,7 @@ STEPS = range(3)
 
 
 def _config(**overrides) -> TrainerConfig:
-    return TrainerConfig(model=SimpleNamespace(), data=SimpleNamespace(), **overrides)
+    return TrainerConfig(model=SimpleNamespace(), data=DatasetConfig(path="unused.jsonl"), **overrides)
 
 
 def test_trainer_seeds_sampling_from_the_run_seed_unless_told_otherwise() -> None:

@@ -26,16 +26,18 @@ own processes), so a process without them can still import it (the dispatcher, t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Protocol
 
 import ray
 
@@ -46,9 +48,10 @@ from rewards import ShapedReward, shape_reward
 from sample_processing_utils import Sample
 from sampling import SamplingConfig, request_seed
 from vllm_registry import WorkerHealth
-from weight_sync import WeightUpdate, fetch_state_dict, write_safetensors
+from weight_sync import WeightUpdate, iter_state_dict, write_safetensors
 
 if TYPE_CHECKING:
+    import torch
     from vllm.outputs import CompletionOutput
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -70,6 +73,16 @@ FINISH_LENGTH = "length"
 # HF names of the input embedding and output projection of decoder-only causal LMs.
 _EMBED_WEIGHT = "model.embed_tokens.weight"
 _LM_HEAD_WEIGHT = "lm_head.weight"
+# The decoder layer an HF weight name belongs to. A push reloads whole layers at a time: vLLM
+# fuses a layer's q/k/v and gate/up projections into single modules, and processes a module
+# only when all of its weights arrived in the same reload call.
+_DECODER_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+# vLLM loggers that warn, on every partial reload, about each module the bucket does not cover
+# (those modules correctly keep their current weights).
+_PARTIAL_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -107,6 +120,11 @@ class GenerationWorkerConfig:
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Which distribution `sampling_logprobs` come from: the model's raw softmax (what the
     trainer's logprob pass computes) or the one after temperature/top-p (the true sampler)."""
+    weight_reload_bucket_bytes: int = 512 * 2**20
+    """Most bytes of weights one reload step hands the engine. A push streams the update into the
+    engine in buckets of whole decoder layers (a layer bigger than this travels alone), each
+    assembled from the object store, written to shared memory and loaded in turn, so the worker
+    holds about one bucket beyond the engine's own weights rather than a full copy of the model."""
     weight_update_pause_mode: Literal["keep", "wait"] = "keep"
     """How an update treats rollouts in flight: 'keep' freezes them, swaps weights and finishes
     them with the new weights (no stall; their tokens mix versions), 'wait' lets them finish on
@@ -146,6 +164,10 @@ class GenerationWorkerConfig:
             )
         if self.verifier_timeout_s <= 0:
             raise ValueError(f"GenerationWorkerConfig.verifier_timeout_s must be > 0, got {self.verifier_timeout_s}")
+        if self.weight_reload_bucket_bytes < 1:
+            raise ValueError(
+                f"GenerationWorkerConfig.weight_reload_bucket_bytes must be >= 1, got {self.weight_reload_bucket_bytes}"
+            )
 
 
 class RewardScorer(Protocol):
@@ -163,14 +185,70 @@ class WeightReloadExtension:
     reload_weights re-runs that processing.
     """
 
-    def grpo_reload_weights_from_file(self, path: str) -> int:
-        """Load HF-named tensors from a safetensors file into the running model; returns their count."""
+    def grpo_reload_weights_from_file(self, path: str, partial: bool = False) -> int:
+        """Load HF-named tensors from a safetensors file into the running model; returns their count.
+
+        partial: the file holds some whole decoder layers of an update (reload_buckets), so the
+        modules it does not cover keep their weights, which vLLM would otherwise warn about.
+        """
         from safetensors.torch import load_file
 
         weights = load_file(path, device="cpu")
         weights = _with_tied_lm_head(weights, self.model_runner.model_config.hf_text_config)
-        self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
+        with _quiet_loggers(_PARTIAL_RELOAD_LOGGERS) if partial else contextlib.nullcontext():
+            self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
         return len(weights)
+
+
+@contextlib.contextmanager
+def _quiet_loggers(names: Iterable[str]) -> Iterator[None]:
+    """Show only errors from these loggers for the duration."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _reload_group(name: str) -> str:
+    """Tensors that must reach the engine in one reload call: a decoder layer's, or a single
+    tensor outside the layers (embedding, final norm, lm_head)."""
+    match = _DECODER_LAYER.match(name)
+    return f"layer {match.group(1)}" if match else name
+
+
+def reload_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
+    """Cut a stream of (HF name, tensor) into (bucket, is_last) of at most bucket_bytes each.
+
+    Cuts fall only between reload groups (_reload_group), so a bucket larger than bucket_bytes
+    holds one group that is larger on its own. Each group's tensors must arrive together, as a
+    state dict lists them; a group that reappears after its bucket was handed over raises
+    ValueError, since loading it in two calls would leave its fused modules half loaded.
+    """
+    bucket: dict[str, torch.Tensor] = {}
+    size, group = 0, None
+    closed: set[str] = set()
+    for name, tensor in named_tensors:
+        current = _reload_group(name)
+        if current in closed:
+            raise ValueError(f"weight {name}: its reload group ({current}) was already sent; "
+                             f"an update must list each decoder layer's tensors together")
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and current != group and size + nbytes > bucket_bytes:
+            yield bucket, False
+            closed.update(_reload_group(n) for n in bucket)
+            bucket, size = {}, 0
+        bucket[name] = tensor
+        size += nbytes
+        group = current
+    if bucket:
+        yield bucket, True
 
 
 def _with_tied_lm_head(weights: dict[str, Any], hf_config: Any) -> dict[str, Any]:
@@ -453,39 +531,54 @@ class GenerationWorker:
                 raise ValueError(
                     f"{self.worker_name}: update to version {update.version} is older than served {self._weight_version}"
                 )
-            state_dict = await asyncio.to_thread(fetch_state_dict, update)
-            path = weights_file_dir() / f"grpo-weights-{self.worker_name}-v{update.version}-{uuid.uuid4().hex}.safetensors"
             began = time.perf_counter()
-            try:
-                await asyncio.to_thread(write_safetensors, state_dict, path)
-                del state_dict
-                await self._reload_paused(engine, path, update.version)
-            finally:
-                path.unlink(missing_ok=True)
+            buckets = reload_buckets(iter_state_dict(update), self.config.weight_reload_bucket_bytes)
+            num_buckets = await self._reload_paused(engine, buckets, update.version)
             self.stats.weight_updates += 1
             logger.info(
-                "%s: weights v%d loaded in %.2f s", self.worker_name, update.version, time.perf_counter() - began
+                "%s: weights v%d loaded in %.2f s (%d reload buckets)",
+                self.worker_name, update.version, time.perf_counter() - began, num_buckets,
             )
             return self._weight_version
 
-    async def _reload_paused(self, engine: AsyncLLM, path: Path, version: int) -> None:
-        """Pause scheduling, reload from the file, label the version, resume.
+    async def _reload_paused(
+        self, engine: AsyncLLM, buckets: Iterator[tuple[dict[str, torch.Tensor], bool]], version: int
+    ) -> int:
+        """Pause scheduling, load every bucket, label the version, resume; returns the bucket count.
 
-        Prefix/KV caches are cleared: cached KV computed with the old weights would otherwise be
-        reused by new requests. Requests arriving meanwhile wait, so the version they record is
-        the one they run on.
+        Scheduling stays paused across all buckets, so no step ever runs on a mix of two
+        versions' layers. Prefix/KV caches are cleared: cached KV computed with the old weights
+        would otherwise be reused by new requests. Requests arriving meanwhile wait, so the
+        version they record is the one they run on.
         """
         self._accepting.clear()
         try:
             await engine.pause_generation(mode=self.config.weight_update_pause_mode, clear_cache=True)
             try:
-                await engine.collective_rpc(RELOAD_WEIGHTS_RPC, args=(str(path),))
+                count = 0
+                # Assembling a bucket reads the object store and copies bytes: off the event loop.
+                while (item := await asyncio.to_thread(next, buckets, None)) is not None:
+                    bucket, is_last = item
+                    await self._reload_bucket(engine, bucket, version, partial=count > 0 or not is_last)
+                    del bucket, item
+                    count += 1
                 await engine.update_weight_version(str(version))
                 self._weight_version = version
+                return count
             finally:
                 await engine.resume_generation()
         finally:
             self._accepting.set()
+
+    async def _reload_bucket(self, engine: AsyncLLM, bucket: dict[str, torch.Tensor], version: int,
+                             partial: bool) -> None:
+        """Hand one bucket to the engine through a shared-memory safetensors file."""
+        path = weights_file_dir() / f"grpo-weights-{self.worker_name}-v{version}-{uuid.uuid4().hex}.safetensors"
+        try:
+            await asyncio.to_thread(write_safetensors, bucket, path)
+            await engine.collective_rpc(RELOAD_WEIGHTS_RPC, args=(str(path), partial))
+        finally:
+            path.unlink(missing_ok=True)
 
     def health(self) -> WorkerHealth:
         """Liveness and load as the registry sees them."""

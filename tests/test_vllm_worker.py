@@ -20,6 +20,7 @@ import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 from types import SimpleNamespace
 
 import pytest
@@ -32,7 +33,7 @@ from weight_sync import WeightUpdate, state_dict_to_blobs
 from advantages import group_advantages
 from rewards import RewardConfig
 from sampling import SamplingConfig
-from vllm_worker import GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig, _with_tied_lm_head
+from vllm_worker import GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig, _with_tied_lm_head, reload_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ STARTS_WITH_SEVEN = RewardConfig(format_pattern=r"^7", format_bonus=0.5, format_
 EMBED_OFFSET = 100.0
 
 
-def _config(model_dir: Path, failed_samples_path: Path | None = None) -> GenerationWorkerConfig:
+def _config(model_dir: Path, failed_samples_path: Path | None = None, **overrides: Any) -> GenerationWorkerConfig:
     return GenerationWorkerConfig(
         model_path=str(model_dir),
         max_num_seqs=16,
@@ -82,6 +83,7 @@ def _config(model_dir: Path, failed_samples_path: Path | None = None) -> Generat
         global_num_verifiers=1,
         verifier_timeout_s=TEST_VERIFIER_TIMEOUT_S,
         failed_samples_path=None if failed_samples_path is None else str(failed_samples_path),
+        **overrides,
     )
 
 
@@ -469,11 +471,51 @@ def test_weight_update_reaches_engine(
     assert (health.weight_version, health.healthy, health.inflight_requests) == (version, True, 0)
 
 
+def _tensor(num_floats: int) -> torch.Tensor:
+    return torch.zeros(num_floats, dtype=torch.float32)
+
+
+def test_reload_buckets_cut_only_between_decoder_layers_within_the_budget() -> None:
+    layer = lambda i, part: f"model.layers.{i}.{part}.weight"  # noqa: E731
+    stream = [("model.embed_tokens.weight", _tensor(10))]
+    for i in range(3):
+        stream += [(layer(i, "self_attn.q_proj"), _tensor(4)), (layer(i, "self_attn.k_proj"), _tensor(2)),
+                   (layer(i, "mlp.gate_proj"), _tensor(4))]
+    stream += [("model.norm.weight", _tensor(1)), ("lm_head.weight", _tensor(10))]
+    # Budget 11 floats = 44 bytes: each layer (10 floats) fits alone, two do not.
+    buckets = list(reload_buckets(iter(stream), bucket_bytes=44))
+    names = [list(bucket) for bucket, _ in buckets]
+    assert names == [
+        ["model.embed_tokens.weight"],
+        [layer(0, "self_attn.q_proj"), layer(0, "self_attn.k_proj"), layer(0, "mlp.gate_proj")],
+        [layer(1, "self_attn.q_proj"), layer(1, "self_attn.k_proj"), layer(1, "mlp.gate_proj")],
+        [layer(2, "self_attn.q_proj"), layer(2, "self_attn.k_proj"), layer(2, "mlp.gate_proj"), "model.norm.weight"],
+        ["lm_head.weight"],
+    ]
+    assert [is_last for _, is_last in buckets] == [False, False, False, False, True]
+    # Every tensor exactly once, in order; a budget larger than everything gives one last bucket.
+    assert [n for bucket in names for n in bucket] == [n for n, _ in stream]
+    (whole, is_last), = reload_buckets(iter(stream), bucket_bytes=10**6)
+    assert list(whole) == [n for n, _ in stream] and is_last
+    # A layer bigger than the budget travels alone rather than being split.
+    assert [list(b) for b, _ in reload_buckets(iter(stream[1:4]), bucket_bytes=1)] == [[n for n, _ in stream[1:4]]]
+
+
+def test_reload_buckets_refuse_a_layer_split_across_buckets() -> None:
+    stream = [("model.layers.0.a.weight", _tensor(4)), ("model.layers.1.a.weight", _tensor(4)),
+              ("model.layers.0.b.weight", _tensor(4))]
+    with pytest.raises(ValueError, match="layer 0"):
+        list(reload_buckets(iter(stream), bucket_bytes=1))
+
+
 @pytest.mark.vllm
 def test_weight_update_with_tied_embeddings(ray_local, tiny_tied_model_dir, tmp_path: Path) -> None:
     """Tied models: the update matches HF whether or not the state dict carries lm_head.weight
-    (HF checkpoints of tied models omit it; a plain state_dict() includes it)."""
-    actor = _start_actor(ray_local, "generation-worker-test-tied", _config(tiny_tied_model_dir))
+    (HF checkpoints of tied models omit it; a plain state_dict() includes it). The worker streams
+    the update one decoder layer per reload (a 1-byte bucket budget), the path a model far larger
+    than a bucket takes; the untied test above loads it in one bucket."""
+    actor = _start_actor(ray_local, "generation-worker-test-tied",
+                         _config(tiny_tied_model_dir, weight_reload_bucket_bytes=1))
     try:
         tokenizer = load_tokenizer(tiny_tied_model_dir)
         sample = _build_sample("1 + 1 = ", "2", 0, tokenizer)

@@ -16,7 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from setup_model import ModelConfig, TokenLogprobModel, default_attn_implementation, load_causal_lm, meta_causal_lm
+from setup_model import (
+    ModelConfig,
+    TokenLogprobModel,
+    check_attn_dtype,
+    default_attn_implementation,
+    load_causal_lm,
+    meta_causal_lm,
+)
 from weight_sync import local_dim0_piece
 
 logger = logging.getLogger(__name__)
@@ -93,7 +100,10 @@ def build_training_model(model_config: ModelConfig, dist_info: DistInfo) -> Toke
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    attn = model_config.attn_implementation or default_attn_implementation(dist_info.device)
+    mixed = dist_info.device.type == "cuda" and model_config.mixed_precision
+    compute_dtype = torch.bfloat16 if mixed else torch.float32
+    check_attn_dtype(model_config.attn_implementation, compute_dtype, "ModelConfig.attn_implementation")
+    attn = model_config.attn_implementation or default_attn_implementation(dist_info.device, compute_dtype)
     # Only rank 0 reads the checkpoint (on CPU; fully_shard moves each shard to the device); the
     # other ranks build a parameter-less skeleton and receive their shards from it, so host
     # memory holds one full copy per node's rank 0, not one per rank.
@@ -108,7 +118,7 @@ def build_training_model(model_config: ModelConfig, dist_info: DistInfo) -> Toke
         causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     causal_lm.train()
     mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
-    if dist_info.device.type == "cuda" and model_config.mixed_precision:
+    if mixed:
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mp_policy = MixedPrecisionPolicy()

@@ -32,7 +32,14 @@ import torch
 from packed_attention import PACKED_SDPA
 from sample_processing_utils import Sample, get_input_for_logprobs, split_per_sample
 from ray_env import LOGPROB
-from setup_model import MODEL_DTYPES, TokenLogprobModel, default_attn_implementation, load_causal_lm
+from setup_model import (
+    FLASH_ATTENTION_2,
+    MODEL_DTYPES,
+    TokenLogprobModel,
+    check_attn_dtype,
+    default_attn_implementation,
+    load_causal_lm,
+)
 from vllm_registry import WorkerHealth
 from weight_sync import WeightUpdate, assemble_state_dict, load_state_dict_into
 
@@ -44,8 +51,7 @@ INITIAL_WEIGHT_VERSION = -1  # WorkerHealth's convention for "still the checkpoi
 ACTOR_MAX_CONCURRENCY = 4096
 _DEVICES = ("auto", "cpu", "cuda")
 AUTO_DTYPE = "auto"
-# flash-attn's kernels take only fp16/bf16 inputs: an fp32 model fails on its first batch.
-FLASH_ATTENTION_2 = "flash_attention_2"
+_ATTN_FIELD = "LogprobWorkerConfig.attn_implementation"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -99,9 +105,9 @@ class LogprobWorkerConfig:
         # dtype 'auto' on device 'auto' resolves only on the worker, where resolve_model_settings
         # repeats this check; every other combination is known here already.
         if self.dtype != AUTO_DTYPE:
-            check_attn_dtype(self.attn_implementation, MODEL_DTYPES[self.dtype])
+            check_attn_dtype(self.attn_implementation, MODEL_DTYPES[self.dtype], _ATTN_FIELD)
         elif self.device != "auto":
-            check_attn_dtype(self.attn_implementation, resolve_dtype(self.dtype, torch.device(self.device)))
+            check_attn_dtype(self.attn_implementation, resolve_dtype(self.dtype, torch.device(self.device)), _ATTN_FIELD)
 
 
 @dataclass(slots=True)
@@ -199,15 +205,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return MODEL_DTYPES[dtype]
 
 
-def check_attn_dtype(attn_implementation: str | None, dtype: torch.dtype) -> None:
-    """Raise ValueError naming both fields if flash_attention_2 is asked for in float32."""
-    if attn_implementation == FLASH_ATTENTION_2 and dtype == torch.float32:
-        raise ValueError(
-            "LogprobWorkerConfig.attn_implementation='flash_attention_2' needs LogprobWorkerConfig.dtype "
-            "'bfloat16' or 'float16' (or 'auto' on CUDA): flash-attn does not run float32 models"
-        )
-
-
 def resolve_model_settings(config: LogprobWorkerConfig, device: torch.device) -> tuple[torch.dtype, str]:
     """(dtype, attention implementation) the worker loads its model with on `device`.
 
@@ -216,7 +213,7 @@ def resolve_model_settings(config: LogprobWorkerConfig, device: torch.device) ->
     default (packed_sdpa instead, with a warning), and an explicit one raises ValueError.
     """
     dtype = resolve_dtype(config.dtype, device)
-    check_attn_dtype(config.attn_implementation, dtype)
+    check_attn_dtype(config.attn_implementation, dtype, _ATTN_FIELD)
     attn = config.attn_implementation or default_attn_implementation(device)
     if attn == FLASH_ATTENTION_2 and dtype == torch.float32:
         logger.warning("flash-attn does not run float32 models; the float32 logprob worker uses %s", PACKED_SDPA)

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+FLASH_ATTENTION_2 = "flash_attention_2"
+# flash-attn's kernels take only these input dtypes: a float32 model fails on its first batch.
+_FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
 # Dtypes a model may be loaded and run in, by the name configs use.
 MODEL_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -66,12 +70,14 @@ def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(model_path))
 
 
-def default_attn_implementation(device: torch.device) -> str:
-    """flash_attention_2 on CUDA when flash-attn imports, else PACKED_SDPA (registered on demand).
+def default_attn_implementation(device: torch.device, compute_dtype: torch.dtype = torch.bfloat16) -> str:
+    """flash_attention_2 on CUDA when flash-attn imports and the model computes in bf16/fp16,
+    else PACKED_SDPA (registered on demand).
 
     Both cost sum(len_i^2) on packed streams; plain "sdpa" would cost T^2 (see packed_attention.PACKED_SDPA).
+    compute_dtype: what the attention inputs are in (bf16 under the trainer's mixed precision).
     """
-    if device.type == "cuda":
+    if device.type == "cuda" and compute_dtype in _FLASH_DTYPES:
         try:
             import flash_attn  # noqa: F401
 
@@ -80,6 +86,18 @@ def default_attn_implementation(device: torch.device) -> str:
             logger.warning("flash-attn not importable on CUDA; falling back to %s", PACKED_SDPA)
     register_packed_sdpa()
     return PACKED_SDPA
+
+
+def check_attn_dtype(attn_implementation: str | None, compute_dtype: torch.dtype, where: str) -> None:
+    """Raise ValueError if flash_attention_2 is asked for with a dtype flash-attn cannot run.
+
+    where: the config field that asked for it, named in the error.
+    """
+    if attn_implementation == FLASH_ATTENTION_2 and compute_dtype not in _FLASH_DTYPES:
+        raise ValueError(
+            f"{where}='flash_attention_2' needs bf16 or fp16 compute, but the model computes in "
+            f"{str(compute_dtype).removeprefix('torch.')}: flash-attn does not run float32 models"
+        )
 
 
 def load_causal_lm(

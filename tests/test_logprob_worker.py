@@ -155,7 +155,7 @@ def test_attention_defaults_to_the_trainers(monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.parametrize("device, dtype", [("cuda", "float32"), ("auto", "float32"), ("cpu", "auto")])
 def test_flash_attention_in_float32_is_refused_at_config_time(device: str, dtype: str) -> None:
-    with pytest.raises(ValueError, match=r"attn_implementation='flash_attention_2' needs LogprobWorkerConfig.dtype"):
+    with pytest.raises(ValueError, match=r"LogprobWorkerConfig.attn_implementation='flash_attention_2' needs bf16"):
         LogprobWorkerConfig(model_path="m", device=device, dtype=dtype, attn_implementation="flash_attention_2")
     LogprobWorkerConfig(model_path="m", device=device, dtype="bfloat16", attn_implementation="flash_attention_2")
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -492,3 +493,24 @@ def test_packed_sdpa_single_sequence_is_plain_causal_sdpa(tiny_model_dir: Path, 
             results[attn] = TokenLogprobModel(load_causal_lm(tiny_model_dir, attn_implementation=attn)).score(single)
         assert all(call["mask"] is None and call["is_causal"] for call in sdpa_calls)
     assert torch.equal(results[PACKED_SDPA][0], results["sdpa"][0])
+
+
+def test_flash_attention_is_the_cuda_default_only_for_bf16_or_fp16_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA node with flash-attn installed (simulated: only the import is checked, no GPU used)."""
+    import types
+
+    import setup_model
+    from setup_model import check_attn_dtype, default_attn_implementation
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    # Registering packed_sdpa makes transformers probe the (fake) flash_attn package: not tested here.
+    monkeypatch.setattr(setup_model, "register_packed_sdpa", lambda: None)
+    cuda = torch.device("cuda", 0)
+    assert default_attn_implementation(cuda) == "flash_attention_2"  # bf16 mixed precision, the default
+    assert default_attn_implementation(cuda, torch.float16) == "flash_attention_2"
+    assert default_attn_implementation(cuda, torch.float32) == PACKED_SDPA  # mixed_precision: false
+    assert default_attn_implementation(torch.device("cpu"), torch.bfloat16) == PACKED_SDPA
+    check_attn_dtype("flash_attention_2", torch.bfloat16, "ModelConfig.attn_implementation")
+    check_attn_dtype("sdpa", torch.float32, "ModelConfig.attn_implementation")
+    with pytest.raises(ValueError, match=r"ModelConfig.attn_implementation='flash_attention_2' needs bf16"):
+        check_attn_dtype("flash_attention_2", torch.float32, "ModelConfig.attn_implementation")

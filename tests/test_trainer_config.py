@@ -102,3 +102,13 @@ def test_a_bad_config_is_one_line_printed_by_each_nodes_first_rank(tmp_path: Pat
         "max_tokens_per_gpu to at least 1536, lower data.max_prompt_tokens or sampling.max_tokens, or set "
         "oversized_sample_policy: train_alone"
     ]
+
+
+@pytest.mark.parametrize("config_file", sorted(p.name for p in (REPO_ROOT / "configs").glob("*.yaml")))
+def test_every_bundled_config_loads_into_the_trainer_config(config_file: str) -> None:
+    """Each file under configs/ is a valid TrainerConfig (sections only, or whole runs), given the
+    paths its header says to pass."""
+    config = load_config(TrainerConfig, ["--config", str(REPO_ROOT / "configs" / config_file),
+                                         "--model.model_path", "m", "--data.path", "d.jsonl",
+                                         "--eval.data.path", "e.jsonl"])
+    assert config.data.max_prompt_tokens + config.sampling.max_tokens <= config.max_tokens_per_gpu

@@ -111,7 +111,10 @@ class TrainerConfig:
     """What the logprob workers compute: reference logprobs (fixed weights, for the KL term),
     old-policy logprobs (they receive weight pushes), or nothing (no logprob workers needed)."""
     checkpoint_every: int = 0
-    """Checkpoint every N steps (0: only at the end of the run)."""
+    """Checkpoint every N steps (0: only at the end of the run, see checkpoint_at_end)."""
+    checkpoint_at_end: bool = True
+    """Checkpoint after the last step. A checkpoint gathers the full optimizer state on rank 0
+    (for AdamW, twice the fp32 weights): turn it off for throwaway runs where host memory is short."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept on disk (older ones are deleted)."""
     resume: bool = False
@@ -452,8 +455,9 @@ def start_generation(model: torch.nn.Module, pusher: Publisher, feeder: PromptFe
 
 
 def _should_checkpoint(step: int, config: TrainerConfig) -> bool:
-    last = step + 1 == config.num_steps
-    return last or (config.checkpoint_every > 0 and (step + 1) % config.checkpoint_every == 0)
+    if step + 1 == config.num_steps and config.checkpoint_at_end:
+        return True
+    return config.checkpoint_every > 0 and (step + 1) % config.checkpoint_every == 0
 
 
 def _make_batcher(config: TrainerConfig, dist: DistInfo) -> ActorHandle:

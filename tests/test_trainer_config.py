@@ -112,3 +112,14 @@ def test_every_bundled_config_loads_into_the_trainer_config(config_file: str) ->
                                          "--model.model_path", "m", "--data.path", "d.jsonl",
                                          "--eval.data.path", "e.jsonl"])
     assert config.data.max_prompt_tokens + config.sampling.max_tokens <= config.max_tokens_per_gpu
+
+
+@pytest.mark.parametrize("every, at_end, expected", [
+    (0, True, [4]), (0, False, []), (2, True, [1, 3, 4]), (2, False, [1, 3]), (5, False, [4]),
+])
+def test_checkpoint_schedule(every: int, at_end: bool, expected: list[int]) -> None:
+    """Steps (0-based, of a 5-step run) after which a checkpoint is written."""
+    from trainer_core import _should_checkpoint
+
+    config = _config(num_steps=5, checkpoint_every=every, checkpoint_at_end=at_end)
+    assert [s for s in range(5) if _should_checkpoint(s, config)] == expected

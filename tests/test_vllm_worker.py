@@ -470,6 +470,15 @@ def test_weight_update_reaches_engine(
     health = ray_local.get(generation_actor.health.remote())
     assert (health.weight_version, health.healthy, health.inflight_requests) == (version, True, 0)
 
+    # The actor is shared by this module's later tests, which expect the answering model: push it back.
+    from safetensors.torch import load_file
+
+    answering = load_file(str(answering_model_dir / "model.safetensors"))
+    restore = WeightUpdate(version=version + 1, shard_refs=[ray_local.put(state_dict_to_blobs(answering))])
+    assert ray_local.get(generation_actor.update_weights.remote(restore)) == version + 1
+    restored = _greedy(ray_local, generation_actor, sample)
+    assert restored.output_token_ids == before.output_token_ids
+
 
 def _tensor(num_floats: int) -> torch.Tensor:
     return torch.zeros(num_floats, dtype=torch.float32)

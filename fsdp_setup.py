@@ -23,6 +23,7 @@ from setup_model import (
     default_attn_implementation,
     load_causal_lm,
     meta_causal_lm,
+    training_compute_dtype,
 )
 from weight_sync import local_dim0_piece
 
@@ -100,8 +101,7 @@ def build_training_model(model_config: ModelConfig, dist_info: DistInfo) -> Toke
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mixed = dist_info.device.type == "cuda" and model_config.mixed_precision
-    compute_dtype = torch.bfloat16 if mixed else torch.float32
+    compute_dtype = training_compute_dtype(dist_info.device, model_config.mixed_precision)
     check_attn_dtype(model_config.attn_implementation, compute_dtype, "ModelConfig.attn_implementation")
     attn = model_config.attn_implementation or default_attn_implementation(dist_info.device, compute_dtype)
     # Only rank 0 reads the checkpoint (on CPU; fully_shard moves each shard to the device); the
@@ -118,8 +118,8 @@ def build_training_model(model_config: ModelConfig, dist_info: DistInfo) -> Toke
         causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     causal_lm.train()
     mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
-    if mixed:
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if compute_dtype != torch.float32:
+        mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     else:
         mp_policy = MixedPrecisionPolicy()
     for layer in causal_lm.get_decoder().layers:

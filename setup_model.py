@@ -88,6 +88,12 @@ def default_attn_implementation(device: torch.device, compute_dtype: torch.dtype
     return PACKED_SDPA
 
 
+def training_compute_dtype(device: torch.device, mixed_precision: bool) -> torch.dtype:
+    """What the trainer computes in: bf16 on CUDA under ModelConfig.mixed_precision (fp32 master
+    weights), else fp32. fsdp_setup builds the model so; weight pushes default to it."""
+    return torch.bfloat16 if device.type == "cuda" and mixed_precision else torch.float32
+
+
 def check_attn_dtype(attn_implementation: str | None, compute_dtype: torch.dtype, where: str) -> None:
     """Raise ValueError if flash_attention_2 is asked for with a dtype flash-attn cannot run.
 

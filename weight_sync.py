@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ray_env import RAY_NAMESPACE, SHARD_STAGER_NAME
-from setup_model import MODEL_DTYPES, TokenLogprobModel
+from setup_model import MODEL_DTYPES, TokenLogprobModel, training_compute_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -427,7 +427,7 @@ def resolve_push_dtype(name: str, device: torch.device, mixed_precision: bool) -
     CUDA with ModelConfig.mixed_precision, see fsdp_setup.build_training_model), else float32;
     any other name of setup_model.MODEL_DTYPES as given."""
     if name == AUTO_PUSH_DTYPE:
-        return torch.bfloat16 if device.type == "cuda" and mixed_precision else torch.float32
+        return training_compute_dtype(device, mixed_precision)
     if name not in MODEL_DTYPES:
         raise ValueError(f"weight push dtype must be one of {(AUTO_PUSH_DTYPE, *MODEL_DTYPES)}, got {name!r}")
     return MODEL_DTYPES[name]

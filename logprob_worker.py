@@ -39,6 +39,7 @@ from setup_model import (
     check_attn_dtype,
     default_attn_implementation,
     load_causal_lm,
+    training_compute_dtype,
 )
 from vllm_registry import WorkerHealth
 from weight_sync import WeightUpdate, assemble_state_dict, load_state_dict_into
@@ -200,8 +201,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The model dtype: 'auto' -> bfloat16 on CUDA, float32 elsewhere (what the trainer computes
     in: fsdp_setup.build_training_model casts to bf16 on CUDA under ModelConfig.mixed_precision,
     its default, and stays fp32 on CPU); any other name as given."""
-    if dtype == AUTO_DTYPE:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype == AUTO_DTYPE:  # the trainer's default, ModelConfig.mixed_precision on
+        return training_compute_dtype(device, mixed_precision=True)
     return MODEL_DTYPES[dtype]
 
 

@@ -9,17 +9,31 @@ Layout of run_dir/checkpoints/step_000010/:
 Everything is written into `step_000010.tmp` and renamed into place once complete, so a crash
 mid-write never leaves a directory that looks like a checkpoint; `latest_checkpoint` ignores
 `.tmp` directories (a later save of the same step replaces them).
+
+A save has two phases (CheckpointWriter): the snapshot, collective, copies weights, optimizer
+state, every rank's RNG state and the scheduler state out of the live trainer into CPU tensors
+that rank 0 owns; the write puts those copies into the `.tmp` directory. Synchronous saves write
+each part as soon as it is gathered (rank 0 holds the weights, then the optimizer state, not both).
+Background saves (`TrainerConfig.checkpoint_async`) write from one thread on rank 0 while
+training goes on: rank 0 then holds the whole snapshot (for AdamW about 3x the fp32 weights of
+host memory) until it is written. Either way the directory becomes visible (tmp renamed into
+place) only at `commit()`, which the trainer calls after the step's metrics and data records are
+written: a checkpoint never exists without the records of the steps before it.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
 import shutil
+import threading
+import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as torch_dist
@@ -32,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim.lr_scheduler import LRScheduler
 
 from fsdp_setup import DistInfo
-from weight_sync import export_hf_checkpoint
+from weight_sync import _TOKENIZER_FILES, _WEIGHTS_FILE, gather_full_state_dict, write_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -104,32 +118,212 @@ def _set_rng_state(saved: dict[str, torch.Tensor] | torch.Tensor) -> None:
         torch.cuda.set_rng_state(saved["cuda"])
 
 
+# weight_sync.export_hf_checkpoint gathers and writes the HF folder in one collective call; a
+# background save needs the gather and the write apart, so this module writes the same files
+# (config, weights, tokenizer) under weight_sync's names.
+HF_WEIGHTS_FILE = _WEIGHTS_FILE
+OPTIMIZER_FILE = "optimizer.pt"
+# Write steps of one save, in order; each is a no-argument callable that writes one file set.
+_Write = Callable[[], None]
+
+
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's own data of a (possibly DTensor) parameter or optimizer state."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _live_storages(model: nn.Module, optimizer: torch.optim.Optimizer) -> set[int]:
+    """Storage addresses of the trainer's live tensors: parameters and optimizer state."""
+    live = {_local_tensor(p.detach()).untyped_storage().data_ptr() for p in model.parameters()}
+    for state in optimizer.state.values():
+        live.update(_local_tensor(v).untyped_storage().data_ptr() for v in state.values()
+                    if isinstance(v, torch.Tensor))
+    return live
+
+
+def _owned(value: Any, live: set[int]) -> Any:
+    """`value` (nested dicts/lists of tensors) with fresh containers, every tensor that shares
+    storage with a live trainer tensor cloned. get_optimizer_state_dict's full, cpu-offloaded
+    copy can hand back the live tensor itself (AdamW's `step` scalars; every state on a one-rank
+    mesh), which the next optimizer step changes in place, under a background write."""
+    if isinstance(value, dict):
+        return {k: _owned(v, live) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_owned(v, live) for v in value)
+    if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in live:
+        return value.detach().clone()
+    return value
+
+
+def _hf_config(model: nn.Module, weights: dict[str, torch.Tensor]) -> Any:
+    """A copy of the model's HF config as the checkpoint stores it (as weight_sync's export)."""
+    config = copy.deepcopy(getattr(model, "causal_lm", model).config)
+    config.use_cache = True  # training turned it off; inference engines want it back
+    config.dtype = next(iter(weights.values())).dtype
+    return config
+
+
+def _write_hf_files(weights: dict[str, torch.Tensor], config: Any, out: Path, source_model_path: str) -> None:
+    """config.json, model.safetensors and the source's tokenizer files: a loadable HF folder."""
+    config.save_pretrained(out)
+    write_safetensors(weights, out / HF_WEIGHTS_FILE)
+    source = Path(source_model_path)
+    for file_name in _TOKENIZER_FILES:
+        if (source / file_name).is_file():
+            shutil.copy2(source / file_name, out / file_name)
+
+
+def _write_rng_and_state(rng_states: list[dict[str, torch.Tensor]], state: TrainerState, out: Path) -> None:
+    """Every rank's RNG file, then trainer_state.json, the file that marks a checkpoint complete."""
+    for rank, rng in enumerate(rng_states):
+        torch.save(rng, out / f"rng_rank{rank}.pt")
+    (out / _STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
+
+
+def _commit(tmp: Path, final: Path, run_dir: Path, keep: int) -> None:
+    """Rank 0: rename a fully written tmp directory into place and prune old checkpoints."""
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _prune(run_dir, keep)
+    logger.info("checkpoint written: %s", final)
+
+
+class _BackgroundWrite:
+    """One save's writes on a thread of rank 0; the rename waits for the trainer's commit."""
+
+    def __init__(self, writes: list[_Write], tmp: Path, final: Path, run_dir: Path, keep: int) -> None:
+        self._writes, self._tmp, self._final, self._run_dir, self._keep = writes, tmp, final, run_dir, keep
+        self._decided = threading.Event()
+        self._commit = False
+        self.error: BaseException | None = None
+        # A daemon, so that a rank failing before commit() is not held at exit by a thread
+        # waiting for a decision; on every normal path the trainer joins it (CheckpointWriter.wait).
+        self._thread = threading.Thread(target=self._run, name=f"checkpoint-{final.name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while self._writes:  # each part's tensors are dropped once on disk
+                self._writes.pop(0)()
+            self._decided.wait()
+            if self._commit:
+                _commit(self._tmp, self._final, self._run_dir, self._keep)
+            else:
+                logger.warning("checkpoint %s abandoned before commit; left as %s", self._final.name, self._tmp)
+        except BaseException as error:  # handed to the training thread by CheckpointWriter.wait
+            self.error = error
+
+    def decide(self, commit: bool) -> None:
+        """Rename into place (commit) or leave as tmp; only the first decision counts."""
+        if not self._decided.is_set():
+            self._commit = commit
+            self._decided.set()
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+class CheckpointWriter:
+    """Saves a run's checkpoints, in the training loop or (background=True) on a thread of rank 0.
+
+    Per checkpoint every rank calls `save` (collective: the snapshot), the trainer writes the
+    step's records, then every rank calls `commit` (the directory appears). At most one save is
+    in flight: the next `save` first waits for the previous one. `close` waits for the save in
+    flight (committing it only if `commit` was called) and must run before the process exits.
+    """
+
+    def __init__(self, run_dir: Path, source_model_path: str, dist: DistInfo, *, keep: int, background: bool) -> None:
+        self._run_dir = Path(run_dir)
+        self._source = source_model_path
+        self._dist = dist
+        self._keep = keep
+        self._background = background
+        self._in_flight: _BackgroundWrite | None = None
+        self._pending: tuple[Path, Path] | None = None
+        """(tmp, final) of a synchronous save written but not committed."""
+
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
+             state: TrainerState) -> float:
+        """Collective: snapshot the trainer at `state.step` (and, unless background, write it to
+        the tmp directory). Returns the seconds this call blocked the caller, including the wait
+        for the previous background save."""
+        start = time.perf_counter()
+        final = checkpoints_root(self._run_dir) / f"step_{state.step:06d}"
+        tmp = final.with_name(final.name + ".tmp")
+        main = self._dist.rank == 0
+        if main:
+            self.wait()
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        # Synchronously each part is written as soon as it is gathered and then dropped; in the
+        # background the whole snapshot is kept until the thread has written it.
+        run_now = not self._background
+        writes: list[_Write] = []
+
+        def add(write: _Write) -> None:
+            if run_now:
+                write()
+            else:
+                writes.append(write)
+
+        weights = gather_full_state_dict(model)  # collective; fresh CPU copies on rank 0
+        if main:
+            add(partial(_write_hf_files, weights, _hf_config(model, weights), tmp, self._source))
+        del weights
+        optim_state = get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if main:
+            add(partial(torch.save, _owned(optim_state, _live_storages(model, optimizer)), tmp / OPTIMIZER_FILE))
+        del optim_state
+        rng_states: list[Any] = [None] * self._dist.world_size
+        torch_dist.all_gather_object(rng_states, _rng_state())
+        if main:
+            saved = copy.deepcopy(state)
+            saved.scheduler_state = _jsonable(scheduler.state_dict())
+            add(partial(_write_rng_and_state, rng_states, saved, tmp))
+            if self._background:
+                self._in_flight = _BackgroundWrite(writes, tmp, final, self._run_dir, self._keep)
+            else:
+                self._pending = (tmp, final)
+        return time.perf_counter() - start
+
+    def commit(self) -> None:
+        """Collective: make the last save visible. Synchronous: renamed now, and every rank returns
+        after it; background: renamed by the thread once written (wait() to be sure)."""
+        if self._dist.rank == 0:
+            if self._in_flight is not None:
+                self._in_flight.decide(commit=True)
+            elif self._pending is not None:
+                _commit(*self._pending, self._run_dir, self._keep)
+                self._pending = None
+        if not self._background:
+            torch_dist.barrier()
+
+    def wait(self) -> None:
+        """Rank 0: block until the background save in flight is on disk (committed, if commit()
+        was called; abandoned otherwise); raise the error it failed with. No-op elsewhere."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
+        in_flight.decide(commit=False)  # no effect once commit() decided
+        in_flight.join()
+        if in_flight.error is not None:
+            raise RuntimeError(f"background checkpoint save failed: {in_flight.error!r}") from in_flight.error
+
+    def close(self) -> None:
+        """Wait for the save in flight; call before exiting (also after an error)."""
+        self.wait()
+
+
 def save_checkpoint(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
                     state: TrainerState, source_model_path: str, dist: DistInfo, *, keep: int) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint path."""
-    final = checkpoints_root(run_dir) / f"step_{state.step:06d}"
-    tmp = final.with_name(final.name + ".tmp")
-    if dist.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    torch_dist.barrier()
-    export_hf_checkpoint(model, tmp, source_model_path)
-    optim_state = get_optimizer_state_dict(
-        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    torch.save(_rng_state(), tmp / f"rng_rank{dist.rank}.pt")
-    torch_dist.barrier()  # every rank's files are in tmp before rank 0 renames it into place
-    if dist.rank == 0:
-        torch.save(optim_state, tmp / "optimizer.pt")
-        state.scheduler_state = _jsonable(scheduler.state_dict())
-        (tmp / _STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        _prune(run_dir, keep)
-        logger.info("checkpoint written: %s", final)
-    torch_dist.barrier()
-    return final
+    """Collective: a synchronous save, committed. Returns the final checkpoint path."""
+    writer = CheckpointWriter(run_dir, source_model_path, dist, keep=keep, background=False)
+    writer.save(model, optimizer, scheduler, state)
+    writer.commit()
+    return checkpoints_root(run_dir) / f"step_{state.step:06d}"
 
 
 def _prune(run_dir: Path, keep: int) -> None:

@@ -1,10 +1,26 @@
-"""Per-step training metrics: accumulated on every rank, reduced once, written by rank 0.
+"""Per-step training records: metrics accumulated on every rank, reduced once, written by rank 0;
+and each rank's data log.
 
 One record per step goes to run_dir/metrics.jsonl (and TensorBoard); keys are namespaced
 (`reward/mean`, `timing/generate_s`, ...). Steps that ran an evaluation (evaluation.py) also
 carry `eval/...` keys. Draw the reward curve of a run (with evaluation points, if any):
 
     python metrics.py plot --run_dir runs/demo --out reward.png
+
+Both JSONL files hold one record per trained step, identified by its `step` field (the 0-based
+optimizer step, as in checkpoints/step_N: a checkpoint step_N was taken after step N - 1 and
+resumes at step N):
+- metrics.jsonl: `step`, `time_s` (seconds of training since the run's first start: a resumed
+  run continues from the last kept record, so the time between the crash and the resumed
+  trainer's start-up is not counted), `unix_time`, then the step's metrics.
+- data_rank{r}.jsonl (StepDataLog), written by rank r once the step has trained: `step`,
+  `prompt_ids` (the dataset indices rank r drew from its shard for the step, in sampler order:
+  the data order) and `trained_prompt_ids` (the prompt id of every sample rank r trained on in
+  the step, one entry per sample, sorted; the batcher balances samples across ranks, so it is
+  the union over all ranks, not one rank's list, that holds the step's prompts n times each, less
+  the stale and timed-out rollouts the step counts).
+A resumed run first cuts both files back to the checkpoint's step (truncate_step_records), so
+the steps it trains again appear once, as it trains them.
 """
 
 from __future__ import annotations
@@ -45,6 +61,8 @@ class StepAccumulator:
     step: int
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_SUM_KEYS, 0.0))
     max_staleness: int = 0
+    trained_prompt_ids: list[int] = field(default_factory=list)
+    """prompt_id of every loss-carrying sample this rank trained on (StepDataLog records them)."""
 
     def add_time(self, key: str, seconds: float) -> None:
         self.sums[key] += seconds
@@ -53,6 +71,7 @@ class StepAccumulator:
         self, samples: Sequence[Sample], batch: PackedBatch, entropy: torch.Tensor, loss_value: float, loss_metrics: dict[str, float]
     ) -> None:
         s = self.sums
+        self.trained_prompt_ids.extend(x.prompt_id for x in samples)
         s["samples"] += len(samples)
         s["reward_sum"] += sum(x.reward for x in samples)
         s["correct"] += sum(1 for x in samples if x.reward >= 1.0)
@@ -139,21 +158,31 @@ class StepAccumulator:
 
 
 class MetricsLogger:
-    """Rank 0's sink: metrics.jsonl, TensorBoard and a tqdm progress bar. No-op elsewhere."""
+    """Rank 0's sink: metrics.jsonl, TensorBoard and a tqdm progress bar. No-op elsewhere.
+
+    resume_step: the step a resumed run continues from. metrics.jsonl is cut back to the records
+    of earlier steps (a crashed run may have logged steps after its last checkpoint), `time_s`
+    continues from the last kept record, and TensorBoard hides its events of the dropped steps.
+    """
 
     def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool, progress_total: int,
-                 progress_start: int = 0, progress_bar: bool = True) -> None:
+                 progress_start: int = 0, progress_bar: bool = True, resume_step: int | None = None) -> None:
         self._enabled = enabled
         self._start_time = time.time()
+        self._time_offset = 0.0
         self._writer = None
         self._bar = None
         if not enabled:
             return
-        self._file = (run_dir / "metrics.jsonl").open("a")
+        path = run_dir / "metrics.jsonl"
+        if resume_step is not None:
+            last = truncate_step_records(path, resume_step)
+            self._time_offset = float(last["time_s"]) if last is not None else 0.0
+        self._file = path.open("a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(str(run_dir / "tensorboard"))
+            self._writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step)
         if progress_bar:
             from tqdm import tqdm
 
@@ -165,9 +194,11 @@ class MetricsLogger:
         if not self._enabled:
             return
         now = time.time()
-        # time_s counts from the trainer's start; unix_time lets a caller measure from elsewhere
-        # (the demo reports time from its command's start, Ray and worker start-up included).
-        line = {"step": step, "time_s": round(now - self._start_time, 3), "unix_time": round(now, 3), **record}
+        # time_s counts training time from the run's first start (see the module docstring);
+        # unix_time lets a caller measure from elsewhere (the demo reports time from its
+        # command's start, Ray and worker start-up included).
+        time_s = self._time_offset + now - self._start_time
+        line = {"step": step, "time_s": round(time_s, 3), "unix_time": round(now, 3), **record}
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
         if self._writer is not None:
@@ -191,6 +222,59 @@ class MetricsLogger:
             self._writer.close()
         if self._bar is not None:
             self._bar.close()
+
+
+class StepDataLog:
+    """One rank's data_rank{rank}.jsonl: which prompts each trained step drew and trained on
+    (fields in the module docstring). With resume_step, records of that step and later are
+    removed first."""
+
+    def __init__(self, run_dir: Path, rank: int, *, resume_step: int | None = None) -> None:
+        self.path = Path(run_dir) / f"data_rank{rank}.jsonl"
+        if resume_step is not None:
+            truncate_step_records(self.path, resume_step)
+
+    def write(self, step: int, prompt_ids: Sequence[int], trained_prompt_ids: Sequence[int]) -> None:
+        """Append the record of a step that has trained."""
+        record = {"step": step, "prompt_ids": list(prompt_ids), "trained_prompt_ids": sorted(trained_prompt_ids)}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def truncate_step_records(path: Path, first_removed_step: int) -> dict[str, Any] | None:
+    """Remove the records of steps >= first_removed_step from a JSONL file of step records
+    (metrics.jsonl, data_rank*.jsonl), atomically: the kept lines go to a temporary file that
+    replaces the original, so a crash here leaves the old file or the new one, never a mix.
+
+    A last line that is not JSON (a write cut off by a kill) is dropped with a warning; one
+    earlier in the file is an error. Returns the last kept record (None if none, or no file).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return None
+    lines = path.read_text().splitlines()
+    kept: list[str] = []
+    last: dict[str, Any] | None = None
+    for line_no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if line_no == len(lines):
+                logger.warning("%s: dropping a cut-off last line (%s)", path, exc)
+                continue
+            raise ValueError(f"{path}:{line_no}: not JSON ({exc})") from None
+        if record["step"] < first_removed_step:
+            kept.append(line)
+            last = record
+    removed = sum(1 for line in lines if line.strip()) - len(kept)
+    if removed:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+        logger.info("%s: removed %d records of steps >= %d (resuming there)", path, removed, first_removed_step)
+    return last
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

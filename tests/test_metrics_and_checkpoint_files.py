@@ -1,4 +1,5 @@
-"""Checkpoint discovery ignores half-written directories; metrics files read and plot; step counts."""
+"""Checkpoint discovery ignores half-written directories; metrics files read and plot; step counts;
+metrics and data logs cut back to a resumed step."""
 
 from __future__ import annotations
 
@@ -7,18 +8,21 @@ from pathlib import Path
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from checkpoint import latest_checkpoint
 from metrics import (
     MetricsLogger,
     StepAccumulator,
+    StepDataLog,
     eval_series,
     moving_average,
     plot_eval_points,
     plot_reward_curve,
     read_metrics,
     summarize_reward,
+    truncate_step_records,
 )
 from sample_processing_utils import Sample, post_process_batch
 from fsdp_setup import DistInfo
@@ -125,3 +129,67 @@ def test_eval_keys_of_some_steps_reach_jsonl_tensorboard_and_the_plot(tmp_path: 
     out = plot_reward_curve(tmp_path, tmp_path / "reward.png")
     assert out.read_bytes()[:4] == b"\x89PNG"
     assert eval_series(records[:1]) == []  # a run without evaluation draws what it drew before
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_truncate_step_records_keeps_earlier_steps_and_drops_a_cut_off_line(tmp_path: Path) -> None:
+    path = tmp_path / "data_rank0.jsonl"
+    assert truncate_step_records(path, 3) is None  # no file yet: nothing to cut
+    records = [{"step": s, "prompt_ids": [s]} for s in (0, 1, 2, 3, 4)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 5, "promp')  # killed mid-write
+    assert truncate_step_records(path, 3) == records[2]
+    assert _lines(path) == records[:3]
+    assert not (tmp_path / "data_rank0.jsonl.tmp").exists()
+    before = path.read_bytes()
+    assert truncate_step_records(path, 10) == records[2] and path.read_bytes() == before
+    path.write_text('{"step": 0}\nnot json\n{"step": 1}\n')
+    with pytest.raises(ValueError, match="data_rank0.jsonl:2"):
+        truncate_step_records(path, 1)
+
+
+def test_resumed_metrics_logger_cuts_later_steps_and_continues_time(tmp_path: Path) -> None:
+    first = MetricsLogger(tmp_path, enabled=True, tensorboard=False, progress_total=6, progress_bar=False)
+    for step in range(5):
+        first.log(step, _step_record(0.1))
+    first.close()
+    path = tmp_path / "metrics.jsonl"
+    # The crashed run logged steps 0-4; its checkpoint resumes at step 3. Pretend it had run for
+    # 100 s, so that a restart of time_s at 0 cannot pass for a continuation.
+    crashed = [{**r, "time_s": 100.0 + r["step"]} for r in _lines(path)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in crashed))
+
+    resumed = MetricsLogger(tmp_path, enabled=True, tensorboard=False, progress_total=6, progress_start=3,
+                            progress_bar=False, resume_step=3)
+    for step in (3, 4, 5):
+        resumed.log(step, _step_record(0.5))
+    resumed.close()
+    records = _lines(path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
+    assert [r["reward/mean"] for r in records] == [0.1] * 3 + [0.5] * 3
+    times = [r["time_s"] for r in records]
+    assert times[:3] == [100.0, 101.0, 102.0]
+    assert 102.0 <= times[3] <= times[4] <= times[5] < 102.0 + 60.0
+
+
+def test_step_data_log_records_drawn_and_trained_prompts_and_resumes(tmp_path: Path) -> None:
+    log = StepDataLog(tmp_path, rank=1)
+    log.write(0, [7, 3], [3, 9, 7, 3])
+    log.write(1, [5, 2], [2, 5])
+    assert _lines(log.path) == [{"step": 0, "prompt_ids": [7, 3], "trained_prompt_ids": [3, 3, 7, 9]},
+                                {"step": 1, "prompt_ids": [5, 2], "trained_prompt_ids": [2, 5]}]
+    assert log.path.name == "data_rank1.jsonl"
+    StepDataLog(tmp_path, rank=1, resume_step=1).write(1, [5, 2], [5])
+    assert [r["trained_prompt_ids"] for r in _lines(log.path)] == [[3, 3, 7, 9], [5]]
+
+
+def test_step_accumulator_lists_the_trained_prompt_ids() -> None:
+    samples = [Sample(input_token_ids=[5, 6], output_token_ids=[7], gt_answer="1", prompt_id=p,
+                      sampling_logprobs=[-0.5], reward=0.0, advantage=0.0, weight_version=0) for p in (4, 2, 4)]
+    batch = post_process_batch(samples)
+    acc = StepAccumulator(step=0)
+    acc.add_minibatch(samples, batch, torch.zeros(batch.advantages.numel()), 0.0, {})
+    acc.add_minibatch(samples[:1], post_process_batch(samples[:1]), torch.zeros(1), 0.0, {})
+    assert acc.trained_prompt_ids == [4, 2, 4, 4]

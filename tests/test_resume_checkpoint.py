@@ -1,6 +1,8 @@
 """checkpoint.save_checkpoint / load_checkpoint round trip in one process (no Ray, no torchrun):
 weights, AdamW state, lr schedule, torch RNG and trainer state come back, and the next step of
-the restored trainer equals the next step of the one that never stopped.
+the restored trainer equals the next step of the one that never stopped. Background saves
+(CheckpointWriter(background=True)) write the same files as synchronous ones while training
+changes the live tensors, appear only on commit, run one at a time and report their errors.
 
     .venv/bin/python -m pytest tests/test_resume_checkpoint.py -x -q
 
@@ -11,12 +13,22 @@ come from the trainer objects that were saved, and the lr from the warmup formul
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from checkpoint import TrainerState, load_checkpoint, save_checkpoint
+import checkpoint
+from checkpoint import (
+    CheckpointWriter,
+    TrainerState,
+    checkpoints_root,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from sample_processing_utils import Sample, post_process_batch
 from fsdp_setup import build_training_model, init_distributed
 from optimizer import OptimConfig, build_optimizer, build_scheduler
@@ -134,3 +146,107 @@ def test_checkpoint_files_and_earlier_rng_format(tiny_model_dir: Path, tmp_path:
     restored = _build(path, dist)
     load_checkpoint(path, *restored, dist)
     assert torch.equal(torch.get_rng_state(), old_format)
+
+
+def _tensors_equal(a, b) -> bool:
+    """Nested dicts/lists of tensors and plain values, compared exactly."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_tensors_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_tensors_equal, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def _assert_same_checkpoint_files(got: Path, want: Path) -> None:
+    """Same file names; the same bytes, except .pt files (torch.save archives), whose tensors are equal."""
+    names = sorted(p.name for p in want.iterdir())
+    assert sorted(p.name for p in got.iterdir()) == names
+    assert {"model.safetensors", "optimizer.pt", "trainer_state.json", "config.json", "rng_rank0.pt"} <= set(names)
+    for name in names:
+        if name.endswith(".pt"):
+            loaded = [torch.load(p / name, weights_only=True) for p in (got, want)]
+            assert _tensors_equal(*loaded), name
+        else:
+            assert (got / name).read_bytes() == (want / name).read_bytes(), name
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_background_save_writes_the_snapshot_while_training_goes_on(tiny_model_dir: Path, tmp_path: Path, dist,
+                                                                    monkeypatch) -> None:
+    """A background save holds the write until the test lets it go, after one more training step
+    has changed weights, AdamW moments and step counts in place: the checkpoint must still equal a
+    synchronous save taken at the same point, appear only once committed, and resume."""
+    model, optimizer, scheduler = _build(tiny_model_dir, dist)
+    _train(model, optimizer, scheduler, STEPS_BEFORE_SAVE)
+    state = TrainerState(step=STEPS_BEFORE_SAVE, sampler_state=SAMPLER_STATE)
+    sync_path = save_checkpoint(tmp_path / "sync", model, optimizer, scheduler, state, str(tiny_model_dir), dist,
+                                keep=2)
+
+    release = threading.Event()
+    real_write = checkpoint.write_safetensors
+
+    def held_write(*args, **kwargs):
+        assert release.wait(timeout=120), "the test never released the write"
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "write_safetensors", held_write)
+    run_dir = tmp_path / "async"
+    writer = CheckpointWriter(run_dir, str(tiny_model_dir), dist, keep=2, background=True)
+    blocked_s = writer.save(model, optimizer, scheduler, state)
+    assert blocked_s >= 0.0
+    _train(model, optimizer, scheduler, 1)  # the live tensors move on while the save is held
+    release.set()
+    tmp = checkpoints_root(run_dir) / "step_000003.tmp"
+    _wait_for(lambda: (tmp / "trainer_state.json").is_file(), "the background write")
+    assert latest_checkpoint(run_dir) is None  # written, but not visible before commit()
+    writer.commit()
+    writer.close()
+    async_path = latest_checkpoint(run_dir)
+    assert async_path == checkpoints_root(run_dir) / "step_000003" and not tmp.exists()
+    _assert_same_checkpoint_files(async_path, sync_path)
+
+    restored, restored_optimizer, restored_scheduler = _build(async_path, dist)
+    loaded = load_checkpoint(async_path, restored, restored_optimizer, restored_scheduler, dist)
+    assert (loaded.step, loaded.sampler_state) == (STEPS_BEFORE_SAVE, SAMPLER_STATE)
+    _train(restored, restored_optimizer, restored_scheduler, 1)
+    after = _params(model)  # the original, one step past the save
+    assert all(torch.equal(p, after[n]) for n, p in _params(restored).items())
+
+
+def test_background_saves_one_at_a_time_and_errors_surface(tiny_model_dir: Path, tmp_path: Path, dist,
+                                                           monkeypatch) -> None:
+    model, optimizer, scheduler = _build(tiny_model_dir, dist)
+    _train(model, optimizer, scheduler, 1)
+    release = threading.Event()
+    real_write = checkpoint.write_safetensors
+    monkeypatch.setattr(checkpoint, "write_safetensors",
+                        lambda *a, **k: (release.wait(timeout=120), real_write(*a, **k))[1])
+    writer = CheckpointWriter(tmp_path, str(tiny_model_dir), dist, keep=5, background=True)
+    writer.save(model, optimizer, scheduler, TrainerState(step=1))
+    writer.commit()
+    threading.Timer(0.5, release.set).start()
+    # The second save must wait for the first: when it returns, step 1 is complete on disk.
+    writer.save(model, optimizer, scheduler, TrainerState(step=2))
+    assert latest_checkpoint(tmp_path) == checkpoints_root(tmp_path) / "step_000001"
+    # Closed without commit(): step 2 is written but never renamed into place.
+    writer.close()
+    assert latest_checkpoint(tmp_path) == checkpoints_root(tmp_path) / "step_000001"
+    assert (checkpoints_root(tmp_path) / "step_000002.tmp" / "trainer_state.json").is_file()
+
+    def failing_write(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "write_safetensors", failing_write)
+    writer.save(model, optimizer, scheduler, TrainerState(step=3))
+    writer.commit()
+    with pytest.raises(RuntimeError, match="background checkpoint save failed.*disk full"):
+        writer.close()
+    assert latest_checkpoint(tmp_path) == checkpoints_root(tmp_path) / "step_000001"

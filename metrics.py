@@ -226,17 +226,25 @@ class MetricsLogger:
 
 class StepDataLog:
     """One rank's data_rank{rank}.jsonl: which prompts each trained step drew and trained on
-    (fields in the module docstring). With resume_step, records of that step and later are
+    (fields in the module docstring). A step's record is written once it has trained, not when
+    its prompts are submitted, so a step in flight at a crash leaves no record (the resumed run
+    generates and records it again). With resume_step, records of that step and later are
     removed first."""
 
     def __init__(self, run_dir: Path, rank: int, *, resume_step: int | None = None) -> None:
         self.path = Path(run_dir) / f"data_rank{rank}.jsonl"
+        self._drawn: dict[int, list[int]] = {}
+        """Prompt ids drawn for each submitted step that has not trained yet."""
         if resume_step is not None:
             truncate_step_records(self.path, resume_step)
 
-    def write(self, step: int, prompt_ids: Sequence[int], trained_prompt_ids: Sequence[int]) -> None:
-        """Append the record of a step that has trained."""
-        record = {"step": step, "prompt_ids": list(prompt_ids), "trained_prompt_ids": sorted(trained_prompt_ids)}
+    def drawn(self, step: int, prompt_ids: Sequence[int]) -> None:
+        """Remember the prompts drawn for a step as it is submitted."""
+        self._drawn[step] = list(prompt_ids)
+
+    def trained(self, step: int, trained_prompt_ids: Sequence[int]) -> None:
+        """Append the record of a step that has trained (its prompts must have been `drawn`)."""
+        record = {"step": step, "prompt_ids": self._drawn.pop(step), "trained_prompt_ids": sorted(trained_prompt_ids)}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 

@@ -176,12 +176,20 @@ def test_resumed_metrics_logger_cuts_later_steps_and_continues_time(tmp_path: Pa
 
 def test_step_data_log_records_drawn_and_trained_prompts_and_resumes(tmp_path: Path) -> None:
     log = StepDataLog(tmp_path, rank=1)
-    log.write(0, [7, 3], [3, 9, 7, 3])
-    log.write(1, [5, 2], [2, 5])
+    log.drawn(0, [7, 3])
+    log.drawn(1, [5, 2])  # submitted before step 0 trained (max_lag 1)
+    assert not log.path.exists()  # nothing is recorded before a step trains
+    log.trained(0, [3, 9, 7, 3])
+    log.trained(1, [2, 5])
     assert _lines(log.path) == [{"step": 0, "prompt_ids": [7, 3], "trained_prompt_ids": [3, 3, 7, 9]},
                                 {"step": 1, "prompt_ids": [5, 2], "trained_prompt_ids": [2, 5]}]
     assert log.path.name == "data_rank1.jsonl"
-    StepDataLog(tmp_path, rank=1, resume_step=1).write(1, [5, 2], [5])
+    with pytest.raises(KeyError):
+        log.trained(1, [2, 5])  # a step is recorded once
+    resumed = StepDataLog(tmp_path, rank=1, resume_step=1)
+    assert len(_lines(log.path)) == 1
+    resumed.drawn(1, [5, 2])
+    resumed.trained(1, [5])
     assert [r["trained_prompt_ids"] for r in _lines(log.path)] == [[3, 3, 7, 9], [5]]
 
 

@@ -14,7 +14,24 @@ beside vLLM) that has sympy and math-verify imported already. A replacement is t
 ~0.2 s instead of the ~1.2 s a spawn child spends importing them (measured on this 2-core
 machine), which is most of what a timeout costs beyond its deadline.
 
-    pool = VerifierPool(num_processes=4, timeout_s=5.0)
+Before a completion reaches a process, the pool answers two kinds of input itself, in the
+caller's thread (`quick_verdict`, the same rules in `score_completion`; ~0.1-0.3 ms for a
+4k-character completion, ~7 ms at the 131k-character cap):
+    - pre-checks (AnswerLimits): a completion longer than `max_completion_chars`, a boxed
+      answer longer than `max_answer_chars`, brackets nested deeper than `max_nesting_depth`
+      or an exponent tower higher than `max_exponent_tower` (`5^{5^{5^5}}`, `2**3**4**5`) is
+      rejected: reward 0, failed, error "rejected: <which cap>". These are the shapes that hang
+      math-verify (measured: 20 nested parentheses ~4 s, a 20k-character $x...x$ span or 20
+      nested braces over 15 s, a 4-level tower indefinitely), so they never cost a deadline
+      and a process restart;
+    - the plain-number fast path: when the extracted answer and the gold answer are both plain
+      numerals ("-12", "3.50": no sign other than a leading minus, no leading zeros, at most
+      15 digits and 6 decimals, where math-verify's comparison is exact), they are compared
+      as exact decimals, which is math-verify's verdict on them (tested against it).
+Everything else goes to math-verify in a process under the deadline, which stays the backstop
+for hostile shapes the pre-checks do not know.
+
+    pool = VerifierPool()  # one process per core (at least 2), 1 s deadline: VerifierPoolConfig
     results = await pool.score(["so the sum is \\boxed{7}", "8"], gt_answer="7")
     pool.close()
 
@@ -25,6 +42,7 @@ What a result means:
     reward 0.0, failed True,  error "parse_error: ..."   no answer could be extracted from the
                                          completion (or from the gold answer, a dataset problem)
     reward 0.0, failed True,  error "verify_error: ..."  verify raised, or the process died
+    reward 0.0, failed True,  error "rejected: ..."      a pre-check cap (the error names it)
 
 An output without any extractable answer earns 0 like a wrong one, but is flagged (failed=True,
 counted in stats()) so callers can tell "wrong" from "unscorable".
@@ -42,10 +60,11 @@ Which answer of a long completion counts (`score_completion`):
 
 On a Ray cluster all generation workers share one pool actor, created by the first call to
 `get_or_create_verifier_pool`; that first caller's `num_processes` (the seed's
---global_num_verifiers) and `timeout_s` size it, later callers get the existing actor whatever
-they pass. Each process uses about one CPU core. Nodes offer that capacity through the
-`verification_slot` custom resource (`ray start --resources='{"verification_slot": 100}'`): the
-processes are then spread over those nodes, one slot reserved per process (VerifierPoolActor).
+--global_num_verifiers; None: from the cores, VerifierPoolConfig) and `timeout_s` size it, later
+callers get the existing actor whatever they pass. Each process uses about one CPU core. Nodes
+offer that capacity through the `verification_slot` custom resource
+(`ray start --resources='{"verification_slot": 100}'`): the processes are then spread over those
+nodes, one slot reserved per process (VerifierPoolActor).
 Without it they all run in the pool actor's process, outside Ray's accounting, as is logged.
 """
 
@@ -56,13 +75,15 @@ import json
 import logging
 import math
 import multiprocessing
+import os
 import queue
 import re
 import signal
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from decimal import Decimal
 from functools import lru_cache
 from multiprocessing.connection import Connection
 from typing import Any, Mapping, Sequence
@@ -103,6 +124,36 @@ _BOXED_PREFIX = "\\boxed"
 _TIMEOUT_ERROR = "timeout"
 _PARSE_ERROR = "parse_error"
 _VERIFY_ERROR = "verify_error"
+_REJECTED_ERROR = "rejected"
+# Brackets of every kind count toward the nesting depth: math-verify's LaTeX parser slows down
+# with depth whichever kind nests (measured: 10 nested parentheses ~1.3 s, 12 nested fractions ~2 s).
+_OPENERS = frozenset("({[")
+_CLOSERS = frozenset(")}]")
+_BRACKET = re.compile(r"[(){}\[\]]")
+# Tokens of exponent_tower_height: a power operator, a bracket, a lone `*`, or a run of anything
+# else (one token for a whole stretch of prose, so long texts cost few loop turns).
+_TOWER_TOKEN = re.compile(r"\*\*|\^|[{}()\[\]]|\*|[^*^{}()\[\]]+")
+# A run that is a single atom (a number, a name or a LaTeX command, whitespace around it): right
+# after a power it is the whole exponent, and a power right after it stacks on it (2**3**4).
+_ATOM = re.compile(r"\s*[A-Za-z0-9.\\]+\s*")
+# A plain numeral: optional minus, no leading zeros, optional decimals. Within _MAX_PLAIN_DIGITS
+# and _MAX_PLAIN_DECIMALS, math-verify's verdict on two of them is exact equality: integers are
+# compared exactly, and a decimal becomes a float of 15 significant digits that it rounds to 6
+# decimals before comparing (so 7.0000001 == 7 for math-verify: such inputs skip the fast path).
+_PLAIN_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
+_MAX_PLAIN_DIGITS = 15
+_MAX_PLAIN_DECIMALS = 6
+# Default pool size: one process per usable core, but never one (a lone process that is killed at
+# the deadline stalls every other result for the deadline plus a restart), and at most 32 (each
+# idle process holds ~100 MB with sympy loaded; 32 verify ~10k samples/s at ~3 ms each).
+_MIN_DEFAULT_PROCESSES = 2
+_MAX_DEFAULT_PROCESSES = 32
+# Default deadline per verification. benchmarks/reward.py on the 2-core machine (2 processes, 32
+# completions in flight, half of them ~4k-character reasoning texts): clean p99 latency, queueing
+# included, 53-183 ms over earlier runs (RESULTS.md "Reward verification"; median service ~1-3 ms).
+# 1 s is >5x that worst p99, headroom for a machine shared with generation and training, while
+# a hostile input that evades the pre-checks now holds a process for 1 s instead of 10.
+DEFAULT_TIMEOUT_S = 1.0
 
 
 @dataclass(slots=True)
@@ -112,9 +163,90 @@ class RewardResult:
     reward: float
     """1.0 if the completion's answer matches the gold answer, else 0.0."""
     failed: bool
-    """True when the completion could not be scored (timeout, parse or verify error); reward 0."""
+    """True when the completion could not be scored (timeout, parse or verify error, or a
+    pre-check rejection); reward 0."""
     error: str
-    """"" when scored; "timeout", "parse_error: <why>" or "verify_error: <why>" when failed."""
+    """"" when scored; "timeout", "parse_error: <why>", "verify_error: <why>" or
+    "rejected: <which pre-check cap>" when failed."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class AnswerLimits:
+    """Caps of the cheap pre-checks a completion passes before math-verify sees it.
+
+    "The answer" is the content of the last complete \\boxed{} when there is one (all
+    math-verify parses then), else the whole completion (math-verify searches all of it). A
+    completion over a cap scores 0 with error "rejected: ..." and never reaches a process.
+    """
+
+    max_completion_chars: int = 131_072
+    """Longest completion, in characters (~32k tokens at ~4 characters a token): longer texts are
+    not real answers, and this bounds the scans below and what goes down a pipe."""
+    max_answer_chars: int = 512
+    """Longest boxed answer. math-verify's parse grows with it (a 1,000-character `1+1+...+1`
+    took 0.4-2 s, 10,000 characters 4.4 s, measured on the 2-core machine)."""
+    max_nesting_depth: int = 8
+    """Deepest nesting of brackets ((, [, {, counted together) in the answer. Real answers nest
+    2-4 deep (`\\left(\\frac{\\sqrt{3}}{2}, 1\\right)` is 3); math-verify slows steeply with depth
+    (measured: 5 nested parentheses 0.3 s, 10 1.3 s, 20 4 s, 20 nested braces over 15 s)."""
+    max_exponent_tower: int = 2
+    """Highest exponent tower: `x^2` is 1, `2^{2^n}` 2, `5^{5^{5^5}}` and `2**3**4**5` 3. sympy
+    evaluates numeric powers exactly, so a 3-level numeric tower has more digits than memory
+    holds and hangs the verifier; a 2-level one with large numbers (`9^{9^9}`) still passes this
+    check and is left to the deadline."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_completion_chars", "max_answer_chars", "max_nesting_depth", "max_exponent_tower"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"AnswerLimits.{name} must be an int >= 1, got {value!r}")
+
+
+DEFAULT_LIMITS = AnswerLimits()
+
+
+def default_num_processes() -> int:
+    """Verifier processes for this machine: its usable cores (the CPU affinity of this process,
+    which container CPU sets narrow), at least _MIN_DEFAULT_PROCESSES, at most _MAX_DEFAULT_PROCESSES."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # platforms without sched_getaffinity (macOS)
+        cores = os.cpu_count() or 1
+    return min(max(cores, _MIN_DEFAULT_PROCESSES), _MAX_DEFAULT_PROCESSES)
+
+
+@dataclass(kw_only=True, frozen=True)
+class VerifierPoolConfig:
+    """How a VerifierPool is sized and what it lets through to math-verify."""
+
+    num_processes: int | None = None
+    """Worker processes (each verifies one completion at a time, ~one CPU core when busy). None:
+    default_num_processes(), i.e. one per usable core of the machine the pool starts on, at least
+    2 (one process killed at a deadline must not stall the rest) and at most 32."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Hard deadline per verification; a process past it is killed and replaced, the sample scores
+    0 with error "timeout". Default 1 s: benchmarks/reward.py's clean p99 latency on the 2-core
+    machine, queueing included, was 53-183 ms (median service 1-3 ms), so 1 s leaves >5x headroom
+    for a loaded machine while a hostile input that evades the pre-checks costs 1 s, not 10."""
+    cache_size: int = 65536
+    """Entries of the (gold, completion) -> result LRU cache; 0 turns the cache and the
+    within-call deduplication off."""
+    limits: AnswerLimits = DEFAULT_LIMITS
+    """Caps of the pre-checks run before math-verify (AnswerLimits)."""
+    fast_path: bool = True
+    """Decide plain-number answers against plain-number golds without math-verify (same verdict,
+    no process). False sends them to math-verify too: for measuring math-verify itself."""
+
+    def __post_init__(self) -> None:
+        if self.num_processes is not None and (not isinstance(self.num_processes, int) or self.num_processes < 1):
+            raise ValueError(f"VerifierPoolConfig.num_processes must be an int >= 1 or None, got {self.num_processes!r}")
+        timeout = self.timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"VerifierPoolConfig.timeout_s must be a finite number > 0, got {timeout!r}")
+        if not isinstance(self.cache_size, int) or self.cache_size < 0:
+            raise ValueError(f"VerifierPoolConfig.cache_size must be an int >= 0, got {self.cache_size!r}")
+        if not isinstance(self.limits, AnswerLimits):
+            raise ValueError(f"VerifierPoolConfig.limits must be an AnswerLimits, got {type(self.limits).__name__}")
 
 
 class WorkerStartError(RuntimeError):
@@ -170,8 +302,132 @@ def last_boxed(text: str) -> str | None:
     return None if last is None else text[last[0] : last[1]]
 
 
-def score_completion(completion: str, gold: str) -> RewardResult:
-    """Score one completion against a gold answer, in this process, with no deadline.
+def nesting_depth(text: str) -> int:
+    """Deepest nesting of brackets in text, (, [ and { counted together (an escaped \\{ too);
+    a closer without an opener is ignored, so "1) 2)" nests 0 deep."""
+    depth = deepest = 0
+    for match in _BRACKET.finditer(text):  # only the brackets: prose between them costs no Python loop
+        if match.group() in _OPENERS:
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+def exponent_tower_height(text: str) -> int:
+    """Height of the highest exponent tower in text: how many powers (^ or **) stand inside one
+    another's exponents. `x^2+y^2` is 1, `2^{2^n}` 2, `5^{5^{5^5}}` 3 and `2**3**4**5` 3 (powers
+    chain to the right). A power's exponent is the group ({...}, (...), [...]) or the atom (number,
+    name, command) right after it; one linear pass, whitespace ignored."""
+    if "^" not in text and "**" not in text:  # no power at all: skip the tokenizing pass
+        return 0
+    group_levels = [0]  # tower level of each open group, outermost first
+    pending: int | None = None  # level of the exponent that the next group or atom starts
+    chained: int | None = None  # level of the atom just read, when it was an exponent
+    highest = 0
+    for match in _TOWER_TOKEN.finditer(text):
+        token = match.group()
+        if token in ("^", "**"):
+            pending = (chained if chained is not None else group_levels[-1]) + 1
+            highest = max(highest, pending)
+            chained = None
+        elif token in _OPENERS:
+            group_levels.append(group_levels[-1] if pending is None else pending)
+            pending = chained = None
+        elif token in _CLOSERS:
+            if len(group_levels) > 1:
+                group_levels.pop()
+            pending = chained = None
+        elif token.isspace():
+            continue
+        elif _ATOM.fullmatch(token):
+            chained, pending = pending, None
+        else:  # an operator or prose ends the exponent: "2^3+4^5" holds two towers of height 1
+            pending = chained = None
+    return highest
+
+
+def extract_answer(completion: str) -> tuple[str, bool]:
+    """(the text math-verify will parse, whether it is a box's content): the last complete
+    \\boxed{}'s content, else the whole completion (see the module docstring)."""
+    boxed = last_boxed(completion)
+    return (completion, False) if boxed is None else (boxed, True)
+
+
+def precheck(completion: str, limits: AnswerLimits = DEFAULT_LIMITS) -> RewardResult | None:
+    """A "rejected" failure naming the first limit the completion breaks, else None. Linear in
+    the completion's length, and the length cap comes first, so a megabyte costs nothing."""
+    if len(completion) > limits.max_completion_chars:
+        return _rejected(f"completion length {len(completion)}", "max_completion_chars", limits)
+    answer, boxed = extract_answer(completion)
+    what = "boxed answer" if boxed else "completion"
+    if boxed and len(answer) > limits.max_answer_chars:
+        return _rejected(f"boxed answer length {len(answer)}", "max_answer_chars", limits)
+    depth = nesting_depth(answer)
+    if depth > limits.max_nesting_depth:
+        return _rejected(f"{what} nesting depth {depth}", "max_nesting_depth", limits)
+    height = exponent_tower_height(answer)
+    if height > limits.max_exponent_tower:
+        return _rejected(f"{what} exponent tower height {height}", "max_exponent_tower", limits)
+    return None
+
+
+def _rejected(measured: str, cap: str, limits: AnswerLimits) -> RewardResult:
+    return _failure(_REJECTED_ERROR, f"{measured} exceeds {cap}={getattr(limits, cap)}")
+
+
+def plain_number(text: str) -> Decimal | None:
+    """The value of a plain numeral ("-12", "3.50"; surrounding whitespace allowed), or None for
+    anything else: a sign other than a leading minus, leading zeros, exponents, separators, more
+    than _MAX_PLAIN_DIGITS digits or _MAX_PLAIN_DECIMALS decimals."""
+    text = text.strip()
+    if not _PLAIN_NUMBER.fullmatch(text):
+        return None
+    whole, _, decimals = text.lstrip("-").partition(".")
+    if len(whole) + len(decimals) > _MAX_PLAIN_DIGITS or len(decimals) > _MAX_PLAIN_DECIMALS:
+        return None
+    return Decimal(text)
+
+
+def plain_number_verdict(answer: str, gold: str) -> RewardResult | None:
+    """The verdict when both the answer and the gold are plain numbers (exact comparison, which
+    is math-verify's verdict on them: tests/test_math_verifier.py), else None."""
+    predicted = plain_number(answer)
+    if predicted is None:
+        return None
+    expected = plain_number(gold)
+    if expected is None:
+        return None
+    return RewardResult(reward=1.0 if predicted == expected else 0.0, failed=False, error="")
+
+
+def quick_verdict(
+    completion: str, gold: str, limits: AnswerLimits = DEFAULT_LIMITS, fast_path: bool = True
+) -> RewardResult | None:
+    """What the pool answers without a process: a pre-check rejection, or a plain-number
+    verdict (unless fast_path is False); None when math-verify must decide."""
+    rejected = precheck(completion, limits)
+    if rejected is not None or not fast_path:
+        return rejected
+    answer, _ = extract_answer(completion)
+    return plain_number_verdict(answer, gold)
+
+
+def score_completion(completion: str, gold: str, limits: AnswerLimits = DEFAULT_LIMITS) -> RewardResult:
+    """Score one completion against a gold answer, in this process, with no deadline: the
+    pre-checks and the plain-number fast path (quick_verdict), then math-verify.
+
+    Only safe where a hang can be cut short from outside (the pre-checks stop the known hostile
+    shapes, not every one): VerifierPool runs math-verify in processes it can kill.
+    """
+    quick = quick_verdict(completion, gold, limits)
+    return quick if quick is not None else verify_with_math_verify(completion, gold)
+
+
+def verify_with_math_verify(completion: str, gold: str) -> RewardResult:
+    """Score one completion against a gold answer with math-verify alone (no pre-checks, no fast
+    path), in this process, with no deadline.
 
     The answer is the last complete \\boxed{} if there is one, else math-verify's pick from the
     whole text (see the module docstring). Only safe where a hang can be cut short from outside:
@@ -210,14 +466,15 @@ def _worker_main(conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The "timeout is disabled" warning is expected: the parent enforces the deadline.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    score_completion("1", "1")  # import sympy/math-verify and build the LaTeX parser before "ready"
+    verify_with_math_verify("1", "1")  # import sympy/math-verify and build the LaTeX parser before "ready"
     conn.send_bytes(_READY_MESSAGE)
     while True:
         try:
             request = json.loads(conn.recv_bytes())
         except EOFError:
             return
-        result = score_completion(request["completion"], request["gold"])
+        # The parent ran the pre-checks and the fast path (quick_verdict) before sending it here.
+        result = verify_with_math_verify(request["completion"], request["gold"])
         conn.send_bytes(json.dumps(asdict(result)).encode("utf-8"))
 
 
@@ -331,8 +588,16 @@ class _Task:
 class VerifierPool:
     """A pool of math-verify processes with a hard per-sample deadline (see the module docstring).
 
+    Built from a VerifierPoolConfig, or from its fields as keywords
+    (`VerifierPool(num_processes=2, timeout_s=2.0)`), or both (the keywords override the config).
+
     Thread-safe and event-loop agnostic: dispatcher threads do the waiting, so `score` may be
     awaited from any event loop and `score_sync` called from any thread.
+
+    A call's completions are queued one by one and taken by whichever process is free, so a slow
+    completion holds one process while the others serve the rest of the call and other calls;
+    inputs that the pre-checks reject or the fast path answers (quick_verdict) are resolved in the
+    caller's thread and never queue at all.
 
     Results are deterministic in (gold, completion) except timeouts and process deaths, so the
     others are kept in an LRU cache of `cache_size` entries, and a completion repeated within one
@@ -341,28 +606,25 @@ class VerifierPool:
     pipe round trip plus math-verify's parse: ~1-3 ms of CPU. `cache_size=0` turns both off.
     """
 
-    def __init__(self, num_processes: int, timeout_s: float, cache_size: int = 65536) -> None:
-        if not isinstance(num_processes, int) or num_processes < 1:
-            raise ValueError(f"VerifierPool: num_processes must be an int >= 1, got {num_processes!r}")
-        if not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
-            raise ValueError(f"VerifierPool: timeout_s must be a finite number > 0, got {timeout_s!r}")
-        if not isinstance(cache_size, int) or cache_size < 0:
-            raise ValueError(f"VerifierPool: cache_size must be an int >= 0, got {cache_size!r}")
-        self.num_processes = num_processes
-        self.timeout_s = float(timeout_s)
-        self.cache_size = cache_size
+    def __init__(self, config: VerifierPoolConfig | None = None, /, **overrides: Any) -> None:
+        config = replace(config or VerifierPoolConfig(), **overrides)
+        self.config = config
+        self.num_processes = config.num_processes or default_num_processes()
+        self.timeout_s = float(config.timeout_s)
+        self.cache_size = config.cache_size
+        self.limits = config.limits
         self._cache: OrderedDict[tuple[str, str], RewardResult] = OrderedDict()
         self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
         self._counts = dict.fromkeys(
-            ("scored", "failed", "timeouts", "parse_errors", "verify_errors", "crashes", "restarts", "cancelled",
-             "cache_hits"), 0
+            ("scored", "failed", "timeouts", "parse_errors", "verify_errors", "rejected", "fast_path", "crashes",
+             "restarts", "cancelled", "cache_hits"), 0
         )
         ctx = multiprocessing.get_context("forkserver")
         # Takes effect when this process's forkserver first starts (a no-op if one already runs).
         ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
-        self._slots = [_WorkerSlot(ctx, i) for i in range(num_processes)]
+        self._slots = [_WorkerSlot(ctx, i) for i in range(self.num_processes)]
         self._start_all()
         self._threads = [
             threading.Thread(target=self._dispatch_loop, args=(slot,), name=f"verifier-dispatch-{slot.index}", daemon=True)
@@ -370,7 +632,10 @@ class VerifierPool:
         ]
         for thread in self._threads:
             thread.start()
-        logger.info("verifier pool ready: %d processes, %.1f s deadline per sample", num_processes, self.timeout_s)
+        logger.info(
+            "verifier pool ready: %d processes, %.1f s deadline per sample, %s",
+            self.num_processes, self.timeout_s, self.limits,
+        )
 
     def _start_all(self) -> None:
         """Start every process at once (imports overlap), then wait for each; all or nothing."""
@@ -400,10 +665,12 @@ class VerifierPool:
         return [future.result() for future in self._submit(completions, gt_answer)]
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: scored (results from a process), failed, and failures by kind
-        (timeouts, parse_errors, verify_errors, crashes), restarts (replacement processes
-        started), cancelled (tasks dropped because their caller went away), cache_hits (samples
-        answered from the cache or by an identical completion of the same call), num_processes."""
+        """Counters since start: scored (results computed: by a process, a pre-check or the fast
+        path), failed, and failures by kind (timeouts, parse_errors, verify_errors, rejected by a
+        pre-check, crashes), fast_path (plain-number verdicts, no process), restarts (replacement
+        processes started), cancelled (tasks dropped because their caller went away), cache_hits
+        (samples answered from the cache or by an identical completion of the same call),
+        num_processes."""
         with self._lock:
             return {**self._counts, "num_processes": self.num_processes}
 
@@ -448,18 +715,40 @@ class VerifierPool:
                 futures.append(known)
                 continue
             cacheable = self.cache_size > 0 and len(completion) <= _MAX_CACHED_COMPLETION_CHARS
-            task = _Task(
-                payload=json.dumps({"gold": gt_answer, "completion": completion}).encode("utf-8"),
-                completion_chars=len(completion),
-                snippet=completion[:_LOG_SNIPPET_CHARS],
-                future=Future(),
-                cache_key=(gt_answer, completion) if cacheable else None,
-            )
-            self._tasks.put(task)
-            futures.append(task.future)
+            cache_key = (gt_answer, completion) if cacheable else None
+            future = self._answer_now(completion, gt_answer, cache_key)
+            if future is None:
+                future = self._enqueue(completion, gt_answer, cache_key)
+            futures.append(future)
             if cacheable:
-                in_this_call[completion] = task.future
+                in_this_call[completion] = future
         return futures
+
+    def _answer_now(self, completion: str, gt_answer: str, cache_key: tuple[str, str] | None) -> Future | None:
+        """A resolved Future when the pre-checks reject the completion or the fast path decides
+        it (no process, no queue: a hostile input never waits for or holds a verifier), else None."""
+        result = quick_verdict(completion, gt_answer, self.limits, self.config.fast_path)
+        if result is None:
+            return None
+        if not result.failed:
+            self._count("fast_path")
+        self._record(result)
+        if cache_key is not None:
+            self._remember(cache_key, result)
+        future: Future = Future()
+        future.set_result(result)
+        return future
+
+    def _enqueue(self, completion: str, gt_answer: str, cache_key: tuple[str, str] | None) -> Future:
+        task = _Task(
+            payload=json.dumps({"gold": gt_answer, "completion": completion}).encode("utf-8"),
+            completion_chars=len(completion),
+            snippet=completion[:_LOG_SNIPPET_CHARS],
+            future=Future(),
+            cache_key=cache_key,
+        )
+        self._tasks.put(task)
+        return task.future
 
     def _cached_future(self, gt_answer: str, completion: str) -> Future | None:
         """A resolved Future holding the cached result for (gt_answer, completion), or None."""
@@ -556,6 +845,8 @@ class VerifierPool:
                 self._counts["parse_errors"] += 1
             elif kind == _VERIFY_ERROR:
                 self._counts["verify_errors"] += 1
+            elif kind == _REJECTED_ERROR:
+                self._counts["rejected"] += 1
 
 
 class VerifierShardActor:
@@ -566,8 +857,8 @@ class VerifierShardActor:
     event loop while the pool's processes do the work.
     """
 
-    def __init__(self, num_processes: int, timeout_s: float) -> None:
-        self._pool = VerifierPool(num_processes=num_processes, timeout_s=timeout_s)
+    def __init__(self, num_processes: int, timeout_s: float | None) -> None:
+        self._pool = VerifierPool(_pool_config(num_processes, timeout_s))
 
     async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]:
         """See VerifierPool.score."""
@@ -582,6 +873,11 @@ class VerifierShardActor:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+
+def _pool_config(num_processes: int | None, timeout_s: float | None) -> VerifierPoolConfig:
+    """A VerifierPoolConfig from the actors' arguments, None meaning the config's default."""
+    return VerifierPoolConfig(num_processes=num_processes, timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
 
 
 def plan_verifier_shards(node_slots: Mapping[str, float], num_processes: int) -> dict[str, int]:
@@ -672,7 +968,9 @@ class VerifierPoolActor:
     gets no share, and the share of a node that dies is lost until the pool is recreated.
     """
 
-    def __init__(self, num_processes: int, timeout_s: float) -> None:
+    def __init__(self, num_processes: int | None, timeout_s: float | None) -> None:
+        # None: sized from this actor's node (default_num_processes), before the shards are planned.
+        num_processes = num_processes or default_num_processes()
         self.num_processes = num_processes
         self._pool: VerifierPool | None = None
         self._shards: list[Any] = []
@@ -691,7 +989,7 @@ class VerifierPoolActor:
         self._start_shards(plan, timeout_s)
         self._router = _Router(self._shards, "verifier shard")
 
-    def _start_unaccounted(self, num_processes: int, timeout_s: float) -> None:
+    def _start_unaccounted(self, num_processes: int, timeout_s: float | None) -> None:
         import ray
 
         node = ray.get_runtime_context().get_node_id()
@@ -701,10 +999,10 @@ class VerifierPoolActor:
             "verify `ray start --resources='{\"%s\": N}'` to reserve and spread them.",
             VERIFICATION_SLOT, num_processes, node, VERIFICATION_SLOT,
         )
-        self._pool = VerifierPool(num_processes=num_processes, timeout_s=timeout_s)
+        self._pool = VerifierPool(_pool_config(num_processes, timeout_s))
         self._placement = {node: num_processes}
 
-    def _start_shards(self, plan: dict[str, int], timeout_s: float) -> None:
+    def _start_shards(self, plan: dict[str, int], timeout_s: float | None) -> None:
         """One shard per planned node, all starting at once (`_started` waits for them)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -798,8 +1096,10 @@ class VerifierPoolClient:
         return await self._router.score(completions, gt_answer)
 
 
-def get_or_create_verifier_pool(num_processes: int, timeout_s: float):
+def get_or_create_verifier_pool(num_processes: int | None = None, timeout_s: float | None = None):
     """The cluster's one verifier pool actor ("math-verifier-pool" in the project namespace).
+    None for either argument means VerifierPoolConfig's default (the pool's size then comes from
+    the cores of the node the actor starts on).
 
     The first caller creates it with its arguments (detached: it outlives its creator); every later
     caller gets that same actor and its arguments are ignored, so start the component that should
@@ -823,7 +1123,7 @@ def get_or_create_verifier_pool(num_processes: int, timeout_s: float):
     ).remote(num_processes, timeout_s)
 
 
-def connect_verifier_pool(num_processes: int, timeout_s: float) -> VerifierPoolClient:
+def connect_verifier_pool(num_processes: int | None = None, timeout_s: float | None = None) -> VerifierPoolClient:
     """A VerifierPoolClient over the cluster's pool (created with these arguments if it does not exist)."""
     return VerifierPoolClient(get_or_create_verifier_pool(num_processes, timeout_s))
 

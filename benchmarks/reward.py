@@ -7,15 +7,25 @@ The workload imitates generation workers: prompts with a gold answer, each sendi
 `group_size` completions to the pool at once, `num_clients` prompts in flight. Completions are
 short answers ("... \\boxed{42}") or ~4k-character step-by-step reasoning texts ending in an
 answer, half of them right; a `hostile_fraction` of them are outputs that hang math-verify (an
-exponent tower, a megabyte of LaTeX). Every reward is checked against the answer the completion
-was built with.
+exponent tower, a megabyte of LaTeX), which the pool's pre-checks reject, and an
+`evasive_fraction` are outputs that pass the pre-checks and still hang it (`\\boxed{9^{9^{9}}}`),
+which only the deadline stops. Every reward is checked against the answer the completion was
+built with; every hostile one must come back failed ("rejected" or "timeout").
+
+All answers of this workload are plain numbers, which the pool's fast path decides without
+math-verify; `--fast_path false` makes the processes verify them, as before the fast path existed.
+
+Each invocation first replays the same kind of workload with no hostile inputs (`--compare_clean`,
+on by default), each workload on a fresh pool, and prints one line per run and then the ratio
+`hostile_over_clean` of their throughputs: what a few hostile outputs cost the pool.
 
 The pool's result cache is off by default (`--cache_size 0`): these completions are long and
 mostly distinct, so the figure is the cost of verification itself. Pass a size to include it.
 
 Latency is per completion, from its group's submission to its result (queueing included).
-Startup is excluded. The last line is key=value pairs: samples_per_s, p50_ms, p99_ms, the pool
-size, hostile fraction, deadline, timeouts, restarts and reward mismatches (should be 0).
+Startup is excluded. Each run's line is key=value pairs: samples_per_s, p50_ms, p99_ms, the pool
+size, hostile fractions, deadline, rejected (by a pre-check), fast_path (plain-number verdicts),
+timeouts, restarts and reward mismatches (should be 0).
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from math_verifier import VerifierPool  # noqa: E402
+from math_verifier import RewardResult, VerifierPool  # noqa: E402
 from run_config import load_config  # noqa: E402
 
 # Target length of a long reasoning completion: ~1k tokens, a typical math rollout.
@@ -41,14 +51,18 @@ _HOSTILE_OUTPUTS = (
     "\\boxed{" + "1+" * 500_000 + "1}",
     "$" + "x" * 1_000_000 + "$",
 )
+# A 2-level numeric tower: within every pre-check cap, and math-verify still hangs on it (sympy
+# computes 9^387420489 exactly), so only the deadline stops it.
+_EVASIVE_OUTPUT = "\\boxed{9^{9^{9}}}"
+_FAILED_KINDS = ("rejected", "timeout")
 
 
 @dataclass(kw_only=True, frozen=True)
 class RewardBenchConfig:
     """Command line of `python benchmarks/reward.py`."""
 
-    num_processes: int = 2
-    """Verifier worker processes in the pool."""
+    num_processes: int | None = 2
+    """Verifier worker processes in the pool (None: the pool's default, one per core, at least 2)."""
     timeout_s: float = 2.0
     """Hard deadline per completion; a verifier past it is killed and replaced."""
     num_samples: int = 800
@@ -58,11 +72,19 @@ class RewardBenchConfig:
     num_clients: int = 4
     """Groups in flight at once."""
     hostile_fraction: float = 0.03
-    """Share of completions that hang math-verify (they must time out)."""
+    """Share of completions that hang math-verify in shapes the pre-checks catch (tower, 1 MB)."""
+    evasive_fraction: float = 0.0
+    """Share of completions that pass the pre-checks and hang math-verify (they must time out)."""
+    compare_clean: bool = True
+    """First run the workload with no hostile inputs, then print hostile_over_clean."""
     seed: int = 0
     """Seed of the workload."""
     cache_size: int = 0
     """VerifierPool result cache entries (0: off)."""
+    fast_path: bool = True
+    """The pool's plain-number fast path. This workload's answers and golds are all plain numbers,
+    so with it every non-hostile completion is decided without math-verify; false measures
+    math-verify in the processes (the pre-checks stay on)."""
 
 
 @dataclass(slots=True)
@@ -72,7 +94,9 @@ class Case:
     completion: str
     gold: str
     expected_reward: float | None
-    """1.0/0.0 for built completions; None for hostile ones (they must time out)."""
+    """1.0/0.0 for built completions; None for hostile ones (they must fail: rejected or timeout)."""
+    expected_kinds: tuple[str, ...] = ()
+    """For hostile ones: the error kinds that count as handled."""
 
 
 def _long_reasoning(rng: random.Random, answer: int) -> str:
@@ -85,7 +109,9 @@ def _long_reasoning(rng: random.Random, answer: int) -> str:
     return "Let us work through the problem carefully.\n" + "".join(steps) + f"Therefore the final answer is $\\boxed{{{answer}}}$."
 
 
-def build_workload(num_samples: int, group_size: int, hostile_fraction: float, seed: int) -> list[list[Case]]:
+def build_workload(
+    num_samples: int, group_size: int, hostile_fraction: float, seed: int, evasive_fraction: float = 0.0
+) -> list[list[Case]]:
     """Groups of completions sharing one gold answer; deterministic from the seed."""
     rng = random.Random(seed)
     groups: list[list[Case]] = []
@@ -93,8 +119,13 @@ def build_workload(num_samples: int, group_size: int, hostile_fraction: float, s
         gold = rng.randint(0, 10_000)
         group = []
         for _ in range(min(group_size, num_samples - start)):
-            if rng.random() < hostile_fraction:
-                group.append(Case(completion=rng.choice(_HOSTILE_OUTPUTS), gold=str(gold), expected_reward=None))
+            draw = rng.random()
+            if draw < hostile_fraction:
+                completion = rng.choice(_HOSTILE_OUTPUTS)
+                group.append(Case(completion=completion, gold=str(gold), expected_reward=None, expected_kinds=_FAILED_KINDS))
+                continue
+            if draw < hostile_fraction + evasive_fraction:
+                group.append(Case(completion=_EVASIVE_OUTPUT, gold=str(gold), expected_reward=None, expected_kinds=("timeout",)))
                 continue
             correct = rng.random() < 0.5
             answer = gold if correct else gold + rng.randint(1, 50)
@@ -104,14 +135,19 @@ def build_workload(num_samples: int, group_size: int, hostile_fraction: float, s
     return groups
 
 
+def handled(case: Case, result: RewardResult) -> bool:
+    """Whether the pool's result is what the case should get."""
+    if case.expected_reward is None:
+        return result.failed and result.reward == 0.0 and result.error.split(":", 1)[0] in case.expected_kinds
+    return result.reward == case.expected_reward and not result.failed
+
+
 async def _score_one(pool: VerifierPool, case: Case, latencies: list[float]) -> bool:
     """Score one completion; returns whether the result was what the case expected."""
     start = time.perf_counter()
     (result,) = await pool.score([case.completion], case.gold)
     latencies.append(time.perf_counter() - start)
-    if case.expected_reward is None:
-        return result.error == "timeout"
-    return result.reward == case.expected_reward and not result.failed
+    return handled(case, result)
 
 
 async def run(pool: VerifierPool, groups: list[list[Case]], num_clients: int) -> tuple[list[float], int]:
@@ -130,26 +166,40 @@ async def run(pool: VerifierPool, groups: list[list[Case]], num_clients: int) ->
     return latencies, mismatches
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = load_config(RewardBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
-    logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    groups = build_workload(args.num_samples, args.group_size, args.hostile_fraction, args.seed)
+def bench_once(args: RewardBenchConfig, hostile_fraction: float, evasive_fraction: float, label: str) -> float:
+    """One run on a fresh pool; prints its line and returns its samples per second."""
+    groups = build_workload(args.num_samples, args.group_size, hostile_fraction, args.seed, evasive_fraction)
     num_hostile = sum(case.expected_reward is None for group in groups for case in group)
-    with VerifierPool(num_processes=args.num_processes, timeout_s=args.timeout_s, cache_size=args.cache_size) as pool:
+    pool_args = {"timeout_s": args.timeout_s, "cache_size": args.cache_size, "fast_path": args.fast_path}
+    if args.num_processes is not None:
+        pool_args["num_processes"] = args.num_processes
+    with VerifierPool(**pool_args) as pool:
         start = time.perf_counter()
         latencies, mismatches = asyncio.run(run(pool, groups, args.num_clients))
         elapsed = time.perf_counter() - start
     stats = pool.stats()  # after close(): the last replacement process has been counted
     latencies_ms = sorted(1000 * x for x in latencies)
     p99 = latencies_ms[min(len(latencies_ms) - 1, int(0.99 * len(latencies_ms)))]
+    samples_per_s = len(latencies) / elapsed
     print(
-        f"samples_per_s={len(latencies) / elapsed:.1f} p99_ms={p99:.1f} "
-        f"p50_ms={statistics.median(latencies_ms):.1f} num_processes={args.num_processes} "
-        f"hostile_fraction={args.hostile_fraction} hostile={num_hostile} samples={len(latencies)} "
-        f"timeout_s={args.timeout_s} timeouts={stats['timeouts']} restarts={stats['restarts']} "
-        f"cache_hits={stats['cache_hits']} mismatches={mismatches}"
+        f"run={label} samples_per_s={samples_per_s:.1f} p99_ms={p99:.1f} "
+        f"p50_ms={statistics.median(latencies_ms):.1f} num_processes={stats['num_processes']} "
+        f"hostile_fraction={hostile_fraction} evasive_fraction={evasive_fraction} hostile={num_hostile} "
+        f"samples={len(latencies)} timeout_s={args.timeout_s} fast_path_on={args.fast_path} rejected={stats['rejected']} "
+        f"fast_path={stats['fast_path']} timeouts={stats['timeouts']} restarts={stats['restarts']} "
+        f"cache_hits={stats['cache_hits']} mismatches={mismatches}",
+        flush=True,
     )
+    return samples_per_s
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = load_config(RewardBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    clean = bench_once(args, 0.0, 0.0, "clean") if args.compare_clean else None
+    hostile = bench_once(args, args.hostile_fraction, args.evasive_fraction, "hostile")
+    if clean is not None:
+        print(f"hostile_over_clean={hostile / clean:.3f} clean_samples_per_s={clean:.1f} hostile_samples_per_s={hostile:.1f}")
 
 
 if __name__ == "__main__":

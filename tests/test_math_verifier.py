@@ -1,5 +1,6 @@
 """VerifierPool: real math-verify in worker processes, which answer of a long text counts,
-deadlines, replacement, the Ray actor path (the verification_slot path: tests/test_verifier_slots.py)."""
+the pre-checks and the plain-number fast path (checked against math-verify itself), deadlines,
+replacement, the Ray actor path (the verification_slot path: tests/test_verifier_slots.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import random
 import signal
 import time
 from collections.abc import Iterator
@@ -14,14 +16,25 @@ from collections.abc import Iterator
 import pytest
 
 from math_verifier import (
+    DEFAULT_LIMITS,
+    AnswerLimits,
     RewardResult,
     VerifierPool,
     VerifierPoolActor,
+    VerifierPoolConfig,
     connect_verifier_pool,
+    default_num_processes,
+    exponent_tower_height,
     get_or_create_verifier_pool,
     last_boxed,
+    nesting_depth,
+    plain_number_verdict,
     plan_verifier_shards,
+    precheck,
+    quick_verdict,
+    score_completion,
     shutdown_verifier_pool,
+    verify_with_math_verify,
 )
 from ray_env import VERIFIER_POOL_ACTOR_NAME
 
@@ -36,6 +49,14 @@ DEADLINE_SLACK_S = 5.0
 # Above math-verify's own recursion and regex limits: parsing it hangs for far longer than a deadline.
 HOSTILE_MEGABYTE = "\\boxed{" + "1+" * 500_000 + "1}"
 HOSTILE_TOWER = "\\boxed{5^{5^{5^{5^5}}}}"
+# Within every pre-check cap, yet math-verify hangs on it (sympy computes 9^387420489 exactly):
+# what the deadline is still for. Seen running past 8 s on this machine.
+EVASIVE_TOWER = "\\boxed{9^{9^{9}}}"
+# Pre-checks off: lets the known hostile shapes reach a process, to test the deadline on them.
+NO_LIMITS = AnswerLimits(max_completion_chars=2**40, max_answer_chars=2**40, max_nesting_depth=2**40, max_exponent_tower=2**40)
+# Deadline of the test where a hostile sample must still be running when the others are done:
+# far longer than a few ordinary verifications take on any machine; the test kills it instead.
+LONG_TIMEOUT_S = 60.0
 # How long a killed actor's name may take to disappear (Ray marks it dead asynchronously).
 ACTOR_GONE_WAIT_S = 30.0
 TIMEOUT = RewardResult(reward=0.0, failed=True, error="timeout")
@@ -211,21 +232,22 @@ def test_repeated_completions_are_verified_once_and_the_cache_is_lru() -> None:
 
 
 def test_hostile_outputs_time_out_and_the_replacement_serves() -> None:
-    """One process: every normal sample after a timeout is served by a freshly started process."""
+    """One process, pre-checks off: every sample after a timeout is served by a fresh process."""
     before = _pool_children()
-    verifier = VerifierPool(num_processes=1, timeout_s=HOSTILE_TIMEOUT_S)
+    verifier = VerifierPool(num_processes=1, timeout_s=HOSTILE_TIMEOUT_S, limits=NO_LIMITS)
     try:
         # The tower comes twice: a timeout is never cached, so the second one is verified (and killed)
-        # again. The normal completions differ, so each one is served by a process, not the cache.
-        normal = ["so it is \\boxed{7}", "it is \\boxed{7}", "\\boxed{7}, it is"]
-        for hostile, completion in zip((HOSTILE_TOWER, HOSTILE_MEGABYTE, HOSTILE_TOWER), normal):
+        # again. The normal completions differ and are no plain numbers, so each one is served by a
+        # process (not the cache, not the fast path).
+        normal = ["so it is \\boxed{\\frac{14}{2}}", "it is \\boxed{3+4}", "\\boxed{\\frac{21}{3}}, it is"]
+        for hostile, completion in zip((HOSTILE_TOWER, HOSTILE_MEGABYTE, EVASIVE_TOWER), normal):
             start = time.monotonic()
             assert verifier.score_sync([hostile], "7") == [TIMEOUT]
             assert time.monotonic() - start < HOSTILE_TIMEOUT_S + DEADLINE_SLACK_S
             assert verifier.score_sync([completion], "7") == [CORRECT]
         stats = verifier.stats()
         assert (stats["timeouts"], stats["restarts"], stats["failed"], stats["scored"]) == (3, 3, 3, 6)
-        assert stats["cache_hits"] == 0
+        assert (stats["cache_hits"], stats["fast_path"], stats["rejected"]) == (0, 0, 0)
         assert len(_pool_children() - before) == 1
     finally:
         verifier.close()
@@ -235,11 +257,198 @@ def test_hostile_outputs_time_out_and_the_replacement_serves() -> None:
 
 
 def test_normal_samples_flow_beside_timeouts() -> None:
-    """Two processes, a hostile sample in the same call: the others are scored right, in order."""
+    """Two processes, an evasive hostile sample in the same call: the others are scored right, in order."""
     with VerifierPool(num_processes=2, timeout_s=HOSTILE_TIMEOUT_S) as verifier:
-        results = asyncio.run(verifier.score([HOSTILE_TOWER, "\\boxed{7}", "\\boxed{8}", "7"], "7"))
+        results = asyncio.run(verifier.score([EVASIVE_TOWER, "\\boxed{\\frac{14}{2}}", "\\boxed{3+5}", "3+4=7"], "7"))
         assert results == [TIMEOUT, CORRECT, WRONG, CORRECT]
         assert verifier.stats()["timeouts"] == 1
+
+
+def test_a_running_hostile_sample_does_not_hold_back_other_calls() -> None:
+    """While one process is stuck on a hostile sample (60 s deadline), another call's samples are
+    all scored by the other process: the call returns while the hostile one is still running."""
+    before = _pool_children()
+    normal = ["\\boxed{\\frac{14}{2}}", "\\boxed{3+4}", "so $\\sqrt{49}$", "\\boxed{\\frac{1}{2}}", "3+4=7", "\\boxed{x}"]
+    with VerifierPool(num_processes=2, timeout_s=LONG_TIMEOUT_S) as verifier:
+        pids = _pool_children() - before
+
+        async def both() -> None:
+            hostile = asyncio.ensure_future(verifier.score([EVASIVE_TOWER], "7"))
+            await asyncio.sleep(0)  # the hostile sample is queued first
+            assert _graded(await verifier.score(normal, "7")) == [(1.0, False)] * 3 + [(0.0, False), (1.0, False), (0.0, False)]
+            assert not hostile.done()
+            for pid in pids:  # end the stuck process now rather than waiting out its deadline
+                os.kill(pid, signal.SIGKILL)
+            (result,) = await hostile
+            assert result.failed and result.error.startswith("verify_error: verifier process died")
+
+        asyncio.run(both())
+        assert verifier.stats()["timeouts"] == 0
+
+
+def test_known_hostile_shapes_are_rejected_without_a_process() -> None:
+    """One process and a 60 s deadline: had any of these reached math-verify, the call would end
+    in a timeout. They are rejected with the cap they broke, and counted."""
+    deep = "\\boxed{" + "(" * 9 + "1" + ")" * 9 + "}"
+    long_box = "\\boxed{" + "1+" * 300 + "1}"
+    plain_tower = "so 2**3**4**5"
+    hostile = [HOSTILE_TOWER, HOSTILE_MEGABYTE, "$" + "x" * 1_000_000 + "$", deep, long_box, plain_tower]
+    with VerifierPool(num_processes=1, timeout_s=LONG_TIMEOUT_S) as verifier:
+        results = verifier.score_sync([*hostile, "\\boxed{\\frac{14}{2}}", "\\boxed{7}"], "7")
+        assert results[-2:] == [CORRECT, CORRECT]
+        errors = [r.error for r in results[:-2]]
+        assert all(r.failed and r.reward == 0.0 for r in results[:-2])
+        assert errors == [
+            "rejected: boxed answer exponent tower height 4 exceeds max_exponent_tower=2",
+            "rejected: completion length 1000009 exceeds max_completion_chars=131072",
+            "rejected: completion length 1000002 exceeds max_completion_chars=131072",
+            "rejected: boxed answer nesting depth 9 exceeds max_nesting_depth=8",
+            "rejected: boxed answer length 601 exceeds max_answer_chars=512",
+            "rejected: completion exponent tower height 3 exceeds max_exponent_tower=2",
+        ]
+        stats = verifier.stats()
+        assert (stats["rejected"], stats["failed"], stats["fast_path"], stats["scored"]) == (6, 6, 1, 8)
+        assert (stats["timeouts"], stats["restarts"]) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("text", "height"),
+    [
+        ("7", 0),
+        ("x^2+y^2", 1),
+        ("2^3+4^5", 1),
+        ("e^{i\\pi}", 1),
+        ("{5^5}^5", 1),
+        ("2^{2^n}", 2),
+        ("e^{-x^{2}}", 2),
+        ("9^{9^{9}}", 2),
+        ("5^{5^{5^5}}", 3),
+        ("5^{5^{5^{5^5}}}", 4),
+        ("2**3**4**5", 3),
+        ("5 ** (5 ** (5 ** 5))", 3),
+        ("a^b ^c", 2),
+        ("(2^{3})^{4} + 2^{3^{4}}", 2),
+    ],
+)
+def test_exponent_tower_height(text: str, height: int) -> None:
+    assert exponent_tower_height(text) == height
+
+
+@pytest.mark.parametrize(
+    ("text", "depth"),
+    [("7", 0), ("\\frac{1}{2}", 1), ("\\frac{\\sqrt{3}}{2}", 2), ("\\left(\\frac{1}{2}, 3\\right)", 2),
+     ("[0, 1)", 1), ("1) 2) (3", 1), ("((()))", 3), ("\\{1, \\{2\\}\\}", 2)],
+)
+def test_nesting_depth(text: str, depth: int) -> None:
+    assert nesting_depth(text) == depth
+
+
+def test_each_cap_rejects_just_above_itself_and_passes_at_it() -> None:
+    limits = AnswerLimits(max_completion_chars=40, max_answer_chars=10, max_nesting_depth=2, max_exponent_tower=1)
+    at_caps = ["x" * 40, "\\boxed{" + "1" * 10 + "}", "\\boxed{((1))}", "\\boxed{2^{10}}"]
+    over_caps = ["x" * 41, "\\boxed{" + "1" * 11 + "}", "\\boxed{(((1)))}", "\\boxed{2^{2^3}}"]
+    assert [precheck(text, limits) for text in at_caps] == [None] * 4
+    errors = [precheck(text, limits).error for text in over_caps]
+    assert [e.split(":")[0] for e in errors] == ["rejected"] * 4
+    for error, cap in zip(errors, ("max_completion_chars=40", "max_answer_chars=10", "max_nesting_depth=2", "max_exponent_tower=1")):
+        assert cap in error
+    # Outside the box, only the completion's length counts: math-verify parses the box alone.
+    assert precheck("(((((( 5^{5^{5^5}} \\boxed{7}", limits) is None
+    # Without a box the whole text is the answer, so its nesting and towers count.
+    assert "max_nesting_depth" in precheck("(((7", limits).error
+
+
+# Plain-number pairs (answer, gold) whose verdicts math-verify decides (the test compares).
+PLAIN_PAIRS = [
+    ("7", "7"), ("7", "8"), ("7.0", "7"), ("7", "7.00"), ("0.5", "0.50"), ("0.5", "0.05"), ("-3", "-3"), ("-3", "3"),
+    ("0", "-0"), ("-0.0", "0"), ("10", "1"), ("100", "100.000000"), ("0.000001", "0.000002"), ("0.000001", "0"),
+    ("999999999999999", "999999999999999"), ("999999999999999", "999999999999998"), ("123456789.123456", "123456789.123456"),
+    ("123456789.123456", "123456789.123457"), ("12345678901234.5", "12345678901234.5"), ("2.5", "2.50000"), ("1", "1.000001"),
+]
+# Inputs the fast path must leave to math-verify: not plain, or where math-verify is not exact equality.
+NOT_PLAIN = ["1/2", "\\frac{1}{2}", "1,000", "1e6", "007", ".5", "5.", "+7", "7%", "x", "", "- 7", "0.1234567",
+             "7.0000001", "1234567890123456", "3\\,000", "$7$", "7 apples"]
+
+
+def _random_plain_pairs(count: int, seed: int) -> list[tuple[str, str]]:
+    """Near misses and equal values written differently: ints, decimals, negatives, trailing zeros."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(count):
+        decimals = rng.choice([0, 0, 1, 2, 3, 6])
+        value = rng.randint(-10**9, 10**9) / 10**decimals
+        gold = f"{value:.{decimals}f}"
+        kind = rng.choice(["same", "padded", "nudged"])
+        if kind == "same":
+            answer = gold
+        elif kind == "padded":
+            answer = f"{value:.{decimals + rng.randint(0, 6 - decimals)}f}" if decimals < 6 else gold
+        else:
+            answer = f"{value + rng.choice([-1, 1]) / 10**decimals:.{decimals}f}"
+        pairs.append((answer, gold))
+    return pairs
+
+
+def _math_verify_reward(completion: str, gold: str) -> float:
+    """math-verify's own verdict, the independent reference: the gold wrapped in $...$ as the pool
+    reads a bare gold answer, the completion parsed whole."""
+    from math_verify import parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled" warnings
+    gold_parsed = parse(f"${gold}$", parsing_timeout=None)
+    predicted = parse(completion, parsing_timeout=None)
+    return 1.0 if verify(gold_parsed, predicted, timeout_seconds=None) else 0.0
+
+
+def test_plain_number_fast_path_agrees_with_math_verify() -> None:
+    pairs = PLAIN_PAIRS + _random_plain_pairs(120, seed=0)
+    checked = 0
+    for answer, gold in pairs:
+        for completion in (f"so the answer is \\boxed{{{answer}}}", answer):
+            fast = quick_verdict(completion, gold)
+            assert fast is not None, (completion, gold)
+            assert (fast.reward, fast.failed) == (_math_verify_reward(completion, gold), False), (completion, gold)
+            checked += 1
+    assert checked == 2 * len(pairs)
+    # Both verdicts occur, so a fast path that always said "equal" (or "different") would fail.
+    assert {quick_verdict(a, g).reward for a, g in PLAIN_PAIRS} == {0.0, 1.0}
+
+
+@pytest.mark.parametrize("text", NOT_PLAIN)
+def test_fast_path_leaves_other_inputs_to_math_verify(text: str) -> None:
+    assert plain_number_verdict(text, "7") is None
+    assert plain_number_verdict("7", text) is None
+
+
+def test_shortcuts_never_change_a_verdict_on_ordinary_inputs() -> None:
+    """score_completion (pre-checks, fast path, math-verify) == math-verify alone, case by case."""
+    # Equal values written differently (the fast path decides them) and near misses it leaves alone.
+    extra = [("\\boxed{7.00}", "7"), ("0.50", "0.5"), ("\\boxed{-0}", "0"), ("\\boxed{7.0000001}", "7"),
+             ("\\boxed{0.1234567}", "0.1234568"), ("\\boxed{1,000}", "1000")]
+    cases = [(c, g) for c, g, _ in GRADED_CASES + LONG_TEXT_CASES] + extra
+    for completion, gold in cases:
+        assert score_completion(completion, gold) == verify_with_math_verify(completion, gold), (completion, gold)
+
+
+def test_without_the_fast_path_plain_numbers_go_to_math_verify() -> None:
+    with VerifierPool(num_processes=1, timeout_s=NORMAL_TIMEOUT_S, fast_path=False) as verifier:
+        assert verifier.score_sync(["\\boxed{7.0}", "8", "\\boxed{5^{5^{5^5}}}"], "7") == [
+            CORRECT, WRONG, RewardResult(reward=0.0, failed=True, error="rejected: boxed answer exponent tower height 3 exceeds max_exponent_tower=2"),
+        ]
+        stats = verifier.stats()
+        assert (stats["fast_path"], stats["rejected"], stats["scored"]) == (0, 1, 3)
+
+
+def test_pool_config_defaults_and_validation(monkeypatch) -> None:
+    assert VerifierPoolConfig().limits == DEFAULT_LIMITS
+    for cores, expected in ((1, 2), (2, 2), (8, 8), (100, 32)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert default_num_processes() == expected
+    for bad in ({"num_processes": 0}, {"timeout_s": 0.0}, {"timeout_s": float("inf")}, {"cache_size": -1}):
+        with pytest.raises(ValueError, match=f"VerifierPoolConfig.{next(iter(bad))}"):
+            VerifierPoolConfig(**bad)
+    with pytest.raises(ValueError, match="AnswerLimits.max_nesting_depth"):
+        AnswerLimits(max_nesting_depth=0)
 
 
 def test_process_killed_mid_sample_is_reported_and_replaced() -> None:
@@ -249,14 +458,14 @@ def test_process_killed_mid_sample_is_reported_and_replaced() -> None:
         results: list[RewardResult] = []
 
         async def kill_while_scoring() -> None:
-            task = asyncio.ensure_future(verifier.score([HOSTILE_TOWER], "7"))
+            task = asyncio.ensure_future(verifier.score([EVASIVE_TOWER], "7"))
             await asyncio.sleep(0.5)  # the tower keeps the process busy for far longer than this
             os.kill(pid, signal.SIGKILL)
             results.extend(await task)
 
         asyncio.run(kill_while_scoring())
         assert results == [RewardResult(reward=0.0, failed=True, error=f"verify_error: verifier process died (exit code {-signal.SIGKILL})")]
-        assert verifier.score_sync(["\\boxed{7}"], "7") == [CORRECT]
+        assert verifier.score_sync(["\\boxed{\\frac{14}{2}}"], "7") == [CORRECT]
         stats = verifier.stats()
         assert (stats["crashes"], stats["verify_errors"], stats["restarts"]) == (1, 1, 1)
 

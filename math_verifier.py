@@ -18,12 +18,13 @@ Before a completion reaches a process, the pool answers two kinds of input itsel
 caller's thread (`quick_verdict`, the same rules in `score_completion`; ~0.1-0.3 ms for a
 4k-character completion, ~7 ms at the 131k-character cap):
     - pre-checks (AnswerLimits): a completion longer than `max_completion_chars`, a boxed
-      answer longer than `max_answer_chars`, brackets nested deeper than `max_nesting_depth`
-      or an exponent tower higher than `max_exponent_tower` (`5^{5^{5^5}}`, `2**3**4**5`) is
-      rejected: reward 0, failed, error "rejected: <which cap>". These are the shapes that hang
-      math-verify (measured: 20 nested parentheses ~4 s, a 20k-character $x...x$ span or 20
-      nested braces over 15 s, a 4-level tower indefinitely), so they never cost a deadline
-      and a process restart;
+      answer longer than `max_answer_chars`, brackets nested deeper than `max_nesting_depth`,
+      an exponent tower higher than `max_exponent_tower` (`5^{5^{5^5}}`, `2**3**4**5`) or a
+      numeric power of more than `max_power_digits` digits (`9^{9^{9}}`) is rejected: reward 0,
+      failed, error "rejected: <measure> exceeds <cap>". These shapes hang math-verify
+      (measured: 20 nested parentheses ~4 s, 20 nested braces over 15 s, a tower or a huge
+      power indefinitely), and rejected they cost neither a deadline nor a process restart.
+      A 20k-character `$x...x$` span (6.8 s) still passes: the deadline is for such shapes;
     - the plain-number fast path: when the extracted answer and the gold answer are both plain
       numerals ("-12", "3.50": no sign other than a leading minus, no leading zeros, at most
       15 digits and 6 decimals, where math-verify's comparison is exact), they are compared
@@ -136,6 +137,15 @@ _TOWER_TOKEN = re.compile(r"\*\*|\^|[{}()\[\]]|\*|[^*^{}()\[\]]+")
 # A run that is a single atom (a number, a name or a LaTeX command, whitespace around it): right
 # after a power it is the whole exponent, and a power right after it stacks on it (2**3**4).
 _ATOM = re.compile(r"\s*[A-Za-z0-9.\\]+\s*")
+# A numeric power: an integer base, `^` or `**`, an integer exponent (bare or in braces, maybe
+# negative: sympy computes 3^-N exactly too) that no further power follows (2**3**4 is 2**(3**4):
+# the rightmost power of a chain folds first).
+_NUMERIC_POWER = re.compile(r"(\d+)\s*(?:\^|\*\*)\s*(?:\{\s*(-?\d+)\s*\}|(-?\d+)(?!\d|\s*(?:\^|\*\*)))")
+# Numeric powers up to this many digits are folded into their value, so an outer power sees its
+# real exponent (9^{9^{9}} is 9^387420489); a larger inner power becomes _HUGE_EXPONENT, which
+# makes any outer power with a base >= 2 far exceed every sensible max_power_digits.
+_FOLD_DIGITS = 18
+_HUGE_EXPONENT = str(10**_FOLD_DIGITS)
 # A plain numeral: optional minus, no leading zeros, optional decimals. Within _MAX_PLAIN_DIGITS
 # and _MAX_PLAIN_DECIMALS, math-verify's verdict on two of them is exact equality: integers are
 # compared exactly, and a decimal becomes a float of 15 significant digits that it rounds to 6
@@ -192,11 +202,15 @@ class AnswerLimits:
     max_exponent_tower: int = 2
     """Highest exponent tower: `x^2` is 1, `2^{2^n}` 2, `5^{5^{5^5}}` and `2**3**4**5` 3. sympy
     evaluates numeric powers exactly, so a 3-level numeric tower has more digits than memory
-    holds and hangs the verifier; a 2-level one with large numbers (`9^{9^9}`) still passes this
-    check and is left to the deadline."""
+    holds and hangs the verifier."""
+    max_power_digits: int = 1_000_000
+    """Most decimal digits of a numeric power (exponent x log10(base), inner powers folded first):
+    `\\boxed{9^{9^{9}}}` (3.7e8 digits) hangs math-verify, `3^{1000000}` (477k digits) took 0.18 s
+    (measured), `2^{2023}` is 609."""
 
     def __post_init__(self) -> None:
-        for name in ("max_completion_chars", "max_answer_chars", "max_nesting_depth", "max_exponent_tower"):
+        for name in ("max_completion_chars", "max_answer_chars", "max_nesting_depth", "max_exponent_tower",
+                     "max_power_digits"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"AnswerLimits.{name} must be an int >= 1, got {value!r}")
@@ -348,6 +362,40 @@ def exponent_tower_height(text: str) -> int:
     return highest
 
 
+def _log10(digits: str) -> float:
+    """log10 of a non-negative integer written in decimal, for any length (int() refuses more
+    than 4,300 digits); 0 for 0 and 1, whose powers stay small."""
+    digits = digits.lstrip("0") or "0"
+    if len(digits) <= _FOLD_DIGITS:
+        return math.log10(int(digits)) if int(digits) > 1 else 0.0
+    return len(digits) - _FOLD_DIGITS + math.log10(int(digits[:_FOLD_DIGITS]))
+
+
+def numeric_power_digits(text: str, passes: int) -> float:
+    """Decimal digits of the largest numeric power in text (`3^{20}`, `2**-7`), numeric towers
+    folded from the inside out over at most `passes` passes: `9^{9^{9}}` is 9^387420489, 3.7e8
+    digits. Powers of a name (`x^{10}`) do not count. Never computes a large number."""
+    largest = 0.0
+
+    def fold(match: re.Match) -> str:
+        nonlocal largest
+        base = match.group(1).lstrip("0") or "0"
+        exponent = (match.group(2) or match.group(3)).lstrip("-").lstrip("0") or "0"
+        digits = math.inf if _log10(exponent) > _FOLD_DIGITS else int(exponent) * _log10(base)
+        largest = max(largest, digits)
+        if digits > _FOLD_DIGITS:
+            return _HUGE_EXPONENT
+        # A small power becomes its value, so that an outer power sees its real exponent
+        # (a 1/x from a negative exponent counts as x: only the size matters).
+        return "1" if exponent == "0" else str(int(base) ** int(exponent))
+
+    for _ in range(passes):
+        text, folded = _NUMERIC_POWER.subn(fold, text)
+        if not folded:
+            break
+    return largest
+
+
 def extract_answer(completion: str) -> tuple[str, bool]:
     """(the text math-verify will parse, whether it is a box's content): the last complete
     \\boxed{}'s content, else the whole completion (see the module docstring)."""
@@ -370,6 +418,10 @@ def precheck(completion: str, limits: AnswerLimits = DEFAULT_LIMITS) -> RewardRe
     height = exponent_tower_height(answer)
     if height > limits.max_exponent_tower:
         return _rejected(f"{what} exponent tower height {height}", "max_exponent_tower", limits)
+    # Towers are at most `height` high here, so that many folding passes see every level.
+    digits = numeric_power_digits(answer, passes=height)
+    if digits > limits.max_power_digits:
+        return _rejected(f"{what} numeric power of {digits:.3g} digits", "max_power_digits", limits)
     return None
 
 

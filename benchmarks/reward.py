@@ -8,7 +8,7 @@ The workload imitates generation workers: prompts with a gold answer, each sendi
 short answers ("... \\boxed{42}") or ~4k-character step-by-step reasoning texts ending in an
 answer, half of them right; a `hostile_fraction` of them are outputs that hang math-verify (an
 exponent tower, a megabyte of LaTeX), which the pool's pre-checks reject, and an
-`evasive_fraction` are outputs that pass the pre-checks and still hang it (`\\boxed{9^{9^{9}}}`),
+`evasive_fraction` are outputs that pass the pre-checks and still hang it (a 20k-character `$x...x$`),
 which only the deadline stops. Every reward is checked against the answer the completion was
 built with; every hostile one must come back failed ("rejected" or "timeout").
 
@@ -51,9 +51,10 @@ _HOSTILE_OUTPUTS = (
     "\\boxed{" + "1+" * 500_000 + "1}",
     "$" + "x" * 1_000_000 + "$",
 )
-# A 2-level numeric tower: within every pre-check cap, and math-verify still hangs on it (sympy
-# computes 9^387420489 exactly), so only the deadline stops it.
-_EVASIVE_OUTPUT = "\\boxed{9^{9^{9}}}"
+# A 20k-character LaTeX span without a box: within every pre-check cap (no box, no nesting, no
+# power, far below max_completion_chars), and math-verify still spends seconds on it (6.8 s
+# measured), so only the deadline stops it.
+_EVASIVE_OUTPUT = "$" + "x" * 20_000 + "$"
 _FAILED_KINDS = ("rejected", "timeout")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import multiprocessing
 import os
 import random
@@ -28,6 +29,7 @@ from math_verifier import (
     get_or_create_verifier_pool,
     last_boxed,
     nesting_depth,
+    numeric_power_digits,
     plain_number_verdict,
     plan_verifier_shards,
     precheck,
@@ -49,11 +51,12 @@ DEADLINE_SLACK_S = 5.0
 # Above math-verify's own recursion and regex limits: parsing it hangs for far longer than a deadline.
 HOSTILE_MEGABYTE = "\\boxed{" + "1+" * 500_000 + "1}"
 HOSTILE_TOWER = "\\boxed{5^{5^{5^{5^5}}}}"
-# Within every pre-check cap, yet math-verify hangs on it (sympy computes 9^387420489 exactly):
-# what the deadline is still for. Seen running past 8 s on this machine.
-EVASIVE_TOWER = "\\boxed{9^{9^{9}}}"
+# Within the tower cap (height 2), yet math-verify hangs on it (sympy computes 9^387420489
+# exactly; seen running past 8 s): the power-digits cap catches it.
+NUMERIC_TOWER = "\\boxed{9^{9^{9}}}"
 # Pre-checks off: lets the known hostile shapes reach a process, to test the deadline on them.
-NO_LIMITS = AnswerLimits(max_completion_chars=2**40, max_answer_chars=2**40, max_nesting_depth=2**40, max_exponent_tower=2**40)
+NO_LIMITS = AnswerLimits(max_completion_chars=2**40, max_answer_chars=2**40, max_nesting_depth=2**40,
+                         max_exponent_tower=2**40, max_power_digits=10**30)
 # Deadline of the test where a hostile sample must still be running when the others are done:
 # far longer than a few ordinary verifications take on any machine; the test kills it instead.
 LONG_TIMEOUT_S = 60.0
@@ -240,7 +243,7 @@ def test_hostile_outputs_time_out_and_the_replacement_serves() -> None:
         # again. The normal completions differ and are no plain numbers, so each one is served by a
         # process (not the cache, not the fast path).
         normal = ["so it is \\boxed{\\frac{14}{2}}", "it is \\boxed{3+4}", "\\boxed{\\frac{21}{3}}, it is"]
-        for hostile, completion in zip((HOSTILE_TOWER, HOSTILE_MEGABYTE, EVASIVE_TOWER), normal):
+        for hostile, completion in zip((HOSTILE_TOWER, HOSTILE_MEGABYTE, NUMERIC_TOWER), normal):
             start = time.monotonic()
             assert verifier.score_sync([hostile], "7") == [TIMEOUT]
             assert time.monotonic() - start < HOSTILE_TIMEOUT_S + DEADLINE_SLACK_S
@@ -257,23 +260,24 @@ def test_hostile_outputs_time_out_and_the_replacement_serves() -> None:
 
 
 def test_normal_samples_flow_beside_timeouts() -> None:
-    """Two processes, an evasive hostile sample in the same call: the others are scored right, in order."""
-    with VerifierPool(num_processes=2, timeout_s=HOSTILE_TIMEOUT_S) as verifier:
-        results = asyncio.run(verifier.score([EVASIVE_TOWER, "\\boxed{\\frac{14}{2}}", "\\boxed{3+5}", "3+4=7"], "7"))
+    """Two processes, a hostile sample (pre-checks off) in the same call: the others are scored
+    right, in order."""
+    with VerifierPool(num_processes=2, timeout_s=HOSTILE_TIMEOUT_S, limits=NO_LIMITS) as verifier:
+        results = asyncio.run(verifier.score([HOSTILE_TOWER, "\\boxed{\\frac{14}{2}}", "\\boxed{3+5}", "3+4=7"], "7"))
         assert results == [TIMEOUT, CORRECT, WRONG, CORRECT]
         assert verifier.stats()["timeouts"] == 1
 
 
 def test_a_running_hostile_sample_does_not_hold_back_other_calls() -> None:
-    """While one process is stuck on a hostile sample (60 s deadline), another call's samples are
+    """While one process is stuck on a hostile sample (pre-checks off, 60 s deadline), another call's samples are
     all scored by the other process: the call returns while the hostile one is still running."""
     before = _pool_children()
     normal = ["\\boxed{\\frac{14}{2}}", "\\boxed{3+4}", "so $\\sqrt{49}$", "\\boxed{\\frac{1}{2}}", "3+4=7", "\\boxed{x}"]
-    with VerifierPool(num_processes=2, timeout_s=LONG_TIMEOUT_S) as verifier:
+    with VerifierPool(num_processes=2, timeout_s=LONG_TIMEOUT_S, limits=NO_LIMITS) as verifier:
         pids = _pool_children() - before
 
         async def both() -> None:
-            hostile = asyncio.ensure_future(verifier.score([EVASIVE_TOWER], "7"))
+            hostile = asyncio.ensure_future(verifier.score([HOSTILE_TOWER], "7"))
             await asyncio.sleep(0)  # the hostile sample is queued first
             assert _graded(await verifier.score(normal, "7")) == [(1.0, False)] * 3 + [(0.0, False), (1.0, False), (0.0, False)]
             assert not hostile.done()
@@ -292,7 +296,7 @@ def test_known_hostile_shapes_are_rejected_without_a_process() -> None:
     deep = "\\boxed{" + "(" * 9 + "1" + ")" * 9 + "}"
     long_box = "\\boxed{" + "1+" * 300 + "1}"
     plain_tower = "so 2**3**4**5"
-    hostile = [HOSTILE_TOWER, HOSTILE_MEGABYTE, "$" + "x" * 1_000_000 + "$", deep, long_box, plain_tower]
+    hostile = [HOSTILE_TOWER, HOSTILE_MEGABYTE, "$" + "x" * 1_000_000 + "$", deep, long_box, plain_tower, NUMERIC_TOWER]
     with VerifierPool(num_processes=1, timeout_s=LONG_TIMEOUT_S) as verifier:
         results = verifier.score_sync([*hostile, "\\boxed{\\frac{14}{2}}", "\\boxed{7}"], "7")
         assert results[-2:] == [CORRECT, CORRECT]
@@ -305,9 +309,10 @@ def test_known_hostile_shapes_are_rejected_without_a_process() -> None:
             "rejected: boxed answer nesting depth 9 exceeds max_nesting_depth=8",
             "rejected: boxed answer length 601 exceeds max_answer_chars=512",
             "rejected: completion exponent tower height 3 exceeds max_exponent_tower=2",
+            "rejected: boxed answer numeric power of 3.7e+08 digits exceeds max_power_digits=1000000",
         ]
         stats = verifier.stats()
-        assert (stats["rejected"], stats["failed"], stats["fast_path"], stats["scored"]) == (6, 6, 1, 8)
+        assert (stats["rejected"], stats["failed"], stats["fast_path"], stats["scored"]) == (7, 7, 1, 9)
         assert (stats["timeouts"], stats["restarts"]) == (0, 0)
 
 
@@ -335,6 +340,23 @@ def test_exponent_tower_height(text: str, height: int) -> None:
 
 
 @pytest.mark.parametrize(
+    ("text", "digits"),
+    [
+        ("x^{10}", 0.0),
+        ("2^{10}", 10 * math.log10(2)),
+        ("3^{-20}", 20 * math.log10(3)),
+        ("2**3**4", 81 * math.log10(2)),  # 2**(3**4): the chain folds from the right
+        ("9^{9^{9}}", 9**9 * math.log10(9)),
+        ("x^{10^9}", 9.0),
+        ("1^{99999999999} + 0^{5}", 0.0),
+        ("2^{" + "9" * 5000 + "}", math.inf),  # an exponent int() would refuse to read
+    ],
+)
+def test_numeric_power_digits(text: str, digits: float) -> None:
+    assert numeric_power_digits(text, passes=2) == pytest.approx(digits)
+
+
+@pytest.mark.parametrize(
     ("text", "depth"),
     [("7", 0), ("\\frac{1}{2}", 1), ("\\frac{\\sqrt{3}}{2}", 2), ("\\left(\\frac{1}{2}, 3\\right)", 2),
      ("[0, 1)", 1), ("1) 2) (3", 1), ("((()))", 3), ("\\{1, \\{2\\}\\}", 2)],
@@ -344,13 +366,16 @@ def test_nesting_depth(text: str, depth: int) -> None:
 
 
 def test_each_cap_rejects_just_above_itself_and_passes_at_it() -> None:
-    limits = AnswerLimits(max_completion_chars=40, max_answer_chars=10, max_nesting_depth=2, max_exponent_tower=1)
-    at_caps = ["x" * 40, "\\boxed{" + "1" * 10 + "}", "\\boxed{((1))}", "\\boxed{2^{10}}"]
-    over_caps = ["x" * 41, "\\boxed{" + "1" * 11 + "}", "\\boxed{(((1)))}", "\\boxed{2^{2^3}}"]
-    assert [precheck(text, limits) for text in at_caps] == [None] * 4
+    limits = AnswerLimits(max_completion_chars=40, max_answer_chars=10, max_nesting_depth=2, max_exponent_tower=1,
+                          max_power_digits=10)
+    at_caps = ["x" * 40, "\\boxed{" + "1" * 10 + "}", "\\boxed{((1))}", "\\boxed{2^{x}}", "\\boxed{10^{10}}"]
+    over_caps = ["x" * 41, "\\boxed{" + "1" * 11 + "}", "\\boxed{(((1)))}", "\\boxed{2^{2^x}}", "\\boxed{10^{11}}"]
+    caps = ("max_completion_chars=40", "max_answer_chars=10", "max_nesting_depth=2", "max_exponent_tower=1",
+            "max_power_digits=10")
+    assert [precheck(text, limits) for text in at_caps] == [None] * len(caps)
     errors = [precheck(text, limits).error for text in over_caps]
-    assert [e.split(":")[0] for e in errors] == ["rejected"] * 4
-    for error, cap in zip(errors, ("max_completion_chars=40", "max_answer_chars=10", "max_nesting_depth=2", "max_exponent_tower=1")):
+    assert [e.split(":")[0] for e in errors] == ["rejected"] * len(caps)
+    for error, cap in zip(errors, caps):
         assert cap in error
     # Outside the box, only the completion's length counts: math-verify parses the box alone.
     assert precheck("(((((( 5^{5^{5^5}} \\boxed{7}", limits) is None
@@ -453,12 +478,12 @@ def test_pool_config_defaults_and_validation(monkeypatch) -> None:
 
 def test_process_killed_mid_sample_is_reported_and_replaced() -> None:
     before = _pool_children()
-    with VerifierPool(num_processes=1, timeout_s=60.0) as verifier:
+    with VerifierPool(num_processes=1, timeout_s=60.0, limits=NO_LIMITS) as verifier:
         (pid,) = _pool_children() - before
         results: list[RewardResult] = []
 
         async def kill_while_scoring() -> None:
-            task = asyncio.ensure_future(verifier.score([EVASIVE_TOWER], "7"))
+            task = asyncio.ensure_future(verifier.score([HOSTILE_TOWER], "7"))
             await asyncio.sleep(0.5)  # the tower keeps the process busy for far longer than this
             os.kill(pid, signal.SIGKILL)
             results.extend(await task)

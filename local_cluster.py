@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -150,20 +151,41 @@ class LocalCluster:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def start_workers(self) -> None:
-        """Dispatch every configured worker and wait until each has registered."""
+    def dispatcher_args(self, kind: str) -> list[str]:
+        """worker_dispatcher.py's flags for one worker of `kind` ('generation' or 'logprob')."""
         c = self.config
         common = ["--model_path", c.model_path, "--dtype", c.dtype]
-        for i in range(c.generation_workers):
-            self._dispatch(f"generation-{i}", common + [
+        if kind == "generation":
+            return common + [
                 "--mode", "generation", "--tensor_parallel_size", "1", "--max_num_seqs", str(c.max_num_seqs),
                 "--global_num_verifiers", str(c.global_num_verifiers),
                 "--kv_cache_memory_bytes", str(c.kv_cache_memory_bytes), "--max_model_len", str(c.max_model_len),
-            ])
+            ]
+        if kind == "logprob":
+            return common + ["--mode", "logprob", "--max_tokens_per_gpu", str(c.max_tokens_per_gpu)]
+        raise ValueError(f"unknown worker kind {kind!r}")
+
+    def add_worker_command(self, kind: str) -> str:
+        """The shell command that adds one more worker of `kind` to this running cluster, from any
+        shell on this machine: the head's address, loopback-only Ray (without it a new process
+        looks for the head on the routable address and retries forever) and this repository."""
+        env = {**LOOPBACK_ONLY_ENV, "RAY_ADDRESS": self.address, "PYTHONPATH": str(REPO_ROOT)}
+        words = [*(f"{k}={v}" for k, v in env.items()), sys.executable, str(REPO_ROOT / "worker_dispatcher.py"),
+                 *self.dispatcher_args(kind)]
+        return shlex.join(words)
+
+    def start_workers(self) -> None:
+        """Dispatch every configured worker, wait until each has registered, and print how to add more."""
+        c = self.config
+        for i in range(c.generation_workers):
+            self._dispatch(f"generation-{i}", self.dispatcher_args("generation"))
         for i in range(c.logprob_workers):
-            self._dispatch(f"logprob-{i}", common + ["--mode", "logprob", "--max_tokens_per_gpu", str(c.max_tokens_per_gpu)])
+            self._dispatch(f"logprob-{i}", self.dispatcher_args("logprob"))
         for label, process, log in self._dispatchers:
             self._wait_registered(label, process, log)
+        for kind, count in (("generation", c.generation_workers), ("logprob", c.logprob_workers)):
+            if count:
+                logger.info("to add a %s worker to this cluster, run:\n  %s", kind, self.add_worker_command(kind))
 
     def _dispatch(self, label: str, args: list[str]) -> None:
         log = Path(self.config.log_dir) / f"{label}_worker.log"
@@ -265,13 +287,27 @@ def main(argv: list[str] | None = None) -> int:
     if not config.run_dir:
         raise SystemExit("local_cluster.py: --run_dir is required (the trainer's run directory)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    trainer_args = ["--run_dir", config.run_dir, "--model.model_path", config.model_path, *trainer_args]
+    check_trainer_inputs(trainer_args)
     _interrupt_on_sigterm()
     with LocalCluster(config) as cluster:
         cluster.start_workers()
-        return cluster.run_trainer(
-            ["--run_dir", config.run_dir, "--model.model_path", config.model_path, *trainer_args],
-            config.nproc_per_node,
-        )
+        return cluster.run_trainer(trainer_args, config.nproc_per_node)
+
+
+def check_trainer_inputs(trainer_args: list[str]) -> None:
+    """Load the trainer's config, model folder, prompts and evaluation file as the trainer will,
+    before Ray or any worker starts; exit 2 with one line on the first problem."""
+    from trainer_core import CONFIG_ERROR_EXIT, InputError, load_run_inputs, load_trainer_config
+
+    started = time.monotonic()
+    trainer_config = load_trainer_config(trainer_args)  # prints its one line and exits 2 itself
+    try:
+        inputs = load_run_inputs(trainer_config, with_evaluator=True)
+    except InputError as error:
+        print(f"local_cluster.py: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(CONFIG_ERROR_EXIT) from None
+    logger.info("trainer inputs checked in %.1f s: %d prompts", time.monotonic() - started, len(inputs.prompts))
 
 
 if __name__ == "__main__":

@@ -63,11 +63,38 @@ class ModelConfig:
             raise ValueError("ModelConfig.attn_implementation must be None or a non-empty name")
 
 
+class ModelPathError(ValueError):
+    """A model path that is not a loadable local Hugging Face folder; the message names the path."""
+
+
+def check_model_dir(model_path: str | Path) -> Path:
+    """The model folder, checked for what from_pretrained needs here, or ModelPathError.
+
+    No hub can be reached, so a path that does not exist would otherwise be taken for a repo id
+    and fail deep inside transformers or vLLM ("Repo id must be in the form ..."); a folder
+    without config.json or safetensors weights fails later still, in a worker. One stat per
+    file: cheap enough to run before every load.
+    """
+    path = Path(model_path)
+    if not path.exists():
+        raise ModelPathError(f"model path {str(model_path)!r} does not exist (a local Hugging Face model folder "
+                             f"is expected: config.json, *.safetensors weights, tokenizer files)")
+    if not path.is_dir():
+        raise ModelPathError(f"model path {str(model_path)!r} is a file; a Hugging Face model folder is expected")
+    if not (path / "config.json").is_file():
+        raise ModelPathError(f"model path {str(model_path)!r} has no config.json, so it is not a Hugging Face "
+                             f"model folder (save one with save_pretrained, or point at the folder holding it)")
+    if not any(path.glob("*.safetensors")):
+        raise ModelPathError(f"model path {str(model_path)!r} has no *.safetensors weights (weights load from "
+                             f"safetensors only; convert .bin checkpoints with save_pretrained(safe_serialization=True))")
+    return path
+
+
 def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:
     """Load the tokenizer the way vLLM does (AutoTokenizer), so both sides tokenize identically."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_path))
+    return AutoTokenizer.from_pretrained(str(check_model_dir(model_path)))
 
 
 def default_attn_implementation(device: torch.device, compute_dtype: torch.dtype = torch.bfloat16) -> str:
@@ -116,6 +143,7 @@ def load_causal_lm(
     """Load a Hugging Face causal LM from safetensors with from_pretrained."""
     from transformers import AutoModelForCausalLM
 
+    check_model_dir(model_path)
     attn = attn_implementation or default_attn_implementation(device)
     if attn == PACKED_SDPA:
         register_packed_sdpa()  # from_pretrained rejects names missing from AttentionInterface
@@ -135,7 +163,7 @@ def meta_causal_lm(model_path: str | Path, *, attn_implementation: str) -> nn.Mo
 
     if attn_implementation == PACKED_SDPA:
         register_packed_sdpa()
-    config = AutoConfig.from_pretrained(str(model_path))
+    config = AutoConfig.from_pretrained(str(check_model_dir(model_path)))
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
 

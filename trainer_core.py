@@ -31,7 +31,7 @@ from ray.actor import ActorHandle
 from torch.optim.lr_scheduler import LRScheduler
 
 from checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from dataset import DatasetConfig, InfiniteDistributedSampler, load_prompts
+from dataset import DatasetConfig, DatasetError, InfiniteDistributedSampler, load_prompts
 from evaluation import EvalConfig, Evaluator
 from fsdp_setup import DistInfo, build_training_model, init_distributed
 from grpo_loss import LossConfig, grpo_loss
@@ -41,7 +41,7 @@ from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, actor_runtime_env, regis
 from run_config import ConfigError, load_config, save_config
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from sampling import SEED_BOUND, SamplingConfig
-from setup_model import ModelConfig, TokenLogprobModel, load_tokenizer
+from setup_model import ModelConfig, ModelPathError, TokenLogprobModel, load_tokenizer
 from vllm_experience_batcher import BatcherConfig, EndOfStep, Minibatch, RayRegistryClient, get_or_create_batcher
 from weight_sync import WeightPusher, resolve_push_dtype
 
@@ -372,10 +372,43 @@ def _restore(config: TrainerConfig, dist: DistInfo, model: torch.nn.Module, opti
     return state.step
 
 
+@dataclass(frozen=True)
+class RunInputs:
+    """What a run reads from disk before it starts anything costly."""
+
+    prompts: list[Sample]
+    """The training prompts, every record validated."""
+    evaluator: Evaluator | None
+    """Held-out evaluation over eval.data (None when evaluation is off or not wanted here)."""
+
+
+class InputError(ValueError):
+    """A model folder, prompt file or evaluation file that cannot be used; one line, naming it."""
+
+
+def load_run_inputs(config: TrainerConfig, *, with_evaluator: bool) -> RunInputs:
+    """Check the model folder and load its tokenizer, every prompt and the evaluation prompts.
+
+    Seconds of work, run before any process group, Ray connection or model build (and by
+    local_cluster.py before any worker starts), so a bad path or a bad line 7 is reported at
+    once instead of after minutes of start-up. Raises InputError with the cause's message.
+    """
+    try:
+        tokenizer = load_tokenizer(config.model.model_path)
+        prompts = load_prompts(config.data, tokenizer)
+        evaluator = (Evaluator.load(config.eval, config.data, config.sampling, tokenizer)
+                     if with_evaluator and config.eval.enabled else None)
+    except (ModelPathError, DatasetError) as err:
+        raise InputError(str(err)) from err
+    return RunInputs(prompts=prompts, evaluator=evaluator)
+
+
 def train(config: TrainerConfig) -> None:
     """Run the GRPO loop: get batch, loss, step, push weights, log, checkpoint."""
+    rank = int(os.environ.get("RANK", "0"))  # torchrun's; init_distributed reads the same variable
+    _setup_logging(rank)
+    inputs = load_run_inputs(config, with_evaluator=rank == 0)
     dist = init_distributed(config.dist_timeout_s)
-    _setup_logging(dist.rank)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if dist.rank == 0:
@@ -383,11 +416,7 @@ def train(config: TrainerConfig) -> None:
     torch.manual_seed(config.seed + dist.rank)
     _connect_ray(config)
 
-    tokenizer = load_tokenizer(config.model.model_path)
-    prompts = load_prompts(config.data, tokenizer)
-    # Loaded before the model is built, so a bad evaluation file fails before any expensive start-up.
-    evaluator = (Evaluator.load(config.eval, config.data, config.sampling, tokenizer)
-                 if dist.rank == 0 and config.eval.enabled else None)
+    prompts, evaluator = inputs.prompts, inputs.evaluator
     sampler = InfiniteDistributedSampler(len(prompts), dist.rank, dist.world_size, config.seed)
     checkpoint = latest_checkpoint(run_dir) if config.resume else None
     # A checkpoint is a full HF model directory: resuming loads the policy straight from it.
@@ -552,6 +581,10 @@ def main(argv: list[str] | None = None) -> None:
     config = load_trainer_config(sys.argv[1:] if argv is None else argv)
     try:
         train(config)
+    except InputError as error:  # each rank finds it; one line per node, no traceback
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"trainer_core.py: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(CONFIG_ERROR_EXIT) from None
     except Exception:
         logging.getLogger(__name__).exception("rank %s failed", os.environ.get("RANK", "0"))
         raise

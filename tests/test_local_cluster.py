@@ -78,3 +78,22 @@ def test_stopping_a_finished_group_is_a_no_op() -> None:
     done.wait()
     stop_process_group(done, grace_s=1.0)
     assert done.returncode == 0
+
+
+def test_the_add_worker_command_joins_this_cluster_on_loopback_and_parses(tmp_path) -> None:
+    import shlex
+
+    from local_cluster import LocalCluster, LocalClusterConfig
+    from run_config import load_config
+    from worker_dispatcher import DispatcherConfig
+
+    cluster = LocalCluster(LocalClusterConfig(model_path=str(tmp_path / "model"), run_dir=str(tmp_path / "run")))
+    cluster.address = "127.0.0.1:6380"  # as __enter__ sets it
+    for kind in ("generation", "logprob"):
+        words = shlex.split(cluster.add_worker_command(kind))
+        env = dict(w.split("=", 1) for w in words[:3])
+        assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and env["RAY_ADDRESS"] == "127.0.0.1:6380"
+        assert words[3] == sys.executable and words[4].endswith("worker_dispatcher.py")
+        parsed = load_config(DispatcherConfig, words[5:])
+        assert parsed.mode == kind and parsed.model_path == str(tmp_path / "model")
+        assert words[5:] == cluster.dispatcher_args(kind)  # the same flags the cluster's own workers got

@@ -15,7 +15,6 @@ loss of all samples at once.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -30,12 +29,12 @@ import torch.distributed as torch_dist
 from ray.actor import ActorHandle
 from torch.optim.lr_scheduler import LRScheduler
 
-from checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, load_checkpoint
 from dataset import DatasetConfig, DatasetError, InfiniteDistributedSampler, load_prompts
 from evaluation import EvalConfig, Evaluator
 from fsdp_setup import DistInfo, build_training_model, init_distributed
 from grpo_loss import LossConfig, grpo_loss
-from metrics import MetricsLogger, StepAccumulator
+from metrics import MetricsLogger, StepAccumulator, StepDataLog
 from optimizer import OptimConfig, build_optimizer, build_scheduler
 from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, actor_runtime_env, registry_name
 from run_config import ConfigError, load_config, save_config
@@ -117,6 +116,13 @@ class TrainerConfig:
     (for AdamW, twice the fp32 weights): turn it off for throwaway runs where host memory is short."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept on disk (older ones are deleted)."""
+    checkpoint_async: bool = False
+    """Write checkpoints on a background thread of rank 0 while training goes on. The loop then
+    blocks only for the snapshot (weights and optimizer state gathered into CPU copies) and, when
+    the previous save is still writing, for that one: one save at a time. Rank 0 holds the copies
+    (for AdamW about 3x the fp32 weights of host memory) until they are written. Still atomic (a
+    tmp directory renamed into place); the trainer waits for the last save before it exits.
+    `timing/checkpoint_s` is the time the loop was blocked by checkpointing, in either mode."""
     resume: bool = False
     """Continue from the latest complete checkpoint in run_dir."""
     seed: int = 0
@@ -234,6 +240,8 @@ class StepParts:
     """Publishes new weights to the inference workers."""
     feeder: PromptFeeder
     """Submits each step's prompts to the batcher."""
+    data_log: StepDataLog | None = None
+    """Where run_step records the prompts each step drew and trained on (None: not recorded)."""
 
 
 def make_weight_pusher(config: TrainerConfig, dist: DistInfo) -> WeightPusher:
@@ -257,13 +265,14 @@ class PromptFeeder:
     order, each step once."""
 
     def __init__(self, prompts: list[Sample], sampler: InfiniteDistributedSampler, batcher: ActorHandle,
-                 config: TrainerConfig, dist: DistInfo, first_step: int) -> None:
+                 config: TrainerConfig, dist: DistInfo, first_step: int, data_log: StepDataLog | None = None) -> None:
         self._prompts = prompts
         self._sampler = sampler
         self._batcher = batcher
         self._per_rank = config.prompts_per_rank
         self._rank = dist.rank
-        self._data_log = Path(config.run_dir) / f"data_rank{dist.rank}.jsonl"
+        self._data_log = data_log if data_log is not None else StepDataLog(Path(config.run_dir), dist.rank)
+        """Told the prompts of each submitted step; run_step records them once the step trains."""
         self.sampler_state_at_step: dict[int, dict[str, Any]] = {}
         self.next_step = first_step
         """The first step whose prompts are not submitted yet."""
@@ -279,8 +288,7 @@ class PromptFeeder:
         indices = self._sampler.next_batch(self._per_rank)
         samples = [self._prompts[i] for i in indices]
         ray.get(self._batcher.submit_prompts.remote(self._rank, step, samples))  # surfaces rejections
-        with self._data_log.open("a") as f:
-            f.write(json.dumps({"step": step, "prompt_ids": [s.prompt_id for s in samples]}) + "\n")
+        self._data_log.drawn(step, [s.prompt_id for s in samples])
 
 
 @dataclass(slots=True)
@@ -425,17 +433,23 @@ def train(config: TrainerConfig) -> None:
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim)
     start_step = _restore(config, dist, model, optimizer, scheduler, sampler)
+    # A resumed run trains again from start_step: the records a crashed run wrote for it and
+    # later steps are cut from metrics.jsonl and data_rank*.jsonl, so each step has one record.
+    resume_step = start_step if config.resume else None
 
     batcher = _make_batcher(config, dist)
     pusher = make_weight_pusher(config, dist)
-    feeder = PromptFeeder(prompts, sampler, batcher, config, dist, first_step=start_step)
+    data_log = StepDataLog(run_dir, dist.rank, resume_step=resume_step)
+    feeder = PromptFeeder(prompts, sampler, batcher, config, dist, first_step=start_step, data_log=data_log)
     start_generation(model, pusher, feeder, start_step, config)
     parts = StepParts(model=model, optimizer=optimizer, scheduler=scheduler, batcher=batcher, pusher=pusher,
-                      feeder=feeder)
+                      feeder=feeder, data_log=data_log)
 
     metrics = MetricsLogger(run_dir, enabled=dist.rank == 0, tensorboard=config.tensorboard,
                             progress_total=config.num_steps, progress_start=start_step,
-                            progress_bar=config.progress_bar)
+                            progress_bar=config.progress_bar, resume_step=resume_step)
+    checkpoints = CheckpointWriter(run_dir, config.model.model_path, dist, keep=config.keep_checkpoints,
+                                   background=config.checkpoint_async)
     try:
         for step in range(start_step, config.num_steps):
             if feeder.next_step <= step:
@@ -445,12 +459,16 @@ def train(config: TrainerConfig) -> None:
             step_metrics = run_step(step, parts, config, dist)
             if evaluator is not None and config.eval.is_due(step, config.num_steps):
                 step_metrics.update(evaluate(evaluator, step, config))
+            due = _should_checkpoint(step, config)
+            blocked_s = save_checkpoint_after(step, parts, sampler, checkpoints) if due else 0.0
+            step_metrics["timing/checkpoint_s"] = blocked_s
             metrics.log(step, step_metrics)
-            if _should_checkpoint(step, config):
-                state = TrainerState(step=step + 1, sampler_state=feeder.sampler_state_at_step[step + 1]
-                                     if step + 1 in feeder.sampler_state_at_step else sampler.state_dict())
-                save_checkpoint(run_dir, model, optimizer, scheduler, state, config.model.model_path,
-                                dist, keep=config.keep_checkpoints)
+            if due:  # visible only now, after the records of every step it covers
+                checkpoints.commit()
+        checkpoints.close()  # the last background save is on disk before the ranks exit
+    except BaseException:
+        _close_after_error(checkpoints)
+        raise
     finally:
         metrics.close()
     torch_dist.barrier()
@@ -481,6 +499,24 @@ def start_generation(model: torch.nn.Module, pusher: Publisher, feeder: PromptFe
     """
     pusher.push(model, version=start_step, initial=True)
     feeder.submit_through(last_step_to_submit(start_step, config))
+
+
+def save_checkpoint_after(step: int, parts: StepParts, sampler: InfiniteDistributedSampler,
+                          checkpoints: CheckpointWriter) -> float:
+    """Collective: start the checkpoint that resumes at step + 1 (the caller commits it once the
+    step's records are written). Returns the seconds the loop was blocked."""
+    sampler_state = parts.feeder.sampler_state_at_step.get(step + 1)
+    state = TrainerState(step=step + 1,
+                         sampler_state=sampler_state if sampler_state is not None else sampler.state_dict())
+    return checkpoints.save(parts.model, parts.optimizer, parts.scheduler, state)
+
+
+def _close_after_error(checkpoints: CheckpointWriter) -> None:
+    """Wait for a background save in flight without hiding the error the run is failing with."""
+    try:
+        checkpoints.close()
+    except Exception:
+        logger.exception("the background checkpoint save failed as well")
 
 
 def _should_checkpoint(step: int, config: TrainerConfig) -> bool:
@@ -540,6 +576,8 @@ def run_step(step: int, parts: StepParts, config: TrainerConfig, dist: DistInfo)
         last_step = last_step_to_submit(version, config)
         if last_step > step:
             parts.feeder.submit_through(last_step)
+    if parts.data_log is not None:
+        parts.data_log.trained(step, acc.trained_prompt_ids)
     batcher_stats = ray.get(batcher.stats.remote(step)) if dist.rank == 0 else {}
     return acc.finalize(
         dist=dist,

@@ -1,0 +1,172 @@
+"""Step-time cost of checkpoints: synchronous saves vs background saves (`checkpoint_async`).
+
+    cd /work/main && .venv/bin/python benchmarks/checkpoint_async.py            # ~5-8 min on 2 cores
+    .venv/bin/python benchmarks/checkpoint_async.py --hidden_size 256 --num_layers 2 --num_steps 8
+
+One local cluster (one real vLLM generation worker, no logprob worker: logprob_role none) serves
+`torchrun --nproc_per_node=2 trainer_core.py` runs of the same short job, alternating
+checkpoint_async false and true (`--rounds` pairs), each from step 0 in its own run_dir with a
+checkpoint every `--checkpoint_every` steps. The model is a random-weight Qwen2 wider than the
+demo's (`--hidden_size`, `--num_layers`), so that a checkpoint (weights + AdamW state, about 3x the
+fp32 weights) takes visible time to write.
+
+Per mode, from metrics.jsonl:
+- `timing/checkpoint_s` of every step that checkpointed (the seconds the training loop was blocked
+  by checkpointing: the whole save when synchronous; the snapshot into CPU copies, plus any wait
+  for the previous save, in the background), its median and all values;
+- the median `timing/step_s` of the steps right after a checkpoint (a background write shares
+  the CPU with them) and of the other steps (a step's own step_s never includes its save; the
+  first `--skip_steps` are left out: start-up);
+- the run's training time, `time_s` of its last record (the wait for the last background save at
+  exit is not in it).
+
+The LAST line is key=value pairs:
+`sync_checkpoint_s=<median> async_checkpoint_s=<median> blocked_ratio=<async/sync> ...`
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dataset import write_arithmetic_dataset  # noqa: E402
+from local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
+from metrics import read_metrics  # noqa: E402
+from run_config import load_config  # noqa: E402
+from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
+
+logger = logging.getLogger("checkpoint_async")
+
+WORLD_SIZE = 2  # trainer ranks, as in the demo and the end-to-end tests
+MAX_MODEL_LEN = 64  # arithmetic prompts are <= 16 tokens; completions are 4 tokens
+KV_CACHE_BYTES = 128 * 2**20  # plenty for 64-token sequences; small enough on a busy machine
+TRAINER_TIMEOUT_S = 1200
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointBenchConfig:
+    """benchmarks/checkpoint_async.py: the same run with synchronous and background checkpoints."""
+
+    work_dir: str = ""
+    """Where model, data, runs and logs go ('' = a fresh temporary folder)."""
+    hidden_size: int = 512
+    """Width of the random Qwen2 (the demo model's is 128)."""
+    num_layers: int = 4
+    """Its decoder layers."""
+    intermediate_size: int = 1536
+    """Its MLP width."""
+    num_steps: int = 12
+    """Steps per run."""
+    checkpoint_every: int = 2
+    """Checkpoint every this many steps (and after the last)."""
+    rounds: int = 1
+    """Pairs of runs (synchronous, then background)."""
+    skip_steps: int = 2
+    """Leading steps of each run left out of the step-time medians (start-up)."""
+    prompts_per_rank: int = 4
+    """Prompts per rank per step."""
+    rollouts: int = 4
+    """Rollouts per prompt (sampling.n)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "checkpoint_every", "rounds", "prompts_per_rank", "rollouts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"CheckpointBenchConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.skip_steps < 0:
+            raise ValueError(f"CheckpointBenchConfig.skip_steps must be >= 0, got {self.skip_steps}")
+
+
+def checkpoint_steps(num_steps: int, every: int) -> list[int]:
+    """Steps after which the trainer checkpoints (trainer_core._should_checkpoint, at_end on)."""
+    return [s for s in range(num_steps) if (s + 1) % every == 0 or s + 1 == num_steps]
+
+
+def summarize_run(records: list[dict[str, Any]], every: int, skip_steps: int) -> dict[str, Any]:
+    """A run's checkpoint times and step-time medians (see the module docstring)."""
+    steps = [r["step"] for r in records]
+    if steps != list(range(len(records))):
+        raise ValueError(f"expected steps 0..{len(records) - 1} once each, got {steps}")
+    saved = checkpoint_steps(len(records), every)
+    after = {s + 1 for s in saved}
+    after_steps = [r["timing/step_s"] for r in records if r["step"] in after and r["step"] >= skip_steps]
+    other_steps = [r["timing/step_s"] for r in records if r["step"] not in after and r["step"] >= skip_steps]
+    return {
+        "checkpoint_s": [records[s]["timing/checkpoint_s"] for s in saved],
+        "step_after_checkpoint_s": after_steps,
+        "other_step_s": other_steps,
+        "time_s": records[-1]["time_s"],
+    }
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _prepare(config: CheckpointBenchConfig, work: Path) -> tuple[Path, Path]:
+    model = write_tiny_model(work / "model", TinyModelConfig(
+        hidden_size=config.hidden_size, num_layers=config.num_layers, intermediate_size=config.intermediate_size,
+        max_position_embeddings=MAX_MODEL_LEN * 2))
+    data = write_arithmetic_dataset(work / "prompts.jsonl", num_samples=500, seed=0)
+    return model, data
+
+
+def _run(cluster: LocalCluster, config: CheckpointBenchConfig, model: Path, data: Path, run_dir: Path,
+         background: bool) -> list[dict[str, Any]]:
+    args = ["--run_dir", str(run_dir), "--model.model_path", str(model), "--data.path", str(data),
+            "--num_steps", str(config.num_steps), "--checkpoint_every", str(config.checkpoint_every),
+            "--checkpoint_async", str(background).lower(), "--keep_checkpoints", "2",
+            "--prompts_per_rank", str(config.prompts_per_rank), "--sampling.n", str(config.rollouts),
+            "--sampling.max_tokens", "4", "--data.max_prompt_tokens", "16", "--max_tokens_per_gpu", "256",
+            "--max_lag", "1", "--logprob_role", "none", "--loss.kl_coef", "0",
+            "--progress_bar", "false", "--tensorboard", "false"]
+    log = run_dir.parent / f"{run_dir.name}.trainer.log"
+    code = cluster.run_trainer(args, nproc_per_node=WORLD_SIZE, timeout_s=TRAINER_TIMEOUT_S, log_path=log)
+    if code != 0:
+        raise RuntimeError(f"trainer exited {code}; see {log}")
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = load_config(CheckpointBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    work = Path(config.work_dir or tempfile.mkdtemp(prefix="checkpoint-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model, data = _prepare(config, work)
+    weights_mb = (model / "model.safetensors").stat().st_size / 2**20
+    cluster_config = LocalClusterConfig(
+        model_path=str(model), log_dir=str(work / "logs"), generation_workers=1, logprob_workers=0,
+        kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
+    )
+    runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
+    with LocalCluster(cluster_config) as cluster:
+        cluster.start_workers()
+        for round_index in range(config.rounds):
+            for mode in ("sync", "async"):
+                records = _run(cluster, config, model, data, work / f"{mode}-{round_index}", mode == "async")
+                summary = summarize_run(records, config.checkpoint_every, config.skip_steps)
+                runs[mode].append(summary)
+                print(f"{mode} round {round_index}: checkpoint_s {[round(x, 3) for x in summary['checkpoint_s']]}, "
+                      f"step after a checkpoint {_median(summary['step_after_checkpoint_s']):.3f} s, "
+                      f"other steps {_median(summary['other_step_s']):.3f} s, run {summary['time_s']:.1f} s",
+                      flush=True)
+    out: dict[str, float] = {"weights_mb": round(weights_mb, 1)}
+    for mode, summaries in runs.items():
+        checkpoint_s = [x for s in summaries for x in s["checkpoint_s"]]
+        out[f"{mode}_checkpoint_s"] = round(_median(checkpoint_s), 4)
+        out[f"{mode}_step_after_checkpoint_s"] = round(_median([x for s in summaries for x in s["step_after_checkpoint_s"]]), 3)
+        out[f"{mode}_other_step_s"] = round(_median([x for s in summaries for x in s["other_step_s"]]), 3)
+        out[f"{mode}_run_s"] = round(_median([s["time_s"] for s in summaries]), 1)
+        print(f"{mode}: all timing/checkpoint_s {[round(x, 4) for x in checkpoint_s]}")
+    out["blocked_ratio"] = round(out["async_checkpoint_s"] / out["sync_checkpoint_s"], 3)
+    print(" ".join(f"{k}={v}" for k, v in out.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -30,7 +30,9 @@ import ray
 import torch
 
 from packed_attention import PACKED_SDPA
-from sample_processing_utils import Sample, get_input_for_logprobs, split_per_sample
+from sample_processing_utils import (
+    INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs, get_input_for_logprobs, split_per_sample,
+)
 from ray_env import LOGPROB
 from setup_model import (
     FLASH_ATTENTION_2,
@@ -41,12 +43,11 @@ from setup_model import (
     load_causal_lm,
     training_compute_dtype,
 )
-from vllm_registry import WorkerHealth
+from vllm_registry import WorkerHealth, WorkerLifecycle
 from weight_sync import WeightUpdate, assemble_state_dict, load_state_dict_into
 
 logger = logging.getLogger(__name__)
 
-INITIAL_WEIGHT_VERSION = -1  # WorkerHealth's convention for "still the checkpoint we loaded"
 # Every caller awaits inside the actor until its batch is scored, so the actor must accept far
 # more concurrent calls than one batch holds, or callers would be serialised before batching.
 ACTOR_MAX_CONCURRENCY = 4096
@@ -273,6 +274,7 @@ class LogprobWorker:
         self._batcher: asyncio.Task | None = None
         self._closed = False
         self._counters = _Counters()
+        self.life = WorkerLifecycle(worker_name)
         logger.info(
             "logprob worker %s: %s on %s (%s, %s), budget %d tokens, max wait %.1f ms",
             worker_name, config.model_path, self.device, self.dtype, self.attn_implementation,
@@ -280,26 +282,43 @@ class LogprobWorker:
         )
 
     async def start(self) -> WorkerHealth:
-        """Start the batching task on the running event loop (idempotent) and report health."""
+        """Start the batching task on the running event loop and run the self-check (one packed
+        forward of a canary sample, whose logprobs must be finite); report health. Idempotent."""
         self._ensure_batcher()
+        if not self.life.self_checked:
+            canary = Sample(input_token_ids=[0], gt_answer="", output_token_ids=[0, 0])
+            try:
+                async with self._model_lock:  # outside the queue: the batching counters stay the callers'
+                    (values,) = await asyncio.to_thread(self._score, [canary])
+                if len(values) != 2 or not all(v == v and v <= 0.0 for v in values):  # v == v: not NaN
+                    raise RuntimeError(f"canary logprobs {values} are not 2 finite values <= 0")
+            except Exception as exc:
+                raise self.life.fail(f"self-check failed: {type(exc).__name__}: {exc}") from exc
+            self.life.passed_self_check()
+            logger.info("logprob worker %s: self-check passed", self.name)
         return self.health()
+
+    def mark_ready(self) -> None:
+        """INIT -> READY; the registry calls it once this worker holds the latest published weights."""
+        self.life.mark_ready()
 
     async def compute_logprobs(self, sample: Sample) -> list[float]:
         """Logprob of each of the sample's output tokens under the current weights (length O)."""
-        self._ensure_batcher()
-        self._check(sample)
-        return await self._queued(sample)
+        return (await self.compute_group_logprobs([sample]))[0].values
 
-    async def _queued(self, sample: Sample) -> list[float]:
-        """Queue an already checked sample for the next batches; its logprobs once scored."""
-        if not sample.output_token_ids:
-            return []
+    def _enqueue(self, sample: Sample) -> asyncio.Future:
+        """Queue an already checked sample for the next batches (now, not at the caller's next
+        await); the future resolves to its TokenLogprobs once scored."""
         loop = asyncio.get_running_loop()
-        request = _Request(sample=sample, num_tokens=sample.num_tokens, future=loop.create_future(), enqueued_at=loop.time())
+        future = loop.create_future()
+        if not sample.output_token_ids:
+            future.set_result(TokenLogprobs(weight_version=self.weight_version, values=[]))
+            return future
+        request = _Request(sample=sample, num_tokens=sample.num_tokens, future=future, enqueued_at=loop.time())
         self._queue.append(request)
         self._queued_tokens += request.num_tokens
         self._arrival.set()
-        return await request.future
+        return future
 
     def _check(self, sample: Sample) -> None:
         """check_sample, counting refusals in stats().rejected_samples."""
@@ -309,48 +328,59 @@ class LogprobWorker:
             self._counters.rejected_samples += 1
             raise
 
-    async def compute_group_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        """compute_logprobs of each sample, in order, from one call (one Ray round trip per group).
+    async def compute_group_logprobs(self, samples: Sequence[Sample]) -> list[TokenLogprobs]:
+        """compute_logprobs of each sample, in order, from one call (one Ray round trip per group),
+        each with the weight version that computed it.
 
         Each sample is still its own queued request, so a group may be split across batches and
-        packed with other callers' samples. An invalid sample fails the call before any is queued.
+        packed with other callers' samples (and a weight load may fall between two of them). An
+        invalid sample fails the call before any is queued.
         """
+        self.life.require_alive()
         self._ensure_batcher()
         for sample in samples:
             self._check(sample)
-        return list(await asyncio.gather(*(self._queued(s) for s in samples)))
+        try:
+            values = list(await asyncio.gather(*[self._enqueue(s) for s in samples]))
+        except Exception:
+            self.life.request_failed()
+            raise
+        self.life.served()
+        return values
 
     async def update_weights(self, update: WeightUpdate) -> int:
-        """Load full weights from a WeightUpdate between two batches; returns the version now served."""
+        """Load full weights from a WeightUpdate between two batches; returns the version now served.
+
+        Fetching fails cleanly (the model is untouched); a load that fails part-way leaves a mix
+        of versions, so the worker enters FAILED (WorkerFailedError) and is replaced.
+        """
+        self.life.require_alive()
         self._ensure_batcher()
         # fetch_state_dict's steps, with the object refs awaited rather than ray.get: a blocking
         # get would stall (and warn about) the actor's event loop while the shards arrive.
         shards = await asyncio.gather(*update.shard_refs)
         state_dict = await asyncio.to_thread(assemble_state_dict, shards)
         async with self._model_lock:
-            await asyncio.to_thread(self._load_weights, state_dict)
+            try:
+                await asyncio.to_thread(self._load_weights, state_dict)
+            except Exception as exc:
+                raise self.life.fail(f"weight update to v{update.version} failed: {type(exc).__name__}: {exc}") from exc
             self.weight_version = update.version
         logger.info("logprob worker %s now serves weight version %d", self.name, update.version)
         return self.weight_version
 
     def health(self) -> WorkerHealth:
-        """Liveness, weight version and load, in the record every worker returns."""
-        healthy, detail = True, f"device={self.device} queued={len(self._queue)}"
+        """Lifecycle state, weight version and load, in the record every worker returns."""
+        note, problem = f"device={self.device} queued={len(self._queue)}", ""
         if self._closed:
-            healthy, detail = False, "shut down"
+            problem = "shut down"
         elif self._batcher is not None and self._batcher.done():
-            healthy, detail = False, f"batching task stopped: {self._batcher_failure()}"
+            problem = f"batching task stopped: {self._batcher_failure()}"
+            self.life.fail(problem)
         elif self._counters.last_error:
-            detail += f" last batch error: {self._counters.last_error}"
-        return WorkerHealth(
-            name=self.name,
-            kind=LOGPROB,
-            node_id=self._node_id,
-            weight_version=self.weight_version,
-            inflight_requests=len(self._queue) + self._running_batch,
-            healthy=healthy,
-            detail=detail,
-        )
+            note += f" last batch error: {self._counters.last_error}"
+        return WorkerHealth.of(self.life, kind=LOGPROB, node_id=self._node_id, weight_version=self.weight_version,
+                               inflight_requests=len(self._queue) + self._running_batch, problem=problem, note=note)
 
     def stats(self) -> LogprobWorkerStats:
         """A snapshot of the batching counters."""
@@ -376,6 +406,7 @@ class LogprobWorker:
         if self._closed:
             return
         self._closed = True
+        self.life.finish()
         self._arrival.set()
         if self._batcher is not None and self._loop is asyncio.get_running_loop():
             await asyncio.gather(self._batcher, return_exceptions=True)
@@ -459,6 +490,7 @@ class LogprobWorker:
             self._running_batch = len(batch)
             started = loop.time()
             try:
+                version = self.weight_version  # fixed while the lock is held
                 results = await asyncio.to_thread(self._score, [r.sample for r in batch])
             except Exception as error:
                 self._counters.failed_batches += 1
@@ -472,7 +504,7 @@ class LogprobWorker:
         self._record_batch(batch, num_tokens)
         for request, logprobs in zip(batch, results):
             if not request.future.done():
-                request.future.set_result(logprobs)
+                request.future.set_result(TokenLogprobs(weight_version=version, values=logprobs))
 
     def _score(self, samples: list[Sample]) -> list[list[float]]:
         """One packed forward (runs in a worker thread): per-sample output-token logprobs."""
@@ -513,10 +545,13 @@ class LogprobWorkerActor:
     async def start(self) -> WorkerHealth:
         return await self._worker.start()
 
+    async def mark_ready(self) -> None:
+        self._worker.mark_ready()
+
     async def compute_logprobs(self, sample: Sample) -> list[float]:
         return await self._worker.compute_logprobs(sample)
 
-    async def compute_group_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+    async def compute_group_logprobs(self, samples: list[Sample]) -> list[TokenLogprobs]:
         return await self._worker.compute_group_logprobs(samples)
 
     async def update_weights(self, update: WeightUpdate) -> int:

@@ -60,3 +60,40 @@ def repo_pythonpath(inherited: str | None = None) -> str:
 def actor_runtime_env() -> dict[str, Any]:
     """Ray runtime_env of every project actor and of ray.init: this repository importable."""
     return {"env_vars": {"PYTHONPATH": repo_pythonpath()}}
+
+
+# Ray's token authentication, configured through its documented environment variables
+# (docs.ray.io, "Ray token authentication"): RAY_AUTH_MODE, RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH,
+# and the default token file ~/.ray/auth_token that `ray start` / `ray get-auth-token --generate`
+# write. Ray reads the mode once, when `ray` is first imported.
+RAY_AUTH_MODE_VAR = "RAY_AUTH_MODE"
+RAY_AUTH_TOKEN_VAR = "RAY_AUTH_TOKEN"
+RAY_AUTH_TOKEN_PATH_VAR = "RAY_AUTH_TOKEN_PATH"
+
+
+def ray_auth_token_exists(environ: dict[str, str] | None = None) -> bool:
+    """Whether a Ray auth token is available: RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH
+    names, else ~/.ray/auth_token."""
+    env = os.environ if environ is None else environ
+    if env.get(RAY_AUTH_TOKEN_VAR):
+        return True
+    path = env.get(RAY_AUTH_TOKEN_PATH_VAR) or str(Path(env.get("HOME", str(Path.home()))) / ".ray" / "auth_token")
+    return Path(path).is_file()
+
+
+def use_ray_token_auth_if_available(environ: dict[str, str] | None = None) -> bool:
+    """Set RAY_AUTH_MODE=token when it is unset and a token exists; whether token auth is on.
+
+    A head started with `ray start` where a token exists demands it from every client, but Ray
+    turns token mode on by itself only for `address="auto"` without RAY_ADDRESS. An explicit
+    RAY_AUTH_MODE always wins; a token-carrying client also joins a cluster without auth. Call it
+    before `import ray` (Ray reads the variable at import), as worker_dispatcher.py does.
+    """
+    env = os.environ if environ is None else environ
+    mode = env.get(RAY_AUTH_MODE_VAR)
+    if mode is not None:
+        return mode.lower() == "token"
+    if not ray_auth_token_exists(env):
+        return False
+    env[RAY_AUTH_MODE_VAR] = "token"
+    return True

@@ -80,6 +80,21 @@ class Sample:
                 )
 
 
+INITIAL_WEIGHT_VERSION = -1
+"""Weight version of a worker that still serves the checkpoint it loaded (no push applied)."""
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """A logprob worker's answer for one sample: per-output-token logprobs, and the weight version
+    of the model that computed them, which the batcher checks as it checks rollouts' versions."""
+
+    weight_version: int
+    """INITIAL_WEIGHT_VERSION for the loaded checkpoint (reference logprobs), else a pushed version."""
+    values: list[float]
+    """One logprob per output token, length O."""
+
+
 @dataclass(slots=True)
 class LogprobInput:
     """The model inputs that score one or more packed samples (see module docstring)."""

@@ -35,7 +35,7 @@ from typing import Any, Literal, Protocol
 import ray
 from ray.actor import ActorHandle
 
-from sample_processing_utils import Sample
+from sample_processing_utils import INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs
 from ray_env import BATCHER_ACTOR_NAME, GENERATION, LOGPROB, RAY_NAMESPACE, actor_runtime_env
 from vllm_registry import get_or_create_registry
 # vllm_worker imports neither vLLM nor math-verify at import time: cheap in the batcher's process.
@@ -346,6 +346,8 @@ class StepStats:
     """Minibatches carrying loss, over all ranks."""
     timed_out_prompts: int = 0
     dropped_stale: int = 0
+    dropped_logprob_version: int = 0
+    """Rollouts dropped because their old-policy logprobs came from older weights than sampled them."""
     oversized_samples: int = 0
     missing_rollouts: int = 0
     failed: bool = False
@@ -381,6 +383,7 @@ class StepStats:
             "batcher/fill": self.num_tokens / capacity if capacity else 0.0,
             "batcher/timed_out_prompts": float(self.timed_out_prompts),
             "batcher/dropped_stale": float(self.dropped_stale),
+            "batcher/dropped_logprob_version": float(self.dropped_logprob_version),
             "batcher/oversized_samples": float(self.oversized_samples),
             "batcher/missing_rollouts": float(self.missing_rollouts),
             "batcher/failed": float(self.failed),
@@ -414,6 +417,8 @@ class _PromptResult:
     """sampling.n minus the rollouts the generation worker returned."""
     generate_s: float
     logprob_s: float
+    logprob_version: int = 0
+    """Rollouts dropped because their old-policy logprobs came from older weights than sampled them."""
 
 
 @dataclass(slots=True)
@@ -583,39 +588,57 @@ class ExperienceBatcher:
                 "step %d: prompt_id=%d: %d rollouts older than max_lag=%d dropped (weight versions %s)",
                 step, sample.prompt_id, stale, self.config.max_lag, sorted({r.weight_version for r in rollouts}),
             )
-        if self._logprob is not None and fresh:
-            await self._fill_logprobs(fresh)
+        kept = await self._fill_logprobs(fresh) if self._logprob is not None and fresh else fresh
         return _PromptResult(
-            fresh=fresh,
+            fresh=kept,
             stale=stale,
             missing=n - len(rollouts),
             generate_s=generated - started,
             logprob_s=time.monotonic() - generated,
+            logprob_version=len(fresh) - len(kept),
         )
 
-    async def _fill_logprobs(self, rollouts: list[Sample]) -> None:
-        """Fill the group's logprobs with one registry call (the worker still batches per sample)."""
+    async def _fill_logprobs(self, rollouts: list[Sample]) -> list[Sample]:
+        """Fill the group's logprobs with one registry call (the worker still batches per sample);
+        returns the rollouts whose logprobs' weight version passes the check.
+
+        Reference logprobs must come from the loaded checkpoint (INITIAL_WEIGHT_VERSION): anything
+        else is an error. Old-policy logprobs must come from weights at least as new as those
+        that sampled the rollout; older ones (a restarted worker still on base weights) are
+        dropped and counted, never silently trained on.
+        """
         assert self._logprob is not None and self.config.logprob_target is not None
         target = _LOGPROB_FIELDS[self.config.logprob_target]
         cost = sum(r.num_tokens for r in rollouts)
-        values = await self._logprob.submit("compute_group_logprobs", rollouts, cost=cost)
-        if len(values) != len(rollouts):
+        answers: list[TokenLogprobs] = await self._logprob.submit("compute_group_logprobs", rollouts, cost=cost)
+        if len(answers) != len(rollouts):
             raise ValueError(
-                f"compute_group_logprobs returned {len(values)} answers for {len(rollouts)} rollouts "
+                f"compute_group_logprobs returned {len(answers)} answers for {len(rollouts)} rollouts "
                 f"(prompt_id={rollouts[0].prompt_id})"
             )
-        for rollout, logprobs in zip(rollouts, values):
-            if len(logprobs) != len(rollout.output_token_ids):
+        kept = []
+        for rollout, answer in zip(rollouts, answers):
+            if len(answer.values) != len(rollout.output_token_ids):
                 raise ValueError(
-                    f"compute_group_logprobs returned {len(logprobs)} values for {len(rollout.output_token_ids)} "
-                    f"output tokens (prompt_id={rollout.prompt_id})"
+                    f"compute_group_logprobs returned {len(answer.values)} values for "
+                    f"{len(rollout.output_token_ids)} output tokens (prompt_id={rollout.prompt_id})"
                 )
-            setattr(rollout, target, [float(v) for v in logprobs])
+            if target == "ref_logprobs" and answer.weight_version != INITIAL_WEIGHT_VERSION:
+                raise ValueError(f"reference logprobs computed with weight version {answer.weight_version}: the "
+                                 f"reference worker must serve the initial checkpoint (prompt_id={rollout.prompt_id})")
+            if target == "old_logprobs" and answer.weight_version < rollout.weight_version:
+                logger.warning("prompt_id=%d: old-policy logprobs from weights v%d for a rollout sampled with v%d; "
+                               "dropped", rollout.prompt_id, answer.weight_version, rollout.weight_version)
+                continue
+            setattr(rollout, target, [float(v) for v in answer.values])
+            kept.append(rollout)
+        return kept
 
     def _accept(self, state: _StepState, result: _PromptResult) -> None:
         stats = state.stats
         stats.finished_prompts += 1
         stats.dropped_stale += result.stale
+        stats.dropped_logprob_version += result.logprob_version
         stats.generate_s += result.generate_s
         stats.logprob_s += result.logprob_s
         if result.missing:
@@ -732,6 +755,8 @@ class ExperienceBatcherActor:
                 logprob_registry = get_or_create_registry(LOGPROB)
             logprob_client = RayRegistryClient(logprob_registry)
         self._batcher = ExperienceBatcher(config, RayRegistryClient(generation_registry), logprob_client)
+        self._registries = [r for r in (generation_registry, logprob_registry) if r is not None]
+        self._redispatched_reported = 0
 
     async def submit_prompts(self, rank: int, step: int, samples: list[Sample]) -> None:
         await self._batcher.submit_prompts(rank, step, samples)
@@ -740,7 +765,25 @@ class ExperienceBatcherActor:
         return await self._batcher.next_message(rank, step)
 
     async def stats(self, step: int | None = None) -> dict[str, float]:
-        return self._batcher.stats(step)
+        """The batcher's step metrics, plus `counts/redispatched_requests`: requests the registries
+        re-sent to another worker after theirs died or FAILED, since the previous non-empty stats
+        call (the trainer makes one per step)."""
+        metrics = self._batcher.stats(step)
+        if metrics:
+            total = await self._redispatched_total()
+            metrics["counts/redispatched_requests"] = float(total - self._redispatched_reported)
+            self._redispatched_reported = total
+        return metrics
+
+    async def _redispatched_total(self) -> int:
+        total = 0
+        for registry in self._registries:
+            try:
+                counters = await registry.counters.remote()
+            except AttributeError:  # a test's stand-in registry keeps no counters
+                continue
+            total += counters.get("redispatched_requests", 0)
+        return total
 
     async def config(self) -> BatcherConfig:
         return self._batcher.config

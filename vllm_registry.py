@@ -6,7 +6,7 @@ registry; every later caller gets the same actor back. Callers never talk to wor
 
     registry = get_or_create_registry(GENERATION)
     samples = await registry.submit.remote("generate", sample, sampling, cost=sampling.n)
-    versions = await registry.broadcast.remote("update_weights", update)
+    versions = await registry.publish.remote(update)          # weights: every worker, and every later joiner
 
 `submit` sends each request to the live worker with the least outstanding cost (sequences or
 tokens in flight), waits while every worker is at its cap, and re-sends a request whose worker
@@ -17,10 +17,11 @@ then raises an error that names the registry, so a caller never hangs silently.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -34,6 +35,84 @@ logger = logging.getLogger(__name__)
 # checks; the registry only awaits, so idle concurrency slots cost nothing.
 REGISTRY_MAX_CONCURRENCY = 10_000
 _MAX_ERROR_CHARS = 500  # keeps status tables and logs readable when a worker dumps a traceback
+
+
+class WorkerState(str, enum.Enum):
+    """Where a worker is in its life (seed 003). Only READY and RUNNING workers get requests."""
+
+    INIT = "INIT"
+    """Constructed: loading its model, running its self-check, catching up on weights."""
+    READY = "READY"
+    """Self-check passed and the latest published weights loaded; no request served yet."""
+    RUNNING = "RUNNING"
+    """Has served at least one request."""
+    FINISH = "FINISH"
+    """Shut down cleanly."""
+    FAILED = "FAILED"
+    """Self-check, engine or weight update failed (WorkerHealth.detail says why); never serves again."""
+
+
+SERVING_STATES = (WorkerState.READY, WorkerState.RUNNING)
+
+
+class WorkerFailedError(RuntimeError):
+    """Raised by a worker method when the worker itself is broken (its engine died, a weight
+    update failed): the registry fails the request over like an actor death (is_worker_death)."""
+
+
+@dataclass(slots=True)
+class WorkerLifecycle:
+    """A worker's state and counters, kept by the worker (plain; both worker kinds embed one)."""
+
+    worker_name: str
+    state: WorkerState = WorkerState.INIT
+    reason: str = ""
+    """Why the worker FAILED ('' otherwise)."""
+    self_checked: bool = False
+    """The canary request passed (start())."""
+    started_at: float = field(default_factory=time.monotonic)
+    requests_served: int = 0
+    requests_failed: int = 0
+
+    def passed_self_check(self) -> None:
+        self.self_checked = True
+
+    def mark_ready(self) -> None:
+        """INIT -> READY once the self-check passed (the registry calls it after the weight catch-up)."""
+        self.require_alive()
+        if not self.self_checked:
+            raise WorkerFailedError(f"{self.worker_name}: cannot become READY before its self-check passed")
+        if self.state == WorkerState.INIT:
+            self.state = WorkerState.READY
+            logger.info("%s: READY", self.worker_name)
+
+    def served(self) -> None:
+        self.requests_served += 1
+        if self.state == WorkerState.READY:
+            self.state = WorkerState.RUNNING
+
+    def request_failed(self) -> None:
+        self.requests_failed += 1
+
+    def fail(self, reason: str) -> WorkerFailedError:
+        """Enter FAILED (first reason kept); returns the error to raise."""
+        if self.state != WorkerState.FAILED:
+            self.state, self.reason = WorkerState.FAILED, reason
+            logger.error("%s: FAILED: %s", self.worker_name, reason)
+        return WorkerFailedError(f"{self.worker_name} FAILED: {self.reason}")
+
+    def finish(self) -> None:
+        if self.state != WorkerState.FAILED:
+            self.state = WorkerState.FINISH
+
+    def require_alive(self) -> None:
+        """Raise WorkerFailedError if FAILED: a failed worker answers nothing but health()."""
+        if self.state == WorkerState.FAILED:
+            raise WorkerFailedError(f"{self.worker_name} FAILED: {self.reason}")
+
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self.started_at
 
 
 @dataclass(slots=True)
@@ -54,6 +133,26 @@ class WorkerHealth:
     """False when the worker cannot serve requests (engine not started or failed)."""
     detail: str = ""
     """Free-text reason when unhealthy, or a short note."""
+    state: WorkerState = WorkerState.READY
+    """Lifecycle state; `healthy` is False outside READY / RUNNING."""
+    uptime_s: float = 0.0
+    """Seconds since the worker was constructed."""
+    requests_served: int = 0
+    """Requests the worker answered."""
+    requests_failed: int = 0
+    """Requests that raised inside the worker."""
+
+    @classmethod
+    def of(cls, life: WorkerLifecycle, *, kind: str, node_id: str, weight_version: int, inflight_requests: int,
+           problem: str = "", note: str = "") -> "WorkerHealth":
+        """The record for a worker whose lifecycle is `life`; `problem` (engine gone, ...) makes it unhealthy."""
+        serving = life.state in SERVING_STATES and not problem
+        detail = life.reason if life.state == WorkerState.FAILED else (problem or note)
+        return cls(
+            name=life.worker_name, kind=kind, node_id=node_id, weight_version=weight_version,
+            inflight_requests=inflight_requests, healthy=serving, detail=detail, state=life.state,
+            uptime_s=life.uptime_s, requests_served=life.requests_served, requests_failed=life.requests_failed,
+        )
 
 
 @dataclass(slots=True)
@@ -78,6 +177,12 @@ class WorkerStatus:
     """The worker answered `health()` in time and reported itself healthy."""
     last_error: str
     """The most recent error seen from this worker, or '' if none."""
+    state: str = ""
+    """The worker's lifecycle state (WorkerState value; '' when it did not answer)."""
+    uptime_s: float = 0.0
+    """Seconds since the worker was constructed."""
+    requests_failed: int = 0
+    """Requests that raised inside the worker, as it reports them."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -96,13 +201,17 @@ class RegistryConfig:
     """How long a worker's `health()` may take before it is reported unhealthy."""
     max_retries_per_request: int = 3
     """How many times one request is re-sent after the worker serving it died."""
+    weight_update_timeout_s: float = 600.0
+    """How long a worker may take to apply a published weight version (publish, and the catch-up
+    of a registering worker). One that misses it is removed and killed, so its dispatcher
+    restarts it, rather than left serving old weights."""
 
     def __post_init__(self) -> None:
         if self.max_inflight_cost_per_worker < 1:
             raise ValueError(
                 f"RegistryConfig.max_inflight_cost_per_worker must be >= 1, got {self.max_inflight_cost_per_worker}"
             )
-        for name in ("no_worker_timeout_s", "health_check_interval_s", "health_timeout_s"):
+        for name in ("no_worker_timeout_s", "health_check_interval_s", "health_timeout_s", "weight_update_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RegistryConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_retries_per_request < 0:
@@ -116,8 +225,17 @@ class WorkerPoolError(RuntimeError):
 # Ray wraps an exception raised *inside* a worker method in RayTaskError, which may also subclass
 # the cause's type; only errors about the worker actor itself mean the worker is gone.
 def is_worker_death(error: BaseException) -> bool:
-    """True when `error` says the actor is dead or unreachable, not that its method raised."""
+    """True when `error` says the actor is dead or unreachable, or that the worker declared itself
+    FAILED (WorkerFailedError, e.g. its engine died): not merely that its method raised."""
+    if isinstance(error, WorkerFailedError) or isinstance(getattr(error, "cause", None), WorkerFailedError):
+        return True
     return isinstance(error, ray.exceptions.RayActorError) and not isinstance(error, ray.exceptions.RayTaskError)
+
+
+def _is_lost_object(error: BaseException) -> bool:
+    """The weights' objects are gone (their owner, a trainer rank, exited)."""
+    return isinstance(error, ray.exceptions.ObjectLostError) or isinstance(
+        getattr(error, "cause", None), ray.exceptions.ObjectLostError)
 
 
 def _short(error: BaseException | str) -> str:
@@ -143,6 +261,9 @@ class _WorkerSlot:
     requests_served: int = 0
     healthy: bool = True
     last_error: str = ""
+    state: str = ""
+    uptime_s: float = 0.0
+    requests_failed: int = 0
 
 
 @dataclass(slots=True)
@@ -170,6 +291,8 @@ class Registry:
         self._waiters: deque[_Waiter] = deque()
         self._empty_since = time.monotonic()
         self._next_index = 0
+        self._latest_update: Any = None  # the last published weight_sync.WeightUpdate
+        self.redispatched_requests = 0
 
     def allocate_index(self) -> int:
         """A worker index never handed out before by this registry (names stay unique)."""
@@ -185,25 +308,72 @@ class Registry:
         """Requests waiting for capacity or for a worker."""
         return sum(not w.future.done() for w in self._waiters)
 
-    async def register(self, worker_name: str) -> None:
-        """Add the named worker actor (namespace RAY_NAMESPACE) to the pool after a health probe."""
+    async def register(self, worker_name: str) -> int:
+        """Add the named worker actor (namespace RAY_NAMESPACE) to the pool; returns its weight version.
+
+        The worker must have passed its self-check (start()). It first loads the latest published
+        weights (publish), then becomes READY and starts receiving requests, so a worker that joins
+        a running job never serves old weights. Re-registering a pooled worker only refreshes it.
+        """
         try:
             handle = ray.get_actor(worker_name, namespace=RAY_NAMESPACE)
         except ValueError as err:
             raise WorkerPoolError(f"{self.name}: cannot register {worker_name}: no such actor in {RAY_NAMESPACE!r}") from err
+        health = await self._health_for_registration(worker_name, handle)
+        version = await self._catch_up(worker_name, handle, health.weight_version)
+        try:
+            await asyncio.wait_for(_await_ref(handle.mark_ready.remote()), self.config.health_timeout_s)
+        except (asyncio.TimeoutError, ray.exceptions.RayError) as err:
+            raise WorkerPoolError(f"{self.name}: cannot register {worker_name}: mark_ready failed: {_short(err)}") from err
+        if self._latest_update is not None and version < self._latest_update.version:
+            # A publish landed during mark_ready's round trip: catch up once more. Between this
+            # check and the insertion below nothing awaits, so every later publish includes it.
+            version = await self._catch_up(worker_name, handle, version)
+        self._workers[worker_name] = _WorkerSlot(name=worker_name, handle=handle, node_id=health.node_id,
+                                                 weight_version=version)
+        logger.info("%s: registered %s on node %s at weight version %d (%d live)", self.name, worker_name,
+                    health.node_id, version, len(self._workers))
+        self._serve_waiters()
+        return version
+
+    async def _health_for_registration(self, worker_name: str, handle: Any) -> WorkerHealth:
         try:
             health = await asyncio.wait_for(_await_ref(handle.health.remote()), self.config.health_timeout_s)
         except (asyncio.TimeoutError, ray.exceptions.RayError) as err:
             raise WorkerPoolError(f"{self.name}: cannot register {worker_name}: health() failed: {_short(err)}") from err
-        if health.kind != self.kind or not health.healthy:
-            raise WorkerPoolError(
-                f"{self.name}: cannot register {worker_name}: kind={health.kind!r} healthy={health.healthy} {health.detail}"
-            )
-        self._workers[worker_name] = _WorkerSlot(
-            name=worker_name, handle=handle, node_id=health.node_id, weight_version=health.weight_version
-        )
-        logger.info("%s: registered %s on node %s (%d live)", self.name, worker_name, health.node_id, len(self._workers))
-        self._serve_waiters()
+        if health.kind != self.kind or health.state not in (WorkerState.INIT, *SERVING_STATES):
+            raise WorkerPoolError(f"{self.name}: cannot register {worker_name}: kind={health.kind!r} "
+                                  f"state={WorkerState(health.state).value} {health.detail}")
+        return health
+
+    def _needs(self, version: int) -> Any:
+        """The published update a worker at `version` must load first, or None."""
+        latest = self._latest_update
+        if latest is None or version == latest.version or (version > latest.version and not latest.initial):
+            return None
+        return latest
+
+    async def _catch_up(self, worker_name: str, handle: Any, version: int) -> int:
+        """Load the latest published weights into a registering worker until it holds them."""
+        while (update := self._needs(version)) is not None:
+            try:
+                version = await asyncio.wait_for(_await_ref(handle.update_weights.remote(update)),
+                                                 self.config.weight_update_timeout_s)
+            except Exception as err:
+                if _is_lost_object(err):
+                    # The trainer that published it has exited, so no one can load it: forget it.
+                    # The worker is unchanged and joins at its own version; the next run's first
+                    # push (initial) sets every worker's weights anyway.
+                    logger.warning("%s: published weights v%d are gone (their trainer exited); %s joins at v%d",
+                                   self.name, update.version, worker_name, version)
+                    if self._latest_update is update:
+                        self._latest_update = None
+                    return version
+                what = "timed out" if isinstance(err, asyncio.TimeoutError) else f"failed: {_short(err)}"
+                raise WorkerPoolError(f"{self.name}: cannot register {worker_name}: loading the published weights "
+                                      f"v{update.version} {what}") from err
+            logger.info("%s: %s caught up to published weights v%d", self.name, worker_name, version)
+        return version
 
     async def deregister(self, worker_name: str) -> None:
         """Stop routing to the worker; requests already sent to it finish or fail over there."""
@@ -291,6 +461,10 @@ class Registry:
             waiter.future.cancel()
             self._serve_waiters()
 
+    def counters(self) -> dict[str, int]:
+        """Cumulative counts since the registry started."""
+        return {"redispatched_requests": self.redispatched_requests}
+
     async def submit(self, method: str, *args: Any, cost: int = 1) -> Any:
         """Call `method(*args)` on the least-loaded live worker; re-send it if that worker dies.
 
@@ -314,6 +488,7 @@ class Registry:
                     raise WorkerPoolError(
                         f"{self.name}: {method} lost {len(died_on)} workers mid-request ({', '.join(died_on)})"
                     ) from err
+                self.redispatched_requests += 1
                 continue
             finally:
                 self._release(slot, cost)
@@ -340,6 +515,41 @@ class Registry:
             raise WorkerPoolError(f"{self.name}: broadcast {method} failed on {'; '.join(failed)}")
         return results
 
+    async def publish(self, update: Any) -> dict[str, int]:
+        """Make `update` (a weight_sync.WeightUpdate) the latest published weights and load it on
+        every pooled worker, each within weight_update_timeout_s; returns name -> version served.
+
+        Workers that register later load it before they serve (register). A worker that dies is
+        dropped; one that fails or misses the deadline is dropped and killed, so its dispatcher
+        restarts it and it rejoins at this version. Raises WorkerPoolError only when every worker
+        failed with an error of its own (a bad update, not a bad worker).
+        """
+        self._latest_update = update
+        slots = list(self._workers.values())
+        timeout = self.config.weight_update_timeout_s
+        outcomes = await asyncio.gather(
+            *(asyncio.wait_for(_await_ref(s.handle.update_weights.remote(update)), timeout) for s in slots),
+            return_exceptions=True,
+        )
+        results: dict[str, int] = {}
+        errors: list[str] = []
+        for slot, outcome in zip(slots, outcomes):
+            if not isinstance(outcome, BaseException):
+                results[slot.name] = slot.weight_version = int(outcome)
+                continue
+            if is_worker_death(outcome):
+                self._drop(slot.name, slot, f"died during update_weights v{update.version}: {_short(outcome)}")
+                continue
+            why = (f"did not apply v{update.version} within {timeout} s" if isinstance(outcome, asyncio.TimeoutError)
+                   else f"update_weights v{update.version} failed: {_short(outcome)}")
+            slot.last_error = why
+            errors.append(f"{slot.name}: {why}")
+            self._drop(slot.name, slot, why + "; killing it so that its dispatcher restarts it")
+            ray.kill(slot.handle, no_restart=True)
+        if errors and not results and len(errors) == len(slots):
+            raise WorkerPoolError(f"{self.name}: publish v{update.version} failed on every worker: {'; '.join(errors)}")
+        return results
+
     async def _probe(self, slot: _WorkerSlot) -> None:
         """Refresh one worker's health and version; unhealthy if slow or failing, dropped if dead."""
         timeout = self.config.health_timeout_s
@@ -354,8 +564,12 @@ class Registry:
                 self._drop(slot.name, slot, f"health check: {_short(err)}")
             return
         slot.healthy, slot.weight_version = health.healthy, health.weight_version
+        slot.state, slot.uptime_s, slot.requests_failed = WorkerState(health.state).value, health.uptime_s, \
+            health.requests_failed
         if not health.healthy:
             slot.last_error = f"unhealthy: {health.detail}"
+        if health.state == WorkerState.FAILED:
+            self._drop(slot.name, slot, f"FAILED: {health.detail}")
 
     async def status(self) -> list[WorkerStatus]:
         """Probe every registered worker and report one row each (dead ones once, then dropped)."""
@@ -372,6 +586,9 @@ class Registry:
                 weight_version=s.weight_version,
                 healthy=s.healthy,
                 last_error=s.last_error,
+                state=s.state,
+                uptime_s=s.uptime_s,
+                requests_failed=s.requests_failed,
             )
             for s in slots
         ]
@@ -404,8 +621,8 @@ class RegistryActor:
     async def queued_requests(self) -> int:
         return self._registry.queued_requests()
 
-    async def register(self, worker_name: str) -> None:
-        await self._registry.register(worker_name)
+    async def register(self, worker_name: str) -> int:
+        return await self._registry.register(worker_name)
 
     async def deregister(self, worker_name: str) -> None:
         await self._registry.deregister(worker_name)
@@ -415,6 +632,12 @@ class RegistryActor:
 
     async def broadcast(self, method: str, *args: Any) -> dict[str, Any]:
         return await self._registry.broadcast(method, *args)
+
+    async def publish(self, update: Any) -> dict[str, int]:
+        return await self._registry.publish(update)
+
+    async def counters(self) -> dict[str, int]:
+        return self._registry.counters()
 
     async def status(self) -> list[WorkerStatus]:
         return await self._registry.status()

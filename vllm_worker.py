@@ -47,7 +47,7 @@ from ray_env import GENERATION
 from rewards import ShapedReward, shape_reward
 from sample_processing_utils import Sample
 from sampling import SamplingConfig, request_seed
-from vllm_registry import WorkerHealth
+from vllm_registry import WorkerHealth, WorkerLifecycle
 from weight_sync import WeightUpdate, iter_state_dict, write_safetensors
 
 if TYPE_CHECKING:
@@ -64,6 +64,7 @@ logger = logging.getLogger(__name__)
 RELOAD_WEIGHTS_RPC = "grpo_reload_weights_from_file"
 # tmpfs on Linux: the weights file never touches disk and is read back at memory speed.
 SHARED_MEMORY_DIR = Path("/dev/shm")
+_WEIGHT_FILE_PREFIX = "grpo-weights-"
 # One generate call holds one actor slot for its whole rollout, and the registry may send a
 # worker up to its cost cap (sequences) at once; Ray's async-actor default (1000) already fits,
 # stating it makes the limit visible.
@@ -277,6 +278,23 @@ def weights_file_dir() -> Path:
     return SHARED_MEMORY_DIR if SHARED_MEMORY_DIR.is_dir() else Path(tempfile.gettempdir())
 
 
+def weight_file_path(worker_name: str, version: int) -> Path:
+    """A fresh reload-bucket file of `worker_name`. Named after the worker so that whoever
+    outlives it (its dispatcher) can remove what a killed worker left: remove_weight_files."""
+    return weights_file_dir() / f"{_WEIGHT_FILE_PREFIX}{worker_name}-v{version}-{uuid.uuid4().hex}.safetensors"
+
+
+def remove_weight_files(worker_name: str) -> list[Path]:
+    """Delete the reload-bucket files `worker_name` left behind (a SIGKILL mid-update leaves one,
+    gigabytes on a large model); returns what was removed. Other workers' files are untouched:
+    the name is followed by '-v', so 'worker-1' never matches 'worker-10'."""
+    removed = []
+    for path in weights_file_dir().glob(f"{_WEIGHT_FILE_PREFIX}{worker_name}-v*.safetensors"):
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
 def _token_logprobs(completion: CompletionOutput) -> list[float]:
     """Logprob of each sampled token (SamplingParams(logprobs=0) returns exactly that one)."""
     if completion.logprobs is None:
@@ -320,6 +338,13 @@ class GenerationStats:
         return {f"generation/{f.name}": float(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
+_ENGINE_DEAD = "engine dead"
+
+
+class _WeightsUnreachable(Exception):
+    """An update's objects could not be fetched before anything was loaded (see _next_bucket)."""
+
+
 class GenerationWorker:
     """One vLLM AsyncLLM engine plus the scoring and weight-update logic around it.
 
@@ -341,6 +366,7 @@ class GenerationWorker:
         self._accepting = asyncio.Event()
         self._accepting.set()
         self._start_error = ""
+        self.life = WorkerLifecycle(worker_name)
 
     @property
     def weight_version(self) -> int:
@@ -381,11 +407,41 @@ class GenerationWorker:
             self._engine = AsyncLLM.from_engine_args(args)
         except Exception as exc:
             self._start_error = f"{type(exc).__name__}: {exc}"
-            raise
+            raise self.life.fail(f"engine did not start: {self._start_error}") from exc
         logger.info(
             "%s: engine for %s started in %.1f s (%s executor)", self.worker_name, cfg.model_path,
             time.perf_counter() - began, "in-process" if in_process else "default",
         )
+        await self._self_check()
+
+    async def _self_check(self) -> None:
+        """The canary before READY: one greedy token from the engine, one verification from the
+        pool (plain numbers, so it checks the pool answers, not math-verify's parsing)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine = self._require_engine()
+        try:
+            final = None
+            async for output in engine.generate(TokensPrompt(prompt_token_ids=[0]),
+                                                SamplingParams(max_tokens=1, temperature=0.0),
+                                                f"{self.worker_name}-canary-{uuid.uuid4().hex[:8]}"):
+                final = output
+            tokens = 0 if final is None else len(final.outputs[0].token_ids)
+            if tokens != 1:
+                raise RuntimeError(f"canary generation returned {tokens} tokens, expected 1")
+            (result,) = await self._verify(["2"], "2")
+            if result.failed or result.reward != 1.0:
+                raise RuntimeError(f"canary verification of '2' against '2' gave reward {result.reward} "
+                                   f"({result.error or 'no error'})")
+        except Exception as exc:
+            raise self.life.fail(f"self-check failed: {type(exc).__name__}: {exc}") from exc
+        self.life.passed_self_check()
+        logger.info("%s: self-check passed (canary generation and verification)", self.worker_name)
+
+    def mark_ready(self) -> None:
+        """INIT -> READY; the registry calls it once this worker holds the latest published weights."""
+        self.life.mark_ready()
 
     def _require_engine(self) -> AsyncLLM:
         if self._engine is None:
@@ -433,7 +489,12 @@ class GenerationWorker:
         return sorted(final.outputs, key=lambda c: c.index)
 
     async def generate(self, sample: Sample, sampling: SamplingConfig) -> list[Sample]:
-        """Sample n completions of one prompt and return n completed copies of the sample."""
+        """Sample n completions of one prompt and return n completed copies of the sample.
+
+        Raises WorkerFailedError (the registry re-sends the request elsewhere) once the worker
+        is FAILED, e.g. when its engine-core process has died.
+        """
+        self.life.require_alive()
         await self._accepting.wait()
         version = self._weight_version
         self._inflight += 1
@@ -443,6 +504,8 @@ class GenerationWorker:
             except Exception as exc:
                 self.stats.generation_failures += 1
                 self._record_failures([(sample, f"generation failed: {type(exc).__name__}: {exc}")])
+                self._fail_if_engine_dead(exc)
+                self.life.request_failed()
                 raise
             samples = [self._completed_sample(sample, c, version) for c in completions]
             rewards = await self.score_completions(
@@ -456,9 +519,17 @@ class GenerationWorker:
                 s.reward, s.reward_failed, s.advantage = final.reward, bool(result.failed), float(advantage)
             self._record_failures([(s, f"reward failed: {r.error}") for s, r in zip(samples, rewards) if r.failed])
             self._count(samples, shaped)
+            self.life.served()
             return samples
         finally:
             self._inflight -= 1
+
+    def _fail_if_engine_dead(self, exc: BaseException) -> None:
+        """Engine death is worker death: enter FAILED and raise WorkerFailedError."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(exc, EngineDeadError) or (self._engine is not None and self._engine.errored):
+            raise self.life.fail(f"vLLM engine died: {type(exc).__name__}: {exc}") from exc
 
     def _completed_sample(self, sample: Sample, completion: CompletionOutput, version: int) -> Sample:
         finish_reason = str(completion.finish_reason or "")
@@ -524,7 +595,12 @@ class GenerationWorker:
                 f.write(json.dumps(record) + "\n")
 
     async def update_weights(self, update: WeightUpdate) -> int:
-        """Load a new weight version into the engine; returns the version now served."""
+        """Load a new weight version into the engine; returns the version now served.
+
+        A load that fails part-way leaves the engine with a mix of versions: the worker then
+        enters FAILED (WorkerFailedError), and its dispatcher replaces it.
+        """
+        self.life.require_alive()
         engine = self._require_engine()
         async with self._update_lock:
             if update.version < self._weight_version and not update.initial:
@@ -533,7 +609,13 @@ class GenerationWorker:
                 )
             began = time.perf_counter()
             buckets = reload_buckets(iter_state_dict(update), self.config.weight_reload_bucket_bytes)
-            num_buckets = await self._reload_paused(engine, buckets, update.version)
+            try:
+                num_buckets = await self._reload_paused(engine, buckets, update.version)
+            except _WeightsUnreachable as exc:
+                # Nothing was loaded: the engine still serves its version intact. Not this worker's fault.
+                raise exc.__cause__ from None
+            except Exception as exc:
+                raise self.life.fail(f"weight update to v{update.version} failed: {type(exc).__name__}: {exc}") from exc
             self.stats.weight_updates += 1
             logger.info(
                 "%s: weights v%d loaded in %.2f s (%d reload buckets)",
@@ -557,7 +639,7 @@ class GenerationWorker:
             try:
                 count = 0
                 # Assembling a bucket reads the object store and copies bytes: off the event loop.
-                while (item := await asyncio.to_thread(next, buckets, None)) is not None:
+                while (item := await self._next_bucket(buckets, loaded=count)) is not None:
                     bucket, is_last = item
                     await self._reload_bucket(engine, bucket, version, partial=count > 0 or not is_last)
                     del bucket, item
@@ -570,10 +652,22 @@ class GenerationWorker:
         finally:
             self._accepting.set()
 
+    @staticmethod
+    async def _next_bucket(buckets: Iterator[tuple[dict[str, torch.Tensor], bool]], loaded: int
+                           ) -> tuple[dict[str, torch.Tensor], bool] | None:
+        """The next bucket, read off the event loop. Objects that are gone (their owner, a trainer
+        rank, exited) before any bucket was loaded raise _WeightsUnreachable: the engine is intact."""
+        try:
+            return await asyncio.to_thread(next, buckets, None)
+        except ray.exceptions.ObjectLostError as exc:
+            if loaded:
+                raise
+            raise _WeightsUnreachable() from exc
+
     async def _reload_bucket(self, engine: AsyncLLM, bucket: dict[str, torch.Tensor], version: int,
                              partial: bool) -> None:
         """Hand one bucket to the engine through a shared-memory safetensors file."""
-        path = weights_file_dir() / f"grpo-weights-{self.worker_name}-v{version}-{uuid.uuid4().hex}.safetensors"
+        path = weight_file_path(self.worker_name, version)
         try:
             await asyncio.to_thread(write_safetensors, bucket, path)
             await engine.collective_rpc(RELOAD_WEIGHTS_RPC, args=(str(path), partial))
@@ -581,28 +675,28 @@ class GenerationWorker:
             path.unlink(missing_ok=True)
 
     def health(self) -> WorkerHealth:
-        """Liveness and load as the registry sees them."""
-        healthy, detail = self._engine_state()
-        return WorkerHealth(
-            name=self.worker_name,
-            kind=GENERATION,
+        """Lifecycle state, liveness and load as the registry sees them. An engine found dead
+        here (no request needed to notice) moves the worker to FAILED."""
+        problem = self._engine_problem()
+        if problem == _ENGINE_DEAD:
+            self.life.fail("vLLM engine died (engine-core process gone)")
+        return WorkerHealth.of(
+            self.life, kind=GENERATION,
             node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else "",
-            weight_version=self._weight_version,
-            inflight_requests=self._inflight,
-            healthy=healthy,
-            detail=detail,
+            weight_version=self._weight_version, inflight_requests=self._inflight, problem=problem,
+            note=", ".join(f"{k}={int(v)}" for k, v in self.stats.as_metrics().items()),
         )
 
-    def _engine_state(self) -> tuple[bool, str]:
+    def _engine_problem(self) -> str:
         if self._engine is None:
-            return False, self._start_error or "engine not started"
+            return self._start_error or "engine not started"
         if self._engine.errored:
-            return False, "engine dead"
-        metrics = self.stats.as_metrics()
-        return True, ", ".join(f"{k}={int(v)}" for k, v in metrics.items())
+            return _ENGINE_DEAD
+        return ""
 
     def shutdown(self) -> None:
         """Stop the engine-core process."""
+        self.life.finish()
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
@@ -618,6 +712,9 @@ class GenerationWorkerActor:
 
     async def start(self) -> None:
         await self._worker.start()
+
+    async def mark_ready(self) -> None:
+        self._worker.mark_ready()
 
     async def generate(self, sample: Sample, sampling: SamplingConfig) -> list[Sample]:
         return await self._worker.generate(sample, sampling)

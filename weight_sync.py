@@ -444,7 +444,7 @@ class WeightPusher:
 
     def __init__(self, mode: Literal["gather", "sharded"], rank: int, world_size: int,
                  registries: Sequence[Any], timeout_s: float, *, dtype: torch.dtype = torch.float32) -> None:
-        """registries: Ray handles of the registries to broadcast to (rank 0; [] elsewhere);
+        """registries: Ray handles of the registries to publish to (rank 0; [] elsewhere);
         dtype: what the pushed tensors carry (resolve_push_dtype; the model's own fp32 by default)."""
         if mode not in ("gather", "sharded"):
             raise ValueError(f"WeightPusher mode must be 'gather' or 'sharded', got {mode!r}")
@@ -477,10 +477,12 @@ class WeightPusher:
             )
         if self._rank == 0:
             update = WeightUpdate(version=version, shard_refs=refs, mode=self._mode, initial=initial)
-            results = ray.get([reg.broadcast.remote("update_weights", update) for reg in self._registries])
+            results = ray.get([reg.publish.remote(update) for reg in self._registries])
             logger.info("pushed weights v%d (%s, %s) to %d workers", version, self._mode, self.dtype,
                         sum(len(r) for r in results))
         # Workers fetch shards from every rank's object store: keep own_ref alive until all are done.
+        # The registries hold the update (borrowing its refs) until the next publish, so these
+        # objects stay in this rank's store until then: a worker joining meanwhile loads them.
         dist.barrier()
         del own_ref
         return time.perf_counter() - start

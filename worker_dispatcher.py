@@ -12,11 +12,15 @@ Run one dispatcher per worker, on the node that should host it, after the Ray cl
 Each dispatcher joins the cluster (RAY_ADDRESS, else --ray_address), gets or creates the
 registry of its kind, claims the next free worker name ("generation-worker-3"), starts the
 worker actor pinned to this node with the repository on its PYTHONPATH, waits for its engine,
-registers it and prints `worker <name> registered`. Start training once every worker has
-printed that line. The dispatcher then watches its worker: it exits 1 with a message if the
-worker dies, and on Ctrl-C / SIGTERM it deregisters the worker, stops it and exits 0. The
-worker is owned by the dispatcher, so killing the dispatcher outright takes the worker with it
-(the registry then drops it at its next health check or failed request).
+registers it and prints `worker <name> registered`. Registration loads the weights the trainer
+last published, so a worker joining a running job never serves old weights. Start training once
+every worker has printed that line. The dispatcher then supervises its worker: when the worker
+dies or reports itself FAILED (engine died, weight update failed or timed out), it logs why,
+removes what the worker left in /dev/shm, and starts a new one under a new name (up to
+--max_restarts times, waiting --restart_backoff_s, doubling); after that it exits 1. On Ctrl-C /
+SIGTERM it deregisters the worker, stops it and exits 0. The worker is owned by the dispatcher,
+so killing the dispatcher outright takes the worker with it (the registry then drops it at its
+next health check or failed request).
 
 Operators see every pool's workers with:
 
@@ -37,18 +41,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-import ray
-from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
-from ray.actor import ActorHandle
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray_env import (
+    GENERATION, LOGPROB, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, use_ray_token_auth_if_available,
+    worker_actor_name,
+)
 
-from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, worker_actor_name
-from run_config import ConfigError, load_config
-from vllm_registry import RegistryConfig, WorkerStatus, get_or_create_registry
+# Before `import ray`, which reads RAY_AUTH_MODE once: a dispatcher joins a `ray start` head that
+# holds a token (it demands the token from every client) with token auth on. See ray_env.
+use_ray_token_auth_if_available()
+
+import ray  # noqa: E402
+from ray.actor import ActorHandle  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+
+from run_config import ConfigError, load_config  # noqa: E402
+from setup_model import ModelPathError, check_model_dir  # noqa: E402
+from vllm_registry import RegistryConfig, WorkerState, WorkerStatus, get_or_create_registry  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 REGISTERED_LINE = "worker {name} registered"  # launch scripts wait for this exact line
+RESTARTING_LINE = "worker {name} restarting ({restart} of {max_restarts}): {reason}"
+_MAX_BACKOFF_S = 60.0
 STATUS_COMMAND = "status"
 DEFAULT_FAILED_SAMPLES_PATH = "failed_generation_samples.jsonl"
 # A worker holds a request's cost while it also scores the finished group, so a cap of twice
@@ -112,6 +126,11 @@ class DispatcherConfig:
     """Seconds between checks that the worker is alive and still registered."""
     health_timeout_s: float = 60.0
     """How long one health() call may take before it is logged as unresponsive."""
+    max_restarts: int = 3
+    """How many times the worker is replaced after it died, FAILED, or failed to start or
+    register, before the dispatcher gives up and exits 1 (0: exit on the first failure)."""
+    restart_backoff_s: float = 5.0
+    """Wait before the first restart; it doubles on each further one, up to 60 s."""
 
     def __post_init__(self) -> None:
         if self.mode not in WORKER_KINDS:
@@ -124,6 +143,9 @@ class DispatcherConfig:
             raise ValueError("DispatcherConfig.tensor_parallel_size must be 1 in logprob mode (one device per worker)")
         if self.num_cpus < 0:
             raise ValueError(f"DispatcherConfig.num_cpus must be >= 0, got {self.num_cpus}")
+        if self.max_restarts < 0 or self.restart_backoff_s < 0:
+            raise ValueError(f"DispatcherConfig.max_restarts and restart_backoff_s must be >= 0, got "
+                             f"{self.max_restarts} and {self.restart_backoff_s}")
         for name in ("start_timeout_s", "health_check_interval_s", "health_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"DispatcherConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -264,7 +286,11 @@ def wait_started(actor: ActorHandle, name: str, timeout_s: float, stop: StopFlag
 
 
 class WorkerDiedError(RuntimeError):
-    """The dispatcher's worker actor died while serving."""
+    """The dispatcher's worker died (`actor_dead`) or reported itself FAILED while serving."""
+
+    def __init__(self, message: str, *, actor_dead: bool) -> None:
+        super().__init__(message)
+        self.actor_dead = actor_dead
 
 
 def ensure_registered(kind: str, name: str, registry_config: RegistryConfig) -> None:
@@ -290,7 +316,9 @@ def keep_alive(
             logger.warning("worker %s did not answer health() within %.0f s", name, cfg.health_timeout_s)
             continue
         except ray.exceptions.RayActorError as err:
-            raise WorkerDiedError(f"worker {name} died: {err}") from err
+            raise WorkerDiedError(f"worker {name} died: {err}", actor_dead=True) from err
+        if health.state == WorkerState.FAILED:
+            raise WorkerDiedError(f"worker {name} FAILED: {health.detail}", actor_dead=False)
         if not health.healthy:
             logger.warning("worker %s reports itself unhealthy: %s", name, health.detail)
             continue
@@ -305,30 +333,40 @@ def _best_effort(what: str, call: Any) -> None:
 
 
 def teardown(kind: str, actor: ActorHandle, name: str, worker_died: bool) -> None:
-    """Deregister the worker (no new requests), stop its engine, and kill the actor."""
+    """Deregister the worker (no new requests), stop its engine, kill the actor, and remove the
+    weight files it left in shared memory."""
     if actor_exists(registry_name(kind)):
         registry = ray.get_actor(registry_name(kind), namespace=RAY_NAMESPACE)
         _best_effort(f"deregistering {name}", registry.deregister.remote(name))
     if not worker_died:
         _best_effort(f"shutting down {name}", actor.shutdown.remote())
         ray.kill(actor)
+    if kind == GENERATION:
+        from vllm_worker import remove_weight_files
+
+        for path in remove_weight_files(name):
+            logger.warning("removed %s, left by %s", path, name)
     print(f"worker {name} deregistered{'' if worker_died else ' and stopped'}", flush=True)
 
 
 def connect(address: str, log_to_driver: bool) -> None:
-    """Join the running cluster (RAY_ADDRESS wins over `address`, as in Ray itself).
-
-    Ray switches its token auth on by itself only for a cluster it finds with 'auto' and no
-    RAY_ADDRESS. A head started by `ray start` where a token exists (~/.ray/auth_token) demands
-    the token from everyone, so the same rule is applied for any address; an explicit
-    RAY_AUTH_MODE still wins. A token-carrying client also joins a cluster without auth.
-    """
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    """Join the running cluster (RAY_ADDRESS wins over `address`, as in Ray itself), with token
+    auth on when a token exists (set at this module's import: ray_env.use_ray_token_auth_if_available)."""
     ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=log_to_driver)
 
 
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every (re)start of this dispatcher's worker uses."""
+
+    worker_config: Any
+    gpus: int
+    node_id: str
+    registry_config: RegistryConfig
+
+
 def serve(cfg: DispatcherConfig) -> int:
-    """Start, register and watch one worker; the process's exit code."""
+    """Start, register and supervise the worker, replacing it when it fails; the exit code."""
     connect(cfg.ray_address, log_to_driver=True)  # worker logs show up in this process's output
     stop = StopFlag()
     stop.install()  # after ray.init, so these handlers are the ones in force
@@ -338,42 +376,88 @@ def serve(cfg: DispatcherConfig) -> int:
         worker_config, gpus = generation_worker_config(cfg), cfg.tensor_parallel_size if on_gpu_node else 0
     else:
         worker_config, gpus = logprob_worker_config(cfg, on_gpu_node), 1 if on_gpu_node else 0
-    registry_config = registry_config_for(cfg.mode, worker_config)
-    registry = get_or_create_registry(cfg.mode, registry_config)
+    spec = WorkerSpec(worker_config=worker_config, gpus=gpus, node_id=node_id,
+                      registry_config=registry_config_for(cfg.mode, worker_config))
+    restarts = 0
+    while True:
+        name, failure = run_worker(cfg, spec, stop)
+        if failure is None:
+            return 0
+        if restarts >= cfg.max_restarts:
+            print(f"{failure}; giving up after {restarts} restart(s) (--max_restarts {cfg.max_restarts})",
+                  file=sys.stderr, flush=True)
+            return 1
+        restarts += 1
+        delay = min(cfg.restart_backoff_s * 2 ** (restarts - 1), _MAX_BACKOFF_S)
+        print(RESTARTING_LINE.format(name=name, restart=restarts, max_restarts=cfg.max_restarts, reason=failure),
+              flush=True)
+        logger.warning("starting a replacement for %s in %.0f s", name, delay)
+        if stop.wait(delay):
+            return 0
+
+
+def run_worker(cfg: DispatcherConfig, spec: WorkerSpec, stop: StopFlag) -> tuple[str, str | None]:
+    """One worker's life: start, register, watch until a stop signal or its failure.
+
+    Returns (its name, None when stopped by a signal, else why it failed). The worker is torn
+    down either way.
+    """
+    registry = get_or_create_registry(cfg.mode, spec.registry_config)
     name = claim_worker_name(registry, cfg.mode)
     local_rank = os.environ.get("LOCAL_RANK")
-    logger.info("starting %s on node %s (gpus=%d%s)", name, node_id, gpus, f", LOCAL_RANK={local_rank}" if local_rank else "")
-    actor = create_worker_actor(cfg, name, worker_config, node_id, gpus)
+    logger.info("starting %s on node %s (gpus=%d%s)", name, spec.node_id, spec.gpus,
+                f", LOCAL_RANK={local_rank}" if local_rank else "")
+    actor = create_worker_actor(cfg, name, spec.worker_config, spec.node_id, spec.gpus)
     died = False
     try:
         if wait_started(actor, name, cfg.start_timeout_s, stop):
-            ray.get(registry.register.remote(name))
+            try:  # loads the latest published weights, then the worker is READY
+                version = ray.get(registry.register.remote(name))
+            except ray.exceptions.RayError as err:
+                raise RuntimeError(f"worker {name} could not register: {err}") from err
             print(REGISTERED_LINE.format(name=name), flush=True)
-            keep_alive(cfg, actor, name, registry_config, stop)
-        return 0
+            logger.info("worker %s READY at weight version %d", name, version)
+            keep_alive(cfg, actor, name, spec.registry_config, stop)
+        return name, None
     except WorkerDiedError as err:
-        died = True
-        print(str(err), file=sys.stderr, flush=True)
-        return 1
+        died = err.actor_dead
+        logger.error("%s", err)
+        return name, _one_line(err)
     except RuntimeError as err:
-        print(str(err), file=sys.stderr, flush=True)
-        return 1
+        logger.error("%s", err)
+        return name, _one_line(err)
     finally:
         teardown(cfg.mode, actor, name, worker_died=died)
 
 
 def format_status(rows: Sequence[WorkerStatus]) -> str:
     """Operator table: one line per worker."""
-    header = ("kind", "name", "node", "load", "in-flight", "served", "version", "health")
+    header = ("kind", "name", "node", "state", "version", "uptime", "load", "in-flight", "served", "failed", "health")
     lines = [header]
     for r in rows:
         health = "ok" if r.healthy else f"UNHEALTHY {r.last_error}".strip()
         lines.append((
-            r.kind, r.name, r.node_id[:_NODE_ID_CHARS], str(r.inflight_cost), str(r.inflight_requests),
-            str(r.requests_served), str(r.weight_version), health,
+            r.kind, r.name, r.node_id[:_NODE_ID_CHARS], r.state or "?", str(r.weight_version), _duration(r.uptime_s),
+            str(r.inflight_cost), str(r.inflight_requests), str(r.requests_served), str(r.requests_failed), health,
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
     return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(line, widths)), line[-1]]).rstrip() for line in lines)
+
+
+def _one_line(error: BaseException, limit: int = 400) -> str:
+    """An error as one line of at most `limit` characters (Ray's messages span many lines)."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _duration(seconds: float) -> str:
+    """Uptime as the table shows it: 45s, 12m, 3h05m."""
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def print_status(ray_address: str) -> int:
@@ -421,7 +505,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return print_status(load_config(StatusConfig, args, description=StatusConfig.__doc__).ray_address)
         try:
             cfg = load_config(DispatcherConfig, args, description=__doc__)
-        except ConfigError as err:
+            check_model_dir(cfg.model_path)  # before joining the cluster or starting an engine
+        except (ConfigError, ModelPathError) as err:
             print(f"worker_dispatcher.py: {err}", file=sys.stderr)
             return 2
         return serve(cfg)

@@ -219,6 +219,9 @@ class SimulatedGenerationEngine:
         self.weight_version = update.version
         return self.weight_version
 
+    async def mark_ready(self) -> None:
+        """The registry's last registration step (a real worker's INIT -> READY); nothing to do here."""
+
     async def health(self) -> WorkerHealth:
         import ray
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -58,13 +59,20 @@ class _OutputLog:
                 self._cond.notify_all()
 
     def wait_for(self, text: str, process: subprocess.Popen, bound_s: float) -> None:
+        self.wait_for_match(re.escape(text), process, bound_s)
+
+    def wait_for_match(self, pattern: str, process: subprocess.Popen, bound_s: float, skip: int = 0) -> re.Match:
+        """The first line after the first `skip` lines that matches `pattern` whole (stripped)."""
         deadline = time.monotonic() + bound_s
         with self._cond:
-            while not any(line.strip() == text for line in self.lines):
+            while True:
+                for line in self.lines[skip:]:
+                    if match := re.fullmatch(pattern, line.strip()):
+                        return match
                 if process.poll() is not None and not self._thread.is_alive():
-                    raise AssertionError(f"process exited ({process.returncode}) before {text!r}:\n{self.tail()}")
+                    raise AssertionError(f"process exited ({process.returncode}) before {pattern!r}:\n{self.tail()}")
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"no {text!r} within {bound_s:.0f} s:\n{self.tail()}")
+                    raise AssertionError(f"no {pattern!r} within {bound_s:.0f} s:\n{self.tail()}")
                 self._cond.wait(1.0)
 
     def tail(self, n: int = 40) -> str:
@@ -105,12 +113,25 @@ def ray_head() -> Iterator[dict[str, str]]:
 
 
 # Run in a child process: joining a cluster switches Ray's auth mode for the whole process.
+# worker_dispatcher first: it turns token auth on before `ray` is imported (Ray reads it then).
 _LIST_NAMED_ACTORS = """
-import json, ray, worker_dispatcher
+import json, worker_dispatcher, ray
 worker_dispatcher.connect("auto", log_to_driver=False)
 print(json.dumps(sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                         if a["namespace"] == worker_dispatcher.RAY_NAMESPACE)))
 """
+
+
+_KILL_ACTOR = """
+import sys, worker_dispatcher, ray
+worker_dispatcher.connect("auto", log_to_driver=False)
+ray.kill(ray.get_actor(sys.argv[1], namespace=worker_dispatcher.RAY_NAMESPACE))
+"""
+
+
+def _kill_actor(env: dict[str, str], name: str) -> None:
+    """SIGKILL-equivalent death of one worker actor, from outside its dispatcher."""
+    subprocess.run([sys.executable, "-c", _KILL_ACTOR, name], env=env, check=True, timeout=_EXIT_BOUND_S)
 
 
 def _named_actors(env: dict[str, str]) -> list[str]:
@@ -123,6 +144,31 @@ def _named_actors(env: dict[str, str]) -> list[str]:
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_token_auth_turns_on_only_when_a_token_exists_and_the_mode_is_unset(tmp_path):
+    from ray_env import ray_auth_token_exists, use_ray_token_auth_if_available
+
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"HOME": str(home)}
+    assert not ray_auth_token_exists(env)
+    assert not use_ray_token_auth_if_available(env) and "RAY_AUTH_MODE" not in env
+
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text("t" * 32)
+    assert use_ray_token_auth_if_available(env) and env["RAY_AUTH_MODE"] == "token"
+
+    explicit = {"HOME": str(home), "RAY_AUTH_MODE": "disabled"}  # an explicit mode always wins
+    assert not use_ray_token_auth_if_available(explicit) and explicit["RAY_AUTH_MODE"] == "disabled"
+
+    elsewhere = tmp_path / "token"
+    elsewhere.write_text("t" * 32)
+    for env in ({"HOME": "/nonexistent", "RAY_AUTH_TOKEN_PATH": str(elsewhere)},
+                {"HOME": "/nonexistent", "RAY_AUTH_TOKEN": "t" * 32}):
+        assert use_ray_token_auth_if_available(env) and env["RAY_AUTH_MODE"] == "token"
+    missing = {"HOME": str(home), "RAY_AUTH_TOKEN_PATH": str(tmp_path / "absent")}
+    assert not ray_auth_token_exists(missing)
 
 
 def test_config_rejects_bad_fields():
@@ -162,9 +208,10 @@ def test_dispatcher_registers_reports_and_stops_cleanly(ray_head, tiny_model_dir
         )
         assert status.returncode == 0, status.stderr
         table = status.stdout.splitlines()
-        assert table[0].split() == ["kind", "name", "node", "load", "in-flight", "served", "version", "health"]
+        assert table[0].split() == ["kind", "name", "node", "state", "version", "uptime", "load", "in-flight",
+                                    "served", "failed", "health"]
         (row,) = [line.split() for line in table if name in line]
-        assert row[0] == GENERATION and row[-1] == "ok", status.stdout
+        assert row[0] == GENERATION and row[3] == "READY" and row[-1] == "ok", status.stdout
 
         actors = _named_actors(ray_head)
         assert name in actors and registry_name(GENERATION) in actors, actors
@@ -188,18 +235,67 @@ def test_dispatcher_registers_reports_and_stops_cleanly(ray_head, tiny_model_dir
             dispatcher.wait()
 
 
+@pytest.mark.vllm
+def test_dispatcher_replaces_a_dead_worker_cleans_its_files_then_gives_up(ray_head, tiny_model_dir):
+    from vllm_worker import weights_file_dir
+
+    command = [
+        sys.executable, DISPATCHER, "--model_path", str(tiny_model_dir), "--mode", GENERATION,
+        "--max_num_seqs", "4", "--global_num_verifiers", "1", "--kv_cache_memory_bytes", str(_KV_CACHE_BYTES),
+        "--max_model_len", str(_MAX_MODEL_LEN), "--health_check_interval_s", "1",
+        "--max_restarts", "1", "--restart_backoff_s", "0.5",
+    ]
+    dispatcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_head)
+    log = _OutputLog(dispatcher)
+    registered = r"worker (\S+) registered"
+    files: list[Path] = []
+    try:
+        first = log.wait_for_match(registered, dispatcher, _REGISTER_BOUND_S).group(1)
+        # What a SIGKILL during update_weights leaves behind, and a neighbour's file that must stay.
+        leftover = weights_file_dir() / f"grpo-weights-{first}-v7-0123abcd.safetensors"
+        neighbour = weights_file_dir() / f"grpo-weights-{first}9-v7-0123abcd.safetensors"
+        files = [leftover, neighbour]
+        for path in files:
+            path.write_bytes(b"weights")
+
+        _kill_actor(ray_head, first)
+        log.wait_for_match(rf"worker {first} restarting \(1 of 1\): worker {first} died: .*", dispatcher, _EXIT_BOUND_S)
+        skip = len(log.lines)
+        second = log.wait_for_match(registered, dispatcher, _REGISTER_BOUND_S, skip=skip).group(1)
+        assert second != first
+        assert not leftover.exists() and neighbour.exists()
+        status = subprocess.run([sys.executable, DISPATCHER, "status"], capture_output=True, text=True,
+                                env=ray_head, timeout=_EXIT_BOUND_S)
+        (row,) = [line.split() for line in status.stdout.splitlines() if second in line]
+        assert row[3] == "READY" and row[-1] == "ok", status.stdout
+
+        _kill_actor(ray_head, second)  # the second death exhausts --max_restarts 1
+        assert dispatcher.wait(timeout=_EXIT_BOUND_S) == 1, log.tail()
+        log.wait_for_match(rf"worker {second} died: .*; giving up after 1 restart\(s\) \(--max_restarts 1\)",
+                           dispatcher, _EXIT_BOUND_S)
+    finally:
+        for path in files:
+            path.unlink(missing_ok=True)
+        if dispatcher.poll() is None:
+            dispatcher.kill()
+            dispatcher.wait()
+
+
 def test_status_table_format():
     from vllm_registry import WorkerStatus
 
     rows = [
         WorkerStatus(kind=GENERATION, name="generation-worker-0", node_id="ab" * 28, inflight_cost=3,
-                     inflight_requests=1, requests_served=12, weight_version=4, healthy=True, last_error=""),
+                     inflight_requests=1, requests_served=12, weight_version=4, healthy=True, last_error="",
+                     state="RUNNING", uptime_s=3725.0, requests_failed=2),
         WorkerStatus(kind=GENERATION, name="generation-worker-1", node_id="cd" * 28, inflight_cost=0,
                      inflight_requests=0, requests_served=0, weight_version=-1, healthy=False,
                      last_error="health() did not answer within 10.0 s"),
     ]
     lines = format_status(rows).splitlines()
-    assert lines[0].split() == ["kind", "name", "node", "load", "in-flight", "served", "version", "health"]
-    assert lines[1].split() == [GENERATION, "generation-worker-0", "ab" * 6, "3", "1", "12", "4", "ok"]
-    assert lines[2].split()[:7] == [GENERATION, "generation-worker-1", "cd" * 6, "0", "0", "0", "-1"]
+    assert lines[0].split() == ["kind", "name", "node", "state", "version", "uptime", "load", "in-flight", "served",
+                                "failed", "health"]
+    assert lines[1].split() == [GENERATION, "generation-worker-0", "ab" * 6, "RUNNING", "4", "1h02m", "3", "1", "12",
+                                "2", "ok"]
+    assert lines[2].split()[:10] == [GENERATION, "generation-worker-1", "cd" * 6, "?", "-1", "0s", "0", "0", "0", "0"]
     assert lines[2].endswith("UNHEALTHY health() did not answer within 10.0 s")

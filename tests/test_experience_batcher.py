@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import ray
 
-from sample_processing_utils import Sample
+from sample_processing_utils import Sample, TokenLogprobs
 from ray_env import BATCHER_ACTOR_NAME
 from vllm_experience_batcher import (
     LOSS_WEIGHT,
@@ -252,17 +252,28 @@ class FakeGeneration:
 class FakeLogprob:
     """Logprob stand-in: `_fake_logprobs`, or a wrong-length answer for chosen prompts."""
 
-    def __init__(self, wrong_length_for: set[int] | None = None) -> None:
+    def __init__(self, wrong_length_for: set[int] | None = None, reference: bool = True,
+                 claimed_version: int | None = None) -> None:
         self.calls: list[tuple[int, int]] = []
         self._wrong = wrong_length_for or set()
+        self.reference = reference
+        self.claimed_version = claimed_version  # every answer claims these weights (a stale worker)
 
-    async def submit(self, method: str, *args: Any, cost: int) -> list[list[float]]:
+    async def submit(self, method: str, *args: Any, cost: int) -> list[TokenLogprobs]:
         assert method == "compute_group_logprobs"
         (rollouts,) = args
         assert len({r.prompt_id for r in rollouts}) == 1, "one call per prompt group"
         self.calls.append((rollouts[0].prompt_id, cost))
         values = [_fake_logprobs(r) for r in rollouts]
-        return [v + [0.0] for v in values] if rollouts[0].prompt_id in self._wrong else values
+        if rollouts[0].prompt_id in self._wrong:
+            values = [v + [0.0] for v in values]
+        return [TokenLogprobs(weight_version=self.version_for(r), values=v) for r, v in zip(rollouts, values)]
+
+    def version_for(self, rollout: Sample) -> int:
+        """The weights the answer claims: the reference checkpoint's, or the sampler's own."""
+        if self.claimed_version is not None:
+            return self.claimed_version
+        return -1 if self.reference else rollout.weight_version
 
 
 async def _drain(batcher: ExperienceBatcher, rank: int, step: int) -> tuple[list[Minibatch], EndOfStep]:
@@ -279,7 +290,7 @@ def _expected_tokens(prompt_ids: list[int], prompt_len: int = 4) -> int:
 @pytest.mark.parametrize("target, field, other", [("ref", "ref_logprobs", "old_logprobs"), ("old", "old_logprobs", "ref_logprobs")])
 def test_batcher_fills_the_target_logprobs_and_reports_step_totals(target: str, field: str, other: str) -> None:
     async def scenario() -> None:
-        generation, logprob = FakeGeneration({}, {}), FakeLogprob()
+        generation, logprob = FakeGeneration({}, {}), FakeLogprob(reference=target == "ref")
         batcher = ExperienceBatcher(_config(logprob_target=target), generation, logprob)
         await batcher.submit_prompts(0, 0, _prompts(range(0, 3)))
         await batcher.submit_prompts(1, 0, _prompts(range(3, 5)))
@@ -369,6 +380,32 @@ def test_submit_checks_rank_and_duplicates() -> None:
     asyncio.run(scenario())
 
 
+def test_old_policy_logprobs_from_older_weights_than_the_sampler_are_dropped_and_counted() -> None:
+    # A restarted old_policy worker still on base weights (-1) answers for rollouts sampled with v1
+    # (prompt 1) and v0 (the rest): those from older weights are dropped, never trained on.
+    async def scenario() -> None:
+        generation = FakeGeneration({1: 1}, {})
+        batcher = ExperienceBatcher(_config(logprob_target="old", world_size=1), generation,
+                                    FakeLogprob(claimed_version=0))
+        await batcher.submit_prompts(0, 1, _prompts(range(3)))
+        minibatches, end = await _drain(batcher, 0, 1)
+        trained = Counter(s.prompt_id for mb in minibatches if mb.loss_weight == LOSS_WEIGHT for s in mb.samples)
+        assert trained == {0: _N, 2: _N} and end.num_samples == 2 * _N
+        assert batcher.stats(1)["batcher/dropped_logprob_version"] == _N
+
+    asyncio.run(scenario())
+
+
+def test_reference_logprobs_from_pushed_weights_fail_the_step() -> None:
+    async def scenario() -> None:
+        batcher = ExperienceBatcher(_config(world_size=1), FakeGeneration({}, {}), FakeLogprob(claimed_version=3))
+        await batcher.submit_prompts(0, 0, _prompts([4]))
+        with pytest.raises(ExperienceBatcherError, match="reference logprobs computed with weight version 3"):
+            await asyncio.wait_for(_drain(batcher, 0, 0), _WAIT_BOUND_S)
+
+    asyncio.run(scenario())
+
+
 class NoWorkerError(RuntimeError):
     """What a registry raises when it has no live worker (stand-in for WorkerPoolError)."""
 
@@ -442,7 +479,7 @@ class RegistryDouble:
                 raise
         if method == "generate":
             return _rollouts(sample, args[1].n, self._version)
-        return [_fake_logprobs(s) for s in args[0]]
+        return [TokenLogprobs(weight_version=-1, values=_fake_logprobs(s)) for s in args[0]]
 
     def calls(self) -> list[tuple[str, int, int]]:
         return list(self._calls)

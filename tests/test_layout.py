@@ -87,6 +87,13 @@ def test_the_trainer_imports_no_worker_module():
     assert not bad, f"trainer_core.py imports worker module(s) {bad} (directly or through others)"
 
 
+@pytest.mark.parametrize("module", MODULES)
+def test_no_module_imports_ray_private_api(module):
+    # requirements allow any ray>=2.40; private modules move between releases without notice.
+    bad = sorted(name for name in imports_of(module) if name.startswith("ray._private"))
+    assert not bad, f"{module}.py imports Ray's private {bad}: use Ray's public API or documented variables"
+
+
 def test_project_imports_form_no_cycle():
     visiting, done = set(), set()
 

@@ -9,6 +9,8 @@ workers on the tiny model.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 import uuid
 from typing import Any, Callable
@@ -17,7 +19,10 @@ import pytest
 import ray
 
 from ray_env import GENERATION, RAY_NAMESPACE, registry_name, worker_actor_name
-from vllm_registry import RegistryConfig, WorkerHealth, WorkerPoolError, get_or_create_registry
+from vllm_registry import (
+    RegistryConfig, WorkerFailedError, WorkerHealth, WorkerPoolError, WorkerState, get_or_create_registry,
+)
+from weight_sync import WeightUpdate
 
 # Upper bound on how long a test waits for something that should happen at once; it keeps a
 # broken registry from hanging the suite and is never what decides a pass.
@@ -31,7 +36,8 @@ class FakeWorker:
     """Stands in for an inference worker: records calls; when held, each `work` call waits until
     `release(tag)` or `open_gate()` lets it finish."""
 
-    def __init__(self, name: str, held: bool = False, health_delay_s: float = 0.0) -> None:
+    def __init__(self, name: str, held: bool = False, health_delay_s: float = 0.0, update_delay_s: float = 0.0,
+                 failing_update: bool = False, broken: bool = False, fetch: bool = False) -> None:
         self._name = name
         self._held = held
         self._gates: dict[Any, asyncio.Event] = {}  # one per tag, so calls can be let go one by one
@@ -40,9 +46,19 @@ class FakeWorker:
         self._active = 0
         self._peak = 0
         self._version = -1
+        self._state = WorkerState.INIT
+        self._failure = ""
+        self._update_delay_s = update_delay_s
+        self._failing_update = failing_update
+        self._lifecycle: list[str] = []  # "update v3", "ready": the order the registry drove it in
+        self._broken = broken  # its engine is dead: `work` enters FAILED and raises WorkerFailedError
+        self._fetch = fetch  # update_weights reads the update's objects, as real workers do
 
     async def work(self, tag: Any) -> tuple[str, Any]:
         self._calls.append(tag)
+        if self._broken:
+            self.fail_with("engine died")
+            raise WorkerFailedError(f"{self._name} FAILED: engine died")
         self._active += 1
         self._peak = max(self._peak, self._active)
         try:
@@ -57,6 +73,31 @@ class FakeWorker:
     async def set_version(self, version: int) -> int:
         self._version = version
         return version
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        self._lifecycle.append(f"update v{update.version}")
+        if self._fetch:
+            await asyncio.gather(*update.shard_refs)
+        await asyncio.sleep(self._update_delay_s)
+        if self._failing_update:
+            raise ValueError(f"{self._name}: cannot load v{update.version}")
+        self._version = update.version
+        return update.version
+
+    def warm(self, update: WeightUpdate) -> None:
+        """Receive a WeightUpdate once: unpickling it imports weight_sync (and torch), seconds."""
+
+    def mark_ready(self) -> None:
+        self._lifecycle.append("ready")
+        if self._state == WorkerState.INIT:
+            self._state = WorkerState.READY
+
+    def lifecycle(self) -> list[str]:
+        return list(self._lifecycle)
+
+    def fail_with(self, reason: str) -> None:
+        """Enter FAILED, as a worker whose engine died does: every later call raises WorkerFailedError."""
+        self._state, self._failure = WorkerState.FAILED, reason
 
     def set_health_delay(self, delay_s: float) -> None:
         self._health_delay_s = delay_s
@@ -89,7 +130,8 @@ class FakeWorker:
         node_id = ray.get_runtime_context().get_node_id()
         return WorkerHealth(
             name=self._name, kind=GENERATION, node_id=node_id, weight_version=self._version,
-            inflight_requests=self._active, healthy=True,
+            inflight_requests=self._active, healthy=self._state != WorkerState.FAILED, state=self._state,
+            detail=self._failure,
         )
 
 
@@ -420,6 +462,113 @@ def test_periodic_health_check_drops_a_dead_idle_worker(make_registry):
     _wait_until(lambda: ray.get(registry.live_workers.remote()) == [b], "the health check to drop the dead worker")
 
 
+def _update(version: int, initial: bool = False) -> WeightUpdate:
+    return WeightUpdate(version=version, initial=initial)  # no tensors: FakeWorker only reads the version
+
+
+def test_a_joining_worker_loads_the_published_weights_before_it_is_ready(make_registry):
+    registry = make_registry()
+    (early, early_worker) = _start_worker("early")
+    _register(registry, early)
+    assert ray.get(registry.publish.remote(_update(3))) == {early: 3}
+    assert ray.get(early_worker.lifecycle.remote()) == ["ready", "update v3"]
+
+    late, late_worker = _start_worker("late")
+    assert ray.get(registry.register.remote(late)) == 3
+    assert ray.get(late_worker.lifecycle.remote()) == ["update v3", "ready"]  # weights first, then READY
+    assert {row.name: (row.weight_version, row.state) for row in ray.get(registry.status.remote())} == {
+        early: (3, "READY"), late: (3, "READY")}
+    # Requests reach it only now, and it serves v3: nothing it samples would be dropped as stale.
+    ray.get(registry.deregister.remote(early))
+    assert ray.get(registry.submit.remote("work", "x"), timeout=_WAIT_BOUND_S) == (late, "x")
+
+
+def test_an_initial_publish_replaces_a_newer_version_and_a_registering_worker_follows(make_registry):
+    registry = make_registry()
+    ray.get(registry.publish.remote(_update(0, initial=True)))  # a new run restarts the version count
+    name, worker = _start_worker("newer")
+    ray.get(worker.set_version.remote(7))  # left over from an earlier run
+    assert ray.get(registry.register.remote(name)) == 0
+
+
+@ray.remote(num_cpus=0)
+class _WeightOwner:
+    """Owns objects as a trainer rank owns its pushed shards: they go when it exits."""
+
+    def put(self) -> list[Any]:
+        return [ray.put(b"weights")]
+
+
+def test_a_worker_joining_after_the_trainer_exited_registers_at_its_own_version(make_registry):
+    registry = make_registry()
+    owner = _WeightOwner.remote()
+    refs = ray.get(owner.put.remote())
+    ray.get(registry.publish.remote(WeightUpdate(version=6, shard_refs=refs)))  # no worker yet: nothing fetched
+    ray.kill(owner)  # the trainer exits; its objects are lost
+    name, worker = _start_worker("late", fetch=True)
+    assert ray.get(registry.register.remote(name), timeout=_WAIT_BOUND_S) == -1
+    assert ray.get(worker.lifecycle.remote()) == ["update v6", "ready"]
+    assert ray.get(registry.live_workers.remote()) == [name]
+    other, other_worker = _start_worker("later", fetch=True)  # the lost update is forgotten: no second try
+    assert ray.get(registry.register.remote(other), timeout=_WAIT_BOUND_S) == -1
+    assert ray.get(other_worker.lifecycle.remote()) == ["ready"]
+
+
+def test_publish_drops_and_kills_a_worker_that_fails_or_misses_the_deadline(make_registry):
+    registry = make_registry(weight_update_timeout_s=5.0)
+    (good, good_worker), (bad, bad_worker) = _start_worker("good"), _start_worker("bad", failing_update=True)
+    (slow, slow_worker) = _start_worker("slow", update_delay_s=3600.0)
+    # So that only the slow worker's own delay can exceed the deadline, not the first import.
+    ray.get([w.warm.remote(_update(0)) for w in (good_worker, bad_worker, slow_worker)])
+    _register(registry, good, bad, slow)
+    assert ray.get(registry.publish.remote(_update(1)), timeout=_WAIT_BOUND_S) == {good: 1}
+    assert ray.get(registry.live_workers.remote()) == [good]
+    for handle in (bad_worker, slow_worker):  # killed, so their dispatchers restart them
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(handle.health.remote(), timeout=_WAIT_BOUND_S)
+
+
+def test_publish_fails_loudly_when_every_worker_rejects_the_update(make_registry):
+    registry = make_registry()
+    (a, _), (b, _) = _start_worker("a", failing_update=True), _start_worker("b", failing_update=True)
+    _register(registry, a, b)
+    with pytest.raises(WorkerPoolError, match="publish v2 failed on every worker"):
+        ray.get(registry.publish.remote(_update(2)), timeout=_WAIT_BOUND_S)
+
+
+def test_a_registering_worker_that_cannot_load_the_weights_is_refused(make_registry):
+    registry = make_registry()
+    ray.get(registry.publish.remote(_update(4)))
+    name, _ = _start_worker("cannot-load", failing_update=True)
+    with pytest.raises(WorkerPoolError, match=f"cannot register {name}: loading the published weights v4 failed"):
+        ray.get(registry.register.remote(name))
+    assert ray.get(registry.live_workers.remote()) == []
+
+
+def test_a_failed_worker_is_failed_over_like_a_dead_one_and_counted(make_registry):
+    # The worker answers with WorkerFailedError (as a generation worker whose engine died does):
+    # the registry drops it and re-sends the request, which a worker registering later serves.
+    registry = make_registry(no_worker_timeout_s=_WAIT_BOUND_S)
+    (broken, broken_worker), (healthy, _) = _start_worker("broken", broken=True), _start_worker("healthy")
+    _register(registry, broken)
+    ref = registry.submit.remote("work", "x")
+    _wait_until(lambda: ray.get(registry.live_workers.remote()) == [], "the registry to drop the FAILED worker")
+    assert ray.get(broken_worker.calls.remote()) == ["x"]
+    _register(registry, healthy)
+    assert ray.get(ref, timeout=_WAIT_BOUND_S) == (healthy, "x")
+    assert ray.get(registry.counters.remote()) == {"redispatched_requests": 1}
+
+
+def test_health_checks_drop_a_worker_that_reports_failed_and_registration_refuses_it(make_registry):
+    registry = make_registry(health_check_interval_s=0.2)
+    (a, worker_a), (b, _) = _start_worker("a"), _start_worker("b")
+    _register(registry, a, b)
+    ray.get(worker_a.fail_with.remote("self-check failed: canary"))
+    _wait_until(lambda: ray.get(registry.live_workers.remote()) == [b], "the health check to drop the FAILED worker")
+    with pytest.raises(WorkerPoolError, match=f"cannot register {a}: kind='generation' state=FAILED self-check failed"):
+        ray.get(registry.register.remote(a))
+
+
 # Real engines: small enough for CPU (a fixed KV cache avoids the RAM-fraction sizing that fails
 # on a busy machine), long enough completions that requests are still running when a worker dies.
 _ENGINE_KV_CACHE_BYTES = 64 << 20
@@ -456,6 +605,20 @@ def _inflight(worker: Any) -> int:
     return ray.get(worker.health.remote()).inflight_requests
 
 
+# Run on an actor through `__ray_call__`: its process id (a lambda travels by value).
+_pid = lambda _actor: os.getpid()  # noqa: E731
+
+
+def _engine_core_pids(worker: Any) -> list[int]:
+    """The vLLM engine-core process(es) under a generation worker actor (titled VLLM::EngineCore)."""
+    import psutil
+
+    children = psutil.Process(ray.get(worker.__ray_call__.remote(_pid))).children(recursive=True)
+    pids = [c.pid for c in children if "EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline())]
+    assert pids, f"no engine-core process among {[(c.pid, c.name()) for c in children]}"
+    return pids
+
+
 @pytest.mark.vllm
 def test_real_workers_spread_fail_over_and_report_a_dead_pool(make_registry, real_workers, tiny_model_dir):
     from sample_processing_utils import Sample
@@ -486,11 +649,17 @@ def test_real_workers_spread_fail_over_and_report_a_dead_pool(make_registry, rea
     served = {row.name: row.requests_served for row in ray.get(registry.status.remote())}
     assert sum(served.values()) == 6 and min(served.values()) >= 1, served
 
+    # Engine death is worker death: SIGKILL only the first worker's engine-core process. Its
+    # requests fail over to the second worker, and the first reports FAILED and leaves the pool.
     refs = submit(6)
     _wait_until(lambda: _inflight(first_worker) > 0, f"requests running on {first}")
-    ray.kill(first_worker)
+    for pid in _engine_core_pids(first_worker):
+        os.kill(pid, signal.SIGKILL)
     check(ray.get(refs, timeout=_WAIT_BOUND_S))
     assert ray.get(registry.live_workers.remote()) == [second]
+    health = ray.get(first_worker.health.remote())  # the actor itself lives on
+    assert health.state == "FAILED" and "engine died" in health.detail and not health.healthy, health
+    assert ray.get(registry.counters.remote())["redispatched_requests"] >= 1
 
     refs = submit(4)
     _wait_until(lambda: _inflight(second_worker) > 0, f"requests running on {second}")

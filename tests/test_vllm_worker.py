@@ -156,8 +156,11 @@ def _max_diff(vllm_logprobs: list[float], hf_logprobs: torch.Tensor) -> float:
 def _start_actor(ray, name: str, config: GenerationWorkerConfig):
     actor = GenerationWorkerActor.options(name=name).remote(name, config)
     began = time.perf_counter()
-    ray.get(actor.start.remote())
+    ray.get(actor.start.remote())  # engine up and self-check passed: INIT
     logger.warning("engine %s started in %.1f s", name, time.perf_counter() - began)
+    assert ray.get(actor.health.remote()).state == "INIT"
+    ray.get(actor.mark_ready.remote())  # what registration does once the worker holds the latest weights
+    assert ray.get(actor.health.remote()).state == "READY"
     return actor
 
 

@@ -6,7 +6,7 @@
 Each rank joins the test's Ray cluster and the gloo group, builds the FSDP2 model of every
 --model_path (build_training_model, as the trainer does), and pushes it with
 weight_sync.WeightPusher in each mode ("gather", "sharded") and each dtype (float32, bfloat16).
-Rank 0 hands the pushers a recorder actor in place of the registries: its `broadcast` receives
+Rank 0 hands the pushers a recorder actor in place of the registries: its `publish` receives
 the WeightUpdate exactly as a registry would and reads it the two ways a worker can
 (`fetch_state_dict`, and `iter_state_dict`, one tensor at a time).
 
@@ -39,15 +39,14 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 @ray.remote(num_cpus=0)
 class Recorder:
-    """Stands in for a registry: `broadcast("update_weights", update)` reads the update as a worker would."""
+    """Stands in for a registry: `publish(update)` reads the update as a worker would."""
 
     def __init__(self) -> None:
         self.received: dict[int, dict] = {}
 
-    def broadcast(self, method: str, update: WeightUpdate) -> dict[str, int]:
+    def publish(self, update: WeightUpdate) -> dict[str, int]:
         from weight_sync import fetch_state_dict, iter_state_dict
 
-        assert method == "update_weights", method
         streamed = list(iter_state_dict(update))
         self.received[update.version] = {
             "mode": update.mode,

@@ -1,0 +1,169 @@
+"""Chaos: SIGKILL a generation and a logprob worker mid-run; the pools heal and no prompt is lost.
+
+A local cluster with 2 generation and 2 logprob workers, each under its own worker_dispatcher.py,
+and `torchrun --nproc_per_node=2 trainer_core.py`. While the trainer runs, the test SIGKILLs one
+worker process of each kind at steps drawn from a seeded RNG (the seed is in every failure
+message). It then checks:
+- the run finishes (exit 0), and every step accounts for all of its rollouts: trained, or
+  counted as stale, timed out, missing or dropped for their logprobs' weight version;
+- each dispatcher replaced its killed worker (a new name registered), and the replacements serve:
+  a second short run puts requests on them;
+- after the cluster stops, no worker or engine-core process is left and no weight file remains
+  in shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from dataset import write_arithmetic_dataset
+from local_cluster import LocalCluster, LocalClusterConfig
+from metrics import read_metrics
+from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
+from vllm_worker import weights_file_dir
+
+pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
+
+SEED = 11
+NUM_STEPS = 10
+N = 4
+RUN = ["--prompts_per_rank", "2", "--sampling.n", str(N), "--sampling.max_tokens", "4", "--max_tokens_per_gpu", "256",
+       "--data.max_prompt_tokens", "16", "--progress_bar", "false", "--tensorboard", "false", "--eval.every", "0",
+       "--max_lag", "1", "--logprob_role", "reference", "--checkpoint_at_end", "false"]
+TRAINER_TIMEOUT_S = 900
+# Bounds that only keep a broken run from hanging the suite (an engine starts in ~1 min on 2 cores).
+RESTART_BOUND_S = 600.0
+STEP_BOUND_S = 600.0
+_REGISTERED = re.compile(r"worker (\S+) registered")
+
+# Run on an actor through `__ray_call__`: its process id (a lambda travels by value).
+_pid = lambda _actor: os.getpid()  # noqa: E731
+
+
+def _actor_pid(name: str) -> int:
+    import ray
+
+    return ray.get(ray.get_actor(name, namespace=RAY_NAMESPACE).__ray_call__.remote(_pid))
+
+
+def _steps_logged(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _wait(condition: Any, what: str, bound_s: float, context: str) -> None:
+    deadline = time.monotonic() + bound_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{context}: timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def _registered_names(log_dir: Path) -> dict[str, list[str]]:
+    """Worker names each dispatcher log announced, in order."""
+    return {log.name: _REGISTERED.findall(log.read_text(errors="replace")) for log in sorted(log_dir.glob("*_worker.log"))}
+
+
+def _served(kind: str) -> dict[str, int]:
+    import ray
+
+    registry = ray.get_actor(registry_name(kind), namespace=RAY_NAMESPACE)
+    return {row.name: row.requests_served for row in ray.get(registry.status.remote())}
+
+
+def _check_every_rollout_accounted_for(records: list[dict], context: str) -> None:
+    assert [r["step"] for r in records] == list(range(NUM_STEPS)), context
+    for r in records:
+        rollouts = r["batcher/num_prompts"] * N
+        accounted = (r["batcher/num_samples"] + r["batcher/dropped_stale"] + r["batcher/dropped_logprob_version"]
+                     + r["batcher/timed_out_prompts"] * N + r["batcher/missing_rollouts"])
+        assert r["batcher/num_prompts"] == 4 and accounted == rollouts, f"{context}: step {r['step']}: {r}"
+
+
+def _processes_of_run(root_pids: set[int]) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["pid", "name", "cmdline"]):
+        text = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
+        if proc.info["pid"] in root_pids or "EngineCore" in text:
+            found.append(proc)
+    return found
+
+
+def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import ray
+
+    # LocalCluster owns its own Ray head; a session's shared ray_local connection must go first.
+    # (In file order this module runs before any ray_local user, as test_end_to_end does.)
+    if ray.is_initialized():
+        ray.shutdown()
+    rng = random.Random(SEED)
+    kill_at = {GENERATION: rng.randint(1, 3), LOGPROB: rng.randint(4, 6)}
+    context = f"seed {SEED}, kills at steps {kill_at}"
+    data = write_arithmetic_dataset(tmp_path / "arithmetic.jsonl", 200, seed=SEED)
+    log_dir = tmp_path / "logs"
+    engine_cores_before = {p.pid for p in _processes_of_run(set())}
+    config = LocalClusterConfig(
+        model_path=str(tiny_model_dir), log_dir=str(log_dir), generation_workers=2, logprob_workers=2,
+        num_cpus=8, kv_cache_memory_bytes=64 * 2**20, max_num_seqs=64, max_model_len=64, global_num_verifiers=1,
+        dtype="float32",
+    )
+    killed: dict[str, int] = {}
+    with LocalCluster(config) as cluster:
+        cluster.start_workers()
+        actor_pids = {_actor_pid(worker_actor_name(kind, i)) for kind in (GENERATION, LOGPROB) for i in range(2)}
+        run_dir = tmp_path / "run"
+        args = ["--run_dir", str(run_dir), "--model.model_path", str(tiny_model_dir), "--data.path", str(data),
+                "--num_steps", str(NUM_STEPS), *RUN]
+        result: dict[str, int] = {}
+        trainer = threading.Thread(target=lambda: result.update(code=cluster.run_trainer(
+            args, nproc_per_node=2, timeout_s=TRAINER_TIMEOUT_S, log_path=tmp_path / "trainer.log")))
+        trainer.start()
+        for kind, step in sorted(kill_at.items(), key=lambda item: item[1]):
+            _wait(lambda: _steps_logged(run_dir) >= step or not trainer.is_alive(), f"step {step}", STEP_BOUND_S,
+                  context)
+            victim = worker_actor_name(kind, 0)
+            killed[kind] = _actor_pid(victim)
+            os.kill(killed[kind], signal.SIGKILL)
+        trainer.join(TRAINER_TIMEOUT_S)
+        assert result.get("code") == 0, f"{context}: trainer exited {result}:\n" + \
+            "\n".join((tmp_path / "trainer.log").read_text().splitlines()[-40:])
+        _check_every_rollout_accounted_for(read_metrics(run_dir / "metrics.jsonl"), context)
+
+        # Each killed worker's dispatcher registered a replacement under a new name.
+        def replaced() -> bool:
+            names = _registered_names(log_dir)
+            return all(len(names[f"{kind}-0_worker.log"]) == 2 for kind in (GENERATION, LOGPROB))
+        _wait(replaced, "the replacements to register", RESTART_BOUND_S, context)
+        names = _registered_names(log_dir)
+        replacements = {kind: names[f"{kind}-0_worker.log"][1] for kind in (GENERATION, LOGPROB)}
+        for kind, name in replacements.items():
+            assert name not in (worker_actor_name(kind, 0), worker_actor_name(kind, 1)), f"{context}: {names}"
+            log = (log_dir / f"{kind}-0_worker.log").read_text(errors="replace")
+            assert f"worker {worker_actor_name(kind, 0)} restarting (1 of 3)" in log, f"{context}: {log[-2000:]}"
+
+        # The replacements serve: a second run's requests reach them.
+        second = tmp_path / "run2"
+        code = cluster.run_trainer(["--run_dir", str(second), "--model.model_path", str(tiny_model_dir),
+                                    "--data.path", str(data), "--num_steps", "3", *RUN],
+                                   nproc_per_node=2, timeout_s=TRAINER_TIMEOUT_S, log_path=tmp_path / "trainer2.log")
+        assert code == 0, f"{context}: second run exited {code}"
+        for kind, name in replacements.items():
+            served = _served(kind)
+            assert served.get(name, 0) >= 1, f"{context}: {kind} replacement {name} served nothing: {served}"
+        actor_pids |= {_actor_pid(name) for name in replacements.values()}
+
+    # Everything the cluster started is gone, and no weight file is left in shared memory.
+    def all_gone() -> bool:
+        return not [p for p in _processes_of_run(actor_pids) if p.pid not in engine_cores_before]
+    _wait(all_gone, "the cluster's processes to exit", 60.0, context)
+    leftovers = sorted(weights_file_dir().glob("grpo-weights-*-worker-*-v*.safetensors"))
+    assert not leftovers, f"{context}: weight files left behind: {leftovers}"

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from ray_env import RAY_NAMESPACE, REPO_ROOT, actor_runtime_env, repo_pythonpath
 from run_config import load_config, split_passthrough
 
@@ -251,20 +253,45 @@ class LocalCluster:
         logger.info("local cluster stopped")
 
 
+def _descendants(pid: int) -> set[int]:
+    try:
+        return {child.pid for child in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _signal_pids(pids: set[int], signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
 def stop_process_group(process: subprocess.Popen, grace_s: float = _STOP_GRACE_S) -> None:
-    """SIGTERM the process group `process` leads, SIGKILL whatever is left after grace_s."""
+    """SIGTERM the process group `process` leads and every descendant, SIGKILL whatever is left
+    after grace_s.
+
+    Descendants are signalled by pid as well: torch 2.13's torchrun starts each rank in a session
+    of its own, outside the leader's group, and once torchrun exits they are no longer its
+    children; so they are collected before the first signal and again before the last.
+    """
+    tree = _descendants(process.pid)
     try:
         os.killpg(process.pid, signal.SIGTERM)
     except ProcessLookupError:
         return
+    _signal_pids(tree, signal.SIGTERM)
     try:
         process.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         logger.warning("trainer did not stop within %.0f s of SIGTERM; killing it", grace_s)
+    tree |= _descendants(process.pid)
     try:  # the leader may be gone while ranks linger: the group still exists then
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    _signal_pids({pid for pid in tree if psutil.pid_exists(pid)}, signal.SIGKILL)
     process.wait()
 
 

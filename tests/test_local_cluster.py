@@ -23,8 +23,8 @@ if ignore:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 child = subprocess.Popen([sys.executable, "-c",
     "import signal, sys, time\\n"
-    "if sys.argv[1] == 'ignore': signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
-    "time.sleep(600)", sys.argv[1]])
+    "if sys.argv[1] in ('ignore', 'own-session'): signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+    "time.sleep(600)", sys.argv[1]], start_new_session=sys.argv[1] == "own-session")
 print(child.pid, flush=True)
 time.sleep(600)
 """
@@ -71,6 +71,15 @@ def test_members_ignoring_sigterm_are_killed_after_the_grace_period() -> None:
     assert time.monotonic() - started < 10.0
     assert leader.returncode == -9
     assert _wait_gone(child_pid)
+
+
+def test_a_child_in_its_own_session_is_stopped_too() -> None:
+    # As torch 2.13's torchrun starts each rank: a new session, outside the leader's process group
+    # (and this one ignores SIGTERM, so only the final SIGKILL by pid can stop it).
+    leader, child_pid = _start_tree("own-session")
+    assert os.getsid(child_pid) != os.getsid(leader.pid)
+    stop_process_group(leader, grace_s=1.0)
+    assert _wait_gone(child_pid), "a rank in its own session outlived stop_process_group"
 
 
 def test_stopping_a_finished_group_is_a_no_op() -> None:

@@ -620,6 +620,34 @@ def _engine_core_pids(worker: Any) -> list[int]:
 
 
 @pytest.mark.vllm
+def test_a_real_worker_joining_a_running_job_serves_the_published_weights(make_registry, real_workers,
+                                                                          tiny_model_dir):
+    """The seen failure: a replacement joined at version -1 and its rollouts were dropped as stale.
+    Now registration loads the published version first, so its very first rollouts carry it."""
+    from safetensors.torch import load_file
+
+    from sample_processing_utils import Sample
+    from sampling import SamplingConfig
+    from weight_sync import state_dict_to_blobs
+
+    registry = make_registry()
+    (first, _), (joiner, joiner_worker) = real_workers.items()
+    _register(registry, first)
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    update = WeightUpdate(version=5, shard_refs=[ray.put(state_dict_to_blobs(weights))])
+    assert ray.get(registry.publish.remote(update), timeout=_WAIT_BOUND_S) == {first: 5}
+
+    assert ray.get(registry.register.remote(joiner), timeout=_WAIT_BOUND_S) == 5
+    health = ray.get(joiner_worker.health.remote())
+    assert (health.weight_version, health.state) == (5, "READY")
+    ray.get(registry.deregister.remote(first))  # every request now goes to the joiner
+    sampling = SamplingConfig(n=2, max_tokens=4, seed=0)
+    rollouts = ray.get(registry.submit.remote("generate", Sample(input_token_ids=[1, 2, 3], gt_answer="1", prompt_id=0),
+                                              sampling, cost=sampling.n), timeout=_WAIT_BOUND_S)
+    assert [r.weight_version for r in rollouts] == [5, 5]  # within any max_lag of step 5: none stale
+
+
+@pytest.mark.vllm
 def test_real_workers_spread_fail_over_and_report_a_dead_pool(make_registry, real_workers, tiny_model_dir):
     from sample_processing_utils import Sample
     from setup_model import load_tokenizer

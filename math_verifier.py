@@ -155,14 +155,16 @@ _MAX_PLAIN_DIGITS = 15
 _MAX_PLAIN_DECIMALS = 6
 # Default pool size: one process per usable core, but never one (a lone process that is killed at
 # the deadline stalls every other result for the deadline plus a restart), and at most 32 (each
-# idle process holds ~100 MB with sympy loaded; 32 verify ~10k samples/s at ~3 ms each).
+# process holds ~57 MB RSS, ~27 MB PSS, with sympy loaded, measured; 32 verify ~10k samples/s at
+# ~3 ms each).
 _MIN_DEFAULT_PROCESSES = 2
 _MAX_DEFAULT_PROCESSES = 32
-# Default deadline per verification. benchmarks/reward.py on the 2-core machine (2 processes, 32
-# completions in flight, half of them ~4k-character reasoning texts): clean p99 latency, queueing
-# included, 53-183 ms over earlier runs (RESULTS.md "Reward verification"; median service ~1-3 ms).
-# 1 s is >5x that worst p99, headroom for a machine shared with generation and training, while
-# a hostile input that evades the pre-checks now holds a process for 1 s instead of 10.
+# Default deadline per verification. benchmarks/reward.py --fast_path false on the 2-core machine
+# (2 processes, 32 completions in flight, half of them ~4k-character reasoning texts, all through
+# math-verify): clean p99 latency, queueing included, 24-29 ms on a quiet machine and up to 166 ms
+# while other test suites ran (2026-11-24; 53-183 ms in earlier runs; RESULTS.md "Reward
+# verification"). 1 s is >5x the worst of those, headroom for a machine shared with generation and
+# training, while a hostile input that evades the pre-checks holds a process for 1 s, not 10.
 DEFAULT_TIMEOUT_S = 1.0
 
 
@@ -239,9 +241,10 @@ class VerifierPoolConfig:
     2 (one process killed at a deadline must not stall the rest) and at most 32."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Hard deadline per verification; a process past it is killed and replaced, the sample scores
-    0 with error "timeout". Default 1 s: benchmarks/reward.py's clean p99 latency on the 2-core
-    machine, queueing included, was 53-183 ms (median service 1-3 ms), so 1 s leaves >5x headroom
-    for a loaded machine while a hostile input that evades the pre-checks costs 1 s, not 10."""
+    0 with error "timeout". Default 1 s: benchmarks/reward.py's clean p99 latency through
+    math-verify on the 2-core machine, queueing included, was 24-166 ms (quiet to busy machine;
+    RESULTS.md "Reward verification"), so 1 s leaves >5x headroom for a loaded machine while a
+    hostile input that evades the pre-checks costs 1 s of a process, not 10."""
     cache_size: int = 65536
     """Entries of the (gold, completion) -> result LRU cache; 0 turns the cache and the
     within-call deduplication off."""

@@ -802,7 +802,7 @@ class RunFailed(RuntimeError):
     """The run did not complete; the message names the logs to read."""
 
 
-def _interrupt_on_sigterm() -> None:
+def interrupt_on_sigterm() -> None:
     def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -1053,7 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
     own, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv))
     config = load_config(RealisticRunConfig, own, description=__doc__)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _interrupt_on_sigterm()
+    interrupt_on_sigterm()
     try:
         report = run(config, passthrough)
     except (RunFailed, TimeoutError) as exc:

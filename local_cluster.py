@@ -60,8 +60,9 @@ class LocalClusterConfig:
     """vLLM's concurrent sequences per engine."""
     max_model_len: int = 512
     """Longest prompt + output the engines accept."""
-    global_num_verifiers: int = 1
-    """Verifier processes shared by all generation workers."""
+    global_num_verifiers: int | None = None
+    """Verifier processes shared by all generation workers; None: one per usable core (2 to 32,
+    math_verifier.VerifierPoolConfig), so a few slow verifications cannot hold up the rest."""
     max_tokens_per_gpu: int = 8192
     """Token budget of one logprob-worker batch."""
     dtype: str = "float32"
@@ -158,9 +159,10 @@ class LocalCluster:
         c = self.config
         common = ["--model_path", c.model_path, "--dtype", c.dtype]
         if kind == "generation":
+            verifiers = [] if c.global_num_verifiers is None else ["--global_num_verifiers", str(c.global_num_verifiers)]
             return common + [
                 "--mode", "generation", "--tensor_parallel_size", "1", "--max_num_seqs", str(c.max_num_seqs),
-                "--global_num_verifiers", str(c.global_num_verifiers),
+                *verifiers,
                 "--kv_cache_memory_bytes", str(c.kv_cache_memory_bytes), "--max_model_len", str(c.max_model_len),
             ]
         if kind == "logprob":

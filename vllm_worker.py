@@ -130,13 +130,15 @@ class GenerationWorkerConfig:
     """How an update treats rollouts in flight: 'keep' freezes them, swaps weights and finishes
     them with the new weights (no stall; their tokens mix versions), 'wait' lets them finish on
     the old weights first while new requests queue (each rollout on one version)."""
-    global_num_verifiers: int = 4
+    global_num_verifiers: int | None = None
     """Processes of the cluster-wide math-verify pool (created by the first worker to ask), spread
     over the nodes that advertise the `verification_slot` resource, one slot each (capped at the
     slots offered); without such nodes, all in one process outside Ray's accounting (see
-    math_verifier.VerifierPoolActor)."""
-    verifier_timeout_s: float = 10.0
-    """Hard deadline per verification; a verifier that passes it is killed and the reward is 0."""
+    math_verifier.VerifierPoolActor). None: math_verifier.VerifierPoolConfig's rule (one per
+    usable core, 2 to 32)."""
+    verifier_timeout_s: float | None = None
+    """Hard deadline per verification; a verifier that passes it is killed and the reward is 0.
+    None: math_verifier.VerifierPoolConfig's default (1 s, from the measured clean p99)."""
     failed_samples_path: str | None = None
     """JSONL file that receives every sample whose generation or scoring failed, with the
     error; None turns this off."""
@@ -144,7 +146,7 @@ class GenerationWorkerConfig:
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("GenerationWorkerConfig.model_path must be set")
-        for name in ("tensor_parallel_size", "max_num_seqs", "global_num_verifiers"):
+        for name in ("tensor_parallel_size", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GenerationWorkerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -163,8 +165,12 @@ class GenerationWorkerConfig:
             raise ValueError(
                 f"GenerationWorkerConfig.weight_update_pause_mode unknown: {self.weight_update_pause_mode!r}"
             )
-        if self.verifier_timeout_s <= 0:
-            raise ValueError(f"GenerationWorkerConfig.verifier_timeout_s must be > 0, got {self.verifier_timeout_s}")
+        if self.global_num_verifiers is not None and self.global_num_verifiers < 1:
+            raise ValueError(f"GenerationWorkerConfig.global_num_verifiers must be >= 1 or None, got "
+                             f"{self.global_num_verifiers}")
+        if self.verifier_timeout_s is not None and self.verifier_timeout_s <= 0:
+            raise ValueError(f"GenerationWorkerConfig.verifier_timeout_s must be > 0 or None, got "
+                             f"{self.verifier_timeout_s}")
         if self.weight_reload_bucket_bytes < 1:
             raise ValueError(
                 f"GenerationWorkerConfig.weight_reload_bucket_bytes must be >= 1, got {self.weight_reload_bucket_bytes}"

@@ -356,7 +356,9 @@ def test_hostile_and_truncated_outputs_through_scoring_path(ray_local, tiny_mode
 
     boxed_seven = "so the answer is $\\boxed{7}$"
     tower, boxed = score([EXPONENT_TOWER, boxed_seven], [False, False], "7", 0.0)
-    assert (tower.reward, tower.failed, tower.error) == (0.0, True, "timeout")
+    # Caught by the pool's pre-checks before any verifier process sees it (math_verifier).
+    assert (tower.reward, tower.failed) == (0.0, True) and tower.error.startswith("rejected: "), tower
+    assert "exponent tower" in tower.error
     assert (boxed.reward, boxed.failed) == (_expected_reward(boxed_seven, "7"), False) == (1.0, False)
 
     # math-verify reads a cut-off '9=9=' as the answer 9; the default policy pays 0 for it.

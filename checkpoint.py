@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim.lr_scheduler import LRScheduler
 
 from fsdp_setup import DistInfo
-from weight_sync import _TOKENIZER_FILES, _WEIGHTS_FILE, gather_full_state_dict, write_safetensors
+from weight_sync import TOKENIZER_FILES, WEIGHTS_FILE, gather_full_state_dict, write_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,6 @@ def _set_rng_state(saved: dict[str, torch.Tensor] | torch.Tensor) -> None:
 # weight_sync.export_hf_checkpoint gathers and writes the HF folder in one collective call; a
 # background save needs the gather and the write apart, so this module writes the same files
 # (config, weights, tokenizer) under weight_sync's names.
-HF_WEIGHTS_FILE = _WEIGHTS_FILE
 OPTIMIZER_FILE = "optimizer.pt"
 # Write steps of one save, in order; each is a no-argument callable that writes one file set.
 _Write = Callable[[], None]
@@ -166,9 +165,9 @@ def _hf_config(model: nn.Module, weights: dict[str, torch.Tensor]) -> Any:
 def _write_hf_files(weights: dict[str, torch.Tensor], config: Any, out: Path, source_model_path: str) -> None:
     """config.json, model.safetensors and the source's tokenizer files: a loadable HF folder."""
     config.save_pretrained(out)
-    write_safetensors(weights, out / HF_WEIGHTS_FILE)
+    write_safetensors(weights, out / WEIGHTS_FILE)
     source = Path(source_model_path)
-    for file_name in _TOKENIZER_FILES:
+    for file_name in TOKENIZER_FILES:
         if (source / file_name).is_file():
             shutil.copy2(source / file_name, out / file_name)
 

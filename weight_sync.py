@@ -197,7 +197,7 @@ def write_safetensors(state_dict: Mapping[str, torch.Tensor], path: Path) -> Pat
 _WRAPPER_PREFIX = "causal_lm."
 # Files copied verbatim from the source checkpoint on export: everything a tokenizer (and
 # generation defaults) may be made of, but never weights or config, which export writes itself.
-_TOKENIZER_FILES = (
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -209,7 +209,7 @@ _TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-_WEIGHTS_FILE = "model.safetensors"  # a single-file checkpoint, as from_pretrained and vLLM expect
+WEIGHTS_FILE = "model.safetensors"  # a single-file checkpoint, as from_pretrained and vLLM expect
 
 
 def _hf_name(name: str) -> str:
@@ -337,9 +337,9 @@ def export_hf_checkpoint(model: nn.Module, out_dir: str | Path, source_model_pat
         config.use_cache = True  # training turned it off; inference engines want it back
         config.dtype = next(iter(state.values())).dtype
         config.save_pretrained(out)
-        write_safetensors(state, out / _WEIGHTS_FILE)
+        write_safetensors(state, out / WEIGHTS_FILE)
         source = Path(source_model_path)
-        for file_name in _TOKENIZER_FILES:
+        for file_name in TOKENIZER_FILES:
             if (source / file_name).is_file():
                 shutil.copy2(source / file_name, out / file_name)
         logger.info("exported %d tensors to %s", len(state), out)

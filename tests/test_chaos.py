@@ -6,7 +6,8 @@ worker process of each kind at steps drawn from a seeded RNG (the seed is in eve
 message). It then checks:
 - the run finishes (exit 0), and every step accounts for all of its rollouts: trained, or
   counted as stale, timed out, missing or dropped for their logprobs' weight version;
-- each dispatcher replaced its killed worker (a new name registered), and the replacements serve:
+- each dispatcher replaced its killed worker (a new name registered); a third generation worker
+  joins with the command local_cluster.py prints; the replacements and the added worker serve:
   a second short run puts requests on them;
 - after the cluster stops, no worker or engine-core process is left and no weight file remains
   in shared memory.
@@ -18,6 +19,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -138,28 +140,47 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
             "\n".join((tmp_path / "trainer.log").read_text().splitlines()[-40:])
         _check_every_rollout_accounted_for(read_metrics(run_dir / "metrics.jsonl"), context)
 
-        # Each killed worker's dispatcher registered a replacement under a new name.
-        def replaced() -> bool:
-            names = _registered_names(log_dir)
-            return all(len(names[f"{kind}-0_worker.log"]) == 2 for kind in (GENERATION, LOGPROB))
-        _wait(replaced, "the replacements to register", RESTART_BOUND_S, context)
+        # Each killed worker's dispatcher (whichever log announced the victim: dispatchers claim
+        # names in no fixed order) registered a replacement under a new name.
+        def dispatcher_of(victim: str) -> str:
+            return next(log for log, names in _registered_names(log_dir).items() if names[:1] == [victim])
+
+        logs = {kind: dispatcher_of(worker_actor_name(kind, 0)) for kind in (GENERATION, LOGPROB)}
+        _wait(lambda: all(len(_registered_names(log_dir)[logs[kind]]) == 2 for kind in logs),
+              "the replacements to register", RESTART_BOUND_S, context)
         names = _registered_names(log_dir)
-        replacements = {kind: names[f"{kind}-0_worker.log"][1] for kind in (GENERATION, LOGPROB)}
+        replacements = {kind: names[logs[kind]][1] for kind in (GENERATION, LOGPROB)}
         for kind, name in replacements.items():
             assert name not in (worker_actor_name(kind, 0), worker_actor_name(kind, 1)), f"{context}: {names}"
-            log = (log_dir / f"{kind}-0_worker.log").read_text(errors="replace")
+            log = (log_dir / logs[kind]).read_text(errors="replace")
             assert f"worker {worker_actor_name(kind, 0)} restarting (1 of 3)" in log, f"{context}: {log[-2000:]}"
 
-        # The replacements serve: a second run's requests reach them.
+        # A third generation worker joins with the command local_cluster.py prints (as an operator
+        # would, from another shell), then serves as well.
+        added_log = tmp_path / "added_worker.log"
+        with added_log.open("w") as out:
+            # `exec env ...`: the printed command, with the shell replaced by the dispatcher, so that the
+            # SIGINT and the exit code below are the dispatcher's own.
+            added = subprocess.Popen("exec env " + cluster.add_worker_command(GENERATION), shell=True, stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        _wait(lambda: _REGISTERED.search(added_log.read_text(errors="replace")) is not None or added.poll() is not None,
+              "the added worker to register", RESTART_BOUND_S, context)
+        match = _REGISTERED.search(added_log.read_text(errors="replace"))
+        assert match, f"{context}: the added worker did not register:\n{added_log.read_text()[-3000:]}"
+        replacements["added"] = match.group(1)
+
+        # The replacements and the added worker serve: a second run's requests reach them.
         second = tmp_path / "run2"
         code = cluster.run_trainer(["--run_dir", str(second), "--model.model_path", str(tiny_model_dir),
                                     "--data.path", str(data), "--num_steps", "3", *RUN],
                                    nproc_per_node=2, timeout_s=TRAINER_TIMEOUT_S, log_path=tmp_path / "trainer2.log")
         assert code == 0, f"{context}: second run exited {code}"
         for kind, name in replacements.items():
-            served = _served(kind)
-            assert served.get(name, 0) >= 1, f"{context}: {kind} replacement {name} served nothing: {served}"
+            served = _served(LOGPROB if kind == LOGPROB else GENERATION)
+            assert served.get(name, 0) >= 1, f"{context}: {kind} worker {name} served nothing: {served}"
         actor_pids |= {_actor_pid(name) for name in replacements.values()}
+        added.send_signal(signal.SIGINT)  # its dispatcher deregisters and stops its worker
+        assert added.wait(timeout=120) == 0, added_log.read_text()[-3000:]
 
     # Everything the cluster started is gone, and no weight file is left in shared memory.
     def all_gone() -> bool:

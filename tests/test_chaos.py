@@ -91,12 +91,14 @@ def _check_every_rollout_accounted_for(records: list[dict], context: str) -> Non
         assert r["batcher/num_prompts"] == 4 and accounted == rollouts, f"{context}: step {r['step']}: {r}"
 
 
-def _processes_of_run(root_pids: set[int]) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["pid", "name", "cmdline"]):
-        text = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
-        if proc.info["pid"] in root_pids or "EngineCore" in text:
-            found.append(proc)
+def _with_descendants(pids: set[int]) -> set[int]:
+    """`pids` and every live descendant (a generation actor's vLLM engine-core process, ...)."""
+    found = set(pids)
+    for pid in pids:
+        try:
+            found |= {child.pid for child in psutil.Process(pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
     return found
 
 
@@ -112,13 +114,13 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
     context = f"seed {SEED}, kills at steps {kill_at}"
     data = write_arithmetic_dataset(tmp_path / "arithmetic.jsonl", 200, seed=SEED)
     log_dir = tmp_path / "logs"
-    engine_cores_before = {p.pid for p in _processes_of_run(set())}
     config = LocalClusterConfig(
         model_path=str(tiny_model_dir), log_dir=str(log_dir), generation_workers=2, logprob_workers=2,
         num_cpus=8, kv_cache_memory_bytes=64 * 2**20, max_num_seqs=64, max_model_len=64, global_num_verifiers=1,
         dtype="float32",
     )
     killed: dict[str, int] = {}
+    victim_pids: set[int] = set()
     with LocalCluster(config) as cluster:
         cluster.start_workers()
         actor_pids = {_actor_pid(worker_actor_name(kind, i)) for kind in (GENERATION, LOGPROB) for i in range(2)}
@@ -134,6 +136,7 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
                   context)
             victim = worker_actor_name(kind, 0)
             killed[kind] = _actor_pid(victim)
+            victim_pids |= _with_descendants({killed[kind]})  # its engine core must not outlive it
             os.kill(killed[kind], signal.SIGKILL)
         trainer.join(TRAINER_TIMEOUT_S)
         assert result.get("code") == 0, f"{context}: trainer exited {result}:\n" + \
@@ -179,12 +182,19 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
             served = _served(LOGPROB if kind == LOGPROB else GENERATION)
             assert served.get(name, 0) >= 1, f"{context}: {kind} worker {name} served nothing: {served}"
         actor_pids |= {_actor_pid(name) for name in replacements.values()}
+        run_pids = _with_descendants(actor_pids) | victim_pids  # every worker and engine core of the run
         added.send_signal(signal.SIGINT)  # its dispatcher deregisters and stops its worker
         assert added.wait(timeout=120) == 0, added_log.read_text()[-3000:]
 
     # Everything the cluster started is gone, and no weight file is left in shared memory.
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
     def all_gone() -> bool:
-        return not [p for p in _processes_of_run(actor_pids) if p.pid not in engine_cores_before]
+        return not any(alive(pid) for pid in run_pids)
     _wait(all_gone, "the cluster's processes to exit", 60.0, context)
     leftovers = sorted(weights_file_dir().glob("grpo-weights-*-worker-*-v*.safetensors"))
     assert not leftovers, f"{context}: weight files left behind: {leftovers}"

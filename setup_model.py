@@ -67,8 +67,9 @@ class ModelPathError(ValueError):
     """A model path that is not a loadable local Hugging Face folder; the message names the path."""
 
 
-def check_model_dir(model_path: str | Path) -> Path:
+def check_model_dir(model_path: str | Path, *, weights: bool = True) -> Path:
     """The model folder, checked for what from_pretrained needs here, or ModelPathError.
+    weights=False checks only that the folder exists (all a tokenizer needs).
 
     No hub can be reached, so a path that does not exist would otherwise be taken for a repo id
     and fail deep inside transformers or vLLM ("Repo id must be in the form ..."); a folder
@@ -81,6 +82,8 @@ def check_model_dir(model_path: str | Path) -> Path:
                              f"is expected: config.json, *.safetensors weights, tokenizer files)")
     if not path.is_dir():
         raise ModelPathError(f"model path {str(model_path)!r} is a file; a Hugging Face model folder is expected")
+    if not weights:
+        return path
     if not (path / "config.json").is_file():
         raise ModelPathError(f"model path {str(model_path)!r} has no config.json, so it is not a Hugging Face "
                              f"model folder (save one with save_pretrained, or point at the folder holding it)")
@@ -94,7 +97,7 @@ def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:
     """Load the tokenizer the way vLLM does (AutoTokenizer), so both sides tokenize identically."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(check_model_dir(model_path)))
+    return AutoTokenizer.from_pretrained(str(check_model_dir(model_path, weights=False)))
 
 
 def default_attn_implementation(device: torch.device, compute_dtype: torch.dtype = torch.bfloat16) -> str:

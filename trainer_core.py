@@ -40,7 +40,7 @@ from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, actor_runtime_env, regis
 from run_config import ConfigError, load_config, save_config
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from sampling import SEED_BOUND, SamplingConfig
-from setup_model import ModelConfig, ModelPathError, TokenLogprobModel, load_tokenizer
+from setup_model import ModelConfig, ModelPathError, TokenLogprobModel, check_model_dir, load_tokenizer
 from vllm_experience_batcher import BatcherConfig, EndOfStep, Minibatch, RayRegistryClient, get_or_create_batcher
 from weight_sync import WeightPusher, resolve_push_dtype
 
@@ -402,6 +402,7 @@ def load_run_inputs(config: TrainerConfig, *, with_evaluator: bool) -> RunInputs
     once instead of after minutes of start-up. Raises InputError with the cause's message.
     """
     try:
+        check_model_dir(config.model.model_path)  # config and weights too, not only the tokenizer
         tokenizer = load_tokenizer(config.model.model_path)
         prompts = load_prompts(config.data, tokenizer)
         evaluator = (Evaluator.load(config.eval, config.data, config.sampling, tokenizer)

@@ -47,8 +47,11 @@ from ray_env import (
 )
 
 # Before `import ray`, which reads RAY_AUTH_MODE once: a dispatcher joins a `ray start` head that
-# holds a token (it demands the token from every client) with token auth on. See ray_env.
-use_ray_token_auth_if_available()
+# holds a token (it demands the token from every client) with token auth on. See ray_env. Only
+# when run as the dispatcher: a process importing this module (tests, tools) decides for itself,
+# since the variable also reaches every child it starts, a Ray head's GCS included.
+if __name__ == "__main__":
+    use_ray_token_auth_if_available()
 
 import ray  # noqa: E402
 from ray.actor import ActorHandle  # noqa: E402

@@ -113,8 +113,9 @@ def ray_head() -> Iterator[dict[str, str]]:
 
 
 # Run in a child process: joining a cluster switches Ray's auth mode for the whole process.
-# worker_dispatcher first: it turns token auth on before `ray` is imported (Ray reads it then).
+# Token auth on (a token exists) before `ray` is imported, as the dispatcher does for itself.
 _LIST_NAMED_ACTORS = """
+import ray_env; ray_env.use_ray_token_auth_if_available()
 import json, worker_dispatcher, ray
 worker_dispatcher.connect("auto", log_to_driver=False)
 print(json.dumps(sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -123,6 +124,7 @@ print(json.dumps(sorted(a["name"] for a in ray.util.list_named_actors(all_namesp
 
 
 _KILL_ACTOR = """
+import ray_env; ray_env.use_ray_token_auth_if_available()
 import sys, worker_dispatcher, ray
 worker_dispatcher.connect("auto", log_to_driver=False)
 ray.kill(ray.get_actor(sys.argv[1], namespace=worker_dispatcher.RAY_NAMESPACE))
@@ -169,6 +171,18 @@ def test_token_auth_turns_on_only_when_a_token_exists_and_the_mode_is_unset(tmp_
         assert use_ray_token_auth_if_available(env) and env["RAY_AUTH_MODE"] == "token"
     missing = {"HOME": str(home), "RAY_AUTH_TOKEN_PATH": str(tmp_path / "absent")}
     assert not ray_auth_token_exists(missing)
+
+
+def test_importing_the_dispatcher_leaves_the_auth_mode_alone(tmp_path):
+    # Importing must not set RAY_AUTH_MODE: every child of the importer (a Ray head's GCS started
+    # by ray.init in a test process) would inherit token mode while the importer's Ray, imported
+    # earlier, stayed in disabled mode, and could then not reach its own GCS.
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("t" * 32)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"} | {"HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", "import os, worker_dispatcher; print(os.environ.get('RAY_AUTH_MODE'))"],
+                          capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=_EXIT_BOUND_S)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "None", done.stdout + done.stderr
 
 
 def test_config_rejects_bad_fields():

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim.lr_scheduler import LRScheduler
 
 from fsdp_setup import DistInfo
-from weight_sync import TOKENIZER_FILES, WEIGHTS_FILE, gather_full_state_dict, write_safetensors
+from weight_sync import gather_full_state_dict, inference_config, write_hf_folder
 
 logger = logging.getLogger(__name__)
 
@@ -154,24 +154,6 @@ def _owned(value: Any, live: set[int]) -> Any:
     return value
 
 
-def _hf_config(model: nn.Module, weights: dict[str, torch.Tensor]) -> Any:
-    """A copy of the model's HF config as the checkpoint stores it (as weight_sync's export)."""
-    config = copy.deepcopy(getattr(model, "causal_lm", model).config)
-    config.use_cache = True  # training turned it off; inference engines want it back
-    config.dtype = next(iter(weights.values())).dtype
-    return config
-
-
-def _write_hf_files(weights: dict[str, torch.Tensor], config: Any, out: Path, source_model_path: str) -> None:
-    """config.json, model.safetensors and the source's tokenizer files: a loadable HF folder."""
-    config.save_pretrained(out)
-    write_safetensors(weights, out / WEIGHTS_FILE)
-    source = Path(source_model_path)
-    for file_name in TOKENIZER_FILES:
-        if (source / file_name).is_file():
-            shutil.copy2(source / file_name, out / file_name)
-
-
 def _write_rng_and_state(rng_states: list[dict[str, torch.Tensor]], state: TrainerState, out: Path) -> None:
     """Every rank's RNG file, then trainer_state.json, the file that marks a checkpoint complete."""
     for rank, rng in enumerate(rng_states):
@@ -268,7 +250,7 @@ class CheckpointWriter:
 
         weights = gather_full_state_dict(model)  # collective; fresh CPU copies on rank 0
         if main:
-            add(partial(_write_hf_files, weights, _hf_config(model, weights), tmp, self._source))
+            add(partial(write_hf_folder, weights, inference_config(model, weights), tmp, self._source))
         del weights
         optim_state = get_optimizer_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)

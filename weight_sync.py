@@ -321,6 +321,25 @@ def _unwrap_causal_lm(model: nn.Module) -> nn.Module:
     return model.causal_lm if isinstance(model, TokenLogprobModel) else model
 
 
+def inference_config(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Any:
+    """A copy of the model's HF config as a saved folder stores it: KV cache on (training turned
+    it off; inference engines want it back) and the dtype of the saved tensors."""
+    config = copy.deepcopy(_unwrap_causal_lm(model).config)
+    config.use_cache = True
+    config.dtype = next(iter(weights.values())).dtype
+    return config
+
+
+def write_hf_folder(weights: Mapping[str, torch.Tensor], config: Any, out: Path, source_model_path: str) -> None:
+    """config.json, model.safetensors and the source's tokenizer files: a loadable HF folder."""
+    config.save_pretrained(out)
+    write_safetensors(dict(weights), out / WEIGHTS_FILE)
+    source = Path(source_model_path)
+    for file_name in TOKENIZER_FILES:
+        if (source / file_name).is_file():
+            shutil.copy2(source / file_name, out / file_name)
+
+
 def export_hf_checkpoint(model: nn.Module, out_dir: str | Path, source_model_path: str | Path) -> Path | None:
     """Save the (FSDP) model as a Hugging Face checkpoint folder; collective, rank 0 writes.
 
@@ -333,15 +352,7 @@ def export_hf_checkpoint(model: nn.Module, out_dir: str | Path, source_model_pat
     if state is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        config = copy.deepcopy(_unwrap_causal_lm(model).config)
-        config.use_cache = True  # training turned it off; inference engines want it back
-        config.dtype = next(iter(state.values())).dtype
-        config.save_pretrained(out)
-        write_safetensors(state, out / WEIGHTS_FILE)
-        source = Path(source_model_path)
-        for file_name in TOKENIZER_FILES:
-            if (source / file_name).is_file():
-                shutil.copy2(source / file_name, out / file_name)
+        write_hf_folder(state, inference_config(model, state), out, source_model_path)
         logger.info("exported %d tensors to %s", len(state), out)
     if dist.is_initialized():
         dist.barrier()

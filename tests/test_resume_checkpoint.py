@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import checkpoint
+import weight_sync
 from checkpoint import (
     CheckpointWriter,
     TrainerState,
@@ -191,13 +192,13 @@ def test_background_save_writes_the_snapshot_while_training_goes_on(tiny_model_d
                                 keep=2)
 
     release = threading.Event()
-    real_write = checkpoint.write_safetensors
+    real_write = weight_sync.write_safetensors
 
     def held_write(*args, **kwargs):
         assert release.wait(timeout=120), "the test never released the write"
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "write_safetensors", held_write)
+    monkeypatch.setattr(weight_sync, "write_safetensors", held_write)
     run_dir = tmp_path / "async"
     writer = CheckpointWriter(run_dir, str(tiny_model_dir), dist, keep=2, background=True)
     blocked_s = writer.save(model, optimizer, scheduler, state)
@@ -226,8 +227,8 @@ def test_background_saves_one_at_a_time_and_errors_surface(tiny_model_dir: Path,
     model, optimizer, scheduler = _build(tiny_model_dir, dist)
     _train(model, optimizer, scheduler, 1)
     release = threading.Event()
-    real_write = checkpoint.write_safetensors
-    monkeypatch.setattr(checkpoint, "write_safetensors",
+    real_write = weight_sync.write_safetensors
+    monkeypatch.setattr(weight_sync, "write_safetensors",
                         lambda *a, **k: (release.wait(timeout=120), real_write(*a, **k))[1])
     writer = CheckpointWriter(tmp_path, str(tiny_model_dir), dist, keep=5, background=True)
     writer.save(model, optimizer, scheduler, TrainerState(step=1))
@@ -244,7 +245,7 @@ def test_background_saves_one_at_a_time_and_errors_surface(tiny_model_dir: Path,
     def failing_write(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "write_safetensors", failing_write)
+    monkeypatch.setattr(weight_sync, "write_safetensors", failing_write)
     writer.save(model, optimizer, scheduler, TrainerState(step=3))
     writer.commit()
     with pytest.raises(RuntimeError, match="background checkpoint save failed.*disk full"):

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
 import weight_sync
 from checkpoint import (
     CheckpointWriter,

@@ -1049,6 +1049,17 @@ def print_report(report: dict[str, Any]) -> None:
           f"logprob budget {c['logprob_max_tokens']} tokens; report: {Path(report['logs']['run_dir']).parent / 'report.json'}")
 
 
+def print_failure(report: dict[str, Any], program: str) -> None:
+    """To stderr: the tail of every log of a failed run, the first errors found in them, the failure."""
+    paths = [Path(p) for p in [report["logs"]["local_cluster"], *report["logs"]["workers"]]]
+    for path in paths:
+        print(f"\n---- last lines of {path} ----\n{tail(path)}", file=sys.stderr)
+    errors = [f"  {path.name}: {line}" for path in paths for line in first_errors(path)]
+    if errors:
+        print("\nfirst errors in the logs:\n" + "\n".join(errors), file=sys.stderr)
+    print(f"\n{program}: FAILED: {report['failure']}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     own, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv))
     config = load_config(RealisticRunConfig, own, description=__doc__)
@@ -1061,13 +1072,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print_report(report)
     if report["status"] != "ok":
-        paths = [Path(p) for p in [report["logs"]["local_cluster"], *report["logs"]["workers"]]]
-        for path in paths:
-            print(f"\n---- last lines of {path} ----\n{tail(path)}", file=sys.stderr)
-        errors = [f"  {path.name}: {line}" for path in paths for line in first_errors(path)]
-        if errors:
-            print("\nfirst errors in the logs:\n" + "\n".join(errors), file=sys.stderr)
-        print(f"\nrealistic_run: FAILED: {report['failure']}", file=sys.stderr)
+        print_failure(report, "realistic_run")
         return 1
     print(final_line(report))
     return 0

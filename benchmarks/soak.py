@@ -64,8 +64,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.realistic_run import (  # noqa: E402
-    KB, LogWatcher, ProcessMonitor, RunFailed, count_lines, first_errors, format_table, interrupt_on_sigterm,
-    parse_status, phase_of, run_polled, tail,
+    KB, LogWatcher, ProcessMonitor, RunFailed, count_lines, format_table, interrupt_on_sigterm, parse_status,
+    phase_of, print_failure, run_polled,
 )
 from metrics import read_metrics  # noqa: E402
 from run_config import config_to_dict, load_config, split_passthrough  # noqa: E402
@@ -524,13 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print_report(report)
     if report["status"] != "ok":
-        paths = [Path(report["logs"]["local_cluster"]), *map(Path, report["logs"]["workers"])]
-        for path in paths:
-            print(f"\n---- last lines of {path} ----\n{tail(path)}", file=sys.stderr)
-        errors = [f"  {path.name}: {line}" for path in paths for line in first_errors(path)]
-        if errors:
-            print("\nfirst errors in the logs:\n" + "\n".join(errors), file=sys.stderr)
-        print(f"\nsoak: FAILED: {report['failure']}", file=sys.stderr)
+        print_failure(report, "soak")
         return 1
     print(final_line(report))
     return 0

@@ -64,6 +64,8 @@ class TrainerState:
     """InfiniteDistributedSampler.state_dict() at the start of `step`."""
     scheduler_state: dict[str, Any] = field(default_factory=dict)
     """LR scheduler state_dict()."""
+    algorithm_state: dict[str, Any] = field(default_factory=dict)
+    """The batcher's algorithm state for `step` (the KL-in-reward controller), {} when none."""
 
 
 def checkpoints_root(run_dir: Path) -> Path:

@@ -55,7 +55,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Protocol, get_args
+from typing import Any, Iterator, Literal, Protocol, Sequence, get_args
 
 import numpy as np
 
@@ -65,6 +65,9 @@ from sample_processing_utils import Sample
 logger = logging.getLogger(__name__)
 
 TOKEN_IDS_FIELD = "input_token_ids"
+GROUPING_FIELDS = ("group_id", "run_id")
+"""Optional record fields in every format: advantages normalise within each (group_id, run_id)
+pair of a step; group_id defaults to the record's prompt_id, run_id to 0 (algorithm.py)."""
 PROMPT_TEXT_FIELD = "prompt"
 ANSWER_FIELD = "gt_answer"
 DataFormat = Literal["auto", "generic", "gsm8k", "math"]
@@ -371,7 +374,7 @@ class RecordSchema:
     @property
     def known_fields(self) -> frozenset[str]:
         extra = (TOKEN_IDS_FIELD,) if self.format == "generic" else ()
-        return frozenset((self.prompt_field, self.answer_field, *extra))
+        return frozenset((self.prompt_field, self.answer_field, *GROUPING_FIELDS, *extra))
 
 
 def _detect_format(record: dict[str, Any]) -> str:
@@ -497,7 +500,19 @@ def _sample_from_record(
     ids = _prompt_ids(record, schema, encoder, stats)
     for name in record.keys() - schema.known_fields:
         stats.ignored_fields[name] = stats.ignored_fields.get(name, 0) + 1
-    return Sample(input_token_ids=ids, gt_answer=answer, prompt_id=prompt_id)
+    group_id, run_id = (_grouping_id(record, name) for name in GROUPING_FIELDS)
+    return Sample(input_token_ids=ids, gt_answer=answer, prompt_id=prompt_id, group_id=group_id,
+                  run_id=0 if run_id is None else run_id)
+
+
+def _grouping_id(record: dict[str, Any], name: str) -> int | None:
+    """An optional grouping field (group_id, run_id): an int >= 0, or None when absent."""
+    value = record.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"field {name!r} must be an int >= 0, got {value!r}")
+    return value
 
 
 def _decode_record(raw: bytes) -> dict[str, Any]:
@@ -709,6 +724,10 @@ class InfiniteDistributedSampler:
 
     Every rank draws the same number of indices per step, so epoch and position are the same on
     all ranks: one rank's state_dict() resumes them all exactly where they were.
+
+    A state may also name positions ahead to pass over once (`skip`): prompts already trained
+    although drawn after the state's position (dynamic sampling's extra prompts for an earlier
+    step, drawn after a later step's prompts; see trainer_core.PromptFeeder).
     """
 
     def __init__(self, num_items: int, rank: int, world_size: int, seed: int) -> None:
@@ -729,6 +748,8 @@ class InfiniteDistributedSampler:
         self._epoch = 0
         self._position = 0
         self._shard = self._epoch_shard(0)
+        self._skip: set[tuple[int, int]] = set()
+        """(epoch, position) pairs ahead that are passed over once."""
 
     @property
     def epoch(self) -> int:
@@ -740,13 +761,23 @@ class InfiniteDistributedSampler:
         return permutation[self.rank : self.per_rank * self.world_size : self.world_size].tolist()
 
     def _next_index(self) -> int:
-        if self._position == self.per_rank:
-            self._epoch += 1
-            self._position = 0
-            self._shard = self._epoch_shard(self._epoch)
-        index = self._shard[self._position]
-        self._position += 1
-        return index
+        return self.next_drawn(1)[0][0]
+
+    def next_drawn(self, k: int) -> list[tuple[int, tuple[int, int]]]:
+        """The next k (index, (epoch, position)) pairs: what next_batch draws, and where from."""
+        drawn = []
+        while len(drawn) < k:
+            if self._position == self.per_rank:
+                self._epoch += 1
+                self._position = 0
+                self._shard = self._epoch_shard(self._epoch)
+            where = (self._epoch, self._position)
+            self._position += 1
+            if where in self._skip:
+                self._skip.discard(where)
+                continue
+            drawn.append((self._shard[where[1]], where))
+        return drawn
 
     def __iter__(self) -> Iterator[int]:
         while True:
@@ -756,7 +787,7 @@ class InfiniteDistributedSampler:
         """The next k indices of this rank (crossing into the next epoch when one runs out)."""
         if k < 0:
             raise ValueError(f"InfiniteDistributedSampler.next_batch: k must be >= 0, got {k}")
-        return [self._next_index() for _ in range(k)]
+        return [index for index, _ in self.next_drawn(k)]
 
     def state_dict(self) -> dict[str, int]:
         """JSON-serialisable position: the epoch, the indices already drawn from it, and the
@@ -767,7 +798,15 @@ class InfiniteDistributedSampler:
             "num_items": self.num_items,
             "world_size": self.world_size,
             "seed": self.seed,
+            "skip": [list(where) for where in sorted(self._skip)],
         }
+
+    @staticmethod
+    def with_skipped(state: dict[str, Any], positions: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        """A copy of `state` that also passes over `positions` at or after its own position."""
+        here = (state["epoch"], state["position"])
+        skip = {tuple(w) for w in state.get("skip", [])} | {tuple(w) for w in positions if tuple(w) >= here}
+        return {**state, "skip": [list(w) for w in sorted(skip)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a state_dict(); refuses one taken with another dataset size, world size or seed."""
@@ -786,6 +825,7 @@ class InfiniteDistributedSampler:
             )
         self._epoch, self._position = epoch, position
         self._shard = self._epoch_shard(epoch)
+        self._skip = {(int(e), int(p)) for e, p in state.get("skip", [])}
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -3,16 +3,23 @@
 The trainer and the logprob worker both score tokens with `chunked_token_logprobs`, so reference
 and old-policy logprobs come from exactly the function the loss is trained with.
 
-Loss (for samples i with output tokens t, advantage A_i, output length |o_i|):
+Loss (for samples i with output tokens t, advantage A_it (A_i broadcast, or a prepare function's
+per-token advantages), output length |o_i|):
 
-    L = sum_i (1/|o_i|) sum_t [ pg_t + kl_coef * kl_t ]
-    pg_t = -min(r_t A_i, clip(r_t, 1 - clip_low, 1 + clip_high) A_i) * w_t
+    L = sum_i sum_t c_i [ pg_t + kl_coef * kl_t ]
+    pg_t = -min(r_t A_it, clip(r_t, 1 - clip_low, 1 + clip_high) A_it) * w_t
 
-where r_t = pi(t) / pi_old(t). Without old logprobs pi_old is pi itself, detached, so r_t = 1 and
-the gradient is exactly that of the seed's -A_i log pi(t). w_t is an optional truncated
-importance-sampling weight min(pi_old(t) / pi_sampler(t), tis_cap) correcting for the sampler
-(vLLM, possibly stale weights) differing from the trainer. The sum over samples is not averaged:
-the trainer divides gradients by the step's total sample count (see trainer_core).
+with c_i = 1/|o_i| (aggregation sample_mean) or 1 (token_mean, constant): this function returns
+the sum, and the trainer divides the step's summed gradients by the step's divisor (samples for
+sample_mean, output tokens for token_mean, samples x max_tokens for constant; see `step_divisor`),
+which makes any split of the step over ranks and minibatches equal one pass over the whole step.
+
+r_t = pi(t) / pi_old(t) (ratio_level token), or with ratio_level sequence (GSPO) the sequence's
+geometric-mean ratio s_i = exp(mean_t log(pi(t) / pi_old(t))) for every token of sample i, with its
+own clip range. Without old logprobs pi_old is pi itself, detached, so r_t = 1 and the gradient is
+exactly that of the seed's -A_i log pi(t). w_t corrects for the sampler (vLLM, possibly stale
+weights) differing from the trainer (is_mode): 1 (none), min(rho_t, is_cap) (tis, truncated) or
+rho_t if rho_t <= is_cap else 0 (mis, masked), with rho_t = pi_old(t) / pi_sampler(t).
 """
 
 from __future__ import annotations
@@ -24,27 +31,60 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from algorithm import KLRewardConfig
 from sample_processing_utils import IGNORE_INDEX, PackedBatch
 
 _MAX_LOG_RATIO = 20.0  # keeps exp() finite when a stale logprob is wildly off
 
 KLEstimator = Literal["k1", "k2", "k3"]
+Aggregation = Literal["sample_mean", "token_mean", "constant"]
+RatioLevel = Literal["token", "sequence"]
+ISMode = Literal["none", "tis", "mis"]
 
 
 @dataclass(kw_only=True, frozen=True)
 class LossConfig:
-    """Hyperparameters of the GRPO loss."""
+    """Hyperparameters of the GRPO loss (and of the KL term, in the loss or in the reward)."""
 
     kl_coef: float = 0.0
-    """Weight of the KL(pi || pi_ref) penalty; 0 disables it (no reference logprobs needed)."""
+    """Weight beta of KL(pi || pi_ref); 0 disables it (no reference logprobs needed). In the loss
+    unless kl_in_reward; there, the controller's starting value."""
     kl_estimator: KLEstimator = "k3"
-    """k1: log(pi/ref); k2: 0.5 log(pi/ref)^2; k3: ref/pi - log(ref/pi) - 1 (unbiased, >= 0)."""
+    """Per-token KL in the loss. k1: log(pi/ref); k2: 0.5 log(pi/ref)^2; k3: ref/pi - log(ref/pi) - 1
+    (unbiased, >= 0). The KL in the reward is always the sequence's sum of k1 (see algorithm.py)."""
+    kl_in_reward: bool = False
+    """Move the KL out of the loss into the reward: each rollout's reward becomes
+    reward - beta * sum_t (log pi_sampler(t) - log pi_ref(t)) before advantages are computed (the
+    policy's logprobs are the sampler's, vLLM's sampled-token logprobs; the reference's come from
+    logprob_role: reference workers). Metrics: kl/beta, kl/in_reward_mean."""
+    kl_controller: Literal["fixed", "adaptive"] = "fixed"
+    """kl_in_reward: fixed keeps beta = kl_coef; adaptive (Ziegler et al.) moves beta by
+    clip(KL/target_kl - 1, +-0.2) x samples/kl_horizon after each step. Saved in checkpoints."""
+    target_kl: float = 6.0
+    """adaptive controller: target KL per sample (summed over its response tokens), in nats."""
+    kl_horizon: int = 10000
+    """adaptive controller: horizon in samples."""
     clip_low: float = 0.2
     """Lower clip bound: the ratio is clipped at 1 - clip_low (used only with old logprobs)."""
     clip_high: float = 0.28
     """Upper clip bound: 1 + clip_high; larger than clip_low is DAPO's clip-higher."""
-    tis_cap: float | None = None
-    """Cap of the truncated importance-sampling weight against sampling logprobs; None: off."""
+    aggregation: Aggregation = "sample_mean"
+    """How token terms make the step's loss: sample_mean (each sample's token mean, averaged over
+    samples: GRPO), token_mean (mean over all the step's tokens: DAPO) or constant (sum over tokens
+    / (samples x sampling.max_tokens): Dr. GRPO, no length normalisation)."""
+    ratio_level: RatioLevel = "token"
+    """token: per-token ratios (PPO/GRPO); sequence: the sequence's geometric-mean ratio (GSPO),
+    clipped at [1 - seq_clip_low, 1 + seq_clip_high]."""
+    seq_clip_low: float = 3e-4
+    """GSPO's lower clip range (the sequence ratio is a mean of logs: much narrower than PPO's)."""
+    seq_clip_high: float = 4e-4
+    """GSPO's upper clip range."""
+    is_mode: ISMode = "none"
+    """Train-inference mismatch correction with rho_t = pi_old(t) / pi_sampler(t): none; tis (weight
+    min(rho, is_cap)); mis (weight rho, tokens with rho > is_cap masked out). Measured always:
+    mismatch/kl, mismatch/is_weight_mean, mismatch/masked_frac."""
+    is_cap: float = 2.0
+    """Cap C of tis and mis."""
 
     def __post_init__(self) -> None:
         if self.kl_coef < 0:
@@ -55,8 +95,39 @@ class LossConfig:
             raise ValueError(f"LossConfig.clip_low must be in [0, 1), got {self.clip_low}")
         if self.clip_high < 0:
             raise ValueError(f"LossConfig.clip_high must be >= 0, got {self.clip_high}")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError(f"LossConfig.tis_cap must be > 0 or None, got {self.tis_cap}")
+        if not 0 <= self.seq_clip_low < 1 or self.seq_clip_high < 0:
+            raise ValueError(f"LossConfig.seq_clip_low must be in [0, 1) and seq_clip_high >= 0, got "
+                             f"{self.seq_clip_low}, {self.seq_clip_high}")
+        if not self.is_cap > 0:
+            raise ValueError(f"LossConfig.is_cap must be > 0, got {self.is_cap}")
+        if self.kl_in_reward and self.kl_coef == 0:
+            raise ValueError("LossConfig.kl_in_reward needs kl_coef > 0 (the controller's starting beta)")
+        self.kl_reward_config()  # validates kl_controller, target_kl and kl_horizon
+
+    def kl_reward_config(self) -> KLRewardConfig:
+        """The KL-in-reward settings the batcher applies (meaningful when kl_in_reward)."""
+        try:
+            return KLRewardConfig(kl_coef=self.kl_coef, controller=self.kl_controller, target_kl=self.target_kl,
+                                  horizon=self.kl_horizon)
+        except ValueError as exc:
+            raise ValueError(f"LossConfig: {exc}") from None
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """Whether the loss carries a KL term (kl_coef > 0 and not moved into the reward)."""
+        return self.kl_coef > 0 and not self.kl_in_reward
+
+
+def step_divisor(aggregation: Aggregation, num_samples: int, num_output_tokens: int, max_tokens: int) -> float:
+    """What a step's summed per-sample (sample_mean) or per-token (token_mean, constant) loss
+    terms are divided by to give the step's loss (the trainer divides gradients by it)."""
+    if aggregation == "sample_mean":
+        return float(num_samples)
+    if aggregation == "token_mean":
+        return float(num_output_tokens)
+    if aggregation == "constant":
+        return float(num_samples * max_tokens)
+    raise ValueError(f"unknown aggregation {aggregation!r}")
 
 
 def _chunk_logprobs_and_entropy(
@@ -117,10 +188,51 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KL
     return torch.exp(-log_ratio) + log_ratio - 1.0
 
 
+def _sequence_mean(values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """Each sample's mean of a [O] per-token tensor, broadcast back over its tokens ([O])."""
+    index = batch.sample_index.to(values.device)
+    sums = torch.zeros(batch.num_samples, dtype=values.dtype, device=values.device).index_add(0, index, values)
+    return (sums / batch.output_lengths_per_sample.to(values.device))[index]
+
+
+def _policy_ratio(logprobs: torch.Tensor, old: torch.Tensor, batch: PackedBatch,
+                  config: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ratio, clipped ratio) per output token, token- or sequence-level (GSPO)."""
+    log_ratio = (logprobs - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    if config.ratio_level == "sequence":
+        ratio = torch.exp(_sequence_mean(log_ratio, batch))
+        return ratio, ratio.clamp(1.0 - config.seq_clip_low, 1.0 + config.seq_clip_high)
+    ratio = torch.exp(log_ratio)
+    return ratio, ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+
+
+def _mismatch_weights(old: torch.Tensor, sampling: torch.Tensor, config: LossConfig,
+                      metrics: dict[str, float]) -> torch.Tensor | None:
+    """Importance weights against the sampler (None for is_mode none); logs the mismatch."""
+    log_rho = (old.detach() - sampling).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # log pi_old / pi_sampler
+    rho = torch.exp(log_rho)
+    # KL(sampler || trainer) estimated on the sampler's own tokens (k3: unbiased, >= 0).
+    metrics["mismatch/kl"] = (rho - log_rho - 1.0).mean().item()
+    if config.is_mode == "none":
+        metrics["mismatch/is_weight_mean"] = 1.0
+        metrics["mismatch/masked_frac"] = 0.0
+        return None
+    if config.is_mode == "tis":
+        weights = rho.clamp(max=config.is_cap)
+        masked = torch.zeros_like(rho)
+    else:  # mis
+        masked = (rho > config.is_cap).float()
+        weights = rho * (1.0 - masked)
+    metrics["mismatch/is_weight_mean"] = weights.mean().item()
+    metrics["mismatch/masked_frac"] = masked.mean().item()
+    return weights
+
+
 def grpo_loss(
     logprobs: torch.Tensor, batch: PackedBatch, config: LossConfig
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO loss summed over the batch's samples (each sample's tokens averaged).
+    """GRPO loss summed over the batch: each sample's token mean (sample_mean) or every token
+    (token_mean, constant); the trainer divides by the step's divisor (see `step_divisor`).
 
     logprobs: [O] trainer logprobs of the output tokens, aligned with batch.advantages.
     Returns (loss, metrics); metrics are token means over the batch, as python floats.
@@ -129,22 +241,16 @@ def grpo_loss(
         raise ValueError(f"logprobs {tuple(logprobs.shape)} vs advantages {tuple(batch.advantages.shape)}")
     advantages = batch.advantages.to(logprobs.device)
     old = batch.old_logprobs.to(logprobs.device) if batch.old_logprobs is not None else logprobs.detach()
-    log_ratio = (logprobs - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
-    clipped_ratio = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    ratio, clipped_ratio = _policy_ratio(logprobs, old, batch, config)
     unclipped_term, clipped_term = ratio * advantages, clipped_ratio * advantages
     pg = -torch.minimum(unclipped_term, clipped_term)
     metrics: dict[str, float] = {}
-
-    if config.tis_cap is not None:
-        sampling = batch.sampling_logprobs.to(logprobs.device)
-        tis_log = (old.detach() - sampling).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        tis_weight = torch.exp(tis_log).clamp(max=config.tis_cap)
-        pg = pg * tis_weight
-        metrics["loss/tis_weight_mean"] = tis_weight.mean().item()
+    weights = _mismatch_weights(old, batch.sampling_logprobs.to(logprobs.device), config, metrics)
+    if weights is not None:
+        pg = pg * weights
 
     per_token = pg
-    if config.kl_coef > 0:
+    if config.kl_in_loss:
         if batch.ref_logprobs is None:
             raise ValueError("LossConfig.kl_coef > 0 but the batch carries no ref_logprobs")
         kl = kl_penalty(logprobs, batch.ref_logprobs.to(logprobs.device), config.kl_estimator)
@@ -155,10 +261,11 @@ def grpo_loss(
             kl = kl_penalty(logprobs, batch.ref_logprobs.to(logprobs.device), config.kl_estimator)
         metrics["loss/kl"] = kl.mean().item()
 
-    loss = (per_token / batch.output_lengths.to(logprobs.device)).sum()
+    token_weight = (1.0 / batch.output_lengths.to(logprobs.device)) if config.aggregation == "sample_mean" else 1.0
+    loss = (per_token * token_weight).sum()
     with torch.no_grad():
         is_clipped = (clipped_term < unclipped_term).float()
-        metrics["loss/pg"] = (pg / batch.output_lengths.to(logprobs.device)).sum().item()
+        metrics["loss/pg"] = (pg * token_weight).sum().item()
         metrics["loss/clip_frac"] = is_clipped.mean().item()
         metrics["loss/ratio_mean"] = ratio.mean().item()
         metrics["loss/sampler_trainer_logprob_diff"] = (

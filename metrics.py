@@ -50,8 +50,18 @@ _SUM_KEYS = (
     "samples", "reward_sum", "correct", "response_tokens", "tokens", "truncated", "reward_failed",
     "staleness_sum", "loss_sum", "output_tokens", "kl_sum", "clip_sum", "entropy_sum",
     "first_entropy_sum", "ratio_sum", "wait_s", "train_s", "later_clip_sum", "later_ratio_sum", "later_tokens",
-    "zero_advantage",
+    "zero_advantage", "mismatch_kl_sum", "mismatch_weight_sum", "mismatch_masked_sum",
 )
+# grpo_loss's per-minibatch token means, logged per step as token means: (metric, its sum key).
+_TOKEN_MEANS = (
+    ("loss/kl", "kl_sum"),
+    ("loss/clip_frac", "clip_sum"),
+    ("loss/ratio_mean", "ratio_sum"),
+    ("mismatch/kl", "mismatch_kl_sum"),
+    ("mismatch/is_weight_mean", "mismatch_weight_sum"),
+    ("mismatch/masked_frac", "mismatch_masked_sum"),
+)
+_TOKEN_MEAN_DEFAULTS = {"loss/ratio_mean": 1.0, "mismatch/is_weight_mean": 1.0}
 
 
 @dataclass
@@ -87,9 +97,8 @@ class StepAccumulator:
         s["loss_sum"] += loss_value
         n_out = float(entropy.numel())
         s["output_tokens"] += n_out
-        s["kl_sum"] += loss_metrics.get("loss/kl", 0.0) * n_out
-        s["clip_sum"] += loss_metrics.get("loss/clip_frac", 0.0) * n_out
-        s["ratio_sum"] += loss_metrics.get("loss/ratio_mean", 1.0) * n_out
+        for metric, key in _TOKEN_MEANS:
+            s[key] += loss_metrics.get(metric, _TOKEN_MEAN_DEFAULTS.get(metric, 0.0)) * n_out
         s["entropy_sum"] += float(entropy.sum())
         first_positions = torch.cumsum(torch.tensor([0] + batch.inputs.output_lengths[:-1]), 0)
         s["first_entropy_sum"] += float(entropy.cpu()[first_positions].sum())
@@ -125,9 +134,7 @@ class StepAccumulator:
             "response/length_mean": s["response_tokens"] / n,
             "response/truncated_frac": s["truncated"] / n,
             "loss/total": s["loss_sum"] / n,
-            "loss/kl": s["kl_sum"] / out_tokens,
-            "loss/clip_frac": s["clip_sum"] / out_tokens,
-            "loss/ratio_mean": s["ratio_sum"] / out_tokens,
+            **{metric: s[key] / out_tokens for metric, key in _TOKEN_MEANS},
             "entropy/mean": s["entropy_sum"] / out_tokens,
             "entropy/first_token": s["first_entropy_sum"] / n,
             "optim/grad_norm": grad_norm,
@@ -241,6 +248,10 @@ class StepDataLog:
     def drawn(self, step: int, prompt_ids: Sequence[int]) -> None:
         """Remember the prompts drawn for a step as it is submitted."""
         self._drawn[step] = list(prompt_ids)
+
+    def drawn_more(self, step: int, prompt_ids: Sequence[int]) -> None:
+        """Remember extra prompts drawn for a submitted step (dynamic sampling's resampling)."""
+        self._drawn[step].extend(prompt_ids)
 
     def trained(self, step: int, trained_prompt_ids: Sequence[int]) -> None:
         """Append the record of a step that has trained (its prompts must have been `drawn`)."""

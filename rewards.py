@@ -10,6 +10,11 @@ is a regular expression searched in the completion's text, and the reward moves 
     reward = truncated_reward           for a truncated completion given SamplingConfig.truncated_reward
                                         (not verified, so not shaped either)
 
+and then, under SamplingConfig.overlong_buffer > 0, DAPO's soft overlong punishment for every
+completion, truncated ones included (`overlong_penalty`):
+
+    reward -= penalty * clip((length - (max_tokens - buffer)) / buffer, 0, 1)
+
 A completion the verifier could not score (no answer found, timeout) has verdict 0 and is shaped
 like any other: an output without any answer must not escape the penalty that an unformatted
 answer pays. The generation worker applies this after verification, in its own process, so a
@@ -106,3 +111,12 @@ def shape_reward(verdict: float, text: str, *, verified: bool, config: RewardCon
         return ShapedReward(reward=float(verdict), format_matched=None)
     shift = config.format_bonus if matched else -config.format_penalty
     return ShapedReward(reward=float(verdict) + shift, format_matched=matched)
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment of a completion of `length` tokens: 0 up to
+    max_tokens - buffer, rising linearly to `penalty` at max_tokens (0 when buffer is 0)."""
+    if buffer <= 0:
+        return 0.0
+    excess = length - (max_tokens - buffer)
+    return penalty * min(max(excess / buffer, 0.0), 1.0)

@@ -37,7 +37,13 @@ class Sample:
     gt_answer: str
     """Ground-truth answer that math-verify compares the completion against."""
     prompt_id: int = -1
-    """Index of the prompt in its dataset; rollouts of one prompt share it (the GRPO group)."""
+    """Index of the prompt in its dataset; rollouts of one prompt share it."""
+    group_id: int | None = None
+    """The prompt's group: advantages normalise within each (group_id, run_id) pair of a step.
+    None means prompt_id (see `group_key`); a dataset may give variants of one problem (e.g. two
+    system prompts) one group_id."""
+    run_id: int = 0
+    """Which run (e.g. sampling variant) of its group the sample belongs to; see group_id."""
     output_token_ids: list[int] = field(default_factory=list)
     """Generated token ids, length O (0 before generation)."""
     output_text: str = ""
@@ -55,11 +61,19 @@ class Sample:
     reward: float = 0.0
     """Scalar reward from the verifier."""
     advantage: float = 0.0
-    """Group-relative advantage over the n rollouts of this prompt."""
+    """Advantage of the rollout, set by the batcher's prepare function (algorithm.py)."""
+    token_advantages: list[float] | None = None
+    """Per-output-token advantages (length O) from a prepare function that gives dense credit;
+    when set they replace `advantage` in the loss."""
     weight_version: int = -1
     """Weight version of the generation engine when this rollout started (-1: not generated)."""
     reward_failed: bool = False
     """True when verification timed out or could not parse; reward is then 0."""
+
+    @property
+    def group_key(self) -> tuple[int, int]:
+        """(group_id, run_id): the samples whose advantages are computed together."""
+        return (self.prompt_id if self.group_id is None else self.group_id, self.run_id)
 
     @property
     def num_tokens(self) -> int:
@@ -71,7 +85,7 @@ class Sample:
         n = len(self.output_token_ids)
         if n == 0:
             raise ValueError(f"sample prompt_id={self.prompt_id} has no output tokens")
-        for name in ("sampling_logprobs", "ref_logprobs", "old_logprobs"):
+        for name in ("sampling_logprobs", "ref_logprobs", "old_logprobs", "token_advantages"):
             values = getattr(self, name)
             if values is not None and len(values) not in (0, n):
                 raise ValueError(
@@ -117,9 +131,12 @@ class PackedBatch:
 
     inputs: LogprobInput
     advantages: torch.Tensor
-    """[O] float32, each sample's advantage broadcast over its output tokens."""
+    """[O] float32, each sample's advantage broadcast over its output tokens (or its
+    token_advantages where it has them)."""
     output_lengths: torch.Tensor
     """[O] float32, each sample's output length broadcast over its output tokens."""
+    output_lengths_per_sample: torch.Tensor
+    """[num_samples] float32, each sample's output length."""
     sample_index: torch.Tensor
     """[O] int64, the index (within this batch) of the sample each output token belongs to."""
     sampling_logprobs: torch.Tensor
@@ -184,21 +201,32 @@ def _concat_optional(samples: Sequence[Sample], name: str) -> torch.Tensor | Non
     return torch.tensor([x for v in values for x in v], dtype=torch.float32)
 
 
+def _token_advantages(samples: Sequence[Sample]) -> torch.Tensor:
+    """[O]: each sample's token_advantages, or its scalar advantage repeated over its tokens."""
+    values: list[float] = []
+    for s in samples:
+        if s.token_advantages is not None:
+            values.extend(s.token_advantages)
+        else:
+            values.extend([s.advantage] * len(s.output_token_ids))
+    return torch.tensor(values, dtype=torch.float32)
+
+
 def post_process_batch(samples: Sequence[Sample]) -> PackedBatch:
     """Build the packed GRPO minibatch: inputs plus per-output-token broadcasts of constants."""
     for sample in samples:
         sample.validate_generated()
     inputs = get_input_for_logprobs(samples)
     lengths = torch.tensor(inputs.output_lengths, dtype=torch.long)
-    per_sample_advantage = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     sample_index = torch.repeat_interleave(torch.arange(len(samples)), lengths)
     sampling = _concat_optional(samples, "sampling_logprobs")
     if sampling is None:
         raise ValueError("post_process_batch: samples carry no sampling_logprobs")
     return PackedBatch(
         inputs=inputs,
-        advantages=per_sample_advantage[sample_index],
+        advantages=_token_advantages(samples),
         output_lengths=lengths.to(torch.float32)[sample_index],
+        output_lengths_per_sample=lengths.to(torch.float32),
         sample_index=sample_index,
         sampling_logprobs=sampling,
         ref_logprobs=_concat_optional(samples, "ref_logprobs"),

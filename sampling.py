@@ -54,11 +54,23 @@ class SamplingConfig:
     same rollouts. The trainer sets it from TrainerConfig.seed, and its batcher sends each step
     its own seed, derive_seed(seed, step), so a prompt drawn again at a later step gets fresh
     randomness. None samples unseeded (from the engine's own random state)."""
-    scale_advantage_by_std: bool = True
-    """True: advantage = (r - mean) / (std + eps) (GRPO). False: r - mean (Dr. GRPO, which
-    argues the std division over-weights prompts that are nearly always solved or failed)."""
-    advantage_eps: float = 1e-4
-    """Added to the group std before dividing, so a group with equal rewards gets advantage 0."""
+    drop_zero_variance_groups: bool = False
+    """DAPO's dynamic sampling: a group whose rollouts all scored the same (no learning signal) is
+    not trained on and does not count in the gradient divisor; the batcher asks the ranks for more
+    prompts (drawn from their data order) until the step has as many informative prompts as it
+    was submitted, for at most max_resample_rounds rounds. Counted: counts/dropped_zero_variance_groups,
+    counts/resampled_prompts."""
+    max_resample_rounds: int = 3
+    """Most rounds of extra prompts one step asks for under drop_zero_variance_groups."""
+    mask_truncated: bool = False
+    """Keep completions cut off at max_tokens out of the loss (DAPO's overlong filtering); they
+    still count in their group's baseline. Counted: counts/masked_truncated."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: a completion longer than max_tokens - overlong_buffer loses
+    overlong_penalty x (length - (max_tokens - overlong_buffer)) / overlong_buffer of reward (the
+    full overlong_penalty at max_tokens). 0: off."""
+    overlong_penalty: float = 1.0
+    """Reward lost at max_tokens under overlong_buffer > 0."""
     truncated_reward: float | None = 0.0
     """Reward of a completion cut off at max_tokens, given without verifying it (nor shaping it by
     `reward`). math-verify reads an answer from whatever the text holds, so a cut-off '9=9=' would
@@ -87,8 +99,13 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed < SEED_BOUND:
             raise ValueError(f"SamplingConfig.seed must be in [0, 2**31) or None, got {self.seed}")
-        if self.advantage_eps < 0:
-            raise ValueError(f"SamplingConfig.advantage_eps must be >= 0, got {self.advantage_eps}")
+        if self.max_resample_rounds < 0:
+            raise ValueError(f"SamplingConfig.max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
+        if not 0 <= self.overlong_buffer <= self.max_tokens:
+            raise ValueError(f"SamplingConfig.overlong_buffer must be in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.overlong_buffer}")
+        if not (math.isfinite(self.overlong_penalty) and self.overlong_penalty >= 0):
+            raise ValueError(f"SamplingConfig.overlong_penalty must be a finite number >= 0, got {self.overlong_penalty}")
         if self.truncated_reward is not None and not math.isfinite(self.truncated_reward):
             raise ValueError(f"SamplingConfig.truncated_reward must be finite or None, got {self.truncated_reward}")
         self._check_stops()

@@ -8,9 +8,10 @@ they become ready, and after the optimizer step the new weights are pushed to th
 workers. Generation of the next `max_lag` steps overlaps training of the current one.
 
 Gradient scaling (the seed's exact-equivalence rule): each minibatch's loss is a sum over its
-samples; it is multiplied by world_size (FSDP averages gradients over ranks) and the summed
-gradients are divided by the step's total sample count, which equals one backward over the mean
-loss of all samples at once.
+samples (or tokens, see loss.aggregation); it is multiplied by world_size (FSDP averages
+gradients over ranks) and the summed gradients are divided by the step's divisor (its total
+sample count, output-token count, or samples x max_tokens: grpo_loss.step_divisor), which equals
+one backward over the loss of all the step's samples at once.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ import torch.distributed as torch_dist
 from ray.actor import ActorHandle
 from torch.optim.lr_scheduler import LRScheduler
 
+from algorithm import AlgorithmConfig, load_prepare_fn
 from checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, load_checkpoint
 from dataset import DatasetConfig, DatasetError, InfiniteDistributedSampler, load_prompts
 from evaluation import EvalConfig, Evaluator
 from fsdp_setup import DistInfo, build_training_model, init_distributed
-from grpo_loss import LossConfig, grpo_loss
+from grpo_loss import LossConfig, grpo_loss, step_divisor
 from metrics import MetricsLogger, StepAccumulator, StepDataLog
 from optimizer import OptimConfig, build_optimizer, build_scheduler
 from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, actor_runtime_env, registry_name
@@ -41,7 +43,9 @@ from run_config import ConfigError, load_config, save_config
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from sampling import SEED_BOUND, SamplingConfig
 from setup_model import ModelConfig, ModelPathError, TokenLogprobModel, check_model_dir, load_tokenizer
-from vllm_experience_batcher import BatcherConfig, EndOfStep, Minibatch, RayRegistryClient, get_or_create_batcher
+from vllm_experience_batcher import (
+    BatcherConfig, EndOfStep, Minibatch, PromptRequest, RayRegistryClient, get_or_create_batcher,
+)
 from weight_sync import WeightPusher, resolve_push_dtype
 
 logger = logging.getLogger(__name__)
@@ -60,7 +64,10 @@ class TrainerConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     """AdamW, learning-rate schedule and gradient clipping."""
     loss: LossConfig = field(default_factory=LossConfig)
-    """GRPO loss options (KL, clipping, importance sampling)."""
+    """GRPO loss options (KL in the loss or the reward, clipping, aggregation, ratio level,
+    importance sampling)."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator, or a user's prepare function (algorithm.prepare_batch)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Rollout sampling (n per prompt, temperature, max_tokens, seed) and advantage options.
     An unset sampling.seed is filled in from `seed` (see seed_sampling)."""
@@ -165,7 +172,9 @@ class TrainerConfig:
         if self.checkpoint_every < 0:
             raise ValueError(f"TrainerConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.loss.kl_coef > 0 and self.logprob_role != "reference":
-            raise ValueError("TrainerConfig.loss.kl_coef > 0 needs logprob_role: reference (reference logprobs)")
+            where = "the reward (loss.kl_in_reward)" if self.loss.kl_in_reward else "the loss"
+            raise ValueError(f"TrainerConfig.loss.kl_coef > 0 puts a KL term in {where}, which needs reference "
+                             f"logprobs: logprob_role reference, got {self.logprob_role}")
         if not self.seed_sampling and self.sampling.seed is not None:
             raise ValueError(
                 f"TrainerConfig.seed_sampling is false but sampling.seed is {self.sampling.seed}: unset one of them"
@@ -274,6 +283,8 @@ class PromptFeeder:
         self._data_log = data_log if data_log is not None else StepDataLog(Path(config.run_dir), dist.rank)
         """Told the prompts of each submitted step; run_step records them once the step trains."""
         self.sampler_state_at_step: dict[int, dict[str, Any]] = {}
+        self._extra_draws: list[tuple[int, tuple[int, int]]] = []
+        """(step, (epoch, position)) of every extra prompt drawn for dynamic sampling."""
         self.next_step = first_step
         """The first step whose prompts are not submitted yet."""
 
@@ -289,6 +300,22 @@ class PromptFeeder:
         samples = [self._prompts[i] for i in indices]
         ray.get(self._batcher.submit_prompts.remote(self._rank, step, samples))  # surfaces rejections
         self._data_log.drawn(step, [s.prompt_id for s in samples])
+
+    def submit_extra(self, request: PromptRequest) -> None:
+        """Draw and submit the extra prompts a step asks for (dynamic sampling). They come from the
+        data order now, possibly after later steps' prompts: `resume_state` accounts for that."""
+        drawn = self._sampler.next_drawn(request.count)
+        self._extra_draws.extend((request.step, where) for _, where in drawn)
+        samples = [self._prompts[index] for index, _ in drawn]
+        ray.get(self._batcher.submit_prompts.remote(self._rank, request.step, samples, request.round_index))
+        self._data_log.drawn_more(request.step, [s.prompt_id for s in samples])
+
+    def resume_state(self, step: int) -> dict[str, Any]:
+        """Sampler state for a run resuming at `step`: where step's prompts were drawn from, passing
+        over the extra prompts that steps before it drew later (they have trained)."""
+        base = self.sampler_state_at_step.get(step, self._sampler.state_dict())
+        trained_extras = [where for extra_step, where in self._extra_draws if extra_step < step]
+        return InfiniteDistributedSampler.with_skipped(base, trained_extras)
 
 
 @dataclass(slots=True)
@@ -313,12 +340,13 @@ def _forward_backward(model: torch.nn.Module, batch: PackedBatch, loss_weight: f
 
 def train_on_step(
     model: torch.nn.Module, batcher: ActorHandle, step: int, config: TrainerConfig, dist: DistInfo,
-    acc: StepAccumulator, keep: list[KeptMinibatch] | None = None,
+    acc: StepAccumulator, keep: list[KeptMinibatch] | None = None, feeder: PromptFeeder | None = None,
 ) -> EndOfStep:
     """Forward/backward every minibatch of this step as it arrives; returns the step's totals.
 
     With `keep`, each minibatch is appended to it for later passes, with this pass's logprobs as
-    its old_logprobs when the samples carry none.
+    its old_logprobs when the samples carry none. A PromptRequest (dynamic sampling) is answered
+    through `feeder`.
     """
     while True:
         wait_start = time.perf_counter()
@@ -326,6 +354,11 @@ def train_on_step(
         acc.add_time("wait_s", time.perf_counter() - wait_start)
         if isinstance(message, EndOfStep):
             return message
+        if isinstance(message, PromptRequest):
+            if feeder is None:
+                raise RuntimeError(f"step {step}: the batcher asks for more prompts but this rank has no feeder")
+            feeder.submit_extra(message)
+            continue
         assert isinstance(message, Minibatch), f"unexpected batcher message {type(message).__name__}"
         compute_start = time.perf_counter()
         batch = post_process_batch(message.samples)
@@ -351,11 +384,12 @@ def train_again(model: torch.nn.Module, kept: list[KeptMinibatch], config: Train
 
 
 def take_gradient_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
-                       end: EndOfStep, max_grad_norm: float, advance_schedule: bool = True) -> float:
-    """Scale summed gradients to a per-sample mean, clip, step. Returns the pre-clip grad norm."""
+                       divisor: float, max_grad_norm: float, advance_schedule: bool = True) -> float:
+    """Scale summed gradients by the step's divisor (gradient_divisor), clip, step. Returns the
+    pre-clip grad norm."""
     for param in model.parameters():
         if param.grad is not None:
-            param.grad.div_(end.num_samples)
+            param.grad.div_(divisor)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
@@ -366,18 +400,25 @@ def take_gradient_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return float(grad_norm)
 
 
+def gradient_divisor(end: EndOfStep, config: TrainerConfig) -> float:
+    """The step's loss divisor under loss.aggregation (grpo_loss.step_divisor)."""
+    if config.loss.aggregation == "token_mean" and end.num_samples > 0 and end.num_output_tokens <= 0:
+        raise RuntimeError(f"step {end.step}: EndOfStep carries no output-token count for aggregation token_mean")
+    return step_divisor(config.loss.aggregation, end.num_samples, end.num_output_tokens, config.sampling.max_tokens)
+
+
 def _restore(config: TrainerConfig, dist: DistInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler: LRScheduler, sampler: InfiniteDistributedSampler) -> int:
-    """Load the latest complete checkpoint if resuming; returns the first step to run."""
+             scheduler: LRScheduler, sampler: InfiniteDistributedSampler) -> TrainerState:
+    """Load the latest complete checkpoint if resuming; returns its state (step 0 when none)."""
     checkpoint = latest_checkpoint(Path(config.run_dir)) if config.resume else None
     if checkpoint is None:
         if config.resume:
             logger.warning("--resume: no complete checkpoint in %s, starting from step 0", config.run_dir)
-        return 0
+        return TrainerState(step=0)
     state = load_checkpoint(checkpoint, model, optimizer, scheduler, dist)
     sampler.load_state_dict(state.sampler_state)
     logger.info("resumed from %s at step %d", checkpoint, state.step)
-    return state.step
+    return state
 
 
 @dataclass(frozen=True)
@@ -402,12 +443,13 @@ def load_run_inputs(config: TrainerConfig, *, with_evaluator: bool) -> RunInputs
     once instead of after minutes of start-up. Raises InputError with the cause's message.
     """
     try:
+        load_prepare_fn(config.algorithm)  # a user's prepare function imports now, or the run stops here
         check_model_dir(config.model.model_path)  # config and weights too, not only the tokenizer
         tokenizer = load_tokenizer(config.model.model_path)
         prompts = load_prompts(config.data, tokenizer)
         evaluator = (Evaluator.load(config.eval, config.data, config.sampling, tokenizer)
                      if with_evaluator and config.eval.enabled else None)
-    except (ModelPathError, DatasetError) as err:
+    except (ModelPathError, DatasetError, ValueError) as err:
         raise InputError(str(err)) from err
     return RunInputs(prompts=prompts, evaluator=evaluator)
 
@@ -433,12 +475,13 @@ def train(config: TrainerConfig) -> None:
     model = build_training_model(model_config, dist)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim)
-    start_step = _restore(config, dist, model, optimizer, scheduler, sampler)
+    restored = _restore(config, dist, model, optimizer, scheduler, sampler)
+    start_step = restored.step
     # A resumed run trains again from start_step: the records a crashed run wrote for it and
     # later steps are cut from metrics.jsonl and data_rank*.jsonl, so each step has one record.
     resume_step = start_step if config.resume else None
 
-    batcher = _make_batcher(config, dist)
+    batcher = _make_batcher(config, dist, restored.algorithm_state)
     pusher = make_weight_pusher(config, dist)
     data_log = StepDataLog(run_dir, dist.rank, resume_step=resume_step)
     feeder = PromptFeeder(prompts, sampler, batcher, config, dist, first_step=start_step, data_log=data_log)
@@ -461,7 +504,7 @@ def train(config: TrainerConfig) -> None:
             if evaluator is not None and config.eval.is_due(step, config.num_steps):
                 step_metrics.update(evaluate(evaluator, step, config))
             due = _should_checkpoint(step, config)
-            blocked_s = save_checkpoint_after(step, parts, sampler, checkpoints) if due else 0.0
+            blocked_s = save_checkpoint_after(step, parts, checkpoints) if due else 0.0
             step_metrics["timing/checkpoint_s"] = blocked_s
             metrics.log(step, step_metrics)
             if due:  # visible only now, after the records of every step it covers
@@ -502,13 +545,12 @@ def start_generation(model: torch.nn.Module, pusher: Publisher, feeder: PromptFe
     feeder.submit_through(last_step_to_submit(start_step, config))
 
 
-def save_checkpoint_after(step: int, parts: StepParts, sampler: InfiniteDistributedSampler,
-                          checkpoints: CheckpointWriter) -> float:
+def save_checkpoint_after(step: int, parts: StepParts, checkpoints: CheckpointWriter) -> float:
     """Collective: start the checkpoint that resumes at step + 1 (the caller commits it once the
     step's records are written). Returns the seconds the loop was blocked."""
-    sampler_state = parts.feeder.sampler_state_at_step.get(step + 1)
-    state = TrainerState(step=step + 1,
-                         sampler_state=sampler_state if sampler_state is not None else sampler.state_dict())
+    algorithm_state = ray.get(parts.batcher.algorithm_state.remote(step + 1))
+    state = TrainerState(step=step + 1, sampler_state=parts.feeder.resume_state(step + 1),
+                         algorithm_state=algorithm_state)
     return checkpoints.save(parts.model, parts.optimizer, parts.scheduler, state)
 
 
@@ -526,8 +568,9 @@ def _should_checkpoint(step: int, config: TrainerConfig) -> bool:
     return config.checkpoint_every > 0 and (step + 1) % config.checkpoint_every == 0
 
 
-def _make_batcher(config: TrainerConfig, dist: DistInfo) -> ActorHandle:
-    """Rank 0 creates the batcher (get-if-exists); the others find it after a barrier."""
+def _make_batcher(config: TrainerConfig, dist: DistInfo, algorithm_state: dict[str, Any] | None = None) -> ActorHandle:
+    """Rank 0 creates the batcher (get-if-exists) and restores a checkpoint's algorithm state into
+    it; the others find it after a barrier."""
     batcher_config = BatcherConfig(
         world_size=dist.world_size,
         max_tokens_per_gpu=config.max_tokens_per_gpu,
@@ -535,6 +578,8 @@ def _make_batcher(config: TrainerConfig, dist: DistInfo) -> ActorHandle:
         logprob_target=config.logprob_target,
         max_lag=config.max_lag,
         sampling=config.sampling,
+        algorithm=config.algorithm,
+        kl_in_reward=config.loss.kl_reward_config() if config.loss.kl_in_reward else None,
     )
     if dist.rank == 0:
         _registry(GENERATION)
@@ -542,6 +587,8 @@ def _make_batcher(config: TrainerConfig, dist: DistInfo) -> ActorHandle:
             _registry(LOGPROB)
         batcher = get_or_create_batcher(batcher_config)
         ray.get(batcher.stats.remote())  # wait until it is up
+        if algorithm_state:
+            ray.get(batcher.load_algorithm_state.remote(algorithm_state))
     torch_dist.barrier()
     if dist.rank != 0:
         batcher = get_or_create_batcher(batcher_config)
@@ -556,13 +603,14 @@ def run_step(step: int, parts: StepParts, config: TrainerConfig, dist: DistInfo)
     acc = StepAccumulator(step=step)
     epochs = config.epochs_per_step
     kept: list[KeptMinibatch] | None = [] if epochs > 1 else None
-    end = train_on_step(model, batcher, step, config, dist, acc, keep=kept)
+    end = train_on_step(model, batcher, step, config, dist, acc, keep=kept, feeder=parts.feeder)
     if end.num_samples > 0:
-        grad_norm = take_gradient_step(model, optimizer, scheduler, end, config.optim.max_grad_norm,
+        divisor = gradient_divisor(end, config)
+        grad_norm = take_gradient_step(model, optimizer, scheduler, divisor, config.optim.max_grad_norm,
                                        advance_schedule=epochs == 1)
         for epoch in range(1, epochs):
             train_again(model, kept, config, dist, acc)
-            take_gradient_step(model, optimizer, scheduler, end, config.optim.max_grad_norm,
+            take_gradient_step(model, optimizer, scheduler, divisor, config.optim.max_grad_norm,
                                advance_schedule=epoch == epochs - 1)
     else:
         logger.warning("step %d: no trainable samples (%s); skipping the optimizer step", step, end)

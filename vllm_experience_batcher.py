@@ -35,6 +35,10 @@ from typing import Any, Literal, Protocol
 import ray
 from ray.actor import ActorHandle
 
+from algorithm import (
+    AlgorithmConfig, AlgorithmContext, KLRewardConfig, KLSchedule, PrepareFn, check_prepared, load_prepare_fn,
+    sequence_kl,
+)
 from sample_processing_utils import INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs
 from ray_env import BATCHER_ACTOR_NAME, GENERATION, LOGPROB, RAY_NAMESPACE, actor_runtime_env
 from vllm_registry import get_or_create_registry
@@ -84,6 +88,11 @@ class BatcherConfig:
     reorder_window: int = 16
     """Rollouts the packer holds back to choose a best fit for the open minibatch (0: place each
     rollout on arrival). Raises minibatch fill; see benchmarks/batcher.py for the figures."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """How each finished group's rewards become advantages (algorithm.py)."""
+    kl_in_reward: KLRewardConfig | None = None
+    """When set, reward - beta * KL(sample) before advantages, beta per step from a KLSchedule;
+    needs logprob_target 'ref'."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -102,6 +111,8 @@ class BatcherConfig:
             raise ValueError(f"BatcherConfig.max_lag must be >= 0, got {self.max_lag}")
         if self.reorder_window < 0:
             raise ValueError(f"BatcherConfig.reorder_window must be >= 0, got {self.reorder_window}")
+        if self.kl_in_reward is not None and self.logprob_target != "ref":
+            raise ValueError("BatcherConfig.kl_in_reward needs reference logprobs (logprob_target 'ref')")
 
 
 @dataclass(slots=True)
@@ -152,6 +163,30 @@ class EndOfStep:
     """Padding minibatches (loss_weight 0) added over all ranks to equalise the counts."""
     missing_rollouts: int
     """Rollouts the generation worker returned fewer than sampling.n, summed over prompts."""
+    num_output_tokens: int = 0
+    """Output tokens of the loss-carrying samples (the token_mean aggregation's divisor)."""
+    dropped_zero_variance_groups: int = 0
+    """Groups not trained on because all their rollouts scored the same
+    (sampling.drop_zero_variance_groups)."""
+    resampled_prompts: int = 0
+    """Extra prompts the step asked the ranks for to replace dropped groups (all ranks)."""
+    masked_truncated: int = 0
+    """Truncated samples kept out of the loss (sampling.mask_truncated)."""
+    prepare_dropped: int = 0
+    """Samples a prepare function (algorithm.prepare_batch) returned no advantage for."""
+
+
+@dataclass(slots=True)
+class PromptRequest:
+    """Asks a rank for `count` more prompts of `step` (dynamic sampling): the rank draws them from
+    its data order and submits them with submit_prompts(..., round=round_index), then goes on
+    reading the step's messages."""
+
+    step: int
+    count: int
+    """Prompts this rank is asked for (every rank is asked for the same number)."""
+    round_index: int
+    """1 for the first resampling round, 2 for the second, ..."""
 
 
 @dataclass(slots=True)
@@ -210,6 +245,7 @@ class MinibatchPacker:
         """Minibatches emitted to each rank so far, padding included."""
         self.num_samples = 0
         self.num_tokens = 0
+        self.num_output_tokens = 0
         self.oversized_samples = 0
         self.padding_minibatches = 0
         self._waiting: list[Sample] = []
@@ -226,6 +262,7 @@ class MinibatchPacker:
             raise ValueError(f"sample prompt_id={sample.prompt_id} has no tokens")
         self.num_samples += 1
         self.num_tokens += sample.num_tokens
+        self.num_output_tokens += len(sample.output_token_ids)
         if self._smallest is None or sample.num_tokens < self._smallest.num_tokens:
             self._smallest = sample
         self._waiting.append(sample)
@@ -243,7 +280,16 @@ class MinibatchPacker:
         """
         if self._finished:
             raise RuntimeError(f"MinibatchPacker(step={self.step}).finish called twice")
+        ready = self.flush()
         self._finished = True
+        return ready
+
+    def flush(self) -> list[Minibatch]:
+        """What finish does, without ending the step: every rank then holds the same number of
+        minibatches, so ranks that stop reading after them (to answer a PromptRequest) have run
+        the same forward/backward passes and none waits in a collective for the others."""
+        if self._finished:
+            raise RuntimeError(f"MinibatchPacker(step={self.step}).flush after finish")
         ready: list[Minibatch] = []
         while self._waiting:
             ready.extend(self._place_one())
@@ -367,6 +413,26 @@ class StepStats:
     """Prompts whose generate (and logprobs) came back, stale or not."""
     rank_wait_s: float = 0.0
     """Time trainer ranks spent blocked in next_message for this step, summed over ranks."""
+    dropped_zero_variance_groups: int = 0
+    resampled_prompts: int = 0
+    masked_truncated: int = 0
+    prepare_dropped: int = 0
+    overlong_penalised: int = 0
+    """Released samples longer than max_tokens - overlong_buffer (their reward carries the soft
+    overlong punishment; 0 when overlong_buffer is 0)."""
+    kl_beta: float | None = None
+    """beta of the KL in the reward for this step (None: the KL is not in the reward)."""
+    kl_sum: float = 0.0
+    """Sum over prepared samples of their KL(policy || reference) (kl_in_reward only)."""
+    kl_samples: int = 0
+    algorithm_sums: dict[str, float] = field(default_factory=dict)
+    """Prepare-function metrics, each summed weighted by the samples of its call."""
+    algorithm_weights: dict[str, int] = field(default_factory=dict)
+
+    def add_algorithm_metrics(self, metrics: dict[str, float], num_samples: int) -> None:
+        for name, value in metrics.items():
+            self.algorithm_sums[name] = self.algorithm_sums.get(name, 0.0) + float(value) * num_samples
+            self.algorithm_weights[name] = self.algorithm_weights.get(name, 0) + num_samples
 
     def as_metrics(self, max_tokens_per_gpu: int) -> dict[str, float]:
         """Namespaced metrics: batcher/* are counts and ratios, timing/* are seconds."""
@@ -393,7 +459,21 @@ class StepStats:
             "timing/batcher_generate_s_mean": _mean(self.generate_s, self.finished_prompts),
             "timing/batcher_logprob_s_mean": _mean(self.logprob_s, self.finished_prompts),
             "timing/batcher_rank_wait_s": self.rank_wait_s,
+            "counts/dropped_zero_variance_groups": float(self.dropped_zero_variance_groups),
+            "counts/resampled_prompts": float(self.resampled_prompts),
+            "counts/masked_truncated": float(self.masked_truncated),
+            "counts/prepare_dropped": float(self.prepare_dropped),
+            "counts/overlong_penalised": float(self.overlong_penalised),
+            **self._algorithm_metrics(),
         }
+
+    def _algorithm_metrics(self) -> dict[str, float]:
+        out = {f"algorithm/{name}": total / max(self.algorithm_weights[name], 1)
+               for name, total in self.algorithm_sums.items()}
+        if self.kl_beta is not None:
+            out["kl/beta"] = self.kl_beta
+            out["kl/in_reward_mean"] = _mean(self.kl_sum, self.kl_samples)
+        return out
 
 
 def _elapsed(start: float, stop: float) -> float:
@@ -428,11 +508,29 @@ class _StepState:
     packer: MinibatchPacker
     sampling: SamplingConfig
     """What the step's generate requests carry (step_sampling: the step's own seed)."""
-    queues: list[asyncio.Queue[Minibatch | EndOfStep | _StepFailed]]
+    queues: list[asyncio.Queue[Minibatch | EndOfStep | PromptRequest | _StepFailed]]
     """One mailbox per rank."""
     stats: StepStats
+    kl_beta: float | None = None
+    """beta of the KL in the reward for this step (None: not in the reward)."""
     submitted: set[int] = field(default_factory=set)
     """Ranks that have submitted their prompts."""
+    round_index: int = 0
+    """Resampling round (dynamic sampling): 0 until the step first asks the ranks for more prompts."""
+    round_submitted: set[int] = field(default_factory=set)
+    """Ranks that have submitted their prompts of the current resampling round."""
+    target_prompts: int = 0
+    """Prompts submitted in round 0: how many informative prompts dynamic sampling aims for."""
+    informative_prompts: int = 0
+    """Prompts whose groups were kept for training (not all rewards equal)."""
+    groups: dict[tuple[int, int], list[Sample]] = field(default_factory=dict)
+    """Finished rollouts of each (group_id, run_id) group not released yet."""
+    pending_by_key: dict[tuple[int, int], int] = field(default_factory=dict)
+    """Prompts still running per group key."""
+    prompts_by_key: dict[tuple[int, int], int] = field(default_factory=dict)
+    """Prompts submitted per group key (since its last release)."""
+    held: list[Sample] = field(default_factory=list)
+    """Released groups waiting for a step-scoped prepare function."""
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     """Running prompt tasks (held so they are not garbage-collected, and cancelled on failure)."""
     pending_prompts: int = 0
@@ -458,32 +556,62 @@ class ExperienceBatcher:
         self.config = config
         self._generation = generation
         self._logprob = logprob
+        self._prepare: PrepareFn = load_prepare_fn(config.algorithm)
+        self._prepare_name = config.algorithm.prepare_batch or f"built-in {config.algorithm.estimator}"
+        self._kl_schedule = KLSchedule(config.kl_in_reward, config.max_lag) if config.kl_in_reward else None
         self._steps: dict[int, _StepState] = {}
         self._retired_steps: set[int] = set()
         self._stats: dict[int, StepStats] = {}
 
-    async def submit_prompts(self, rank: int, step: int, samples: list[Sample]) -> None:
-        """Start generating `rank`'s prompts for `step` (once per rank and step)."""
+    async def submit_prompts(self, rank: int, step: int, samples: list[Sample], round_index: int = 0) -> None:
+        """Start generating `rank`'s prompts for `step` (once per rank and step; again once per
+        resampling round, with the round a PromptRequest named)."""
         state = self._state(rank, step)
-        if rank in state.submitted:
-            raise ValueError(f"rank {rank} already submitted prompts for step {step}")
         now = time.monotonic()
-        if not state.submitted:
-            state.stats.first_submit_s = now
-        state.submitted.add(rank)
-        if len(state.submitted) == self.config.world_size:
-            state.stats.last_submit_s = now
+        if round_index == 0:
+            if rank in state.submitted:
+                raise ValueError(f"rank {rank} already submitted prompts for step {step}")
+            if not state.submitted:
+                state.stats.first_submit_s = now
+            state.submitted.add(rank)
+            if len(state.submitted) == self.config.world_size:
+                state.stats.last_submit_s = now
+            state.target_prompts += len(samples)
+        else:
+            if round_index != state.round_index or rank in state.round_submitted:
+                raise ValueError(f"rank {rank}: unexpected prompts of resampling round {round_index} for step {step} "
+                                 f"(the step is in round {state.round_index})")
+            state.round_submitted.add(rank)
+            state.stats.resampled_prompts += len(samples)
         state.stats.num_prompts += len(samples)
         deadline = asyncio.get_running_loop().time() + self.config.prompt_deadline_s
         for sample in samples:
+            key = sample.group_key
+            state.pending_by_key[key] = state.pending_by_key.get(key, 0) + 1
+            state.prompts_by_key[key] = state.prompts_by_key.get(key, 0) + 1
             state.pending_prompts += 1
             task = asyncio.create_task(self._run_prompt(state, sample, deadline))
             state.tasks.add(task)
             task.add_done_callback(state.tasks.discard)
+        if self._all_submitted(state):
+            for key in [k for k, pending in state.pending_by_key.items() if pending == 0]:
+                self._release_group(state, key)
         self._maybe_finish(state)
 
-    async def next_message(self, rank: int, step: int) -> Minibatch | EndOfStep:
-        """Wait for `rank`'s next minibatch of `step`, or the step's EndOfStep after the last one.
+    def algorithm_state(self, step: int) -> dict[str, Any]:
+        """What a run resuming at `step` restores with load_algorithm_state (the KL controller)."""
+        return {"kl_schedule": self._kl_schedule.state_for(step)} if self._kl_schedule is not None else {}
+
+    def load_algorithm_state(self, state: dict[str, Any]) -> None:
+        """Restore algorithm_state() of a checkpoint, before the resumed run submits anything."""
+        if self._steps:
+            raise RuntimeError("load_algorithm_state after steps were submitted")
+        if self._kl_schedule is not None and "kl_schedule" in state:
+            self._kl_schedule.load_state_dict(state["kl_schedule"])
+
+    async def next_message(self, rank: int, step: int) -> Minibatch | EndOfStep | PromptRequest:
+        """Wait for `rank`'s next minibatch of `step`, a PromptRequest (dynamic sampling), or the
+        step's EndOfStep after the last minibatch.
 
         Raises ExperienceBatcherError (carrying the cause) once the step has failed.
         """
@@ -539,11 +667,13 @@ class ExperienceBatcher:
             max_tokens_per_gpu=self.config.max_tokens_per_gpu,
             reorder_window=self.config.reorder_window,
         )
+        beta = self._kl_schedule.beta_for(step) if self._kl_schedule is not None else None
         state = _StepState(
             packer=packer,
             sampling=step_sampling(self.config.sampling, step),
             queues=[asyncio.Queue() for _ in range(self.config.world_size)],
-            stats=StepStats(step=step),
+            stats=StepStats(step=step, kl_beta=beta),
+            kl_beta=beta,
         )
         self._steps[step] = state
         self._stats[step] = state.stats
@@ -568,10 +698,16 @@ class ExperienceBatcher:
         except Exception as exc:
             self._fail(state, sample, exc)
         else:
-            self._accept(state, result)
+            self._accept(state, sample.group_key, result)
         finally:
             state.pending_prompts -= 1
-        self._maybe_finish(state)
+            state.pending_by_key[sample.group_key] -= 1
+        try:
+            if self._all_submitted(state) and state.pending_by_key[sample.group_key] == 0:
+                self._release_group(state, sample.group_key)
+            self._maybe_finish(state)
+        except Exception as exc:  # a prepare function's error fails the step, naming it
+            self._fail(state, sample, exc)
 
     async def _process_prompt(self, step: int, sample: Sample, sampling: SamplingConfig) -> _PromptResult:
         """Generate sampling.n rollouts, drop the stale ones, fill logprobs of the rest."""
@@ -634,7 +770,7 @@ class ExperienceBatcher:
             kept.append(rollout)
         return kept
 
-    def _accept(self, state: _StepState, result: _PromptResult) -> None:
+    def _accept(self, state: _StepState, key: tuple[int, int], result: _PromptResult) -> None:
         stats = state.stats
         stats.finished_prompts += 1
         stats.dropped_stale += result.stale
@@ -647,8 +783,51 @@ class ExperienceBatcher:
                 "step %d: generate returned %d rollouts short of n=%d for a prompt",
                 state.packer.step, result.missing, self.config.sampling.n,
             )
-        for rollout in result.fresh:
-            for minibatch in state.packer.add(rollout):
+        state.groups.setdefault(key, []).extend(result.fresh)
+
+    def _all_submitted(self, state: _StepState) -> bool:
+        """Every rank has submitted the step's prompts (and those of its current resampling round)."""
+        world = self.config.world_size
+        return len(state.submitted) == world and (state.round_index == 0 or len(state.round_submitted) == world)
+
+    def _release_group(self, state: _StepState, key: tuple[int, int]) -> None:
+        """A group whose prompts have all finished: drop it (no reward variance, under dynamic
+        sampling), hold it (step-scoped prepare) or prepare and pack it now."""
+        if state.error is not None or state.finished:
+            return
+        del state.pending_by_key[key]
+        prompts = state.prompts_by_key.pop(key)
+        samples = state.groups.pop(key, [])
+        if not samples:  # every rollout stale, missing or timed out: counted where that happened
+            return
+        if self.config.sampling.drop_zero_variance_groups and len({s.reward for s in samples}) == 1:
+            state.stats.dropped_zero_variance_groups += 1
+            return
+        state.informative_prompts += prompts
+        if self.config.algorithm.scope == "step":
+            state.held.extend(samples)
+        else:
+            self._prepare_and_pack(state, samples)
+
+    def _prepare_and_pack(self, state: _StepState, samples: list[Sample]) -> None:
+        """Run the prepare function on released samples and pack the ones it returns."""
+        stats = state.stats
+        sampling = self.config.sampling
+        if sampling.overlong_buffer:
+            limit = sampling.max_tokens - sampling.overlong_buffer
+            stats.overlong_penalised += sum(1 for s in samples if len(s.output_token_ids) > limit)
+        ctx = AlgorithmContext(step=state.packer.step, config=self.config.algorithm, kl_beta=state.kl_beta)
+        if state.kl_beta is not None:
+            stats.kl_sum += sum(sequence_kl(s) for s in samples)
+            stats.kl_samples += len(samples)
+        prepared = check_prepared(self._prepare(samples, ctx), samples, self._prepare_name)
+        stats.prepare_dropped += len(samples) - len(prepared.samples)
+        stats.add_algorithm_metrics(prepared.metrics, len(samples))
+        for sample in prepared.samples:
+            if sampling.mask_truncated and sample.truncated:
+                stats.masked_truncated += 1
+                continue
+            for minibatch in state.packer.add(sample):
                 self._deliver(state, minibatch)
 
     def _deliver(self, state: _StepState, minibatch: Minibatch) -> None:
@@ -694,15 +873,38 @@ class ExperienceBatcher:
         error.__cause__ = state.error.__cause__
         return error
 
+    def _needs_more_prompts(self, state: _StepState) -> bool:
+        """Dynamic sampling: fewer informative prompts than submitted, and rounds left."""
+        sampling = self.config.sampling
+        return (sampling.drop_zero_variance_groups and state.informative_prompts < state.target_prompts
+                and state.round_index < sampling.max_resample_rounds)
+
+    def _request_prompts(self, state: _StepState) -> None:
+        """Ask every rank for an equal share of the missing informative prompts (rounded up, so
+        all ranks draw alike and their data orders stay in step)."""
+        missing = state.target_prompts - state.informative_prompts
+        per_rank = -(-missing // self.config.world_size)
+        state.round_index += 1
+        state.round_submitted = set()
+        # Equal minibatch counts first: a rank blocked in a collective of a minibatch its peer
+        # does not have yet would never read the request, and the round would never complete.
+        for minibatch in state.packer.flush():
+            self._deliver(state, minibatch)
+        logger.info("step %d: %d of %d prompts informative; resampling round %d asks each rank for %d more",
+                    state.packer.step, state.informative_prompts, state.target_prompts, state.round_index, per_rank)
+        for queue in state.queues:
+            queue.put_nowait(PromptRequest(step=state.packer.step, count=per_rank, round_index=state.round_index))
+
     def _maybe_finish(self, state: _StepState) -> None:
         """Close the step once every rank has submitted and no prompt is running."""
-        if (
-            state.finished
-            or state.error is not None
-            or state.pending_prompts
-            or len(state.submitted) < self.config.world_size
-        ):
+        if state.finished or state.error is not None or state.pending_prompts or not self._all_submitted(state):
             return
+        if self._needs_more_prompts(state):
+            self._request_prompts(state)
+            return
+        if state.held:
+            held, state.held = state.held, []
+            self._prepare_and_pack(state, held)
         state.finished = True
         packer, stats = state.packer, state.stats
         for minibatch in packer.finish():
@@ -724,7 +926,14 @@ class ExperienceBatcher:
             oversized_samples=packer.oversized_samples,
             padding_minibatches=packer.padding_minibatches,
             missing_rollouts=stats.missing_rollouts,
+            num_output_tokens=packer.num_output_tokens,
+            dropped_zero_variance_groups=stats.dropped_zero_variance_groups,
+            resampled_prompts=stats.resampled_prompts,
+            masked_truncated=stats.masked_truncated,
+            prepare_dropped=stats.prepare_dropped,
         )
+        if self._kl_schedule is not None:
+            self._kl_schedule.record(end.step, _mean(stats.kl_sum, stats.kl_samples), stats.kl_samples)
         for queue in state.queues:
             queue.put_nowait(end)
         logger.info(
@@ -758,11 +967,17 @@ class ExperienceBatcherActor:
         self._registries = [r for r in (generation_registry, logprob_registry) if r is not None]
         self._redispatched_reported = 0
 
-    async def submit_prompts(self, rank: int, step: int, samples: list[Sample]) -> None:
-        await self._batcher.submit_prompts(rank, step, samples)
+    async def submit_prompts(self, rank: int, step: int, samples: list[Sample], round_index: int = 0) -> None:
+        await self._batcher.submit_prompts(rank, step, samples, round_index)
 
-    async def next_message(self, rank: int, step: int) -> Minibatch | EndOfStep:
+    async def next_message(self, rank: int, step: int) -> Minibatch | EndOfStep | PromptRequest:
         return await self._batcher.next_message(rank, step)
+
+    async def algorithm_state(self, step: int) -> dict[str, Any]:
+        return self._batcher.algorithm_state(step)
+
+    async def load_algorithm_state(self, state: dict[str, Any]) -> None:
+        self._batcher.load_algorithm_state(state)
 
     async def stats(self, step: int | None = None) -> dict[str, float]:
         """The batcher's step metrics, plus `counts/redispatched_requests`: requests the registries

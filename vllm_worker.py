@@ -1,10 +1,11 @@
-"""Generation worker: rollouts from a vLLM V1 `AsyncLLM`, rewards from math-verify, GRPO advantages.
+"""Generation worker: rollouts from a vLLM V1 `AsyncLLM`, rewards from math-verify.
 
 One worker owns one engine (continuous batching, many concurrent requests). A request is one
 dataset `Sample` plus the trainer's `SamplingConfig`; the answer is n completed copies of the
-sample (tokens, sampling logprobs, reward, group advantage, weight version). The reward is the
-verifier pool's verdict plus the optional format bonus or penalty of `SamplingConfig.reward`
-(rewards.py); what the tokens and text hold when a stop string, stop token or EOS ends a
+sample (tokens, sampling logprobs, reward, weight version). The group's advantages are computed
+by the experience batcher once the group's reference logprobs are in (algorithm.py). The reward
+is the verifier pool's verdict plus the optional format bonus or penalty of
+`SamplingConfig.reward` and the optional soft overlong punishment (rewards.py); what the tokens and text hold when a stop string, stop token or EOS ends a
 completion is set out in sampling.py. New weights arrive as a `weight_sync.WeightUpdate`, are
 written to a safetensors file in shared memory, and are loaded inside the engine-core process
 by `WeightReloadExtension` (vLLM's `worker_extension_cls` hook, called by method name through
@@ -41,10 +42,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Protocol
 
 import ray
 
-from advantages import group_advantages
 from math_verifier import RewardResult, connect_verifier_pool
 from ray_env import GENERATION
-from rewards import ShapedReward, shape_reward
+from rewards import ShapedReward, overlong_penalty, shape_reward
 from sample_processing_utils import Sample
 from sampling import SamplingConfig, request_seed
 from vllm_registry import WorkerHealth, WorkerLifecycle
@@ -310,12 +310,16 @@ def _token_logprobs(completion: CompletionOutput) -> list[float]:
 
 def _shaped_rewards(samples: list[Sample], results: list[RewardResult], sampling: SamplingConfig) -> list[ShapedReward]:
     """Final rewards of one group: the verifier's verdicts plus the format bonus or penalty
-    (rewards.shape_reward); completions given truncated_reward keep it unshaped."""
+    (rewards.shape_reward; completions given truncated_reward keep it unshaped), minus the soft
+    overlong punishment (rewards.overlong_penalty) when sampling.overlong_buffer is set."""
     fixed = sampling.truncated_reward is not None
-    return [
-        shape_reward(r.reward, s.output_text, verified=not (s.truncated and fixed), config=sampling.reward)
-        for s, r in zip(samples, results)
-    ]
+    shaped = []
+    for s, r in zip(samples, results):
+        final = shape_reward(r.reward, s.output_text, verified=not (s.truncated and fixed), config=sampling.reward)
+        cut = overlong_penalty(len(s.output_token_ids), sampling.max_tokens, sampling.overlong_buffer,
+                               sampling.overlong_penalty)
+        shaped.append(dataclasses.replace(final, reward=final.reward - cut) if cut else final)
+    return shaped
 
 
 @dataclass(slots=True)
@@ -518,11 +522,9 @@ class GenerationWorker:
                 [s.output_text for s in samples], [s.truncated for s in samples], sample.gt_answer, sampling.truncated_reward
             )
             shaped = _shaped_rewards(samples, rewards, sampling)
-            advantages = group_advantages(
-                [r.reward for r in shaped], sampling.scale_advantage_by_std, sampling.advantage_eps
-            )
-            for s, result, final, advantage in zip(samples, rewards, shaped, advantages):
-                s.reward, s.reward_failed, s.advantage = final.reward, bool(result.failed), float(advantage)
+            # Advantages are the batcher's (algorithm.py): they may need the reference logprobs.
+            for s, result, final in zip(samples, rewards, shaped):
+                s.reward, s.reward_failed = final.reward, bool(result.failed)
             self._record_failures([(s, f"reward failed: {r.error}") for s, r in zip(samples, rewards) if r.failed])
             self._count(samples, shaped)
             self.life.served()

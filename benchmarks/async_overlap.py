@@ -62,7 +62,7 @@ from run_config import load_config  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
 from ray_env import GENERATION, RAY_NAMESPACE, worker_actor_name
 from vllm_registry import RegistryConfig, WorkerHealth, get_or_create_registry
-from advantages import group_advantages  # noqa: E402
+from advantages import group_advantages  # noqa: E402  (the batcher's default, grpo)
 from sampling import SamplingConfig  # noqa: E402
 from weight_sync import WeightUpdate, assemble_state_dict  # noqa: E402
 
@@ -197,7 +197,7 @@ class SimulatedGenerationEngine:
         finally:
             self.inflight -= 1
         rewards = [float(self._rng.random() < SIM_REWARD_PROBABILITY) for _ in range(sampling.n)]
-        advantages = group_advantages(rewards, sampling.scale_advantage_by_std, sampling.advantage_eps)
+        advantages = group_advantages(rewards, scale_by_std=True, eps=1e-4)
         uniform_logprob = -math.log(self.vocab_size)  # tokens are drawn uniformly: exact sampler logprob
         return [self._completion(sample, sampling.max_tokens, reward, advantage, version, uniform_logprob)
                 for reward, advantage in zip(rewards, advantages)]

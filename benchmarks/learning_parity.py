@@ -204,13 +204,15 @@ class ReferenceGRPO:
         return self._reward_cache[key]
 
     def advantages(self, rewards: list[float]) -> list[float]:
-        """(r - mean) / (population std + eps), or r - mean without std scaling; 0 for equal rewards."""
-        sampling = self.config.sampling
+        """(r - mean) / (population std + eps) (grpo), or r - mean (dr_grpo); 0 for equal rewards."""
+        algorithm = self.config.algorithm
+        if algorithm.estimator not in ("grpo", "dr_grpo") or algorithm.prepare_batch is not None:
+            raise ValueError(f"the reference loop writes out grpo and dr_grpo only, not {algorithm.estimator}")
         mean = sum(rewards) / len(rewards)
         if max(rewards) == min(rewards):
             return [0.0] * len(rewards)
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-        scale = (std + sampling.advantage_eps) if sampling.scale_advantage_by_std else 1.0
+        scale = (std + algorithm.advantage_eps) if algorithm.estimator == "grpo" else 1.0
         return [(r - mean) / scale for r in rewards]
 
     # ---- the loss on a padded batch ----------------------------------------------------------

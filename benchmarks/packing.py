@@ -54,7 +54,7 @@ logger = logging.getLogger("benchmarks.packing")
 
 # The two layouts sum the same fp32 terms in different orders; anything beyond this is a bug.
 LOSS_MATCH_RTOL = 1e-4
-LOSS_CONFIG = LossConfig(kl_coef=0.05, tis_cap=2.0)
+LOSS_CONFIG = LossConfig(kl_coef=0.05, is_mode="tis", is_cap=2.0)
 PADDED_ATTN = "sdpa"  # the baseline: transformers' own sdpa with the padding mask
 
 

@@ -137,7 +137,8 @@ def end_of_step(packer: MinibatchPacker, num_prompts: int) -> EndOfStep:
     return EndOfStep(step=STEP, num_samples=packer.num_samples, num_tokens=packer.num_tokens,
                      num_minibatches=max(packer.minibatches_per_rank), num_prompts=num_prompts,
                      timed_out_prompts=0, dropped_stale=0, oversized_samples=packer.oversized_samples,
-                     padding_minibatches=packer.padding_minibatches, missing_rollouts=0)
+                     padding_minibatches=packer.padding_minibatches, missing_rollouts=0,
+                     num_output_tokens=packer.num_output_tokens)
 
 
 def record_grads_before_each_step(model: torch.nn.Module,

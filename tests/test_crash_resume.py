@@ -191,3 +191,39 @@ def test_kill_and_resume_trains_every_prompt_exactly_once(cluster: LocalCluster,
     assert trained == collections.Counter({p: ROLLOUTS for p in order})
     assert latest_checkpoint(run) == checkpoints_root(run) / f"step_{NUM_STEPS:06d}"
     assert not list(checkpoints_root(run).glob("*.tmp"))
+
+
+def test_kill_and_resume_with_dynamic_sampling_draws_every_prompt_once(cluster: LocalCluster, tiny_model_dir: Path,
+                                                                       tmp_path: Path) -> None:
+    """Dynamic sampling draws extra prompts for a step while ranks train the step before it, so
+    under max_lag 1 a step's extras come after the next step's prompts in the data order. With
+    random weights nearly every group scores all 0: every step resamples (2 rounds at most).
+    Over the crash and the resume, each rank's drawn prompts are exactly a prefix of its data
+    order, each once, and every drawn prompt was trained or counted as a zero-variance drop."""
+    data = write_arithmetic_dataset(tmp_path / "prompts.jsonl", num_samples=NUM_PROMPTS, seed=3)
+    run = tmp_path / "run"
+    args = [*RUN_ARGS, "--run_dir", str(run), "--model.model_path", str(tiny_model_dir), "--data.path", str(data),
+            "--sampling.drop_zero_variance_groups", "true", "--sampling.max_resample_rounds", "2"]
+    crashed_log = tmp_path / "crashed.log"
+    _kill_after_checkpoint_and_a_later_step(_start_trainer(cluster, args, crashed_log), run, crashed_log)
+    _wait_for_batcher_gone()
+    resumed_log = tmp_path / "resumed.log"
+    resumed = _start_trainer(cluster, [*args, "--resume", "true"], resumed_log)
+    assert resumed.wait(timeout=TRAINER_TIMEOUT_S) == 0, resumed_log.read_text()[-3000:]
+
+    records = _raw_records(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(NUM_STEPS))
+    assert sum(r["counts/resampled_prompts"] for r in records) > 0, "the test needs steps that resample"
+    for rank in range(WORLD_SIZE):
+        entries = _raw_records(run / f"data_rank{rank}.jsonl")
+        assert [e["step"] for e in entries] == list(range(NUM_STEPS))
+        drawn = [p for e in entries for p in e["prompt_ids"]]
+        sampler = InfiniteDistributedSampler(NUM_PROMPTS, rank, WORLD_SIZE, seed=0)
+        assert len(drawn) <= sampler.per_rank, "the test needs the run to stay within one epoch"
+        assert sorted(drawn) == sorted(sampler.next_batch(len(drawn))), rank  # a prefix of the order, each once
+        for entry in entries:
+            assert set(entry["trained_prompt_ids"]) <= set(entry["prompt_ids"]), (rank, entry["step"])
+    for record in records:
+        # every drawn prompt trained with all its rollouts or was dropped as a zero-variance group
+        prompts = record["batcher/num_prompts"]
+        assert record["counts/samples"] + ROLLOUTS * record["counts/dropped_zero_variance_groups"] == ROLLOUTS * prompts

@@ -48,7 +48,7 @@ LAUNCH_TIMEOUT_S = 600
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
 # Same weights, same kernels, one process each: logits agree to float rounding.
 LOGIT_ATOL = 1e-5
-LOSS_CONFIG = LossConfig(kl_coef=0.1, kl_estimator="k3", clip_low=0.2, clip_high=0.28, tis_cap=2.0)
+LOSS_CONFIG = LossConfig(kl_coef=0.1, kl_estimator="k3", clip_low=0.2, clip_high=0.28, is_mode="tis", is_cap=2.0)
 # lr large enough that one step moves logits far beyond LOGIT_ATOL.
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, warmup_steps=0)
 # Each rank runs the same number of microbatches (every backward is a collective) of unequal sizes.

@@ -25,7 +25,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODULES = sorted(p.stem for p in REPO_ROOT.glob("*.py"))
 
-PURE = ("advantages", "grpo_loss", "optimizer", "packed_attention", "ray_env", "rewards", "run_config",
+PURE = ("advantages", "algorithm", "grpo_loss", "optimizer", "packed_attention", "ray_env", "rewards", "run_config",
         "sample_processing_utils", "sampling")
 FORBIDDEN_IN_PURE = ("ray", "vllm", "torch.distributed")
 WORKER_SIDE = ("logprob_worker", "math_verifier", "vllm_experience_batcher", "vllm_registry", "vllm_worker",

@@ -71,7 +71,7 @@ def test_moving_average_and_reward_summary_by_hand() -> None:
 
 
 def test_step_record_counts_equal_reward_groups_and_samples() -> None:
-    # Two groups from vllm_worker.group_advantages' point of view: one all-wrong (advantage 0),
+    # Two groups as the batcher's grpo estimator scores them: one all-wrong (advantage 0),
     # one mixed. Only the mixed group carries a policy-gradient signal.
     rewards_adv = [(0.0, 0.0), (0.0, 0.0), (1.0, 1.0), (0.0, -1.0)]
     samples = [Sample(input_token_ids=[5, 6], output_token_ids=[7] * (i + 1), gt_answer="1", prompt_id=i // 2,
@@ -201,3 +201,24 @@ def test_step_accumulator_lists_the_trained_prompt_ids() -> None:
     acc.add_minibatch(samples, batch, torch.zeros(batch.advantages.numel()), 0.0, {})
     acc.add_minibatch(samples[:1], post_process_batch(samples[:1]), torch.zeros(1), 0.0, {})
     assert acc.trained_prompt_ids == [4, 2, 4, 4]
+
+
+def test_step_record_token_means_of_the_loss_and_mismatch_metrics() -> None:
+    """Two minibatches of 2 and 6 output tokens: the step's value is the token-weighted mean."""
+    def minibatch(n_out: int) -> tuple[list[Sample], object]:
+        samples = [Sample(input_token_ids=[5], output_token_ids=[7] * n_out, gt_answer="1",
+                          sampling_logprobs=[-0.5] * n_out, weight_version=0)]
+        return samples, post_process_batch(samples)
+
+    acc = StepAccumulator(step=0)
+    for n_out, weight, masked, kl in ((2, 1.0, 0.0, 0.2), (6, 0.5, 0.5, 0.6)):
+        samples, batch = minibatch(n_out)
+        acc.add_minibatch(samples, batch, torch.zeros(n_out), 0.0,
+                          {"mismatch/is_weight_mean": weight, "mismatch/masked_frac": masked, "mismatch/kl": kl})
+    end = SimpleNamespace(dropped_stale=0, timed_out_prompts=0, oversized_samples=0, num_minibatches=2)
+    dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    record = acc.finalize(dist=dist, end=end, grad_norm=1.0, lr=1e-3, push_s=0.0, step_s=1.0, batcher_stats={})
+    assert record["mismatch/is_weight_mean"] == pytest.approx((2 * 1.0 + 6 * 0.5) / 8)
+    assert record["mismatch/masked_frac"] == pytest.approx(6 * 0.5 / 8)
+    assert record["mismatch/kl"] == pytest.approx((2 * 0.2 + 6 * 0.6) / 8)
+    assert record["loss/ratio_mean"] == 1.0  # absent from both minibatches' metrics: the default

@@ -174,23 +174,34 @@ def _padded_output_logprobs(causal_lm: torch.nn.Module, samples: list[Sample]) -
 
 
 def _reference_loss(per_sample_lp: list[torch.Tensor], samples: list[Sample], config: LossConfig) -> torch.Tensor:
-    """The GRPO objective written out: clipped ratio x advantage x TIS weight, plus kl_coef x KL."""
+    """The GRPO objective written out per sample: clipped ratio (per token, or the sequence's
+    geometric mean for GSPO) x advantage x importance weight, plus kl_coef x KL; each sample's
+    token mean (sample_mean) or token sum (token_mean, constant: the trainer divides later)."""
     total = torch.zeros(())
     for lp, s in zip(per_sample_lp, samples):
         old = torch.tensor(s.old_logprobs) if s.old_logprobs is not None else lp.detach()
         ref, sampling = torch.tensor(s.ref_logprobs), torch.tensor(s.sampling_logprobs)
-        ratio = torch.exp(lp - old)
-        clipped = torch.clamp(ratio, 1 - config.clip_low, 1 + config.clip_high)
-        pg = -torch.minimum(ratio * s.advantage, clipped * s.advantage)
-        if config.tis_cap is not None:
-            pg = pg * torch.clamp(torch.exp(old - sampling), max=config.tis_cap)
+        advantage = torch.tensor(s.token_advantages) if s.token_advantages is not None else s.advantage
+        if config.ratio_level == "sequence":
+            ratio = torch.exp((lp - old).mean()).expand(lp.shape)
+            clipped = torch.clamp(ratio, 1 - config.seq_clip_low, 1 + config.seq_clip_high)
+        else:
+            ratio = torch.exp(lp - old)
+            clipped = torch.clamp(ratio, 1 - config.clip_low, 1 + config.clip_high)
+        pg = -torch.minimum(ratio * advantage, clipped * advantage)
+        rho = torch.exp(old - sampling)
+        if config.is_mode == "tis":
+            pg = pg * torch.clamp(rho, max=config.is_cap)
+        elif config.is_mode == "mis":
+            pg = pg * torch.where(rho > config.is_cap, torch.zeros_like(rho), rho)
         log_ref_over_pi = ref - lp
         kl = {
             "k1": -log_ref_over_pi,
             "k2": 0.5 * log_ref_over_pi**2,
             "k3": torch.exp(log_ref_over_pi) - log_ref_over_pi - 1,
         }[config.kl_estimator]
-        total = total + (pg + config.kl_coef * kl).mean()
+        terms = pg + (config.kl_coef * kl if not config.kl_in_reward else 0.0)
+        total = total + (terms.mean() if config.aggregation == "sample_mean" else terms.sum())
     return total
 
 
@@ -201,12 +212,17 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "config, with_old",
     [
-        (LossConfig(kl_coef=0.1, kl_estimator="k1", clip_low=0.2, clip_high=0.28, tis_cap=None), True),
-        (LossConfig(kl_coef=0.05, kl_estimator="k2", clip_low=0.1, clip_high=0.3, tis_cap=1.1), True),
-        (LossConfig(kl_coef=0.2, kl_estimator="k3", clip_low=0.2, clip_high=0.28, tis_cap=1.1), True),
-        (LossConfig(kl_coef=0.0, tis_cap=None), False),
+        (LossConfig(kl_coef=0.1, kl_estimator="k1", clip_low=0.2, clip_high=0.28), True),
+        (LossConfig(kl_coef=0.05, kl_estimator="k2", clip_low=0.1, clip_high=0.3, is_mode="tis", is_cap=1.1), True),
+        (LossConfig(kl_coef=0.2, kl_estimator="k3", clip_low=0.2, clip_high=0.28, is_mode="tis", is_cap=1.1), True),
+        (LossConfig(kl_coef=0.0), False),
+        (LossConfig(kl_coef=0.1, is_mode="mis", is_cap=1.1), True),
+        (LossConfig(kl_coef=0.1, aggregation="token_mean"), True),
+        (LossConfig(kl_coef=0.0, aggregation="constant", is_mode="tis", is_cap=1.1), True),
+        (LossConfig(ratio_level="sequence", seq_clip_low=0.002, seq_clip_high=0.003), True),
+        (LossConfig(kl_coef=0.3, kl_in_reward=True), True),
     ],
-    ids=["k1", "k2-tis", "k3-tis", "no-old-no-kl"],
+    ids=["k1", "k2-tis", "k3-tis", "no-old-no-kl", "mis", "token-mean", "constant-tis", "gspo", "kl-in-reward"],
 )
 def test_loss_and_grads_equal_padded_reference(
     config: LossConfig, with_old: bool, tiny_model_dir: Path, samples: list[Sample]
@@ -227,14 +243,18 @@ def test_loss_and_grads_equal_padded_reference(
 
     if with_old:
         assert 0 < metrics["loss/clip_frac"] < 1, "both clipped and unclipped tokens should occur"
-    if config.tis_cap is not None:
+    if config.is_mode != "none":
         weights = torch.exp(batch.old_logprobs - batch.sampling_logprobs)
-        assert (weights > config.tis_cap).any() and (weights < config.tis_cap).any()
-    torch.testing.assert_close(loss, reference, rtol=LOSS_RTOL, atol=LOSS_ATOL)
+        assert (weights > config.is_cap).any() and (weights < config.is_cap).any()
+    if config.is_mode == "mis":
+        assert metrics["mismatch/masked_frac"] == pytest.approx(float((weights > config.is_cap).float().mean()))
+    # Token sums are ~tokens-per-sample times larger than token means: compare on the mean's scale.
+    scale = 1.0 if config.aggregation == "sample_mean" else 1.0 / batch.advantages.numel()
+    torch.testing.assert_close(loss * scale, reference * scale, rtol=LOSS_RTOL, atol=LOSS_ATOL)
     for name, grad in reference_grads.items():
         assert grad.abs().max() > 0, name
         torch.testing.assert_close(
-            packed_grads[name], grad, rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=lambda m: f"{name}: {m}"
+            packed_grads[name] * scale, grad * scale, rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=lambda m: f"{name}: {m}"
         )
 
 

@@ -16,7 +16,10 @@ log_softmax over the full logits, the loss written from its definition (clipped-
 gradient, plus kl_coef x k3 = exp(ref - logp) - (ref - logp) - 1, averaged over each sample's
 tokens, then over all samples of the step), one backward, clip_grad_norm_, torch.optim.AdamW.
 With epochs_per_step > 1 every pass ends in an optimizer step and later passes take the first
-pass's detached logprobs as pi_old. Cases: 1 epoch without KL, 1 epoch with k3 KL, 2 epochs with KL.
+pass's detached logprobs as pi_old. Cases: 1 epoch without KL, 1 epoch with k3 KL, 2 epochs with KL,
+and the loss options of issue 12: the token-mean and constant aggregations (their divisors are
+step totals, so the split over ranks and minibatches must still equal one padded batch) and
+GSPO's sequence-level ratio over 2 epochs.
 
 What is compared, and why not only the weights. Adam divides each update by the gradient's own
 running RMS, so its first step is about lr x sign(g) wherever |g| >> eps: the weights alone
@@ -66,6 +69,7 @@ LAUNCH_TIMEOUT_S = 600
 NUM_PROMPTS, GROUP_SIZE = 6, 4
 PROMPT_LEN_RANGE = (2, 13)  # [low, high) tokens
 OUTPUT_LEN_RANGE = (1, 25)
+MAX_OUTPUT_TOKENS = OUTPUT_LEN_RANGE[1] - 1  # sampling.max_tokens: the constant aggregation's normaliser
 FIRST_TOKEN_ID = 2  # ids 0 and 1 are EOS and PAD in the tiny tokenizer: keep them out of samples
 REF_LOGPROB_NOISE = 0.3  # reference logprobs = the starting model's + this x N(0, 1): a real KL
 SAMPLING_LOGPROB_NOISE = 0.1  # the sampler's logprobs differ a little (read by metrics only)
@@ -89,6 +93,7 @@ NO_CLIP = 1e6  # max_grad_norm far above any gradient norm here: clipping off
 CLIPPING_MAX_NORM = 1.0
 KL_COEF = 0.1
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+GSPO_CLIP = 0.3  # wider than GSPO's 3e-4: one step at lr 1.5e-3 moves these sequence ratios by tenths
 
 # fp32 throughout; packed vs padded attention, chunked lm_head, FSDP reduce-scatter and gloo
 # sums only reorder float additions (~1e-7 relative on the gradients).
@@ -119,6 +124,14 @@ CASES = {
                          loss=LossConfig(kl_coef=KL_COEF, kl_estimator="k3", clip_low=CLIP_LOW, clip_high=CLIP_HIGH)),
     "two_epochs_k3": Case(epochs_per_step=2, optim=_optim(CLIPPING_MAX_NORM),
                           loss=LossConfig(kl_coef=KL_COEF, kl_estimator="k3", clip_low=CLIP_LOW, clip_high=CLIP_HIGH)),
+    # loss.aggregation: the step's token mean (DAPO) and Dr. GRPO's constant normaliser, split over
+    # 2 ranks x several minibatches, against one padded batch; GSPO's sequence-level ratio.
+    "token_mean_k3": Case(epochs_per_step=1, optim=_optim(NO_CLIP),
+                          loss=LossConfig(kl_coef=KL_COEF, kl_estimator="k3", aggregation="token_mean")),
+    "constant_two_epochs": Case(epochs_per_step=2, optim=_optim(NO_CLIP),
+                                loss=LossConfig(aggregation="constant", clip_low=CLIP_LOW, clip_high=CLIP_HIGH)),
+    "gspo_two_epochs": Case(epochs_per_step=2, optim=_optim(NO_CLIP),
+                            loss=LossConfig(ratio_level="sequence", seq_clip_low=GSPO_CLIP, seq_clip_high=GSPO_CLIP)),
 }
 
 
@@ -172,22 +185,39 @@ def _token_logprobs(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
     return logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
 
 
-def _step_loss(logp: torch.Tensor, old: torch.Tensor, batch: PaddedBatch, loss: LossConfig) -> torch.Tensor:
-    """Mean over samples of each sample's token-mean of the clipped PPO term (+ kl_coef x k3)."""
-    advantage = batch.advantages[:, None]
+def _ratios(logp: torch.Tensor, old: torch.Tensor, batch: PaddedBatch,
+            loss: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ratio, clipped ratio) [B, L-1]: per token, or each sample's exp(mean log ratio) (GSPO)."""
+    if loss.ratio_level == "sequence":
+        mask = batch.output_mask
+        ratio = torch.exp(((logp - old) * mask).sum(-1) / mask.sum(-1))[:, None].expand_as(logp)
+        return ratio, ratio.clamp(1 - loss.seq_clip_low, 1 + loss.seq_clip_high)
     ratio = torch.exp(logp - old)
-    per_token = -torch.minimum(ratio * advantage, ratio.clamp(1 - loss.clip_low, 1 + loss.clip_high) * advantage)
+    return ratio, ratio.clamp(1 - loss.clip_low, 1 + loss.clip_high)
+
+
+def _step_loss(logp: torch.Tensor, old: torch.Tensor, batch: PaddedBatch, loss: LossConfig) -> torch.Tensor:
+    """The step's loss from its definition: the clipped PPO term (+ kl_coef x k3) per token, then
+    each sample's token mean averaged over samples (sample_mean), the mean over all the step's
+    output tokens (token_mean), or the sum over them / (samples x max_tokens) (constant)."""
+    advantage = batch.advantages[:, None]
+    ratio, clipped = _ratios(logp, old, batch, loss)
+    per_token = -torch.minimum(ratio * advantage, clipped * advantage)
     if loss.kl_coef > 0:
         ref_minus_pi = batch.ref_logprobs - logp
         per_token = per_token + loss.kl_coef * (torch.exp(ref_minus_pi) - ref_minus_pi - 1)
-    per_sample = (per_token * batch.output_mask).sum(-1) / batch.output_mask.sum(-1)
-    return per_sample.mean()
+    masked = per_token * batch.output_mask
+    if loss.aggregation == "token_mean":
+        return masked.sum() / batch.output_mask.sum()
+    if loss.aggregation == "constant":
+        return masked.sum() / (masked.shape[0] * MAX_OUTPUT_TOKENS)
+    return (masked.sum(-1) / batch.output_mask.sum(-1)).mean()
 
 
 def _clipped_fraction(logp: torch.Tensor, old: torch.Tensor, batch: PaddedBatch, loss: LossConfig) -> float:
-    ratio = torch.exp(logp - old)
+    ratio, clipped_ratio = _ratios(logp, old, batch, loss)
     advantage = batch.advantages[:, None]
-    clipped = ratio.clamp(1 - loss.clip_low, 1 + loss.clip_high) * advantage < ratio * advantage
+    clipped = clipped_ratio * advantage < ratio * advantage
     return float(clipped[batch.output_mask.bool()].float().mean())
 
 
@@ -301,7 +331,7 @@ def system_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, s
         "max_tokens_per_gpu": MAX_TOKENS_PER_GPU,
         # The longest prompt and output build_samples makes: the budget must hold their sum.
         "max_prompt_tokens": PROMPT_LEN_RANGE[1] - 1,
-        "max_output_tokens": OUTPUT_LEN_RANGE[1] - 1,
+        "max_output_tokens": MAX_OUTPUT_TOKENS,
         "reorder_window": REORDER_WINDOW,
         "cases": {name: {"epochs_per_step": c.epochs_per_step, "loss": asdict(c.loss), "optim": asdict(c.optim)}
                   for name, c in CASES.items()},

@@ -100,9 +100,9 @@ def test_later_passes_match_a_hand_written_ppo_epoch_loop(tiny_model_dir: Path, 
 
     end = train_on_step(model, batcher, 0, config, dist, acc, keep=kept)
     assert len(kept) == len(chunks) and all(k.batch.old_logprobs is not None for k in kept)
-    take_gradient_step(model, optimizer, scheduler, end, optim_config.max_grad_norm, advance_schedule=False)
+    take_gradient_step(model, optimizer, scheduler, end.num_samples, optim_config.max_grad_norm, advance_schedule=False)
     train_again(model, kept, config, dist, acc)
-    take_gradient_step(model, optimizer, scheduler, end, optim_config.max_grad_norm)
+    take_gradient_step(model, optimizer, scheduler, end.num_samples, optim_config.max_grad_norm)
 
     _reference_two_epochs(reference_lm, samples)
     got = dict(causal_lm.named_parameters())

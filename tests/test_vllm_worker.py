@@ -1,12 +1,12 @@
-"""Generation worker: advantages, reward policy (truncation, format shaping), stop strings, stop
-token ids and EOS, and a real vLLM engine inside Ray on the tiny model.
+"""Generation worker: reward policy (truncation, format shaping, overlong punishment), stop
+strings, stop token ids and EOS, and a real vLLM engine inside Ray on the tiny model.
 
     .venv/bin/python -m pytest tests/test_vllm_worker.py -x -q
 
 The engine tests share one engine (module scope, ~35 s to start on CPU) serving the tiny model
 rewired into an answer sampler, so rewards vary; the tied-embedding test starts a second engine
 on the tied tiny model. Rewards are re-derived here with math-verify
-itself, advantages with the statistics module, logprobs with the HF model.
+itself, logprobs with the HF model.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import shutil
-import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +29,6 @@ from math_verifier import RewardResult
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
 from weight_sync import WeightUpdate, state_dict_to_blobs
-from advantages import group_advantages
 from rewards import RewardConfig
 from sampling import SamplingConfig
 from vllm_worker import GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig, _with_tied_lm_head, reload_buckets
@@ -118,12 +116,6 @@ def _expected_reward(output_text: str, gt_answer: str) -> float:
     return 1.0 if verify(parse(f"${gt_answer}$"), parse(output_text)) else 0.0
 
 
-def _expected_advantages(rewards: list[float], scale_by_std: bool, eps: float) -> list[float]:
-    mean = statistics.fmean(rewards)
-    scale = statistics.pstdev(rewards) + eps if scale_by_std else 1.0
-    return [(r - mean) / scale for r in rewards]
-
-
 def _hf_logprobs(model_dir: Path, prompt: list[int], output: list[int]) -> torch.Tensor:
     """Logprob of each output token under the HF model saved in model_dir."""
     model = TokenLogprobModel(load_causal_lm(model_dir)).eval()
@@ -172,29 +164,6 @@ def _stop_actor(ray, actor) -> None:
 # ---------------------------------------------------------------- pure logic, no engine
 
 
-@pytest.mark.parametrize("scale_by_std", [True, False])
-def test_group_advantages_match_reference(scale_by_std: bool) -> None:
-    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.5]
-    got = group_advantages(rewards, scale_by_std=scale_by_std, eps=1e-4)
-    assert got == pytest.approx(_expected_advantages(rewards, scale_by_std, 1e-4), abs=1e-12)
-    assert sum(got) == pytest.approx(0.0, abs=1e-12)
-
-
-def test_group_advantages_scaled_by_std_have_unit_spread() -> None:
-    got = group_advantages([0.0, 1.0, 1.0, 0.0], scale_by_std=True, eps=0.0)
-    assert got == pytest.approx([-1.0, 1.0, 1.0, -1.0])
-    assert group_advantages([0.0, 1.0], scale_by_std=False, eps=0.0) == pytest.approx([-0.5, 0.5])
-
-
-@pytest.mark.parametrize("scale_by_std", [True, False])
-def test_group_advantages_equal_rewards_and_edge_sizes(scale_by_std: bool) -> None:
-    assert group_advantages([1.0, 1.0, 1.0], scale_by_std, eps=1e-4) == [0.0, 0.0, 0.0]
-    assert group_advantages([0.7], scale_by_std, eps=1e-4) == [0.0]
-    # 0.1 is inexact in binary: a float mean of three of them is not 0.1, the advantage still is 0.
-    assert group_advantages([0.1, 0.1, 0.1], scale_by_std, eps=0.0) == [0.0, 0.0, 0.0]
-    assert group_advantages([], scale_by_std, eps=1e-4) == []
-
-
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
@@ -204,7 +173,9 @@ def test_group_advantages_equal_rewards_and_edge_sizes(scale_by_std: bool) -> No
         ({"top_p": 0.0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"seed": -1}, "seed"),
-        ({"advantage_eps": -1e-3}, "advantage_eps"),
+        ({"max_resample_rounds": -1}, "max_resample_rounds"),
+        ({"overlong_buffer": 7, "max_tokens": 6}, "overlong_buffer"),
+        ({"overlong_penalty": -1.0}, "overlong_penalty"),
         ({"truncated_reward": float("nan")}, "truncated_reward"),
     ],
 )
@@ -313,12 +284,30 @@ def test_generate_adds_the_format_bonus_or_penalty_and_counts_it(truncated_rewar
     expected = [reward for *_, reward in rows]
     assert [s.reward for s in samples] == pytest.approx(expected, abs=1e-12)
     assert [s.reward_failed for s in samples] == [False, False, False, True, False]
-    assert [s.advantage for s in samples] == pytest.approx(_expected_advantages(expected, True, sampling.advantage_eps))
+    assert all(s.advantage == 0.0 for s in samples), "advantages are the batcher's, not the worker's"
     verified = len(rows) - 1 if truncated_reward is not None else len(rows)
     assert verifier.calls == [[text for text, *_ in rows[:verified]]]
     stats = worker.stats
     assert (stats.format_checked, stats.format_matched) == (verified, 2)
     assert (stats.samples, stats.truncated, stats.reward_failures) == (len(rows), 1, 1)
+
+
+def test_generate_applies_the_soft_overlong_punishment() -> None:
+    """DAPO's soft punishment, by hand: max_tokens 10, buffer 4, penalty 0.5 -> nothing up to 6
+    tokens, 0.5 x (L - 6) / 4 above, the full 0.5 at 10 (the truncated one, rewarded 0 unverified)."""
+    ok = RewardResult(reward=1.0, failed=False, error="")
+    texts = ["7", "777777", "7777777", "777777777", "7777777777"]  # 1, 6, 7, 9, 10 tokens (one per char)
+    finishes = ["stop", "stop", "stop", "stop", "length"]
+    verifier = _TableVerifier({t: ok for t in texts})
+    worker = GenerationWorker("unit", GenerationWorkerConfig(model_path="unused"), verifier=verifier)
+
+    async def fake_engine(sample: Sample, sampling: SamplingConfig) -> list[SimpleNamespace]:
+        return [_fake_completion(i, text, finish) for i, (text, finish) in enumerate(zip(texts, finishes))]
+
+    worker._run_engine = fake_engine  # type: ignore[method-assign]
+    sampling = SamplingConfig(n=len(texts), max_tokens=10, overlong_buffer=4, overlong_penalty=0.5)
+    samples = asyncio.run(worker.generate(Sample(input_token_ids=[1], gt_answer="7", prompt_id=0), sampling))
+    assert [s.reward for s in samples] == pytest.approx([1.0, 1.0, 1.0 - 0.125, 1.0 - 0.375, 0.0 - 0.5])
 
 
 def test_sampling_params_carry_stops_and_keep_stop_strings() -> None:
@@ -397,10 +386,10 @@ def _count_lines(path: Path) -> int:
 @pytest.mark.parametrize(
     "sampling",
     [
-        SamplingConfig(n=16, max_tokens=6, seed=1234, truncated_reward=None, scale_advantage_by_std=True),
-        SamplingConfig(n=12, max_tokens=6, seed=99, truncated_reward=0.0, scale_advantage_by_std=False),
+        SamplingConfig(n=16, max_tokens=6, seed=1234, truncated_reward=None),
+        SamplingConfig(n=12, max_tokens=6, seed=99, truncated_reward=0.0),
     ],
-    ids=["grpo-verify-truncated", "drgrpo-truncated-zero"],
+    ids=["verify-truncated", "truncated-zero"],
 )
 def test_generate_rewards_advantages_versions(
     ray_local, generation_actor, answering_model_dir, failed_samples_path, sampling: SamplingConfig
@@ -435,8 +424,6 @@ def test_generate_rewards_advantages_versions(
             assert rollout.weight_version == served_version
             reward_failures += rollout.reward_failed
             all_rewards.append(rollout.reward)
-        expected = _expected_advantages([r.reward for r in group], sampling.scale_advantage_by_std, sampling.advantage_eps)
-        assert [r.advantage for r in group] == pytest.approx(expected, abs=1e-9)
         # Seeds differ per completion, so the n completions are not copies of one another.
         assert len({tuple(r.output_token_ids) for r in group}) > 1
 

@@ -1,0 +1,164 @@
+"""Algorithm variants on the demo task: reward at fixed steps, several seeds each, one table.
+
+    .venv/bin/python benchmarks/algorithms.py                          # 6 variants x 3 seeds, 120 steps each
+    .venv/bin/python benchmarks/algorithms.py --variants baseline rloo --seeds 0 --num_steps 20   # a quick look
+
+What runs: the demo (`configs/demo.yaml`, the bundled tiny model and prompts from
+`scripts/prepare_demo.py`, 2 trainer ranks x 16 prompts x 16 rollouts, 4 PPO epochs per step) on
+one local cluster (one vLLM generation worker, one reference logprob worker) that stays up for
+every run; each run is its own `torchrun trainer_core.py` from the same starting model (its first
+push replaces whatever weights the workers hold), with `--num_steps N --optim.total_steps N`, no
+checkpoints and no evaluation. A variant is the demo plus a few trainer flags (VARIANTS below).
+
+Printed (and written to <out_dir>/algorithms.json): per variant and seed, the mean reward over the
+`--window` steps ending at each of `--at_steps`; then per variant the median over seeds and the
+range. The last line is `algorithms: <variant>=<median at the last step> ...`. A run that fails
+is reported with its log's tail and the table marks it; the script exits 1 if any failed.
+No claim that one variant is better unless the seeds' ranges separate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+from local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
+from metrics import read_metrics  # noqa: E402
+from run_config import load_config  # noqa: E402
+
+logger = logging.getLogger("algorithms")
+
+VARIANTS: dict[str, list[str]] = {
+    "baseline": [],  # the demo: GRPO, k3 KL 0.05 in the loss, per-sample token mean
+    "kl_in_reward_adaptive": ["--loss.kl_in_reward", "true", "--loss.kl_controller", "adaptive",
+                              "--loss.target_kl", "0.1", "--loss.kl_horizon", "10000"],
+    "dynamic_sampling": ["--sampling.drop_zero_variance_groups", "true", "--sampling.max_resample_rounds", "2"],
+    "token_mean": ["--loss.aggregation", "token_mean"],
+    "gspo": ["--loss.ratio_level", "sequence"],
+    "rloo": ["--algorithm.estimator", "rloo"],
+}
+
+
+@dataclass(kw_only=True, frozen=True)
+class AlgorithmsConfig:
+    """Command line of `python benchmarks/algorithms.py`."""
+
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    """Variants to run (names in VARIANTS)."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """Trainer seeds (data order, sampling, torch)."""
+    num_steps: int = 120
+    """Steps per run (the cosine schedule ends there too)."""
+    at_steps: list[int] = field(default_factory=lambda: [40, 80, 120])
+    """Steps at which the table reports the reward."""
+    window: int = 10
+    """Steps averaged for each reported reward (ending at the step)."""
+    assets_dir: str = str(REPO_ROOT / "runs" / "demo-assets")
+    """The demo's model and prompts (written by scripts/prepare_demo.py if missing)."""
+    out_dir: str = str(REPO_ROOT / "runs" / "algorithms")
+    """Runs go to <out_dir>/<variant>-seed<seed>."""
+
+    def __post_init__(self) -> None:
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        if unknown:
+            raise ValueError(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+        if any(not 0 < s <= self.num_steps for s in self.at_steps):
+            raise ValueError(f"at_steps {self.at_steps} must lie in (0, num_steps={self.num_steps}]")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+
+
+def ensure_assets(assets: Path) -> None:
+    if not (assets / "model" / "model.safetensors").is_file() or not (assets / "arithmetic.jsonl").is_file():
+        from prepare_demo import main as prepare_demo
+
+        prepare_demo(["--out_dir", str(assets)])
+
+
+def reward_at(records: list[dict], step: int, window: int) -> float | None:
+    """Mean reward/mean over the `window` steps ending at `step` (1-based count of steps)."""
+    values = [r["reward/mean"] for r in records if step - window <= r["step"] < step]
+    return statistics.fmean(values) if len(values) == window else None
+
+
+def run_variant(cluster: LocalCluster, name: str, seed: int, config: AlgorithmsConfig) -> dict:
+    run_dir = Path(config.out_dir) / f"{name}-seed{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("metrics.jsonl", "data_rank0.jsonl", "data_rank1.jsonl"):
+        (run_dir / stale).unlink(missing_ok=True)
+    assets = Path(config.assets_dir)
+    args = ["--config", str(REPO_ROOT / "configs" / "demo.yaml"), "--run_dir", str(run_dir),
+            "--model.model_path", str(assets / "model"), "--data.path", str(assets / "arithmetic.jsonl"),
+            "--seed", str(seed), "--num_steps", str(config.num_steps), "--optim.total_steps", str(config.num_steps),
+            "--checkpoint_every", "0", "--checkpoint_at_end", "false", "--eval.every", "0",
+            "--progress_bar", "false", "--tensorboard", "false", *VARIANTS[name]]
+    started = time.monotonic()
+    log = run_dir / "trainer.log"
+    code = cluster.run_trainer(args, nproc_per_node=2, log_path=log)
+    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+    result = {"variant": name, "seed": seed, "exit_code": code, "wall_s": time.monotonic() - started,
+              "steps": len(records), "rewards": {str(s): reward_at(records, s, config.window) for s in config.at_steps}}
+    for key in ("counts/dropped_zero_variance_groups", "counts/resampled_prompts", "kl/beta"):
+        values = [r[key] for r in records if key in r]
+        if values:
+            result[key + "_last"] = values[-1]
+    if code != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        logger.error("%s seed %d failed (exit %d); last lines of %s:\n%s", name, seed, code, log, tail)
+    logger.info("%s seed %d: exit %d, %d steps in %.0f s, rewards %s", name, seed, code, len(records),
+                result["wall_s"], result["rewards"])
+    return result
+
+
+def print_table(results: list[dict], config: AlgorithmsConfig) -> None:
+    steps = [str(s) for s in config.at_steps]
+    print(f"\nreward/mean, mean of the {config.window} steps ending at each step; per seed, then median [min-max]")
+    print("| variant | seed | " + " | ".join(f"step {s}" for s in steps) + " | wall s |")
+    print("|---|---|" + "---|" * len(steps) + "---|")
+    for r in results:
+        cells = [f"{r['rewards'][s]:.3f}" if r["rewards"][s] is not None else "failed" for s in steps]
+        print(f"| {r['variant']} | {r['seed']} | " + " | ".join(cells) + f" | {r['wall_s']:.0f} |")
+    print("\n| variant | " + " | ".join(f"step {s}" for s in steps) + " |")
+    print("|---|" + "---|" * len(steps))
+    last = []
+    for name in config.variants:
+        cells = []
+        for s in steps:
+            values = [r["rewards"][s] for r in results if r["variant"] == name and r["rewards"][s] is not None]
+            cells.append(f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]" if values else "-")
+            if s == steps[-1]:
+                last.append(f"{name}={statistics.median(values):.3f}" if values else f"{name}=failed")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print("\nalgorithms: " + " ".join(last))
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = load_config(AlgorithmsConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    assets = Path(config.assets_dir)
+    ensure_assets(assets)
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cluster_config = LocalClusterConfig(model_path=str(assets / "model"), log_dir=str(out / "cluster-logs"))
+    results = []
+    with LocalCluster(cluster_config) as cluster:
+        cluster.start_workers()
+        for name in config.variants:
+            for seed in config.seeds:
+                results.append(run_variant(cluster, name, seed, config))
+                (out / "algorithms.json").write_text(json.dumps(results, indent=1))
+    print_table(results, config)
+    return 1 if any(r["exit_code"] != 0 for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

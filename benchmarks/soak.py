@@ -3,6 +3,7 @@
     cd /work/main && .venv/bin/python benchmarks/soak.py                       # 300 steps of the demo, ~10 min
     .venv/bin/python benchmarks/soak.py --num_steps 12 --early_step 4 --work_dir runs/soak-quick
                                                                               # ~3 min: checks the plumbing
+    .venv/bin/python benchmarks/soak.py --timeline_every 25                    # + every process's RSS every 25 steps
     .venv/bin/python benchmarks/soak.py ... -- --prompts_per_rank 4            # trainer flags go after `--`
 
 What runs: the demo (scripts/demo.sh) as a user runs it: `local_cluster.py` on the bundled tiny
@@ -25,6 +26,9 @@ verifier processes, dispatchers, GCS, raylet and Ray's idle workers):
   (all three) is reported beside it. Growth = RSS at the late step / RSS at the early step, per
   process present at both; `rss_growth` is the largest (target < 1.10). Processes seen at one
   step only (a restarted worker, Ray's idle workers coming and going) are listed, not compared.
+- With `--timeline_every N`, the same reading of every process each time metrics.jsonl gains N
+  records: whether a process that grew between the two snapshots levels off or keeps rising.
+  Printed for the processes that grew by 5% or more; all of them are in report.json.
 - Ray's object store: used = cluster_resources()["object_store_memory"] -
   available_resources()["object_store_memory"] (public Ray API; the raylet reports the store's
   use in its available resources; `ray.util.state` needs the dashboard, which local runs leave
@@ -74,6 +78,7 @@ logger = logging.getLogger("soak")
 
 MB = 1e6
 TARGET_GROWTH = 1.10  # issue 11: RSS at the last step within 10% of RSS at the early step
+TIMELINE_PRINT_RATIO = 1.05  # the printed timeline leaves out processes within 5% of flat
 OWN_LABEL = "soak.py (this benchmark)"
 PROBE_LABEL = "object-store probe (this benchmark)"
 STEP_POLL_S = 0.2  # how often metrics.jsonl is checked: the ranks exit ~1 s after their last record
@@ -104,6 +109,9 @@ class SoakConfig:
     """Trainer ranks."""
     poll_s: float = 5.0
     """How often the whole process tree is read for the memory timeline (snapshots are read when due)."""
+    timeline_every: int = 0
+    """Also read every process's memory each time metrics.jsonl gains this many records (0: only
+    the two snapshots): a per-process timeline, which shows whether a growth levels off."""
     timeout_s: float = 2 * 3600.0
     """Stop the run (and fail) after this long."""
 
@@ -111,6 +119,8 @@ class SoakConfig:
         if not 1 <= self.early_step < self.num_steps:
             raise ValueError(f"SoakConfig.early_step must be in [1, num_steps), got {self.early_step} "
                              f"(num_steps {self.num_steps})")
+        if self.timeline_every < 0:
+            raise ValueError(f"SoakConfig.timeline_every must be >= 0, got {self.timeline_every}")
         for name in ("num_prompts", "nproc_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SoakConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -212,6 +222,21 @@ def compare(early: dict[str, Any], late: dict[str, Any]) -> list[dict[str, Any]]
         rows.append(row)
     rows.sort(key=lambda r: -(r["rss_late_kb"] or r["rss_early_kb"] or 0))
     return rows
+
+
+def process_timelines(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """The timeline's snapshots as one row per process: its RSS (kB) at each point, None where it
+    was not running; processes named as in `compare`, largest last RSS first."""
+    union: dict[int, dict[str, Any]] = {}
+    for point in points:
+        union.update(point["processes"])
+    labels = numbered_labels(union)
+    rows = []
+    for pid in union:
+        rss = [rss_kb(point["processes"][pid]) if pid in point["processes"] else None for point in points]
+        rows.append({"pid": pid, "label": labels[pid], "rss_kb": rss})
+    rows.sort(key=lambda r: -next((v for v in reversed(r["rss_kb"]) if v is not None), 0))
+    return {"steps": [point["step"] for point in points], "t_s": [point["t_s"] for point in points], "rows": rows}
 
 
 def rss_growth(rows: list[dict[str, Any]], key: str = "ratio") -> tuple[float, str]:
@@ -318,6 +343,8 @@ class SoakRun:
         self.watcher = LogWatcher(self.log, (self.run_dir, "*_worker.log"))
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.snapshots: dict[str, dict[str, Any]] = {}
+        self.timeline: list[dict[str, Any]] = []  # snapshots every config.timeline_every steps
+        self._next_timeline_step = config.timeline_every
         self.probe: subprocess.Popen | None = None
         self.running = False
 
@@ -334,6 +361,10 @@ class SoakRun:
                 self.snapshots[name] = self.take_snapshot(done)
                 logger.info("snapshot %s at %d steps: %d processes", name, done,
                             len(self.snapshots[name]["processes"]))
+        every = self.config.timeline_every
+        if every and done >= self._next_timeline_step:
+            self.timeline.append(self.monitor.snapshot(done, self.phase()))
+            self._next_timeline_step = (done // every + 1) * every
 
     def take_snapshot(self, done: int) -> dict[str, Any]:
         snapshot = self.monitor.snapshot(done, self.phase())
@@ -432,6 +463,8 @@ def run(config: SoakConfig, passthrough: list[str]) -> dict[str, Any]:
                           if records and "reward/mean" in records[-1] else None),
         "duration_s": round(time.time() - started_wall, 1),
         "object_store": object_store_summary(soak.snapshots, read_probe(soak.probe_path)),
+        "rss_timeline": process_timelines(soak.timeline) if soak.timeline else None,
+        "rss_timeline_snapshots": soak.timeline,
         "process_peaks": monitor.table_rows(),
         "timeline_columns": ["t_s", "tree_private_gb", "largest_shared_gb", "machine_used_gb"],
         "timeline": monitor.timeline,
@@ -467,6 +500,13 @@ def process_table(rows: list[dict[str, Any]], early_step: int, late_step: int) -
     )
 
 
+def timeline_table(timeline: dict[str, Any], pids: set[int]) -> str:
+    return format_table(
+        ["process", *(f"@{step}" for step in timeline["steps"])],
+        [[r["label"], *(_mb(v) for v in r["rss_kb"])] for r in timeline["rows"] if r["pid"] in pids],
+    )
+
+
 def _bytes_mb(value: float | None) -> str:
     return "-" if value is None else f"{value / MB:.1f}"
 
@@ -480,6 +520,12 @@ def print_report(report: dict[str, Any]) -> None:
         print(process_table(report["rows"], early, late))
         print(f"\nlargest RSS growth {report['rss_growth']:.3f} ({report['rss_growth_process']}); "
               f"largest VmRSS growth {report['vmrss_growth']:.3f} ({report['vmrss_growth_process']})")
+    timeline = report["rss_timeline"]
+    if timeline and "rows" in report:
+        grew = {r["pid"] for r in report["rows"] if r["ratio"] is not None and r["ratio"] >= TIMELINE_PRINT_RATIO}
+        print(f"\nRSS (MB) every {report['config']['timeline_every']} steps of the processes that grew by "
+              f"{TIMELINE_PRINT_RATIO:.2f}x or more between the snapshots (all processes: report.json):")
+        print(timeline_table(timeline, grew))
     store = report["object_store"]
     print(f"\nRay object store ({store['method']}; {store['readings']} readings, capacity "
           f"{_bytes_mb(store['capacity_bytes'])} MB):")

@@ -45,10 +45,23 @@ def test_compare_matches_processes_by_pid_and_takes_the_largest_ratio() -> None:
         soak.rss_growth([rows["Ray idle worker #1"]])
 
 
+def test_process_timelines_give_each_process_its_rss_per_point_and_none_where_absent() -> None:
+    points = [_snapshot(25, {9: ("registry actor", 1.0, _memory(2000, 100)), 30: ("Ray idle worker", 4.0, _memory(100))}),
+              _snapshot(50, {9: ("registry actor", 1.0, _memory(2100, 100)), 40: ("Ray idle worker", 5.0, _memory(300))})]
+    for point, t_s in zip(points, (10.0, 20.0)):
+        point["t_s"] = t_s
+    timeline = soak.process_timelines(points)
+    assert timeline["steps"] == [25, 50] and timeline["t_s"] == [10.0, 20.0]
+    assert [(r["label"], r["rss_kb"]) for r in timeline["rows"]] == [
+        ("registry actor", [2100, 2200]), ("Ray idle worker #2", [None, 300]), ("Ray idle worker #1", [100, None])]
+
+
 def test_config_needs_the_early_step_before_the_last() -> None:
     assert soak.SoakConfig(num_steps=12, early_step=4).early_step == 4
     with pytest.raises(ValueError, match="early_step"):
         soak.SoakConfig(num_steps=50, early_step=50)
+    with pytest.raises(ValueError, match="timeline_every"):
+        soak.SoakConfig(timeline_every=-1)
 
 
 def test_trainer_args_keep_the_demo_config_and_turn_off_checkpoints_and_eval(tmp_path: Path) -> None:
@@ -67,7 +80,7 @@ def test_trainer_args_keep_the_demo_config_and_turn_off_checkpoints_and_eval(tmp
 def test_quick_soak_reports_both_snapshots_per_process(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benchmarks" / "soak.py"), "--num_steps", "12", "--early_step", "4",
-         "--work_dir", str(tmp_path), "--num_prompts", "500", "--poll_s", "2"],
+         "--work_dir", str(tmp_path), "--num_prompts", "500", "--poll_s", "2", "--timeline_every", "4"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=QUICK_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -81,6 +94,11 @@ def test_quick_soak_reports_both_snapshots_per_process(tmp_path: Path) -> None:
         assert row["rss_early_kb"] > 0 and row["rss_late_kb"] > 0
         assert row["ratio"] == round(row["rss_late_kb"] / row["rss_early_kb"], 4)
     assert not any("this benchmark" in label for label in rows)
+    timeline = report["rss_timeline"]
+    assert timeline["steps"][0] >= 4 and timeline["steps"][-1] == 12  # about every 4 records
+    assert timeline["steps"] == sorted(set(timeline["steps"]))
+    engine = next(r for r in timeline["rows"] if r["label"] == "vLLM EngineCore")
+    assert all(v is not None and v > 0 for v in engine["rss_kb"])
     compared = [r["ratio"] for r in report["rows"] if r["ratio"] is not None]
     assert report["rss_growth"] == max(compared) and report["target"] == soak.TARGET_GROWTH
     assert report["met"] == (report["rss_growth"] < soak.TARGET_GROWTH)

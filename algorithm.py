@@ -40,6 +40,7 @@ from sample_processing_utils import Sample
 
 PrepareScope = Literal["group", "step"]
 KLControllerKind = Literal["fixed", "adaptive"]
+PolicyLogprobs = Literal["sampler", "old_policy"]
 # Ziegler et al. (2019) clip the relative KL error so one odd step moves beta by a bounded factor.
 _ADAPTIVE_ERROR_CLIP = 0.2
 
@@ -92,6 +93,10 @@ class KLRewardConfig:
     """Initial (fixed: constant) coefficient beta."""
     controller: KLControllerKind = "fixed"
     """fixed: beta stays kl_coef; adaptive: beta follows the measured KL towards target_kl."""
+    policy_logprobs: PolicyLogprobs = "sampler"
+    """Whose logprobs stand for the policy in KL(policy || reference): the sampler's (vLLM's
+    sampled-token logprobs) or the old-policy logprob workers' (the trainer's forward on the
+    weights that sampled the rollout)."""
     target_kl: float = 6.0
     """adaptive: the KL per sample (summed over its response tokens) beta steers towards."""
     horizon: int = 10000
@@ -100,6 +105,8 @@ class KLRewardConfig:
     def __post_init__(self) -> None:
         if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
             raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef}")
+        if self.policy_logprobs not in ("sampler", "old_policy"):
+            raise ValueError(f"kl_policy_logprobs must be sampler or old_policy, got {self.policy_logprobs!r}")
         if self.controller not in ("fixed", "adaptive"):
             raise ValueError(f"kl_controller must be fixed or adaptive, got {self.controller!r}")
         if self.controller == "adaptive":
@@ -202,6 +209,8 @@ class AlgorithmContext:
     """The run's algorithm section (estimator, eps, scope)."""
     kl_beta: float | None = None
     """beta of the KL in the reward for this step; None when the KL is not in the reward."""
+    kl_policy_logprobs: PolicyLogprobs = "sampler"
+    """Which logprobs stand for the policy in that KL (KLRewardConfig.policy_logprobs)."""
 
 
 @dataclass(slots=True)
@@ -217,17 +226,20 @@ class PreparedSamples:
 PrepareFn = Callable[[list[Sample], AlgorithmContext], PreparedSamples]
 
 
-def sequence_kl(sample: Sample) -> float:
+def sequence_kl(sample: Sample, policy: PolicyLogprobs = "sampler") -> float:
     """KL(policy || reference) of one rollout: sum over its response tokens of
-    log pi(t) - log pi_ref(t), pi's logprobs taken from the sampler (its sampled-token logprobs)."""
-    if not sample.ref_logprobs:
-        raise ValueError(f"sample prompt_id={sample.prompt_id}: the KL in the reward needs reference logprobs")
-    if len(sample.sampling_logprobs) != len(sample.ref_logprobs):
+    log pi(t) - log pi_ref(t), pi's logprobs taken from the sampler (its sampled-token logprobs)
+    or from the old-policy logprob workers."""
+    policy_values = sample.sampling_logprobs if policy == "sampler" else sample.old_logprobs
+    if not sample.ref_logprobs or not policy_values:
+        missing = "reference" if not sample.ref_logprobs else f"{policy} policy"
+        raise ValueError(f"sample prompt_id={sample.prompt_id}: the KL in the reward needs {missing} logprobs")
+    if len(policy_values) != len(sample.ref_logprobs):
         raise ValueError(
-            f"sample prompt_id={sample.prompt_id}: {len(sample.sampling_logprobs)} sampling logprobs for "
+            f"sample prompt_id={sample.prompt_id}: {len(policy_values)} {policy} logprobs for "
             f"{len(sample.ref_logprobs)} reference logprobs"
         )
-    return float(np.sum(np.asarray(sample.sampling_logprobs, np.float64) - np.asarray(sample.ref_logprobs, np.float64)))
+    return float(np.sum(np.asarray(policy_values, np.float64) - np.asarray(sample.ref_logprobs, np.float64)))
 
 
 def builtin_prepare(samples: list[Sample], ctx: AlgorithmContext) -> PreparedSamples:
@@ -236,7 +248,7 @@ def builtin_prepare(samples: list[Sample], ctx: AlgorithmContext) -> PreparedSam
     rewards = [s.reward for s in samples]
     metrics: dict[str, float] = {}
     if ctx.kl_beta is not None:
-        kls = [sequence_kl(s) for s in samples]
+        kls = [sequence_kl(s, ctx.kl_policy_logprobs) for s in samples]
         rewards = [r - ctx.kl_beta * kl for r, kl in zip(rewards, kls)]
         metrics["kl_in_reward"] = float(np.mean(kls)) if kls else 0.0
     for sample, advantage in zip(samples, estimate(ctx.config.estimator, rewards, ctx.config.advantage_eps)):

@@ -54,9 +54,14 @@ class LossConfig:
     (unbiased, >= 0). The KL in the reward is always the sequence's sum of k1 (see algorithm.py)."""
     kl_in_reward: bool = False
     """Move the KL out of the loss into the reward: each rollout's reward becomes
-    reward - beta * sum_t (log pi_sampler(t) - log pi_ref(t)) before advantages are computed (the
-    policy's logprobs are the sampler's, vLLM's sampled-token logprobs; the reference's come from
-    logprob_role: reference workers). Metrics: kl/beta, kl/in_reward_mean."""
+    reward - beta * sum_t (log pi(t) - log pi_ref(t)) before advantages are computed, with pi's
+    logprobs as kl_policy_logprobs says and the reference's from logprob_role: reference workers
+    (or, beside old-policy logprob workers, from reference_pool workers). Metrics: kl/beta,
+    kl/in_reward_mean."""
+    kl_policy_logprobs: Literal["sampler", "old_policy"] = "sampler"
+    """kl_in_reward: the policy's logprobs in the KL: the sampler's (vLLM's sampled-token
+    logprobs, no extra work) or the old-policy logprob workers' (logprob_role: old_policy with
+    reference_pool: true; the trainer's own forward, free of sampler/trainer mismatch)."""
     kl_controller: Literal["fixed", "adaptive"] = "fixed"
     """kl_in_reward: fixed keeps beta = kl_coef; adaptive (Ziegler et al.) moves beta by
     clip(KL/target_kl - 1, +-0.2) x samples/kl_horizon after each step. Saved in checkpoints."""
@@ -108,7 +113,7 @@ class LossConfig:
         """The KL-in-reward settings the batcher applies (meaningful when kl_in_reward)."""
         try:
             return KLRewardConfig(kl_coef=self.kl_coef, controller=self.kl_controller, target_kl=self.target_kl,
-                                  horizon=self.kl_horizon)
+                                  horizon=self.kl_horizon, policy_logprobs=self.kl_policy_logprobs)
         except ValueError as exc:
             raise ValueError(f"LossConfig: {exc}") from None
 

@@ -33,7 +33,7 @@ from packed_attention import PACKED_SDPA
 from sample_processing_utils import (
     INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs, get_input_for_logprobs, split_per_sample,
 )
-from ray_env import LOGPROB
+from ray_env import LOGPROB, LOGPROB_SERVICE_KINDS, REFERENCE
 from setup_model import (
     FLASH_ATTENTION_2,
     MODEL_DTYPES,
@@ -81,6 +81,10 @@ class LogprobWorkerConfig:
     computes in with its default ModelConfig.mixed_precision: bfloat16 on CUDA, float32 on CPU,
     so reference logprobs match the trainer's (pass 'float32' on CUDA when the trainer runs with
     model.mixed_precision: false). The log-softmax always runs in fp32."""
+    kind: str = LOGPROB
+    """Which service the worker serves: 'logprob' (reference or old-policy logprobs, as the trainer's
+    logprob_role says; receives weight pushes in the old-policy role) or 'reference' (the frozen
+    reference model beside old-policy logprob workers; refuses weight updates)."""
     attn_implementation: str | None = None
     """Attention kernel passed to from_pretrained; None: the trainer's default for the device
     (setup_model.default_attn_implementation: flash_attention_2 on CUDA when flash-attn imports,
@@ -104,6 +108,8 @@ class LogprobWorkerConfig:
             )
         if self.attn_implementation is not None and not self.attn_implementation:
             raise ValueError("LogprobWorkerConfig.attn_implementation must be None or a non-empty name")
+        if self.kind not in LOGPROB_SERVICE_KINDS:
+            raise ValueError(f"LogprobWorkerConfig.kind must be one of {LOGPROB_SERVICE_KINDS}, got {self.kind!r}")
         # dtype 'auto' on device 'auto' resolves only on the worker, where resolve_model_settings
         # repeats this check; every other combination is known here already.
         if self.dtype != AUTO_DTYPE:
@@ -355,6 +361,9 @@ class LogprobWorker:
         of versions, so the worker enters FAILED (WorkerFailedError) and is replaced.
         """
         self.life.require_alive()
+        if self.config.kind == REFERENCE:
+            raise ValueError(f"{self.name} serves the frozen reference model and never loads pushed weights "
+                             f"(v{update.version} offered)")
         self._ensure_batcher()
         # fetch_state_dict's steps, with the object refs awaited rather than ray.get: a blocking
         # get would stall (and warn about) the actor's event loop while the shards arrive.
@@ -379,7 +388,7 @@ class LogprobWorker:
             self.life.fail(problem)
         elif self._counters.last_error:
             note += f" last batch error: {self._counters.last_error}"
-        return WorkerHealth.of(self.life, kind=LOGPROB, node_id=self._node_id, weight_version=self.weight_version,
+        return WorkerHealth.of(self.life, kind=self.config.kind, node_id=self._node_id, weight_version=self.weight_version,
                                inflight_requests=len(self._queue) + self._running_batch, problem=problem, note=note)
 
     def stats(self) -> LogprobWorkerStats:

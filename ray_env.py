@@ -3,7 +3,7 @@
 Every process that talks to the cluster (trainer ranks, dispatchers, the batcher, the tests)
 finds actors by these names, so `ray list actors` reads the same everywhere:
 
-    generation-registry, logprob-registry        one per worker kind (vllm_registry.py)
+    generation-registry, logprob-registry, ...   one per worker kind (vllm_registry.py)
     generation-worker-0, logprob-worker-0, ...   one per worker (worker_dispatcher.py)
     experience-batcher                           one per run (vllm_experience_batcher.py)
     math-verifier-pool                           one per cluster (math_verifier.py)
@@ -22,7 +22,12 @@ from typing import Any
 RAY_NAMESPACE = "async-grpo"
 GENERATION = "generation"
 LOGPROB = "logprob"
-WORKER_KINDS = (GENERATION, LOGPROB)
+REFERENCE = "reference"
+"""A logprob service on the frozen reference model that never receives weight pushes, for runs
+whose logprob workers compute old-policy logprobs and that also need reference logprobs."""
+WORKER_KINDS = (GENERATION, LOGPROB, REFERENCE)
+LOGPROB_SERVICE_KINDS = (LOGPROB, REFERENCE)
+"""Kinds served by the logprob worker class (logprob_worker.py)."""
 BATCHER_ACTOR_NAME = "experience-batcher"
 VERIFIER_POOL_ACTOR_NAME = "math-verifier-pool"
 SHARD_STAGER_NAME = "weight-shard-stager"

@@ -38,7 +38,7 @@ from fsdp_setup import DistInfo, build_training_model, init_distributed
 from grpo_loss import LossConfig, grpo_loss, step_divisor
 from metrics import MetricsLogger, StepAccumulator, StepDataLog
 from optimizer import OptimConfig, build_optimizer, build_scheduler
-from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, actor_runtime_env, registry_name
+from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, actor_runtime_env, registry_name
 from run_config import ConfigError, load_config, save_config
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from sampling import SEED_BOUND, SamplingConfig
@@ -116,6 +116,10 @@ class TrainerConfig:
     logprob_role: Literal["reference", "old_policy", "none"] = "reference"
     """What the logprob workers compute: reference logprobs (fixed weights, for the KL term),
     old-policy logprobs (they receive weight pushes), or nothing (no logprob workers needed)."""
+    reference_pool: bool = False
+    """With logprob_role old_policy: also take reference logprobs (for a KL term in the loss or the
+    reward) from the reference pool, logprob workers on the frozen starting model started with
+    `worker_dispatcher.py --mode reference`."""
     checkpoint_every: int = 0
     """Checkpoint every N steps (0: only at the end of the run, see checkpoint_at_end)."""
     checkpoint_at_end: bool = True
@@ -171,10 +175,7 @@ class TrainerConfig:
         self._check_sample_budget()
         if self.checkpoint_every < 0:
             raise ValueError(f"TrainerConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        if self.loss.kl_coef > 0 and self.logprob_role != "reference":
-            where = "the reward (loss.kl_in_reward)" if self.loss.kl_in_reward else "the loss"
-            raise ValueError(f"TrainerConfig.loss.kl_coef > 0 puts a KL term in {where}, which needs reference "
-                             f"logprobs: logprob_role reference, got {self.logprob_role}")
+        self._check_logprob_sources()
         if not self.seed_sampling and self.sampling.seed is not None:
             raise ValueError(
                 f"TrainerConfig.seed_sampling is false but sampling.seed is {self.sampling.seed}: unset one of them"
@@ -184,6 +185,20 @@ class TrainerConfig:
                 raise ValueError(f"TrainerConfig.seed seeds sampling and must be in [0, 2**31), got {self.seed}")
             # The resolved seed is what config.yaml records and what the batcher sends.
             object.__setattr__(self, "sampling", replace(self.sampling, seed=self.seed))
+
+    def _check_logprob_sources(self) -> None:
+        """Every logprob the loss and the reward need has a service that computes it."""
+        if self.reference_pool and self.logprob_role != "old_policy":
+            raise ValueError(f"TrainerConfig.reference_pool goes with logprob_role old_policy (the logprob workers "
+                             f"compute reference logprobs themselves under 'reference'), got {self.logprob_role}")
+        if self.loss.kl_coef > 0 and self.logprob_role != "reference" and not self.reference_pool:
+            where = "the reward (loss.kl_in_reward)" if self.loss.kl_in_reward else "the loss"
+            raise ValueError(f"TrainerConfig.loss.kl_coef > 0 puts a KL term in {where}, which needs reference "
+                             f"logprobs: logprob_role reference, or old_policy with reference_pool true; got "
+                             f"logprob_role {self.logprob_role}")
+        if self.loss.kl_in_reward and self.loss.kl_policy_logprobs == "old_policy" and self.logprob_role != "old_policy":
+            raise ValueError("TrainerConfig.loss.kl_policy_logprobs old_policy needs logprob_role old_policy (with "
+                             f"reference_pool true), got {self.logprob_role}")
 
     def _check_sample_budget(self) -> None:
         """Refuse (unless oversized_sample_policy allows it) a budget one sample could exceed."""
@@ -580,11 +595,14 @@ def _make_batcher(config: TrainerConfig, dist: DistInfo, algorithm_state: dict[s
         sampling=config.sampling,
         algorithm=config.algorithm,
         kl_in_reward=config.loss.kl_reward_config() if config.loss.kl_in_reward else None,
+        reference_pool=config.reference_pool,
     )
     if dist.rank == 0:
         _registry(GENERATION)
         if config.logprob_target is not None:
             _registry(LOGPROB)
+        if config.reference_pool:
+            _registry(REFERENCE)
         batcher = get_or_create_batcher(batcher_config)
         ray.get(batcher.stats.remote())  # wait until it is up
         if algorithm_state:

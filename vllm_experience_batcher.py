@@ -40,7 +40,7 @@ from algorithm import (
     sequence_kl,
 )
 from sample_processing_utils import INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs
-from ray_env import BATCHER_ACTOR_NAME, GENERATION, LOGPROB, RAY_NAMESPACE, actor_runtime_env
+from ray_env import BATCHER_ACTOR_NAME, GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, actor_runtime_env
 from vllm_registry import get_or_create_registry
 # vllm_worker imports neither vLLM nor math-verify at import time: cheap in the batcher's process.
 from sampling import SamplingConfig, derive_seed
@@ -92,7 +92,10 @@ class BatcherConfig:
     """How each finished group's rewards become advantages (algorithm.py)."""
     kl_in_reward: KLRewardConfig | None = None
     """When set, reward - beta * KL(sample) before advantages, beta per step from a KLSchedule;
-    needs logprob_target 'ref'."""
+    needs reference logprobs (logprob_target 'ref', or reference_pool)."""
+    reference_pool: bool = False
+    """Also fill ref_logprobs from the reference registry (frozen workers of kind 'reference'),
+    concurrently with the old-policy logprobs of logprob_target 'old'."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -111,8 +114,15 @@ class BatcherConfig:
             raise ValueError(f"BatcherConfig.max_lag must be >= 0, got {self.max_lag}")
         if self.reorder_window < 0:
             raise ValueError(f"BatcherConfig.reorder_window must be >= 0, got {self.reorder_window}")
-        if self.kl_in_reward is not None and self.logprob_target != "ref":
-            raise ValueError("BatcherConfig.kl_in_reward needs reference logprobs (logprob_target 'ref')")
+        if self.reference_pool and self.logprob_target != "old":
+            raise ValueError("BatcherConfig.reference_pool goes with logprob_target 'old' (with 'ref' the logprob "
+                             f"workers compute reference logprobs themselves), got {self.logprob_target!r}")
+        if self.kl_in_reward is not None:
+            if self.logprob_target != "ref" and not self.reference_pool:
+                raise ValueError("BatcherConfig.kl_in_reward needs reference logprobs (logprob_target 'ref', or "
+                                 "reference_pool)")
+            if self.kl_in_reward.policy_logprobs == "old_policy" and self.logprob_target != "old":
+                raise ValueError("BatcherConfig.kl_in_reward with old-policy logprobs needs logprob_target 'old'")
 
 
 @dataclass(slots=True)
@@ -547,15 +557,19 @@ class ExperienceBatcher:
     Single event loop, no locks: state changes happen between awaits only.
     """
 
-    def __init__(self, config: BatcherConfig, generation: RequestClient, logprob: RequestClient | None) -> None:
+    def __init__(self, config: BatcherConfig, generation: RequestClient, logprob: RequestClient | None,
+                 reference: RequestClient | None = None) -> None:
         if (config.logprob_target is None) != (logprob is None):
             raise ValueError(
                 f"ExperienceBatcher: logprob_target={config.logprob_target!r} needs a logprob client exactly "
                 "when it is not None"
             )
+        if config.reference_pool != (reference is not None):
+            raise ValueError("ExperienceBatcher: reference_pool needs a reference client exactly when it is set")
         self.config = config
         self._generation = generation
         self._logprob = logprob
+        self._reference = reference
         self._prepare: PrepareFn = load_prepare_fn(config.algorithm)
         self._prepare_name = config.algorithm.prepare_batch or f"built-in {config.algorithm.estimator}"
         self._kl_schedule = KLSchedule(config.kl_in_reward, config.max_lag) if config.kl_in_reward else None
@@ -724,7 +738,12 @@ class ExperienceBatcher:
                 "step %d: prompt_id=%d: %d rollouts older than max_lag=%d dropped (weight versions %s)",
                 step, sample.prompt_id, stale, self.config.max_lag, sorted({r.weight_version for r in rollouts}),
             )
-        kept = await self._fill_logprobs(fresh) if self._logprob is not None and fresh else fresh
+        kept = fresh
+        if fresh and self._logprob is not None:
+            if self._reference is not None:  # both services at once: the slower one sets the pace
+                kept, _ = await asyncio.gather(self._fill_logprobs(fresh), self._fill_reference(fresh))
+            else:
+                kept = await self._fill_logprobs(fresh)
         return _PromptResult(
             fresh=kept,
             stale=stale,
@@ -769,6 +788,21 @@ class ExperienceBatcher:
             setattr(rollout, target, [float(v) for v in answer.values])
             kept.append(rollout)
         return kept
+
+    async def _fill_reference(self, rollouts: list[Sample]) -> None:
+        """Fill ref_logprobs from the reference pool (frozen workers: the loaded checkpoint's)."""
+        assert self._reference is not None
+        cost = sum(r.num_tokens for r in rollouts)
+        answers: list[TokenLogprobs] = await self._reference.submit("compute_group_logprobs", rollouts, cost=cost)
+        if len(answers) != len(rollouts):
+            raise ValueError(f"reference pool returned {len(answers)} answers for {len(rollouts)} rollouts "
+                             f"(prompt_id={rollouts[0].prompt_id})")
+        for rollout, answer in zip(rollouts, answers):
+            if len(answer.values) != len(rollout.output_token_ids) or answer.weight_version != INITIAL_WEIGHT_VERSION:
+                raise ValueError(f"reference pool answered {len(answer.values)} values at weight version "
+                                 f"{answer.weight_version} for {len(rollout.output_token_ids)} output tokens "
+                                 f"(prompt_id={rollout.prompt_id}); expected one per token from the checkpoint")
+            rollout.ref_logprobs = [float(v) for v in answer.values]
 
     def _accept(self, state: _StepState, key: tuple[int, int], result: _PromptResult) -> None:
         stats = state.stats
@@ -816,9 +850,11 @@ class ExperienceBatcher:
         if sampling.overlong_buffer:
             limit = sampling.max_tokens - sampling.overlong_buffer
             stats.overlong_penalised += sum(1 for s in samples if len(s.output_token_ids) > limit)
-        ctx = AlgorithmContext(step=state.packer.step, config=self.config.algorithm, kl_beta=state.kl_beta)
+        policy = self.config.kl_in_reward.policy_logprobs if self.config.kl_in_reward else "sampler"
+        ctx = AlgorithmContext(step=state.packer.step, config=self.config.algorithm, kl_beta=state.kl_beta,
+                               kl_policy_logprobs=policy)
         if state.kl_beta is not None:
-            stats.kl_sum += sum(sequence_kl(s) for s in samples)
+            stats.kl_sum += sum(sequence_kl(s, policy) for s in samples)
             stats.kl_samples += len(samples)
         prepared = check_prepared(self._prepare(samples, ctx), samples, self._prepare_name)
         stats.prepare_dropped += len(samples) - len(prepared.samples)
@@ -955,6 +991,7 @@ class ExperienceBatcherActor:
         config: BatcherConfig,
         generation_registry: ActorHandle | None = None,
         logprob_registry: ActorHandle | None = None,
+        reference_registry: ActorHandle | None = None,
     ) -> None:
         if generation_registry is None:
             generation_registry = get_or_create_registry(GENERATION)
@@ -963,8 +1000,14 @@ class ExperienceBatcherActor:
             if logprob_registry is None:
                 logprob_registry = get_or_create_registry(LOGPROB)
             logprob_client = RayRegistryClient(logprob_registry)
-        self._batcher = ExperienceBatcher(config, RayRegistryClient(generation_registry), logprob_client)
-        self._registries = [r for r in (generation_registry, logprob_registry) if r is not None]
+        reference_client: RequestClient | None = None
+        if config.reference_pool:
+            if reference_registry is None:
+                reference_registry = get_or_create_registry(REFERENCE)
+            reference_client = RayRegistryClient(reference_registry)
+        self._batcher = ExperienceBatcher(config, RayRegistryClient(generation_registry), logprob_client,
+                                          reference_client)
+        self._registries = [r for r in (generation_registry, logprob_registry, reference_registry) if r is not None]
         self._redispatched_reported = 0
 
     async def submit_prompts(self, rank: int, step: int, samples: list[Sample], round_index: int = 0) -> None:
@@ -1009,6 +1052,7 @@ def get_or_create_batcher(
     *,
     generation_registry: ActorHandle | None = None,
     logprob_registry: ActorHandle | None = None,
+    reference_registry: ActorHandle | None = None,
 ) -> ActorHandle:
     """The cluster's batcher actor ("experience-batcher" in RAY_NAMESPACE), created on first call.
 
@@ -1026,7 +1070,7 @@ def get_or_create_batcher(
             num_cpus=0,  # it only awaits other actors; packing costs microseconds per sample
             runtime_env=actor_runtime_env(),
         )
-        .remote(config, generation_registry, logprob_registry)
+        .remote(config, generation_registry, logprob_registry, reference_registry)
     )
     existing = ray.get(handle.config.remote())
     if existing != config:

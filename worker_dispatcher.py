@@ -9,6 +9,10 @@ Run one dispatcher per worker, on the node that should host it, after the Ray cl
     torchrun --nproc_per_node=1 --master_port=12347 worker_dispatcher.py \
         --model_path /dev/shm/qwen7b-math-base --mode logprob | tee logprob_worker_0.log &
 
+(`--mode reference` starts a logprob worker on the frozen reference model, for runs whose logprob
+workers compute old-policy logprobs and that need reference logprobs too: trainer
+`logprob_role: old_policy` with `reference_pool: true`.)
+
 Each dispatcher joins the cluster (RAY_ADDRESS, else --ray_address), gets or creates the
 registry of its kind, claims the next free worker name ("generation-worker-3"), starts the
 worker actor pinned to this node with the repository on its PYTHONPATH, waits for its engine,
@@ -42,7 +46,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ray_env import (
-    GENERATION, LOGPROB, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, use_ray_token_auth_if_available,
+    GENERATION, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, use_ray_token_auth_if_available,
     worker_actor_name,
 )
 
@@ -90,7 +94,9 @@ class DispatcherConfig:
     """
 
     mode: str = ""
-    """Worker kind: 'generation' (vLLM rollouts + rewards) or 'logprob' (reference logprobs)."""
+    """Worker kind: 'generation' (vLLM rollouts + rewards), 'logprob' (reference or old-policy
+    logprobs, per the trainer's logprob_role) or 'reference' (frozen reference logprobs beside
+    old-policy logprob workers; never receives weight pushes)."""
     model_path: str = ""
     """Hugging Face model folder, readable at the same path on this node."""
     tensor_parallel_size: int = 1
@@ -142,8 +148,8 @@ class DispatcherConfig:
             raise ValueError("DispatcherConfig.model_path must be set (--model_path)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"DispatcherConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.mode == LOGPROB and self.tensor_parallel_size != 1:
-            raise ValueError("DispatcherConfig.tensor_parallel_size must be 1 in logprob mode (one device per worker)")
+        if self.mode != GENERATION and self.tensor_parallel_size != 1:
+            raise ValueError(f"DispatcherConfig.tensor_parallel_size must be 1 in {self.mode} mode (one device per worker)")
         if self.num_cpus < 0:
             raise ValueError(f"DispatcherConfig.num_cpus must be >= 0, got {self.num_cpus}")
         if self.max_restarts < 0 or self.restart_backoff_s < 0:
@@ -191,6 +197,7 @@ def logprob_worker_config(cfg: DispatcherConfig, on_gpu_node: bool) -> Any:
     return LogprobWorkerConfig(
         model_path=str(Path(cfg.model_path).resolve()),
         device="cuda" if on_gpu_node else "cpu",
+        kind=cfg.mode,
         **_given(max_tokens_per_gpu=cfg.max_tokens_per_gpu, dtype=cfg.dtype),
     )
 

@@ -1,6 +1,6 @@
 """Algorithm variants on the demo task: reward at fixed steps, several seeds each, one table.
 
-    .venv/bin/python benchmarks/algorithms.py                          # 6 variants x 3 seeds, 120 steps each
+    .venv/bin/python benchmarks/algorithms.py                          # 6 variants x 3 seeds, 100 steps each
     .venv/bin/python benchmarks/algorithms.py --variants baseline rloo --seeds 0 --num_steps 20   # a quick look
 
 What runs: the demo (`configs/demo.yaml`, the bundled tiny model and prompts from
@@ -40,7 +40,7 @@ logger = logging.getLogger("algorithms")
 VARIANTS: dict[str, list[str]] = {
     "baseline": [],  # the demo: GRPO, k3 KL 0.05 in the loss, per-sample token mean
     "kl_in_reward_adaptive": ["--loss.kl_in_reward", "true", "--loss.kl_controller", "adaptive",
-                              "--loss.target_kl", "0.1", "--loss.kl_horizon", "10000"],
+                              "--loss.target_kl", "1.0", "--loss.kl_horizon", "10000"],
     "dynamic_sampling": ["--sampling.drop_zero_variance_groups", "true", "--sampling.max_resample_rounds", "2"],
     "token_mean": ["--loss.aggregation", "token_mean"],
     "gspo": ["--loss.ratio_level", "sequence"],
@@ -56,9 +56,9 @@ class AlgorithmsConfig:
     """Variants to run (names in VARIANTS)."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """Trainer seeds (data order, sampling, torch)."""
-    num_steps: int = 120
+    num_steps: int = 100
     """Steps per run (the cosine schedule ends there too)."""
-    at_steps: list[int] = field(default_factory=lambda: [40, 80, 120])
+    at_steps: list[int] = field(default_factory=lambda: [50, 100])
     """Steps at which the table reports the reward."""
     window: int = 10
     """Steps averaged for each reported reward (ending at the step)."""

@@ -512,3 +512,93 @@ def test_dataset_records_may_carry_group_and_run_ids(tmp_path: Path, tiny_model_
     path.write_text('{"prompt": "1+1=", "gt_answer": "2", "run_id": -1}\n')
     with pytest.raises(DatasetError, match="run_id"):
         load_prompts(DatasetConfig(path=str(path)), tokenizer)
+
+
+# ------------------------------------------------------------------------------------------
+# 6. Reference logprobs beside old-policy ones: the reference pool, and the KL's policy side
+# ------------------------------------------------------------------------------------------
+
+
+class OldLogprob:
+    """Old-policy stand-in: -1.25 per token, at the rollout's own weight version."""
+
+    async def submit(self, method: str, *args: Any, cost: int) -> list[TokenLogprobs]:
+        (rollouts,) = args
+        return [TokenLogprobs(weight_version=r.weight_version, values=[-1.25] * len(r.output_token_ids))
+                for r in rollouts]
+
+
+class FrozenReference:
+    """Reference-pool stand-in: -1.5 per token from the checkpoint, or a wrong weight version."""
+
+    def __init__(self, version: int = -1) -> None:
+        self.version = version
+        self.calls = 0
+
+    async def submit(self, method: str, *args: Any, cost: int) -> list[TokenLogprobs]:
+        (rollouts,) = args
+        self.calls += 1
+        return [TokenLogprobs(weight_version=self.version, values=[-1.5] * len(r.output_token_ids)) for r in rollouts]
+
+
+def _old_policy_batcher(reference: FrozenReference, policy: str) -> ExperienceBatcher:
+    config = BatcherConfig(world_size=1, max_tokens_per_gpu=64, prompt_deadline_s=_WAIT_BOUND_S,
+                           sampling=SamplingConfig(n=2), logprob_target="old", max_lag=0, reorder_window=0,
+                           reference_pool=True, algorithm=AlgorithmConfig(estimator="dr_grpo"),
+                           kl_in_reward=KLRewardConfig(kl_coef=0.5, policy_logprobs=policy))
+    return ExperienceBatcher(config, RewardGeneration(lambda p, i: float(i)), OldLogprob(), reference)
+
+
+@pytest.mark.parametrize("policy, per_sample_kl", [("sampler", 2 * (-1.0 + 1.5)), ("old_policy", 2 * (-1.25 + 1.5))])
+def test_reference_pool_fills_ref_beside_old_and_the_kl_takes_the_chosen_policy_side(
+        policy: str, per_sample_kl: float) -> None:
+    """Rollouts of 2 tokens: sampler -1.0, old policy -1.25, reference -1.5 per token. The KL per
+    sample is 1.0 from the sampler's logprobs, 0.5 from the old policy's."""
+    async def scenario() -> tuple[list[Sample], dict[str, float]]:
+        reference = FrozenReference()
+        batcher = _old_policy_batcher(reference, policy)
+        await batcher.submit_prompts(0, 0, [_prompt(0)])
+        trained, _ = await _drain(batcher, 0, 0)
+        assert reference.calls == 1
+        return trained, batcher.stats(0)
+
+    trained, stats = asyncio.run(scenario())
+    for s in trained:
+        assert (s.old_logprobs, s.ref_logprobs) == ([-1.25, -1.25], [-1.5, -1.5])
+    assert stats["kl/in_reward_mean"] == pytest.approx(per_sample_kl)
+    # rewards 0 and 1, both shifted by the same beta x KL: dr_grpo keeps -0.5 and 0.5
+    assert sorted(s.advantage for s in trained) == pytest.approx([-0.5, 0.5])
+
+
+def test_a_reference_pool_serving_pushed_weights_fails_the_step() -> None:
+    async def scenario() -> None:
+        batcher = _old_policy_batcher(FrozenReference(version=3), "sampler")
+        await batcher.submit_prompts(0, 0, [_prompt(0)])
+        await _drain(batcher, 0, 0)
+
+    with pytest.raises(Exception, match="expected one per token from the checkpoint"):
+        asyncio.run(scenario())
+
+
+def test_reference_pool_config_errors_name_the_fields() -> None:
+    base = dict(world_size=1, max_tokens_per_gpu=8, prompt_deadline_s=1.0, sampling=SamplingConfig())
+    with pytest.raises(ValueError, match="reference_pool goes with logprob_target 'old'"):
+        BatcherConfig(**base, logprob_target="ref", reference_pool=True)
+    with pytest.raises(ValueError, match="old-policy logprobs needs logprob_target 'old'"):
+        BatcherConfig(**base, logprob_target="ref", kl_in_reward=KLRewardConfig(kl_coef=0.1, policy_logprobs="old_policy"))
+    BatcherConfig(**base, logprob_target="old", reference_pool=True,
+                  kl_in_reward=KLRewardConfig(kl_coef=0.1, policy_logprobs="old_policy"))  # the supported pairing
+
+
+def test_a_reference_kind_logprob_worker_refuses_pushed_weights(tiny_model_dir: Path) -> None:
+    from types import SimpleNamespace
+
+    from logprob_worker import LogprobWorker, LogprobWorkerConfig
+
+    worker = LogprobWorker("reference-worker-0", LogprobWorkerConfig(model_path=str(tiny_model_dir), device="cpu",
+                                                                     kind="reference"))
+    with pytest.raises(ValueError, match="frozen reference model and never loads pushed weights"):
+        asyncio.run(worker.update_weights(SimpleNamespace(version=4, shard_refs=[])))
+    assert worker.health().kind == "reference" and worker.weight_version == -1
+    with pytest.raises(ValueError, match="LogprobWorkerConfig.kind"):
+        LogprobWorkerConfig(model_path=str(tiny_model_dir), kind="teacher")

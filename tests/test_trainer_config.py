@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dataset import DatasetConfig
+from grpo_loss import LossConfig
 from fsdp_setup import DistInfo
 from run_config import load_config
 from sampling import SamplingConfig
@@ -123,3 +124,27 @@ def test_checkpoint_schedule(every: int, at_end: bool, expected: list[int]) -> N
 
     config = _config(num_steps=5, checkpoint_every=every, checkpoint_at_end=at_end)
     assert [s for s in range(5) if _should_checkpoint(s, config)] == expected
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"logprob_role": "none", "loss": LossConfig(kl_coef=0.1)}, "puts a KL term in the loss"),
+        ({"logprob_role": "old_policy", "loss": LossConfig(kl_coef=0.1, kl_in_reward=True)},
+         r"puts a KL term in the reward \(loss.kl_in_reward\).*old_policy with reference_pool true"),
+        ({"logprob_role": "reference", "reference_pool": True}, "reference_pool goes with logprob_role old_policy"),
+        ({"loss": LossConfig(kl_coef=0.1, kl_in_reward=True, kl_policy_logprobs="old_policy")},
+         "kl_policy_logprobs old_policy needs logprob_role old_policy"),
+    ],
+)
+def test_every_logprob_the_run_needs_has_a_service(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _config(**overrides)
+
+
+def test_old_policy_with_a_reference_pool_serves_the_kl_from_either_side() -> None:
+    for policy in ("sampler", "old_policy"):
+        config = _config(logprob_role="old_policy", reference_pool=True,
+                         loss=LossConfig(kl_coef=0.1, kl_in_reward=True, kl_policy_logprobs=policy))
+        assert config.loss.kl_reward_config().policy_logprobs == policy
+    assert _config(logprob_role="old_policy", reference_pool=True, loss=LossConfig(kl_coef=0.1)).loss.kl_in_loss

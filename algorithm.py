@@ -116,6 +116,27 @@ class KLRewardConfig:
                 raise ValueError(f"kl_horizon must be >= 1, got {self.horizon}")
 
 
+@dataclass(kw_only=True, frozen=True)
+class DistillConfig:
+    """On-policy distillation from a teacher pool (config section `distill`): the student's own
+    samples are scored by the teacher, and each token's advantage gains
+    coef x (log p_teacher(t) - log p_student(t)), the negated per-token reverse KL (the student's
+    logprobs are the sampler's). Teacher workers: `worker_dispatcher.py --mode teacher
+    --model_path <teacher>`; the teacher must share the student's tokenizer (checked at start)."""
+
+    teacher: bool = False
+    """Ask the teacher pool for the teacher's logprob of every sampled token and distill."""
+    coef: float = 1.0
+    """Weight of the per-token distillation advantage."""
+    use_reward: bool = True
+    """Add the estimator's advantage from the reward (GRPO + distillation); false distils alone:
+    the reward only shows in the metrics."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.coef) and self.coef > 0):
+            raise ValueError(f"DistillConfig.coef must be a finite number > 0, got {self.coef}")
+
+
 class KLController:
     """The coefficient beta of the KL in the reward: fixed, or adaptive (Ziegler et al., 2019):
 
@@ -211,6 +232,8 @@ class AlgorithmContext:
     """beta of the KL in the reward for this step; None when the KL is not in the reward."""
     kl_policy_logprobs: PolicyLogprobs = "sampler"
     """Which logprobs stand for the policy in that KL (KLRewardConfig.policy_logprobs)."""
+    distill: DistillConfig | None = None
+    """Distillation settings when the samples carry teacher logprobs; None: no distillation."""
 
 
 @dataclass(slots=True)
@@ -244,17 +267,36 @@ def sequence_kl(sample: Sample, policy: PolicyLogprobs = "sampler") -> float:
 
 def builtin_prepare(samples: list[Sample], ctx: AlgorithmContext) -> PreparedSamples:
     """The built-in estimators (AlgorithmConfig.estimator), with the KL in the reward when
-    ctx.kl_beta is set: advantages of reward - beta * KL(sample)."""
+    ctx.kl_beta is set (advantages of reward - beta * KL(sample)), then the distillation term per
+    token when ctx.distill is set (see `distill_token_advantages`)."""
     rewards = [s.reward for s in samples]
-    metrics: dict[str, float] = {}
     if ctx.kl_beta is not None:
-        kls = [sequence_kl(s, ctx.kl_policy_logprobs) for s in samples]
-        rewards = [r - ctx.kl_beta * kl for r, kl in zip(rewards, kls)]
-        metrics["kl_in_reward"] = float(np.mean(kls)) if kls else 0.0
+        rewards = [r - ctx.kl_beta * sequence_kl(s, ctx.kl_policy_logprobs) for r, s in zip(rewards, samples)]
     for sample, advantage in zip(samples, estimate(ctx.config.estimator, rewards, ctx.config.advantage_eps)):
         sample.advantage = float(advantage)
         sample.token_advantages = None
+    metrics: dict[str, float] = {}
+    if ctx.distill is not None:
+        metrics["distill/reverse_kl"] = distill_token_advantages(samples, ctx.distill)
     return PreparedSamples(samples=samples, metrics=metrics)
+
+
+def distill_token_advantages(samples: list[Sample], config: DistillConfig) -> float:
+    """Set each sample's token_advantages to (its advantage if config.use_reward else 0)
+    + coef x (log p_teacher(t) - log p_student(t)); returns the mean over samples of each
+    sample's token-mean reverse KL, log p_student - log p_teacher (its sampled-token estimate)."""
+    per_sample_kl = []
+    for s in samples:
+        if not s.teacher_logprobs or len(s.teacher_logprobs) != len(s.sampling_logprobs):
+            raise ValueError(f"sample prompt_id={s.prompt_id}: distillation needs one teacher logprob per output "
+                             f"token, got {len(s.teacher_logprobs or [])} for {len(s.sampling_logprobs)}")
+        gap = np.asarray(s.sampling_logprobs, np.float64) - np.asarray(s.teacher_logprobs, np.float64)
+        base = s.advantage if config.use_reward else 0.0
+        s.token_advantages = (base - config.coef * gap).tolist()
+        if not config.use_reward:
+            s.advantage = 0.0
+        per_sample_kl.append(float(gap.mean()))
+    return float(np.mean(per_sample_kl)) if per_sample_kl else 0.0
 
 
 def _is_hook_spec(spec: str) -> bool:

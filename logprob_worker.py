@@ -33,7 +33,7 @@ from packed_attention import PACKED_SDPA
 from sample_processing_utils import (
     INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs, get_input_for_logprobs, split_per_sample,
 )
-from ray_env import LOGPROB, LOGPROB_SERVICE_KINDS, REFERENCE
+from ray_env import FROZEN_KINDS, LOGPROB, LOGPROB_SERVICE_KINDS
 from setup_model import (
     FLASH_ATTENTION_2,
     MODEL_DTYPES,
@@ -83,8 +83,9 @@ class LogprobWorkerConfig:
     model.mixed_precision: false). The log-softmax always runs in fp32."""
     kind: str = LOGPROB
     """Which service the worker serves: 'logprob' (reference or old-policy logprobs, as the trainer's
-    logprob_role says; receives weight pushes in the old-policy role) or 'reference' (the frozen
-    reference model beside old-policy logprob workers; refuses weight updates)."""
+    logprob_role says; receives weight pushes in the old-policy role), 'reference' (the frozen
+    reference model beside old-policy logprob workers) or 'teacher' (a teacher model for
+    distillation). Reference and teacher workers refuse weight updates."""
     attn_implementation: str | None = None
     """Attention kernel passed to from_pretrained; None: the trainer's default for the device
     (setup_model.default_attn_implementation: flash_attention_2 on CUDA when flash-attn imports,
@@ -361,8 +362,8 @@ class LogprobWorker:
         of versions, so the worker enters FAILED (WorkerFailedError) and is replaced.
         """
         self.life.require_alive()
-        if self.config.kind == REFERENCE:
-            raise ValueError(f"{self.name} serves the frozen reference model and never loads pushed weights "
+        if self.config.kind in FROZEN_KINDS:
+            raise ValueError(f"{self.name} serves a frozen {self.config.kind} model and never loads pushed weights "
                              f"(v{update.version} offered)")
         self._ensure_batcher()
         # fetch_state_dict's steps, with the object refs awaited rather than ray.get: a blocking
@@ -377,6 +378,14 @@ class LogprobWorker:
             self.weight_version = update.version
         logger.info("logprob worker %s now serves weight version %d", self.name, update.version)
         return self.weight_version
+
+    def model_info(self) -> dict[str, str]:
+        """The model this worker scores with and its tokenizer's fingerprint (the trainer checks a
+        teacher's against the student's at start-up)."""
+        from setup_model import load_tokenizer, tokenizer_fingerprint
+
+        return {"model_path": self.config.model_path,
+                "tokenizer_fingerprint": tokenizer_fingerprint(load_tokenizer(self.config.model_path))}
 
     def health(self) -> WorkerHealth:
         """Lifecycle state, weight version and load, in the record every worker returns."""
@@ -568,6 +577,9 @@ class LogprobWorkerActor:
 
     async def health(self) -> WorkerHealth:
         return self._worker.health()
+
+    async def model_info(self) -> dict[str, str]:
+        return self._worker.model_info()
 
     async def stats(self) -> LogprobWorkerStats:
         return self._worker.stats()

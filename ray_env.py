@@ -25,9 +25,14 @@ LOGPROB = "logprob"
 REFERENCE = "reference"
 """A logprob service on the frozen reference model that never receives weight pushes, for runs
 whose logprob workers compute old-policy logprobs and that also need reference logprobs."""
-WORKER_KINDS = (GENERATION, LOGPROB, REFERENCE)
-LOGPROB_SERVICE_KINDS = (LOGPROB, REFERENCE)
+TEACHER = "teacher"
+"""A logprob service on a teacher model (another model sharing the student's tokenizer) that
+never receives weight pushes: on-policy distillation (algorithm.DistillConfig)."""
+WORKER_KINDS = (GENERATION, LOGPROB, REFERENCE, TEACHER)
+LOGPROB_SERVICE_KINDS = (LOGPROB, REFERENCE, TEACHER)
 """Kinds served by the logprob worker class (logprob_worker.py)."""
+FROZEN_KINDS = (REFERENCE, TEACHER)
+"""Logprob services whose weights never change: they refuse weight pushes."""
 BATCHER_ACTOR_NAME = "experience-batcher"
 VERIFIER_POOL_ACTOR_NAME = "math-verifier-pool"
 SHARD_STAGER_NAME = "weight-shard-stager"

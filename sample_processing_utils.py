@@ -54,6 +54,8 @@ class Sample:
     """Per-output-token logprobs under the reference policy (logprob worker), length O."""
     old_logprobs: list[float] | None = None
     """Per-output-token logprobs under the old policy recomputed by the logprob worker, length O."""
+    teacher_logprobs: list[float] | None = None
+    """Per-output-token logprobs under the distillation teacher (teacher pool), length O."""
     finish_reason: str = ""
     """'stop' (EOS or stop string) or 'length' (cut off at max_tokens)."""
     truncated: bool = False
@@ -85,7 +87,7 @@ class Sample:
         n = len(self.output_token_ids)
         if n == 0:
             raise ValueError(f"sample prompt_id={self.prompt_id} has no output tokens")
-        for name in ("sampling_logprobs", "ref_logprobs", "old_logprobs", "token_advantages"):
+        for name in ("sampling_logprobs", "ref_logprobs", "old_logprobs", "teacher_logprobs", "token_advantages"):
             values = getattr(self, name)
             if values is not None and len(values) not in (0, n):
                 raise ValueError(

@@ -100,6 +100,18 @@ def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(check_model_dir(model_path, weights=False)))
 
 
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A digest of what makes two tokenizers interchangeable for scoring each other's tokens:
+    the token -> id map and the special tokens. Models that share it can score each other's
+    samples token by token (a teacher and its student)."""
+    import hashlib
+    import json
+
+    content = {"vocab": sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]),
+               "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}}
+    return hashlib.sha256(json.dumps(content, ensure_ascii=False).encode()).hexdigest()
+
+
 def default_attn_implementation(device: torch.device, compute_dtype: torch.dtype = torch.bfloat16) -> str:
     """flash_attention_2 on CUDA when flash-attn imports and the model computes in bf16/fp16,
     else PACKED_SDPA (registered on demand).

@@ -30,7 +30,7 @@ import torch.distributed as torch_dist
 from ray.actor import ActorHandle
 from torch.optim.lr_scheduler import LRScheduler
 
-from algorithm import AlgorithmConfig, load_prepare_fn
+from algorithm import AlgorithmConfig, DistillConfig, load_prepare_fn
 from checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, load_checkpoint
 from dataset import DatasetConfig, DatasetError, InfiniteDistributedSampler, load_prompts
 from evaluation import EvalConfig, Evaluator
@@ -38,7 +38,7 @@ from fsdp_setup import DistInfo, build_training_model, init_distributed
 from grpo_loss import LossConfig, grpo_loss, step_divisor
 from metrics import MetricsLogger, StepAccumulator, StepDataLog
 from optimizer import OptimConfig, build_optimizer, build_scheduler
-from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, actor_runtime_env, registry_name
+from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name
 from run_config import ConfigError, load_config, save_config
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from sampling import SEED_BOUND, SamplingConfig
@@ -68,6 +68,8 @@ class TrainerConfig:
     importance sampling)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantage estimator, or a user's prepare function (algorithm.prepare_batch)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher pool (`worker_dispatcher.py --mode teacher`)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Rollout sampling (n per prompt, temperature, max_tokens, seed) and advantage options.
     An unset sampling.seed is filled in from `seed` (see seed_sampling)."""
@@ -583,6 +585,24 @@ def _should_checkpoint(step: int, config: TrainerConfig) -> bool:
     return config.checkpoint_every > 0 and (step + 1) % config.checkpoint_every == 0
 
 
+def check_teacher_tokenizer(teacher_registry: ActorHandle, student_model_path: str) -> None:
+    """Every registered teacher must share the student's tokenizer: it scores the student's token
+    ids one by one. Raises InputError (one line, exit 2) naming both models otherwise."""
+    from setup_model import tokenizer_fingerprint
+
+    student = tokenizer_fingerprint(load_tokenizer(student_model_path))
+    infos = ray.get(teacher_registry.broadcast.remote("model_info"))
+    if not infos:
+        raise RuntimeError(f"{registry_name(TEACHER)} has no workers: start them with "
+                           "`python worker_dispatcher.py --mode teacher --model_path <teacher> ...`")
+    for name, info in sorted(infos.items()):
+        if info["tokenizer_fingerprint"] != student:
+            raise InputError(f"teacher {name} ({info['model_path']}) and the student ({student_model_path}) have "
+                             "different tokenizers; distillation scores the student's token ids with the teacher, "
+                             "so both models must share one tokenizer")
+    logger.info("distillation: %d teacher worker(s) share the student's tokenizer", len(infos))
+
+
 def _make_batcher(config: TrainerConfig, dist: DistInfo, algorithm_state: dict[str, Any] | None = None) -> ActorHandle:
     """Rank 0 creates the batcher (get-if-exists) and restores a checkpoint's algorithm state into
     it; the others find it after a barrier."""
@@ -596,6 +616,7 @@ def _make_batcher(config: TrainerConfig, dist: DistInfo, algorithm_state: dict[s
         algorithm=config.algorithm,
         kl_in_reward=config.loss.kl_reward_config() if config.loss.kl_in_reward else None,
         reference_pool=config.reference_pool,
+        distill=config.distill,
     )
     if dist.rank == 0:
         _registry(GENERATION)
@@ -603,6 +624,8 @@ def _make_batcher(config: TrainerConfig, dist: DistInfo, algorithm_state: dict[s
             _registry(LOGPROB)
         if config.reference_pool:
             _registry(REFERENCE)
+        if config.distill.teacher:
+            check_teacher_tokenizer(_registry(TEACHER), config.model.model_path)
         batcher = get_or_create_batcher(batcher_config)
         ray.get(batcher.stats.remote())  # wait until it is up
         if algorithm_state:

@@ -36,11 +36,11 @@ import ray
 from ray.actor import ActorHandle
 
 from algorithm import (
-    AlgorithmConfig, AlgorithmContext, KLRewardConfig, KLSchedule, PrepareFn, check_prepared, load_prepare_fn,
+    AlgorithmConfig, AlgorithmContext, DistillConfig, KLRewardConfig, KLSchedule, PrepareFn, check_prepared, load_prepare_fn,
     sequence_kl,
 )
 from sample_processing_utils import INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs
-from ray_env import BATCHER_ACTOR_NAME, GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, actor_runtime_env
+from ray_env import BATCHER_ACTOR_NAME, GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env
 from vllm_registry import get_or_create_registry
 # vllm_worker imports neither vLLM nor math-verify at import time: cheap in the batcher's process.
 from sampling import SamplingConfig, derive_seed
@@ -96,6 +96,9 @@ class BatcherConfig:
     reference_pool: bool = False
     """Also fill ref_logprobs from the reference registry (frozen workers of kind 'reference'),
     concurrently with the old-policy logprobs of logprob_target 'old'."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """With distill.teacher, fill teacher_logprobs from the teacher registry (concurrently with the
+    other logprobs) and add the distillation term to every token's advantage."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -419,6 +422,8 @@ class StepStats:
     """Sum over prompts of the generate request's latency."""
     logprob_s: float = 0.0
     """Sum over prompts of the time spent waiting for all of its rollouts' logprobs."""
+    teacher_s: float = 0.0
+    """Sum over prompts of the teacher pool's time for its rollouts (distillation only)."""
     finished_prompts: int = 0
     """Prompts whose generate (and logprobs) came back, stale or not."""
     rank_wait_s: float = 0.0
@@ -468,6 +473,7 @@ class StepStats:
             "timing/batcher_first_minibatch_s": _elapsed(self.first_submit_s, self.first_minibatch_s),
             "timing/batcher_generate_s_mean": _mean(self.generate_s, self.finished_prompts),
             "timing/batcher_logprob_s_mean": _mean(self.logprob_s, self.finished_prompts),
+            "timing/teacher_s": _mean(self.teacher_s, self.finished_prompts),
             "timing/batcher_rank_wait_s": self.rank_wait_s,
             "counts/dropped_zero_variance_groups": float(self.dropped_zero_variance_groups),
             "counts/resampled_prompts": float(self.resampled_prompts),
@@ -478,7 +484,9 @@ class StepStats:
         }
 
     def _algorithm_metrics(self) -> dict[str, float]:
-        out = {f"algorithm/{name}": total / max(self.algorithm_weights[name], 1)
+        # A prepare function's namespaced metrics ("distill/reverse_kl") keep their name; bare
+        # names go under algorithm/.
+        out = {(name if "/" in name else f"algorithm/{name}"): total / max(self.algorithm_weights[name], 1)
                for name, total in self.algorithm_sums.items()}
         if self.kl_beta is not None:
             out["kl/beta"] = self.kl_beta
@@ -509,6 +517,8 @@ class _PromptResult:
     logprob_s: float
     logprob_version: int = 0
     """Rollouts dropped because their old-policy logprobs came from older weights than sampled them."""
+    teacher_s: float = 0.0
+    """Time the teacher pool took for the group (0 without distillation)."""
 
 
 @dataclass(slots=True)
@@ -558,7 +568,7 @@ class ExperienceBatcher:
     """
 
     def __init__(self, config: BatcherConfig, generation: RequestClient, logprob: RequestClient | None,
-                 reference: RequestClient | None = None) -> None:
+                 reference: RequestClient | None = None, teacher: RequestClient | None = None) -> None:
         if (config.logprob_target is None) != (logprob is None):
             raise ValueError(
                 f"ExperienceBatcher: logprob_target={config.logprob_target!r} needs a logprob client exactly "
@@ -566,10 +576,13 @@ class ExperienceBatcher:
             )
         if config.reference_pool != (reference is not None):
             raise ValueError("ExperienceBatcher: reference_pool needs a reference client exactly when it is set")
+        if config.distill.teacher != (teacher is not None):
+            raise ValueError("ExperienceBatcher: distill.teacher needs a teacher client exactly when it is set")
         self.config = config
         self._generation = generation
         self._logprob = logprob
         self._reference = reference
+        self._teacher = teacher
         self._prepare: PrepareFn = load_prepare_fn(config.algorithm)
         self._prepare_name = config.algorithm.prepare_batch or f"built-in {config.algorithm.estimator}"
         self._kl_schedule = KLSchedule(config.kl_in_reward, config.max_lag) if config.kl_in_reward else None
@@ -738,12 +751,22 @@ class ExperienceBatcher:
                 "step %d: prompt_id=%d: %d rollouts older than max_lag=%d dropped (weight versions %s)",
                 step, sample.prompt_id, stale, self.config.max_lag, sorted({r.weight_version for r in rollouts}),
             )
-        kept = fresh
-        if fresh and self._logprob is not None:
-            if self._reference is not None:  # both services at once: the slower one sets the pace
-                kept, _ = await asyncio.gather(self._fill_logprobs(fresh), self._fill_reference(fresh))
-            else:
-                kept = await self._fill_logprobs(fresh)
+        kept, teacher_s = fresh, 0.0
+        if fresh:
+            # Every logprob service at once (the slowest sets the pace); only the old-policy
+            # answers can drop rollouts (their version check).
+            services: list[Any] = []
+            if self._logprob is not None:
+                services.append(self._fill_logprobs(fresh))
+            if self._reference is not None:
+                services.append(self._fill_frozen(self._reference, "reference pool", fresh, "ref_logprobs"))
+            if self._teacher is not None:
+                services.append(self._timed(self._fill_frozen(self._teacher, "teacher pool", fresh, "teacher_logprobs")))
+            answers = await asyncio.gather(*services)
+            if self._logprob is not None:
+                kept = answers[0]
+            if self._teacher is not None:
+                teacher_s = answers[-1]
         return _PromptResult(
             fresh=kept,
             stale=stale,
@@ -751,6 +774,7 @@ class ExperienceBatcher:
             generate_s=generated - started,
             logprob_s=time.monotonic() - generated,
             logprob_version=len(fresh) - len(kept),
+            teacher_s=teacher_s,
         )
 
     async def _fill_logprobs(self, rollouts: list[Sample]) -> list[Sample]:
@@ -789,20 +813,27 @@ class ExperienceBatcher:
             kept.append(rollout)
         return kept
 
-    async def _fill_reference(self, rollouts: list[Sample]) -> None:
-        """Fill ref_logprobs from the reference pool (frozen workers: the loaded checkpoint's)."""
-        assert self._reference is not None
+    @staticmethod
+    async def _timed(work: Any) -> float:
+        """Await `work`; the seconds it took."""
+        started = time.monotonic()
+        await work
+        return time.monotonic() - started
+
+    async def _fill_frozen(self, client: RequestClient, label: str, rollouts: list[Sample], field_name: str) -> None:
+        """Fill `field_name` from a frozen logprob pool (reference or teacher: the model it loaded,
+        weight version -1), one call for the group."""
         cost = sum(r.num_tokens for r in rollouts)
-        answers: list[TokenLogprobs] = await self._reference.submit("compute_group_logprobs", rollouts, cost=cost)
+        answers: list[TokenLogprobs] = await client.submit("compute_group_logprobs", rollouts, cost=cost)
         if len(answers) != len(rollouts):
-            raise ValueError(f"reference pool returned {len(answers)} answers for {len(rollouts)} rollouts "
+            raise ValueError(f"{label} returned {len(answers)} answers for {len(rollouts)} rollouts "
                              f"(prompt_id={rollouts[0].prompt_id})")
         for rollout, answer in zip(rollouts, answers):
             if len(answer.values) != len(rollout.output_token_ids) or answer.weight_version != INITIAL_WEIGHT_VERSION:
-                raise ValueError(f"reference pool answered {len(answer.values)} values at weight version "
+                raise ValueError(f"{label} answered {len(answer.values)} values at weight version "
                                  f"{answer.weight_version} for {len(rollout.output_token_ids)} output tokens "
-                                 f"(prompt_id={rollout.prompt_id}); expected one per token from the checkpoint")
-            rollout.ref_logprobs = [float(v) for v in answer.values]
+                                 f"(prompt_id={rollout.prompt_id}); expected one per token from its loaded model")
+            setattr(rollout, field_name, [float(v) for v in answer.values])
 
     def _accept(self, state: _StepState, key: tuple[int, int], result: _PromptResult) -> None:
         stats = state.stats
@@ -811,6 +842,7 @@ class ExperienceBatcher:
         stats.dropped_logprob_version += result.logprob_version
         stats.generate_s += result.generate_s
         stats.logprob_s += result.logprob_s
+        stats.teacher_s += result.teacher_s
         if result.missing:
             stats.missing_rollouts += result.missing
             logger.warning(
@@ -852,7 +884,8 @@ class ExperienceBatcher:
             stats.overlong_penalised += sum(1 for s in samples if len(s.output_token_ids) > limit)
         policy = self.config.kl_in_reward.policy_logprobs if self.config.kl_in_reward else "sampler"
         ctx = AlgorithmContext(step=state.packer.step, config=self.config.algorithm, kl_beta=state.kl_beta,
-                               kl_policy_logprobs=policy)
+                               kl_policy_logprobs=policy,
+                               distill=self.config.distill if self.config.distill.teacher else None)
         if state.kl_beta is not None:
             stats.kl_sum += sum(sequence_kl(s, policy) for s in samples)
             stats.kl_samples += len(samples)
@@ -992,6 +1025,7 @@ class ExperienceBatcherActor:
         generation_registry: ActorHandle | None = None,
         logprob_registry: ActorHandle | None = None,
         reference_registry: ActorHandle | None = None,
+        teacher_registry: ActorHandle | None = None,
     ) -> None:
         if generation_registry is None:
             generation_registry = get_or_create_registry(GENERATION)
@@ -1005,9 +1039,15 @@ class ExperienceBatcherActor:
             if reference_registry is None:
                 reference_registry = get_or_create_registry(REFERENCE)
             reference_client = RayRegistryClient(reference_registry)
+        teacher_client: RequestClient | None = None
+        if config.distill.teacher:
+            if teacher_registry is None:
+                teacher_registry = get_or_create_registry(TEACHER)
+            teacher_client = RayRegistryClient(teacher_registry)
         self._batcher = ExperienceBatcher(config, RayRegistryClient(generation_registry), logprob_client,
-                                          reference_client)
-        self._registries = [r for r in (generation_registry, logprob_registry, reference_registry) if r is not None]
+                                          reference_client, teacher_client)
+        self._registries = [r for r in (generation_registry, logprob_registry, reference_registry, teacher_registry)
+                            if r is not None]
         self._redispatched_reported = 0
 
     async def submit_prompts(self, rank: int, step: int, samples: list[Sample], round_index: int = 0) -> None:
@@ -1053,6 +1093,7 @@ def get_or_create_batcher(
     generation_registry: ActorHandle | None = None,
     logprob_registry: ActorHandle | None = None,
     reference_registry: ActorHandle | None = None,
+    teacher_registry: ActorHandle | None = None,
 ) -> ActorHandle:
     """The cluster's batcher actor ("experience-batcher" in RAY_NAMESPACE), created on first call.
 
@@ -1070,7 +1111,7 @@ def get_or_create_batcher(
             num_cpus=0,  # it only awaits other actors; packing costs microseconds per sample
             runtime_env=actor_runtime_env(),
         )
-        .remote(config, generation_registry, logprob_registry, reference_registry)
+        .remote(config, generation_registry, logprob_registry, reference_registry, teacher_registry)
     )
     existing = ray.get(handle.config.remote())
     if existing != config:

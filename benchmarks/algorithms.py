@@ -31,6 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
+from benchmarks.realistic_run import interrupt_on_sigterm  # noqa: E402
 from local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
 from metrics import read_metrics  # noqa: E402
 from run_config import load_config  # noqa: E402
@@ -144,6 +145,7 @@ def print_table(results: list[dict], config: AlgorithmsConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     config = load_config(AlgorithmsConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    interrupt_on_sigterm()  # a kill unwinds like Ctrl-C: the cluster and the running trainer stop too
     assets = Path(config.assets_dir)
     ensure_assets(assets)
     out = Path(config.out_dir)

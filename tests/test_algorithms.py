@@ -23,7 +23,8 @@ import pytest
 
 from advantages import batch_normalised_advantages, estimate, group_advantages, leave_one_out_advantages
 from algorithm import (
-    AlgorithmConfig, AlgorithmContext, KLController, KLRewardConfig, KLSchedule, PreparedSamples, builtin_prepare,
+    AlgorithmConfig, AlgorithmContext, DistillConfig, KLController, KLRewardConfig, KLSchedule, PreparedSamples,
+    builtin_prepare,
     check_prepared, load_prepare_fn,
 )
 from dataset import InfiniteDistributedSampler
@@ -144,7 +145,6 @@ def test_builtin_prepare_puts_beta_times_sequence_kl_in_the_reward() -> None:
     prepared = builtin_prepare(samples, ctx)
     # rewards after KL: 1 - 0.2 = 0.8 and 1.0; mean 0.9
     assert [s.advantage for s in prepared.samples] == pytest.approx([-0.1, 0.1])
-    assert prepared.metrics["kl_in_reward"] == pytest.approx(0.25)
     # Without the KL the equal rewards carry no signal.
     plain = builtin_prepare(_scored(0, [1.0, 1.0], [[-1.0], [-2.0]], [[-1.0], [-1.0]]),
                             AlgorithmContext(step=0, config=AlgorithmConfig()))
@@ -576,7 +576,7 @@ def test_a_reference_pool_serving_pushed_weights_fails_the_step() -> None:
         await batcher.submit_prompts(0, 0, [_prompt(0)])
         await _drain(batcher, 0, 0)
 
-    with pytest.raises(Exception, match="expected one per token from the checkpoint"):
+    with pytest.raises(Exception, match="expected one per token from its loaded model"):
         asyncio.run(scenario())
 
 
@@ -590,15 +590,105 @@ def test_reference_pool_config_errors_name_the_fields() -> None:
                   kl_in_reward=KLRewardConfig(kl_coef=0.1, policy_logprobs="old_policy"))  # the supported pairing
 
 
-def test_a_reference_kind_logprob_worker_refuses_pushed_weights(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("kind", ["reference", "teacher"])
+def test_frozen_kind_logprob_workers_refuse_pushed_weights(kind: str, tiny_model_dir: Path) -> None:
     from types import SimpleNamespace
 
     from logprob_worker import LogprobWorker, LogprobWorkerConfig
+    from setup_model import load_tokenizer, tokenizer_fingerprint
 
-    worker = LogprobWorker("reference-worker-0", LogprobWorkerConfig(model_path=str(tiny_model_dir), device="cpu",
-                                                                     kind="reference"))
-    with pytest.raises(ValueError, match="frozen reference model and never loads pushed weights"):
+    worker = LogprobWorker(f"{kind}-worker-0", LogprobWorkerConfig(model_path=str(tiny_model_dir), device="cpu",
+                                                                   kind=kind))
+    with pytest.raises(ValueError, match=f"frozen {kind} model and never loads pushed weights"):
         asyncio.run(worker.update_weights(SimpleNamespace(version=4, shard_refs=[])))
-    assert worker.health().kind == "reference" and worker.weight_version == -1
+    assert worker.health().kind == kind and worker.weight_version == -1
+    info = worker.model_info()
+    assert info["tokenizer_fingerprint"] == tokenizer_fingerprint(load_tokenizer(tiny_model_dir))
     with pytest.raises(ValueError, match="LogprobWorkerConfig.kind"):
-        LogprobWorkerConfig(model_path=str(tiny_model_dir), kind="teacher")
+        LogprobWorkerConfig(model_path=str(tiny_model_dir), kind="critic")
+
+
+# ------------------------------------------------------------------------------------------
+# 7. On-policy distillation from a teacher pool (issue 14)
+# ------------------------------------------------------------------------------------------
+
+
+def _with_teacher(prompt_id: int, reward: float, student: list[float], teacher: list[float]) -> Sample:
+    return Sample(input_token_ids=[1], gt_answer="", prompt_id=prompt_id, output_token_ids=[3] * len(student),
+                  sampling_logprobs=student, teacher_logprobs=teacher, reward=reward)
+
+
+@pytest.mark.parametrize("use_reward", [False, True])
+def test_distillation_token_advantages_by_hand(use_reward: bool) -> None:
+    """Student logprobs (-1, -2), teacher (-0.5, -3): reverse KL per token 1-... written out:
+    log p_s - log p_t = -0.5 and +1.0; advantage per token = base - coef x that, coef 2."""
+    a = _with_teacher(0, 1.0, [-1.0, -2.0], [-0.5, -3.0])
+    b = _with_teacher(0, 0.0, [-1.0], [-1.0])
+    ctx = AlgorithmContext(step=0, config=AlgorithmConfig(estimator="dr_grpo"),
+                           distill=DistillConfig(teacher=True, coef=2.0, use_reward=use_reward))
+    prepared = builtin_prepare([a, b], ctx)
+    base_a, base_b = (0.5, -0.5) if use_reward else (0.0, 0.0)  # dr_grpo on rewards 1, 0
+    assert a.token_advantages == pytest.approx([base_a + 1.0, base_a - 2.0])
+    assert b.token_advantages == pytest.approx([base_b])
+    # per-sample token means of the gap: (-0.5 + 1.0) / 2 = 0.25 and 0; their mean 0.125
+    assert prepared.metrics["distill/reverse_kl"] == pytest.approx(0.125)
+    assert post_process_batch([a, b]).advantages.tolist() == pytest.approx([base_a + 1.0, base_a - 2.0, base_b])
+
+
+class TeacherPool(FrozenReference):
+    """Teacher stand-in: -0.75 per token from its loaded model."""
+
+    async def submit(self, method: str, *args: Any, cost: int) -> list[TokenLogprobs]:
+        (rollouts,) = args
+        self.calls += 1
+        return [TokenLogprobs(weight_version=-1, values=[-0.75] * len(r.output_token_ids)) for r in rollouts]
+
+
+def test_batcher_asks_the_teacher_pool_and_distils() -> None:
+    async def scenario() -> tuple[list[Sample], dict[str, float]]:
+        teacher = TeacherPool()
+        config = BatcherConfig(world_size=1, max_tokens_per_gpu=64, prompt_deadline_s=_WAIT_BOUND_S,
+                               sampling=SamplingConfig(n=2), logprob_target="ref", max_lag=0, reorder_window=0,
+                               distill=DistillConfig(teacher=True, coef=0.5, use_reward=False))
+        batcher = ExperienceBatcher(config, RewardGeneration(lambda p, i: float(i)), RefLogprob(), teacher=teacher)
+        await batcher.submit_prompts(0, 0, [_prompt(0), _prompt(1)])
+        trained, _ = await _drain(batcher, 0, 0)
+        assert teacher.calls == 2  # one call per group
+        return trained, batcher.stats(0)
+
+    trained, stats = asyncio.run(scenario())
+    for s in trained:  # sampler -1.0, teacher -0.75: gap -0.25 per token, advantage 0.5 x 0.25 alone
+        assert (s.teacher_logprobs, s.ref_logprobs) == ([-0.75, -0.75], [-1.5, -1.5])
+        assert s.token_advantages == pytest.approx([0.125, 0.125]) and s.advantage == 0.0
+    assert stats["distill/reverse_kl"] == pytest.approx(-0.25)
+    assert stats["timing/teacher_s"] >= 0.0
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both_models(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    import ray as ray_module
+
+    from setup_model import load_tokenizer, tokenizer_fingerprint
+    from trainer_core import InputError, check_teacher_tokenizer
+
+    other = tmp_path / "other-teacher"
+    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer.add_tokens(["<only-in-the-teacher>"])
+    tokenizer.save_pretrained(other)
+
+    class Registry:
+        def __init__(self, infos: dict) -> None:
+            self.broadcast = SimpleNamespace(remote=lambda method: infos)
+
+    def infos(path: Path) -> dict:
+        return {"teacher-worker-0": {"model_path": str(path),
+                                     "tokenizer_fingerprint": tokenizer_fingerprint(load_tokenizer(path))}}
+
+    monkeypatch.setattr(ray_module, "get", lambda value, **kw: value)  # the stand-in registry answers directly
+    check_teacher_tokenizer(Registry(infos(tiny_model_dir)), str(tiny_model_dir))  # same tokenizer: fine
+    with pytest.raises(InputError, match=rf"teacher teacher-worker-0 \({other}\) and the student \({tiny_model_dir}\)"):
+        check_teacher_tokenizer(Registry(infos(other)), str(tiny_model_dir))
+    with pytest.raises(RuntimeError, match="--mode teacher"):
+        check_teacher_tokenizer(Registry({}), str(tiny_model_dir))

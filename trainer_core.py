@@ -476,6 +476,10 @@ def train(config: TrainerConfig) -> None:
     rank = int(os.environ.get("RANK", "0"))  # torchrun's; init_distributed reads the same variable
     _setup_logging(rank)
     inputs = load_run_inputs(config, with_evaluator=rank == 0)
+    if config.loss.kl_in_reward and config.algorithm.estimator == "grpo" and config.algorithm.prepare_batch is None:
+        logger.warning("loss.kl_in_reward with the grpo estimator: the std division scales the KL differences "
+                       "inside equal-reward groups up to unit advantages, which can swamp the reward signal "
+                       "(benchmarks/RESULTS.md, 'Algorithm variants'); dr_grpo or reinforce_pp keep them small")
     dist = init_distributed(config.dist_timeout_s)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

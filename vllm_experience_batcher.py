@@ -432,6 +432,10 @@ class StepStats:
     resampled_prompts: int = 0
     masked_truncated: int = 0
     prepare_dropped: int = 0
+    generated_reward_sum: float = 0.0
+    """Sum of the rewards of every rollout whose group was released (trained, dropped for zero
+    variance, masked or dropped by a prepare function alike)."""
+    generated_samples: int = 0
     overlong_penalised: int = 0
     """Released samples longer than max_tokens - overlong_buffer (their reward carries the soft
     overlong punishment; 0 when overlong_buffer is 0)."""
@@ -479,6 +483,9 @@ class StepStats:
             "counts/resampled_prompts": float(self.resampled_prompts),
             "counts/masked_truncated": float(self.masked_truncated),
             "counts/prepare_dropped": float(self.prepare_dropped),
+            # Over every generated rollout: reward/mean counts trained samples only, which dynamic
+            # sampling and masking select.
+            "reward/mean_generated": _mean(self.generated_reward_sum, self.generated_samples),
             "counts/overlong_penalised": float(self.overlong_penalised),
             **self._algorithm_metrics(),
         }
@@ -866,6 +873,8 @@ class ExperienceBatcher:
         samples = state.groups.pop(key, [])
         if not samples:  # every rollout stale, missing or timed out: counted where that happened
             return
+        state.stats.generated_reward_sum += sum(s.reward for s in samples)
+        state.stats.generated_samples += len(samples)
         if self.config.sampling.drop_zero_variance_groups and len({s.reward for s in samples}) == 1:
             state.stats.dropped_zero_variance_groups += 1
             return

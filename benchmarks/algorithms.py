@@ -10,8 +10,9 @@ every run; each run is its own `torchrun trainer_core.py` from the same starting
 push replaces whatever weights the workers hold), with `--num_steps N --optim.total_steps N`, no
 checkpoints and no evaluation. A variant is the demo plus a few trainer flags (VARIANTS below).
 
-Printed (and written to <out_dir>/algorithms.json): per variant and seed, the mean reward over the
-`--window` steps ending at each of `--at_steps`; then per variant the median over seeds and the
+Printed (and written to <out_dir>/algorithms.json): per variant and seed, the mean reward of every
+generated rollout (`reward/mean_generated`: dynamic sampling's `reward/mean` covers only the groups
+it trains) over the `--window` steps ending at each of `--at_steps`; then per variant the median over seeds and the
 range. The last line is `algorithms: <variant>=<median at the last step> ...`. A run that fails
 is reported with its log's tail and the table marks it; the script exits 1 if any failed.
 No claim that one variant is better unless the seeds' ranges separate.
@@ -91,8 +92,11 @@ def ensure_assets(assets: Path) -> None:
 
 
 def reward_at(records: list[dict], step: int, window: int) -> float | None:
-    """Mean reward/mean over the `window` steps ending at `step` (1-based count of steps)."""
-    values = [r["reward/mean"] for r in records if step - window <= r["step"] < step]
+    """Mean reward over every generated rollout (reward/mean_generated; reward/mean, the trained
+    samples', in records without it) over the `window` steps ending at `step` (1-based count).
+    Dynamic sampling trains only the informative groups, so its reward/mean is not comparable."""
+    key = "reward/mean_generated" if records and "reward/mean_generated" in records[0] else "reward/mean"
+    values = [r[key] for r in records if step - window <= r["step"] < step]
     return statistics.fmean(values) if len(values) == window else None
 
 

@@ -404,6 +404,8 @@ def test_dynamic_sampling_replaces_zero_variance_groups_from_the_data_order() ->
     assert end.num_samples == len(trained) == 8  # zero-variance groups are neither trained nor counted
     assert all(s.advantage != 0.0 for s in trained)
     assert stats["counts/dropped_zero_variance_groups"] == 4 and stats["counts/resampled_prompts"] == 4
+    # every generated rollout: 8 informative ones at mean 0.5, 8 of all-1 groups (0, 2, 102, 104)
+    assert stats["reward/mean_generated"] == pytest.approx((8 * 0.5 + 8 * 1.0) / 16)
 
 
 def test_dynamic_sampling_stops_after_max_resample_rounds() -> None:

@@ -94,10 +94,6 @@ class LocalClusterConfig:
 LOOPBACK_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-# Ray's GCS keeps a record per finished task (for the dashboard's task list) up to this many.
-GCS_TASK_EVENTS_KEPT = 10_000
-
-
 def use_loopback_only_ray() -> None:
     """Make the next `ray.init` in this process (and every child's) run on 127.0.0.1 only."""
     os.environ.update(LOOPBACK_ONLY_ENV)
@@ -112,9 +108,11 @@ def init_local_ray(*, num_cpus: int, namespace: str, log_to_driver: bool) -> str
     Loopback only (use_loopback_only_ray), dashboard off, this repository importable in every
     worker, and Ray's own metrics off: nothing reads them here, and their OpenTelemetry collector
     thread once segfaulted a fresh actor process during start-up (Ray 2.60, a demo run on
-    2026-11-21). The GCS keeps the events of the last GCS_TASK_EVENTS_KEPT tasks instead of
-    Ray's 100,000: only the dashboard (off here) reads them, and with Ray's cap the GCS grew
-    from 57 to 190 MB over 300 demo steps, many actor calls each (benchmarks/soak.py,
+    2026-11-21). Task events off (`task_events_report_interval_ms: 0`, "0 disables the task
+    event recording and reporting" in Ray's config): only the dashboard's task list and the
+    state API read them, both off here, and the system makes ~145 actor calls per demo step;
+    keeping Ray's last 100,000 grew the GCS from 57 to 190 MB over 300 steps, keeping the last
+    10,000 still 58 -> 68 MB, and with none 30.1 -> 30.3 MB (benchmarks/soak.py,
     RESULTS.md). LocalCluster and the tests' Ray fixture both start their heads here.
     """
     import ray
@@ -126,7 +124,7 @@ def init_local_ray(*, num_cpus: int, namespace: str, log_to_driver: bool) -> str
         _node_ip_address="127.0.0.1",
         namespace=namespace,
         runtime_env=actor_runtime_env(),
-        _system_config={"enable_metrics_collection": False, "task_events_max_num_task_in_gcs": GCS_TASK_EVENTS_KEPT},
+        _system_config={"enable_metrics_collection": False, "task_events_report_interval_ms": 0},
         log_to_driver=log_to_driver,
     )
     return ray.get_runtime_context().gcs_address

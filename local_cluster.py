@@ -12,14 +12,19 @@ everything it started on exit, Ctrl-C or failure. Owning the head in-process (ra
 
 from __future__ import annotations
 
+import contextlib
+import getpass
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +99,43 @@ class LocalClusterConfig:
 LOOPBACK_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
+# A LocalCluster's processes (its Ray head's GCS, raylet and workers, the dispatchers, torchrun and
+# the ranks) keep their temporary files in a folder the cluster removes when it stops. What they
+# left in the system temp folder otherwise, on every clean stop (benchmarks/soak.py, RESULTS.md):
+# each vLLM engine's three IPC sockets (vLLM binds them itself and never unlinks them), the
+# verifier pool's multiprocessing folder (pymp-*: Ray ends the actor without its exit handlers)
+# and torchrun's torchelastic_* log folder; and a worker killed mid-run leaves whatever it held.
+RUN_TEMP_PREFIX = "grpo-local-"
+
+def run_environment(temp_dir: str) -> dict[str, str]:
+    """Variables set for every process a LocalCluster starts: TMPDIR=temp_dir, with the two
+    caches that live under the temp folder kept where they are: Ray's session folder (its logs;
+    RAY_TMPDIR wins over TMPDIR in Ray) and torch inductor's compile cache
+    (TORCHINDUCTOR_CACHE_DIR; torch's default path, which vLLM's CPU engine uses)."""
+    system_temp = tempfile.gettempdir()
+    return {
+        "TMPDIR": temp_dir,
+        "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", system_temp),
+        "TORCHINDUCTOR_CACHE_DIR": os.environ.get(
+            "TORCHINDUCTOR_CACHE_DIR", os.path.join(system_temp, f"torchinductor_{getpass.getuser()}")),
+    }
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """os.environ updated with `values` inside the block, restored after."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def use_loopback_only_ray() -> None:
     """Make the next `ray.init` in this process (and every child's) run on 127.0.0.1 only."""
     os.environ.update(LOOPBACK_ONLY_ENV)
@@ -143,17 +185,28 @@ class LocalCluster:
     def __init__(self, config: LocalClusterConfig) -> None:
         self.config = config
         self.address = ""
+        self.temp_dir = ""
         self._dispatchers: list[tuple[str, subprocess.Popen, Path]] = []
 
     def __enter__(self) -> "LocalCluster":
         Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
-        self.address = init_local_ray(num_cpus=self.config.num_cpus, namespace=RAY_NAMESPACE, log_to_driver=False)
-        logger.info("Ray head at %s (127.0.0.1 only, no dashboard)", self.address)
+        # mkdtemp also fixes this process's own temp folder (tempfile caches it) before TMPDIR changes.
+        self.temp_dir = tempfile.mkdtemp(prefix=RUN_TEMP_PREFIX)
+        try:
+            with _environ(run_environment(self.temp_dir)):  # the head's processes inherit it when they start
+                self.address = init_local_ray(num_cpus=self.config.num_cpus, namespace=RAY_NAMESPACE,
+                                              log_to_driver=False)
+        except BaseException:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            raise
+        logger.info("Ray head at %s (127.0.0.1 only, no dashboard); temporary files in %s", self.address,
+                    self.temp_dir)
         return self
 
     def env(self) -> dict[str, str]:
         """Environment for child processes: join this cluster, import this repo."""
         env = dict(os.environ)
+        env.update(run_environment(self.temp_dir))
         env["RAY_ADDRESS"] = self.address
         env["PYTHONPATH"] = repo_pythonpath(env.get("PYTHONPATH", ""))
         env["PYTHONUNBUFFERED"] = "1"
@@ -257,6 +310,7 @@ class LocalCluster:
                 logger.warning("%s dispatcher did not stop on SIGINT; killing it", label)
                 process.kill()
         ray.shutdown()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
         logger.info("local cluster stopped")
 
 

@@ -9,8 +9,9 @@ message). It then checks:
 - each dispatcher replaced its killed worker (a new name registered); a third generation worker
   joins with the command local_cluster.py prints; the replacements and the added worker serve:
   a second short run puts requests on them;
-- after the cluster stops, no worker or engine-core process is left and no weight file remains
-  in shared memory.
+- after the cluster stops, no worker or engine-core process is left, no weight file remains
+  in shared memory, and the folder the cluster's processes kept their temporary files in (the
+  killed workers' too) is gone.
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
     victim_pids: set[int] = set()
     with LocalCluster(config) as cluster:
         cluster.start_workers()
+        # The cluster's processes keep their temporary files in its own folder (vLLM's IPC sockets
+        # at least), which goes when the cluster stops: checked after the kills, at the end.
+        temp_dir = Path(cluster.temp_dir)
+        assert any(path.is_socket() for path in temp_dir.iterdir()), f"no vLLM socket in {temp_dir}"
         actor_pids = {_actor_pid(worker_actor_name(kind, i)) for kind in (GENERATION, LOGPROB) for i in range(2)}
         run_dir = tmp_path / "run"
         args = ["--run_dir", str(run_dir), "--model.model_path", str(tiny_model_dir), "--data.path", str(data),
@@ -198,3 +203,4 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
     _wait(all_gone, "the cluster's processes to exit", 60.0, context)
     leftovers = sorted(weights_file_dir().glob("grpo-weights-*-worker-*-v*.safetensors"))
     assert not leftovers, f"{context}: weight files left behind: {leftovers}"
+    assert not temp_dir.exists(), f"{context}: the cluster's temporary folder is left: {sorted(temp_dir.iterdir())}"

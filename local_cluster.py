@@ -107,13 +107,24 @@ LOOPBACK_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # and torchrun's torchelastic_* log folder; and a worker killed mid-run leaves whatever it held.
 RUN_TEMP_PREFIX = "grpo-local-"
 
+# glibc malloc settings for every process of a local run (an operator's own values win): a fixed
+# 256 KiB mmap threshold and trim threshold, as benchmarks/realistic_run.py sets. By default glibc
+# raises its mmap threshold each time a large mmapped block is freed (up to 32 MiB), so later
+# blocks of that size come from the heap, whose freed pages stay resident: over steps 50-300 of
+# the soak the vLLM engine core's heap ([heap] in smaps) grew 548 -> 705 MB and its RSS 1.09-1.14x;
+# with these, 217 -> 249 MB and 1.03x (benchmarks/soak.py, RESULTS.md). Ray's GCS and raylet
+# run on jemalloc and ignore them.
+GLIBC_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 1024), "MALLOC_TRIM_THRESHOLD_": str(256 * 1024)}
+
+
 def run_environment(temp_dir: str) -> dict[str, str]:
-    """Variables set for every process a LocalCluster starts: TMPDIR=temp_dir, with the two
-    caches that live under the temp folder kept where they are: Ray's session folder (its logs;
-    RAY_TMPDIR wins over TMPDIR in Ray) and torch inductor's compile cache
-    (TORCHINDUCTOR_CACHE_DIR; torch's default path, which vLLM's CPU engine uses)."""
+    """Variables set for every process a LocalCluster starts: GLIBC_MALLOC_ENV, and
+    TMPDIR=temp_dir with the two caches that live under the temp folder kept where they are: Ray's
+    session folder (its logs; RAY_TMPDIR wins over TMPDIR in Ray) and torch inductor's compile
+    cache (TORCHINDUCTOR_CACHE_DIR; torch's default path, which vLLM's CPU engine uses)."""
     system_temp = tempfile.gettempdir()
     return {
+        **{name: os.environ.get(name, value) for name, value in GLIBC_MALLOC_ENV.items()},
         "TMPDIR": temp_dir,
         "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", system_temp),
         "TORCHINDUCTOR_CACHE_DIR": os.environ.get(

@@ -3,12 +3,15 @@
 A local cluster with 2 generation and 2 logprob workers, each under its own worker_dispatcher.py,
 and `torchrun --nproc_per_node=2 trainer_core.py`. While the trainer runs, the test SIGKILLs one
 worker process of each kind at steps drawn from a seeded RNG (the seed is in every failure
-message). It then checks:
+message), and right after the first kill adds a third generation worker with the command
+local_cluster.py prints. The engines run uncompiled (enforce_eager: ~8 s less per engine start)
+and the dispatchers check their worker every second: the lifecycle is under test, not the
+engine's speed. It then checks:
 - the run finishes (exit 0), and every step accounts for all of its rollouts: trained, or
   counted as stale, timed out, missing or dropped for their logprobs' weight version;
-- each dispatcher replaced its killed worker (a new name registered); a third generation worker
-  joins with the command local_cluster.py prints; the replacements and the added worker serve:
-  a second short run puts requests on them;
+- each dispatcher replaced its killed worker (a new name registered), and the added worker
+  registered; the replacements and the added worker serve: a second short run (one rank) puts
+  requests on them;
 - after the cluster stops, no worker or engine-core process is left, no weight file remains
   in shared memory, and the folder the cluster's processes kept their temporary files in (the
   killed workers' too) is gone.
@@ -16,6 +19,7 @@ message). It then checks:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -47,6 +51,10 @@ TRAINER_TIMEOUT_S = 900
 # Bounds that only keep a broken run from hanging the suite (an engine starts in ~1 min on 2 cores).
 RESTART_BOUND_S = 600.0
 STEP_BOUND_S = 600.0
+# Dispatchers notice a dead worker within a second and replace it a second later (their defaults:
+# 10 s and 5 s), so that the replacements' start is not spent waiting.
+HEALTH_CHECK_INTERVAL_S = 1.0
+RESTART_BACKOFF_S = 1.0
 _REGISTERED = re.compile(r"worker (\S+) registered")
 
 # Run on an actor through `__ray_call__`: its process id (a lambda travels by value).
@@ -103,6 +111,21 @@ def _with_descendants(pids: set[int]) -> set[int]:
     return found
 
 
+def _add_worker(cluster: LocalCluster, kind: str, log: Path) -> subprocess.Popen:
+    """Run the command local_cluster.py prints to add a worker, as an operator would from another shell."""
+    with log.open("w") as out:
+        # `exec env ...`: the printed command, with the shell replaced by the dispatcher, so that the
+        # SIGINT and the exit code below are the dispatcher's own.
+        return subprocess.Popen("exec env " + cluster.add_worker_command(kind), shell=True, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _kill_if_running(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
 def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path, tmp_path: Path) -> None:
     import ray
 
@@ -118,11 +141,13 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
     config = LocalClusterConfig(
         model_path=str(tiny_model_dir), log_dir=str(log_dir), generation_workers=2, logprob_workers=2,
         num_cpus=8, kv_cache_memory_bytes=64 * 2**20, max_num_seqs=64, max_model_len=64, global_num_verifiers=1,
-        dtype="float32",
+        dtype="float32", enforce_eager=True, health_check_interval_s=HEALTH_CHECK_INTERVAL_S,
+        restart_backoff_s=RESTART_BACKOFF_S,
     )
     killed: dict[str, int] = {}
     victim_pids: set[int] = set()
-    with LocalCluster(config) as cluster:
+    added_log = tmp_path / "added_worker.log"
+    with LocalCluster(config) as cluster, contextlib.ExitStack() as cleanup:
         cluster.start_workers()
         # The cluster's processes keep their temporary files in its own folder (vLLM's IPC sockets
         # at least), which goes when the cluster stops: checked after the kills, at the end.
@@ -143,6 +168,11 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
             killed[kind] = _actor_pid(victim)
             victim_pids |= _with_descendants({killed[kind]})  # its engine core must not outlive it
             os.kill(killed[kind], signal.SIGKILL)
+            if kind == GENERATION:
+                # A third generation worker joins with the command local_cluster.py prints while the
+                # run goes on; its engine starts beside the replacement's.
+                added = _add_worker(cluster, GENERATION, added_log)
+                cleanup.callback(_kill_if_running, added)
         trainer.join(TRAINER_TIMEOUT_S)
         assert result.get("code") == 0, f"{context}: trainer exited {result}:\n" + \
             "\n".join((tmp_path / "trainer.log").read_text().splitlines()[-40:])
@@ -163,25 +193,19 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
             log = (log_dir / logs[kind]).read_text(errors="replace")
             assert f"worker {worker_actor_name(kind, 0)} restarting (1 of 3)" in log, f"{context}: {log[-2000:]}"
 
-        # A third generation worker joins with the command local_cluster.py prints (as an operator
-        # would, from another shell), then serves as well.
-        added_log = tmp_path / "added_worker.log"
-        with added_log.open("w") as out:
-            # `exec env ...`: the printed command, with the shell replaced by the dispatcher, so that the
-            # SIGINT and the exit code below are the dispatcher's own.
-            added = subprocess.Popen("exec env " + cluster.add_worker_command(GENERATION), shell=True, stdout=out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        # The added worker registered too.
         _wait(lambda: _REGISTERED.search(added_log.read_text(errors="replace")) is not None or added.poll() is not None,
               "the added worker to register", RESTART_BOUND_S, context)
         match = _REGISTERED.search(added_log.read_text(errors="replace"))
         assert match, f"{context}: the added worker did not register:\n{added_log.read_text()[-3000:]}"
         replacements["added"] = match.group(1)
 
-        # The replacements and the added worker serve: a second run's requests reach them.
+        # The replacements and the added worker serve: a second run's requests reach them. One rank
+        # with both ranks' prompts: the same requests per step, one rank's start-up less.
         second = tmp_path / "run2"
         code = cluster.run_trainer(["--run_dir", str(second), "--model.model_path", str(tiny_model_dir),
-                                    "--data.path", str(data), "--num_steps", "3", *RUN],
-                                   nproc_per_node=2, timeout_s=TRAINER_TIMEOUT_S, log_path=tmp_path / "trainer2.log")
+                                    "--data.path", str(data), "--num_steps", "3", *RUN, "--prompts_per_rank", "4"],
+                                   nproc_per_node=1, timeout_s=TRAINER_TIMEOUT_S, log_path=tmp_path / "trainer2.log")
         assert code == 0, f"{context}: second run exited {code}"
         for kind, name in replacements.items():
             served = _served(LOGPROB if kind == LOGPROB else GENERATION)

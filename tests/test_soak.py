@@ -46,14 +46,14 @@ def test_compare_matches_processes_by_pid_and_takes_the_largest_ratio() -> None:
 
 
 def test_process_timelines_give_each_process_its_rss_per_point_and_none_where_absent() -> None:
-    points = [_snapshot(25, {9: ("registry actor", 1.0, _memory(2000, 100)), 30: ("Ray idle worker", 4.0, _memory(100))}),
-              _snapshot(50, {9: ("registry actor", 1.0, _memory(2100, 100)), 40: ("Ray idle worker", 5.0, _memory(300))})]
+    points = [_snapshot(25, {9: ("registry actor", 1.0, _memory(2000, 100)), 30: ("idle", 4.0, _memory(100))}),
+              _snapshot(50, {9: ("registry actor", 1.0, _memory(2100, 100)), 40: ("idle", 5.0, _memory(300))})]
     for point, t_s in zip(points, (10.0, 20.0)):
         point["t_s"] = t_s
     timeline = soak.process_timelines(points)
     assert timeline["steps"] == [25, 50] and timeline["t_s"] == [10.0, 20.0]
     assert [(r["label"], r["rss_kb"]) for r in timeline["rows"]] == [
-        ("registry actor", [2100, 2200]), ("Ray idle worker #2", [None, 300]), ("Ray idle worker #1", [100, None])]
+        ("registry actor", [2100, 2200]), ("idle #2", [None, 300]), ("idle #1", [100, None])]
 
 
 def test_config_needs_the_early_step_before_the_last() -> None:

@@ -56,6 +56,13 @@ class LocalClusterConfig:
     """Generation workers (each its own vLLM engine)."""
     logprob_workers: int = 1
     """Logprob workers (0 when the run uses logprob_role: none)."""
+    reference_workers: int = 0
+    """Reference-pool workers on model_path (`--mode reference`), for a trainer with
+    logprob_role old_policy and reference_pool true."""
+    teacher_workers: int = 0
+    """Teacher workers on teacher_model_path (`--mode teacher`), for a trainer with distill.teacher."""
+    teacher_model_path: str = ""
+    """The teacher's model folder (needed when teacher_workers > 0)."""
     num_cpus: int = 8
     """CPU slots Ray advertises (actors are light; real cores are shared)."""
     kv_cache_memory_bytes: int = 256 * 2**20
@@ -96,8 +103,11 @@ class LocalClusterConfig:
             raise ValueError(f"LocalClusterConfig.nproc_per_node must be >= 1, got {self.nproc_per_node}")
         if self.generation_workers < 1:
             raise ValueError(f"LocalClusterConfig.generation_workers must be >= 1, got {self.generation_workers}")
-        if self.logprob_workers < 0:
-            raise ValueError(f"LocalClusterConfig.logprob_workers must be >= 0, got {self.logprob_workers}")
+        for name in ("logprob_workers", "reference_workers", "teacher_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LocalClusterConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.teacher_workers and not self.teacher_model_path:
+            raise ValueError("LocalClusterConfig.teacher_workers needs teacher_model_path (--teacher_model_path)")
         if self.health_check_interval_s is not None and not self.health_check_interval_s > 0:
             raise ValueError(f"LocalClusterConfig.health_check_interval_s must be > 0, got "
                              f"{self.health_check_interval_s}")
@@ -239,9 +249,10 @@ class LocalCluster:
         return env
 
     def dispatcher_args(self, kind: str) -> list[str]:
-        """worker_dispatcher.py's flags for one worker of `kind` ('generation' or 'logprob')."""
+        """worker_dispatcher.py's flags for one worker of `kind` ('generation', 'logprob',
+        'reference' or 'teacher'; the teacher loads teacher_model_path, the others model_path)."""
         c = self.config
-        common = ["--model_path", c.model_path, "--dtype", c.dtype]
+        common = ["--model_path", c.teacher_model_path if kind == "teacher" else c.model_path, "--dtype", c.dtype]
         for flag in ("health_check_interval_s", "restart_backoff_s"):
             if getattr(c, flag) is not None:
                 common += [f"--{flag}", str(getattr(c, flag))]
@@ -253,8 +264,8 @@ class LocalCluster:
                 "--kv_cache_memory_bytes", str(c.kv_cache_memory_bytes), "--max_model_len", str(c.max_model_len),
                 *(["--enforce_eager"] if c.enforce_eager else []),
             ]
-        if kind == "logprob":
-            return common + ["--mode", "logprob", "--max_tokens_per_gpu", str(c.max_tokens_per_gpu)]
+        if kind in ("logprob", "reference", "teacher"):
+            return common + ["--mode", kind, "--max_tokens_per_gpu", str(c.max_tokens_per_gpu)]
         raise ValueError(f"unknown worker kind {kind!r}")
 
     def add_worker_command(self, kind: str) -> str:
@@ -269,13 +280,14 @@ class LocalCluster:
     def start_workers(self) -> None:
         """Dispatch every configured worker, wait until each has registered, and print how to add more."""
         c = self.config
-        for i in range(c.generation_workers):
-            self._dispatch(f"generation-{i}", self.dispatcher_args("generation"))
-        for i in range(c.logprob_workers):
-            self._dispatch(f"logprob-{i}", self.dispatcher_args("logprob"))
+        counts = {"generation": c.generation_workers, "logprob": c.logprob_workers,
+                  "reference": c.reference_workers, "teacher": c.teacher_workers}
+        for kind, count in counts.items():
+            for i in range(count):
+                self._dispatch(f"{kind}-{i}", self.dispatcher_args(kind))
         for label, process, log in self._dispatchers:
             self._wait_registered(label, process, log)
-        for kind, count in (("generation", c.generation_workers), ("logprob", c.logprob_workers)):
+        for kind, count in counts.items():
             if count:
                 logger.info("to add a %s worker to this cluster, run:\n  %s", kind, self.add_worker_command(kind))
 
@@ -407,10 +419,30 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     trainer_args = ["--run_dir", config.run_dir, "--model.model_path", config.model_path, *trainer_args]
     check_trainer_inputs(trainer_args)
+    if config.teacher_workers:
+        check_teacher_model(config.teacher_model_path, config.model_path)
     _interrupt_on_sigterm()
     with LocalCluster(config) as cluster:
         cluster.start_workers()
         return cluster.run_trainer(trainer_args, config.nproc_per_node)
+
+
+def check_teacher_model(teacher_path: str, student_path: str) -> None:
+    """The teacher folder loads and shares the student's tokenizer (what the trainer checks again
+    against the running teacher workers); exit 2 with one line naming both models otherwise."""
+    from setup_model import ModelPathError, check_model_dir, load_tokenizer, tokenizer_fingerprint
+    from trainer_core import CONFIG_ERROR_EXIT
+
+    try:
+        check_model_dir(teacher_path)
+        same = tokenizer_fingerprint(load_tokenizer(teacher_path)) == tokenizer_fingerprint(load_tokenizer(student_path))
+    except ModelPathError as error:
+        print(f"local_cluster.py: teacher: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(CONFIG_ERROR_EXIT) from None
+    if not same:
+        print(f"local_cluster.py: the teacher ({teacher_path}) and the student ({student_path}) have different "
+              "tokenizers; distillation needs one tokenizer for both", file=sys.stderr, flush=True)
+        raise SystemExit(CONFIG_ERROR_EXIT)
 
 
 def check_trainer_inputs(trainer_args: list[str]) -> None:

@@ -1,0 +1,172 @@
+"""On-policy distillation on the demo task: a student distilled from a teacher that solves it,
+against plain GRPO from the same start, several seeds each.
+
+    bash scripts/demo.sh                               # once: trains the teacher (runs/demo/checkpoints/step_000450)
+    .venv/bin/python benchmarks/distill.py --teacher_path runs/demo/checkpoints/step_000450
+
+What runs: one local cluster with the demo's workers (a vLLM generation worker and a reference
+logprob worker on the demo's starting model, the format-only warm-up of scripts/prepare_demo.py)
+plus one teacher worker (`worker_dispatcher.py --mode teacher`) on `--teacher_path`; then, per
+seed, `torchrun trainer_core.py` with `configs/demo.yaml` for `--num_steps` steps (cosine schedule
+ending there, no checkpoints), once per variant:
+
+    grpo       the demo as it is (reward only)
+    distill    distill.teacher, distill.use_reward false, distill.coef --coef: the teacher's
+               per-token logprobs are the only learning signal; the reward is only measured
+
+Every run evaluates greedy accuracy on the demo's 100 sums every `--eval_every` steps. Printed
+and written to <out_dir>/distill.json: per variant and seed, reward/mean (10-step means) and the
+greedy eval accuracy at each evaluation, then the median and range over seeds. The teacher's own
+greedy accuracy is measured first by a zero-step evaluation run through the same workers
+(`--teacher_eval`). The last line is `distill: teacher=<acc> grpo=<median final acc>
+distill=<median final acc>`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+from benchmarks.algorithms import ensure_assets, reward_at  # noqa: E402
+from benchmarks.realistic_run import interrupt_on_sigterm  # noqa: E402
+from local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
+from metrics import read_metrics  # noqa: E402
+from run_config import load_config  # noqa: E402
+
+logger = logging.getLogger("distill")
+
+
+@dataclass(kw_only=True, frozen=True)
+class DistillBenchConfig:
+    """Command line of `python benchmarks/distill.py`."""
+
+    teacher_path: str
+    """The teacher: a model folder sharing the demo's tokenizer (a trained demo checkpoint)."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """Trainer seeds."""
+    variants: list[str] = field(default_factory=lambda: ["grpo", "distill"])
+    """Which of grpo, distill to run."""
+    num_steps: int = 60
+    """Steps per run."""
+    eval_every: int = 20
+    """Greedy evaluation every this many steps (and after the last)."""
+    coef: float = 1.0
+    """distill.coef of the distill variant."""
+    assets_dir: str = str(REPO_ROOT / "runs" / "demo-assets")
+    """The demo's starting model, prompts and evaluation table."""
+    out_dir: str = str(REPO_ROOT / "runs" / "distill")
+    """Runs go to <out_dir>/<variant>-seed<seed>."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.variants) - {"grpo", "distill"}
+        if unknown:
+            raise ValueError(f"unknown variants {sorted(unknown)}; known: grpo, distill")
+
+
+def variant_args(name: str, config: DistillBenchConfig) -> list[str]:
+    if name == "distill":
+        return ["--distill.teacher", "true", "--distill.use_reward", "false", "--distill.coef", str(config.coef)]
+    return []
+
+
+def run_one(cluster: LocalCluster, name: str, seed: int, config: DistillBenchConfig, num_steps: int) -> dict:
+    assets = Path(config.assets_dir)
+    run_dir = Path(config.out_dir) / f"{name}-seed{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    args = ["--config", str(REPO_ROOT / "configs" / "demo.yaml"), "--run_dir", str(run_dir),
+            "--model.model_path", str(assets / "model"), "--data.path", str(assets / "arithmetic.jsonl"),
+            "--eval.data.path", str(assets / "arithmetic_eval.jsonl"), "--eval.every", str(config.eval_every),
+            "--seed", str(seed), "--num_steps", str(num_steps), "--optim.total_steps", str(max(num_steps, 6)),
+            "--checkpoint_every", "0", "--checkpoint_at_end", "false", "--progress_bar", "false",
+            "--tensorboard", "false", *variant_args(name, config)]
+    started = time.monotonic()
+    log = run_dir / "trainer.log"
+    code = cluster.run_trainer(args, nproc_per_node=2, log_path=log)
+    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+    evals = {str(r["step"] + 1): r["eval/accuracy"] for r in records if "eval/accuracy" in r}
+    rewards = {str(s): reward_at(records, s, 10) for s in range(config.eval_every, num_steps + 1, config.eval_every)}
+    kl = [r["distill/reverse_kl"] for r in records if "distill/reverse_kl" in r]
+    result = {"variant": name, "seed": seed, "exit_code": code, "wall_s": time.monotonic() - started,
+              "eval_accuracy": evals, "rewards": rewards, "reverse_kl_first_last": [kl[0], kl[-1]] if kl else None}
+    if code != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        logger.error("%s seed %d failed (exit %d); last lines of %s:\n%s", name, seed, code, log, tail)
+    logger.info("%s seed %d: exit %d in %.0f s, eval %s, rewards %s", name, seed, code, result["wall_s"], evals, rewards)
+    return result
+
+
+def teacher_accuracy(cluster: LocalCluster, config: DistillBenchConfig) -> float | None:
+    """Greedy accuracy of the teacher through the same generation worker: a one-step run that
+    starts from the teacher's weights at lr 1e-12 (Adam's first step moves a weight by about lr)
+    and evaluates the weights it pushed after that step."""
+    assets = Path(config.assets_dir)
+    run_dir = Path(config.out_dir) / "teacher-eval"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    args = ["--config", str(REPO_ROOT / "configs" / "demo.yaml"), "--run_dir", str(run_dir),
+            "--model.model_path", config.teacher_path, "--data.path", str(assets / "arithmetic.jsonl"),
+            "--eval.data.path", str(assets / "arithmetic_eval.jsonl"), "--eval.every", "1", "--num_steps", "1",
+            "--optim.lr", "1e-12", "--optim.warmup_steps", "0", "--optim.schedule", "constant",
+            "--checkpoint_at_end", "false",
+            "--progress_bar", "false", "--tensorboard", "false", "--logprob_role", "none", "--loss.kl_coef", "0"]
+    code = cluster.run_trainer(args, nproc_per_node=2, log_path=run_dir / "trainer.log")
+    records = read_metrics(run_dir / "metrics.jsonl") if code == 0 else []
+    return records[-1].get("eval/accuracy") if records else None
+
+
+def print_table(results: list[dict], teacher: float | None, config: DistillBenchConfig) -> None:
+    steps = sorted({s for r in results for s in r["eval_accuracy"]}, key=int)
+    print(f"\ngreedy eval accuracy on the 100 sums (teacher: {teacher}); reward/mean = 10-step mean")
+    print("| variant | seed | " + " | ".join(f"eval@{s}" for s in steps) + " | "
+          + " | ".join(f"reward@{s}" for s in steps) + " |")
+    print("|---|---|" + "---|" * (2 * len(steps)))
+    for r in results:
+        evals = [f"{r['eval_accuracy'].get(s, float('nan')):.2f}" for s in steps]
+        rewards = [f"{r['rewards'].get(s):.3f}" if r["rewards"].get(s) is not None else "-" for s in steps]
+        print(f"| {r['variant']} | {r['seed']} | " + " | ".join(evals) + " | " + " | ".join(rewards) + " |")
+    last = [f"teacher={teacher}"]
+    for name in config.variants:
+        finals = [r["eval_accuracy"][steps[-1]] for r in results if r["variant"] == name and steps
+                  and steps[-1] in r["eval_accuracy"]]
+        if finals:
+            print(f"{name}: final eval accuracy median {statistics.median(finals):.2f} "
+                  f"[{min(finals):.2f}-{max(finals):.2f}] over {len(finals)} seeds")
+        last.append(f"{name}={statistics.median(finals):.2f}" if finals else f"{name}=failed")
+    print("\ndistill: " + " ".join(last))
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = load_config(DistillBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    interrupt_on_sigterm()
+    assets = Path(config.assets_dir)
+    ensure_assets(assets)
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cluster_config = LocalClusterConfig(model_path=str(assets / "model"), log_dir=str(out / "cluster-logs"),
+                                        teacher_model_path=config.teacher_path, teacher_workers=1)
+    results: list[dict] = []
+    with LocalCluster(cluster_config) as cluster:
+        cluster.start_workers()
+        teacher = teacher_accuracy(cluster, config)
+        logger.info("teacher greedy accuracy: %s", teacher)
+        for seed in config.seeds:
+            for name in config.variants:
+                results.append(run_one(cluster, name, seed, config, config.num_steps))
+                (out / "distill.json").write_text(json.dumps({"teacher_accuracy": teacher, "runs": results}, indent=1))
+    print_table(results, teacher, config)
+    return 1 if any(r["exit_code"] != 0 for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

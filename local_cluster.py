@@ -71,6 +71,9 @@ class LocalClusterConfig:
     whose sampling logprobs then differ from the trainer's (~6e-3 per token on the demo)."""
     worker_start_timeout_s: float = 600.0
     """Give up if a worker has not registered by then (vLLM on CPU takes ~1 min)."""
+    max_lora_rank: int = 0
+    """Generation workers serve LoRA adapters up to this rank (set it when the trainer runs with
+    model.lora.r > 0: one of vLLM's 1, 8, 16, 32, 64, ...; at least r). 0: LoRA off."""
 
     def __post_init__(self) -> None:
         if not self.log_dir:
@@ -171,6 +174,7 @@ class LocalCluster:
                 "--mode", "generation", "--tensor_parallel_size", "1", "--max_num_seqs", str(c.max_num_seqs),
                 *verifiers,
                 "--kv_cache_memory_bytes", str(c.kv_cache_memory_bytes), "--max_model_len", str(c.max_model_len),
+                *(["--max_lora_rank", str(c.max_lora_rank)] if c.max_lora_rank else []),
             ]
         if kind == "logprob":
             return common + ["--mode", "logprob", "--max_tokens_per_gpu", str(c.max_tokens_per_gpu)]

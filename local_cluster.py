@@ -328,20 +328,27 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("local_cluster.py: --run_dir is required (the trainer's run directory)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     trainer_args = ["--run_dir", config.run_dir, "--model.model_path", config.model_path, *trainer_args]
-    check_trainer_inputs(trainer_args)
+    check_trainer_inputs(trainer_args, max_lora_rank=config.max_lora_rank)
     _interrupt_on_sigterm()
     with LocalCluster(config) as cluster:
         cluster.start_workers()
         return cluster.run_trainer(trainer_args, config.nproc_per_node)
 
 
-def check_trainer_inputs(trainer_args: list[str]) -> None:
+def check_trainer_inputs(trainer_args: list[str], max_lora_rank: int = 0) -> None:
     """Load the trainer's config, model folder, prompts and evaluation file as the trainer will,
-    before Ray or any worker starts; exit 2 with one line on the first problem."""
+    before Ray or any worker starts; exit 2 with one line on the first problem (also when the
+    trainer trains LoRA adapters the generation workers, max_lora_rank, could not serve)."""
+    from setup_model import vllm_lora_rank
     from trainer_core import CONFIG_ERROR_EXIT, InputError, load_run_inputs, load_trainer_config
 
     started = time.monotonic()
     trainer_config = load_trainer_config(trainer_args)  # prints its one line and exits 2 itself
+    lora_r = trainer_config.model.lora.r
+    if lora_r > max_lora_rank:
+        print(f"local_cluster.py: the trainer's model.lora.r={lora_r} needs generation workers that serve LoRA "
+              f"adapters: pass --max_lora_rank {vllm_lora_rank(lora_r)}", file=sys.stderr, flush=True)
+        raise SystemExit(CONFIG_ERROR_EXIT)
     try:
         inputs = load_run_inputs(trainer_config, with_evaluator=True)
     except InputError as error:

@@ -189,8 +189,8 @@ def load_adapter_weights(peft_model: nn.Module, adapter_dir: str | Path) -> None
     result = set_peft_model_state_dict(peft_model, load_file(str(path)))
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or result.unexpected_keys:
-        raise ValueError(f"adapter {path}: missing adapter tensors {missing[:4]}..., unexpected "
-                         f"{list(result.unexpected_keys)[:4]}")
+        raise ValueError(f"adapter {path} does not fit model.lora: {len(missing)} adapter tensors missing "
+                         f"(e.g. {missing[:2]}), unexpected {sorted(result.unexpected_keys)[:2]}")
 
 
 def copy_weights_from_rank0(

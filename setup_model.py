@@ -257,6 +257,8 @@ class TokenLogprobModel(nn.Module):
     PACKED_SDPA or flash_attention_2 each sample's attention costs its own length squared. Only
     positions that predict output tokens go through the lm_head, in chunks (grpo_loss).
     This module is the FSDP root in training, so its forward drives FSDP2's unshard hooks.
+    causal_lm may be a PEFT LoRA model (ModelConfig.lora): PeftModel forwards get_decoder and
+    get_output_embeddings to the wrapped model, whose linear layers then carry the adapters.
     """
 
     def __init__(self, causal_lm: nn.Module, logprob_chunk_size: int = 1024) -> None:

@@ -656,7 +656,8 @@ class GenerationWorker:
                 f.write(json.dumps(record) + "\n")
 
     async def update_weights(self, update: WeightUpdate) -> int:
-        """Load a new weight version into the engine; returns the version now served.
+        """Load a new weight version into the engine; returns the version now served. A LoRA
+        update is loaded as a new adapter instead (_load_adapter).
 
         A load that fails part-way leaves the engine with a mix of versions: the worker then
         enters FAILED (WorkerFailedError), and its dispatcher replaces it.

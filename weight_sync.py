@@ -13,6 +13,12 @@ Out of the trainer: `gather_full_state_dict` (rank 0 gets full tensors), `local_
 Pushes carry the serving dtype (`resolve_push_dtype`: bf16 when the trainer computes in bf16,
 else fp32), cast on each rank before anything leaves it; checkpoints keep the fp32 weights.
 
+A LoRA policy (model.lora) pushes only its adapter, under PEFT names, in the same two modes or
+as a PEFT folder on a shared filesystem ("lora_files"). Pieces record the dim they were cut
+along (FSDP2 shards LoRA A matrices on dim 1), and workers reassemble by it. Every LoRA push is
+made loadable by the STABLE marker (<run_dir>/weights/STABLE, written atomically by rank 0 once
+every part is in place): workers load only a version it names (`check_stable`).
+
 Into a worker: `fetch_state_dict` / `assemble_state_dict` (all tensors at once) or
 `iter_state_dict` (one full tensor at a time), then `load_state_dict_into` a plain model
 (logprob worker) or `write_safetensors` for vLLM to reload (generation worker).

@@ -681,6 +681,7 @@ class GenerationWorker:
             except Exception as exc:
                 raise self.life.fail(f"weight update to v{update.version} failed: {type(exc).__name__}: {exc}") from exc
             self.stats.weight_updates += 1
+            await self._drop_adapter()  # full weights from a run without LoRA: serve them as they are
             logger.info(
                 "%s: weights v%d loaded in %.2f s (%d reload buckets)",
                 self.worker_name, update.version, time.perf_counter() - began, num_buckets,
@@ -721,11 +722,8 @@ class GenerationWorker:
         finally:
             if temporary:
                 await asyncio.to_thread(shutil.rmtree, folder, True)
-        previous, self._adapter = self._adapter, request
+        await self._drop_adapter(replacement=request)
         self._weight_version = update.version
-        if previous is not None:
-            self._retired_adapters.add(previous.lora_int_id)
-            await self._release_adapter(previous.lora_int_id, finished=0)
         self.stats.weight_updates += 1
         logger.info("%s: adapter v%d (%s) loaded in %.2f s", self.worker_name, update.version, update.mode,
                     time.perf_counter() - began)
@@ -752,6 +750,14 @@ class GenerationWorker:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         return folder, True
+
+    async def _drop_adapter(self, replacement: LoRARequest | None = None) -> None:
+        """Serve `replacement` (None: the engine's own weights) from the next request on; the
+        adapter served so far is removed once its requests in flight have finished."""
+        previous, self._adapter = self._adapter, replacement
+        if previous is not None:
+            self._retired_adapters.add(previous.lora_int_id)
+            await self._release_adapter(previous.lora_int_id, finished=0)
 
     async def _release_adapter(self, adapter_id: int, finished: int = 1) -> None:
         """Count `finished` requests of an adapter as done; a replaced adapter with none left in

@@ -24,10 +24,11 @@ import torch
 from math_verifier import RewardResult
 from sample_processing_utils import Sample
 from sampling import SamplingConfig
+from setup_model import load_causal_lm
 from vllm_worker import GenerationWorker, GenerationWorkerConfig, weights_file_dir
 from weight_sync import (
-    StableMarker, UnstableVersionError, WeightUpdate, adapter_step_dir, tensor_to_blob, update_parts,
-    write_stable_marker,
+    StableMarker, UnstableVersionError, WeightUpdate, adapter_step_dir, state_dict_to_blobs, tensor_to_blob,
+    update_parts, write_stable_marker,
 )
 
 MAX_LORA_RANK = 64
@@ -209,6 +210,15 @@ async def _scenario(model_dir: Path, root: Path) -> dict:
         _mark_stable(update)
         await worker.update_weights(update)
         got["a3_greedy"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
+
+        # 6. full weights (a run without LoRA reusing the worker): served without any adapter.
+        import ray
+
+        base = {k: v for k, v in load_causal_lm(model_dir).state_dict().items()}
+        await worker.update_weights(WeightUpdate(version=200, shard_refs=[ray.put(state_dict_to_blobs(base))],
+                                                 mode="gather"))
+        got["full_greedy"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
+        got["loras_after_full"] = sorted(await engine.list_loras())
     finally:
         worker.shutdown()
     got["adapters"] = adapters
@@ -277,3 +287,9 @@ def test_lora_files_update_parts_name_the_folder(tmp_path: Path) -> None:
     update = WeightUpdate(version=7, mode="lora_files", adapter_config=json.dumps({"r": 8}), adapter_path=str(folder),
                           marker_path=str(tmp_path / "STABLE"))
     assert update_parts(update) == (str(folder),)
+
+
+@pytest.mark.vllm
+def test_full_weights_after_adapters_are_served_without_an_adapter(scenario: dict) -> None:
+    assert scenario["full_greedy"] == scenario["base"]
+    assert scenario["loras_after_full"] == []

@@ -2,6 +2,8 @@
 
 Layout of run_dir/checkpoints/step_000010/:
     config.json, model.safetensors, tokenizer files   (loadable by vLLM and transformers)
+      or, for a LoRA policy (model.lora), only its adapter in PEFT format:
+    adapter_config.json, adapter_model.safetensors    (PeftModel.from_pretrained, vLLM LoRARequest)
     optimizer.pt        full (unsharded) AdamW state, tensors only (loaded with weights_only=True)
     rng_rank{r}.pt      each rank's torch RNG states: {"cpu": ..., "cuda": ... (on GPU ranks)}
     trainer_state.json  step, sampler position, scheduler state (written last)
@@ -46,7 +48,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim.lr_scheduler import LRScheduler
 
 from fsdp_setup import DistInfo
-from weight_sync import gather_full_state_dict, inference_config, write_hf_folder
+from weight_sync import (
+    adapter_config_json,
+    gather_adapter,
+    gather_full_state_dict,
+    inference_config,
+    is_lora_model,
+    write_adapter_folder,
+    write_hf_folder,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -250,9 +260,14 @@ class CheckpointWriter:
             else:
                 writes.append(write)
 
-        weights = gather_full_state_dict(model)  # collective; fresh CPU copies on rank 0
-        if main:
-            add(partial(write_hf_folder, weights, inference_config(model, weights), tmp, self._source))
+        if is_lora_model(model):  # the frozen base is the source model itself: save the adapter only
+            weights = gather_adapter(model)  # collective; fresh CPU copies on rank 0
+            if main:
+                add(partial(write_adapter_folder, weights, adapter_config_json(model), tmp))
+        else:
+            weights = gather_full_state_dict(model)  # collective; fresh CPU copies on rank 0
+            if main:
+                add(partial(write_hf_folder, weights, inference_config(model, weights), tmp, self._source))
         del weights
         optim_state = get_optimizer_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -320,8 +335,8 @@ def _prune(run_dir: Path, keep: int) -> None:
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
                     dist: DistInfo) -> TrainerState:
-    """Collective: restore optimizer, scheduler and RNG (weights come from the HF files via
-    build_training_model). Returns the trainer state."""
+    """Collective: restore optimizer, scheduler and RNG (weights come from the HF files, or for
+    a LoRA policy the adapter files, via build_training_model). Returns the trainer state."""
     state = TrainerState(**json.loads((path / _STATE_FILE).read_text()))
     optim_full = torch.load(path / "optimizer.pt", weights_only=True) if dist.rank == 0 else {}
     set_optimizer_state_dict(

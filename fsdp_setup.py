@@ -1,8 +1,9 @@
 """The trainer's process group and its FSDP2-sharded model.
 
 In order: `init_distributed` (torchrun's environment -> process group and device), then
-`build_training_model`: from_pretrained on rank 0 and a meta skeleton elsewhere, FSDP2 per
-decoder layer and at the root, and `copy_weights_from_rank0` to fill every rank's shards.
+`build_training_model`: from_pretrained on rank 0 and a meta skeleton elsewhere, PEFT LoRA
+adapters when model.lora.r > 0, FSDP2 per decoder layer and at the root, and
+`copy_weights_from_rank0` to fill every rank's shards.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -19,13 +22,14 @@ from torch import nn
 from setup_model import (
     ModelConfig,
     TokenLogprobModel,
+    apply_lora,
     check_attn_dtype,
     default_attn_implementation,
     load_causal_lm,
     meta_causal_lm,
     training_compute_dtype,
 )
-from weight_sync import local_dim0_piece
+from weight_sync import ADAPTER_WEIGHTS_FILE, local_piece
 
 logger = logging.getLogger(__name__)
 
@@ -90,13 +94,21 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
 
 
-def build_training_model(model_config: ModelConfig, dist_info: DistInfo) -> TokenLogprobModel:
+def build_training_model(model_config: ModelConfig, dist_info: DistInfo,
+                         adapter_dir: str | Path | None = None) -> TokenLogprobModel:
     """Load the HF model (rank 0 reads it, the others receive their shards) and shard it with
     FSDP2: one group per decoder layer, then the root.
 
     The root group is the TokenLogprobModel wrapper, not the causal LM: its forward reads
     lm_head's weight directly (chunked logprobs), which is gathered only while the root's
     forward runs. Parameters stay fp32; on CUDA the compute copies are bf16.
+
+    With model_config.lora enabled the causal LM is wrapped with PEFT LoRA adapters before
+    sharding (TokenLogprobModel.causal_lm is then the PeftModel): base weights are frozen, only
+    adapter parameters require grad. Rank 0 initialises the adapters (or loads them from
+    adapter_dir, a PEFT-format folder, when resuming) and every rank receives them with the base
+    weights. LoRA A matrices ([r, in_features]) are sharded on dim 1: r is often smaller than the
+    number of ranks, and a dim-0 split would leave ranks with empty shards.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -110,32 +122,75 @@ def build_training_model(model_config: ModelConfig, dist_info: DistInfo) -> Toke
     full_weights: dict[str, torch.Tensor] | None = None
     if dist_info.rank == 0:
         causal_lm = load_causal_lm(model_config.model_path, dtype=torch.float32, attn_implementation=attn)
-        full_weights = {name: p.detach() for name, p in causal_lm.named_parameters()}
     else:
         causal_lm = meta_causal_lm(model_config.model_path, attn_implementation=attn)
     causal_lm.config.use_cache = False
     if model_config.gradient_checkpointing:
         causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if model_config.lora.enabled:
+        causal_lm = apply_lora(causal_lm, model_config.lora, model_config.model_path)
+        if dist_info.rank == 0 and adapter_dir is not None:
+            load_adapter_weights(causal_lm, adapter_dir)
+    elif adapter_dir is not None:
+        raise ValueError(f"build_training_model: adapter_dir {adapter_dir} given but model.lora.r is 0")
+    if dist_info.rank == 0:
+        full_weights = {name: p.detach() for name, p in causal_lm.named_parameters()}
     causal_lm.train()
     mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))
     if compute_dtype != torch.float32:
         mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     else:
         mp_policy = MixedPrecisionPolicy()
+    placement = _lora_a_on_dim1(causal_lm) if model_config.lora.enabled else None
     for layer in causal_lm.get_decoder().layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=model_config.reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=model_config.reshard_after_forward,
+                    shard_placement_fn=placement)
     model = TokenLogprobModel(causal_lm, logprob_chunk_size=model_config.logprob_chunk_size)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, shard_placement_fn=placement)
     if dist_info.rank != 0:
         model.to_empty(device=dist_info.device)
     if dist_info.world_size > 1:
         copy_weights_from_rank0(causal_lm, full_weights, dist_info.device)
     del full_weights
     logger.info(
-        "FSDP2 model from %s: %d parameters over %d ranks",
-        model_config.model_path, sum(p.numel() for p in model.parameters()), dist_info.world_size,
+        "FSDP2 model from %s: %d parameters (%d trainable) over %d ranks",
+        model_config.model_path, sum(p.numel() for p in model.parameters()),
+        sum(p.numel() for p in model.parameters() if p.requires_grad), dist_info.world_size,
     )
     return model
+
+
+# PEFT's parameter-name marker of LoRA A matrices ([r, in_features]).
+_LORA_A_MARKER = ".lora_A."
+
+
+def _lora_a_on_dim1(causal_lm: nn.Module) -> Callable[[nn.Parameter], Any]:
+    """FSDP2 shard_placement_fn: Shard(1) for LoRA A matrices, the default Shard(0) otherwise."""
+    from torch.distributed.tensor import Shard
+
+    lora_a = {id(p) for name, p in causal_lm.named_parameters() if _LORA_A_MARKER in name}
+
+    def placement(param: nn.Parameter) -> Any:
+        return Shard(1) if id(param) in lora_a else None
+
+    return placement
+
+
+def load_adapter_weights(peft_model: nn.Module, adapter_dir: str | Path) -> None:
+    """Copy a PEFT-format adapter (adapter_model.safetensors) into an unsharded PeftModel, in
+    place; raises ValueError naming the folder if any of the model's adapter tensors is missing
+    or an unexpected one is present."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS_FILE
+    if not path.is_file():
+        raise ValueError(f"adapter folder {adapter_dir} has no {ADAPTER_WEIGHTS_FILE}")
+    result = set_peft_model_state_dict(peft_model, load_file(str(path)))
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"adapter {path} does not fit model.lora: {len(missing)} adapter tensors missing "
+                         f"(e.g. {missing[:2]}), unexpected {sorted(result.unexpected_keys)[:2]}")
 
 
 def copy_weights_from_rank0(
@@ -145,7 +200,8 @@ def copy_weights_from_rank0(
 
     Rank 0 passes its full, unsharded parameters by name (the dict is emptied as they are sent,
     so each full tensor is freed once broadcast); the others pass None. Each tensor is broadcast
-    whole in turn (peak extra memory: one full tensor) and every rank keeps its own dim-0 rows.
+    whole in turn (peak extra memory: one full tensor) and every rank keeps its own piece, cut
+    along the dim of the parameter's placement.
     Buffers (rotary frequencies, ...) are replicated, so they are broadcast as is: on a rank that
     built a meta skeleton they hold garbage until then.
     """
@@ -154,7 +210,7 @@ def copy_weights_from_rank0(
         raise ValueError(f"copy_weights_from_rank0: rank {rank} must pass full weights iff it is rank 0")
     with torch.no_grad():
         for name, param in causal_lm.named_parameters():
-            local, offset = local_dim0_piece(name, param)
+            local, dim, offset = local_piece(name, param)
             if rank == 0:
                 full = full_weights.pop(name)
                 if tuple(full.shape) != tuple(param.shape):
@@ -164,6 +220,6 @@ def copy_weights_from_rank0(
                 whole = torch.empty(param.shape, dtype=param.dtype, device=device)
             dist.broadcast(whole, src=0)
             if rank != 0:
-                local.copy_(whole[offset : offset + local.shape[0]])
+                local.copy_(whole.narrow(dim, offset, local.shape[dim]))
         for buffer in causal_lm.buffers():
             dist.broadcast(buffer, src=0)

@@ -93,6 +93,9 @@ class LocalClusterConfig:
     restart_backoff_s: float | None = None
     """How long a dispatcher waits before replacing a dead worker (its --restart_backoff_s);
     None: the dispatcher's default."""
+    max_lora_rank: int = 0
+    """Generation workers serve LoRA adapters up to this rank (set it when the trainer runs with
+    model.lora.r > 0: one of vLLM's 1, 8, 16, 32, 64, ...; at least r). 0: LoRA off."""
 
     def __post_init__(self) -> None:
         if not self.log_dir:
@@ -263,6 +266,7 @@ class LocalCluster:
                 *verifiers,
                 "--kv_cache_memory_bytes", str(c.kv_cache_memory_bytes), "--max_model_len", str(c.max_model_len),
                 *(["--enforce_eager"] if c.enforce_eager else []),
+                *(["--max_lora_rank", str(c.max_lora_rank)] if c.max_lora_rank else []),
             ]
         if kind in ("logprob", "reference", "teacher"):
             return common + ["--mode", kind, "--max_tokens_per_gpu", str(c.max_tokens_per_gpu)]
@@ -418,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("local_cluster.py: --run_dir is required (the trainer's run directory)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     trainer_args = ["--run_dir", config.run_dir, "--model.model_path", config.model_path, *trainer_args]
-    check_trainer_inputs(trainer_args)
+    check_trainer_inputs(trainer_args, max_lora_rank=config.max_lora_rank)
     if config.teacher_workers:
         check_teacher_model(config.teacher_model_path, config.model_path)
     _interrupt_on_sigterm()
@@ -445,13 +449,20 @@ def check_teacher_model(teacher_path: str, student_path: str) -> None:
         raise SystemExit(CONFIG_ERROR_EXIT)
 
 
-def check_trainer_inputs(trainer_args: list[str]) -> None:
+def check_trainer_inputs(trainer_args: list[str], max_lora_rank: int = 0) -> None:
     """Load the trainer's config, model folder, prompts and evaluation file as the trainer will,
-    before Ray or any worker starts; exit 2 with one line on the first problem."""
+    before Ray or any worker starts; exit 2 with one line on the first problem (also when the
+    trainer trains LoRA adapters the generation workers, max_lora_rank, could not serve)."""
+    from setup_model import vllm_lora_rank
     from trainer_core import CONFIG_ERROR_EXIT, InputError, load_run_inputs, load_trainer_config
 
     started = time.monotonic()
     trainer_config = load_trainer_config(trainer_args)  # prints its one line and exits 2 itself
+    lora_r = trainer_config.model.lora.r
+    if lora_r > max_lora_rank:
+        print(f"local_cluster.py: the trainer's model.lora.r={lora_r} needs generation workers that serve LoRA "
+              f"adapters: pass --max_lora_rank {vllm_lora_rank(lora_r)}", file=sys.stderr, flush=True)
+        raise SystemExit(CONFIG_ERROR_EXIT)
     try:
         inputs = load_run_inputs(trainer_config, with_evaluator=True)
     except InputError as error:

@@ -21,9 +21,12 @@ Throughput of batched vs one-at-a-time scoring: `python benchmarks/logprob_batch
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import Sequence
 
 import ray
@@ -36,6 +39,7 @@ from sample_processing_utils import (
 from ray_env import FROZEN_KINDS, LOGPROB, LOGPROB_SERVICE_KINDS
 from setup_model import (
     FLASH_ATTENTION_2,
+    LORA_ADAPTER_NAME,
     MODEL_DTYPES,
     TokenLogprobModel,
     check_attn_dtype,
@@ -44,7 +48,9 @@ from setup_model import (
     training_compute_dtype,
 )
 from vllm_registry import WorkerHealth, WorkerLifecycle
-from weight_sync import WeightUpdate, assemble_state_dict, load_state_dict_into
+from weight_sync import (
+    ADAPTER_WEIGHTS_FILE, WeightUpdate, assemble_state_dict, check_stable, load_state_dict_into,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +253,15 @@ def check_sample(sample: Sample, vocab_size: int) -> None:
         )
 
 
+def _read_adapter_file(folder: str | None) -> dict[str, torch.Tensor]:
+    """The tensors of a lora_files update's PEFT folder."""
+    from safetensors.torch import load_file
+
+    if folder is None:
+        raise ValueError("lora_files update without adapter_path")
+    return load_file(str(Path(folder) / ADAPTER_WEIGHTS_FILE))
+
+
 def _current_node_id() -> str:
     """Ray node id (hex) of this process, or '' outside Ray."""
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
@@ -358,6 +373,9 @@ class LogprobWorker:
     async def update_weights(self, update: WeightUpdate) -> int:
         """Load full weights from a WeightUpdate between two batches; returns the version now served.
 
+        A LoRA update (update.is_adapter) is loaded only while the STABLE marker names it
+        (weight_sync.UnstableVersionError otherwise), as an adapter on this worker's base model.
+
         Fetching fails cleanly (the model is untouched); a load that fails part-way leaves a mix
         of versions, so the worker enters FAILED (WorkerFailedError) and is replaced.
         """
@@ -366,13 +384,19 @@ class LogprobWorker:
             raise ValueError(f"{self.name} serves a frozen {self.config.kind} model and never loads pushed weights "
                              f"(v{update.version} offered)")
         self._ensure_batcher()
+        if update.is_adapter:  # a LoRA policy's old-policy logprobs: its adapter on our base
+            await asyncio.to_thread(check_stable, update)
         # fetch_state_dict's steps, with the object refs awaited rather than ray.get: a blocking
         # get would stall (and warn about) the actor's event loop while the shards arrive.
-        shards = await asyncio.gather(*update.shard_refs)
-        state_dict = await asyncio.to_thread(assemble_state_dict, shards)
+        if update.mode == "lora_files":
+            state_dict = await asyncio.to_thread(_read_adapter_file, update.adapter_path)
+        else:
+            shards = await asyncio.gather(*update.shard_refs)
+            state_dict = await asyncio.to_thread(assemble_state_dict, shards)
+        load = partial(self._load_adapter, update.adapter_config) if update.is_adapter else self._load_weights
         async with self._model_lock:
             try:
-                await asyncio.to_thread(self._load_weights, state_dict)
+                await asyncio.to_thread(load, state_dict)
             except Exception as exc:
                 raise self.life.fail(f"weight update to v{update.version} failed: {type(exc).__name__}: {exc}") from exc
             self.weight_version = update.version
@@ -530,6 +554,25 @@ class LogprobWorker:
         with torch.inference_mode():
             logprobs, _entropy = self.model.score(inputs)
         return split_per_sample(logprobs, inputs.output_lengths)
+
+    def _load_adapter(self, adapter_config: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Apply a PEFT adapter to the loaded base model (runs in a worker thread): the first one
+        wraps the model with PEFT (in place, so the base weights are not copied), later ones
+        replace the adapter's tensors. Raises ValueError naming what did not fit."""
+        from peft import PeftConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+
+        config = PeftConfig.from_peft_type(**json.loads(adapter_config))
+        if not isinstance(self.model.causal_lm, PeftModel):
+            self.model.causal_lm = get_peft_model(self.model.causal_lm, config, adapter_name=LORA_ADAPTER_NAME).eval()
+        elif self.model.causal_lm.peft_config[LORA_ADAPTER_NAME].r != config.r:
+            raise ValueError(f"adapter rank changed from {self.model.causal_lm.peft_config[LORA_ADAPTER_NAME].r} "
+                             f"to {config.r} within a run")
+        with torch.no_grad():
+            result = set_peft_model_state_dict(self.model.causal_lm, tensors, adapter_name=LORA_ADAPTER_NAME)
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"adapter tensors do not fit the model: missing {missing[:3]}, unexpected "
+                             f"{list(result.unexpected_keys)[:3]}")
 
     def _load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy full HF-named tensors into the model (runs in a worker thread)."""

@@ -9,9 +9,9 @@ logprob worker loads it plainly with `load_causal_lm`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,6 +37,82 @@ MODEL_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# vLLM 0.32 serves LoRA adapters of these ranks only (vllm.config.lora.MaxLoRARanks): an engine's
+# max_lora_rank must be one of them, and a trained adapter's r at most that.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# Every linear layer of a Qwen2/Llama decoder layer: what adapter-only RL usually trains.
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Adapters on these are refused: they would need vLLM's embedding/lm_head LoRA path and the
+# tied-embedding case, neither of which this project's push or tests cover.
+_UNSUPPORTED_LORA_TARGETS = ("embed_tokens", "lm_head")
+# PEFT's name for the one adapter a policy trains (it appears in parameter names, not in the
+# saved PEFT-format files, which drop it).
+LORA_ADAPTER_NAME = "default"
+
+
+@dataclass(kw_only=True, frozen=True)
+class LoraConfig:
+    """LoRA adapter training (model.lora): r > 0 trains only adapters on a frozen base model."""
+
+    r: int = 0
+    """Adapter rank; 0 turns LoRA off (full fine-tuning). vLLM serves ranks up to its workers'
+    max_lora_rank (one of 1, 8, 16, 32, 64, 128, 256, 320, 512)."""
+    alpha: float = 16.0
+    """LoRA scaling numerator: the update is (alpha / r) * B @ A."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input in training (0 keeps trainer and sampler logprobs equal)."""
+    target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    """Names of the linear layers that get adapters (matched against module names by PEFT)."""
+
+    def __post_init__(self) -> None:
+        if self.r < 0:
+            raise ValueError(f"LoraConfig.r must be >= 0 (0: LoRA off), got {self.r}")
+        if self.r > max(VLLM_LORA_RANKS):
+            raise ValueError(f"LoraConfig.r must be <= {max(VLLM_LORA_RANKS)} (vLLM's largest LoRA rank), got {self.r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoraConfig.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"LoraConfig.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("LoraConfig.target_modules must name at least one module")
+        bad = [m for m in self.target_modules if m in _UNSUPPORTED_LORA_TARGETS]
+        if bad:
+            raise ValueError(f"LoraConfig.target_modules: adapters on {bad} are not supported (decoder linear "
+                             f"layers only, e.g. {list(DEFAULT_LORA_TARGETS)})")
+
+    @property
+    def enabled(self) -> bool:
+        """True when the policy trains LoRA adapters rather than all weights."""
+        return self.r > 0
+
+    def peft_config(self, base_model_path: str) -> Any:
+        """The peft.LoraConfig of these settings; base_model_path is recorded in adapter_config.json."""
+        from peft import LoraConfig as PeftLoraConfig
+
+        return PeftLoraConfig(
+            r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=list(self.target_modules),
+            bias="none", base_model_name_or_path=str(base_model_path),
+        )
+
+
+def vllm_lora_rank(r: int) -> int:
+    """The smallest rank vLLM accepts as max_lora_rank that holds an adapter of rank r."""
+    for rank in VLLM_LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ValueError(f"LoRA rank {r} exceeds vLLM's largest ({max(VLLM_LORA_RANKS)})")
+
+
+def apply_lora(causal_lm: nn.Module, lora: LoraConfig, base_model_path: str | Path) -> nn.Module:
+    """Wrap a causal LM with PEFT LoRA adapters (in place): the base weights are frozen, only the
+    adapters train. Returns the PeftModel; on a meta-device model the adapters are meta too."""
+    from peft import get_peft_model
+
+    if not lora.enabled:
+        raise ValueError("apply_lora: LoraConfig.r is 0 (LoRA off)")
+    return get_peft_model(causal_lm, lora.peft_config(str(base_model_path)), adapter_name=LORA_ADAPTER_NAME)
+
+
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
     """Which checkpoint to train and how to run it."""
@@ -53,6 +129,8 @@ class ModelConfig:
     """On CUDA, compute in bf16 with fp32 master weights and fp32 gradient reduction. CPU: fp32."""
     reshard_after_forward: bool = True
     """Free each layer's gathered weights after forward (ZeRO-3); False keeps them until backward."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (lora.r > 0): only they train and are pushed; the base stays frozen."""
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -191,6 +269,8 @@ class TokenLogprobModel(nn.Module):
     PACKED_SDPA or flash_attention_2 each sample's attention costs its own length squared. Only
     positions that predict output tokens go through the lm_head, in chunks (grpo_loss).
     This module is the FSDP root in training, so its forward drives FSDP2's unshard hooks.
+    causal_lm may be a PEFT LoRA model (ModelConfig.lora): PeftModel forwards get_decoder and
+    get_output_embeddings to the wrapped model, whose linear layers then carry the adapters.
     """
 
     def __init__(self, causal_lm: nn.Module, logprob_chunk_size: int = 1024) -> None:

@@ -46,7 +46,7 @@ from setup_model import ModelConfig, ModelPathError, TokenLogprobModel, check_mo
 from vllm_experience_batcher import (
     BatcherConfig, EndOfStep, Minibatch, PromptRequest, RayRegistryClient, get_or_create_batcher,
 )
-from weight_sync import WeightPusher, resolve_push_dtype
+from weight_sync import WeightPusher, resolve_push_dtype, weights_dir
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +100,12 @@ class TrainerConfig:
     num_iterations). Passes after the first take the first pass's logprobs as pi_old (unless
     the samples carry old-policy logprobs), so the clipped ratio bounds how far one batch moves
     the policy. Weights are pushed, and the lr schedule advances, once per step."""
-    weight_push_mode: Literal["gather", "sharded"] = "gather"
-    """gather: rank 0 publishes the full state; sharded: every rank publishes its FSDP shards."""
+    weight_push_mode: Literal["gather", "sharded", "lora_files"] = "gather"
+    """gather: rank 0 publishes the full state (with model.lora: the adapter); sharded: every
+    rank publishes its own FSDP shards (of the adapter, with model.lora); lora_files (model.lora
+    only): rank 0 writes the adapter to <run_dir>/weights/step_N/ and workers load it from there
+    (a filesystem every worker reads). LoRA pushes are made loadable by <run_dir>/weights/STABLE,
+    which workers must be able to read in every mode."""
     weight_push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of the weights pushed to the inference workers (cast on each rank before they leave
     it; checkpoints stay fp32). auto: bfloat16 when the trainer computes in bf16 (on CUDA with
@@ -175,6 +179,9 @@ class TrainerConfig:
                 f"max_lag to at least {self.push_every - 1} (to {self.push_every} for full overlap) or lower push_every"
             )
         self._check_sample_budget()
+        if self.weight_push_mode == "lora_files" and not self.model.lora.enabled:
+            raise ValueError("TrainerConfig.weight_push_mode lora_files pushes LoRA adapters: set model.lora.r > 0, "
+                             "or use gather/sharded for full weights")
         if self.checkpoint_every < 0:
             raise ValueError(f"TrainerConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         self._check_logprob_sources()
@@ -277,7 +284,7 @@ def make_weight_pusher(config: TrainerConfig, dist: DistInfo) -> WeightPusher:
     registries = [_registry(kind) for kind in kinds] if dist.rank == 0 else []
     dtype = resolve_push_dtype(config.weight_push_dtype, dist.device, config.model.mixed_precision)
     return WeightPusher(config.weight_push_mode, dist.rank, dist.world_size, registries, config.message_timeout_s,
-                        dtype=dtype)
+                        dtype=dtype, weights_root=weights_dir(config.run_dir))
 
 
 def last_step_to_submit(published_version: int, config: TrainerConfig) -> int:
@@ -491,9 +498,13 @@ def train(config: TrainerConfig) -> None:
     prompts, evaluator = inputs.prompts, inputs.evaluator
     sampler = InfiniteDistributedSampler(len(prompts), dist.rank, dist.world_size, config.seed)
     checkpoint = latest_checkpoint(run_dir) if config.resume else None
-    # A checkpoint is a full HF model directory: resuming loads the policy straight from it.
-    model_config = replace(config.model, model_path=str(checkpoint)) if checkpoint else config.model
-    model = build_training_model(model_config, dist)
+    if config.model.lora.enabled:
+        # A LoRA checkpoint holds the adapter only: the base comes from model.model_path again.
+        model = build_training_model(config.model, dist, adapter_dir=checkpoint)
+    else:
+        # A checkpoint is a full HF model directory: resuming loads the policy straight from it.
+        model_config = replace(config.model, model_path=str(checkpoint)) if checkpoint else config.model
+        model = build_training_model(model_config, dist)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim)
     restored = _restore(config, dist, model, optimizer, scheduler, sampler)

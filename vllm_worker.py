@@ -9,7 +9,9 @@ is the verifier pool's verdict plus the optional format bonus or penalty of
 completion is set out in sampling.py. New weights arrive as a `weight_sync.WeightUpdate`, are
 written to a safetensors file in shared memory, and are loaded inside the engine-core process
 by `WeightReloadExtension` (vLLM's `worker_extension_cls` hook, called by method name through
-`collective_rpc`).
+`collective_rpc`). A LoRA policy's updates (`WeightUpdate.is_adapter`) are loaded instead as a new
+vLLM adapter (`LoRARequest`, a fresh id per version) once the run's STABLE marker names them;
+requests started before the switch finish on their adapter, which is then removed.
 
 The dispatcher starts it as a Ray actor (the engine-core process must be able to import this
 module, so the actor's runtime env carries the repository on PYTHONPATH):
@@ -33,6 +35,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import time
 import uuid
@@ -47,11 +50,15 @@ from ray_env import GENERATION
 from rewards import ShapedReward, overlong_penalty, shape_reward
 from sample_processing_utils import Sample
 from sampling import SamplingConfig, request_seed
+from setup_model import VLLM_LORA_RANKS
 from vllm_registry import WorkerHealth, WorkerLifecycle
-from weight_sync import WeightUpdate, iter_state_dict, write_safetensors
+from weight_sync import (
+    UnstableVersionError, WeightUpdate, check_stable, iter_state_dict, write_adapter_folder, write_safetensors,
+)
 
 if TYPE_CHECKING:
     import torch
+    from vllm.lora.request import LoRARequest
     from vllm.outputs import CompletionOutput
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -65,6 +72,10 @@ RELOAD_WEIGHTS_RPC = "grpo_reload_weights_from_file"
 # tmpfs on Linux: the weights file never touches disk and is read back at memory speed.
 SHARED_MEMORY_DIR = Path("/dev/shm")
 _WEIGHT_FILE_PREFIX = "grpo-weights-"
+_ADAPTER_DIR_PREFIX = "grpo-adapter-"
+# Adapters one engine step may mix: the one being served and the one that requests started
+# before the last switch still finish on (vLLM's max_loras; max_cpu_loras follows it).
+_ADAPTERS_PER_BATCH = 2
 # One generate call holds one actor slot for its whole rollout, and the registry may send a
 # worker up to its cost cap (sequences) at once; Ray's async-actor default (1000) already fits,
 # stating it makes the limit visible.
@@ -142,6 +153,10 @@ class GenerationWorkerConfig:
     failed_samples_path: str | None = None
     """JSONL file that receives every sample whose generation or scoring failed, with the
     error; None turns this off."""
+    max_lora_rank: int = 0
+    """Serve a LoRA-trained policy (trainer's model.lora): the largest adapter rank the engine
+    accepts, one of vLLM's 1, 8, 16, 32, 64, 128, 256, 320, 512 (at least model.lora.r). 0: LoRA
+    off; the worker then takes full-weight updates only."""
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -175,6 +190,9 @@ class GenerationWorkerConfig:
             raise ValueError(
                 f"GenerationWorkerConfig.weight_reload_bucket_bytes must be >= 1, got {self.weight_reload_bucket_bytes}"
             )
+        if self.max_lora_rank and self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"GenerationWorkerConfig.max_lora_rank must be 0 (off) or one of {VLLM_LORA_RANKS}, "
+                             f"got {self.max_lora_rank}")
 
 
 class RewardScorer(Protocol):
@@ -298,7 +316,15 @@ def remove_weight_files(worker_name: str) -> list[Path]:
     for path in weights_file_dir().glob(f"{_WEIGHT_FILE_PREFIX}{worker_name}-v*.safetensors"):
         path.unlink(missing_ok=True)
         removed.append(path)
+    for path in weights_file_dir().glob(f"{_ADAPTER_DIR_PREFIX}{worker_name}-v*"):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
     return removed
+
+
+def adapter_dir_path(worker_name: str, version: int) -> Path:
+    """A fresh folder for one pushed adapter, in shared memory, named like weight_file_path."""
+    return weights_file_dir() / f"{_ADAPTER_DIR_PREFIX}{worker_name}-v{version}-{uuid.uuid4().hex}"
 
 
 def _token_logprobs(completion: CompletionOutput) -> list[float]:
@@ -341,7 +367,11 @@ class GenerationStats:
     format_matched: int = 0
     """Of those, completions that matched it (got format_bonus; the others got -format_penalty)."""
     weight_updates: int = 0
-    """Weight updates applied."""
+    """Weight updates applied (full weights or LoRA adapters)."""
+    adapters_removed: int = 0
+    """LoRA adapters unloaded from the engine after a newer one replaced them."""
+    unstable_updates_refused: int = 0
+    """LoRA updates refused because the STABLE marker did not name them."""
 
     def as_metrics(self) -> dict[str, float]:
         """Namespaced metric keys, e.g. 'generation/reward_failures'."""
@@ -377,6 +407,13 @@ class GenerationWorker:
         self._accepting.set()
         self._start_error = ""
         self.life = WorkerLifecycle(worker_name)
+        self._adapter: LoRARequest | None = None
+        """The LoRA adapter new requests run with (None: the engine's own weights)."""
+        self._next_adapter_id = 1  # vLLM reserves id 0 for "no adapter"
+        self._adapter_requests: dict[int, int] = {}
+        """In-flight requests per adapter id."""
+        self._retired_adapters: set[int] = set()
+        """Replaced adapters still finishing requests: removed from the engine when the last ends."""
 
     @property
     def weight_version(self) -> int:
@@ -411,6 +448,7 @@ class GenerationWorker:
             worker_extension_cls=f"{WeightReloadExtension.__module__}.{WeightReloadExtension.__qualname__}",
             disable_log_stats=True,
             distributed_executor_backend="uni" if in_process else None,
+            **self._lora_engine_args(),
         )
         began = time.perf_counter()
         try:
@@ -423,6 +461,13 @@ class GenerationWorker:
             time.perf_counter() - began, "in-process" if in_process else "default",
         )
         await self._self_check()
+
+    def _lora_engine_args(self) -> dict[str, Any]:
+        """vLLM's LoRA settings when this worker serves adapters (max_lora_rank > 0)."""
+        if not self.config.max_lora_rank:
+            return {}
+        return {"enable_lora": True, "max_lora_rank": self.config.max_lora_rank,
+                "max_loras": _ADAPTERS_PER_BATCH, "max_cpu_loras": _ADAPTERS_PER_BATCH}
 
     async def _self_check(self) -> None:
         """The canary before READY: one greedy token from the engine, one verification from the
@@ -483,7 +528,8 @@ class GenerationWorker:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    async def _run_engine(self, sample: Sample, sampling: SamplingConfig) -> list[CompletionOutput]:
+    async def _run_engine(self, sample: Sample, sampling: SamplingConfig,
+                          adapter: LoRARequest | None = None) -> list[CompletionOutput]:
         from vllm.inputs import TokensPrompt
 
         engine = self._require_engine()
@@ -491,7 +537,8 @@ class GenerationWorker:
         request_id = f"{self.worker_name}-{self._request_counter}-{uuid.uuid4().hex[:8]}"
         prompt = TokensPrompt(prompt_token_ids=list(sample.input_token_ids))
         final = None
-        async for output in engine.generate(prompt, self._sampling_params(sampling, sample.prompt_id), request_id):
+        async for output in engine.generate(prompt, self._sampling_params(sampling, sample.prompt_id), request_id,
+                                            lora_request=adapter):
             final = output
         if final is None or len(final.outputs) != sampling.n:
             got = 0 if final is None else len(final.outputs)
@@ -506,11 +553,15 @@ class GenerationWorker:
         """
         self.life.require_alive()
         await self._accepting.wait()
-        version = self._weight_version
+        # The version and adapter are taken together: the request runs on this adapter to the
+        # end, even if a newer one is loaded meanwhile.
+        version, adapter = self._weight_version, self._adapter
         self._inflight += 1
+        if adapter is not None:
+            self._adapter_requests[adapter.lora_int_id] = self._adapter_requests.get(adapter.lora_int_id, 0) + 1
         try:
             try:
-                completions = await self._run_engine(sample, sampling)
+                completions = await self._run_engine(sample, sampling, adapter)
             except Exception as exc:
                 self.stats.generation_failures += 1
                 self._record_failures([(sample, f"generation failed: {type(exc).__name__}: {exc}")])
@@ -531,6 +582,8 @@ class GenerationWorker:
             return samples
         finally:
             self._inflight -= 1
+            if adapter is not None:
+                await self._release_adapter(adapter.lora_int_id)
 
     def _fail_if_engine_dead(self, exc: BaseException) -> None:
         """Engine death is worker death: enter FAILED and raise WorkerFailedError."""
@@ -603,7 +656,8 @@ class GenerationWorker:
                 f.write(json.dumps(record) + "\n")
 
     async def update_weights(self, update: WeightUpdate) -> int:
-        """Load a new weight version into the engine; returns the version now served.
+        """Load a new weight version into the engine; returns the version now served. A LoRA
+        update is loaded as a new adapter instead (_load_adapter).
 
         A load that fails part-way leaves the engine with a mix of versions: the worker then
         enters FAILED (WorkerFailedError), and its dispatcher replaces it.
@@ -615,6 +669,8 @@ class GenerationWorker:
                 raise ValueError(
                     f"{self.worker_name}: update to version {update.version} is older than served {self._weight_version}"
                 )
+            if update.is_adapter:
+                return await self._load_adapter(engine, update)
             began = time.perf_counter()
             buckets = reload_buckets(iter_state_dict(update), self.config.weight_reload_bucket_bytes)
             try:
@@ -625,11 +681,96 @@ class GenerationWorker:
             except Exception as exc:
                 raise self.life.fail(f"weight update to v{update.version} failed: {type(exc).__name__}: {exc}") from exc
             self.stats.weight_updates += 1
+            await self._drop_adapter()  # full weights from a run without LoRA: serve them as they are
             logger.info(
                 "%s: weights v%d loaded in %.2f s (%d reload buckets)",
                 self.worker_name, update.version, time.perf_counter() - began, num_buckets,
             )
             return self._weight_version
+
+    async def _load_adapter(self, engine: AsyncLLM, update: WeightUpdate) -> int:
+        """Load a LoRA update as a new vLLM adapter and serve it from the next request on.
+
+        Only a version the STABLE marker names is loaded (UnstableVersionError otherwise; the
+        worker keeps serving its adapter and stays healthy). No pause: requests in flight finish
+        on the adapter they started with, which is removed from the engine once they have.
+        """
+        from vllm.lora.request import LoRARequest
+
+        if not self.config.max_lora_rank:
+            raise ValueError(f"{self.worker_name}: got a LoRA update but serves no adapters (max_lora_rank 0): "
+                             f"start generation workers with --max_lora_rank >= the trainer's model.lora.r")
+        rank = int(json.loads(update.adapter_config or "{}").get("r", 0))
+        if rank > self.config.max_lora_rank:
+            raise ValueError(f"{self.worker_name}: adapter rank {rank} exceeds max_lora_rank {self.config.max_lora_rank}")
+        began = time.perf_counter()
+        try:
+            await asyncio.to_thread(check_stable, update)
+        except UnstableVersionError:
+            self.stats.unstable_updates_refused += 1
+            raise
+        folder, temporary = await self._adapter_folder(update)
+        try:
+            request = LoRARequest(lora_name=f"policy-v{update.version}-{self._next_adapter_id}",
+                                  lora_int_id=self._next_adapter_id, lora_path=str(folder))
+            self._next_adapter_id += 1
+            try:
+                await engine.add_lora(request)  # reads the folder now, into the engine's adapter cache
+            except Exception as exc:
+                self._fail_if_engine_dead(exc)
+                raise
+        finally:
+            if temporary:
+                await asyncio.to_thread(shutil.rmtree, folder, True)
+        await self._drop_adapter(replacement=request)
+        self._weight_version = update.version
+        self.stats.weight_updates += 1
+        logger.info("%s: adapter v%d (%s) loaded in %.2f s", self.worker_name, update.version, update.mode,
+                    time.perf_counter() - began)
+        return self._weight_version
+
+    async def _adapter_folder(self, update: WeightUpdate) -> tuple[Path, bool]:
+        """(PEFT folder holding the update's adapter, whether it is a temporary copy of ours).
+
+        lora_files: the trainer's folder as is. gather/sharded: every rank's shards fetched from
+        the object store and reassembled by their placement, written to shared memory.
+        """
+        if update.mode == "lora_files":
+            if update.adapter_path is None:
+                raise ValueError(f"{self.worker_name}: lora_files update v{update.version} has no adapter_path")
+            return Path(update.adapter_path), False
+        folder = adapter_dir_path(self.worker_name, update.version)
+
+        def fetch_and_write() -> None:
+            write_adapter_folder(dict(iter_state_dict(update)), update.adapter_config or "", folder)
+
+        try:
+            await asyncio.to_thread(fetch_and_write)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return folder, True
+
+    async def _drop_adapter(self, replacement: LoRARequest | None = None) -> None:
+        """Serve `replacement` (None: the engine's own weights) from the next request on; the
+        adapter served so far is removed once its requests in flight have finished."""
+        previous, self._adapter = self._adapter, replacement
+        if previous is not None:
+            self._retired_adapters.add(previous.lora_int_id)
+            await self._release_adapter(previous.lora_int_id, finished=0)
+
+    async def _release_adapter(self, adapter_id: int, finished: int = 1) -> None:
+        """Count `finished` requests of an adapter as done; a replaced adapter with none left in
+        flight is removed from the engine (its memory is freed; nothing can ask for it again)."""
+        left = self._adapter_requests.get(adapter_id, 0) - finished
+        self._adapter_requests[adapter_id] = left
+        if left > 0 or adapter_id not in self._retired_adapters:
+            return
+        self._retired_adapters.discard(adapter_id)
+        self._adapter_requests.pop(adapter_id, None)
+        if self._engine is not None and not self._engine.errored:
+            await self._engine.remove_lora(adapter_id)
+            self.stats.adapters_removed += 1
 
     async def _reload_paused(
         self, engine: AsyncLLM, buckets: Iterator[tuple[dict[str, torch.Tensor], bool]], version: int

@@ -13,6 +13,12 @@ Out of the trainer: `gather_full_state_dict` (rank 0 gets full tensors), `local_
 Pushes carry the serving dtype (`resolve_push_dtype`: bf16 when the trainer computes in bf16,
 else fp32), cast on each rank before anything leaves it; checkpoints keep the fp32 weights.
 
+A LoRA policy (model.lora) pushes only its adapter, under PEFT names, in the same two modes or
+as a PEFT folder on a shared filesystem ("lora_files"). Pieces record the dim they were cut
+along (FSDP2 shards LoRA A matrices on dim 1), and workers reassemble by it. Every LoRA push is
+made loadable by the STABLE marker (<run_dir>/weights/STABLE, written atomically by rank 0 once
+every part is in place): workers load only a version it names (`check_stable`).
+
 Into a worker: `fetch_state_dict` / `assemble_state_dict` (all tensors at once) or
 `iter_state_dict` (one full tensor at a time), then `load_state_dict_into` a plain model
 (logprob worker) or `write_safetensors` for vLLM to reload (generation worker).
@@ -37,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ray_env import RAY_NAMESPACE, SHARD_STAGER_NAME
-from setup_model import MODEL_DTYPES, TokenLogprobModel, training_compute_dtype
+from setup_model import LORA_ADAPTER_NAME, MODEL_DTYPES, TokenLogprobModel, training_compute_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +53,7 @@ _DTYPES: dict[str, torch.dtype] = {**MODEL_DTYPES, "int64": torch.int64, "int32"
 
 @dataclass(slots=True)
 class TensorBlob:
-    """One tensor (or one rank's dim-0 piece of it) as a raw byte buffer."""
+    """One tensor (or one rank's piece of it along its sharded dim) as a raw byte buffer."""
 
     data: np.ndarray
     """uint8 buffer of the piece's bytes (C-contiguous)."""
@@ -57,8 +63,11 @@ class TensorBlob:
     """Shape of this piece."""
     global_shape: tuple[int, ...]
     """Shape of the full tensor the piece belongs to."""
-    dim0_offset: int = 0
-    """Row of the full tensor where this piece starts."""
+    offset: int = 0
+    """Index along shard_dim of the full tensor where this piece starts."""
+    shard_dim: int = 0
+    """The dim the full tensor is cut along (its DTensor placement Shard(shard_dim)); FSDP2
+    shards on dim 0 unless told otherwise (LoRA A matrices: dim 1, fsdp_setup)."""
 
 
 @dataclass(slots=True)
@@ -70,13 +79,28 @@ class WeightUpdate:
     shard_refs: list[Any] = field(default_factory=list)
     """Ray ObjectRefs, one per publishing rank; each resolves to dict[str, TensorBlob]."""
     mode: str = "gather"
-    """'gather' (one full shard from rank 0) or 'sharded' (one shard per FSDP rank)."""
+    """'gather' (one full shard from rank 0), 'sharded' (one shard per FSDP rank) or
+    'lora_files' (no shards: the adapter is a folder on a shared filesystem, adapter_path)."""
     initial: bool = False
     """A run's first push: workers take it whatever version they serve (they may hold a newer
     version from an earlier run); later pushes must not go backwards."""
+    adapter_config: str | None = None
+    """LoRA updates: the PEFT adapter_config.json text (rank, alpha, target modules), and the
+    shards hold only adapter tensors under PEFT names; None: a full-weights update."""
+    adapter_path: str | None = None
+    """lora_files mode: the PEFT-format folder (<run_dir>/weights/step_N) holding this version."""
+    marker_path: str | None = None
+    """LoRA updates: the STABLE marker (<run_dir>/weights/STABLE); workers load the update only
+    while the marker names its version and shards (check_stable)."""
+
+    @property
+    def is_adapter(self) -> bool:
+        """True for a LoRA adapter update (workers load it as a new adapter, not as weights)."""
+        return self.adapter_config is not None
 
 
-def tensor_to_blob(tensor: torch.Tensor, global_shape: tuple[int, ...] | None = None, dim0_offset: int = 0) -> TensorBlob:
+def tensor_to_blob(tensor: torch.Tensor, global_shape: tuple[int, ...] | None = None, offset: int = 0,
+                   shard_dim: int = 0) -> TensorBlob:
     """Copy a tensor to CPU and wrap its bytes; global_shape defaults to the tensor's own."""
     cpu = tensor.detach().to("cpu").contiguous()
     dtype_name = str(cpu.dtype).removeprefix("torch.")
@@ -89,7 +113,8 @@ def tensor_to_blob(tensor: torch.Tensor, global_shape: tuple[int, ...] | None = 
         dtype=dtype_name,
         shape=tuple(cpu.shape),
         global_shape=tuple(global_shape if global_shape is not None else cpu.shape),
-        dim0_offset=dim0_offset,
+        offset=offset,
+        shard_dim=shard_dim,
     )
 
 
@@ -107,18 +132,54 @@ def _pieces_by_name(shards: Iterable[Mapping[str, TensorBlob]]) -> dict[str, lis
     return pieces
 
 
-def _assemble_tensor(name: str, blobs: list[TensorBlob]) -> torch.Tensor:
-    """One full tensor from its pieces, copied once each into its rows of a fresh buffer.
+def _blob_tensor(blob: TensorBlob) -> torch.Tensor:
+    """A blob's piece as a tensor viewing its bytes (no copy)."""
+    dtype = _DTYPES[blob.dtype]
+    if not blob.data.size:
+        return torch.empty(blob.shape, dtype=dtype)
+    return torch.from_numpy(blob.data).view(dtype).reshape(blob.shape)
 
-    The copies are numpy byte copies (a plain memcpy, faster than torch's copy_ on one thread,
-    which is what a Ray actor gets). Raises ValueError naming the weight if its pieces do not tile
-    dim 0 of its global shape exactly (a gap, an overlap, a wrong trailing shape, mixed dtypes).
+
+def _assemble_along(name: str, blobs: list[TensorBlob], dim: int) -> torch.Tensor:
+    """One full tensor from pieces cut along `dim` > 0 (concatenated in offset order); ValueError
+    naming the weight if they do not tile that dim of the global shape exactly."""
+    global_shape = tuple(blobs[0].global_shape)
+    if not 0 < dim < len(global_shape):
+        raise ValueError(f"weight {name}: shard dim {dim} is outside its shape {global_shape}")
+    position = 0
+    for blob in blobs:
+        other_dims = tuple(s for d, s in enumerate(blob.shape) if d != dim)
+        expected = tuple(s for d, s in enumerate(global_shape) if d != dim)
+        if blob.offset != position or len(blob.shape) != len(global_shape) or other_dims != expected:
+            raise ValueError(
+                f"weight {name}: piece at index {blob.offset} of dim {dim} with shape {tuple(blob.shape)} does not "
+                f"continue indices 0-{position} of {global_shape}"
+            )
+        position += blob.shape[dim]
+    if position != global_shape[dim]:
+        raise ValueError(f"weight {name}: pieces cover {position} of {global_shape[dim]} indices of dim {dim}")
+    return torch.cat([_blob_tensor(b) for b in blobs], dim=dim)
+
+
+def _assemble_tensor(name: str, blobs: list[TensorBlob]) -> torch.Tensor:
+    """One full tensor from its pieces, by the dim each was cut along (TensorBlob.shard_dim).
+
+    Dim-0 pieces are copied once each into their rows of a fresh buffer, as numpy byte copies (a
+    plain memcpy, faster than torch's copy_ on one thread, which is what a Ray actor gets);
+    pieces along another dim are concatenated along it. Raises ValueError naming the weight if
+    its pieces do not tile that dim of its global shape exactly (a gap, an overlap, a wrong
+    shape in the other dims, mixed dtypes or mixed shard dims).
     """
-    blobs = sorted(blobs, key=lambda b: b.dim0_offset)
+    blobs = sorted(blobs, key=lambda b: b.offset)
     global_shape = tuple(blobs[0].global_shape)
     dtypes = {b.dtype for b in blobs}
     if len(dtypes) != 1:
         raise ValueError(f"weight {name}: pieces have mixed dtypes {sorted(dtypes)}")
+    shard_dims = {b.shard_dim for b in blobs}
+    if len(shard_dims) != 1:
+        raise ValueError(f"weight {name}: pieces are cut along different dims {sorted(shard_dims)}")
+    if blobs[0].shard_dim != 0:
+        return _assemble_along(name, blobs, blobs[0].shard_dim)
     dtype = _DTYPES[blobs[0].dtype]
     out = np.empty(int(np.prod(global_shape)) * dtype.itemsize, dtype=np.uint8)
     if not global_shape:  # a scalar travels whole
@@ -127,9 +188,9 @@ def _assemble_tensor(name: str, blobs: list[TensorBlob]) -> torch.Tensor:
         row_bytes = int(np.prod(global_shape[1:])) * dtype.itemsize
         row = 0
         for blob in blobs:
-            if blob.dim0_offset != row or tuple(blob.shape[1:]) != global_shape[1:]:
+            if blob.offset != row or tuple(blob.shape[1:]) != global_shape[1:]:
                 raise ValueError(
-                    f"weight {name}: piece at row {blob.dim0_offset} with shape {tuple(blob.shape)} does not "
+                    f"weight {name}: piece at row {blob.offset} with shape {tuple(blob.shape)} does not "
                     f"continue rows 0-{row} of {global_shape}"
                 )
             rows = blob.shape[0]
@@ -195,6 +256,7 @@ def write_safetensors(state_dict: Mapping[str, torch.Tensor], path: Path) -> Pat
 
 # Attribute prefix of the causal LM inside TokenLogprobModel; HF checkpoint names lack it.
 _WRAPPER_PREFIX = "causal_lm."
+_ADAPTER_NAME = LORA_ADAPTER_NAME
 # Files copied verbatim from the source checkpoint on export: everything a tokenizer (and
 # generation defaults) may be made of, but never weights or config, which export writes itself.
 TOKENIZER_FILES = (
@@ -269,7 +331,8 @@ def gather_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
 
 
 def fsdp_shard_extent(dim0_size: int, num_shards: int, shard_index: int) -> tuple[int, int]:
-    """(dim-0 offset, row count) of one FSDP2 shard: torch.chunk's split, trailing shards empty.
+    """(offset, length) along the sharded dim of one FSDP2 shard: torch.chunk's split, trailing
+    shards empty.
 
     torch.chunk cuts ceil(n / k)-row pieces, so with n=5, k=4 the rows are 2, 2, 1, 0.
     """
@@ -278,24 +341,29 @@ def fsdp_shard_extent(dim0_size: int, num_shards: int, shard_index: int) -> tupl
     return offset, min(rows_per_shard, dim0_size - offset)
 
 
-def local_dim0_piece(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """This rank's dim-0 piece of a parameter and its row offset in the full tensor."""
+def local_piece(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """This rank's piece of a parameter: (local tensor, the dim it is cut along, its offset
+    along that dim in the full tensor), read from the DTensor's placement. A plain tensor is
+    its own whole piece (dim 0, offset 0)."""
     from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(tensor, DTensor):
-        return tensor, 0
+        return tensor, 0, 0
     mesh, placements = tensor.device_mesh, tuple(tensor.placements)
-    if mesh.ndim != 1 or placements != (Shard(0),):
-        raise ValueError(f"weight {name}: only 1-D FSDP meshes sharded on dim 0 are supported, got {placements}")
+    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard):
+        raise ValueError(f"weight {name}: only 1-D FSDP meshes with one Shard(dim) placement are supported, "
+                         f"got {placements}")
+    dim = placements[0].dim
     local = tensor.to_local()
-    offset, rows = fsdp_shard_extent(tensor.shape[0], mesh.size(), mesh.get_local_rank())
-    if local.shape[0] != rows:
-        raise RuntimeError(f"weight {name}: local shard has {local.shape[0]} rows, torch.chunk layout says {rows}")
-    return local, offset
+    offset, size = fsdp_shard_extent(tensor.shape[dim], mesh.size(), mesh.get_local_rank())
+    if local.shape[dim] != size:
+        raise RuntimeError(f"weight {name}: local shard has {local.shape[dim]} entries along dim {dim}, "
+                           f"torch.chunk layout says {size}")
+    return local, dim, offset
 
 
 def local_shard_blobs(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, TensorBlob]:
-    """This rank's own dim-0 piece of every weight (no communication), as weight_sync blobs.
+    """This rank's own piece of every weight (no communication), as weight_sync blobs.
 
     assemble_state_dict over all ranks' dicts rebuilds gather_full_state_dict (with the same
     dtype, which casts floating-point pieces only). Tensors FSDP does not shard (persistent
@@ -310,9 +378,9 @@ def local_shard_blobs(model: nn.Module, *, dtype: torch.dtype | None = None) -> 
         for name, tensor in _hf_tensors(model).items():
             if not main and not isinstance(tensor, DTensor):
                 continue
-            local, offset = local_dim0_piece(name, tensor.detach())
+            local, dim, offset = local_piece(name, tensor.detach())
             piece = local.to(_cast_dtype(local, dtype))
-            blobs[name] = tensor_to_blob(piece, global_shape=tuple(tensor.shape), dim0_offset=offset)
+            blobs[name] = tensor_to_blob(piece, global_shape=tuple(tensor.shape), offset=offset, shard_dim=dim)
     return blobs
 
 
@@ -430,6 +498,173 @@ def get_or_create_shard_stager() -> Any:
     return actor_cls.options(name=SHARD_STAGER_NAME, namespace=RAY_NAMESPACE, get_if_exists=True).remote()
 
 
+# --------------------------------------------------------------------------------------------
+# LoRA adapters: PEFT-format tensors and folders, and the STABLE readiness marker.
+# --------------------------------------------------------------------------------------------
+
+# PEFT's file names (peft.utils.constants): what PeftModel.from_pretrained and vLLM's LoRA loader read.
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+# The readiness marker under <run_dir>/weights/, and the folders of lora_files mode beside it.
+STABLE_MARKER_FILE = "STABLE"
+WEIGHTS_SUBDIR = "weights"
+_ADAPTER_STEP_DIR = "step_{version:06d}"
+
+
+def _peft_model(model: nn.Module) -> Any:
+    """The PeftModel inside a TokenLogprobModel (or the model itself); TypeError if not one."""
+    from peft import PeftModel
+
+    inner = _unwrap_causal_lm(model)
+    if not isinstance(inner, PeftModel):
+        raise TypeError(f"expected a LoRA (PEFT) policy, got {type(inner).__name__}: is model.lora.r set?")
+    return inner
+
+
+def is_lora_model(model: nn.Module) -> bool:
+    """True when the policy carries PEFT adapters (fsdp_setup wrapped it under model.lora)."""
+    from peft import PeftModel
+
+    return isinstance(_unwrap_causal_lm(model), PeftModel)
+
+
+def adapter_named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's parameters (DTensors under FSDP) by their PEFT-format names, as
+    adapter_model.safetensors stores them (the adapter name dropped: 'base_model.model.model.
+    layers.0.self_attn.q_proj.lora_A.weight'). PEFT's own get_peft_model_state_dict does the
+    naming, so the files match what PeftModel.save_pretrained would write."""
+    from peft import get_peft_model_state_dict
+
+    peft_model = _peft_model(model)
+    trainable = {_hf_name(name): p for name, p in model.named_parameters() if p.requires_grad}
+    return get_peft_model_state_dict(peft_model, state_dict=trainable)
+
+
+def adapter_config_json(model: nn.Module) -> str:
+    """adapter_config.json of the policy's adapter, as PeftModel.save_pretrained writes it
+    (inference_mode true; sets as sorted lists)."""
+    import json
+
+    config = copy.deepcopy(_peft_model(model).peft_config[_ADAPTER_NAME])
+    config.inference_mode = True
+    values = {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+    return json.dumps(values, indent=2, sort_keys=True)
+
+
+def gather_adapter(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+    """Full CPU copies of the adapter tensors under PEFT names on rank 0 (None elsewhere).
+    Collective, like gather_full_state_dict; adapters are small (a few MB for r=16 on 7B)."""
+    main = _is_main_process()
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, tensor in adapter_named_tensors(model).items():
+            full = _full_tensor(tensor.detach())
+            if main:
+                out[name] = full.to(device="cpu", dtype=_cast_dtype(full, dtype), copy=True)
+    return out if main else None
+
+
+def local_adapter_blobs(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, TensorBlob]:
+    """This rank's own piece of every adapter tensor (no communication), cut along its DTensor
+    placement's dim, under PEFT names. Adapter parameters are all FSDP-sharded, so every rank
+    contributes a piece of each (possibly empty); iter_assembled over all ranks' dicts rebuilds
+    gather_adapter."""
+    blobs: dict[str, TensorBlob] = {}
+    with torch.no_grad():
+        for name, tensor in adapter_named_tensors(model).items():
+            local, dim, offset = local_piece(name, tensor.detach())
+            piece = local.to(_cast_dtype(local, dtype))
+            blobs[name] = tensor_to_blob(piece, global_shape=tuple(tensor.shape), offset=offset, shard_dim=dim)
+    return blobs
+
+
+def write_adapter_folder(tensors: Mapping[str, torch.Tensor], config_json: str, out: Path) -> Path:
+    """A PEFT-format adapter folder: adapter_config.json + adapter_model.safetensors (each file
+    written atomically), loadable with PeftModel.from_pretrained and by vLLM's LoRARequest."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_safetensors(dict(tensors), out / ADAPTER_WEIGHTS_FILE)
+    tmp = out / (ADAPTER_CONFIG_FILE + ".tmp")
+    tmp.write_text(config_json)
+    tmp.replace(out / ADAPTER_CONFIG_FILE)
+    return out
+
+
+def weights_dir(run_dir: str | Path) -> Path:
+    """<run_dir>/weights: the STABLE marker and (lora_files mode) the adapter folders."""
+    return Path(run_dir) / WEIGHTS_SUBDIR
+
+
+def adapter_step_dir(weights_root: Path, version: int) -> Path:
+    """The lora_files folder of one version: <run_dir>/weights/step_000012."""
+    return Path(weights_root) / _ADAPTER_STEP_DIR.format(version=version)
+
+
+@dataclass(frozen=True, slots=True)
+class StableMarker:
+    """What <run_dir>/weights/STABLE says: the one version workers may load, and its parts."""
+
+    version: int
+    """The fully published weight version."""
+    mode: str
+    """The push mode that published it ('gather', 'sharded' or 'lora_files')."""
+    shards: tuple[str, ...]
+    """Its parts: the Ray object ids (hex) of every rank's shard, or the adapter folder's path."""
+
+
+class UnstableVersionError(RuntimeError):
+    """An update the STABLE marker does not name (missing, another version, other shards)."""
+
+
+def update_parts(update: WeightUpdate) -> tuple[str, ...]:
+    """The parts of an update as its STABLE marker lists them."""
+    if update.mode == "lora_files":
+        return (str(update.adapter_path),)
+    return tuple(ref.hex() for ref in update.shard_refs)
+
+
+def write_stable_marker(path: Path, marker: StableMarker) -> None:
+    """Replace the marker atomically (write a temp file, fsync, rename): a reader sees the old
+    marker or the new one, never a partial file."""
+    import json
+    import os
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"version": marker.version, "mode": marker.mode, "shards": list(marker.shards)}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def read_stable_marker(path: Path) -> StableMarker | None:
+    """The marker at path, or None when there is none yet."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    return StableMarker(version=int(data["version"]), mode=str(data["mode"]), shards=tuple(data["shards"]))
+
+
+def check_stable(update: WeightUpdate) -> None:
+    """Raise UnstableVersionError unless the update's STABLE marker names exactly this update
+    (version and parts): a version still being published, or one replaced since, is never loaded."""
+    if update.marker_path is None:
+        raise UnstableVersionError(f"adapter update v{update.version} carries no STABLE marker path")
+    marker = read_stable_marker(Path(update.marker_path))
+    if marker is None:
+        raise UnstableVersionError(f"adapter update v{update.version}: no STABLE marker at {update.marker_path}")
+    if marker.version != update.version or marker.shards != update_parts(update):
+        raise UnstableVersionError(
+            f"adapter update v{update.version}: STABLE marker {update.marker_path} names v{marker.version} "
+            f"({marker.mode}, {len(marker.shards)} parts), not this update"
+        )
+
+
 AUTO_PUSH_DTYPE = "auto"
 
 
@@ -444,6 +679,12 @@ def resolve_push_dtype(name: str, device: torch.device, mixed_precision: bool) -
     return MODEL_DTYPES[name]
 
 
+PUSH_MODES = ("gather", "sharded", "lora_files")
+# lora_files folders kept on disk: the version being loaded and the one before it (a worker
+# loads each version before the next push returns, so older folders are never read again).
+_KEEP_ADAPTER_DIRS = 2
+
+
 class WeightPusher:
     """Publishes the trainer's weights to every inference worker, one version at a time.
 
@@ -451,14 +692,22 @@ class WeightPusher:
     registries of the kinds that serve the policy and announces each `WeightUpdate` to them; in
     "sharded" mode every rank stages its own shard ref with the shard stager first. Tensors are
     cast to `dtype` on the rank that holds them, before they are put into Ray's object store.
+
+    A LoRA policy (fsdp_setup under model.lora) pushes only its adapter, under PEFT names, and
+    every push is made visible by the STABLE marker (<weights_root>/STABLE) before it is
+    announced: rank 0 writes it, atomically, once every rank's shard is staged (or, in
+    lora_files mode, once the adapter folder <weights_root>/step_N is complete).
     """
 
-    def __init__(self, mode: Literal["gather", "sharded"], rank: int, world_size: int,
-                 registries: Sequence[Any], timeout_s: float, *, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, mode: Literal["gather", "sharded", "lora_files"], rank: int, world_size: int,
+                 registries: Sequence[Any], timeout_s: float, *, dtype: torch.dtype = torch.float32,
+                 weights_root: Path | None = None) -> None:
         """registries: Ray handles of the registries to publish to (rank 0; [] elsewhere);
-        dtype: what the pushed tensors carry (resolve_push_dtype; the model's own fp32 by default)."""
-        if mode not in ("gather", "sharded"):
-            raise ValueError(f"WeightPusher mode must be 'gather' or 'sharded', got {mode!r}")
+        dtype: what the pushed tensors carry (resolve_push_dtype; the model's own fp32 by default);
+        weights_root: <run_dir>/weights, where LoRA pushes keep their STABLE marker (and their
+        folders in lora_files mode); required for LoRA policies."""
+        if mode not in PUSH_MODES:
+            raise ValueError(f"WeightPusher mode must be one of {PUSH_MODES}, got {mode!r}")
         if dtype not in MODEL_DTYPES.values():
             raise ValueError(f"WeightPusher dtype must be one of {tuple(MODEL_DTYPES.values())}, got {dtype}")
         self._mode = mode
@@ -467,33 +716,101 @@ class WeightPusher:
         self._world_size = world_size
         self._timeout_s = timeout_s
         self._registries = list(registries)
+        self._weights_root = Path(weights_root) if weights_root is not None else None
         self._stager = get_or_create_shard_stager() if mode == "sharded" else None
 
     def push(self, model: nn.Module, version: int, initial: bool = False) -> float:
         """Collective: every rank calls it. Returns seconds spent."""
+        start = time.perf_counter()
+        if is_lora_model(model):
+            self._push_adapter(model, version, initial)
+        elif self._mode == "lora_files":
+            raise ValueError("weight_push_mode lora_files pushes LoRA adapters: the policy has none (model.lora.r is 0)")
+        else:
+            self._push_weights(model, version, initial)
+        return time.perf_counter() - start
+
+    def _push_weights(self, model: nn.Module, version: int, initial: bool) -> None:
+        """Full weights: gathered on rank 0, or every rank's own shards."""
         import ray
 
-        start = time.perf_counter()
         if self._mode == "gather":
             state = gather_full_state_dict(model, dtype=self.dtype)
             own_ref = ray.put(state_dict_to_blobs(state)) if self._rank == 0 else None
             refs = [own_ref]
         else:
             own_ref = ray.put(local_shard_blobs(model, dtype=self.dtype))
-            ray.get(self._stager.stage.remote(version, self._rank, [own_ref]))
-            refs = (
-                ray.get(self._stager.collect.remote(version, self._world_size, self._timeout_s))
-                if self._rank == 0
-                else []
-            )
+            refs = self._staged_refs(version, own_ref)
         if self._rank == 0:
-            update = WeightUpdate(version=version, shard_refs=refs, mode=self._mode, initial=initial)
-            results = ray.get([reg.publish.remote(update) for reg in self._registries])
-            logger.info("pushed weights v%d (%s, %s) to %d workers", version, self._mode, self.dtype,
-                        sum(len(r) for r in results))
+            self._announce(WeightUpdate(version=version, shard_refs=refs, mode=self._mode, initial=initial))
         # Workers fetch shards from every rank's object store: keep own_ref alive until all are done.
         # The registries hold the update (borrowing its refs) until the next publish, so these
         # objects stay in this rank's store until then: a worker joining meanwhile loads them.
         dist.barrier()
         del own_ref
-        return time.perf_counter() - start
+
+    def _push_adapter(self, model: nn.Module, version: int, initial: bool) -> None:
+        """LoRA: the adapter (gathered, per-rank shards, or a folder), STABLE, then the announcement."""
+        import ray
+
+        if self._weights_root is None:
+            raise ValueError("WeightPusher: a LoRA policy needs weights_root (<run_dir>/weights) for its STABLE marker")
+        own_ref, refs, folder = None, [], None
+        if self._mode == "sharded":
+            own_ref = ray.put(local_adapter_blobs(model, dtype=self.dtype))
+            refs = self._staged_refs(version, own_ref)
+        else:
+            tensors = gather_adapter(model, dtype=self.dtype)
+            if self._rank == 0 and self._mode == "gather":
+                own_ref = ray.put(state_dict_to_blobs(tensors))
+                refs = [own_ref]
+            elif self._rank == 0:
+                folder = str(self._write_adapter_dir(tensors, adapter_config_json(model), version))
+            del tensors
+        if self._rank == 0:
+            update = WeightUpdate(version=version, shard_refs=refs, mode=self._mode, initial=initial,
+                                  adapter_config=adapter_config_json(model), adapter_path=folder,
+                                  marker_path=str(self._weights_root / STABLE_MARKER_FILE))
+            # Only now is every part of the version in place: the marker makes it loadable.
+            write_stable_marker(Path(update.marker_path),
+                                StableMarker(version=version, mode=self._mode, shards=update_parts(update)))
+            self._announce(update)
+            if self._mode == "lora_files":
+                self._prune_adapter_dirs()
+        dist.barrier()
+        del own_ref
+
+    def _staged_refs(self, version: int, own_ref: Any) -> list[Any]:
+        """Stage this rank's shard ref; rank 0 gets every rank's refs in rank order ([] elsewhere)."""
+        import ray
+
+        ray.get(self._stager.stage.remote(version, self._rank, [own_ref]))
+        if self._rank != 0:
+            return []
+        return ray.get(self._stager.collect.remote(version, self._world_size, self._timeout_s))
+
+    def _announce(self, update: WeightUpdate) -> None:
+        """Rank 0: publish the update through every registry (each returns once its workers loaded it)."""
+        import ray
+
+        results = ray.get([reg.publish.remote(update) for reg in self._registries])
+        logger.info("pushed %s v%d (%s, %s) to %d workers", "adapter" if update.is_adapter else "weights",
+                    update.version, self._mode, self.dtype, sum(len(r) for r in results))
+
+    def _write_adapter_dir(self, tensors: Mapping[str, torch.Tensor], config_json: str, version: int) -> Path:
+        """Rank 0, lora_files: the version's PEFT folder, written under a temp name and renamed,
+        so a folder under its final name is always complete."""
+        final = adapter_step_dir(self._weights_root, version)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_adapter_folder(tensors, config_json, tmp)
+        if final.exists():  # a resumed run pushes its first version again
+            shutil.rmtree(final)
+        tmp.rename(final)
+        return final
+
+    def _prune_adapter_dirs(self) -> None:
+        """Rank 0, lora_files: keep the newest _KEEP_ADAPTER_DIRS version folders."""
+        folders = sorted(p for p in self._weights_root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+        for old in folders[:-_KEEP_ADAPTER_DIRS]:
+            shutil.rmtree(old, ignore_errors=True)

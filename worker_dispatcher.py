@@ -119,6 +119,9 @@ class DispatcherConfig:
     """Generation: longest prompt + completion in tokens."""
     enforce_eager: bool = False
     """Generation: skip CUDA-graph capture (faster start)."""
+    max_lora_rank: int | None = None
+    """Generation: serve a LoRA-trained policy's adapters up to this rank (one of vLLM's 1, 8,
+    16, 32, 64, 128, 256, 320, 512; at least the trainer's model.lora.r). Unset: LoRA off."""
     max_tokens_per_gpu: int | None = None
     """Logprob: token budget of one packed forward."""
     dtype: str | None = None
@@ -183,6 +186,7 @@ def generation_worker_config(cfg: DispatcherConfig) -> Any:
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
             max_model_len=cfg.max_model_len,
             dtype=cfg.dtype,
+            max_lora_rank=cfg.max_lora_rank,
         ),
     )
 

@@ -27,6 +27,15 @@ gather_full_state_dict / local_shard_blobs, then ray.put; receiver side (a probe
 the same HF model, doing what LogprobWorker.update_weights does) fetching the objects, assembling
 full tensors (weight_sync.assemble_state_dict) and loading them (weight_sync.load_state_dict_into).
 
+LoRA (`--lora_r R`): the policy is wrapped with a rank-R adapter on every linear layer (alpha
+2R) and the pushes carry only the adapter, in the three LoRA modes: gather, sharded (LoRA A
+cut along dim 1), lora_files (rank 0 writes <work>/run/weights/step_N, receivers read it); every
+push also writes the STABLE marker and the receivers (logprob workers, old_policy) check it and
+apply the adapter to their base model with PEFT. GB and GB/s then count adapter bytes; the
+breakdown is skipped.
+
+    .venv/bin/python benchmarks/weight_push.py --lora_r 16
+
 The LAST line is key=value pairs:
 `fraction_of_memcpy=<x> best_mode=<m> gather_s=... sharded_s=... gather_gbps=... sharded_gbps=... memcpy_gbps=... model_gb=...`
 """
@@ -34,6 +43,7 @@ The LAST line is key=value pairs:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -62,6 +72,7 @@ logger = logging.getLogger("weight_push")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORLD_SIZE = 2  # FSDP ranks under torchrun, as in the demo
 MODES = ("gather", "sharded")
+LORA_MODES = ("gather", "sharded", "lora_files")
 GB = 1e9  # decimal gigabytes, for bytes and bytes per second alike
 PROBE_ACTOR_NAME = "weight-push-receiver-probe"  # the breakdown's receiver, next to the real ones
 MEMCPY_REPEATS = 5  # best of: the first copies also pay page faults of the allocator's fresh pages
@@ -101,6 +112,9 @@ class PushBenchConfig:
     """Trainer role: the model to shard."""
     out: str | None = None
     """Trainer role: where rank 0 writes its results."""
+    lora_r: int = 0
+    """Rank of a LoRA adapter on every linear layer; > 0 pushes only the adapter (modes gather,
+    sharded, lora_files). 0: full weights (gather, sharded)."""
 
     def __post_init__(self) -> None:
         if self.role == "trainer" and not (self.model_dir and self.out):
@@ -110,6 +124,13 @@ class PushBenchConfig:
                 raise ValueError(f"PushBenchConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.breakdown_repeats < 0:
             raise ValueError(f"PushBenchConfig.breakdown_repeats must be >= 0, got {self.breakdown_repeats}")
+        if self.lora_r < 0:
+            raise ValueError(f"PushBenchConfig.lora_r must be >= 0, got {self.lora_r}")
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The push modes measured: full weights' two, or LoRA's three."""
+        return LORA_MODES if self.lora_r else MODES
 
     def model(self) -> TinyModelConfig:
         return TinyModelConfig(hidden_size=self.hidden_size, num_layers=self.num_layers, num_heads=self.num_heads,
@@ -223,13 +244,15 @@ def start_receivers(model_dir: Path, count: int, with_probe: bool) -> list[Any]:
     return actors
 
 
-def run_trainer_role(cluster: LocalCluster, model_dir: Path, cfg: PushBenchConfig, out: Path, log: Path) -> dict[str, ModeResult]:
-    """torchrun this file in --role trainer; returns what rank 0 wrote."""
+def run_trainer_role(cluster: LocalCluster, model_dir: Path, cfg: PushBenchConfig, out: Path,
+                     log: Path) -> tuple[dict[str, ModeResult], int]:
+    """torchrun this file in --role trainer; returns what rank 0 wrote (per mode, bytes per push)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD_SIZE}",
         "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(Path(__file__).resolve()),
         "--role", "trainer", "--model_dir", str(model_dir), "--out", str(out),
         "--repeats", str(cfg.repeats), "--breakdown_repeats", str(cfg.breakdown_repeats),
+        "--lora_r", str(cfg.lora_r),
     ]
     with log.open("w") as handle:
         code = subprocess.run(command, env=cluster.env(), cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT,
@@ -237,7 +260,8 @@ def run_trainer_role(cluster: LocalCluster, model_dir: Path, cfg: PushBenchConfi
     if code != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
         raise RuntimeError(f"trainer role exited {code}; last lines of {log}:\n{tail}")
-    return {mode: ModeResult(**values) for mode, values in json.loads(out.read_text()).items()}
+    written = json.loads(out.read_text())
+    return {mode: ModeResult(**values) for mode, values in written["modes"].items()}, int(written["push_bytes"])
 
 
 def _load_average() -> str:
@@ -248,12 +272,15 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def report(results: dict[str, ModeResult], num_bytes: int, memcpy_by_threads: dict[int, float], receivers: int) -> None:
+def report(results: dict[str, ModeResult], num_bytes: int, memcpy_by_threads: dict[int, float], receivers: int,
+           lora_r: int = 0, model_num_bytes: int = 0) -> None:
     """Per-mode lines, then the key=value line."""
     model_gb = num_bytes / GB
     copy_gbps = max(memcpy_by_threads.values())
     copies = ", ".join(f"{t} thread(s) {g:.2f} GB/s" for t, g in memcpy_by_threads.items())
-    print(f"model {model_gb:.3f} GB fp32 ({num_bytes // 4 / 1e6:.0f}M params), {receivers} receiver(s), "
+    what = (f"LoRA r={lora_r} adapter {num_bytes / 1e6:.2f} MB fp32 ({num_bytes // 4 / 1e6:.2f}M params; full model "
+            f"{model_num_bytes / GB:.3f} GB)" if lora_r else f"model {model_gb:.3f} GB fp32 ({num_bytes // 4 / 1e6:.0f}M params)")
+    print(f"{what}, {receivers} receiver(s), "
           f"{WORLD_SIZE} FSDP ranks (gloo); load average {_load_average()} on {os.cpu_count()} cores")
     print(f"memcpy into a fresh buffer, best of {MEMCPY_REPEATS}: {copies}; reference {copy_gbps:.2f} GB/s")
     gbps = {}
@@ -273,6 +300,7 @@ def report(results: dict[str, ModeResult], num_bytes: int, memcpy_by_threads: di
         **{f"{m}_s": f"{_median(results[m].push_s):.3f}" for m in results},
         **{f"{m}_gbps": f"{gbps[m]:.3f}" for m in results},
         "memcpy_gbps": f"{copy_gbps:.3f}", "model_gb": f"{model_gb:.3f}", "receivers": str(receivers),
+        "lora_r": str(lora_r),
     }
     print(" ".join(f"{k}={v}" for k, v in fields.items()))
 
@@ -287,12 +315,18 @@ def drive(cfg: PushBenchConfig, work: Path) -> None:
     logger.info("memcpy GB/s by threads: %s", by_threads)
     copy_gbps = max(by_threads.values())
     cluster_config = LocalClusterConfig(model_path=str(model_dir), log_dir=str(work / "logs"), logprob_workers=cfg.receivers)
+    if cfg.lora_r and cfg.breakdown_repeats:
+        logger.info("LoRA: the step-by-step breakdown covers full-weight pushes only; skipped")
+        cfg = dataclasses.replace(cfg, breakdown_repeats=0)
     with LocalCluster(cluster_config) as cluster:
         # Keep the handles: an actor whose last handle goes out of scope is stopped, named or not.
         receivers = start_receivers(model_dir, cfg.receivers, with_probe=cfg.breakdown_repeats > 0)
-        results = run_trainer_role(cluster, model_dir, cfg, work / "trainer_results.json", work / "trainer.log")
+        results, push_bytes = run_trainer_role(cluster, model_dir, cfg, work / "trainer_results.json",
+                                               work / "trainer.log")
         del receivers
-    report(results, num_bytes, by_threads, cfg.receivers)
+    if cfg.lora_r:  # the memcpy reference for the bytes a push carries
+        by_threads = {threads: memcpy_gbps(push_bytes, threads) for threads in sorted({1, torch.get_num_threads()})}
+    report(results, push_bytes, by_threads, cfg.receivers, lora_r=cfg.lora_r, model_num_bytes=num_bytes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,23 +337,27 @@ def drive(cfg: PushBenchConfig, work: Path) -> None:
 class TrainerRole:
     """One FSDP rank: the model, a WeightPusher per mode, and the breakdown's manual pushes."""
 
-    def __init__(self, model_dir: Path, with_probe: bool) -> None:
+    def __init__(self, model_dir: Path, with_probe: bool, lora_r: int, run_dir: Path) -> None:
         import ray
 
         from dataset import DatasetConfig
         from fsdp_setup import build_training_model, init_distributed
-        from setup_model import ModelConfig
+        from setup_model import LoraConfig, ModelConfig
         from trainer_core import TrainerConfig, make_weight_pusher
-        from weight_sync import get_or_create_shard_stager
+        from weight_sync import adapter_named_tensors, get_or_create_shard_stager
 
         self.dist = init_distributed()
         ray.init(address=os.environ["RAY_ADDRESS"], namespace=RAY_NAMESPACE, log_to_driver=False)
-        model_config = ModelConfig(model_path=str(model_dir))
+        lora = LoraConfig(r=lora_r, alpha=2.0 * lora_r) if lora_r else LoraConfig()
+        model_config = ModelConfig(model_path=str(model_dir), lora=lora)
         self.model = build_training_model(model_config, self.dist)
+        self.push_bytes = (sum(t.numel() * t.element_size() for t in adapter_named_tensors(self.model).values())
+                           if lora_r else model_bytes(model_dir))
         self.pushers = {
-            mode: make_weight_pusher(TrainerConfig(model=model_config, data=DatasetConfig(path=UNUSED_DATA_PATH),
-                                             weight_push_mode=mode, logprob_role="old_policy"), self.dist)
-            for mode in MODES
+            mode: make_weight_pusher(TrainerConfig(run_dir=str(run_dir), model=model_config,
+                                                   data=DatasetConfig(path=UNUSED_DATA_PATH),
+                                                   weight_push_mode=mode, logprob_role="old_policy"), self.dist)
+            for mode in (LORA_MODES if lora_r else MODES)
         }
         self.stager = get_or_create_shard_stager()
         with_probe = with_probe and self.dist.rank == 0
@@ -373,21 +411,23 @@ class TrainerRole:
         return timings
 
 
-def trainer_main(model_dir: Path, out: Path, repeats: int, breakdown_repeats: int) -> None:
-    role = TrainerRole(model_dir, with_probe=breakdown_repeats > 0)
-    results = {mode: ModeResult() for mode in MODES}
-    for mode in MODES:
+def trainer_main(model_dir: Path, out: Path, repeats: int, breakdown_repeats: int, lora_r: int) -> None:
+    modes = LORA_MODES if lora_r else MODES
+    role = TrainerRole(model_dir, with_probe=breakdown_repeats > 0, lora_r=lora_r, run_dir=out.parent / "run")
+    results = {mode: ModeResult() for mode in modes}
+    for mode in modes:
         role.timed_push(mode)  # warm-up: first allocation of object-store and receiver buffers
     for _ in range(repeats):
-        for mode in MODES:  # alternating, so load from other processes hits both modes alike
+        for mode in modes:  # alternating, so load from other processes hits every mode alike
             results[mode].push_s.append(role.timed_push(mode))
     for _ in range(breakdown_repeats):
-        for mode in MODES:
+        for mode in modes:
             timings = role.breakdown_push(mode)
             for key, value in timings.items():
                 getattr(results[mode], key).append(value)
     if role.dist.rank == 0:
-        out.write_text(json.dumps({mode: asdict(r) for mode, r in results.items()}))
+        out.write_text(json.dumps({"modes": {mode: asdict(r) for mode, r in results.items()},
+                                   "push_bytes": role.push_bytes}))
         logger.info("trainer results written to %s", out)
     import torch.distributed as torch_dist
 
@@ -401,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.role == "trainer":
-        trainer_main(Path(cfg.model_dir), Path(cfg.out), cfg.repeats, cfg.breakdown_repeats)
+        trainer_main(Path(cfg.model_dir), Path(cfg.out), cfg.repeats, cfg.breakdown_repeats, cfg.lora_r)
         return
     work = Path(cfg.work_dir) if cfg.work_dir else Path(tempfile.mkdtemp(prefix="weight-push-"))
     work.mkdir(parents=True, exist_ok=True)

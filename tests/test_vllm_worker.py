@@ -271,7 +271,7 @@ def test_generate_adds_the_format_bonus_or_penalty_and_counts_it(truncated_rewar
     verifier = _TableVerifier({text: result for text, _, result, _ in rows})
     worker = GenerationWorker("unit", GenerationWorkerConfig(model_path="unused"), verifier=verifier)
 
-    async def fake_engine(sample: Sample, sampling: SamplingConfig) -> list[SimpleNamespace]:
+    async def fake_engine(sample: Sample, sampling: SamplingConfig, adapter: Any = None) -> list[SimpleNamespace]:
         return [_fake_completion(i, text, finish) for i, (text, finish, _, _) in enumerate(rows)]
 
     worker._run_engine = fake_engine  # type: ignore[method-assign]
@@ -301,7 +301,7 @@ def test_generate_applies_the_soft_overlong_punishment() -> None:
     verifier = _TableVerifier({t: ok for t in texts})
     worker = GenerationWorker("unit", GenerationWorkerConfig(model_path="unused"), verifier=verifier)
 
-    async def fake_engine(sample: Sample, sampling: SamplingConfig) -> list[SimpleNamespace]:
+    async def fake_engine(sample: Sample, sampling: SamplingConfig, adapter: Any = None) -> list[SimpleNamespace]:
         return [_fake_completion(i, text, finish) for i, (text, finish) in enumerate(zip(texts, finishes))]
 
     worker._run_engine = fake_engine  # type: ignore[method-assign]

@@ -27,7 +27,7 @@ def _pieces(tensor: torch.Tensor, num_shards: int) -> list[dict]:
     for index in range(num_shards):
         offset, rows = fsdp_shard_extent(tensor.shape[0], num_shards, index)
         piece = tensor[offset : offset + rows]
-        shards.append({"w": tensor_to_blob(piece, global_shape=tuple(tensor.shape), dim0_offset=offset)})
+        shards.append({"w": tensor_to_blob(piece, global_shape=tuple(tensor.shape), offset=offset)})
     return shards
 
 
@@ -49,7 +49,7 @@ def test_scalars_and_empty_tensors_travel_whole() -> None:
 
 
 def _blob(rows: torch.Tensor, offset: int, global_rows: int = 4):
-    return tensor_to_blob(rows, global_shape=(global_rows, 2), dim0_offset=offset)
+    return tensor_to_blob(rows, global_shape=(global_rows, 2), offset=offset)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,75 @@
+"""Logprob workers in the old_policy role apply a LoRA policy's pushed adapter to their base
+model; checked against Hugging Face PeftModel loaded from the same files.
+
+    .venv/bin/python -m pytest tests/test_lora_logprob.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from logprob_worker import LogprobWorker, LogprobWorkerConfig
+from sample_processing_utils import Sample
+from test_lora_vllm import _files_update, _hf_logprobs, _hf_peft, _mark_stable, _write_adapter
+from weight_sync import UnstableVersionError
+
+# Same weights and kernels family (packed sdpa vs eager), one process each: float rounding only.
+LOGPROB_ATOL = 1e-5
+SAMPLES = [([5, 6, 7, 8], [9, 10, 11]), ([20, 21], [22, 23, 24, 25, 26]), ([40, 3, 9], [17])]
+
+
+def _samples() -> list[Sample]:
+    return [Sample(input_token_ids=p, output_token_ids=o, gt_answer="", prompt_id=i) for i, (p, o) in enumerate(SAMPLES)]
+
+
+async def _scenario(model_dir: Path, root: Path) -> dict:
+    marker = root / "weights" / "STABLE"
+    a1 = _write_adapter(model_dir, root / "a1", 8, seed=1)
+    a2 = _write_adapter(model_dir, root / "a2", 8, seed=2)
+    worker = LogprobWorker("lora-logprob-test", LogprobWorkerConfig(model_path=str(model_dir), device="cpu",
+                                                                     max_wait_ms=0))
+    await worker.start()
+    got: dict = {"base": await worker.compute_group_logprobs(_samples())}
+    update = _files_update(a1, 1, marker)
+    _mark_stable(update)
+    got["version"] = await worker.update_weights(update)
+    got["a1"] = await worker.compute_group_logprobs(_samples())
+    try:
+        await worker.update_weights(_files_update(a2, 2, marker))  # the marker still names v1
+        got["unstable"] = None
+    except UnstableVersionError as exc:
+        got["unstable"] = str(exc)
+    got["after_unstable"] = await worker.compute_group_logprobs(_samples())
+    update = _files_update(a2, 3, marker)
+    _mark_stable(update)
+    await worker.update_weights(update)
+    got["a2"] = await worker.compute_group_logprobs(_samples())
+    await worker.shutdown()
+    got["adapters"] = {"a1": a1, "a2": a2}
+    return got
+
+
+@pytest.fixture(scope="module")
+def scenario(tiny_model_dir: Path, tmp_path_factory) -> dict:
+    return asyncio.run(_scenario(tiny_model_dir, tmp_path_factory.mktemp("lora-logprob")))
+
+
+@pytest.mark.parametrize("name", ["a1", "a2"])
+def test_old_policy_logprobs_with_adapter_equal_hf_peft(scenario: dict, tiny_model_dir: Path, name: str) -> None:
+    model = _hf_peft(tiny_model_dir, scenario["adapters"][name])
+    for (prompt, output), got in zip(SAMPLES, scenario[name]):
+        torch.testing.assert_close(torch.tensor(got.values), _hf_logprobs(model, prompt, output), atol=LOGPROB_ATOL,
+                                   rtol=0)
+    assert [g.values for g in scenario[name]] != [g.values for g in scenario["base"]]
+
+
+def test_unmarked_adapter_is_refused_and_the_served_one_kept(scenario: dict) -> None:
+    assert scenario["version"] == 1
+    assert "names v1" in scenario["unstable"]
+    assert [g.values for g in scenario["after_unstable"]] == [g.values for g in scenario["a1"]]
+    assert {g.weight_version for g in scenario["after_unstable"]} == {1}
+

@@ -1,0 +1,295 @@
+"""LoRA adapter pushes into a real vLLM engine (the CPU build's LoRA kernels), checked against
+Hugging Face PeftModel with the same adapter files.
+
+    .venv/bin/python -m pytest tests/test_lora_vllm.py -q
+
+One engine serves the whole scenario (module fixture, one event loop): pushes in the 'sharded'
+mode (two ranks' pieces, LoRA A cut along dim 1 as FSDP2 shards it here) and 'lora_files' mode,
+a push the STABLE marker does not name, a push while a long request is in flight, and 50
+pushes for memory. Adapters are written here with peft's save_pretrained; greedy tokens and
+logprobs are recomputed with the HF PeftModel loaded from those files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from math_verifier import RewardResult
+from sample_processing_utils import Sample
+from sampling import SamplingConfig
+from setup_model import load_causal_lm
+from vllm_worker import GenerationWorker, GenerationWorkerConfig, weights_file_dir
+from weight_sync import (
+    StableMarker, UnstableVersionError, WeightUpdate, adapter_step_dir, state_dict_to_blobs, tensor_to_blob,
+    update_parts, write_stable_marker,
+)
+
+MAX_LORA_RANK = 64
+SMALL_RANK = 8  # the adapters compared with HF
+BIG_RANK = 64  # the memory loop's adapters: ~1.8 MB each, so a leak of 40 would show in RSS
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[5, 6, 7, 8], [20, 21, 22], [40, 3, 9, 17, 33]]
+GREEDY_TOKENS = 12
+LONG_TOKENS = 160  # a request long enough to still be running when the next adapter loads
+# float32 engine vs float32 HF on the same tokens (different kernels, LoRA applied by punica vs
+# peft): the full-weights test sees ~3e-6; 1e-4 leaves room and is far below an adapter's effect.
+LOGPROB_ATOL = 1e-4
+MEMORY_PUSHES = 50
+MEMORY_WARMUP_PUSHES = 10
+# Allowed RSS growth (worker process and its children) from push 10 to push 50: allocator noise
+# on a busy machine. Keeping every replaced rank-64 adapter would add 40 x 1.8 MB = 72 MB.
+MEMORY_GROWTH_BYTES = 24 * 2**20
+
+
+class _ExactVerifier:
+    """Stands in for the verifier pool (these tests check tokens and logprobs, not rewards):
+    reward 1 for a completion equal to the gold answer, enough for the worker's canary."""
+
+    async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]:
+        return [RewardResult(reward=float(c == gt_answer), failed=False, error="") for c in completions]
+
+
+def _write_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> Path:
+    """A PEFT adapter with random nonzero A and B (a fresh one has B = 0, i.e. no effect)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(str(out))
+    return out
+
+
+def _hf_peft(model_dir: Path, adapter: Path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    return PeftModel.from_pretrained(base, str(adapter)).eval()
+
+
+def _hf_greedy(model, prompt: list[int], tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _hf_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return logprobs.gather(1, torch.tensor(output)[:, None])[:, 0]
+
+
+def _sharded_update(adapter: Path, version: int, marker: Path, world_size: int = 2) -> WeightUpdate:
+    """The adapter's tensors cut as FSDP2 shards them in the trainer (A on dim 1, B on dim 0),
+    one Ray object per 'rank', as WeightPusher's sharded mode publishes them."""
+    import ray
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    shards: list[dict] = [{} for _ in range(world_size)]
+    for name, tensor in tensors.items():
+        dim = 1 if ".lora_A." in name else 0
+        offset = 0
+        for rank, piece in enumerate(torch.chunk(tensor, world_size, dim=dim)):
+            shards[rank][name] = tensor_to_blob(piece, global_shape=tuple(tensor.shape), offset=offset, shard_dim=dim)
+            offset += piece.shape[dim]
+    refs = [ray.put(shard) for shard in shards]
+    return WeightUpdate(version=version, shard_refs=refs, mode="sharded",
+                        adapter_config=(adapter / "adapter_config.json").read_text(), marker_path=str(marker))
+
+
+def _files_update(adapter: Path, version: int, marker: Path) -> WeightUpdate:
+    return WeightUpdate(version=version, mode="lora_files", adapter_config=(adapter / "adapter_config.json").read_text(),
+                        adapter_path=str(adapter), marker_path=str(marker))
+
+
+def _mark_stable(update: WeightUpdate) -> None:
+    write_stable_marker(Path(update.marker_path),
+                        StableMarker(version=update.version, mode=update.mode, shards=update_parts(update)))
+
+
+def _tree_rss(process: psutil.Process) -> int:
+    return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
+
+
+async def _greedy(worker: GenerationWorker, prompt: list[int], tokens: int = GREEDY_TOKENS) -> Sample:
+    sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=tokens)
+    (sample,) = await worker.generate(Sample(input_token_ids=prompt, gt_answer="0", prompt_id=0), sampling)
+    return sample
+
+
+async def _scenario(model_dir: Path, root: Path) -> dict:
+    """Everything against one engine; returns what the tests check."""
+    marker = root / "weights" / "STABLE"
+    adapters = {name: _write_adapter(model_dir, root / name, SMALL_RANK, seed)
+                for name, seed in (("a1", 1), ("a2", 2), ("a3", 3))}
+    big = [_write_adapter(model_dir, root / f"big{i}", BIG_RANK, 10 + i) for i in range(2)]
+    config = GenerationWorkerConfig(model_path=str(model_dir), max_num_seqs=8, kv_cache_memory_bytes=64 << 20,
+                                    max_model_len=256, enforce_eager=True, dtype="float32",
+                                    max_lora_rank=MAX_LORA_RANK)
+    worker = GenerationWorker("lora-test-worker", config, verifier=_ExactVerifier())
+    await worker.start()
+    worker.mark_ready()  # as the registry does once the worker holds the latest weights
+    engine = worker._require_engine()
+    got: dict = {}
+    try:
+        got["base"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
+
+        # 1. sharded push of a1: greedy tokens and sampled logprobs.
+        update = _sharded_update(adapters["a1"], 1, marker)
+        _mark_stable(update)
+        got["v1_version"] = await worker.update_weights(update)
+        got["a1_greedy"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
+        sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=GREEDY_TOKENS, seed=5)
+        got["a1_sampled"] = [(s.input_token_ids, s.output_token_ids, s.sampling_logprobs, s.weight_version)
+                             for s in await worker.generate(Sample(input_token_ids=PROMPTS[0], gt_answer="0",
+                                                                   prompt_id=3), sampling)]
+
+        # 2. a version the marker does not name (still v1) is refused; v1 keeps serving.
+        unstable = _sharded_update(adapters["a2"], 2, marker)
+        try:
+            await worker.update_weights(unstable)
+            got["unstable_error"] = None
+        except UnstableVersionError as exc:
+            got["unstable_error"] = str(exc)
+        marker.unlink()
+        try:
+            await worker.update_weights(_sharded_update(adapters["a2"], 2, marker))
+            got["missing_marker_error"] = None
+        except UnstableVersionError as exc:
+            got["missing_marker_error"] = str(exc)
+        got["after_unstable_version"] = worker.weight_version
+        got["after_unstable_greedy"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
+        got["after_unstable_healthy"] = worker.health().healthy
+
+        # 3. lora_files push of a2 while a long a1 request is in flight.
+        long_request = asyncio.create_task(_greedy(worker, PROMPTS[1], LONG_TOKENS))
+        await asyncio.sleep(0.5)
+        files = _files_update(adapters["a2"], 3, marker)
+        _mark_stable(files)
+        got["v3_version"] = await worker.update_weights(files)
+        got["long_in_flight_at_switch"] = not long_request.done()
+        got["a2_greedy"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
+        long_sample = await long_request
+        got["long_tokens"], got["long_version"] = long_sample.output_token_ids, long_sample.weight_version
+        got["loras_after_switch"] = sorted(await engine.list_loras())
+
+        # 4. memory over MEMORY_PUSHES pushes (sharded), alternating two rank-64 adapters.
+        process = psutil.Process()
+        rss = {}
+        for i in range(MEMORY_PUSHES):
+            update = _sharded_update(big[i % 2], 10 + i, marker)
+            _mark_stable(update)
+            await worker.update_weights(update)
+            await _greedy(worker, PROMPTS[0], 2)
+            if i + 1 in (MEMORY_WARMUP_PUSHES, MEMORY_PUSHES):
+                gc.collect()
+                rss[i + 1] = _tree_rss(process)
+        got["rss"] = rss
+        got["loras_at_end"] = sorted(await engine.list_loras())
+        got["stats"] = worker.stats.as_metrics()
+        got["leftover_dirs"] = list(weights_file_dir().glob("grpo-adapter-lora-test-worker-*"))
+
+        # 5. a3 pushed once more as sharded (after all that) still matches HF.
+        update = _sharded_update(adapters["a3"], 100, marker)
+        _mark_stable(update)
+        await worker.update_weights(update)
+        got["a3_greedy"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
+
+        # 6. full weights (a run without LoRA reusing the worker): served without any adapter.
+        import ray
+
+        base = {k: v for k, v in load_causal_lm(model_dir).state_dict().items()}
+        await worker.update_weights(WeightUpdate(version=200, shard_refs=[ray.put(state_dict_to_blobs(base))],
+                                                 mode="gather"))
+        got["full_greedy"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
+        got["loras_after_full"] = sorted(await engine.list_loras())
+    finally:
+        worker.shutdown()
+    got["adapters"] = adapters
+    return got
+
+
+@pytest.fixture(scope="module")
+def scenario(ray_local, tiny_model_dir: Path, tmp_path_factory) -> dict:
+    return asyncio.run(_scenario(tiny_model_dir, tmp_path_factory.mktemp("lora-vllm")))
+
+
+@pytest.mark.vllm
+def test_pushed_adapter_greedy_tokens_equal_hf_peft(scenario: dict, tiny_model_dir: Path) -> None:
+    for name in ("a1", "a2", "a3"):
+        model = _hf_peft(tiny_model_dir, scenario["adapters"][name])
+        expected = [_hf_greedy(model, p, GREEDY_TOKENS) for p in PROMPTS]
+        assert scenario[f"{name}_greedy"] == expected, name
+    assert scenario["a1_greedy"] != scenario["base"], "the adapter must change the output for the check to bite"
+
+
+@pytest.mark.vllm
+def test_pushed_adapter_sampled_logprobs_equal_hf_peft(scenario: dict, tiny_model_dir: Path) -> None:
+    model = _hf_peft(tiny_model_dir, scenario["adapters"]["a1"])
+    assert scenario["v1_version"] == 1
+    for prompt, output, logprobs, version in scenario["a1_sampled"]:
+        assert version == 1
+        expected = _hf_logprobs(model, prompt, output)
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
+
+
+@pytest.mark.vllm
+def test_version_without_stable_marker_is_never_loaded(scenario: dict) -> None:
+    assert "names v1" in scenario["unstable_error"]
+    assert "no STABLE marker" in scenario["missing_marker_error"]
+    assert scenario["after_unstable_version"] == 1
+    assert scenario["after_unstable_greedy"] == scenario["a1_greedy"]
+    assert scenario["after_unstable_healthy"]
+    assert scenario["stats"]["generation/unstable_updates_refused"] == 2
+
+
+@pytest.mark.vllm
+def test_in_flight_request_finishes_on_its_adapter(scenario: dict, tiny_model_dir: Path) -> None:
+    """A request started on a1 keeps a1 to its last token although a2 was loaded meanwhile; a1
+    is removed from the engine once it finished."""
+    assert scenario["long_in_flight_at_switch"], "the long request ended before the switch: the check is vacuous"
+    model = _hf_peft(tiny_model_dir, scenario["adapters"]["a1"])
+    assert scenario["long_tokens"] == _hf_greedy(model, PROMPTS[1], LONG_TOKENS)
+    assert scenario["long_version"] == 1
+    assert scenario["v3_version"] == 3
+    assert len(scenario["loras_after_switch"]) == 1
+
+
+@pytest.mark.vllm
+def test_memory_flat_over_50_pushes(scenario: dict) -> None:
+    rss = scenario["rss"]
+    growth = rss[MEMORY_PUSHES] - rss[MEMORY_WARMUP_PUSHES]
+    assert growth < MEMORY_GROWTH_BYTES, f"RSS grew {growth / 2**20:.1f} MiB from push 10 to 50: {rss}"
+    assert len(scenario["loras_at_end"]) == 1, "replaced adapters must be removed from the engine"
+    assert scenario["stats"]["generation/adapters_removed"] >= MEMORY_PUSHES
+    assert scenario["leftover_dirs"] == [], "pushed adapters' shared-memory folders must be deleted"
+
+
+def test_lora_files_update_parts_name_the_folder(tmp_path: Path) -> None:
+    folder = adapter_step_dir(tmp_path, 7)
+    assert folder.name == "step_000007"
+    update = WeightUpdate(version=7, mode="lora_files", adapter_config=json.dumps({"r": 8}), adapter_path=str(folder),
+                          marker_path=str(tmp_path / "STABLE"))
+    assert update_parts(update) == (str(folder),)
+
+
+@pytest.mark.vllm
+def test_full_weights_after_adapters_are_served_without_an_adapter(scenario: dict) -> None:
+    assert scenario["full_greedy"] == scenario["base"]
+    assert scenario["loras_after_full"] == []

@@ -133,14 +133,26 @@ LOOPBACK_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # each vLLM engine's three IPC sockets (vLLM binds them itself and never unlinks them), the
 # verifier pool's multiprocessing folder (pymp-*: Ray ends the actor without its exit handlers)
 # and torchrun's torchelastic_* log folder; and a worker killed mid-run leaves whatever it held.
+# The folder is named after the launcher's pid, so that the next LocalCluster removes the folders
+# of launchers that died without stopping (SIGKILL).
 RUN_TEMP_PREFIX = "grpo-local-"
+
+
+def _make_run_temp_dir() -> str:
+    """A new temp folder `grpo-local-<this pid>-*`, after removing those whose launcher is gone."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{RUN_TEMP_PREFIX}*-*"):
+        owner = folder.name[len(RUN_TEMP_PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and not psutil.pid_exists(int(owner)):
+            logger.info("removing %s, left by a local cluster that did not stop (pid %s)", folder, owner)
+            shutil.rmtree(folder, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{RUN_TEMP_PREFIX}{os.getpid()}-")
 
 # glibc malloc settings for every process of a local run (an operator's own values win): a fixed
 # 256 KiB mmap threshold and trim threshold, as benchmarks/realistic_run.py sets. By default glibc
 # raises its mmap threshold each time a large mmapped block is freed (up to 32 MiB), so later
 # blocks of that size come from the heap, whose freed pages stay resident: over steps 50-300 of
-# the soak the vLLM engine core's heap ([heap] in smaps) grew 548 -> 705 MB and its RSS 1.09-1.14x;
-# with these, 217 -> 249 MB and 1.03x (benchmarks/soak.py, RESULTS.md). Ray's GCS and raylet
+# the soak the vLLM engine core's heap ([heap] in smaps) grew 548 -> 705 MiB and its RSS 1.09-1.14x;
+# with these, 217 -> 249 MiB and 1.03x (benchmarks/soak.py, RESULTS.md). Ray's GCS and raylet
 # run on jemalloc and ignore them.
 GLIBC_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 1024), "MALLOC_TRIM_THRESHOLD_": str(256 * 1024)}
 
@@ -229,8 +241,8 @@ class LocalCluster:
 
     def __enter__(self) -> "LocalCluster":
         Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
-        # mkdtemp also fixes this process's own temp folder (tempfile caches it) before TMPDIR changes.
-        self.temp_dir = tempfile.mkdtemp(prefix=RUN_TEMP_PREFIX)
+        # tempfile also fixes this process's own temp folder (it caches it) before TMPDIR changes.
+        self.temp_dir = _make_run_temp_dir()
         try:
             with _environ(run_environment(self.temp_dir)):  # the head's processes inherit it when they start
                 self.address = init_local_ray(num_cpus=self.config.num_cpus, namespace=RAY_NAMESPACE,
@@ -346,17 +358,19 @@ class LocalCluster:
     def __exit__(self, *exc_info) -> None:
         import ray
 
-        for _, process, _ in self._dispatchers:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)  # the dispatcher deregisters and stops its actor
-        for label, process, _ in self._dispatchers:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s dispatcher did not stop on SIGINT; killing it", label)
-                process.kill()
-        ray.shutdown()
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        try:
+            for _, process, _ in self._dispatchers:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGINT)  # the dispatcher deregisters and stops its actor
+            for label, process, _ in self._dispatchers:
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s dispatcher did not stop on SIGINT; killing it", label)
+                    process.kill()
+            ray.shutdown()
+        finally:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
         logger.info("local cluster stopped")
 
 

@@ -14,7 +14,7 @@ engine's speed. It then checks:
   requests on them;
 - after the cluster stops, no worker or engine-core process is left, no weight file remains
   in shared memory, and the folder the cluster's processes kept their temporary files in (the
-  killed workers' too) is gone.
+  killed workers' too) is gone; a folder left by a launcher that died is removed at the start.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import random
 import re
 import signal
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -34,7 +36,7 @@ import psutil
 import pytest
 
 from dataset import write_arithmetic_dataset
-from local_cluster import LocalCluster, LocalClusterConfig
+from local_cluster import RUN_TEMP_PREFIX, LocalCluster, LocalClusterConfig
 from metrics import read_metrics
 from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
 from vllm_worker import weights_file_dir
@@ -147,7 +149,13 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
     killed: dict[str, int] = {}
     victim_pids: set[int] = set()
     added_log = tmp_path / "added_worker.log"
+    # The temporary folder of a launcher that died without stopping (a pid no longer running).
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    orphan = Path(tempfile.gettempdir()) / f"{RUN_TEMP_PREFIX}{ended.pid}-chaos"
+    orphan.mkdir()
     with LocalCluster(config) as cluster, contextlib.ExitStack() as cleanup:
+        assert not orphan.exists(), "a dead launcher's temporary folder outlived the next cluster's start"
         cluster.start_workers()
         # The cluster's processes keep their temporary files in its own folder (vLLM's IPC sockets
         # at least), which goes when the cluster stops: checked after the kills, at the end.

@@ -220,10 +220,13 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
             assert served.get(name, 0) >= 1, f"{context}: {kind} worker {name} served nothing: {served}"
         actor_pids |= {_actor_pid(name) for name in replacements.values()}
         run_pids = _with_descendants(actor_pids) | victim_pids  # every worker and engine core of the run
+        generation_names = [worker_actor_name(GENERATION, i) for i in range(2)] + \
+            [replacements[GENERATION], replacements["added"]]
         added.send_signal(signal.SIGINT)  # its dispatcher deregisters and stops its worker
         assert added.wait(timeout=120) == 0, added_log.read_text()[-3000:]
 
-    # Everything the cluster started is gone, and no weight file is left in shared memory.
+    # Everything the cluster started is gone, and no weight file of its generation workers is left in
+    # shared memory (other runs' are not this run's to judge: a concurrent test_dispatcher writes one).
     def alive(pid: int) -> bool:
         try:
             return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -233,6 +236,6 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
     def all_gone() -> bool:
         return not any(alive(pid) for pid in run_pids)
     _wait(all_gone, "the cluster's processes to exit", 60.0, context)
-    leftovers = sorted(weights_file_dir().glob("grpo-weights-*-worker-*-v*.safetensors"))
+    leftovers = sorted(path for name in generation_names for path in weights_file_dir().glob(f"grpo-weights-{name}-v*"))
     assert not leftovers, f"{context}: weight files left behind: {leftovers}"
     assert not temp_dir.exists(), f"{context}: the cluster's temporary folder is left: {sorted(temp_dir.iterdir())}"

@@ -1,7 +1,11 @@
 """A LoRA run through the whole system: Ray, a vLLM generation worker serving adapters, a logprob
 worker, the batcher, and `torchrun` with 2 FSDP2 ranks training the adapter of the demo's model.
 
-    .venv/bin/python -m pytest tests/test_lora_end_to_end.py -q
+    .venv/bin/python -m pytest tests/test_end_to_end_lora.py -q
+
+Named to sort right after test_end_to_end.py: its LocalCluster owns a Ray head of its own, so in
+a full run it must come before the modules that share the session's `ray_local` connection (as
+tests/test_lora_end_to_end.py, it came after them and its cluster could not start).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ _SUM_KEYS = (
     "samples", "reward_sum", "correct", "response_tokens", "tokens", "truncated", "reward_failed",
     "staleness_sum", "loss_sum", "output_tokens", "kl_sum", "clip_sum", "entropy_sum",
     "first_entropy_sum", "ratio_sum", "wait_s", "train_s", "later_clip_sum", "later_ratio_sum", "later_tokens",
-    "zero_advantage", "mismatch_kl_sum", "mismatch_weight_sum", "mismatch_masked_sum",
+    "zero_advantage", "mismatch_kl_sum", "mismatch_weight_sum", "mismatch_masked_sum", "ray_bytes", "scatter_bytes",
 )
 # grpo_loss's per-minibatch token means, logged per step as token means: (metric, its sum key).
 _TOKEN_MEANS = (
@@ -76,6 +76,12 @@ class StepAccumulator:
 
     def add_time(self, key: str, seconds: float) -> None:
         self.sums[key] += seconds
+
+    def add_data_bytes(self, *, ray_bytes: int, scatter_bytes: int) -> None:
+        """Payload bytes of one received message (data_path.payload_nbytes): over Ray into this
+        process, and through the trainer's process group."""
+        self.sums["ray_bytes"] += ray_bytes
+        self.sums["scatter_bytes"] += scatter_bytes
 
     def add_minibatch(
         self, samples: Sequence[Sample], batch: PackedBatch, entropy: torch.Tensor, loss_value: float, loss_metrics: dict[str, float]
@@ -145,6 +151,8 @@ class StepAccumulator:
             "timing/wait_s": wait_max,
             "timing/train_s": s["train_s"] / world,
             "timing/push_s": push_s,
+            "data/ray_bytes": s["ray_bytes"],
+            "data/scatter_bytes": s["scatter_bytes"],
             "staleness/mean": s["staleness_sum"] / n,
             "staleness/max": float(max_staleness),
             "counts/samples": s["samples"],

@@ -31,6 +31,7 @@ from ray.actor import ActorHandle
 from torch.optim.lr_scheduler import LRScheduler
 
 from algorithm import AlgorithmConfig, DistillConfig, load_prepare_fn
+from data_path import PerRankDataPath, Rank0DataPath, make_data_path
 from checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, load_checkpoint
 from dataset import DatasetConfig, DatasetError, InfiniteDistributedSampler, load_prompts
 from evaluation import EvalConfig, Evaluator
@@ -119,6 +120,12 @@ class TrainerConfig:
     push_every - 1 can only use version 0). With max_lag == push_every - 1 the prompts of the step
     right after a push are generated only after that push, while nothing trains; from max_lag >=
     push_every on, generation overlaps training at every step."""
+    data_path: Literal["per_rank", "rank0"] = "per_rank"
+    """How ranks exchange prompts and minibatches with the batcher (data_path.py). per_rank: each
+    rank submits its prompts and pulls its minibatches over Ray. rank0: only rank 0 talks to the
+    batcher; it reads every rank's minibatches, acknowledges them, and scatters each rank its
+    share over the trainer's process group (gloo/NCCL), so the other ranks never receive data
+    over Ray. Both give every rank the same minibatches."""
     logprob_role: Literal["reference", "old_policy", "none"] = "reference"
     """What the logprob workers compute: reference logprobs (fixed weights, for the KL term),
     old-policy logprobs (they receive weight pushes), or nothing (no logprob workers needed)."""
@@ -267,8 +274,10 @@ class StepParts:
     """Its AdamW."""
     scheduler: LRScheduler
     """Its learning-rate schedule, advanced once per step."""
-    batcher: ActorHandle
-    """The ExperienceBatcher actor that sends this rank its minibatches."""
+    batcher: ActorHandle | None
+    """The ExperienceBatcher actor (None on ranks other than 0 with data_path rank0)."""
+    data_path: PerRankDataPath | Rank0DataPath
+    """How this rank submits prompts and receives its minibatches."""
     pusher: Publisher
     """Publishes new weights to the inference workers."""
     feeder: PromptFeeder
@@ -297,13 +306,11 @@ class PromptFeeder:
     """Draws each step's prompts from this rank's shard and submits them to the batcher, in step
     order, each step once."""
 
-    def __init__(self, prompts: list[Sample], sampler: InfiniteDistributedSampler, batcher: ActorHandle,
+    def __init__(self, sampler: InfiniteDistributedSampler, data_path: PerRankDataPath | Rank0DataPath,
                  config: TrainerConfig, dist: DistInfo, first_step: int, data_log: StepDataLog | None = None) -> None:
-        self._prompts = prompts
         self._sampler = sampler
-        self._batcher = batcher
+        self._data_path = data_path
         self._per_rank = config.prompts_per_rank
-        self._rank = dist.rank
         self._data_log = data_log if data_log is not None else StepDataLog(Path(config.run_dir), dist.rank)
         """Told the prompts of each submitted step; run_step records them once the step trains."""
         self.sampler_state_at_step: dict[int, dict[str, Any]] = {}
@@ -321,18 +328,17 @@ class PromptFeeder:
     def _submit(self, step: int) -> None:
         self.sampler_state_at_step[step] = self._sampler.state_dict()
         indices = self._sampler.next_batch(self._per_rank)
-        samples = [self._prompts[i] for i in indices]
-        ray.get(self._batcher.submit_prompts.remote(self._rank, step, samples))  # surfaces rejections
-        self._data_log.drawn(step, [s.prompt_id for s in samples])
+        self._data_path.submit_prompts(step, indices)
+        self._data_log.drawn(step, indices)
 
     def submit_extra(self, request: PromptRequest) -> None:
         """Draw and submit the extra prompts a step asks for (dynamic sampling). They come from the
         data order now, possibly after later steps' prompts: `resume_state` accounts for that."""
         drawn = self._sampler.next_drawn(request.count)
         self._extra_draws.extend((request.step, where) for _, where in drawn)
-        samples = [self._prompts[index] for index, _ in drawn]
-        ray.get(self._batcher.submit_prompts.remote(self._rank, request.step, samples, request.round_index))
-        self._data_log.drawn_more(request.step, [s.prompt_id for s in samples])
+        indices = [index for index, _ in drawn]
+        self._data_path.submit_prompts(request.step, indices, request.round_index)
+        self._data_log.drawn_more(request.step, indices)
 
     def resume_state(self, step: int) -> dict[str, Any]:
         """Sampler state for a run resuming at `step`: where step's prompts were drawn from, passing
@@ -363,7 +369,7 @@ def _forward_backward(model: torch.nn.Module, batch: PackedBatch, loss_weight: f
 
 
 def train_on_step(
-    model: torch.nn.Module, batcher: ActorHandle, step: int, config: TrainerConfig, dist: DistInfo,
+    model: torch.nn.Module, data_path: PerRankDataPath | Rank0DataPath, step: int, config: TrainerConfig, dist: DistInfo,
     acc: StepAccumulator, keep: list[KeptMinibatch] | None = None, feeder: PromptFeeder | None = None,
 ) -> EndOfStep:
     """Forward/backward every minibatch of this step as it arrives; returns the step's totals.
@@ -374,8 +380,10 @@ def train_on_step(
     """
     while True:
         wait_start = time.perf_counter()
-        message = ray.get(batcher.next_message.remote(dist.rank, step), timeout=config.message_timeout_s)
+        received = data_path.next_message(step, config.message_timeout_s)
         acc.add_time("wait_s", time.perf_counter() - wait_start)
+        acc.add_data_bytes(ray_bytes=received.ray_bytes, scatter_bytes=received.scatter_bytes)
+        message = received.message
         if isinstance(message, EndOfStep):
             return message
         if isinstance(message, PromptRequest):
@@ -514,12 +522,13 @@ def train(config: TrainerConfig) -> None:
     resume_step = start_step if config.resume else None
 
     batcher = _make_batcher(config, dist, restored.algorithm_state)
+    data_path = make_data_path(config.data_path, batcher, prompts, dist)
     pusher = make_weight_pusher(config, dist)
     data_log = StepDataLog(run_dir, dist.rank, resume_step=resume_step)
-    feeder = PromptFeeder(prompts, sampler, batcher, config, dist, first_step=start_step, data_log=data_log)
+    feeder = PromptFeeder(sampler, data_path, config, dist, first_step=start_step, data_log=data_log)
     start_generation(model, pusher, feeder, start_step, config)
-    parts = StepParts(model=model, optimizer=optimizer, scheduler=scheduler, batcher=batcher, pusher=pusher,
-                      feeder=feeder, data_log=data_log)
+    parts = StepParts(model=model, optimizer=optimizer, scheduler=scheduler, batcher=batcher, data_path=data_path,
+                      pusher=pusher, feeder=feeder, data_log=data_log)
 
     metrics = MetricsLogger(run_dir, enabled=dist.rank == 0, tensorboard=config.tensorboard,
                             progress_total=config.num_steps, progress_start=start_step,
@@ -580,7 +589,8 @@ def start_generation(model: torch.nn.Module, pusher: Publisher, feeder: PromptFe
 def save_checkpoint_after(step: int, parts: StepParts, checkpoints: CheckpointWriter) -> float:
     """Collective: start the checkpoint that resumes at step + 1 (the caller commits it once the
     step's records are written). Returns the seconds the loop was blocked."""
-    algorithm_state = ray.get(parts.batcher.algorithm_state.remote(step + 1))
+    # Only rank 0 writes trainer_state.json (and only it holds the batcher under data_path rank0).
+    algorithm_state = ray.get(parts.batcher.algorithm_state.remote(step + 1)) if parts.batcher is not None else {}
     state = TrainerState(step=step + 1, sampler_state=parts.feeder.resume_state(step + 1),
                          algorithm_state=algorithm_state)
     return checkpoints.save(parts.model, parts.optimizer, parts.scheduler, state)
@@ -618,9 +628,10 @@ def check_teacher_tokenizer(teacher_registry: ActorHandle, student_model_path: s
     logger.info("distillation: %d teacher worker(s) share the student's tokenizer", len(infos))
 
 
-def _make_batcher(config: TrainerConfig, dist: DistInfo, algorithm_state: dict[str, Any] | None = None) -> ActorHandle:
+def _make_batcher(config: TrainerConfig, dist: DistInfo,
+                  algorithm_state: dict[str, Any] | None = None) -> ActorHandle | None:
     """Rank 0 creates the batcher (get-if-exists) and restores a checkpoint's algorithm state into
-    it; the others find it after a barrier."""
+    it; the others find it after a barrier (with data_path rank0 they do not use it: None)."""
     batcher_config = BatcherConfig(
         world_size=dist.world_size,
         max_tokens_per_gpu=config.max_tokens_per_gpu,
@@ -647,7 +658,7 @@ def _make_batcher(config: TrainerConfig, dist: DistInfo, algorithm_state: dict[s
             ray.get(batcher.load_algorithm_state.remote(algorithm_state))
     torch_dist.barrier()
     if dist.rank != 0:
-        batcher = get_or_create_batcher(batcher_config)
+        batcher = get_or_create_batcher(batcher_config) if config.data_path == "per_rank" else None
     return batcher
 
 
@@ -659,7 +670,7 @@ def run_step(step: int, parts: StepParts, config: TrainerConfig, dist: DistInfo)
     acc = StepAccumulator(step=step)
     epochs = config.epochs_per_step
     kept: list[KeptMinibatch] | None = [] if epochs > 1 else None
-    end = train_on_step(model, batcher, step, config, dist, acc, keep=kept, feeder=parts.feeder)
+    end = train_on_step(model, parts.data_path, step, config, dist, acc, keep=kept, feeder=parts.feeder)
     if end.num_samples > 0:
         divisor = gradient_divisor(end, config)
         grad_norm = take_gradient_step(model, optimizer, scheduler, divisor, config.optim.max_grad_norm,

@@ -596,6 +596,8 @@ class ExperienceBatcher:
         self._steps: dict[int, _StepState] = {}
         self._retired_steps: set[int] = set()
         self._stats: dict[int, StepStats] = {}
+        self._rounds: dict[int, tuple[int, bool]] = {}
+        """Rank-0 data path: step -> (index of the last round read, whether it was acknowledged)."""
 
     async def submit_prompts(self, rank: int, step: int, samples: list[Sample], round_index: int = 0) -> None:
         """Start generating `rank`'s prompts for `step` (once per rank and step; again once per
@@ -663,6 +665,40 @@ class ExperienceBatcher:
                 del self._steps[step]
                 self._retired_steps.add(step)
         return message
+
+    async def next_round(self, step: int, index: int) -> list[Minibatch | EndOfStep | PromptRequest]:
+        """The rank-0 data path's read (data_path.Rank0DataPath): the next message of every rank for
+        `step`, one per rank in rank order, as round `index` (0, 1, ... per step).
+
+        Two-phase: round index + 1 is refused until round `index` was acknowledged (ack_round), so
+        a round is only released to a reader that holds the previous one whole, and a step's
+        EndOfStep round comes after every data round of the step was acknowledged. Every rank's
+        messages have the same kind in each round (minibatch counts are equal per rank and
+        PromptRequests go to all ranks after flush); a round that mixes kinds fails.
+        """
+        last, acked = self._rounds.get(step, (-1, True))
+        if index != last + 1 or not acked:
+            raise ExperienceBatcherError(
+                f"step {step}: round {index} requested, but the last round read was {last} "
+                f"({'acknowledged' if acked else 'not acknowledged'}); rounds are read in order, each after "
+                "the previous one's ack_round")
+        self._rounds[step] = (index, False)
+        messages = list(await asyncio.gather(*(self.next_message(rank, step) for rank in range(self.config.world_size))))
+        kinds = {type(m).__name__ for m in messages}
+        if len(kinds) != 1:
+            raise ExperienceBatcherError(f"step {step}: round {index} mixes message kinds {sorted(kinds)} across ranks")
+        return messages
+
+    def ack_round(self, step: int, index: int) -> None:
+        """The rank-0 reader holds round `index` of `step` whole (see next_round)."""
+        last, acked = self._rounds.get(step, (-1, True))
+        if index != last or acked:
+            raise ExperienceBatcherError(f"step {step}: ack of round {index}, but the round awaiting one is "
+                                         f"{last if not acked else 'none'}")
+        if step in self._retired_steps:  # the EndOfStep round: nothing more to read for the step
+            del self._rounds[step]
+        else:
+            self._rounds[step] = (index, True)
 
     def stats(self, step: int | None = None) -> dict[str, float]:
         """Metrics of `step` (an open step reports its progress so far), or with None of the most
@@ -1064,6 +1100,12 @@ class ExperienceBatcherActor:
 
     async def next_message(self, rank: int, step: int) -> Minibatch | EndOfStep | PromptRequest:
         return await self._batcher.next_message(rank, step)
+
+    async def next_round(self, step: int, index: int) -> list[Minibatch | EndOfStep | PromptRequest]:
+        return await self._batcher.next_round(step, index)
+
+    async def ack_round(self, step: int, index: int) -> None:
+        self._batcher.ack_round(step, index)
 
     async def algorithm_state(self, step: int) -> dict[str, Any]:
         return self._batcher.algorithm_state(step)

@@ -10,14 +10,15 @@ SPEC.json (written by the test):
     max_tokens_per_gpu  the packer's token budget (small, so each rank gets several minibatches)
     reorder_window      the packer's best-fit window
     cases               {name: {"epochs_per_step": int, "loss": LossConfig fields,
-                                "optim": OptimConfig fields}}
+                                "optim": OptimConfig fields, "data_path": "per_rank" | "rank0"}}
 
 For each case every rank builds the FSDP2 model, AdamW and schedule afresh with fsdp_setup's and optimizer's
 builders, packs the samples with the real MinibatchPacker (every rank runs it over the same
 samples in the same order; it is deterministic, so each rank keeps exactly the minibatches the
 ExperienceBatcher would have sent it), and runs trainer_core.run_step for step 0 of a one-step run.
 Only the transport is stood in for: a batcher double replays the rank's minibatches and the
-step's EndOfStep, and a pusher double takes gather_full_state_dict of the weights the real
+step's EndOfStep (with data_path rank0, rank 0's double replays every rank's, round by round,
+and the real Rank0DataPath scatters them to the ranks), and a pusher double takes gather_full_state_dict of the weights the real
 WeightPusher would publish. Rank 0 writes OUT/<case>.pt, a dict of
     params       HF name -> full tensor after the step (what the pusher received)
     grads        one dict per optimizer step (HF name -> full gradient as AdamW received it:
@@ -57,6 +58,7 @@ from sampling import SamplingConfig
 from setup_model import ModelConfig
 from weight_sync import gather_full_state_dict
 from vllm_experience_batcher import EndOfStep, Minibatch, MinibatchPacker  # noqa: E402
+from data_path import PerRankDataPath, Rank0DataPath, RayBatcherClient  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,22 @@ class ReplayBatcher:
         if (rank, step) != (self._rank, STEP):
             raise AssertionError(f"next_message({rank}, {step}) on the stand-in for rank {self._rank}, step {STEP}")
         return next(self._messages)
+
+
+class ReplayRounds:
+    """Rank 0's batcher double for data_path rank0 (a data_path.BatcherClient): every rank's
+    messages of the step, one round (the next message of each rank) per read, in order."""
+
+    def __init__(self, per_rank: list[list[Minibatch | EndOfStep]]) -> None:
+        self._rounds = list(zip(*per_rank, strict=True))
+        self.acked: list[int] = []
+
+    def next_round(self, step: int, index: int, timeout_s: float) -> list[Minibatch | EndOfStep]:
+        assert step == STEP and index == len(self.acked), (step, index, self.acked)
+        return list(self._rounds[index])
+
+    def ack_round(self, step: int, index: int) -> None:
+        self.acked.append(index)
 
 
 @dataclass
@@ -180,8 +198,12 @@ def run_case(name: str, case: dict, spec: dict, info: DistInfo, out_dir: Path) -
     samples = [Sample(**fields) for fields in spec["samples"]]
     index_of = {id(s): i for i, s in enumerate(samples)}
     minibatches, packer = pack_step(samples, info.world_size, config.max_tokens_per_gpu, spec["reorder_window"])
-    mine: list[Minibatch | EndOfStep] = [mb for mb in minibatches if mb.rank == info.rank]
-    mine.append(end_of_step(packer, num_prompts=len({s.prompt_id for s in samples})))
+    end = end_of_step(packer, num_prompts=len({s.prompt_id for s in samples}))
+    per_rank = [[mb for mb in minibatches if mb.rank == rank] + [end] for rank in range(info.world_size)]
+    if case.get("data_path", "per_rank") == "rank0":
+        data_path = Rank0DataPath(ReplayRounds(per_rank) if info.is_main else None, [], info)
+    else:
+        data_path = PerRankDataPath(RayBatcherClient(ReplayBatcher(per_rank[info.rank], info.rank)), [], info)
 
     model = build_training_model(config.model, info)
     optimizer = build_optimizer(model, config.optim)
@@ -190,7 +212,8 @@ def run_case(name: str, case: dict, spec: dict, info: DistInfo, out_dir: Path) -
     pusher = RecordingPusher()
     with ray_get_passthrough():
         parts = trainer_core.StepParts(model=model, optimizer=optimizer, scheduler=scheduler,
-                                       batcher=ReplayBatcher(mine, info.rank), pusher=pusher, feeder=NoFeeder())
+                                       batcher=ReplayBatcher([], info.rank), data_path=data_path, pusher=pusher,
+                                       feeder=NoFeeder())
         metrics = trainer_core.run_step(STEP, parts, config, info)
     if info.is_main:
         per_rank = [[{"samples": [index_of[id(s)] for s in mb.samples], "loss_weight": mb.loss_weight}

@@ -19,7 +19,8 @@ With epochs_per_step > 1 every pass ends in an optimizer step and later passes t
 pass's detached logprobs as pi_old. Cases: 1 epoch without KL, 1 epoch with k3 KL, 2 epochs with KL,
 and the loss options of issue 12: the token-mean and constant aggregations (their divisors are
 step totals, so the split over ranks and minibatches must still equal one padded batch) and
-GSPO's sequence-level ratio over 2 epochs.
+GSPO's sequence-level ratio over 2 epochs; and the two-epoch k3 case again with data_path
+rank0, where rank 0 scatters every rank's minibatches over the process group.
 
 What is compared, and why not only the weights. Adam divides each update by the gradient's own
 running RMS, so its first step is about lr x sign(g) wherever |g| >> eps: the weights alone
@@ -110,6 +111,7 @@ class Case:
     epochs_per_step: int
     loss: LossConfig
     optim: OptimConfig
+    data_path: str = "per_rank"
 
 
 def _optim(max_grad_norm: float) -> OptimConfig:
@@ -130,6 +132,11 @@ CASES = {
                           loss=LossConfig(kl_coef=KL_COEF, kl_estimator="k3", aggregation="token_mean")),
     "constant_two_epochs": Case(epochs_per_step=2, optim=_optim(NO_CLIP),
                                 loss=LossConfig(aggregation="constant", clip_low=CLIP_LOW, clip_high=CLIP_HIGH)),
+    # data_path rank0: rank 0 reads every rank's minibatches and scatters them (data_path.py);
+    # the step must be the same one padded batch.
+    "two_epochs_k3_rank0": Case(epochs_per_step=2, optim=_optim(CLIPPING_MAX_NORM), data_path="rank0",
+                                loss=LossConfig(kl_coef=KL_COEF, kl_estimator="k3", clip_low=CLIP_LOW,
+                                                clip_high=CLIP_HIGH)),
     "gspo_two_epochs": Case(epochs_per_step=2, optim=_optim(NO_CLIP),
                             loss=LossConfig(ratio_level="sequence", seq_clip_low=GSPO_CLIP, seq_clip_high=GSPO_CLIP)),
 }
@@ -333,8 +340,8 @@ def system_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, s
         "max_prompt_tokens": PROMPT_LEN_RANGE[1] - 1,
         "max_output_tokens": MAX_OUTPUT_TOKENS,
         "reorder_window": REORDER_WINDOW,
-        "cases": {name: {"epochs_per_step": c.epochs_per_step, "loss": asdict(c.loss), "optim": asdict(c.optim)}
-                  for name, c in CASES.items()},
+        "cases": {name: {"epochs_per_step": c.epochs_per_step, "loss": asdict(c.loss), "optim": asdict(c.optim),
+                         "data_path": c.data_path} for name, c in CASES.items()},
     }
     launch_worker(spec, out_dir)
     return out_dir

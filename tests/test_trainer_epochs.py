@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import trainer_core
+from data_path import PerRankDataPath, RayBatcherClient
 from dataset import DatasetConfig
 from grpo_loss import LossConfig
 from metrics import StepAccumulator
@@ -98,7 +99,7 @@ def test_later_passes_match_a_hand_written_ppo_epoch_loop(tiny_model_dir: Path, 
     acc = StepAccumulator(step=0)
     kept: list[KeptMinibatch] = []
 
-    end = train_on_step(model, batcher, 0, config, dist, acc, keep=kept)
+    end = train_on_step(model, PerRankDataPath(RayBatcherClient(batcher), [], dist), 0, config, dist, acc, keep=kept)
     assert len(kept) == len(chunks) and all(k.batch.old_logprobs is not None for k in kept)
     take_gradient_step(model, optimizer, scheduler, end.num_samples, optim_config.max_grad_norm, advance_schedule=False)
     train_again(model, kept, config, dist, acc)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from data_path import PerRankDataPath, RayBatcherClient
 from dataset import DatasetConfig, InfiniteDistributedSampler
 from grpo_loss import LossConfig
 from sample_processing_utils import Sample
@@ -67,7 +68,7 @@ class _StandInBatcher:
         self.next_message = _Remote(self._next_message)
         self.stats = _Remote(lambda step=None: {})
 
-    def _submit_prompts(self, rank: int, step: int, samples: list[Sample]) -> None:
+    def _submit_prompts(self, rank: int, step: int, samples: list[Sample], round_index: int = 0) -> None:
         assert step not in self.version_at_submit, f"step {step} submitted twice"
         assert step == len(self.version_at_submit) + min(self.version_at_submit, default=step), "out of order"
         self.version_at_submit[step] = self._workers.version
@@ -127,10 +128,11 @@ def _run(tiny_model_dir: Path, tmp_path: Path, monkeypatch, push_every: int, max
     batcher, pusher = _StandInBatcher(workers, max_lag), _StandInPusher(workers)
     prompts = [Sample(input_token_ids=[5, 6, 7], gt_answer="", prompt_id=i) for i in range(NUM_PROMPTS)]
     sampler = InfiniteDistributedSampler(NUM_PROMPTS, 0, 1, seed=0)
-    feeder = PromptFeeder(prompts, sampler, batcher, config, dist, first_step=start)
+    data_path = PerRankDataPath(RayBatcherClient(batcher), prompts, dist)
+    feeder = PromptFeeder(sampler, data_path, config, dist, first_step=start)
     start_generation(model, pusher, feeder, start, config)
-    parts = StepParts(model=model, optimizer=optimizer, scheduler=scheduler, batcher=batcher, pusher=pusher,
-                      feeder=feeder)
+    parts = StepParts(model=model, optimizer=optimizer, scheduler=scheduler, batcher=batcher, data_path=data_path,
+                      pusher=pusher, feeder=feeder)
     records = [run_step(step, parts, config, dist) for step in range(start, NUM_STEPS)]
     return batcher, pusher, records
 

@@ -11,8 +11,11 @@ seed, `torchrun trainer_core.py` with `configs/demo.yaml` for `--num_steps` step
 ending there, no checkpoints), once per variant:
 
     grpo       the demo as it is (reward only)
-    distill    distill.teacher, distill.use_reward false, distill.coef --coef: the teacher's
-               per-token logprobs are the only learning signal; the reward is only measured
+    distill         distill.teacher, distill.use_reward false, distill.coef --coef: the teacher's
+                    per-token logprobs are the only learning signal; the reward is only measured
+    distill_reward  the same on top of the GRPO reward (distill.use_reward true)
+
+`--distill_lr` overrides optim.lr of the distill variants (the demo's lr was tuned for GRPO).
 
 Every run evaluates greedy accuracy on the demo's 100 sums every `--eval_every` steps. Printed
 and written to <out_dir>/distill.json: per variant and seed, reward/mean (10-step means) and the
@@ -54,28 +57,34 @@ class DistillBenchConfig:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """Trainer seeds."""
     variants: list[str] = field(default_factory=lambda: ["grpo", "distill"])
-    """Which of grpo, distill to run."""
+    """Which of grpo, distill, distill_reward to run."""
     num_steps: int = 60
     """Steps per run."""
     eval_every: int = 20
     """Greedy evaluation every this many steps (and after the last)."""
     coef: float = 1.0
-    """distill.coef of the distill variant."""
+    """distill.coef of the distill variants."""
+    distill_lr: float | None = None
+    """optim.lr of the distill variants (None: the demo's)."""
+    teacher_eval: bool = True
+    """Measure the teacher's greedy accuracy first."""
     assets_dir: str = str(REPO_ROOT / "runs" / "demo-assets")
     """The demo's starting model, prompts and evaluation table."""
     out_dir: str = str(REPO_ROOT / "runs" / "distill")
     """Runs go to <out_dir>/<variant>-seed<seed>."""
 
     def __post_init__(self) -> None:
-        unknown = set(self.variants) - {"grpo", "distill"}
+        unknown = set(self.variants) - {"grpo", "distill", "distill_reward"}
         if unknown:
-            raise ValueError(f"unknown variants {sorted(unknown)}; known: grpo, distill")
+            raise ValueError(f"unknown variants {sorted(unknown)}; known: grpo, distill, distill_reward")
 
 
 def variant_args(name: str, config: DistillBenchConfig) -> list[str]:
-    if name == "distill":
-        return ["--distill.teacher", "true", "--distill.use_reward", "false", "--distill.coef", str(config.coef)]
-    return []
+    if name == "grpo":
+        return []
+    args = ["--distill.teacher", "true", "--distill.use_reward", str(name == "distill_reward").lower(),
+            "--distill.coef", str(config.coef)]
+    return args + (["--optim.lr", str(config.distill_lr)] if config.distill_lr is not None else [])
 
 
 def run_one(cluster: LocalCluster, name: str, seed: int, config: DistillBenchConfig, num_steps: int) -> dict:
@@ -158,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict] = []
     with LocalCluster(cluster_config) as cluster:
         cluster.start_workers()
-        teacher = teacher_accuracy(cluster, config)
+        teacher = teacher_accuracy(cluster, config) if config.teacher_eval else None
         logger.info("teacher greedy accuracy: %s", teacher)
         for seed in config.seeds:
             for name in config.variants:

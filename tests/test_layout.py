@@ -30,7 +30,7 @@ PURE = ("advantages", "algorithm", "grpo_loss", "optimizer", "packed_attention",
 FORBIDDEN_IN_PURE = ("ray", "vllm", "torch.distributed")
 WORKER_SIDE = ("logprob_worker", "math_verifier", "vllm_experience_batcher", "vllm_registry", "vllm_worker",
                "worker_dispatcher")
-TRAINER_ONLY = ("checkpoint", "evaluation", "fsdp_setup", "metrics", "optimizer", "trainer_core")
+TRAINER_ONLY = ("checkpoint", "data_path", "evaluation", "fsdp_setup", "metrics", "optimizer", "trainer_core")
 WORKER_MODULES = ("logprob_worker", "math_verifier", "vllm_worker", "worker_dispatcher")
 
 

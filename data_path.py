@@ -165,6 +165,8 @@ class BatcherClient(Protocol):
 
     def submit_prompts(self, rank: int, step: int, samples: list[Sample], round_index: int) -> None: ...
 
+    def submit_prompts_of_ranks(self, step: int, per_rank: list[list[Sample]], round_index: int) -> None: ...
+
     def next_message(self, rank: int, step: int, timeout_s: float) -> Message: ...
 
     def next_round(self, step: int, index: int, timeout_s: float) -> list[Message]: ...
@@ -253,13 +255,8 @@ class Rank0DataPath:
         self._collective(step, "the prompt indices", lambda: torch_dist.all_gather(gathered, mine))
         if dist.rank != 0:
             return
-        per_rank = [[self._prompts[i] for i in part.tolist()] for part in gathered]
-        submit_all = getattr(self._client, "submit_prompts_of_ranks", None)
-        if submit_all is not None:
-            submit_all(step, per_rank, round_index)
-        else:
-            for rank, samples in enumerate(per_rank):
-                self._client.submit_prompts(rank, step, samples, round_index)
+        self._client.submit_prompts_of_ranks(step, [[self._prompts[i] for i in part.tolist()] for part in gathered],
+                                             round_index)
 
     def next_message(self, step: int, timeout_s: float) -> Received:
         if self._dist.rank == 0:

@@ -69,6 +69,10 @@ class LoopClient:
     def submit_prompts(self, rank: int, step: int, samples: list, round_index: int) -> None:
         self._run(self._batcher.submit_prompts(rank, step, samples, round_index))
 
+    def submit_prompts_of_ranks(self, step: int, per_rank: list[list], round_index: int) -> None:
+        for rank, samples in enumerate(per_rank):
+            self.submit_prompts(rank, step, samples, round_index)
+
     def next_message(self, rank: int, step: int, timeout_s: float) -> Any:
         raise AssertionError("the rank-0 path must read rounds, not single messages")
 

@@ -131,10 +131,18 @@ class DistillConfig:
     use_reward: bool = True
     """Add the estimator's advantage from the reward (GRPO + distillation); false distils alone:
     the reward only shows in the metrics."""
+    baseline: Literal["none", "group_mean"] = "none"
+    """none: each token's term is coef x (log p_teacher - log p_student) as is. group_mean:
+    minus coef x the mean over the sample's group ((group_id, run_id)) of the samples' token-mean
+    reverse KL, a baseline as GRPO's group mean is for the reward: on the student's samples the
+    sampled-token term is mostly negative (a wrong token costs a lot, a right one gains little),
+    and the baseline turns the better-than-the-group samples' tokens positive."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.coef) and self.coef > 0):
             raise ValueError(f"DistillConfig.coef must be a finite number > 0, got {self.coef}")
+        if self.baseline not in ("none", "group_mean"):
+            raise ValueError(f"DistillConfig.baseline must be 'none' or 'group_mean', got {self.baseline!r}")
 
 
 class KLController:
@@ -283,19 +291,31 @@ def builtin_prepare(samples: list[Sample], ctx: AlgorithmContext) -> PreparedSam
 
 def distill_token_advantages(samples: list[Sample], config: DistillConfig) -> float:
     """Set each sample's token_advantages to (its advantage if config.use_reward else 0)
-    + coef x (log p_teacher(t) - log p_student(t)); returns the mean over samples of each
-    sample's token-mean reverse KL, log p_student - log p_teacher (its sampled-token estimate)."""
-    per_sample_kl = []
+    + coef x (log p_teacher(t) - log p_student(t) + b), where b is 0, or with config.baseline
+    group_mean the mean token-mean reverse KL of the sample's group; returns the mean over samples
+    of each sample's token-mean reverse KL, log p_student - log p_teacher (its sampled-token
+    estimate)."""
+    gaps = []
     for s in samples:
         if not s.teacher_logprobs or len(s.teacher_logprobs) != len(s.sampling_logprobs):
             raise ValueError(f"sample prompt_id={s.prompt_id}: distillation needs one teacher logprob per output "
                              f"token, got {len(s.teacher_logprobs or [])} for {len(s.sampling_logprobs)}")
-        gap = np.asarray(s.sampling_logprobs, np.float64) - np.asarray(s.teacher_logprobs, np.float64)
+        gaps.append(np.asarray(s.sampling_logprobs, np.float64) - np.asarray(s.teacher_logprobs, np.float64))
+    per_sample_kl = [float(gap.mean()) for gap in gaps]
+    baselines = [0.0] * len(samples)
+    if config.baseline == "group_mean":
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, s in enumerate(samples):
+            groups.setdefault(s.group_key, []).append(i)
+        for members in groups.values():
+            mean = float(np.mean([per_sample_kl[i] for i in members]))
+            for i in members:
+                baselines[i] = mean
+    for s, gap, b in zip(samples, gaps, baselines):
         base = s.advantage if config.use_reward else 0.0
-        s.token_advantages = (base - config.coef * gap).tolist()
+        s.token_advantages = (base - config.coef * (gap - b)).tolist()
         if not config.use_reward:
             s.advantage = 0.0
-        per_sample_kl.append(float(gap.mean()))
     return float(np.mean(per_sample_kl)) if per_sample_kl else 0.0
 
 

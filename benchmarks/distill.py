@@ -14,6 +14,8 @@ ending there, no checkpoints), once per variant:
     distill         distill.teacher, distill.use_reward false, distill.coef --coef: the teacher's
                     per-token logprobs are the only learning signal; the reward is only measured
     distill_reward  the same on top of the GRPO reward (distill.use_reward true)
+    distill_baseline  distill with distill.baseline group_mean (the group's mean reverse KL
+                    subtracted, as GRPO subtracts the group's mean reward)
 
 `--distill_lr` overrides optim.lr of the distill variants (the demo's lr was tuned for GRPO).
 
@@ -57,7 +59,7 @@ class DistillBenchConfig:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """Trainer seeds."""
     variants: list[str] = field(default_factory=lambda: ["grpo", "distill"])
-    """Which of grpo, distill, distill_reward to run."""
+    """Which of grpo, distill, distill_reward, distill_baseline to run."""
     num_steps: int = 60
     """Steps per run."""
     eval_every: int = 20
@@ -74,9 +76,10 @@ class DistillBenchConfig:
     """Runs go to <out_dir>/<variant>-seed<seed>."""
 
     def __post_init__(self) -> None:
-        unknown = set(self.variants) - {"grpo", "distill", "distill_reward"}
+        unknown = set(self.variants) - {"grpo", "distill", "distill_reward", "distill_baseline"}
         if unknown:
-            raise ValueError(f"unknown variants {sorted(unknown)}; known: grpo, distill, distill_reward")
+            raise ValueError(f"unknown variants {sorted(unknown)}; known: grpo, distill, distill_reward, "
+                             "distill_baseline")
 
 
 def variant_args(name: str, config: DistillBenchConfig) -> list[str]:
@@ -84,6 +87,8 @@ def variant_args(name: str, config: DistillBenchConfig) -> list[str]:
         return []
     args = ["--distill.teacher", "true", "--distill.use_reward", str(name == "distill_reward").lower(),
             "--distill.coef", str(config.coef)]
+    if name == "distill_baseline":
+        args += ["--distill.baseline", "group_mean"]
     return args + (["--optim.lr", str(config.distill_lr)] if config.distill_lr is not None else [])
 
 

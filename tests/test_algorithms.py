@@ -637,6 +637,24 @@ def test_distillation_token_advantages_by_hand(use_reward: bool) -> None:
     assert post_process_batch([a, b]).advantages.tolist() == pytest.approx([base_a + 1.0, base_a - 2.0, base_b])
 
 
+def test_distillation_group_mean_baseline_by_hand() -> None:
+    """baseline group_mean: each group's mean token-mean gap is added back (x coef) to every token
+    of its samples. Group 0: gaps (-0.5, +1.0) -> mean 0.25, and (0) -> 0; group mean 0.125.
+    Group 1 (one sample, gap +2 on its one token): mean 2, so its token's term is 0."""
+    a = _with_teacher(0, 0.0, [-1.0, -2.0], [-0.5, -3.0])
+    b = _with_teacher(0, 0.0, [-1.0], [-1.0])
+    c = _with_teacher(1, 0.0, [-3.0], [-5.0])
+    ctx = AlgorithmContext(step=0, config=AlgorithmConfig(estimator="dr_grpo"),
+                           distill=DistillConfig(teacher=True, coef=2.0, use_reward=False, baseline="group_mean"))
+    prepared = builtin_prepare([a, b, c], ctx)
+    assert a.token_advantages == pytest.approx([2.0 * (0.5 + 0.125), 2.0 * (-1.0 + 0.125)])
+    assert b.token_advantages == pytest.approx([2.0 * 0.125])
+    assert c.token_advantages == pytest.approx([0.0])
+    assert prepared.metrics["distill/reverse_kl"] == pytest.approx((0.25 + 0.0 + 2.0) / 3)  # the baseline is not in it
+    with pytest.raises(ValueError, match="DistillConfig.baseline"):
+        DistillConfig(teacher=True, baseline="teacher_mean")
+
+
 class TeacherPool(FrozenReference):
     """Teacher stand-in: -0.75 per token from its loaded model."""
 

@@ -73,7 +73,7 @@ def run_one(cluster: LocalCluster, path: str, repeat: int, config: DataPathBench
             "--seed", str(config.seed), "--num_steps", str(config.num_steps),
             "--optim.total_steps", str(max(config.num_steps, 6)), "--checkpoint_every", "0",
             "--checkpoint_at_end", "false", "--progress_bar", "false", "--tensorboard", "false",
-            "--data_path", path]
+            "--eval.every", "0", "--data_path", path]
     started = time.monotonic()
     code = cluster.run_trainer(args, nproc_per_node=2, log_path=run_dir / "trainer.log")
     if code != 0:

@@ -1,8 +1,11 @@
-"""Shared fixtures: the tiny model written once per session, and a local Ray cluster."""
+"""Shared fixtures: the tiny model and the demo's assets written once per session, and a local
+Ray cluster."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,17 @@ def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tiny_model import TinyModelConfig, write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-tied"), TinyModelConfig(tie_word_embeddings=True))
+
+
+@pytest.fixture(scope="session")
+def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's starting model (its format warm-up only) and arithmetic prompts, made once per
+    session by scripts/prepare_demo.py and shared by the end-to-end modules."""
+    repo_root = Path(__file__).resolve().parent.parent
+    out = tmp_path_factory.mktemp("demo-assets")
+    subprocess.run([sys.executable, str(repo_root / "scripts" / "prepare_demo.py"), "--out_dir", str(out),
+                    "--num_prompts", "500"], check=True, cwd=repo_root, timeout=900)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,6 @@ checkpoints, and a resumed run continues with the controller's beta computed her
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,14 +35,6 @@ RUN = ["--prompts_per_rank", "4", "--sampling.n", "4", "--sampling.max_tokens", 
        "--algorithm.estimator", "dr_grpo", "--loss.aggregation", "token_mean", "--loss.ratio_level", "sequence",
        "--distill.teacher", "true", "--distill.coef", "0.5"]
 SAMPLES_PER_STEP = 2 * 4 * 4  # ranks x prompts x rollouts
-
-
-@pytest.fixture(scope="module")
-def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("demo-assets")
-    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "prepare_demo.py"), "--out_dir", str(out),
-                    "--num_prompts", "300"], check=True, cwd=REPO_ROOT, timeout=900)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,18 +29,6 @@ FAST_RUN = ["--prompts_per_rank", "4", "--sampling.n", "4", "--sampling.max_toke
             "--max_tokens_per_gpu", "256", "--progress_bar", "false", "--tensorboard", "false",
             "--data.max_prompt_tokens", "16", "--eval.every", "0"]
 TRAINER_TIMEOUT_S = 600
-
-
-@pytest.fixture(scope="module")
-def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo's starting model (its format warm-up only) and arithmetic prompts."""
-    out = tmp_path_factory.mktemp("demo-assets")
-    subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "prepare_demo.py"), "--out_dir", str(out),
-         "--num_prompts", "500"],
-        check=True, cwd=REPO_ROOT, timeout=900,
-    )
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 
 from checkpoint import latest_checkpoint
 from local_cluster import LocalCluster, LocalClusterConfig
-from test_end_to_end import FAST_RUN, WORLD_SIZE, _generation_versions, _train, demo_assets  # noqa: F401
+from test_end_to_end import _generation_versions, _train
 from weight_sync import read_stable_marker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed]

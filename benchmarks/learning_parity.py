@@ -11,7 +11,8 @@ Hugging Face model sampled token by token with its own sampler, rewards from mat
 starting model, and the GRPO loss on a padded batch (clipped ratio, per-sample token mean, k1/k2/k3
 KL, mean over the step's samples), one backward, clipping and AdamW. It draws the same prompts as
 the system (the same `InfiniteDistributedSampler` per rank, concatenated over ranks) and takes
-every hyperparameter from the same trainer config.
+every hyperparameter from the same trainer config. With `--model.lora.r` > 0 it wraps its model in
+PEFT's LoRA (the same r, alpha and target modules) and trains only the adapters.
 
 The *system* is `local_cluster.py` (Ray, a vLLM generation worker, a logprob worker, the
 ExperienceBatcher, 2 FSDP ranks, weight push) with the same config and seed.
@@ -113,9 +114,16 @@ class ReferenceGRPO:
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
                                                           attn_implementation="eager")
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if config.model.lora.enabled:
+            # model.lora: PEFT's own LoRA on the plain HF model (no FSDP, no adapter push), so only
+            # the adapters train, as in the system.
+            from peft import get_peft_model
+
+            self.model = get_peft_model(self.model, config.model.lora.peft_config(str(model_dir)))
         optim = config.optim
-        matrices = [p for p in self.model.parameters() if p.ndim >= 2]
-        vectors = [p for p in self.model.parameters() if p.ndim < 2]
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        matrices = [p for p in trainable if p.ndim >= 2]
+        vectors = [p for p in trainable if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": matrices, "weight_decay": optim.weight_decay}, {"params": vectors, "weight_decay": 0.0}],
             lr=optim.lr, betas=optim.betas, eps=optim.eps,
@@ -289,7 +297,8 @@ class ReferenceGRPO:
             loss = self.loss(logp, old, ref, mask, advantages)
             self.optimizer.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                           self.config.optim.max_grad_norm)
             self.optimizer.step()
         self.step += 1
         rewards = [r.reward for r in rollouts]

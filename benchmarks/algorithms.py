@@ -57,7 +57,7 @@ VARIANTS: dict[str, list[str]] = {
 # swept setting (full fine-tuning, the baseline, uses 1e-3). The cluster's generation worker then
 # serves adapters (max_lora_rank LORA_RANK).
 LORA_RANK = 16
-for _lr in ("5e-3", "7e-3", "1e-2", "1.4e-2"):
+for _lr in ("3e-3", "5e-3", "7e-3", "1e-2", "1.4e-2"):
     VARIANTS[f"lora_r16_lr{_lr}"] = ["--model.lora.r", str(LORA_RANK), "--model.lora.alpha", str(2 * LORA_RANK),
                                      "--optim.lr", _lr, "--weight_push_mode", "sharded"]
 DEFAULT_VARIANTS = ["baseline", "kl_in_reward_adaptive", "dynamic_sampling", "token_mean", "gspo", "rloo"]

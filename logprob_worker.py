@@ -49,7 +49,8 @@ from setup_model import (
 )
 from vllm_registry import WorkerHealth, WorkerLifecycle
 from weight_sync import (
-    ADAPTER_WEIGHTS_FILE, WeightUpdate, assemble_state_dict, check_stable, load_state_dict_into,
+    ADAPTER_WEIGHTS_FILE, WeightUpdate, assemble_state_dict, check_stable, iter_checkpoint_tensors,
+    load_state_dict_into,
 )
 
 logger = logging.getLogger(__name__)
@@ -285,6 +286,8 @@ class LogprobWorker:
         self.model = TokenLogprobModel(causal_lm, logprob_chunk_size=config.logprob_chunk_size).eval()
         self.vocab_size = int(causal_lm.get_input_embeddings().num_embeddings)
         self.weight_version = INITIAL_WEIGHT_VERSION
+        self._holds_pushed_weights = False
+        """True once a full-weight push replaced the checkpoint's weights (see _load_adapter)."""
         self._node_id = _current_node_id()
         self._queue: deque[_Request] = deque()
         self._queued_tokens = 0
@@ -562,6 +565,13 @@ class LogprobWorker:
         from peft import PeftConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 
         config = PeftConfig.from_peft_type(**json.loads(adapter_config))
+        if self._holds_pushed_weights and not isinstance(self.model.causal_lm, PeftModel):
+            # Full weights a previous run pushed: the adapter was trained on the checkpoint's own.
+            with torch.no_grad():
+                load_state_dict_into(self.model.causal_lm, dict(iter_checkpoint_tensors(self.config.model_path)))
+            self._holds_pushed_weights = False
+            logger.warning("logprob worker %s held pushed full weights; reloaded %s's own before the LoRA adapter",
+                           self.name, self.config.model_path)
         if not isinstance(self.model.causal_lm, PeftModel):
             self.model.causal_lm = get_peft_model(self.model.causal_lm, config, adapter_name=LORA_ADAPTER_NAME).eval()
         elif self.model.causal_lm.peft_config[LORA_ADAPTER_NAME].r != config.r:
@@ -578,6 +588,7 @@ class LogprobWorker:
         """Copy full HF-named tensors into the model (runs in a worker thread)."""
         with torch.no_grad():
             load_state_dict_into(self.model.causal_lm, state_dict)
+        self._holds_pushed_weights = True
 
     def _record_batch(self, batch: list[_Request], num_tokens: int) -> None:
         c = self._counters

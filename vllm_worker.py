@@ -53,7 +53,8 @@ from sampling import SamplingConfig, request_seed
 from setup_model import VLLM_LORA_RANKS
 from vllm_registry import WorkerHealth, WorkerLifecycle
 from weight_sync import (
-    UnstableVersionError, WeightUpdate, check_stable, iter_state_dict, write_adapter_folder, write_safetensors,
+    UnstableVersionError, WeightUpdate, check_stable, iter_checkpoint_tensors, iter_state_dict, write_adapter_folder,
+    write_safetensors,
 )
 
 if TYPE_CHECKING:
@@ -372,6 +373,9 @@ class GenerationStats:
     """LoRA adapters unloaded from the engine after a newer one replaced them."""
     unstable_updates_refused: int = 0
     """LoRA updates refused because the STABLE marker did not name them."""
+    base_restores: int = 0
+    """Times the checkpoint's weights were reloaded from model_path before a LoRA adapter, because
+    the engine held full weights pushed earlier (e.g. by a previous full fine-tuning run)."""
 
     def as_metrics(self) -> dict[str, float]:
         """Namespaced metric keys, e.g. 'generation/reward_failures'."""
@@ -414,6 +418,9 @@ class GenerationWorker:
         """In-flight requests per adapter id."""
         self._retired_adapters: set[int] = set()
         """Replaced adapters still finishing requests: removed from the engine when the last ends."""
+        self._holds_pushed_weights = False
+        """True once a full-weight push replaced the checkpoint's weights: an adapter trained on
+        the checkpoint must not be applied on top of them (_load_adapter restores them first)."""
 
     @property
     def weight_version(self) -> int:
@@ -681,6 +688,7 @@ class GenerationWorker:
             except Exception as exc:
                 raise self.life.fail(f"weight update to v{update.version} failed: {type(exc).__name__}: {exc}") from exc
             self.stats.weight_updates += 1
+            self._holds_pushed_weights = True
             await self._drop_adapter()  # full weights from a run without LoRA: serve them as they are
             logger.info(
                 "%s: weights v%d loaded in %.2f s (%d reload buckets)",
@@ -709,6 +717,8 @@ class GenerationWorker:
         except UnstableVersionError:
             self.stats.unstable_updates_refused += 1
             raise
+        if self._holds_pushed_weights:
+            await self._restore_checkpoint_weights(engine, update.version)
         folder, temporary = await self._adapter_folder(update)
         try:
             request = LoRARequest(lora_name=f"policy-v{update.version}-{self._next_adapter_id}",
@@ -728,6 +738,21 @@ class GenerationWorker:
         logger.info("%s: adapter v%d (%s) loaded in %.2f s", self.worker_name, update.version, update.mode,
                     time.perf_counter() - began)
         return self._weight_version
+
+    async def _restore_checkpoint_weights(self, engine: AsyncLLM, version: int) -> None:
+        """Reload model_path's own weights (the base every LoRA run trains on) over full weights a
+        previous push left in the engine, in the same paused, bucketed way as a push."""
+        began = time.perf_counter()
+        buckets = reload_buckets(iter_checkpoint_tensors(self.config.model_path), self.config.weight_reload_bucket_bytes)
+        try:
+            await self._reload_paused(engine, buckets, version)
+        except Exception as exc:
+            raise self.life.fail(f"restoring {self.config.model_path}'s weights before a LoRA adapter failed: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+        self._holds_pushed_weights = False
+        self.stats.base_restores += 1
+        logger.warning("%s: the engine held pushed full weights; reloaded %s's own weights before the LoRA adapter "
+                       "v%d (%.2f s)", self.worker_name, self.config.model_path, version, time.perf_counter() - began)
 
     async def _adapter_folder(self, update: WeightUpdate) -> tuple[Path, bool]:
         """(PEFT folder holding the update's adapter, whether it is a temporary copy of ours).

@@ -34,6 +34,7 @@ import logging
 import shutil
 import time
 from dataclasses import dataclass, field
+import contextlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal, Mapping, Sequence
 
@@ -236,6 +237,22 @@ def iter_state_dict(update: WeightUpdate) -> Iterator[tuple[str, torch.Tensor]]:
     import ray  # imported here so the pure helpers above work without Ray installed
 
     yield from iter_assembled(ray.get(list(update.shard_refs)))
+
+
+def iter_checkpoint_tensors(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of every weight in a checkpoint folder's *.safetensors files, in name
+    order (which keeps each decoder layer's tensors together, as reload_buckets needs), one
+    tensor read at a time."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_path}: no *.safetensors weights to restore")
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+        where = {name: handle for handle in handles for name in handle.keys()}
+        for name in sorted(where):
+            yield name, where[name].get_tensor(name)
 
 
 def write_safetensors(state_dict: Mapping[str, torch.Tensor], path: Path) -> Path:

@@ -14,8 +14,9 @@ import torch
 
 from logprob_worker import LogprobWorker, LogprobWorkerConfig
 from sample_processing_utils import Sample
+from setup_model import load_causal_lm
 from test_lora_vllm import _files_update, _hf_logprobs, _hf_peft, _mark_stable, _write_adapter
-from weight_sync import UnstableVersionError
+from weight_sync import UnstableVersionError, WeightUpdate, state_dict_to_blobs
 
 # Same weights and kernels family (packed sdpa vs eager), one process each: float rounding only.
 LOGPROB_ATOL = 1e-5
@@ -73,3 +74,33 @@ def test_unmarked_adapter_is_refused_and_the_served_one_kept(scenario: dict) -> 
     assert [g.values for g in scenario["after_unstable"]] == [g.values for g in scenario["a1"]]
     assert {g.weight_version for g in scenario["after_unstable"]} == {1}
 
+
+
+def test_adapter_after_other_full_weights_is_applied_to_the_checkpoint(ray_local, tiny_model_dir: Path,
+                                                                       tmp_path: Path) -> None:
+    """A worker a full fine-tuning run pushed its weights to, then a LoRA run's adapter: the
+    adapter goes on the checkpoint's own weights (equal to HF PeftModel on the checkpoint)."""
+    async def scenario() -> tuple[list, list]:
+        a1 = _write_adapter(tiny_model_dir, tmp_path / "a1", 8, seed=1)
+        worker = LogprobWorker("lora-logprob-reset", LogprobWorkerConfig(model_path=str(tiny_model_dir), device="cpu",
+                                                                          max_wait_ms=0))
+        await worker.start()
+        noise = torch.Generator().manual_seed(7)
+        other = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=noise) if v.numel() > 1 else v
+                 for k, v in load_causal_lm(tiny_model_dir).state_dict().items()}
+        await worker.update_weights(WeightUpdate(version=5, shard_refs=[ray_local.put(state_dict_to_blobs(other))],
+                                                 mode="gather"))
+        pushed = await worker.compute_group_logprobs(_samples())
+        update = _files_update(a1, 6, tmp_path / "weights" / "STABLE")
+        _mark_stable(update)
+        await worker.update_weights(update)
+        adapted = await worker.compute_group_logprobs(_samples())
+        await worker.shutdown()
+        return pushed, adapted
+
+    pushed, adapted = asyncio.run(scenario())
+    model = _hf_peft(tiny_model_dir, tmp_path / "a1")
+    for (prompt, output), got, other in zip(SAMPLES, adapted, pushed):
+        want = _hf_logprobs(model, prompt, output)
+        torch.testing.assert_close(torch.tensor(got.values), want, atol=LOGPROB_ATOL, rtol=0)
+        assert (torch.tensor(other.values) - want).abs().max() > 100 * LOGPROB_ATOL  # the push did change them

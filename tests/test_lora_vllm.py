@@ -219,6 +219,22 @@ async def _scenario(model_dir: Path, root: Path) -> dict:
                                                  mode="gather"))
         got["full_greedy"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
         got["loras_after_full"] = sorted(await engine.list_loras())
+
+        # 7. other full weights (a previous full fine-tuning run's), then a LoRA run's adapter: the
+        # adapter was trained on the checkpoint, so the worker must reload the checkpoint's own
+        # weights before applying it.
+        noise = torch.Generator().manual_seed(7)
+        other = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=noise) if v.numel() > 1 else v
+                 for k, v in base.items()}
+        await worker.update_weights(WeightUpdate(version=300, shard_refs=[ray.put(state_dict_to_blobs(other))],
+                                                 mode="gather"))
+        got["other_greedy"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
+        restores_before = worker.stats.base_restores
+        update = _sharded_update(adapters["a1"], 301, marker)
+        _mark_stable(update)
+        await worker.update_weights(update)
+        got["a1_after_other_greedy"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
+        got["base_restores"] = worker.stats.base_restores - restores_before
     finally:
         worker.shutdown()
     got["adapters"] = adapters
@@ -293,3 +309,12 @@ def test_lora_files_update_parts_name_the_folder(tmp_path: Path) -> None:
 def test_full_weights_after_adapters_are_served_without_an_adapter(scenario: dict) -> None:
     assert scenario["full_greedy"] == scenario["base"]
     assert scenario["loras_after_full"] == []
+
+
+@pytest.mark.vllm
+def test_adapter_after_other_full_weights_is_applied_to_the_checkpoint(scenario: dict) -> None:
+    """A LoRA run on a worker a full fine-tuning run left its weights in: the adapter is served
+    on the checkpoint's weights (the tokens of step 1), not on the pushed ones."""
+    assert scenario["other_greedy"] != scenario["base"], "the other weights should change the greedy tokens"
+    assert scenario["a1_after_other_greedy"] == scenario["a1_greedy"]
+    assert scenario["base_restores"] == 1

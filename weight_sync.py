@@ -337,14 +337,20 @@ def gather_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
     memory is one full tensor). dtype casts the floating-point copies (e.g. bf16 for inference;
     integer buffers keep theirs); None keeps them.
     """
+    return _gather_to_main(_hf_tensors(model), dtype)
+
+
+def _gather_to_main(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor] | None:
+    """Collective: all-gather each (possibly sharded) tensor in turn; rank 0 keeps full CPU copies
+    (floating point ones cast to dtype when given) and returns them, the others return None."""
     main = _is_main_process()
-    state: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for name, tensor in _hf_tensors(model).items():
+        for name, tensor in named.items():
             full = _full_tensor(tensor.detach())
             if main:
-                state[name] = full.to(device="cpu", dtype=_cast_dtype(full, dtype), copy=True)
-    return state if main else None
+                out[name] = full.to(device="cpu", dtype=_cast_dtype(full, dtype), copy=True)
+    return out if main else None
 
 
 def fsdp_shard_extent(dim0_size: int, num_shards: int, shard_index: int) -> tuple[int, int]:
@@ -571,14 +577,7 @@ def adapter_config_json(model: nn.Module) -> str:
 def gather_adapter(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
     """Full CPU copies of the adapter tensors under PEFT names on rank 0 (None elsewhere).
     Collective, like gather_full_state_dict; adapters are small (a few MB for r=16 on 7B)."""
-    main = _is_main_process()
-    out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for name, tensor in adapter_named_tensors(model).items():
-            full = _full_tensor(tensor.detach())
-            if main:
-                out[name] = full.to(device="cpu", dtype=_cast_dtype(full, dtype), copy=True)
-    return out if main else None
+    return _gather_to_main(adapter_named_tensors(model), dtype)
 
 
 def local_adapter_blobs(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, TensorBlob]:

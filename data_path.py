@@ -37,6 +37,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol, Sequence
 
+import ray
 import torch
 import torch.distributed as torch_dist
 from safetensors.torch import load as safetensors_load
@@ -181,25 +182,17 @@ class RayBatcherClient:
         self.actor = batcher
 
     def submit_prompts(self, rank: int, step: int, samples: list[Sample], round_index: int) -> None:
-        import ray
-
         ray.get(self.actor.submit_prompts.remote(rank, step, samples, round_index))  # surfaces rejections
 
     def submit_prompts_of_ranks(self, step: int, per_rank: list[list[Sample]], round_index: int) -> None:
         """Every rank's prompts at once (rank 0's path), waited for together."""
-        import ray
-
         ray.get([self.actor.submit_prompts.remote(rank, step, samples, round_index)
                  for rank, samples in enumerate(per_rank)])
 
     def next_message(self, rank: int, step: int, timeout_s: float) -> Message:
-        import ray
-
         return ray.get(self.actor.next_message.remote(rank, step), timeout=timeout_s)
 
     def next_round(self, step: int, index: int, timeout_s: float) -> list[Message]:
-        import ray
-
         return ray.get(self.actor.next_round.remote(step, index), timeout=timeout_s)
 
     def ack_round(self, step: int, index: int) -> None:

@@ -1,7 +1,8 @@
 """Per-step training records: metrics accumulated on every rank, reduced once, written by rank 0;
 and each rank's data log.
 
-One record per step goes to run_dir/metrics.jsonl (and TensorBoard); keys are namespaced
+One record per step goes to run_dir/metrics.jsonl (and the trackers of metrics.report_to:
+TensorBoard, W&B, MLflow, trackio; trackers.py, docs/trackers.md); keys are namespaced
 (`reward/mean`, `timing/generate_s`, ...). Steps that ran an evaluation (evaluation.py) also
 carry `eval/...` keys. Draw the reward curve of a run (with evaluation points, if any):
 
@@ -32,11 +33,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
 from sample_processing_utils import PackedBatch, Sample
+from trackers import Tracker, one_line, start_tracker
 
 logger = logging.getLogger(__name__)
 
@@ -172,20 +174,55 @@ class StepAccumulator:
         return record
 
 
-class MetricsLogger:
-    """Rank 0's sink: metrics.jsonl, TensorBoard and a tqdm progress bar. No-op elsewhere.
+@dataclass(kw_only=True, frozen=True)
+class MetricsConfig:
+    """Where rank 0 reports each step's metrics besides run_dir/metrics.jsonl (docs/trackers.md)."""
 
+    report_to: tuple[Literal["jsonl", "tensorboard", "wandb", "mlflow", "trackio"], ...] = ("jsonl", "tensorboard")
+    """Trackers to report to. metrics.jsonl is always written, listed or not; a tracker that fails
+    to start (not installed, bad settings) or later is reported in one line and dropped, and the
+    run goes on with the others (counted as counts/trackers_off in later records)."""
+    project: str = "grpo"
+    """W&B project, MLflow experiment and trackio project the run is filed under."""
+    run_name: str = ""
+    """The run's name in the trackers; "" uses run_dir's folder name. A resumed run appends
+    `-resumed-at-N` (each trainer start is its own tracker run)."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline: W&B writes to run_dir/wandb only (upload later with `wandb sync`); online needs
+    the network and a W&B login."""
+    mlflow_tracking_uri: str = ""
+    """MLflow backend; "" means an SQLite file at run_dir/mlflow/mlflow.db with artifacts in
+    run_dir/mlflow/artifacts (MLflow's default backend kind, kept inside the run)."""
+
+    def __post_init__(self) -> None:
+        duplicates = sorted({name for name in self.report_to if self.report_to.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"MetricsConfig.report_to names {duplicates} more than once")
+        if not self.project:
+            raise ValueError("MetricsConfig.project must not be empty")
+
+
+class MetricsLogger:
+    """Rank 0's sink: metrics.jsonl, the trackers of MetricsConfig.report_to (TensorBoard by
+    default) and a tqdm progress bar. No-op elsewhere.
+
+    tensorboard=False turns TensorBoard off whatever report_to says (TrainerConfig.tensorboard).
     resume_step: the step a resumed run continues from. metrics.jsonl is cut back to the records
     of earlier steps (a crashed run may have logged steps after its last checkpoint), `time_s`
     continues from the last kept record, and TensorBoard hides its events of the dropped steps.
+    At close, when any tracker is on, the reward plot is drawn to run_dir/reward.png and handed
+    to each tracker.
     """
 
     def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool, progress_total: int,
-                 progress_start: int = 0, progress_bar: bool = True, resume_step: int | None = None) -> None:
+                 progress_start: int = 0, progress_bar: bool = True, resume_step: int | None = None,
+                 report: MetricsConfig | None = None) -> None:
         self._enabled = enabled
+        self._run_dir = run_dir
         self._start_time = time.time()
         self._time_offset = 0.0
-        self._writer = None
+        self._trackers: list[Tracker] = []
+        self._trackers_off = 0
         self._bar = None
         if not enabled:
             return
@@ -194,18 +231,47 @@ class MetricsLogger:
             last = truncate_step_records(path, resume_step)
             self._time_offset = float(last["time_s"]) if last is not None else 0.0
         self._file = path.open("a")
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step)
+        report = report or MetricsConfig()
+        names = [n for n in report.report_to if n != "jsonl" and (tensorboard or n != "tensorboard")]
+        self._start_trackers(names, report, resume_step)
         if progress_bar:
             from tqdm import tqdm
 
             self._bar = tqdm(total=progress_total, initial=progress_start, desc="grpo", unit="step", dynamic_ncols=True)
 
+    def _start_trackers(self, names: Sequence[str], report: MetricsConfig, resume_step: int | None) -> None:
+        run_name = report.run_name or self._run_dir.resolve().name
+        if resume_step is not None:
+            run_name += f"-resumed-at-{resume_step}"
+        for name in names:
+            try:
+                tracker = start_tracker(name, self._run_dir, project=report.project, run_name=run_name,
+                                        wandb_mode=report.wandb_mode, mlflow_tracking_uri=report.mlflow_tracking_uri,
+                                        resume_step=resume_step)
+            except Exception as exc:  # any failure of an optional sink: report it, keep the run
+                self._trackers_off += 1
+                hint = " (pip install -r requirements_fsdp.txt)" if isinstance(exc, ImportError) else ""
+                logger.warning("metrics.report_to: %s did not start (%s)%s; the run goes on without it", name,
+                               one_line(exc), hint)
+                continue
+            self._trackers.append(tracker)
+        if names:
+            logger.info("metrics: jsonl%s", "".join(f", {t.name}" for t in self._trackers))
+
+    def _call_trackers(self, what: str, call: Callable[[Tracker], None]) -> None:
+        """call(tracker) for every tracker; one that raises is reported in one line and dropped."""
+        for tracker in list(self._trackers):
+            try:
+                call(tracker)
+            except Exception as exc:  # a tracker's failure must not cost the run
+                self._trackers.remove(tracker)
+                self._trackers_off += 1
+                logger.warning("metrics: %s failed at %s (%s); it is off for the rest of the run", tracker.name, what,
+                               one_line(exc))
+
     def log(self, step: int, record: dict[str, float]) -> None:
         """Write one step's record. Keys may differ between steps (evaluation keys appear only on
-        steps that evaluated): each JSONL line and TensorBoard scalar carries the keys it has."""
+        steps that evaluated): each JSONL line and tracker entry carries the keys it has."""
         if not self._enabled:
             return
         now = time.time()
@@ -213,12 +279,12 @@ class MetricsLogger:
         # unix_time lets a caller measure from elsewhere (the demo reports time from its
         # command's start, Ray and worker start-up included).
         time_s = self._time_offset + now - self._start_time
+        if self._trackers_off:
+            record = {**record, "counts/trackers_off": float(self._trackers_off)}
         line = {"step": step, "time_s": round(time_s, 3), "unix_time": round(now, 3), **record}
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
-        if self._writer is not None:
-            for key, value in record.items():
-                self._writer.add_scalar(key, value, step)
+        self._call_trackers(f"step {step}", lambda tracker: tracker.log(step, record))
         summary = (f"step {step} reward {record['reward/mean']:.3f} acc {record['reward/accuracy']:.3f} "
                    f"kl {record['loss/kl']:.4f} len {record['response/length_mean']:.1f} "
                    f"ent0 {record['entropy/first_token']:.2f} {record['timing/step_s']:.1f}s")
@@ -233,10 +299,21 @@ class MetricsLogger:
         if not self._enabled:
             return
         self._file.close()
-        if self._writer is not None:
-            self._writer.close()
+        if self._trackers:
+            self._hand_over_plot()
+        self._call_trackers("close", lambda tracker: tracker.close())
+        self._trackers = []
         if self._bar is not None:
             self._bar.close()
+
+    def _hand_over_plot(self) -> None:
+        """Draw run_dir/reward.png and give it to every tracker (a run with no records has none)."""
+        try:
+            plot = plot_reward_curve(self._run_dir, self._run_dir / "reward.png")
+        except Exception as exc:  # the plot is a courtesy: the records are what the run keeps
+            logger.warning("metrics: no reward plot for the trackers (%s)", one_line(exc))
+            return
+        self._call_trackers("the reward plot", lambda tracker: tracker.log_plot(plot))
 
 
 class StepDataLog:

@@ -37,7 +37,7 @@ from dataset import DatasetConfig, DatasetError, InfiniteDistributedSampler, loa
 from evaluation import EvalConfig, Evaluator
 from fsdp_setup import DistInfo, build_training_model, init_distributed
 from grpo_loss import LossConfig, grpo_loss, step_divisor
-from metrics import MetricsLogger, StepAccumulator, StepDataLog
+from metrics import MetricsConfig, MetricsLogger, StepAccumulator, StepDataLog
 from optimizer import OptimConfig, build_optimizer, build_scheduler
 from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name
 from run_config import ConfigError, load_config, save_config
@@ -167,7 +167,9 @@ class TrainerConfig:
     ray_address: str = "auto"
     """Ray cluster to join (started with `ray start`)."""
     tensorboard: bool = True
-    """Also write metrics to run_dir/tensorboard."""
+    """Also write metrics to run_dir/tensorboard (false: off, whatever metrics.report_to says)."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Where rank 0 reports metrics besides metrics.jsonl: TensorBoard, W&B, MLflow, trackio (docs/trackers.md)."""
     progress_bar: bool = True
     """tqdm bar on rank 0."""
 
@@ -532,7 +534,7 @@ def train(config: TrainerConfig) -> None:
 
     metrics = MetricsLogger(run_dir, enabled=dist.rank == 0, tensorboard=config.tensorboard,
                             progress_total=config.num_steps, progress_start=start_step,
-                            progress_bar=config.progress_bar, resume_step=resume_step)
+                            progress_bar=config.progress_bar, resume_step=resume_step, report=config.metrics)
     checkpoints = CheckpointWriter(run_dir, config.model.model_path, dist, keep=config.keep_checkpoints,
                                    background=config.checkpoint_async)
     try:

@@ -1,0 +1,230 @@
+"""Trackers for real, offline: what MetricsLogger hands W&B (offline run files), MLflow (its
+SQLite store under the run dir) and TensorBoard is read back with each tool's own reader (W&B:
+its .wandb transaction log) and compared with metrics.jsonl; a tracker that cannot start or fails
+later costs one line, never the run; nothing tries to reach the network; only rank 0 writes."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import socket
+import struct
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+from metrics import MetricsConfig, MetricsLogger, read_metrics
+from run_config import ConfigError, load_config
+from trackers import TensorBoardTracker, flatten_config, mlflow_key
+
+STEPS = 4
+EVALS = {1: {"eval/accuracy": 0.25, "eval/pass@4": 0.5}, 3: {"eval/accuracy": 0.75, "eval/pass@4": 0.875}}
+RUN_CONFIG = {"seed": 3, "num_steps": STEPS, "optim": {"lr": 0.001, "schedule": "cosine"},
+              "sampling": {"n": 16, "stop": ["\n"]}, "model": {"lora": {"r": 0}}}
+
+
+def _record(step: int) -> dict[str, float]:
+    return {"reward/mean": 0.1 * step + 0.05, "reward/accuracy": 0.1 * step, "loss/kl": 0.001 * step,
+            "response/length_mean": 3.0 + step, "entropy/first_token": 1.5 - 0.1 * step, "timing/step_s": 0.5 + step,
+            "counts/samples": 64.0, **EVALS.get(step, {})}
+
+
+def _run(run_dir: Path, report_to: tuple[str, ...], *, enabled: bool = True) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(RUN_CONFIG, sort_keys=False))
+    sink = MetricsLogger(run_dir, enabled=enabled, tensorboard=True, progress_total=STEPS, progress_bar=False,
+                         report=MetricsConfig(report_to=report_to))
+    for step in range(STEPS):
+        sink.log(step, _record(step))
+    sink.close()
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tuple[str, Any]]:
+    """W&B's artifact staging in tmp_path (not ~/.local), and every DNS lookup or IP connection
+    that Python code in this process attempts while the test runs (audit events)."""
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
+    attempts: list[tuple[str, Any]] = []
+    _AUDIT_SINKS.append(attempts)
+    yield attempts
+    _AUDIT_SINKS.remove(attempts)
+
+
+_AUDIT_SINKS: list[list[tuple[str, Any]]] = []
+
+
+def _audit(event: str, args: tuple) -> None:
+    if not _AUDIT_SINKS:
+        return
+    if event == "socket.getaddrinfo" and args[0] not in (None, "localhost", "127.0.0.1", "::1"):
+        _AUDIT_SINKS[-1].append((event, args[:2]))
+    elif event == "socket.connect" and args[0].family in (socket.AF_INET, socket.AF_INET6):
+        if not str(args[1][0]).startswith(("127.", "::1")):
+            _AUDIT_SINKS[-1].append((event, args[1]))
+
+
+sys.addaudithook(_audit)  # audit hooks cannot be removed: it records only while a test listens
+
+
+# --- W&B's offline run file -------------------------------------------------------------------
+# run-<id>.wandb is a LevelDB-style log (W&B's Go core writes it): a 7-byte header (":W&B", a
+# 2-byte magic, a version byte), then 32 KiB blocks of chunks, each with a 7-byte header (CRC32,
+# length, type: 1 whole record, 2 first, 3 middle, 4 last piece), each record a protobuf Record.
+_WANDB_BLOCK = 32 * 1024
+_WANDB_HEADER = 7
+_CHUNK_HEADER = struct.Struct("<IHB")
+
+
+def _wandb_records(path: Path) -> Iterator[Any]:
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
+    pos, pieces = _WANDB_HEADER, b""
+    while pos + _CHUNK_HEADER.size <= len(data):
+        left_in_block = _WANDB_BLOCK - pos % _WANDB_BLOCK
+        if left_in_block < _CHUNK_HEADER.size:  # block trailer padding
+            pos += left_in_block
+            continue
+        _, length, kind = _CHUNK_HEADER.unpack_from(data, pos)
+        pos += _CHUNK_HEADER.size
+        chunk, pos = data[pos:pos + length], pos + length
+        if kind in (1, 2):
+            pieces = chunk
+        elif kind in (3, 4):
+            pieces += chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pieces)
+            yield record
+
+
+def _items(updates: Any) -> dict[str, Any]:
+    """W&B's (nested_)key/value_json pairs as a dict; our keys (`reward/mean`) are one key each."""
+    out = {}
+    for item in updates:
+        key = item.key or "/".join(item.nested_key)
+        out[key] = json.loads(item.value_json)
+    return out
+
+
+def _wandb_run(run_dir: Path) -> dict[str, Any]:
+    files = sorted((run_dir / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    history, config, artifacts = {}, {}, []
+    for record in _wandb_records(files[0]):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            items = _items(record.history.item)
+            history[items.pop("_step")] = {k: v for k, v in items.items() if not k.startswith("_")}
+        elif kind == "run":
+            config = {k: v for k, v in _items(record.run.config.update).items() if not k.startswith("_")}
+        elif kind == "artifact":
+            artifacts.append(record.artifact)
+    return {"history": history, "config": config, "artifacts": artifacts}
+
+
+def test_wandb_and_mlflow_hold_every_metric_the_config_and_the_plot(tmp_path: Path, offline: list) -> None:
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "my-run"
+    _run(run_dir, ("jsonl", "tensorboard", "wandb", "mlflow"))
+    expected = {r["step"]: {k: v for k, v in r.items() if k not in ("step", "time_s", "unix_time")}
+                for r in read_metrics(run_dir / "metrics.jsonl")}
+    assert expected == {step: _record(step) for step in range(STEPS)}
+    plot = (run_dir / "reward.png").read_bytes()
+    assert plot[:4] == b"\x89PNG"
+
+    wandb_run = _wandb_run(run_dir)
+    assert wandb_run["history"] == expected
+    assert wandb_run["config"] == RUN_CONFIG
+    [artifact] = wandb_run["artifacts"]
+    assert (artifact.name, artifact.type) == ("reward_plot", "plot")
+    [entry] = artifact.manifest.contents
+    assert entry.path == "reward.png"
+    assert entry.digest == base64.b64encode(hashlib.md5(plot).digest()).decode()
+    assert Path(entry.local_path).read_bytes() == plot and str(tmp_path / "wandb-data") in entry.local_path
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
+    assert run.info.run_name == "my-run" and run.info.status == "FINISHED"
+    for key in expected[1]:
+        history = client.get_metric_history(run.info.run_id, mlflow_key(key))
+        assert sorted((m.step, m.value) for m in history) == [(s, r[key]) for s, r in expected.items() if key in r], key
+    assert mlflow_key("eval/pass@4") == "eval/pass_at_4"
+    assert run.data.params == {k: str(v) for k, v in flatten_config(RUN_CONFIG).items()}
+    assert run.data.params["optim.lr"] == "0.001"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert artifacts == {"reward.png", "config.yaml"}
+    local = client.download_artifacts(run.info.run_id, "reward.png", str(tmp_path / "download"))
+    assert Path(local).read_bytes() == plot
+    assert str(run_dir / "mlflow" / "artifacts") in run.info.artifact_uri
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert events.Tags()["images"] == ["reward_plot"]
+    assert [(e.step, e.value) for e in events.Scalars("eval/pass@4")] == [(1, 0.5), (3, 0.875)]
+    assert offline == [], f"tried to reach the network: {offline}"
+
+
+def test_a_tracker_that_cannot_start_costs_one_line_not_the_run(tmp_path: Path, offline: list,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: `import wandb` raises
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "mlflow").write_text("a file where MLflow's folder would go")  # MLflow cannot start
+    with caplog.at_level(logging.WARNING):
+        _run(run_dir, ("jsonl", "wandb", "mlflow", "tensorboard"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 2 and all("\n" not in w for w in warnings), warnings
+    assert warnings[0].startswith("metrics.report_to: wandb did not start (ModuleNotFoundError")
+    assert warnings[1].startswith("metrics.report_to: mlflow did not start (FileExistsError")
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(STEPS))
+    assert all(r["counts/trackers_off"] == 2.0 for r in records)
+    assert (run_dir / "tensorboard").is_dir() and (run_dir / "reward.png").is_file()
+
+
+def test_a_tracker_that_fails_later_is_dropped_and_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    original = TensorBoardTracker.log
+
+    def fail_at_step_2(self: TensorBoardTracker, step: int, record: dict[str, float]) -> None:
+        if step == 2:
+            raise OSError("No space left on device\nsecond line")
+        original(self, step, record)
+
+    monkeypatch.setattr(TensorBoardTracker, "log", fail_at_step_2)
+    with caplog.at_level(logging.WARNING):
+        _run(tmp_path, ("jsonl", "tensorboard"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == ["metrics: tensorboard failed at step 2 (OSError: No space left on device); "
+                        "it is off for the rest of the run"]
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r.get("counts/trackers_off") for r in records] == [None, None, None, 1.0]
+
+
+def test_only_rank0_reports(tmp_path: Path, offline: list) -> None:
+    _run(tmp_path, ("jsonl", "tensorboard", "wandb", "mlflow"), enabled=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+
+
+def test_report_to_from_the_command_line_and_its_checks() -> None:
+    import dataclasses
+
+    from trainer_core import TrainerConfig
+
+    assert load_config(MetricsConfig, ["--report_to", "jsonl", "wandb", "mlflow"]).report_to == ("jsonl", "wandb", "mlflow")
+    assert MetricsConfig().report_to == ("jsonl", "tensorboard")
+    with pytest.raises(ConfigError, match=r"report_to\[1\]: 'neptune' is not one of"):
+        load_config(MetricsConfig, ["--report_to", "jsonl", "neptune"])
+    with pytest.raises(ValueError, match=r"MetricsConfig.report_to names \['wandb'\] more than once"):
+        MetricsConfig(report_to=("wandb", "wandb"))
+    assert {f.name: f.type for f in dataclasses.fields(TrainerConfig)}["metrics"] in (MetricsConfig, "MetricsConfig")

@@ -501,8 +501,10 @@ def _sample_from_record(
     for name in record.keys() - schema.known_fields:
         stats.ignored_fields[name] = stats.ignored_fields.get(name, 0) + 1
     group_id, run_id = (_grouping_id(record, name) for name in GROUPING_FIELDS)
+    # The whole record rides along for reward functions (rewards.RewardConfig.functions), which
+    # may read any field (test cases, a rubric); the worker drops it once the rollout is scored.
     return Sample(input_token_ids=ids, gt_answer=answer, prompt_id=prompt_id, group_id=group_id,
-                  run_id=0 if run_id is None else run_id)
+                  run_id=0 if run_id is None else run_id, record=dict(record))
 
 
 def _grouping_id(record: dict[str, Any], name: str) -> int | None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Awaitable, Iterable, Sequence, TypeVar
 
 from dataset import DatasetConfig, PromptTokenizer, load_prompts
+from rewards import counts_as_solved
 from sample_processing_utils import Sample
 from vllm_experience_batcher import RequestClient
 from sampling import SamplingConfig
@@ -155,8 +156,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def is_correct(sample: Sample) -> bool:
-    """A completion counts as solved when it earned the full reward."""
-    return sample.reward >= CORRECT_REWARD
+    """A completion counts as solved when its verdict says so (the full reward from math-verify, or
+    every reward function's own notion of solved), whatever format bonus or penalty it got."""
+    return counts_as_solved(sample.solved, sample.reward)
 
 
 def pass_at_k_key(k: int) -> str:

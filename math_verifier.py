@@ -89,6 +89,9 @@ from functools import lru_cache
 from multiprocessing.connection import Connection
 from typing import Any, Mapping, Sequence
 
+import reward_functions
+from reward_functions import FunctionScore
+
 logger = logging.getLogger(__name__)
 
 # A new process warms math-verify's LaTeX parser (~0.2 s from the forkserver; the server's own
@@ -98,8 +101,10 @@ _STARTUP_TIMEOUT_S = 120.0
 _SHUTDOWN_GRACE_S = 5.0
 # Error strings come from exception messages that may quote a megabyte of input: keep them short.
 _MAX_ERROR_CHARS = 300
-# A reply is one small JSON object; anything larger means the process broke the protocol.
+# A reply is one small JSON object; anything larger means the process broke the protocol. A
+# reward function's reply carries one score (with its named parts) per completion of its batch.
 _MAX_REPLY_BYTES = 1 << 16
+_MAX_FUNCTION_REPLY_BYTES = 1 << 22
 # Characters of a completion quoted in a timeout log line.
 _LOG_SNIPPET_CHARS = 80
 # Distinct gold answers whose parse a process keeps: the n rollouts of a prompt share one gold.
@@ -528,9 +533,37 @@ def _worker_main(conn: Connection) -> None:
             request = json.loads(conn.recv_bytes())
         except EOFError:
             return
+        if "function" in request:
+            conn.send_bytes(_run_function(request["function"], request["calls"]))
+            continue
         # The parent ran the pre-checks and the fast path (quick_verdict) before sending it here.
         result = verify_with_math_verify(request["completion"], request["gold"])
         conn.send_bytes(json.dumps(asdict(result)).encode("utf-8"))
+
+
+def _run_function(ref: str, calls: list[dict[str, Any]]) -> bytes:
+    """A reward function's scores on `calls`, as the JSON reply (inside a verifier process)."""
+    try:
+        function = reward_functions.load_function(ref)
+    except reward_functions.RewardFunctionError as exc:
+        scores = [reward_functions.failure(reward_functions.RAISED, str(exc))] * len(calls)
+    else:
+        scores = reward_functions.call_function(function, calls)
+    reply = json.dumps({"scores": [score.as_json() for score in scores]}).encode("utf-8")
+    if len(reply) > _MAX_FUNCTION_REPLY_BYTES:
+        detail = f"reply of {len(reply)} bytes exceeds {_MAX_FUNCTION_REPLY_BYTES}"
+        reply = json.dumps({"scores": [reward_functions.failure(reward_functions.BAD_RETURN, detail).as_json()]
+                            * len(calls)}).encode("utf-8")
+    return reply
+
+
+def math_verify_reward(prompt: Mapping[str, Any], completion: str, token_ids: Sequence[int],
+                       metadata: Mapping[str, Any]) -> float:
+    """math-verify as a reward function (`math_verifier:math_verify_reward`): 1.0 when the
+    completion's answer matches prompt["gt_answer"] (score_completion's rules), else 0.0. Run
+    under the pool's deadline like any reward function; the default when RewardConfig names none
+    runs the same verdict through VerifierPool.score, with its cache."""
+    return score_completion(completion, str(prompt["gt_answer"])).reward
 
 
 def _decode_reply(data: bytes) -> RewardResult:
@@ -583,8 +616,8 @@ class _WorkerSlot:
             self.kill()
             raise WorkerStartError(f"verifier process {self.index} sent {message[:100]!r} instead of ready")
 
-    def run(self, payload: bytes, timeout_s: float) -> RewardResult | None:
-        """Send one task and wait for its result; None when the deadline passed first.
+    def run(self, payload: bytes, timeout_s: float, max_reply_bytes: int = _MAX_REPLY_BYTES) -> bytes | None:
+        """Send one task and wait for its reply; None when the deadline passed first.
 
         Raises EOFError/OSError when the process died or broke the protocol.
         """
@@ -592,7 +625,7 @@ class _WorkerSlot:
         self._conn.send_bytes(payload)
         if not self._conn.poll(timeout_s):
             return None
-        return _decode_reply(self._conn.recv_bytes(_MAX_REPLY_BYTES))
+        return self._conn.recv_bytes(max_reply_bytes)
 
     def kill(self) -> int | None:
         """SIGKILL the process (if any), reap it and return its exit code."""
@@ -638,6 +671,11 @@ class _Task:
     """Resolved with the RewardResult by the dispatcher thread."""
     cache_key: tuple[str, str] | None
     """(gold, completion) under which a deterministic result is cached, or None: do not cache."""
+    timeout_s: float | None = None
+    """This task's deadline; None: the pool's timeout_s."""
+    num_calls: int = 0
+    """Reward-function calls in the payload (0: a math-verify task); the future then resolves to
+    a list of that many FunctionScores."""
 
 
 class VerifierPool:
@@ -674,7 +712,8 @@ class VerifierPool:
         self._closed = False
         self._counts = dict.fromkeys(
             ("scored", "failed", "timeouts", "parse_errors", "verify_errors", "rejected", "fast_path", "crashes",
-             "restarts", "cancelled", "cache_hits"), 0
+             "restarts", "cancelled", "cache_hits", "function_calls", "function_failed", "function_raised",
+             "function_bad_returns", "function_timeouts", "function_crashes"), 0
         )
         ctx = multiprocessing.get_context("forkserver")
         # Takes effect when this process's forkserver first starts (a no-op if one already runs).
@@ -719,13 +758,55 @@ class VerifierPool:
         """Blocking form of `score`, for code without an event loop."""
         return [future.result() for future in self._submit(completions, gt_answer)]
 
+    async def score_function(self, ref: str, calls: Sequence[Mapping[str, Any]],
+                             timeout_s: float | None = None) -> list[FunctionScore]:
+        """Score completions with the reward function `ref` ("module:function", see
+        reward_functions) in the pool's processes, each call under the deadline (a batched
+        function: the whole batch under one deadline). calls: {prompt, completion, token_ids,
+        metadata} dicts, JSON-serialisable. A function that raises, hangs past the deadline,
+        kills its process or returns a non-number gives those completions reward 0, failed, with
+        the reason in `error`, counted in stats(); never an exception."""
+        futures = self._submit_function(ref, calls, timeout_s)
+        scores: list[FunctionScore] = []
+        for result in await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)):
+            scores.extend(result)
+        return scores
+
+    def score_function_sync(self, ref: str, calls: Sequence[Mapping[str, Any]],
+                            timeout_s: float | None = None) -> list[FunctionScore]:
+        """Blocking form of `score_function`."""
+        return [score for future in self._submit_function(ref, calls, timeout_s) for score in future.result()]
+
+    def _submit_function(self, ref: str, calls: Sequence[Mapping[str, Any]], timeout_s: float | None) -> list[Future]:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("VerifierPool.score_function called after close()")
+        # Importing it here too keeps a batched function's batch together (the process imports it
+        # again; a module that fails here fails there the same way).
+        try:
+            batch = reward_functions.is_batched(reward_functions.load_function(ref))
+        except reward_functions.RewardFunctionError:
+            batch = False
+        groups = [list(calls)] if batch and calls else [[call] for call in calls]
+        futures = []
+        for group in groups:
+            task = _Task(payload=json.dumps({"function": ref, "calls": group}).encode("utf-8"),
+                         completion_chars=sum(len(str(call.get("completion", ""))) for call in group),
+                         snippet=f"{ref} on {str(group[0].get('completion', ''))[:_LOG_SNIPPET_CHARS]}",
+                         future=Future(), cache_key=None, timeout_s=timeout_s, num_calls=len(group))
+            self._tasks.put(task)
+            futures.append(task.future)
+        return futures
+
     def stats(self) -> dict[str, int]:
         """Counters since start: scored (results computed: by a process, a pre-check or the fast
         path), failed, and failures by kind (timeouts, parse_errors, verify_errors, rejected by a
         pre-check, crashes), fast_path (plain-number verdicts, no process), restarts (replacement
         processes started), cancelled (tasks dropped because their caller went away), cache_hits
         (samples answered from the cache or by an identical completion of the same call),
-        num_processes."""
+        num_processes; for reward functions (score_function): function_calls (completions
+        scored), function_failed, and failures by kind: function_raised, function_bad_returns,
+        function_timeouts, function_crashes."""
         with self._lock:
             return {**self._counts, "num_processes": self.num_processes}
 
@@ -840,6 +921,14 @@ class VerifierPool:
                 continue
             # A replacement that failed to start after a kill gets one more try per sample.
             had_process = slot.alive or self._restart(slot)
+            if task.num_calls:
+                scores = self._run_function_task(slot, task) if had_process else [reward_functions.failure(
+                    "crash", f"verifier process {slot.index} could not be started (see log)")] * task.num_calls
+                self._record_function(scores)
+                task.future.set_result(scores)
+                if had_process and not slot.alive:
+                    self._restart(slot)
+                continue
             try:
                 result = self._run_task(slot, task) if had_process else _failure(
                     _VERIFY_ERROR, f"verifier process {slot.index} could not be started (see log)"
@@ -855,10 +944,43 @@ class VerifierPool:
             if had_process and not slot.alive:
                 self._restart(slot)  # after answering, so the caller does not wait for it
 
+    def _run_function_task(self, slot: _WorkerSlot, task: _Task) -> list[FunctionScore]:
+        """Run one reward-function task; kills the process on timeout, death or protocol failure."""
+        timeout = self.timeout_s if task.timeout_s is None else task.timeout_s
+        try:
+            reply = slot.run(task.payload, timeout, _MAX_FUNCTION_REPLY_BYTES)
+            scores = None if reply is None else [FunctionScore.from_json(s) for s in json.loads(reply)["scores"]]
+            if scores is not None and len(scores) != task.num_calls:
+                raise ValueError(f"{len(scores)} scores for {task.num_calls} calls")
+        except (EOFError, OSError, ValueError, KeyError, TypeError) as exc:
+            exitcode = slot.kill()
+            logger.error("verifier process %d died or broke protocol in %s (exit code %s): %r",
+                         slot.index, task.snippet, exitcode, exc)
+            return [reward_functions.failure("crash", f"verifier process died (exit code {exitcode})")] * task.num_calls
+        if scores is None:
+            slot.kill()
+            logger.warning("reward function timeout after %.1f s (%s); replacing process %d", timeout, task.snippet,
+                           slot.index)
+            return [reward_functions.failure(_TIMEOUT_ERROR)] * task.num_calls
+        return scores
+
+    def _record_function(self, scores: list[FunctionScore]) -> None:
+        with self._lock:
+            for score in scores:
+                self._counts["function_calls"] += 1
+                if not score.failed:
+                    continue
+                self._counts["function_failed"] += 1
+                kind = score.error.split(":", 1)[0]
+                key = {"raised": "function_raised", "bad_return": "function_bad_returns",
+                       _TIMEOUT_ERROR: "function_timeouts"}.get(kind, "function_crashes")
+                self._counts[key] += 1
+
     def _run_task(self, slot: _WorkerSlot, task: _Task) -> RewardResult:
         """Run one task on the slot's process; kills the process on timeout or protocol failure."""
         try:
-            result = slot.run(task.payload, self.timeout_s)
+            reply = slot.run(task.payload, self.timeout_s)
+            result = None if reply is None else _decode_reply(reply)
         except (EOFError, OSError, ValueError, KeyError) as exc:
             exitcode = slot.kill()
             self._count("crashes")
@@ -918,6 +1040,11 @@ class VerifierShardActor:
     async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]:
         """See VerifierPool.score."""
         return await self._pool.score(completions, gt_answer)
+
+    async def score_function(self, ref: str, calls: list[dict[str, Any]],
+                             timeout_s: float | None = None) -> list[FunctionScore]:
+        """See VerifierPool.score_function."""
+        return await self._pool.score_function(ref, calls, timeout_s)
 
     def stats(self) -> dict[str, int]:
         """See VerifierPool.stats."""
@@ -981,6 +1108,10 @@ class _Router:
         self._dead: set[int] = set()
 
     async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]:
+        return await self.call("score", completions, gt_answer)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """`method` of the least busy live target (score or score_function), failing over once per target."""
         from ray.exceptions import ActorDiedError, RayActorError
 
         tried: set[int] = set()
@@ -991,7 +1122,7 @@ class _Router:
             tried.add(index)
             self._inflight[index] += 1
             try:
-                return await self._targets[index].score.remote(completions, gt_answer)
+                return await getattr(self._targets[index], method).remote(*args)
             except RayActorError as exc:
                 if isinstance(exc, ActorDiedError):
                     self._dead.add(index)
@@ -1104,6 +1235,14 @@ class VerifierPoolActor:
         await self._started()
         return await self._router.score(completions, gt_answer)
 
+    async def score_function(self, ref: str, calls: list[dict[str, Any]],
+                             timeout_s: float | None = None) -> list[FunctionScore]:
+        """See VerifierPool.score_function (forwarded to the least busy shard when there are shards)."""
+        if self._pool is not None:
+            return await self._pool.score_function(ref, calls, timeout_s)
+        await self._started()
+        return await self._router.call("score_function", ref, calls, timeout_s)
+
     async def stats(self) -> dict[str, int]:
         """VerifierPool.stats, summed over the shards, plus `shards` (0: processes run here)."""
         if self._pool is not None:
@@ -1144,11 +1283,18 @@ class VerifierPoolClient:
         self._router: _Router | None = None
 
     async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]:
+        return await (await self._connected()).score(completions, gt_answer)
+
+    async def score_function(self, ref: str, calls: list[dict[str, Any]],
+                             timeout_s: float | None = None) -> list[FunctionScore]:
+        return await (await self._connected()).call("score_function", ref, calls, timeout_s)
+
+    async def _connected(self) -> _Router:
         if self._router is None:
             shards = await self._pool.shards.remote()
             if self._router is None:  # another call may have connected meanwhile
                 self._router = _Router(shards or [self._pool], "verifier shard" if shards else "verifier pool")
-        return await self._router.score(completions, gt_answer)
+        return self._router
 
 
 def get_or_create_verifier_pool(num_processes: int | None = None, timeout_s: float | None = None):

@@ -20,8 +20,19 @@ like any other: an output without any answer must not escape the penalty that an
 answer pays. The generation worker applies this after verification, in its own process, so a
 pattern should stay linear in the text (no nested quantifiers): it runs on every completion.
 
+The verdict comes from math-verify by default; `RewardConfig.functions` replaces it with
+plug-in reward functions (reward_functions.py, docs/rewards.md), each weighted:
+
+    verdict = sum_i weights[i] * functions[i](prompt, completion, token_ids, metadata)
+
+run in the verifier pool's processes under its deadline; a function that fails scores 0 for that
+completion (the others still count) and the sample is flagged reward_failed. `solved` (what
+`reward/accuracy` and `eval/accuracy` count) is the verdict's, never the shaping's: math-verify's
+match, or every function's own notion of solved (its `solved` part, else its reward >= 1).
+
 Imports no Ray, vLLM or torch. `RewardConfig` travels inside `sampling.SamplingConfig.reward`
-(flags `--sampling.reward.format_pattern ...` on the trainer).
+(flags `--sampling.reward.format_pattern ...`, `--sampling.reward.functions my_rewards:code` on
+the trainer).
 """
 
 from __future__ import annotations
@@ -29,11 +40,17 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Sequence
+
+import reward_functions
+from reward_functions import FunctionScore
 
 # The verifier's reward for a correct answer; `reward/accuracy` and `eval/accuracy` count a
 # sample as solved when its reward reaches it. A bonus this large would count a wrong but
 # well-formatted answer as solved, so format_bonus stays below it.
 CORRECT_VERDICT = 1.0
+# Metric names under reward/ that a reward function's name (reward/<name>) must not take.
+_RESERVED_METRIC_NAMES = ("mean", "accuracy", "mean_generated")
 # Patterns are searched over the whole completion with "." matching newlines too: reasoning
 # texts span many lines, and a format such as r"\\boxed\{.+\}" must not stop at the first one.
 FORMAT_FLAGS = re.DOTALL
@@ -52,9 +69,21 @@ class RewardConfig:
     answer never reaches the correct answer's reward of 1."""
     format_penalty: float = 0.0
     """Subtracted from the reward of a completion that does not match format_pattern; >= 0. A
-    correct but unformatted answer then scores below 1 and counts as unsolved in accuracy metrics."""
+    correct but unformatted answer then scores below 1, while accuracy metrics count the verdict
+    (`solved`), so it still counts as solved there."""
+    functions: tuple[str, ...] = ()
+    """Reward functions as "module:function" (reward_functions.py; docs/rewards.md), importable
+    on every node, called in the verifier pool's processes; the verdict is their weighted sum.
+    Each is imported and its signature checked when this config is built. Empty: math-verify
+    (the same verdict as "math_verifier:math_verify_reward", with the pool's cache and fast path)."""
+    weights: tuple[float, ...] = ()
+    """One finite weight per entry of `functions`; empty: 1.0 each."""
+    function_timeout_s: float | None = None
+    """Deadline of one reward-function call (a batched function: one batch), after which its
+    process is killed and the completion scores 0 for it; None: the verifier pool's deadline."""
 
     def __post_init__(self) -> None:
+        self._check_functions()
         for name in ("format_bonus", "format_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -78,6 +107,71 @@ class RewardConfig:
             raise ValueError(
                 f"RewardConfig.format_pattern {self.format_pattern!r} is not a valid regex: {exc}"
             ) from None
+
+    def _check_functions(self) -> None:
+        if isinstance(self.functions, str) or not all(isinstance(f, str) for f in self.functions):
+            raise ValueError(f"RewardConfig.functions must be a list of 'module:function' strings, got {self.functions!r}")
+        if len(set(map(reward_functions.function_name, self.functions))) != len(self.functions):
+            raise ValueError(f"RewardConfig.functions name one function twice (metrics are per name): {self.functions!r}")
+        taken = sorted(set(map(reward_functions.function_name, self.functions)) & set(_RESERVED_METRIC_NAMES))
+        if taken:
+            raise ValueError(f"RewardConfig.functions: {taken} would overwrite the reward/{taken[0]} metric; rename it")
+        if self.weights and len(self.weights) != len(self.functions):
+            raise ValueError(f"RewardConfig.weights has {len(self.weights)} entries for {len(self.functions)} functions")
+        for weight in self.weights:
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                raise ValueError(f"RewardConfig.weights must be finite numbers, got {self.weights!r}")
+        timeout = self.function_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not math.isfinite(timeout) or timeout <= 0):
+            raise ValueError(f"RewardConfig.function_timeout_s must be a finite number > 0 or None, got {timeout!r}")
+        for ref in self.functions:
+            try:
+                reward_functions.check_function(ref)
+            except reward_functions.RewardFunctionError as exc:
+                raise ValueError(f"RewardConfig.functions: {exc}") from None
+
+    def function_weights(self) -> tuple[float, ...]:
+        """The weight of each function (1.0 each when `weights` is empty)."""
+        return tuple(float(w) for w in self.weights) if self.weights else (1.0,) * len(self.functions)
+
+
+@dataclass(slots=True, frozen=True)
+class CombinedScore:
+    """The verdict of one completion from the reward functions."""
+
+    reward: float
+    """sum_i weight_i * reward_i (a failed function contributes 0)."""
+    solved: bool
+    """Every function says solved (its `solved` part, else its reward >= CORRECT_VERDICT); a
+    failed function's completion is unsolved."""
+    parts: dict[str, float]
+    """Per-function rewards by function name (unweighted), and each dict part as "<name>/<part>"."""
+    errors: tuple[str, ...]
+    """"<name>: <error>" of each failed function; empty when none failed."""
+
+
+def combine_scores(names: Sequence[str], weights: Sequence[float],
+                   scores: Sequence[FunctionScore]) -> CombinedScore:
+    """One completion's verdict from its functions' scores (names, weights, scores aligned)."""
+    parts: dict[str, float] = {}
+    errors = []
+    solved = True
+    for name, score in zip(names, scores, strict=True):
+        parts[name] = score.reward
+        parts.update({f"{name}/{part}": value for part, value in score.parts.items()})
+        if score.failed:
+            errors.append(f"{name}: {score.error}")
+        solved = solved and not score.failed and (
+            score.solved if score.solved is not None else score.reward >= CORRECT_VERDICT)
+    reward = sum(w * s.reward for w, s in zip(weights, scores, strict=True))
+    return CombinedScore(reward=reward, solved=solved, parts=parts, errors=tuple(errors))
+
+
+def counts_as_solved(solved: bool | None, reward: float) -> bool:
+    """What accuracy metrics count: the verdict's `solved` when the worker set it, else (samples
+    from before it existed, or built by hand) a reward reaching CORRECT_VERDICT."""
+    return solved if solved is not None else reward >= CORRECT_VERDICT
 
 
 @dataclass(slots=True, frozen=True)

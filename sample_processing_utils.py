@@ -71,6 +71,14 @@ class Sample:
     """Weight version of the generation engine when this rollout started (-1: not generated)."""
     reward_failed: bool = False
     """True when verification timed out or could not parse; reward is then 0."""
+    solved: bool | None = None
+    """The verdict's own "solved" (math-verify's match, or every reward function's; never the
+    format bonus), set by the generation worker; None: not scored (accuracy then reads reward >= 1)."""
+    record: dict | None = None
+    """The dataset record the prompt came from (all its fields, JSON values), for reward functions."""
+    reward_parts: dict[str, float] | None = None
+    """Per-reward-function rewards (and named parts) of this rollout, by metric name
+    (rewards.combine_scores); None under the default math-verify reward."""
 
     @property
     def group_key(self) -> tuple[int, int]:

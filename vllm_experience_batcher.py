@@ -436,6 +436,9 @@ class StepStats:
     """Sum of the rewards of every rollout whose group was released (trained, dropped for zero
     variance, masked or dropped by a prepare function alike)."""
     generated_samples: int = 0
+    reward_part_sums: dict[str, float] = field(default_factory=dict)
+    """Per reward function (and named part): the sum over released rollouts that carry it."""
+    reward_part_counts: dict[str, int] = field(default_factory=dict)
     overlong_penalised: int = 0
     """Released samples longer than max_tokens - overlong_buffer (their reward carries the soft
     overlong punishment; 0 when overlong_buffer is 0)."""
@@ -486,6 +489,9 @@ class StepStats:
             # Over every generated rollout: reward/mean counts trained samples only, which dynamic
             # sampling and masking select.
             "reward/mean_generated": _mean(self.generated_reward_sum, self.generated_samples),
+            # One per reward function (rewards.RewardConfig.functions), its unweighted mean.
+            **{f"reward/{name}": _mean(total, self.reward_part_counts[name])
+               for name, total in self.reward_part_sums.items()},
             "counts/overlong_penalised": float(self.overlong_penalised),
             **self._algorithm_metrics(),
         }
@@ -911,6 +917,10 @@ class ExperienceBatcher:
             return
         state.stats.generated_reward_sum += sum(s.reward for s in samples)
         state.stats.generated_samples += len(samples)
+        for s in samples:
+            for name, value in (s.reward_parts or {}).items():
+                state.stats.reward_part_sums[name] = state.stats.reward_part_sums.get(name, 0.0) + value
+                state.stats.reward_part_counts[name] = state.stats.reward_part_counts.get(name, 0) + 1
         if self.config.sampling.drop_zero_variance_groups and len({s.reward for s in samples}) == 1:
             state.stats.dropped_zero_variance_groups += 1
             return

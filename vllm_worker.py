@@ -46,8 +46,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Protocol
 import ray
 
 from math_verifier import RewardResult, connect_verifier_pool
+from reward_functions import FunctionScore, failure, function_name
 from ray_env import GENERATION
-from rewards import ShapedReward, overlong_penalty, shape_reward
+from rewards import CORRECT_VERDICT, CombinedScore, RewardConfig, ShapedReward, combine_scores, overlong_penalty, shape_reward
 from sample_processing_utils import Sample
 from sampling import SamplingConfig, request_seed
 from setup_model import VLLM_LORA_RANKS
@@ -201,6 +202,9 @@ class RewardScorer(Protocol):
 
     async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]: ...
 
+    async def score_function(self, ref: str, calls: list[dict[str, Any]],
+                             timeout_s: float | None = None) -> list[FunctionScore]: ...
+
 
 class WeightReloadExtension:
     """Mixed into vLLM's worker class (`worker_extension_cls`); runs in the engine-core process.
@@ -333,6 +337,18 @@ def _token_logprobs(completion: CompletionOutput) -> list[float]:
     if completion.logprobs is None:
         raise RuntimeError("vLLM returned no logprobs although the request asked for them")
     return [float(position[token].logprob) for token, position in zip(completion.token_ids, completion.logprobs)]
+
+
+def _reward_call(sample: Sample) -> dict[str, Any]:
+    """The arguments of a reward function for one completed sample (reward_functions.ARGUMENTS)."""
+    return {
+        "prompt": {**(sample.record or {}), "gt_answer": sample.gt_answer},
+        "completion": sample.output_text,
+        "token_ids": list(sample.output_token_ids),
+        "metadata": {"prompt_id": sample.prompt_id, "group_id": sample.group_id, "run_id": sample.run_id,
+                     "finish_reason": sample.finish_reason, "truncated": sample.truncated,
+                     "weight_version": sample.weight_version},
+    }
 
 
 def _shaped_rewards(samples: list[Sample], results: list[RewardResult], sampling: SamplingConfig) -> list[ShapedReward]:
@@ -576,13 +592,12 @@ class GenerationWorker:
                 self.life.request_failed()
                 raise
             samples = [self._completed_sample(sample, c, version) for c in completions]
-            rewards = await self.score_completions(
-                [s.output_text for s in samples], [s.truncated for s in samples], sample.gt_answer, sampling.truncated_reward
-            )
+            rewards = await self._verdicts(samples, sample.gt_answer, sampling)
             shaped = _shaped_rewards(samples, rewards, sampling)
             # Advantages are the batcher's (algorithm.py): they may need the reference logprobs.
             for s, result, final in zip(samples, rewards, shaped):
                 s.reward, s.reward_failed = final.reward, bool(result.failed)
+                s.record = None  # scored: nothing downstream reads it, and n copies would travel
             self._record_failures([(s, f"reward failed: {r.error}") for s, r in zip(samples, rewards) if r.failed])
             self._count(samples, shaped)
             self.life.served()
@@ -619,6 +634,45 @@ class GenerationWorker:
         self.stats.reward_failures += sum(s.reward_failed for s in samples)
         self.stats.format_checked += sum(r.format_matched is not None for r in shaped)
         self.stats.format_matched += sum(r.format_matched is True for r in shaped)
+
+    async def _verdicts(self, samples: list[Sample], gt_answer: str, sampling: SamplingConfig) -> list[RewardResult]:
+        """Each completion's verdict: math-verify (score_completions), or the reward functions of
+        sampling.reward; sets each sample's `solved` (the verdict's, before any shaping) and, with
+        functions, its `reward_parts`. Completions given truncated_reward are unsolved."""
+        fixed = [s.truncated and sampling.truncated_reward is not None for s in samples]
+        if not sampling.reward.functions:
+            results = await self.score_completions(
+                [s.output_text for s in samples], [s.truncated for s in samples], gt_answer, sampling.truncated_reward)
+            for s, result, cut in zip(samples, results, fixed):
+                s.solved = not cut and not result.failed and result.reward >= CORRECT_VERDICT
+            return results
+        results = [RewardResult(reward=float(sampling.truncated_reward), failed=False, error="") if cut else None
+                   for cut in fixed]
+        pending = [i for i, cut in enumerate(fixed) if not cut]
+        combined = await self._score_functions([samples[i] for i in pending], sampling.reward)
+        for i, verdict in zip(pending, combined):
+            samples[i].reward_parts = verdict.parts
+            results[i] = RewardResult(reward=verdict.reward, failed=bool(verdict.errors), error="; ".join(verdict.errors))
+        for s, verdict in zip((samples[i] for i in pending), combined):
+            s.solved = verdict.solved
+        for i in set(range(len(samples))) - set(pending):
+            samples[i].solved = False
+        return [r for r in results if r is not None]
+
+    async def _score_functions(self, samples: list[Sample], config: RewardConfig) -> list[CombinedScore]:
+        """The reward functions' combined verdicts on samples, from the verifier pool's processes."""
+        if not samples:
+            return []
+        calls = [_reward_call(s) for s in samples]
+        try:
+            per_function = await asyncio.gather(*(
+                self._verifier_client().score_function(ref, calls, config.function_timeout_s) for ref in config.functions))
+        except Exception as exc:
+            logger.exception("%s: verifier pool call failed", self.worker_name)
+            lost = failure("crash", f"verifier pool failed: {type(exc).__name__}: {exc}")
+            per_function = [[lost] * len(calls) for _ in config.functions]
+        names, weights = [function_name(ref) for ref in config.functions], config.function_weights()
+        return [combine_scores(names, weights, [scores[j] for scores in per_function]) for j in range(len(calls))]
 
     async def score_completions(
         self, completions: list[str], truncated: list[bool], gt_answer: str, truncated_reward: float | None

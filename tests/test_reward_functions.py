@@ -1,0 +1,151 @@
+"""Reward functions as plug-ins: loading and start-up checks, return validation, weighted
+combination, and the verifier pool running them in killable processes (failures score 0 with a
+reason and are counted; the pool keeps serving)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+import reward_functions
+from math_verifier import VerifierPool
+from reward_functions import FunctionScore, RewardFunctionError, check_function, to_score
+from rewards import RewardConfig, combine_scores, counts_as_solved
+
+PLUGINS = "reward_plugins_for_tests"
+DEADLINE_S = 1.0
+# Process restarts and queueing on a busy 2-core machine: a stalled pool would never finish at all.
+SLACK_S = 30.0
+
+
+def _call(completion: str, gold: str = "7", token_ids: list[int] | None = None, **record) -> dict:
+    return {"prompt": {"gt_answer": gold, **record}, "completion": completion,
+            "token_ids": token_ids if token_ids is not None else [1, 2, 3],
+            "metadata": {"prompt_id": 4, "group_id": None, "run_id": 0}}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with VerifierPool(num_processes=2, timeout_s=DEADLINE_S) as verifier_pool:
+        yield verifier_pool
+
+
+@pytest.mark.parametrize("value, reward, solved", [
+    (1, 1.0, None), (0.25, 0.25, None), (True, 1.0, None),
+    ({"a": 0.5, "b": 0.25}, 0.75, None), ({"a": 1.0, "solved": 0}, 1.0, False), ({"solved": 1}, 0.0, True),
+])
+def test_returns_become_scores(value, reward, solved):
+    score = to_score(value)
+    assert (score.reward, score.solved, score.failed) == (reward, solved, False)
+
+
+@pytest.mark.parametrize("value, detail", [
+    ("1.0", "str, not a number"), (None, "NoneType"), (float("nan"), "nan"), (math.inf, "inf"),
+    ({"a": "x"}, "part 'a'"), ([1.0], "list"),
+])
+def test_bad_returns_fail_with_the_reason(value, detail):
+    score = to_score(value)
+    assert score.failed and score.reward == 0.0
+    assert score.error.startswith("bad_return:") and detail in score.error
+
+
+@pytest.mark.parametrize("ref, message", [
+    ("no_colon", "must be written 'module:function'"),
+    ("module_that_does_not_exist_24:f", "cannot import 'module_that_does_not_exist_24': ModuleNotFoundError"),
+    (f"{PLUGINS}:missing", "has no 'missing'"),
+    (f"{PLUGINS}:PLUGINS_CONSTANT", "has no"),
+    (f"{PLUGINS}:wrong_arity", "cannot be called as f(prompt, completion, token_ids, metadata)"),
+])
+def test_start_up_check_names_the_problem_in_one_line(ref, message):
+    with pytest.raises(RewardFunctionError) as caught:
+        check_function(ref)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+    with pytest.raises(ValueError, match="RewardConfig.functions"):
+        RewardConfig(functions=(ref,))
+
+
+def test_config_checks_weights_names_and_timeout():
+    config = RewardConfig(functions=(f"{PLUGINS}:exact", f"{PLUGINS}:length_parts"), weights=(1.0, 0.5))
+    assert config.function_weights() == (1.0, 0.5)
+    assert RewardConfig(functions=(f"{PLUGINS}:exact",)).function_weights() == (1.0,)
+    with pytest.raises(ValueError, match="RewardConfig.weights has 1 entries for 2"):
+        RewardConfig(functions=(f"{PLUGINS}:exact", f"{PLUGINS}:raises"), weights=(1.0,))
+    with pytest.raises(ValueError, match="RewardConfig.weights must be finite"):
+        RewardConfig(functions=(f"{PLUGINS}:exact",), weights=(math.nan,))
+    with pytest.raises(ValueError, match="one function twice"):
+        RewardConfig(functions=(f"{PLUGINS}:exact", f"{PLUGINS}:exact"))
+    with pytest.raises(ValueError, match="RewardConfig.function_timeout_s"):
+        RewardConfig(functions=(f"{PLUGINS}:exact",), function_timeout_s=0)
+
+
+def test_combination_is_the_weighted_sum_and_solved_needs_every_function():
+    scores = [FunctionScore(reward=1.0), FunctionScore(reward=0.5, parts={"x": 0.5}, solved=True)]
+    combined = combine_scores(["a", "b"], [2.0, 0.5], scores)
+    assert combined.reward == pytest.approx(2.0 * 1.0 + 0.5 * 0.5)
+    assert combined.solved and combined.parts == {"a": 1.0, "b": 0.5, "b/x": 0.5} and combined.errors == ()
+    failed = combine_scores(["a", "b"], [1.0, 1.0], [FunctionScore(reward=1.0), reward_functions.failure("timeout")])
+    assert (failed.reward, failed.solved, failed.errors) == (1.0, False, ("b: timeout",))
+    assert not combine_scores(["a"], [1.0], [FunctionScore(reward=0.9)]).solved
+
+
+def test_accuracy_counts_the_verdict_not_the_shaped_reward():
+    assert counts_as_solved(True, 0.8)        # correct, unformatted: penalised but solved
+    assert not counts_as_solved(False, 1.1)   # wrong, formatted: bonus but unsolved
+    assert counts_as_solved(None, 1.0) and not counts_as_solved(None, 0.5)
+
+
+def test_the_pool_runs_plain_async_batched_and_dict_functions(pool):
+    calls = [_call("7"), _call("8"), _call("ok", token_ids=[5])]
+    assert [s.reward for s in pool.score_function_sync(f"{PLUGINS}:exact", calls)] == [1.0, 0.0, 0.0]
+    assert [s.reward for s in pool.score_function_sync(f"{PLUGINS}:async_exact", calls)] == [1.0, 0.0, 0.0]
+    assert [s.reward for s in pool.score_function_sync(f"{PLUGINS}:batch_rank", calls)] == [0.0, 1.0, 2.0]
+    parts = pool.score_function_sync(f"{PLUGINS}:length_parts", calls)[2]
+    assert (parts.reward, parts.parts, parts.solved) == (1.02, {"tokens": 1.0, "chars": 0.02}, True)
+    (record,) = pool.score_function_sync(f"{PLUGINS}:reads_record", [_call("x", extra={"bonus": 0.5})])
+    assert record.reward == 4.5
+
+
+def test_math_verify_is_one_such_function(pool):
+    calls = [_call("so \\boxed{7}"), _call("\\boxed{\\frac{14}{2}}"), _call("\\boxed{8}")]
+    scores = pool.score_function_sync("math_verifier:math_verify_reward", calls)
+    assert [s.reward for s in scores] == [1.0, 1.0, 0.0]
+    assert scores == [s for s in scores if not s.failed]
+
+
+@pytest.mark.parametrize("name, kind, counter", [
+    ("raises", "raised: RuntimeError: boom", "function_raised"),
+    ("hangs", "timeout", "function_timeouts"),
+    ("returns_text", "bad_return: the return value is a str", "function_bad_returns"),
+    ("returns_nan", "bad_return: the return value is nan", "function_bad_returns"),
+    ("exits", "crash: verifier process died", "function_crashes"),
+    ("batch_too_short", "bad_return: batched function returned 1 results for 2", "function_bad_returns"),
+])
+def test_a_misbehaving_function_scores_zero_with_its_reason_and_the_pool_serves_on(pool, name, kind, counter):
+    before = pool.stats()
+    start = time.monotonic()
+    scores = pool.score_function_sync(f"{PLUGINS}:{name}", [_call("7"), _call("7")])
+    assert time.monotonic() - start < 2 * DEADLINE_S + SLACK_S
+    assert [(s.reward, s.failed) for s in scores] == [(0.0, True)] * 2
+    assert all(s.error.startswith(kind) for s in scores), scores
+    after = pool.stats()
+    assert after[counter] - before[counter] == 2
+    assert after["function_failed"] - before["function_failed"] == 2
+    # The pool still answers, math-verify included.
+    assert [s.reward for s in pool.score_function_sync(f"{PLUGINS}:exact", [_call("7")])] == [1.0]
+    assert pool.score_sync(["\\boxed{7}"], "7")[0].reward == 1.0
+
+
+def test_hostile_samples_cost_their_deadline_and_spare_the_others(pool):
+    calls = [_call("hang"), _call("fine"), _call("raise"), _call("fine")]
+    scores = pool.score_function_sync(f"{PLUGINS}:hostile_by_text", calls)
+    assert [(s.reward, s.error.split(":")[0]) for s in scores] == [(0.0, "timeout"), (1.0, ""), (0.0, "raised"),
+                                                                   (1.0, "")]
+
+
+def test_a_per_call_deadline_overrides_the_pools(pool):
+    start = time.monotonic()
+    (score,) = pool.score_function_sync(f"{PLUGINS}:hangs", [_call("7")], timeout_s=0.2)
+    assert score.error == "timeout"
+    assert time.monotonic() - start < DEADLINE_S + SLACK_S

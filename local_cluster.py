@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from ray_env import RAY_NAMESPACE, REPO_ROOT, actor_runtime_env, repo_pythonpath
+from ray_env import LOOPBACK_ONLY_ENV, RAY_NAMESPACE, REPO_ROOT, actor_runtime_env, repo_pythonpath, use_loopback_only_ray
 from run_config import load_config, split_passthrough
 
 logger = logging.getLogger(__name__)
@@ -118,13 +118,6 @@ class LocalClusterConfig:
             raise ValueError(f"LocalClusterConfig.restart_backoff_s must be >= 0, got {self.restart_backoff_s}")
 
 
-# Ray 2.60 turns a node IP of 127.0.0.1 into the host's routable address
-# (services.resolve_ip_for_localhost), and its GCS, raylet, workers and agents then listen on all
-# interfaces. With this variable false, Ray's node-IP lookup returns 127.0.0.1 (the path it takes
-# for single-machine macOS and Windows), and every one of them listens on loopback only (checked
-# in tests/test_end_to_end.py). Child processes inherit it, so the trainer and the dispatchers
-# look for their local node at the same address.
-LOOPBACK_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 # A LocalCluster's processes (its Ray head's GCS, raylet and workers, the dispatchers, torchrun and
@@ -185,14 +178,6 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def use_loopback_only_ray() -> None:
-    """Make the next `ray.init` in this process (and every child's) run on 127.0.0.1 only."""
-    os.environ.update(LOOPBACK_ONLY_ENV)
-    constants = sys.modules.get("ray._private.ray_constants")
-    if constants is not None:  # ray is imported already and read the variable then
-        constants.ENABLE_RAY_CLUSTER = False
 
 
 def init_local_ray(*, num_cpus: int, namespace: str, log_to_driver: bool) -> str:

@@ -39,7 +39,10 @@ from fsdp_setup import DistInfo, build_training_model, init_distributed
 from grpo_loss import LossConfig, grpo_loss, step_divisor
 from metrics import MetricsConfig, MetricsLogger, StepAccumulator, StepDataLog
 from optimizer import OptimConfig, build_optimizer, build_scheduler
-from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name
+from ray_env import (
+    GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, ClusterJoinError, actor_runtime_env, join_cluster,
+    registry_name,
+)
 from run_config import ConfigError, load_config, save_config
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from sampling import SEED_BOUND, SamplingConfig
@@ -165,7 +168,11 @@ class TrainerConfig:
     dist_timeout_s: float = 1800.0
     """torch.distributed collective timeout: a dead rank stops the others with an error."""
     ray_address: str = "auto"
-    """Ray cluster to join (started with `ray start`)."""
+    """Ray cluster to join (started with `ray start`) when RAY_ADDRESS is unset; 'auto': the last
+    one `ray start` started on this machine."""
+    connect_timeout_s: float = 30.0
+    """Give up (exit 1, one line) if the Ray head does not accept this process by then: no
+    cluster, an unreachable head, a missing or wrong auth token."""
     tensorboard: bool = True
     """Also write metrics to run_dir/tensorboard (false: off, whatever metrics.report_to says)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -180,6 +187,8 @@ class TrainerConfig:
                 raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_lag < 0:
             raise ValueError(f"TrainerConfig.max_lag must be >= 0, got {self.max_lag}")
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"TrainerConfig.connect_timeout_s must be > 0, got {self.connect_timeout_s}")
         if self.max_lag < self.push_every - 1:
             raise ValueError(
                 f"TrainerConfig.max_lag={self.max_lag} is below push_every - 1 = {self.push_every - 1}: with "
@@ -241,12 +250,9 @@ def _setup_logging(rank: int) -> None:
 
 
 def _connect_ray(config: TrainerConfig) -> None:
-    ray.init(
-        address=config.ray_address,
-        namespace=RAY_NAMESPACE,
-        log_to_driver=False,
-        runtime_env=actor_runtime_env(),
-    )
+    """Join the cluster the workers run in (token auth and loopback handled by ray_env.join_cluster)."""
+    join_cluster(config.ray_address, namespace=RAY_NAMESPACE, timeout_s=config.connect_timeout_s,
+                 log_to_driver=False, runtime_env=actor_runtime_env())
 
 
 def _registry(kind: str) -> ActorHandle:
@@ -497,13 +503,13 @@ def train(config: TrainerConfig) -> None:
         logger.warning("loss.kl_in_reward with the grpo estimator: the std division scales the KL differences "
                        "inside equal-reward groups up to unit advantages, which can swamp the reward signal "
                        "(benchmarks/RESULTS.md, 'Algorithm variants'); dr_grpo or reinforce_pp keep them small")
+    _connect_ray(config)  # before the process group: a cluster we cannot join fails in seconds, not at a collective
     dist = init_distributed(config.dist_timeout_s)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if dist.rank == 0:
         save_config(config, run_dir / "config.yaml")
     torch.manual_seed(config.seed + dist.rank)
-    _connect_ray(config)
 
     prompts, evaluator = inputs.prompts, inputs.evaluator
     sampler = InfiniteDistributedSampler(len(prompts), dist.rank, dist.world_size, config.seed)
@@ -712,6 +718,7 @@ CONFIG_HINT = ("trainer_core.py needs a config: --config FILE (e.g. configs/demo
                "--model.model_path PATH --data.path FILE; see --help")
 # Exit status for a config that does not load (argparse's, for the same kind of usage error).
 CONFIG_ERROR_EXIT = 2
+CLUSTER_ERROR_EXIT = 1  # the Ray cluster cannot be joined
 
 
 def config_error_line(error: ConfigError) -> str:
@@ -741,6 +748,10 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"trainer_core.py: {error}", file=sys.stderr, flush=True)
         raise SystemExit(CONFIG_ERROR_EXIT) from None
+    except ClusterJoinError as error:  # likewise: no cluster, unreachable head, missing or wrong token
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"trainer_core.py: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(CLUSTER_ERROR_EXIT) from None
     except Exception:
         logging.getLogger(__name__).exception("rank %s failed", os.environ.get("RANK", "0"))
         raise

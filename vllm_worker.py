@@ -36,12 +36,13 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Iterator, Literal, Protocol
 
 import ray
 
@@ -52,7 +53,7 @@ from rewards import CORRECT_VERDICT, CombinedScore, RewardConfig, ShapedReward, 
 from sample_processing_utils import Sample
 from sampling import SamplingConfig, request_seed
 from setup_model import VLLM_LORA_RANKS
-from vllm_registry import WorkerHealth, WorkerLifecycle
+from vllm_registry import WorkerHealth, WorkerLifecycle, serve_many
 from weight_sync import (
     UnstableVersionError, WeightUpdate, check_stable, iter_checkpoint_tensors, iter_state_dict, write_adapter_folder,
     write_safetensors,
@@ -97,6 +98,73 @@ _PARTIAL_RELOAD_LOGGERS = (
     "vllm.model_executor.model_loader.reload.layerwise",
     "vllm.model_executor.model_loader.reload.inplace",
 )
+_LAYERWISE_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_FAILED_TO_LOAD_MSG = "%s: Failed to load weights"
+# Layers whose only tensors are buffers vLLM computes from the config (the rotary cos/sin cache):
+# no checkpoint or push ever carries them, so vLLM's layerwise reload warns "Failed to load
+# weights" for each of them on every push (once per decoder layer) while restoring them correctly.
+_BUFFER_ONLY_LAYER_SUFFIXES = ("RotaryEmbedding",)
+
+
+class UninformativeReloadWarnings(logging.Filter):
+    """Drops vLLM's per-layer "<Layer>: Failed to load weights" warnings for buffer-only layers
+    (_BUFFER_ONLY_LAYER_SUFFIXES), and only those: the same warning for any other layer means a
+    pushed update missed its weights, and stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != _FAILED_TO_LOAD_MSG or not record.args:
+            return True
+        layer = str(record.args[0] if isinstance(record.args, tuple) else record.args)
+        return not layer.endswith(_BUFFER_ONLY_LAYER_SUFFIXES)
+
+
+# A Python exception line in a traceback: "ValueError: ...", "torch.OutOfMemoryError: ...".
+_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception): \S")
+# What AsyncLLM raises when its engine-core process fails to start; the cause is only in that
+# process's own traceback, which goes to the actor's stderr (Ray's worker-*.err log).
+_GENERIC_ENGINE_START_ERRORS = ("Engine core initialization failed",)
+_STDERR_TAIL_BYTES = 256 * 1024  # enough for vLLM's start-up tracebacks, small enough to read at once
+
+
+def root_cause_line(log_text: str) -> str | None:
+    """The last exception line of the tracebacks in `log_text` that is not vLLM's generic
+    "Engine core initialization failed" wrapper, e.g. "ValueError: Available memory on node 0 ..."."""
+    for line in reversed(log_text.splitlines()):
+        line = line.strip()
+        # Ray prefixes a worker's lines with "(pid=...)"-style tags when relayed; strip them.
+        line = re.sub(r"^\([^)]*\)\s*", "", line)
+        if _EXCEPTION_LINE.match(line) and not any(g in line for g in _GENERIC_ENGINE_START_ERRORS):
+            return line
+    return None
+
+
+class StderrTail:
+    """What this process (and its children, the engine core among them) wrote to its stderr file
+    since construction: where a vLLM start-up failure's root cause is printed. Empty when stderr
+    is not a regular file (a terminal, a pipe)."""
+
+    def __init__(self) -> None:
+        self._path = ""
+        with contextlib.suppress(OSError):
+            target = os.readlink("/proc/self/fd/2")
+            if os.path.isfile(target):
+                self._path, self._offset = target, os.path.getsize(target)
+
+    def read(self) -> str:
+        if not self._path:
+            return ""
+        with contextlib.suppress(OSError), open(self._path, "rb") as handle:
+            start = max(self._offset, os.path.getsize(self._path) - _STDERR_TAIL_BYTES)
+            handle.seek(start)
+            return handle.read().decode(errors="replace")
+        return ""
+
+
+def install_reload_warning_filter() -> None:
+    """Attach UninformativeReloadWarnings to vLLM's layerwise-reload logger, once per process."""
+    reload_logger = logging.getLogger(_LAYERWISE_RELOAD_LOGGER)
+    if not any(isinstance(f, UninformativeReloadWarnings) for f in reload_logger.filters):
+        reload_logger.addFilter(UninformativeReloadWarnings())
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -223,6 +291,7 @@ class WeightReloadExtension:
         """
         from safetensors.torch import load_file
 
+        install_reload_warning_filter()
         weights = load_file(path, device="cpu")
         weights = _with_tied_lm_head(weights, self.model_runner.model_config.hf_text_config)
         with _quiet_loggers(_PARTIAL_RELOAD_LOGGERS) if partial else contextlib.nullcontext():
@@ -474,10 +543,13 @@ class GenerationWorker:
             **self._lora_engine_args(),
         )
         began = time.perf_counter()
+        stderr = StderrTail()
         try:
             self._engine = AsyncLLM.from_engine_args(args)
         except Exception as exc:
-            self._start_error = f"{type(exc).__name__}: {exc}"
+            sys.stderr.flush()
+            cause = root_cause_line(stderr.read())
+            self._start_error = f"{type(exc).__name__}: {exc}" + (f" (root cause: {cause})" if cause else "")
             raise self.life.fail(f"engine did not start: {self._start_error}") from exc
         logger.info(
             "%s: engine for %s started in %.1f s (%s executor)", self.worker_name, cfg.model_path,
@@ -946,6 +1018,11 @@ class GenerationWorkerActor:
 
     async def generate(self, sample: Sample, sampling: SamplingConfig) -> list[Sample]:
         return await self._worker.generate(sample, sampling)
+
+    async def call_many(self, method: str, calls: list[tuple[Any, ...]]) -> AsyncIterator[list[tuple[int, bool, Any]]]:
+        """The registry's batched requests (vllm_registry.serve_many): `generate` only."""
+        async for chunk in serve_many(self._worker, ("generate",), method, calls):
+            yield chunk
 
     async def update_weights(self, update: WeightUpdate) -> int:
         return await self._worker.update_weights(update)

@@ -45,25 +45,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import ray
+from ray.actor import ActorHandle
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from ray_env import (
-    GENERATION, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, use_ray_token_auth_if_available,
+    GENERATION, RAY_NAMESPACE, WORKER_KINDS, ClusterJoinError, actor_runtime_env, join_cluster, registry_name,
     worker_actor_name,
 )
-
-# Before `import ray`, which reads RAY_AUTH_MODE once: a dispatcher joins a `ray start` head that
-# holds a token (it demands the token from every client) with token auth on. See ray_env. Only
-# when run as the dispatcher: a process importing this module (tests, tools) decides for itself,
-# since the variable also reaches every child it starts, a Ray head's GCS included.
-if __name__ == "__main__":
-    use_ray_token_auth_if_available()
-
-import ray  # noqa: E402
-from ray.actor import ActorHandle  # noqa: E402
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
-
-from run_config import ConfigError, load_config  # noqa: E402
-from setup_model import ModelPathError, check_model_dir  # noqa: E402
-from vllm_registry import RegistryConfig, WorkerState, WorkerStatus, get_or_create_registry  # noqa: E402
+from run_config import ConfigError, load_config
+from setup_model import ModelPathError, check_model_dir
+from vllm_registry import RegistryConfig, WorkerState, WorkerStatus, get_or_create_registry
 
 logger = logging.getLogger(__name__)
 
@@ -132,15 +124,24 @@ class DispatcherConfig:
     """CPUs the worker actor reserves in Ray's accounting."""
     ray_address: str = "auto"
     """Cluster to join when RAY_ADDRESS is unset ('auto': the one started on this machine)."""
+    ray_temp_dir: str = ""
+    """The Ray node to run on, by its temp folder (`ray start --temp-dir`), when several Ray nodes
+    share this machine's address; '': Ray's choice (the head node, where there is one)."""
+    connect_timeout_s: float = 30.0
+    """Give up (exit 1, one line) if the Ray head does not accept this process by then: no
+    cluster, an unreachable head, a missing or wrong auth token."""
     start_timeout_s: float = 1800.0
-    """Give up (exit 1) if the worker is not started by then (unschedulable, stuck loading)."""
+    """Give up (exit 1) if the worker is not started by then (no free GPU on this node, stuck
+    loading)."""
     health_check_interval_s: float = 10.0
     """Seconds between checks that the worker is alive and still registered."""
     health_timeout_s: float = 60.0
     """How long one health() call may take before it is logged as unresponsive."""
     max_restarts: int = 3
-    """How many times the worker is replaced after it died, FAILED, or failed to start or
-    register, before the dispatcher gives up and exits 1 (0: exit on the first failure)."""
+    """How many times the worker is replaced after it died or FAILED while serving, before the
+    dispatcher gives up and exits 1 (0: exit on the first failure). A worker that fails to start
+    or register is not replaced: such failures (a bad flag, too little memory, a model that does
+    not load) repeat, so the dispatcher reports the cause once and exits 1."""
     restart_backoff_s: float = 5.0
     """Wait before the first restart; it doubles on each further one, up to 60 s."""
 
@@ -158,7 +159,7 @@ class DispatcherConfig:
         if self.max_restarts < 0 or self.restart_backoff_s < 0:
             raise ValueError(f"DispatcherConfig.max_restarts and restart_backoff_s must be >= 0, got "
                              f"{self.max_restarts} and {self.restart_backoff_s}")
-        for name in ("start_timeout_s", "health_check_interval_s", "health_timeout_s"):
+        for name in ("connect_timeout_s", "start_timeout_s", "health_check_interval_s", "health_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"DispatcherConfig.{name} must be > 0, got {getattr(self, name)}")
 
@@ -168,11 +169,47 @@ def _given(**fields: Any) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-def generation_worker_config(cfg: DispatcherConfig) -> Any:
-    """vllm_worker.GenerationWorkerConfig for this dispatcher (paths made absolute for the actor)."""
+# KV cache of a generation worker on a CPU node when the operator sets no size: vLLM's CPU backend
+# otherwise reserves gpu_memory_utilization (0.9) of the node's RAM and refuses to start when
+# anything else holds memory. An eighth of what is free leaves room for the trainer, the other
+# workers and the model itself; the bounds keep tiny and huge nodes sane.
+_CPU_KV_CACHE_FRACTION_OF_FREE = 1 / 8
+_CPU_KV_CACHE_MIN_BYTES = 256 * 2**20
+_CPU_KV_CACHE_MAX_BYTES = 8 * 2**30
+
+
+def cpu_kv_cache_bytes(available_bytes: int) -> int:
+    """Default KV-cache size of a generation worker on a CPU node with `available_bytes` free."""
+    share = int(available_bytes * _CPU_KV_CACHE_FRACTION_OF_FREE)
+    return max(_CPU_KV_CACHE_MIN_BYTES, min(share, _CPU_KV_CACHE_MAX_BYTES))
+
+
+def node_runs_cuda() -> bool:
+    """Whether workers on this node compute on CUDA GPUs. Ray's GPU resource alone does not say
+    so: `ray start --num-gpus=N` advertises GPUs on a machine without any (Ray's fake GPUs)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def generation_worker_config(cfg: DispatcherConfig, cuda: bool = True) -> Any:
+    """vllm_worker.GenerationWorkerConfig for this dispatcher (paths made absolute for the actor).
+
+    On a node without CUDA (`cuda` False) and no KV-cache size or memory fraction given, the KV
+    cache gets cpu_kv_cache_bytes of the memory free now, and the choice is logged.
+    """
     from vllm_worker import GenerationWorkerConfig
 
     failed = str(Path(cfg.failed_samples_path).resolve()) if cfg.write_failed_generation_samples else None
+    kv_cache_memory_bytes = cfg.kv_cache_memory_bytes
+    if not cuda and kv_cache_memory_bytes is None and cfg.gpu_memory_utilization is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+        kv_cache_memory_bytes = cpu_kv_cache_bytes(available)
+        logger.info("CPU node: vLLM KV cache %.2f GiB (1/8 of the %.2f GiB free, within [%.2f, %.0f] GiB; "
+                    "--kv_cache_memory_bytes or --gpu_memory_utilization to change)", kv_cache_memory_bytes / 2**30,
+                    available / 2**30, _CPU_KV_CACHE_MIN_BYTES / 2**30, _CPU_KV_CACHE_MAX_BYTES / 2**30)
     return GenerationWorkerConfig(
         model_path=str(Path(cfg.model_path).resolve()),
         tensor_parallel_size=cfg.tensor_parallel_size,
@@ -183,7 +220,7 @@ def generation_worker_config(cfg: DispatcherConfig) -> Any:
             global_num_verifiers=cfg.global_num_verifiers,
             verifier_timeout_s=cfg.verifier_timeout_s,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
             max_model_len=cfg.max_model_len,
             dtype=cfg.dtype,
             max_lora_rank=cfg.max_lora_rank,
@@ -191,16 +228,17 @@ def generation_worker_config(cfg: DispatcherConfig) -> Any:
     )
 
 
-def logprob_worker_config(cfg: DispatcherConfig, on_gpu_node: bool) -> Any:
+def logprob_worker_config(cfg: DispatcherConfig) -> Any:
     """logprob_worker.LogprobWorkerConfig for this dispatcher.
 
-    The device is the GPU Ray grants the actor (it sees only that one, as cuda:0), else the CPU.
+    The device is 'auto', resolved in the actor: the GPU Ray grants it (it sees only that one, as
+    cuda:0) where CUDA works, else the CPU (Ray's fake GPUs on a CPU node included).
     """
     from logprob_worker import LogprobWorkerConfig
 
     return LogprobWorkerConfig(
         model_path=str(Path(cfg.model_path).resolve()),
-        device="cuda" if on_gpu_node else "cpu",
+        device="auto",
         kind=cfg.mode,
         **_given(max_tokens_per_gpu=cfg.max_tokens_per_gpu, dtype=cfg.dtype),
     )
@@ -213,12 +251,59 @@ def registry_config_for(mode: str, worker_config: Any) -> RegistryConfig:
     return RegistryConfig(max_inflight_cost_per_worker=_LOGPROB_CAP_PER_BATCH * worker_config.max_tokens_per_gpu)
 
 
-def node_has_gpus(node_id: str) -> bool:
-    """Whether the Ray node advertises GPUs."""
+def node_gpu_count(node_id: str) -> int:
+    """GPUs the Ray node advertises (`ray start --num-gpus`, or the GPUs Ray detected)."""
     for node in ray.nodes():
         if node["NodeID"] == node_id:
-            return node["Resources"].get("GPU", 0) > 0
+            return int(node["Resources"].get("GPU", 0))
     raise RuntimeError(f"node {node_id} is not in the Ray cluster's node list")
+
+
+def gpus_per_worker(mode: str, tensor_parallel_size: int, node_gpus: int) -> int:
+    """GPUs one worker reserves on a node advertising `node_gpus`: none on a CPU node, else the
+    engine's tensor-parallel size (generation) or one. ValueError when the node has too few."""
+    if node_gpus == 0:
+        return 0
+    wanted = tensor_parallel_size if mode == GENERATION else 1
+    if wanted > node_gpus:
+        raise ValueError(f"a {mode} worker needs {wanted} GPU(s) and this Ray node advertises {node_gpus}")
+    return wanted
+
+
+def free_gpus_on_node(node_id: str) -> float:
+    """GPUs of the node that no actor holds now."""
+    from ray._private.state import available_resources_per_node
+
+    return available_resources_per_node().get(node_id, {}).get("GPU", 0.0)
+
+
+def gpu_holders(node_id: str) -> list[str]:
+    """Workers of every pool that run on the node (who holds its GPUs), for error messages."""
+    holders = []
+    for kind in WORKER_KINDS:
+        if actor_exists(registry_name(kind)):
+            rows = ray.get(ray.get_actor(registry_name(kind), namespace=RAY_NAMESPACE).status.remote())
+            holders += [row.name for row in rows if row.node_id == node_id]
+    return holders
+
+
+def wait_for_free_gpus(node_id: str, gpus: int, timeout_s: float, stop: StopFlag) -> bool:
+    """Block until `gpus` GPUs of the node are free (True) or a stop signal arrives (False).
+
+    Without it a worker asking for a held GPU waits in Ray's queue forever, saying nothing.
+    RuntimeError naming the node and the workers on it when none frees up within `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set():
+        free = free_gpus_on_node(node_id)
+        if free >= gpus:
+            return True
+        if time.monotonic() > deadline:
+            held_by = ", ".join(gpu_holders(node_id)) or "actors outside the worker pools"
+            raise RuntimeError(f"no free GPU on node {node_id[:_NODE_ID_CHARS]} after {timeout_s:.0f} s: needs "
+                               f"{gpus}, {free:g} free of {node_gpu_count(node_id)} (held by {held_by})")
+        stop.wait(_STOP_POLL_S)
+    return False
 
 
 def actor_exists(name: str) -> bool:
@@ -290,7 +375,7 @@ def wait_started(actor: ActorHandle, name: str, timeout_s: float, stop: StopFlag
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as err:
-                raise RuntimeError(f"worker {name} failed to start: {err}") from err
+                raise RuntimeError(f"worker {name} failed to start: {_root_error(err)}") from err
             return True
         if time.monotonic() > deadline:
             raise RuntimeError(
@@ -319,18 +404,37 @@ def ensure_registered(kind: str, name: str, registry_config: RegistryConfig) -> 
         logger.warning("could not check or renew %s's registration: %s", name, err)
 
 
+class NodeLostError(RuntimeError):
+    """This dispatcher's Ray node left the cluster (its raylet died, the machine was removed): its
+    workers died with it, and a replacement can only run on this node, so the dispatcher exits."""
+
+
+def node_alive(node_id: str) -> bool:
+    """Whether the GCS still lists the node as alive (asked of the head, not the local raylet)."""
+    return any(node["NodeID"] == node_id and node["Alive"] for node in ray.nodes())
+
+
 def keep_alive(
-    cfg: DispatcherConfig, actor: ActorHandle, name: str, registry_config: RegistryConfig, stop: StopFlag
+    cfg: DispatcherConfig, actor: ActorHandle, name: str, registry_config: RegistryConfig, stop: StopFlag,
+    node_id: str = "",
 ) -> None:
-    """Watch the worker until a stop signal; raise WorkerDiedError if it dies."""
+    """Watch the worker until a stop signal; raise WorkerDiedError if it dies, NodeLostError if
+    the whole node (`node_id`) left the cluster."""
     while not stop.wait(cfg.health_check_interval_s):
         try:
             health = ray.get(actor.health.remote(), timeout=cfg.health_timeout_s)
         except ray.exceptions.GetTimeoutError:
             logger.warning("worker %s did not answer health() within %.0f s", name, cfg.health_timeout_s)
             continue
-        except ray.exceptions.RayActorError as err:
-            raise WorkerDiedError(f"worker {name} died: {err}", actor_dead=True) from err
+        except ray.exceptions.RayError as err:
+            if node_id and not node_alive(node_id):
+                raise NodeLostError(f"node {node_id[:_NODE_ID_CHARS]} left the Ray cluster (its raylet is gone) and "
+                                    f"worker {name} with it; exiting: this dispatcher starts workers on its own "
+                                    f"node only") from err
+            if isinstance(err, ray.exceptions.RayActorError):
+                raise WorkerDiedError(f"worker {name} died: {err}", actor_dead=True) from err
+            logger.warning("health() of worker %s failed: %s", name, _one_line(err))
+            continue
         if health.state == WorkerState.FAILED:
             raise WorkerDiedError(f"worker {name} FAILED: {health.detail}", actor_dead=False)
         if not health.healthy:
@@ -363,10 +467,13 @@ def teardown(kind: str, actor: ActorHandle, name: str, worker_died: bool) -> Non
     print(f"worker {name} deregistered{'' if worker_died else ' and stopped'}", flush=True)
 
 
-def connect(address: str, log_to_driver: bool) -> None:
+def connect(address: str, log_to_driver: bool, timeout_s: float = DispatcherConfig.connect_timeout_s,
+            temp_dir: str = "") -> None:
     """Join the running cluster (RAY_ADDRESS wins over `address`, as in Ray itself), with token
-    auth on when a token exists (set at this module's import: ray_env.use_ray_token_auth_if_available)."""
-    ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=log_to_driver)
+    auth on when a token exists; ClusterJoinError (one line) when it cannot (ray_env.join_cluster).
+    `temp_dir` picks this machine's Ray node by its temp folder when several share its address."""
+    join_cluster(address, namespace=RAY_NAMESPACE, timeout_s=timeout_s, log_to_driver=log_to_driver,
+                 temp_dir=temp_dir)
 
 
 @dataclass(frozen=True)
@@ -379,86 +486,127 @@ class WorkerSpec:
     registry_config: RegistryConfig
 
 
+NOT_RESTARTING_LINE = ("{failure}; not restarting it: a failure before READY (bad flag, too little memory, "
+                       "a model that does not load, no free GPU) repeats on every start")
+
+
 def serve(cfg: DispatcherConfig) -> int:
-    """Start, register and supervise the worker, replacing it when it fails; the exit code."""
-    connect(cfg.ray_address, log_to_driver=True)  # worker logs show up in this process's output
+    """Start, register and supervise the worker, replacing it when it fails after READY; the exit code."""
+    # Worker logs show up in this process's output.
+    connect(cfg.ray_address, log_to_driver=True, timeout_s=cfg.connect_timeout_s, temp_dir=cfg.ray_temp_dir)
     stop = StopFlag()
     stop.install()  # after ray.init, so these handlers are the ones in force
     node_id = ray.get_runtime_context().get_node_id()
-    on_gpu_node = node_has_gpus(node_id)
+    try:
+        gpus = gpus_per_worker(cfg.mode, cfg.tensor_parallel_size, node_gpu_count(node_id))
+    except ValueError as err:
+        print(f"worker_dispatcher.py: node {node_id[:_NODE_ID_CHARS]}: {err}", file=sys.stderr, flush=True)
+        return 1
     if cfg.mode == GENERATION:
-        worker_config, gpus = generation_worker_config(cfg), cfg.tensor_parallel_size if on_gpu_node else 0
+        worker_config = generation_worker_config(cfg, cuda=node_runs_cuda())
     else:
-        worker_config, gpus = logprob_worker_config(cfg, on_gpu_node), 1 if on_gpu_node else 0
+        worker_config = logprob_worker_config(cfg)
     spec = WorkerSpec(worker_config=worker_config, gpus=gpus, node_id=node_id,
                       registry_config=registry_config_for(cfg.mode, worker_config))
     restarts = 0
     while True:
-        name, failure = run_worker(cfg, spec, stop)
-        if failure is None:
+        try:
+            life = run_worker(cfg, spec, stop)
+        except NodeLostError as err:
+            print(f"worker_dispatcher.py: {err}", file=sys.stderr, flush=True)
+            return 1
+        if life.failure is None:
             return 0
+        if not life.was_ready:
+            print(NOT_RESTARTING_LINE.format(failure=life.failure), file=sys.stderr, flush=True)
+            return 1
         if restarts >= cfg.max_restarts:
-            print(f"{failure}; giving up after {restarts} restart(s) (--max_restarts {cfg.max_restarts})",
+            print(f"{life.failure}; giving up after {restarts} restart(s) (--max_restarts {cfg.max_restarts})",
                   file=sys.stderr, flush=True)
             return 1
         restarts += 1
         delay = min(cfg.restart_backoff_s * 2 ** (restarts - 1), _MAX_BACKOFF_S)
-        print(RESTARTING_LINE.format(name=name, restart=restarts, max_restarts=cfg.max_restarts, reason=failure),
-              flush=True)
-        logger.warning("starting a replacement for %s in %.0f s", name, delay)
+        print(RESTARTING_LINE.format(name=life.name, restart=restarts, max_restarts=cfg.max_restarts,
+                                     reason=life.failure), flush=True)
+        logger.warning("starting a replacement for %s in %.0f s", life.name, delay)
         if stop.wait(delay):
             return 0
 
 
-def run_worker(cfg: DispatcherConfig, spec: WorkerSpec, stop: StopFlag) -> tuple[str, str | None]:
-    """One worker's life: start, register, watch until a stop signal or its failure.
+@dataclass(frozen=True)
+class WorkerLife:
+    """How one worker's life under this dispatcher ended."""
 
-    Returns (its name, None when stopped by a signal, else why it failed). The worker is torn
-    down either way.
-    """
+    name: str
+    failure: str | None
+    """None: stopped by a signal; else why it failed, in one line."""
+    was_ready: bool
+    """It registered (READY) before it failed: a crash worth a replacement, not a start-up error."""
+
+
+def run_worker(cfg: DispatcherConfig, spec: WorkerSpec, stop: StopFlag) -> WorkerLife:
+    """One worker's life: start, register, watch until a stop signal or its failure. The worker
+    is torn down either way."""
     registry = get_or_create_registry(cfg.mode, spec.registry_config)
     name = claim_worker_name(registry, cfg.mode)
     local_rank = os.environ.get("LOCAL_RANK")
     logger.info("starting %s on node %s (gpus=%d%s)", name, spec.node_id, spec.gpus,
                 f", LOCAL_RANK={local_rank}" if local_rank else "")
-    actor = create_worker_actor(cfg, name, spec.worker_config, spec.node_id, spec.gpus)
-    died = False
+    actor, died, ready = None, False, False
     try:
+        if spec.gpus and not wait_for_free_gpus(spec.node_id, spec.gpus, cfg.start_timeout_s, stop):
+            return WorkerLife(name, None, was_ready=False)
+        actor = create_worker_actor(cfg, name, spec.worker_config, spec.node_id, spec.gpus)
         if wait_started(actor, name, cfg.start_timeout_s, stop):
             try:  # loads the latest published weights, then the worker is READY
                 version = ray.get(registry.register.remote(name))
             except ray.exceptions.RayError as err:
-                raise RuntimeError(f"worker {name} could not register: {err}") from err
+                raise RuntimeError(f"worker {name} could not register: {_root_error(err)}") from err
+            ready = True
             print(REGISTERED_LINE.format(name=name), flush=True)
-            logger.info("worker %s READY at weight version %d", name, version)
-            keep_alive(cfg, actor, name, spec.registry_config, stop)
-        return name, None
+            logger.info("worker %s READY at weight version %d on GPU(s) %s", name, version,
+                        ray.get(actor.health.remote()).gpu_ids or "none")
+            keep_alive(cfg, actor, name, spec.registry_config, stop, spec.node_id)
+        return WorkerLife(name, None, was_ready=ready)
+    except NodeLostError:
+        died = True  # nothing left to stop; the registry drops the worker at its next failed call
+        raise
     except WorkerDiedError as err:
         died = err.actor_dead
         logger.error("%s", err)
-        return name, _one_line(err)
+        return WorkerLife(name, _one_line(err), was_ready=ready)
     except RuntimeError as err:
         logger.error("%s", err)
-        return name, _one_line(err)
+        return WorkerLife(name, _one_line(err), was_ready=ready)
     finally:
-        teardown(cfg.mode, actor, name, worker_died=died)
+        if actor is not None:
+            teardown(cfg.mode, actor, name, worker_died=died)
 
 
 def format_status(rows: Sequence[WorkerStatus]) -> str:
     """Operator table: one line per worker."""
-    header = ("kind", "name", "node", "state", "version", "uptime", "load", "in-flight", "served", "failed", "health")
+    header = ("kind", "name", "node", "gpus", "state", "version", "uptime", "load", "in-flight", "served", "failed",
+              "health")
     lines = [header]
     for r in rows:
         health = "ok" if r.healthy else f"UNHEALTHY {r.last_error}".strip()
         lines.append((
-            r.kind, r.name, r.node_id[:_NODE_ID_CHARS], r.state or "?", str(r.weight_version), _duration(r.uptime_s),
+            r.kind, r.name, r.node_id[:_NODE_ID_CHARS], r.gpu_ids or "-", r.state or "?", str(r.weight_version),
+            _duration(r.uptime_s),
             str(r.inflight_cost), str(r.inflight_requests), str(r.requests_served), str(r.requests_failed), health,
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
     return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(line, widths)), line[-1]]).rstrip() for line in lines)
 
 
-def _one_line(error: BaseException, limit: int = 400) -> str:
+def _root_error(error: ray.exceptions.RayError) -> BaseException:
+    """The exception raised inside the actor (a RayTaskError wraps it with the whole remote
+    traceback), else the Ray error itself (the actor died, Ray could not schedule it)."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else error
+
+
+def _one_line(error: BaseException, limit: int = 600) -> str:
     """An error as one line of at most `limit` characters (Ray's messages span many lines)."""
     text = " ".join(str(error).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -474,9 +622,9 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def print_status(ray_address: str) -> int:
+def print_status(ray_address: str, connect_timeout_s: float = DispatcherConfig.connect_timeout_s) -> int:
     """Print every existing registry's workers (creates no registry); 0 if any registry exists."""
-    connect(ray_address, log_to_driver=False)
+    connect(ray_address, log_to_driver=False, timeout_s=connect_timeout_s)
     rows: list[WorkerStatus] = []
     notes: list[str] = []
     found = 0
@@ -507,6 +655,8 @@ class StatusConfig:
 
     ray_address: str = DispatcherConfig.ray_address
     """Cluster to join when RAY_ADDRESS is unset ('auto': the one started on this machine)."""
+    connect_timeout_s: float = DispatcherConfig.connect_timeout_s
+    """Give up (exit 1, one line) if the Ray head does not accept this process by then."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -516,7 +666,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.pop(0) if args and args[0] in ("serve", STATUS_COMMAND) else "serve"
     try:
         if command == STATUS_COMMAND:
-            return print_status(load_config(StatusConfig, args, description=StatusConfig.__doc__).ray_address)
+            status = load_config(StatusConfig, args, description=StatusConfig.__doc__)
+            return print_status(status.ray_address, status.connect_timeout_s)
         try:
             cfg = load_config(DispatcherConfig, args, description=__doc__)
             check_model_dir(cfg.model_path)  # before joining the cluster or starting an engine
@@ -524,9 +675,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"worker_dispatcher.py: {err}", file=sys.stderr)
             return 2
         return serve(cfg)
-    except ConnectionError as err:
-        print(f"cannot join the Ray cluster (start it with `ray start --head` or set RAY_ADDRESS): {err}",
-              file=sys.stderr)
+    except ClusterJoinError as err:
+        print(f"worker_dispatcher.py: {err}", file=sys.stderr, flush=True)
         return 1
 
 

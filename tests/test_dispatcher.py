@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -24,6 +22,7 @@ from typing import Iterator
 import pytest
 
 from local_cluster import LOOPBACK_ONLY_ENV
+from process_output import OutputLog
 from ray_env import GENERATION, registry_name, repo_pythonpath, worker_actor_name
 from worker_dispatcher import REGISTERED_LINE, DispatcherConfig, format_status
 
@@ -43,42 +42,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class _OutputLog:
-    """Collects a subprocess's merged output lines on a thread; lets the test wait for a line."""
-
-    def __init__(self, process: subprocess.Popen) -> None:
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._pump, args=(process,), daemon=True)
-        self._thread.start()
-
-    def _pump(self, process: subprocess.Popen) -> None:
-        for line in process.stdout:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-
-    def wait_for(self, text: str, process: subprocess.Popen, bound_s: float) -> None:
-        self.wait_for_match(re.escape(text), process, bound_s)
-
-    def wait_for_match(self, pattern: str, process: subprocess.Popen, bound_s: float, skip: int = 0) -> re.Match:
-        """The first line after the first `skip` lines that matches `pattern` whole (stripped)."""
-        deadline = time.monotonic() + bound_s
-        with self._cond:
-            while True:
-                for line in self.lines[skip:]:
-                    if match := re.fullmatch(pattern, line.strip()):
-                        return match
-                if process.poll() is not None and not self._thread.is_alive():
-                    raise AssertionError(f"process exited ({process.returncode}) before {pattern!r}:\n{self.tail()}")
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"no {pattern!r} within {bound_s:.0f} s:\n{self.tail()}")
-                self._cond.wait(1.0)
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.lines[-n:])
-
-
 @pytest.fixture(scope="module")
 def ray_head() -> Iterator[dict[str, str]]:
     """A private `ray start` head; yields the environment for processes that should join it."""
@@ -94,7 +57,7 @@ def ray_head() -> Iterator[dict[str, str]]:
         ],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
-    log = _OutputLog(head)
+    log = OutputLog(head)
     try:
         deadline = time.monotonic() + _CLUSTER_START_BOUND_S
         while not any("Ray runtime started" in line for line in log.lines):
@@ -197,10 +160,10 @@ def test_dtype_reaches_each_worker_config_and_unset_keeps_their_defaults():
 
     assert generation_worker_config(DispatcherConfig(mode="generation", model_path="m")).dtype == "auto"
     assert generation_worker_config(DispatcherConfig(mode="generation", model_path="m", dtype="float32")).dtype == "float32"
-    assert logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m"), on_gpu_node=False).dtype == "auto"
-    assert logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m", dtype="bfloat16"), False).dtype == "bfloat16"
+    assert logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m")).dtype == "auto"
+    assert logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m", dtype="bfloat16")).dtype == "bfloat16"
     with pytest.raises(ValueError, match="LogprobWorkerConfig.dtype"):
-        logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m", dtype="int8"), on_gpu_node=False)
+        logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m", dtype="int8"))
 
 
 @pytest.mark.vllm
@@ -212,7 +175,7 @@ def test_dispatcher_registers_reports_and_stops_cleanly(ray_head, tiny_model_dir
         "--max_model_len", str(_MAX_MODEL_LEN), "--health_check_interval_s", "1",
     ]
     dispatcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_head)
-    log = _OutputLog(dispatcher)
+    log = OutputLog(dispatcher)
     name = worker_actor_name(GENERATION, 0)
     try:
         log.wait_for(REGISTERED_LINE.format(name=name), dispatcher, _REGISTER_BOUND_S)
@@ -222,10 +185,10 @@ def test_dispatcher_registers_reports_and_stops_cleanly(ray_head, tiny_model_dir
         )
         assert status.returncode == 0, status.stderr
         table = status.stdout.splitlines()
-        assert table[0].split() == ["kind", "name", "node", "state", "version", "uptime", "load", "in-flight",
+        assert table[0].split() == ["kind", "name", "node", "gpus", "state", "version", "uptime", "load", "in-flight",
                                     "served", "failed", "health"]
         (row,) = [line.split() for line in table if name in line]
-        assert row[0] == GENERATION and row[3] == "READY" and row[-1] == "ok", status.stdout
+        assert row[0] == GENERATION and row[4] == "READY" and row[-1] == "ok", status.stdout
 
         actors = _named_actors(ray_head)
         assert name in actors and registry_name(GENERATION) in actors, actors
@@ -260,7 +223,7 @@ def test_dispatcher_replaces_a_dead_worker_cleans_its_files_then_gives_up(ray_he
         "--max_restarts", "1", "--restart_backoff_s", "0.5",
     ]
     dispatcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_head)
-    log = _OutputLog(dispatcher)
+    log = OutputLog(dispatcher)
     registered = r"worker (\S+) registered"
     files: list[Path] = []
     try:
@@ -281,7 +244,7 @@ def test_dispatcher_replaces_a_dead_worker_cleans_its_files_then_gives_up(ray_he
         status = subprocess.run([sys.executable, DISPATCHER, "status"], capture_output=True, text=True,
                                 env=ray_head, timeout=_EXIT_BOUND_S)
         (row,) = [line.split() for line in status.stdout.splitlines() if second in line]
-        assert row[3] == "READY" and row[-1] == "ok", status.stdout
+        assert row[4] == "READY" and row[-1] == "ok", status.stdout
 
         _kill_actor(ray_head, second)  # the second death exhausts --max_restarts 1
         assert dispatcher.wait(timeout=_EXIT_BOUND_S) == 1, log.tail()
@@ -301,15 +264,16 @@ def test_status_table_format():
     rows = [
         WorkerStatus(kind=GENERATION, name="generation-worker-0", node_id="ab" * 28, inflight_cost=3,
                      inflight_requests=1, requests_served=12, weight_version=4, healthy=True, last_error="",
-                     state="RUNNING", uptime_s=3725.0, requests_failed=2),
+                     state="RUNNING", uptime_s=3725.0, requests_failed=2, gpu_ids="3"),
         WorkerStatus(kind=GENERATION, name="generation-worker-1", node_id="cd" * 28, inflight_cost=0,
                      inflight_requests=0, requests_served=0, weight_version=-1, healthy=False,
                      last_error="health() did not answer within 10.0 s"),
     ]
     lines = format_status(rows).splitlines()
-    assert lines[0].split() == ["kind", "name", "node", "state", "version", "uptime", "load", "in-flight", "served",
-                                "failed", "health"]
-    assert lines[1].split() == [GENERATION, "generation-worker-0", "ab" * 6, "RUNNING", "4", "1h02m", "3", "1", "12",
-                                "2", "ok"]
-    assert lines[2].split()[:10] == [GENERATION, "generation-worker-1", "cd" * 6, "?", "-1", "0s", "0", "0", "0", "0"]
+    assert lines[0].split() == ["kind", "name", "node", "gpus", "state", "version", "uptime", "load", "in-flight",
+                                "served", "failed", "health"]
+    assert lines[1].split() == [GENERATION, "generation-worker-0", "ab" * 6, "3", "RUNNING", "4", "1h02m", "3", "1",
+                                "12", "2", "ok"]
+    assert lines[2].split()[:11] == [GENERATION, "generation-worker-1", "cd" * 6, "-", "?", "-1", "0s", "0", "0", "0",
+                                     "0"]
     assert lines[2].endswith("UNHEALTHY health() did not answer within 10.0 s")

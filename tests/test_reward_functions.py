@@ -149,3 +149,61 @@ def test_a_per_call_deadline_overrides_the_pools(pool):
     (score,) = pool.score_function_sync(f"{PLUGINS}:hangs", [_call("7")], timeout_s=0.2)
     assert score.error == "timeout"
     assert time.monotonic() - start < DEADLINE_S + SLACK_S
+
+
+def _fake_completion(index: int, text: str, finish_reason: str = "stop"):
+    """What the generation worker reads of a vLLM CompletionOutput; one token per character."""
+    from types import SimpleNamespace
+
+    tokens = [ord(c) for c in text]
+    return SimpleNamespace(index=index, text=text, token_ids=tokens, finish_reason=finish_reason,
+                           logprobs=[{t: SimpleNamespace(logprob=-0.5)} for t in tokens])
+
+
+def _generate(pool, texts: list[str], reward: RewardConfig, record: dict | None = None, finishes=None):
+    """GenerationWorker.generate on fixed completions (no engine), scored by the real pool."""
+    import asyncio
+
+    from sample_processing_utils import Sample
+    from sampling import SamplingConfig
+    from vllm_worker import GenerationWorker, GenerationWorkerConfig
+
+    finishes = finishes or ["stop"] * len(texts)
+    worker = GenerationWorker("unit", GenerationWorkerConfig(model_path="unused"), verifier=pool)
+
+    async def fake_engine(sample, sampling, adapter=None):
+        return [_fake_completion(i, text, finish) for i, (text, finish) in enumerate(zip(texts, finishes))]
+
+    worker._run_engine = fake_engine
+    prompt = Sample(input_token_ids=[1], gt_answer="7", prompt_id=3, record=record)
+    return asyncio.run(worker.generate(prompt, SamplingConfig(n=len(texts), reward=reward)))
+
+
+def test_the_worker_combines_weighted_functions_and_sets_solved_and_parts(pool):
+    reward = RewardConfig(functions=(f"{PLUGINS}:exact", f"{PLUGINS}:reads_record"), weights=(1.0, 0.5),
+                          format_pattern="^7", format_bonus=0.25)
+    samples = _generate(pool, ["7", "8", "x7"], reward, record={"prompt": "3+4=", "extra": {"bonus": -3}})
+    # exact: 1, 0, 0; reads_record: bonus -3 + prompt_id 3 = 0 each; format bonus to "7" only.
+    assert [s.reward for s in samples] == [1.25, 0.0, 0.0]
+    # reads_record's reward is 0 (< 1), so no completion is solved by *every* function.
+    assert [s.solved for s in samples] == [False, False, False]
+    assert samples[0].reward_parts == {"exact": 1.0, "reads_record": 0.0}
+    assert all(s.record is None for s in samples), "the record is dropped once scored"
+
+
+def test_a_failing_function_flags_the_sample_and_the_others_still_count(pool):
+    reward = RewardConfig(functions=(f"{PLUGINS}:exact", f"{PLUGINS}:hostile_by_text"))
+    samples = _generate(pool, ["7", "raise"], reward)
+    assert [(s.reward, s.reward_failed, s.solved) for s in samples] == [(2.0, False, True), (0.0, True, False)]
+    assert samples[1].reward_parts == {"exact": 0.0, "hostile_by_text": 0.0}
+
+
+def test_under_math_verify_accuracy_counts_the_verdict_not_the_format_shaping(pool):
+    reward = RewardConfig(format_pattern=r"\\boxed\{.+\}", format_bonus=0.5, format_penalty=0.25)
+    samples = _generate(pool, ["\\boxed{7}", "7", "\\boxed{8}", "\\boxed{7"], reward,
+                        finishes=["stop", "stop", "stop", "length"])
+    assert [s.reward for s in samples] == [1.5, 0.75, 0.5, 0.0]
+    # The correct unformatted answer (0.75) is solved; the formatted wrong one (0.5) is not; the
+    # truncated one got truncated_reward unverified: unsolved.
+    assert [s.solved for s in samples] == [True, True, False, False]
+    assert [counts_as_solved(s.solved, s.reward) for s in samples] == [True, True, False, False]

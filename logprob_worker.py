@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import ray
 import torch
@@ -47,7 +47,7 @@ from setup_model import (
     load_causal_lm,
     training_compute_dtype,
 )
-from vllm_registry import WorkerHealth, WorkerLifecycle
+from vllm_registry import Bundle, WorkerHealth, WorkerLifecycle, serve_many
 from weight_sync import (
     ADAPTER_WEIGHTS_FILE, WeightUpdate, assemble_state_dict, check_stable, iter_checkpoint_tensors,
     load_state_dict_into,
@@ -625,6 +625,11 @@ class LogprobWorkerActor:
 
     async def compute_group_logprobs(self, samples: list[Sample]) -> list[TokenLogprobs]:
         return await self._worker.compute_group_logprobs(samples)
+
+    async def call_many(self, method: str, calls: Bundle) -> AsyncIterator[Bundle]:
+        """The registry's batched requests (vllm_registry.serve_many)."""
+        async for chunk in serve_many(self._worker, ("compute_logprobs", "compute_group_logprobs"), method, calls):
+            yield chunk
 
     async def update_weights(self, update: WeightUpdate) -> int:
         return await self._worker.update_weights(update)

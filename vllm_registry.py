@@ -52,6 +52,17 @@ BatchOutcome = tuple[int, bool, Any]
 """(index in the batch, ok, the result when ok else the exception the request raised)."""
 
 
+@dataclass(slots=True)
+class Bundle:
+    """A list that crosses an actor call in one piece (requests' arguments, a chunk of outcomes).
+
+    Ray serialises a plain list item by item (msgpack, each non-builtin item pickled on its own);
+    a Bundle is pickled in one go, which cost 10.5 instead of 14 us per Sample on this machine.
+    """
+
+    items: list[Any]
+
+
 class WorkerState(str, enum.Enum):
     """Where a worker is in its life (seed 003). Only READY and RUNNING workers get requests."""
 
@@ -637,9 +648,9 @@ class Registry:
         pending = dict(enumerate(requests))
         try:
             stream = getattr(slot.handle, BATCH_METHOD).options(num_returns="streaming").remote(
-                method, [r.args for r in requests])
+                method, Bundle([r.args for r in requests]))
             async for ref in stream:
-                for position, ok, value in await ref:
+                for position, ok, value in (await ref).items:
                     self._settle(slot, pending.pop(position), ok, value)
             if pending:
                 raise RuntimeError(f"{slot.name}: {BATCH_METHOD} ended with {len(pending)} requests unanswered")
@@ -830,10 +841,10 @@ class Registry:
             await asyncio.gather(*(self._probe(s) for s in list(self._workers.values())))
 
 
-async def serve_many(target: Any, allowed: Collection[str], method: str,
-                     calls: list[tuple[Any, ...]]) -> AsyncIterator[list[BatchOutcome]]:
-    """A worker actor's BATCH_METHOD: run `target.method(*args)` for every args at once and yield
-    the outcomes in chunks as they finish (whatever finished since the last chunk).
+async def serve_many(target: Any, allowed: Collection[str], method: str, calls: Bundle) -> AsyncIterator[Bundle]:
+    """A worker actor's BATCH_METHOD: run `target.method(*args)` for every args in `calls` at once
+    and yield the outcomes (BatchOutcome) in Bundles as they finish (whatever finished since the
+    last one).
 
     Only methods in `allowed` run. A request's error is its outcome, not the batch's: the registry
     fails over the requests that raised WorkerFailedError and hands the others their error. When
@@ -854,7 +865,7 @@ async def serve_many(target: Any, allowed: Collection[str], method: str,
         finished.append(outcome)
         ready.set()
 
-    tasks = [asyncio.create_task(run(i, tuple(args))) for i, args in enumerate(calls)]
+    tasks = [asyncio.create_task(run(i, tuple(args))) for i, args in enumerate(calls.items)]
     try:
         left = len(tasks)
         while left:
@@ -862,7 +873,7 @@ async def serve_many(target: Any, allowed: Collection[str], method: str,
             chunk, finished[:] = list(finished), []
             ready.clear()
             left -= len(chunk)
-            yield chunk
+            yield Bundle(chunk)
     finally:
         for task in tasks:
             task.cancel()
@@ -898,11 +909,11 @@ class RegistryActor:
     async def submit(self, method: str, *args: Any, cost: int = 1) -> Any:
         return await self._registry.submit(method, *args, cost=cost)
 
-    async def submit_many(self, call_id: str, method: str, calls: list[tuple[Any, ...]],
-                          costs: list[int]) -> AsyncIterator[list[BatchOutcome]]:
-        """Streaming: call with `.options(num_returns="streaming")`; see Registry.submit_many."""
-        async for chunk in self._registry.submit_many(call_id, method, calls, costs):
-            yield chunk
+    async def submit_many(self, call_id: str, method: str, calls: Bundle, costs: list[int]) -> AsyncIterator[Bundle]:
+        """Registry.submit_many over the wire: the argument tuples and each chunk of outcomes in a
+        Bundle. Streaming: call with `.options(num_returns="streaming")`."""
+        async for chunk in self._registry.submit_many(call_id, method, calls.items, costs):
+            yield Bundle(chunk)
 
     async def cancel_many(self, call_id: str, indices: list[int]) -> None:
         self._registry.cancel_many(call_id, indices)

@@ -53,7 +53,7 @@ from rewards import CORRECT_VERDICT, CombinedScore, RewardConfig, ShapedReward, 
 from sample_processing_utils import Sample
 from sampling import SamplingConfig, request_seed
 from setup_model import VLLM_LORA_RANKS
-from vllm_registry import WorkerHealth, WorkerLifecycle, serve_many
+from vllm_registry import Bundle, WorkerHealth, WorkerLifecycle, serve_many
 from weight_sync import (
     UnstableVersionError, WeightUpdate, check_stable, iter_checkpoint_tensors, iter_state_dict, write_adapter_folder,
     write_safetensors,
@@ -1019,7 +1019,7 @@ class GenerationWorkerActor:
     async def generate(self, sample: Sample, sampling: SamplingConfig) -> list[Sample]:
         return await self._worker.generate(sample, sampling)
 
-    async def call_many(self, method: str, calls: list[tuple[Any, ...]]) -> AsyncIterator[list[tuple[int, bool, Any]]]:
+    async def call_many(self, method: str, calls: Bundle) -> AsyncIterator[Bundle]:
         """The registry's batched requests (vllm_registry.serve_many): `generate` only."""
         async for chunk in serve_many(self._worker, ("generate",), method, calls):
             yield chunk

@@ -34,7 +34,7 @@ from vllm_experience_batcher import (
     get_or_create_batcher,
 )
 from ray_env import GENERATION, RAY_NAMESPACE
-from vllm_registry import RegistryActor, RegistryConfig
+from vllm_registry import Bundle, RegistryActor, RegistryConfig
 from sampling import SamplingConfig
 
 # Ray workers cannot import this test module (tests/ is not on their path): ship the stand-in
@@ -467,6 +467,7 @@ class RegistryDouble:
         self._version = version
         self._calls: list[tuple[str, int, int]] = []
         self._cancelled: list[int] = []
+        self._batches: dict[str, dict[int, asyncio.Task[Any]]] = {}
 
     async def submit(self, method: str, *args: Any, cost: int = 1) -> Any:
         sample = args[0] if method == "generate" else args[0][0]  # a prompt, or a group's first rollout
@@ -480,6 +481,23 @@ class RegistryDouble:
         if method == "generate":
             return _rollouts(sample, args[1].n, self._version)
         return [TokenLogprobs(weight_version=-1, values=_fake_logprobs(s)) for s in args[0]]
+
+    async def submit_many(self, call_id: str, method: str, calls: Bundle, costs: list[int]) -> Any:
+        """The batched path the batcher actor uses: each request answered by `submit`, outcomes
+        streamed back one Bundle each."""
+        tasks = {i: asyncio.create_task(self.submit(method, *args, cost=cost))
+                 for i, (args, cost) in enumerate(zip(calls.items, costs))}
+        self._batches[call_id] = tasks
+        pending = set(tasks.values())
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for i, task in tasks.items():
+                if task in done and not task.cancelled():
+                    yield Bundle([(i, task.exception() is None, task.exception() or task.result())])
+
+    def cancel_many(self, call_id: str, indices: list[int]) -> None:
+        for i in indices:
+            self._batches[call_id][i].cancel()
 
     def calls(self) -> list[tuple[str, int, int]]:
         return list(self._calls)

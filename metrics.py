@@ -7,6 +7,7 @@ TensorBoard, W&B, MLflow, trackio; trackers.py, docs/trackers.md); keys are name
 carry `eval/...` keys. Draw the reward curve of a run (with evaluation points, if any):
 
     python metrics.py plot --run_dir runs/demo --out reward.png
+    python metrics.py compare runs/a runs/b --out compare.png   # run_report.py: a table + one figure
 
 Both JSONL files hold one record per trained step, identified by its `step` field (the 0-based
 optimizer step, as in checkpoints/step_N: a checkpoint step_N was taken after step N - 1 and
@@ -37,7 +38,6 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
-from rewards import counts_as_solved
 from sample_processing_utils import PackedBatch, Sample
 from trackers import Tracker, one_line, start_tracker
 
@@ -93,8 +93,7 @@ class StepAccumulator:
         self.trained_prompt_ids.extend(x.prompt_id for x in samples)
         s["samples"] += len(samples)
         s["reward_sum"] += sum(x.reward for x in samples)
-        # The verdict's solved, never a format bonus (rewards.counts_as_solved).
-        s["correct"] += sum(1 for x in samples if counts_as_solved(x.solved, x.reward))
+        s["correct"] += sum(1 for x in samples if x.reward >= 1.0)
         s["response_tokens"] += sum(len(x.output_token_ids) for x in samples)
         s["tokens"] += batch.num_tokens
         s["truncated"] += sum(1 for x in samples if x.truncated)
@@ -225,6 +224,7 @@ class MetricsLogger:
         self._time_offset = 0.0
         self._trackers: list[Tracker] = []
         self._trackers_off = 0
+        self._logged = False
         self._bar = None
         if not enabled:
             return
@@ -286,6 +286,7 @@ class MetricsLogger:
         line = {"step": step, "time_s": round(time_s, 3), "unix_time": round(now, 3), **record}
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
+        self._logged = True
         self._call_trackers(f"step {step}", lambda tracker: tracker.log(step, record))
         summary = (f"step {step} reward {record['reward/mean']:.3f} acc {record['reward/accuracy']:.3f} "
                    f"kl {record['loss/kl']:.4f} len {record['response/length_mean']:.1f} "
@@ -301,7 +302,7 @@ class MetricsLogger:
         if not self._enabled:
             return
         self._file.close()
-        if self._trackers:
+        if self._trackers and self._logged:  # a run that stopped before its first step has no curve
             self._hand_over_plot()
         self._call_trackers("close", lambda tracker: tracker.close())
         self._trackers = []
@@ -309,7 +310,7 @@ class MetricsLogger:
             self._bar.close()
 
     def _hand_over_plot(self) -> None:
-        """Draw run_dir/reward.png and give it to every tracker (a run with no records has none)."""
+        """Draw run_dir/reward.png and give it to every tracker."""
         try:
             plot = plot_reward_curve(self._run_dir, self._run_dir / "reward.png")
         except Exception as exc:  # the plot is a courtesy: the records are what the run keeps
@@ -483,15 +484,31 @@ def plot_reward_curve(run_dir: Path, out: Path, title: str = "") -> Path:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     plot = sub.add_parser("plot", help="draw the reward curve of a run to PNG")
     plot.add_argument("--run_dir", type=Path, required=True)
     plot.add_argument("--out", type=Path, required=True)
     plot.add_argument("--title", default="")
-    args = parser.parse_args()
-    print(f"wrote {plot_reward_curve(args.run_dir, args.out, args.title)}")
+    compare = sub.add_parser("compare", help="compare runs: a table of when each reached reward levels, its final "
+                                             "reward, eval accuracy and step time; all reward curves in one figure")
+    compare.add_argument("run_dirs", type=Path, nargs="+", help="run directories (each with a metrics.jsonl)")
+    compare.add_argument("--out", type=Path, default=Path("compare.png"), help="the figure (default: compare.png)")
+    compare.add_argument("--window", type=int, default=10, help="steps in the reward mean (default: 10)")
+    compare.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.6, 0.9],
+                         help="reward levels of the table (default: 0.5 0.6 0.9)")
+    args = parser.parse_args(argv)
+    if args.command == "plot":
+        print(f"wrote {plot_reward_curve(args.run_dir, args.out, args.title)}")
+        return
+    from run_report import compare_runs  # run_report builds on this module
+
+    try:
+        print(compare_runs(args.run_dirs, args.out, window=args.window, thresholds=args.thresholds))
+    except ValueError as err:  # not a run directory, no records, a bad window: one line
+        parser.exit(2, f"metrics.py compare: {err}\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,19 @@
 """Experiment trackers beside metrics.jsonl: TensorBoard, Weights & Biases, MLflow, trackio.
 
 MetricsLogger (metrics.py) owns them on rank 0 and hands each one every step's record under its
-own name (`reward/mean`, `timing/step_s`, ...), the run's config (run_dir/config.yaml) at start
-and the reward plot (a PNG) at the end. Every tracker stays on this machine unless told
-otherwise: W&B runs offline into run_dir/wandb (`wandb sync` uploads it later), MLflow writes to
-an SQLite file under run_dir/mlflow (MLflow's own default backend), trackio to its local
-database. A tracker that cannot start, or fails later, is reported in one line and dropped; the
+own names (`reward/mean`, `timing/step_s`, ...; MLflow refuses `@`, so eval/pass@k is
+eval/pass_at_k there), the run's config (run_dir/config.yaml) at start and the reward plot (a
+PNG) at the end. Every tracker stays on this machine: W&B runs offline into run_dir/wandb
+(`wandb sync` uploads it later), MLflow writes to an SQLite file under run_dir/mlflow (MLflow's
+own default backend), trackio to its local database; W&B's and MLflow's usage telemetry is kept
+off too. A tracker that cannot start, or fails later, is reported in one line and dropped; the
 run goes on with the others and metrics.jsonl, which is always written (docs/trackers.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import time
@@ -171,9 +174,10 @@ class MlflowTracker:
 
 
 class TrackioTracker:
-    """A trackio run in trackio's local database (TRACKIO_DIR, by default under
-    ~/.cache/huggingface/trackio); nothing is sent anywhere unless a Space is configured there.
-    The reward plot is logged as a trackio Image at the last step."""
+    """A trackio run in trackio's local database, one SQLite file per project in TRACKIO_DIR
+    (by default ~/.cache/huggingface/trackio, read when trackio is first imported), where
+    `trackio show` compares all runs of the project; no Space or server is given, so nothing
+    leaves the machine. The reward plot is logged as a trackio Image at the last step."""
 
     name = "trackio"
 
@@ -181,7 +185,12 @@ class TrackioTracker:
         import trackio
 
         self._trackio = trackio
-        self._run = trackio.init(project=project, name=run_name, config=config)
+        # trackio prints its banner (where the data went, how to open the dashboard) to stdout:
+        # it goes to this module's log instead, beside the trainer's other lines.
+        banner = io.StringIO()
+        with contextlib.redirect_stdout(banner):
+            self._run = trackio.init(project=project, name=run_name, config=config, embed=False)
+        logger.info("trackio: %s", " | ".join(line.strip("* ") for line in banner.getvalue().splitlines()))
         self._last_step = 0
 
     def log(self, step: int, record: dict[str, float]) -> None:
@@ -192,7 +201,8 @@ class TrackioTracker:
         self._trackio.log({"reward_plot": self._trackio.Image(str(path))}, step=self._last_step)
 
     def close(self) -> None:
-        self._trackio.finish()
+        with contextlib.redirect_stdout(io.StringIO()):  # its "Run finished" banner
+            self._trackio.finish()
 
 
 def start_tracker(name: str, run_dir: Path, *, project: str, run_name: str, wandb_mode: str,

@@ -9,11 +9,12 @@ import base64
 import hashlib
 import json
 import logging
+import os
 import socket
-import struct
+import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -21,6 +22,7 @@ import yaml
 from metrics import MetricsConfig, MetricsLogger, read_metrics
 from run_config import ConfigError, load_config
 from trackers import TensorBoardTracker, flatten_config, mlflow_key
+from wandb_offline import wandb_offline_runs
 
 STEPS = 4
 EVALS = {1: {"eval/accuracy": 0.25, "eval/pass@4": 0.5}, 3: {"eval/accuracy": 0.75, "eval/pass@4": 0.875}}
@@ -71,64 +73,6 @@ def _audit(event: str, args: tuple) -> None:
 sys.addaudithook(_audit)  # audit hooks cannot be removed: it records only while a test listens
 
 
-# --- W&B's offline run file -------------------------------------------------------------------
-# run-<id>.wandb is a LevelDB-style log (W&B's Go core writes it): a 7-byte header (":W&B", a
-# 2-byte magic, a version byte), then 32 KiB blocks of chunks, each with a 7-byte header (CRC32,
-# length, type: 1 whole record, 2 first, 3 middle, 4 last piece), each record a protobuf Record.
-_WANDB_BLOCK = 32 * 1024
-_WANDB_HEADER = 7
-_CHUNK_HEADER = struct.Struct("<IHB")
-
-
-def _wandb_records(path: Path) -> Iterator[Any]:
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
-    pos, pieces = _WANDB_HEADER, b""
-    while pos + _CHUNK_HEADER.size <= len(data):
-        left_in_block = _WANDB_BLOCK - pos % _WANDB_BLOCK
-        if left_in_block < _CHUNK_HEADER.size:  # block trailer padding
-            pos += left_in_block
-            continue
-        _, length, kind = _CHUNK_HEADER.unpack_from(data, pos)
-        pos += _CHUNK_HEADER.size
-        chunk, pos = data[pos:pos + length], pos + length
-        if kind in (1, 2):
-            pieces = chunk
-        elif kind in (3, 4):
-            pieces += chunk
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pieces)
-            yield record
-
-
-def _items(updates: Any) -> dict[str, Any]:
-    """W&B's (nested_)key/value_json pairs as a dict; our keys (`reward/mean`) are one key each."""
-    out = {}
-    for item in updates:
-        key = item.key or "/".join(item.nested_key)
-        out[key] = json.loads(item.value_json)
-    return out
-
-
-def _wandb_run(run_dir: Path) -> dict[str, Any]:
-    files = sorted((run_dir / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(files) == 1, files
-    history, config, artifacts = {}, {}, []
-    for record in _wandb_records(files[0]):
-        kind = record.WhichOneof("record_type")
-        if kind == "history":
-            items = _items(record.history.item)
-            history[items.pop("_step")] = {k: v for k, v in items.items() if not k.startswith("_")}
-        elif kind == "run":
-            config = {k: v for k, v in _items(record.run.config.update).items() if not k.startswith("_")}
-        elif kind == "artifact":
-            artifacts.append(record.artifact)
-    return {"history": history, "config": config, "artifacts": artifacts}
-
-
 def test_wandb_and_mlflow_hold_every_metric_the_config_and_the_plot(tmp_path: Path, offline: list) -> None:
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -141,7 +85,7 @@ def test_wandb_and_mlflow_hold_every_metric_the_config_and_the_plot(tmp_path: Pa
     plot = (run_dir / "reward.png").read_bytes()
     assert plot[:4] == b"\x89PNG"
 
-    wandb_run = _wandb_run(run_dir)
+    [wandb_run] = wandb_offline_runs(run_dir)
     assert wandb_run["history"] == expected
     assert wandb_run["config"] == RUN_CONFIG
     [artifact] = wandb_run["artifacts"]
@@ -228,3 +172,36 @@ def test_report_to_from_the_command_line_and_its_checks() -> None:
     with pytest.raises(ValueError, match=r"MetricsConfig.report_to names \['wandb'\] more than once"):
         MetricsConfig(report_to=("wandb", "wandb"))
     assert {f.name: f.type for f in dataclasses.fields(TrainerConfig)}["metrics"] in (MetricsConfig, "MetricsConfig")
+
+
+_TRACKIO_READER = """
+import json, sys
+from trackio import SQLiteStorage
+logs = SQLiteStorage.get_logs("grpo", sys.argv[1])
+config = SQLiteStorage.get_run_config("grpo", sys.argv[1])
+print(json.dumps({"logs": logs, "config": config}, default=str))
+"""
+
+
+def test_trackio_holds_every_metric_the_config_and_the_plot(tmp_path: Path) -> None:
+    """In child processes: trackio reads TRACKIO_DIR once, when first imported."""
+    run_dir = tmp_path / "trackio-run"
+    tests, repo = Path(__file__).parent, Path(__file__).parent.parent
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "PYTHONPATH": f"{repo}:{tests}"}
+    writer = f"from pathlib import Path; from test_trackers import _run; _run(Path({str(run_dir)!r}), ('jsonl', 'trackio'))"
+    subprocess.run([sys.executable, "-c", writer], env=env, check=True, capture_output=True, text=True)
+    read = subprocess.run([sys.executable, "-c", _TRACKIO_READER, "trackio-run"], env=env, check=True,
+                          capture_output=True, text=True)
+    stored = json.loads(read.stdout)
+    expected = {r["step"]: {k: v for k, v in r.items() if k not in ("step", "time_s", "unix_time")}
+                for r in read_metrics(run_dir / "metrics.jsonl")}
+    logs: dict[int, dict] = {}
+    for entry in stored["logs"]:
+        logs.setdefault(entry["step"], {}).update({k: v for k, v in entry.items() if k not in ("step", "timestamp")})
+    plots = {step: logs[step].pop("reward_plot") for step in list(logs) if "reward_plot" in logs[step]}
+    assert logs == expected
+    assert list(plots) == [STEPS - 1], plots
+    stored_plot = tmp_path / "trackio" / "media" / plots[STEPS - 1]["file_path"]
+    assert stored_plot.read_bytes() == (run_dir / "reward.png").read_bytes()
+    assert {k: v for k, v in stored["config"].items() if not k.startswith("_")} == RUN_CONFIG
+    assert list((tmp_path / "trackio").glob("grpo.db"))

@@ -1,0 +1,202 @@
+"""Compare runs from their metrics.jsonl: when each reached given reward levels (step and time),
+its final reward, its last greedy evaluation and its median step time, as a markdown table; and
+one figure of every run's reward curve against step and time, with evaluation points.
+
+    python metrics.py compare runs/a runs/b --out compare.png
+    python scripts/demo_report.py --runs runs/demo-seed0 runs/demo-seed1   # the demo's report
+
+Times count from the command's start when every run has the `command_started_at` file that
+scripts/demo.sh writes (Ray, worker and trainer start-up included), else from the trainer's
+start (`time_s`). Every figure is computed from the run directories; nothing is typed in by hand.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from metrics import EVAL_ACCURACY, first_reached, moving_average, read_metrics
+
+WINDOW = 10  # the README's "10-step mean reward"
+THRESHOLDS = (0.5, 0.6, 0.9)
+STARTED_FILE = "command_started_at"
+FINISHED_FILE = "command_finished_at"
+COMMAND_TIME = "minutes since the command started"
+TRAINER_TIME = "minutes since the trainer started"
+
+
+@dataclass(slots=True)
+class RunSummary:
+    """One run's row of the table."""
+
+    name: str
+    seed: int | None
+    steps: int
+    reached: dict[float, tuple[int, float] | None]
+    """threshold -> (first step whose window-step mean reached it, minutes), or None."""
+    final_mean: float
+    """Mean reward over the last `window` steps (all steps if fewer)."""
+    final_eval_accuracy: float | None
+    """Greedy accuracy of the last evaluation, if the run evaluated."""
+    median_step_s: float
+    total_min: float | None
+    """Minutes from the command's start to its end (None if the run has no such marks)."""
+
+
+def _read_time(path: Path) -> float | None:
+    return float(path.read_text().strip()) if path.is_file() else None
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{run_dir}: no metrics.jsonl (is it a run directory?)")
+    records = read_metrics(path)
+    if not records:
+        raise ValueError(f"{path} has no records")
+    return records
+
+
+def command_times(run_dirs: Sequence[Path]) -> bool:
+    """Whether times count from the command's start: only if every run has the mark, so that all
+    runs of one table or figure share one clock."""
+    return all((Path(run) / STARTED_FILE).is_file() for run in run_dirs)
+
+
+def record_minutes(run_dir: Path, records: Sequence[dict[str, Any]], from_command: bool) -> list[float]:
+    """Each record's minutes since the command started (from_command) or the trainer started."""
+    started = _read_time(Path(run_dir) / STARTED_FILE) if from_command else None
+    if started is None:
+        return [r["time_s"] / 60 for r in records]
+    # Records written before unix_time existed fall back to the trainer's clock.
+    return [(r["unix_time"] - started) / 60 if "unix_time" in r else r["time_s"] / 60 for r in records]
+
+
+def summarize_run(run_dir: Path, *, from_command: bool | None = None, window: int = WINDOW,
+                  thresholds: Sequence[float] = THRESHOLDS) -> RunSummary:
+    run_dir = Path(run_dir)
+    records = _records(run_dir)
+    from_command = command_times([run_dir]) if from_command is None else from_command
+    minutes = record_minutes(run_dir, records, from_command)
+    reached: dict[float, tuple[int, float] | None] = {}
+    for threshold in thresholds:
+        i = first_reached(records, threshold, window)
+        reached[threshold] = None if i is None else (records[i]["step"], minutes[i])
+    evals = [r[EVAL_ACCURACY] for r in records if EVAL_ACCURACY in r]
+    started, finished = _read_time(run_dir / STARTED_FILE), _read_time(run_dir / FINISHED_FILE)
+    return RunSummary(
+        name=run_dir.name, seed=_config_seed(run_dir), steps=len(records), reached=reached,
+        final_mean=moving_average([r["reward/mean"] for r in records], window)[-1],
+        final_eval_accuracy=evals[-1] if evals else None,
+        median_step_s=statistics.median(r["timing/step_s"] for r in records),
+        total_min=None if started is None or finished is None else (finished - started) / 60,
+    )
+
+
+def _config_seed(run_dir: Path) -> int | None:
+    import yaml
+
+    path = run_dir / "config.yaml"
+    return yaml.safe_load(path.read_text()).get("seed") if path.is_file() else None
+
+
+def _reached_text(value: tuple[int, float] | None) -> str:
+    return "not reached" if value is None else f"step {value[0]} ({value[1]:.1f} min)"
+
+
+def summary_line(s: RunSummary, window: int = WINDOW) -> str:
+    reached = "; ".join(f"{t}: {_reached_text(v)}" for t, v in s.reached.items())
+    evaluated = "" if s.final_eval_accuracy is None else f", final greedy eval accuracy {s.final_eval_accuracy:.3f}"
+    total = "" if s.total_min is None else f", whole command {s.total_min:.1f} min"
+    return (f"{s.name}: {window}-step mean reward first reached {reached}; last {window} steps "
+            f"{s.final_mean:.3f}{evaluated}; median step {s.median_step_s:.2f} s{total}")
+
+
+def _spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def markdown_table(summaries: Sequence[RunSummary], window: int = WINDOW) -> str:
+    """One row per run, then the median (min-max) over the runs of each column."""
+    thresholds = list(summaries[0].reached)
+    header = ["run", "seed", "steps"] + [f"first >= {t}" for t in thresholds] + [
+        f"last-{window} reward", "greedy eval acc", "median step (s)", "command (min)"]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for s in summaries:
+        cells = [s.name, str(s.seed), str(s.steps)] + [_reached_text(s.reached[t]) for t in thresholds] + [
+            f"{s.final_mean:.3f}", "-" if s.final_eval_accuracy is None else f"{s.final_eval_accuracy:.3f}",
+            f"{s.median_step_s:.2f}", "-" if s.total_min is None else f"{s.total_min:.1f}"]
+        rows.append("| " + " | ".join(cells) + " |")
+    minutes = {t: [s.reached[t][1] for s in summaries if s.reached[t]] for t in thresholds}
+    missing = {t: sum(1 for s in summaries if s.reached[t] is None) for t in thresholds}
+    spread = ["median (min-max)", "", ""] + [
+        _spread(minutes[t]) + " min" + (f", {missing[t]} not reached" if missing[t] else "") for t in thresholds] + [
+        _spread([s.final_mean for s in summaries]),
+        _spread([s.final_eval_accuracy for s in summaries if s.final_eval_accuracy is not None]),
+        _spread([s.median_step_s for s in summaries]),
+        _spread([s.total_min for s in summaries if s.total_min is not None])]
+    rows.append("| " + " | ".join(spread) + " |")
+    return "\n".join(rows)
+
+
+def runs_figure(run_dirs: Sequence[Path], *, title: str, window: int = WINDOW, level: float | None = 0.9) -> Any:
+    """A matplotlib Figure: each run's window-step mean reward against step (left) and minutes
+    (right), its greedy evaluation points in the same colour, and a dashed line at `level`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from_command = command_times(run_dirs)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for run_dir in run_dirs:
+        records = _records(Path(run_dir))
+        name = Path(run_dir).name
+        steps = [r["step"] for r in records]
+        minutes = record_minutes(Path(run_dir), records, from_command)
+        smoothed = moving_average([r["reward/mean"] for r in records], window)
+        for ax, xs in ((axes[0], steps), (axes[1], minutes)):
+            line, = ax.plot(xs, smoothed, label=f"{name}: reward, {window}-step mean")
+            points = [(x, r[EVAL_ACCURACY]) for x, r in zip(xs, records) if EVAL_ACCURACY in r]
+            if points:
+                ax.plot(*zip(*points), marker="o", linestyle=":", color=line.get_color(), markersize=4,
+                        label=f"{name}: greedy eval accuracy")
+    for ax, label in ((axes[0], "step"), (axes[1], COMMAND_TIME if from_command else TRAINER_TIME)):
+        if level is not None:
+            ax.axhline(level, color="grey", linewidth=0.8, linestyle="--")
+        ax.set_xlabel(label)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_runs(run_dirs: Sequence[Path], out: Path, *, title: str, window: int = WINDOW) -> Path:
+    """runs_figure saved as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = runs_figure(run_dirs, title=title, window=window)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def compare_runs(run_dirs: Sequence[Path], out: Path | None, *, window: int = WINDOW,
+                 thresholds: Sequence[float] = THRESHOLDS) -> str:
+    """The `metrics.py compare` command: the table (returned, to print) and the figure (to out)."""
+    run_dirs = [Path(run) for run in run_dirs]
+    from_command = command_times(run_dirs)
+    summaries = [summarize_run(run, from_command=from_command, window=window, thresholds=thresholds)
+                 for run in run_dirs]
+    clock = COMMAND_TIME if from_command else TRAINER_TIME
+    text = f"{markdown_table(summaries, window)}\n\nTimes in {clock}; reward levels on the {window}-step mean reward."
+    if out is not None:
+        plot_runs(run_dirs, out, title=f"{len(run_dirs)} runs: " + ", ".join(r.name for r in run_dirs), window=window)
+    return text

@@ -66,6 +66,30 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from err
 
 
+# Where the NVIDIA driver lists the machine's GPUs, whatever CUDA_VISIBLE_DEVICES says: the way
+# to tell "this process was given no GPU" from "this machine has none".
+NVIDIA_GPUS_DIR = Path("/proc/driver/nvidia/gpus")
+
+
+def host_gpu_count(gpus_dir: Path = NVIDIA_GPUS_DIR) -> int:
+    """NVIDIA GPUs installed in this machine (0 without the driver)."""
+    return len(list(gpus_dir.iterdir())) if gpus_dir.is_dir() else 0
+
+
+def check_trainer_gpus(local_world_size: int, visible_gpus: int, host_gpus: int) -> None:
+    """ValueError (one line) when the GPU layout leaves a trainer rank on this node without a GPU:
+    a machine with GPUs whose CUDA_VISIBLE_DEVICES shows the trainer none (it would train on the
+    CPU, unnoticed), or fewer visible GPUs than torchrun ranks on the node."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = "unset" if visible is None else repr(visible)
+    if host_gpus and not visible_gpus:
+        raise ValueError(f"this machine has {host_gpus} GPU(s) but CUDA_VISIBLE_DEVICES={shown} leaves the trainer "
+                         f"none: give the trainer the GPUs kept out of Ray (README, 'Cluster')")
+    if visible_gpus and visible_gpus < local_world_size:
+        raise ValueError(f"torchrun starts {local_world_size} ranks on this node but CUDA_VISIBLE_DEVICES={shown} "
+                         f"shows {visible_gpus} GPU(s): one GPU per rank")
+
+
 def init_distributed(timeout_s: float = 600.0) -> DistInfo:
     """Join (or create) the default process group from torchrun's environment.
 

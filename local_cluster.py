@@ -97,6 +97,11 @@ class LocalClusterConfig:
     """Generation workers serve LoRA adapters up to this rank (set it when the trainer runs with
     model.lora.r > 0: one of vLLM's 1, 8, 16, 32, 64, ...; at least r). 0: LoRA off."""
 
+    @property
+    def total_workers(self) -> int:
+        """Workers of every kind: each takes one GPU on a GPU machine."""
+        return self.generation_workers + self.logprob_workers + self.reference_workers + self.teacher_workers
+
     def __post_init__(self) -> None:
         if not self.log_dir:
             if not self.run_dir:
@@ -180,7 +185,30 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def init_local_ray(*, num_cpus: int, namespace: str, log_to_driver: bool) -> str:
+@dataclass(frozen=True)
+class GpuPlan:
+    """Which of this machine's GPUs a LocalCluster gives Ray (its workers) and which the trainer:
+    disjoint, so no worker's vLLM engine lands on a trainer rank's GPU. Empty on a CPU machine."""
+
+    worker_gpus: str = ""
+    """CUDA_VISIBLE_DEVICES of the Ray head: the GPUs Ray hands out, one per worker."""
+    trainer_gpus: str = ""
+    """CUDA_VISIBLE_DEVICES of the trainer: one GPU per rank, none of them known to Ray."""
+
+
+def plan_gpus(host_gpus: int, workers: int, trainer_ranks: int) -> GpuPlan:
+    """Split `host_gpus` GPUs: the first `workers` for Ray, the next `trainer_ranks` for the
+    trainer. ValueError (one line) when there are too few; an empty plan on a CPU machine."""
+    if host_gpus == 0:
+        return GpuPlan()
+    if host_gpus < workers + trainer_ranks:
+        raise ValueError(f"this machine has {host_gpus} GPU(s); the local cluster needs one per worker ({workers}) "
+                         f"and one per trainer rank ({trainer_ranks}): start fewer workers or ranks")
+    ids = [str(i) for i in range(workers + trainer_ranks)]
+    return GpuPlan(worker_gpus=",".join(ids[:workers]), trainer_gpus=",".join(ids[workers:]))
+
+
+def init_local_ray(*, num_cpus: int, namespace: str, log_to_driver: bool, num_gpus: int = 0) -> str:
     """Start a private Ray head owned by this process; returns its GCS address.
 
     Loopback only (use_loopback_only_ray), dashboard off, this repository importable in every
@@ -198,6 +226,7 @@ def init_local_ray(*, num_cpus: int, namespace: str, log_to_driver: bool) -> str
     use_loopback_only_ray()
     ray.init(
         num_cpus=num_cpus,
+        num_gpus=num_gpus,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         namespace=namespace,
@@ -222,22 +251,36 @@ class LocalCluster:
         self.config = config
         self.address = ""
         self.temp_dir = ""
+        self.gpus = GpuPlan()
         self._dispatchers: list[tuple[str, subprocess.Popen, Path]] = []
 
     def __enter__(self) -> "LocalCluster":
         Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
         # tempfile also fixes this process's own temp folder (it caches it) before TMPDIR changes.
+        self.gpus = self._plan_gpus()
         self.temp_dir = _make_run_temp_dir()
+        head_env = run_environment(self.temp_dir)
+        if self.gpus.worker_gpus:  # Ray reads the head's CUDA_VISIBLE_DEVICES to know which GPUs it owns
+            head_env["CUDA_VISIBLE_DEVICES"] = self.gpus.worker_gpus
         try:
-            with _environ(run_environment(self.temp_dir)):  # the head's processes inherit it when they start
+            with _environ(head_env):  # the head's processes inherit it when they start
                 self.address = init_local_ray(num_cpus=self.config.num_cpus, namespace=RAY_NAMESPACE,
-                                              log_to_driver=False)
+                                              log_to_driver=False,
+                                              num_gpus=len(self.gpus.worker_gpus.split(",")) if self.gpus.worker_gpus else 0)
         except BaseException:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             raise
         logger.info("Ray head at %s (127.0.0.1 only, no dashboard); temporary files in %s", self.address,
                     self.temp_dir)
         return self
+
+    def _plan_gpus(self) -> GpuPlan:
+        from fsdp_setup import host_gpu_count
+
+        plan = plan_gpus(host_gpu_count(), self.config.total_workers, self.config.nproc_per_node)
+        if plan.worker_gpus:
+            logger.info("GPUs: workers %s (through Ray), trainer %s", plan.worker_gpus, plan.trainer_gpus)
+        return plan
 
     def env(self) -> dict[str, str]:
         """Environment for child processes: join this cluster, import this repo."""
@@ -329,7 +372,10 @@ class LocalCluster:
         # Its own process group, so that stopping reaches torchrun *and* every rank: killing
         # torchrun alone would orphan the ranks, which then wait on the batcher for up to
         # message_timeout_s.
-        process = subprocess.Popen(command, env=self.env(), cwd=REPO_ROOT, start_new_session=True,
+        env = self.env()
+        if self.gpus.trainer_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus.trainer_gpus
+        process = subprocess.Popen(command, env=env, cwd=REPO_ROOT, start_new_session=True,
                                    stdout=out, stderr=subprocess.STDOUT if out else None)
         try:
             return process.wait(timeout=timeout_s)
@@ -421,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("local_cluster.py: --run_dir is required (the trainer's run directory)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     trainer_args = ["--run_dir", config.run_dir, "--model.model_path", config.model_path, *trainer_args]
+    check_environment(config)
     check_trainer_inputs(trainer_args, max_lora_rank=config.max_lora_rank)
     if config.teacher_workers:
         check_teacher_model(config.teacher_model_path, config.model_path)
@@ -428,6 +475,19 @@ def main(argv: list[str] | None = None) -> int:
     with LocalCluster(config) as cluster:
         cluster.start_workers()
         return cluster.run_trainer(trainer_args, config.nproc_per_node)
+
+
+def check_environment(config: LocalClusterConfig) -> None:
+    """Installed versions and the GPU split, before Ray or any worker starts; exit 2 with one line."""
+    from fsdp_setup import host_gpu_count
+    from versions import WORKER_REQUIREMENTS, VersionError, check_versions
+
+    try:
+        check_versions(WORKER_REQUIREMENTS)
+        plan_gpus(host_gpu_count(), config.total_workers, config.nproc_per_node)
+    except (VersionError, ValueError) as error:
+        print(f"local_cluster.py: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def check_teacher_model(teacher_path: str, student_path: str) -> None:

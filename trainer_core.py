@@ -35,14 +35,14 @@ from data_path import PerRankDataPath, Rank0DataPath, make_data_path
 from checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, load_checkpoint
 from dataset import DatasetConfig, DatasetError, InfiniteDistributedSampler, load_prompts
 from evaluation import EvalConfig, Evaluator
-from fsdp_setup import DistInfo, build_training_model, init_distributed
+from fsdp_setup import DistInfo, build_training_model, check_trainer_gpus, host_gpu_count, init_distributed
 from grpo_loss import LossConfig, grpo_loss, step_divisor
 from metrics import MetricsConfig, MetricsLogger, StepAccumulator, StepDataLog
 from optimizer import OptimConfig, build_optimizer, build_scheduler
 from ray_env import (
-    GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, ClusterJoinError, actor_runtime_env, join_cluster,
-    registry_name,
+    GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name,
 )
+from ray_cluster import ClusterJoinError, join_cluster
 from run_config import ConfigError, load_config, save_config
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from sampling import SEED_BOUND, SamplingConfig
@@ -50,6 +50,7 @@ from setup_model import ModelConfig, ModelPathError, TokenLogprobModel, check_mo
 from vllm_experience_batcher import (
     BatcherConfig, EndOfStep, Minibatch, PromptRequest, RayRegistryClient, get_or_create_batcher,
 )
+from versions import TRAINER_REQUIREMENTS, VersionError, check_versions
 from weight_sync import WeightPusher, resolve_push_dtype, weights_dir
 
 logger = logging.getLogger(__name__)
@@ -740,15 +741,25 @@ def load_trainer_config(argv: list[str]) -> TrainerConfig:
         raise SystemExit(CONFIG_ERROR_EXIT) from None
 
 
+def check_environment() -> None:
+    """Installed versions and this node's GPU layout, before any input is read: one line each."""
+    check_versions(TRAINER_REQUIREMENTS)
+    try:
+        check_trainer_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count(), host_gpu_count())
+    except ValueError as error:
+        raise InputError(str(error)) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     config = load_trainer_config(sys.argv[1:] if argv is None else argv)
     try:
+        check_environment()
         train(config)
     except InputError as error:  # each rank finds it; one line per node, no traceback
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"trainer_core.py: {error}", file=sys.stderr, flush=True)
         raise SystemExit(CONFIG_ERROR_EXIT) from None
-    except ClusterJoinError as error:  # likewise: no cluster, unreachable head, missing or wrong token
+    except (ClusterJoinError, VersionError) as error:  # likewise: cannot join the cluster, wrong install
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"trainer_core.py: {error}", file=sys.stderr, flush=True)
         raise SystemExit(CLUSTER_ERROR_EXIT) from None

@@ -50,11 +50,13 @@ from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_env import (
-    GENERATION, RAY_NAMESPACE, WORKER_KINDS, ClusterJoinError, actor_runtime_env, join_cluster, registry_name,
+    GENERATION, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name,
     worker_actor_name,
 )
+from ray_cluster import ClusterJoinError, join_cluster
 from run_config import ConfigError, load_config
 from setup_model import ModelPathError, check_model_dir
+from versions import LOGPROB_WORKER_REQUIREMENTS, RAY, WORKER_REQUIREMENTS, VersionError, check_versions
 from vllm_registry import RegistryConfig, WorkerState, WorkerStatus, get_or_create_registry
 
 logger = logging.getLogger(__name__)
@@ -270,40 +272,14 @@ def gpus_per_worker(mode: str, tensor_parallel_size: int, node_gpus: int) -> int
     return wanted
 
 
-def free_gpus_on_node(node_id: str) -> float:
-    """GPUs of the node that no actor holds now."""
-    from ray._private.state import available_resources_per_node
-
-    return available_resources_per_node().get(node_id, {}).get("GPU", 0.0)
-
-
 def gpu_holders(node_id: str) -> list[str]:
     """Workers of every pool that run on the node (who holds its GPUs), for error messages."""
     holders = []
     for kind in WORKER_KINDS:
         if actor_exists(registry_name(kind)):
             rows = ray.get(ray.get_actor(registry_name(kind), namespace=RAY_NAMESPACE).status.remote())
-            holders += [row.name for row in rows if row.node_id == node_id]
+            holders += [f"{row.name} (GPU {row.gpu_ids or '-'})" for row in rows if row.node_id == node_id]
     return holders
-
-
-def wait_for_free_gpus(node_id: str, gpus: int, timeout_s: float, stop: StopFlag) -> bool:
-    """Block until `gpus` GPUs of the node are free (True) or a stop signal arrives (False).
-
-    Without it a worker asking for a held GPU waits in Ray's queue forever, saying nothing.
-    RuntimeError naming the node and the workers on it when none frees up within `timeout_s`.
-    """
-    deadline = time.monotonic() + timeout_s
-    while not stop.is_set():
-        free = free_gpus_on_node(node_id)
-        if free >= gpus:
-            return True
-        if time.monotonic() > deadline:
-            held_by = ", ".join(gpu_holders(node_id)) or "actors outside the worker pools"
-            raise RuntimeError(f"no free GPU on node {node_id[:_NODE_ID_CHARS]} after {timeout_s:.0f} s: needs "
-                               f"{gpus}, {free:g} free of {node_gpu_count(node_id)} (held by {held_by})")
-        stop.wait(_STOP_POLL_S)
-    return False
 
 
 def actor_exists(name: str) -> bool:
@@ -360,6 +336,27 @@ class StopFlag:
 
     def wait(self, timeout_s: float) -> bool:
         return self._event.wait(timeout_s)
+
+
+def wait_placed(actor: ActorHandle, name: str, spec: "WorkerSpec", timeout_s: float, stop: StopFlag) -> bool:
+    """Block until Ray has placed and constructed the worker actor (True) or a stop signal arrives
+    (False). Without this bound a worker asking for a GPU that another actor holds waits in Ray's
+    queue forever, saying nothing: RuntimeError naming the node and who holds its GPUs instead."""
+    ref = actor.health.remote()  # answers once the actor exists on the node
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set():
+        ready, _ = ray.wait([ref], timeout=_STOP_POLL_S)
+        if ready:
+            return True
+        if time.monotonic() > deadline:
+            node = spec.node_id[:_NODE_ID_CHARS]
+            if not spec.gpus:
+                raise RuntimeError(f"worker {name} was not placed on node {node} within {timeout_s:.0f} s "
+                                   f"(its CPUs are taken, or the worker is still loading its model)")
+            held_by = ", ".join(gpu_holders(spec.node_id)) or "actors outside the worker pools"
+            raise RuntimeError(f"no free GPU on node {node} for worker {name} within {timeout_s:.0f} s: it needs "
+                               f"{spec.gpus} of the node's {node_gpu_count(spec.node_id)}, held by {held_by}")
+    return False
 
 
 def wait_started(actor: ActorHandle, name: str, timeout_s: float, stop: StopFlag) -> bool:
@@ -552,12 +549,11 @@ def run_worker(cfg: DispatcherConfig, spec: WorkerSpec, stop: StopFlag) -> Worke
     local_rank = os.environ.get("LOCAL_RANK")
     logger.info("starting %s on node %s (gpus=%d%s)", name, spec.node_id, spec.gpus,
                 f", LOCAL_RANK={local_rank}" if local_rank else "")
-    actor, died, ready = None, False, False
+    actor, died, ready, placed = None, False, False, False
     try:
-        if spec.gpus and not wait_for_free_gpus(spec.node_id, spec.gpus, cfg.start_timeout_s, stop):
-            return WorkerLife(name, None, was_ready=False)
         actor = create_worker_actor(cfg, name, spec.worker_config, spec.node_id, spec.gpus)
-        if wait_started(actor, name, cfg.start_timeout_s, stop):
+        placed = wait_placed(actor, name, spec, cfg.start_timeout_s, stop)
+        if placed and wait_started(actor, name, cfg.start_timeout_s, stop):
             try:  # loads the latest published weights, then the worker is READY
                 version = ray.get(registry.register.remote(name))
             except ray.exceptions.RayError as err:
@@ -579,7 +575,9 @@ def run_worker(cfg: DispatcherConfig, spec: WorkerSpec, stop: StopFlag) -> Worke
         logger.error("%s", err)
         return WorkerLife(name, _one_line(err), was_ready=ready)
     finally:
-        if actor is not None:
+        if actor is not None and not placed:
+            ray.kill(actor)  # still queued for resources: nothing to deregister or shut down
+        elif actor is not None:
             teardown(cfg.mode, actor, name, worker_died=died)
 
 
@@ -666,16 +664,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.pop(0) if args and args[0] in ("serve", STATUS_COMMAND) else "serve"
     try:
         if command == STATUS_COMMAND:
+            check_versions((RAY,))
             status = load_config(StatusConfig, args, description=StatusConfig.__doc__)
             return print_status(status.ray_address, status.connect_timeout_s)
         try:
             cfg = load_config(DispatcherConfig, args, description=__doc__)
+            check_versions(WORKER_REQUIREMENTS if cfg.mode == GENERATION else LOGPROB_WORKER_REQUIREMENTS)
             check_model_dir(cfg.model_path)  # before joining the cluster or starting an engine
-        except (ConfigError, ModelPathError) as err:
+        except (ConfigError, ModelPathError, VersionError) as err:
             print(f"worker_dispatcher.py: {err}", file=sys.stderr)
             return 2
         return serve(cfg)
-    except ClusterJoinError as err:
+    except (ClusterJoinError, VersionError) as err:
         print(f"worker_dispatcher.py: {err}", file=sys.stderr, flush=True)
         return 1
 

@@ -258,6 +258,24 @@ def test_dispatcher_replaces_a_dead_worker_cleans_its_files_then_gives_up(ray_he
             dispatcher.wait()
 
 
+@pytest.mark.vllm
+def test_a_start_up_failure_is_reported_once_with_its_root_cause_and_not_retried(ray_head, tiny_model_dir):
+    """vLLM's CPU backend refuses to reserve 99% of the node's memory: the same error would come
+    back on every restart, so the dispatcher prints the engine core's own error line once, exits 1
+    and starts no replacement (its default --max_restarts is 3)."""
+    command = [
+        sys.executable, DISPATCHER, "--model_path", str(tiny_model_dir), "--mode", GENERATION,
+        "--max_num_seqs", "4", "--global_num_verifiers", "1", "--gpu_memory_utilization", "0.99",
+        "--max_model_len", str(_MAX_MODEL_LEN), "--enforce_eager",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, env=ray_head, timeout=_REGISTER_BOUND_S)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-4000:]
+    (line,) = [text for text in done.stderr.splitlines() if "not restarting it" in text]
+    assert "root cause: ValueError: Available memory on node" in line, line
+    assert "restarting (" not in output, "a start-up failure must not be retried"
+
+
 def test_status_table_format():
     from vllm_registry import WorkerStatus
 

@@ -38,6 +38,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
+from rewards import counts_as_solved
 from sample_processing_utils import PackedBatch, Sample
 from trackers import Tracker, one_line, start_tracker
 
@@ -93,7 +94,8 @@ class StepAccumulator:
         self.trained_prompt_ids.extend(x.prompt_id for x in samples)
         s["samples"] += len(samples)
         s["reward_sum"] += sum(x.reward for x in samples)
-        s["correct"] += sum(1 for x in samples if x.reward >= 1.0)
+        # The verdict's solved, never a format bonus (rewards.counts_as_solved).
+        s["correct"] += sum(1 for x in samples if counts_as_solved(x.solved, x.reward))
         s["response_tokens"] += sum(len(x.output_token_ids) for x in samples)
         s["tokens"] += batch.num_tokens
         s["truncated"] += sum(1 for x in samples if x.truncated)

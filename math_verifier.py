@@ -120,8 +120,9 @@ VERIFICATION_SLOT = "verification_slot"
 # How long the pool actor waits for its shards: each starts its processes (a few seconds, up to
 # _STARTUP_TIMEOUT_S on a loaded node); far longer means their slots are held by someone else.
 _SHARD_START_TIMEOUT_S = 2 * _STARTUP_TIMEOUT_S
-# Imported once by the forkserver so that every process forked from it starts with them loaded.
-_FORKSERVER_PRELOAD = ["math_verifier", "math_verify", "sympy"]
+# Imported once by the forkserver so that every process forked from it starts with them loaded,
+# and warm (verifier_warmup verifies one answer: a replacement process then starts in ~0.03 s).
+_FORKSERVER_PRELOAD = ["math_verifier", "math_verify", "sympy", "verifier_warmup"]
 _READY_MESSAGE = b'{"ready": true}'
 # What last_boxed() scans for: `\boxed{` (spaces allowed before the brace), an escaped brace
 # (literal text in LaTeX, never a group), or a plain brace.
@@ -566,6 +567,16 @@ def math_verify_reward(prompt: Mapping[str, Any], completion: str, token_ids: Se
     return score_completion(completion, str(prompt["gt_answer"])).reward
 
 
+def _in_order(count: int, index_groups: list[list[int]], results: list[list[FunctionScore]]) -> list[FunctionScore]:
+    """Scores of `count` calls in call order, from per-task (indices, scores) pieces."""
+    ordered: list[FunctionScore | None] = [None] * count
+    for indices, scores in zip(index_groups, results):
+        for i, score in zip(indices, scores, strict=True):
+            ordered[i] = score
+    assert all(score is not None for score in ordered), "a call got no score"
+    return ordered  # type: ignore[return-value]
+
+
 def _decode_reply(data: bytes) -> RewardResult:
     reply = json.loads(data)
     return RewardResult(reward=float(reply["reward"]), failed=bool(reply["failed"]), error=str(reply["error"]))
@@ -713,7 +724,7 @@ class VerifierPool:
         self._counts = dict.fromkeys(
             ("scored", "failed", "timeouts", "parse_errors", "verify_errors", "rejected", "fast_path", "crashes",
              "restarts", "cancelled", "cache_hits", "function_calls", "function_failed", "function_raised",
-             "function_bad_returns", "function_timeouts", "function_crashes"), 0
+             "function_bad_returns", "function_timeouts", "function_crashes", "function_rejected"), 0
         )
         ctx = multiprocessing.get_context("forkserver")
         # Takes effect when this process's forkserver first starts (a no-op if one already runs).
@@ -766,18 +777,21 @@ class VerifierPool:
         metadata} dicts, JSON-serialisable. A function that raises, hangs past the deadline,
         kills its process or returns a non-number gives those completions reward 0, failed, with
         the reason in `error`, counted in stats(); never an exception."""
-        futures = self._submit_function(ref, calls, timeout_s)
-        scores: list[FunctionScore] = []
-        for result in await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)):
-            scores.extend(result)
-        return scores
+        parts = self._submit_function(ref, calls, timeout_s)
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for _, f in parts))
+        return _in_order(len(calls), [indices for indices, _ in parts], results)
 
     def score_function_sync(self, ref: str, calls: Sequence[Mapping[str, Any]],
                             timeout_s: float | None = None) -> list[FunctionScore]:
         """Blocking form of `score_function`."""
-        return [score for future in self._submit_function(ref, calls, timeout_s) for score in future.result()]
+        parts = self._submit_function(ref, calls, timeout_s)
+        return _in_order(len(calls), [indices for indices, _ in parts], [f.result() for _, f in parts])
 
-    def _submit_function(self, ref: str, calls: Sequence[Mapping[str, Any]], timeout_s: float | None) -> list[Future]:
+    def _submit_function(self, ref: str, calls: Sequence[Mapping[str, Any]],
+                         timeout_s: float | None) -> list[tuple[list[int], Future]]:
+        """(indices of the calls, future of their scores) per task. A completion longer than
+        limits.max_completion_chars is rejected here, as for math-verify: no real completion is
+        that long, and a megabyte would cost every process on its way through the pipe."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("VerifierPool.score_function called after close()")
@@ -787,16 +801,30 @@ class VerifierPool:
             batch = reward_functions.is_batched(reward_functions.load_function(ref))
         except reward_functions.RewardFunctionError:
             batch = False
-        groups = [list(calls)] if batch and calls else [[call] for call in calls]
-        futures = []
-        for group in groups:
+        cap = self.limits.max_completion_chars
+        parts: list[tuple[list[int], Future]] = []
+        accepted = []
+        for i, call in enumerate(calls):
+            length = len(str(call.get("completion", "")))
+            if length <= cap:
+                accepted.append(i)
+                continue
+            rejected = reward_functions.failure(_REJECTED_ERROR, f"completion length {length} exceeds "
+                                                                 f"max_completion_chars={cap}")
+            self._record_function([rejected])
+            future: Future = Future()
+            future.set_result([rejected])
+            parts.append(([i], future))
+        groups = [accepted] if batch and accepted else [[i] for i in accepted]
+        for indices in groups:
+            group = [calls[i] for i in indices]
             task = _Task(payload=json.dumps({"function": ref, "calls": group}).encode("utf-8"),
                          completion_chars=sum(len(str(call.get("completion", ""))) for call in group),
                          snippet=f"{ref} on {str(group[0].get('completion', ''))[:_LOG_SNIPPET_CHARS]}",
                          future=Future(), cache_key=None, timeout_s=timeout_s, num_calls=len(group))
             self._tasks.put(task)
-            futures.append(task.future)
-        return futures
+            parts.append((indices, task.future))
+        return parts
 
     def stats(self) -> dict[str, int]:
         """Counters since start: scored (results computed: by a process, a pre-check or the fast
@@ -806,7 +834,8 @@ class VerifierPool:
         (samples answered from the cache or by an identical completion of the same call),
         num_processes; for reward functions (score_function): function_calls (completions
         scored), function_failed, and failures by kind: function_raised, function_bad_returns,
-        function_timeouts, function_crashes."""
+        function_timeouts, function_crashes, function_rejected (longer than
+        limits.max_completion_chars, never sent to a process)."""
         with self._lock:
             return {**self._counts, "num_processes": self.num_processes}
 
@@ -973,7 +1002,8 @@ class VerifierPool:
                 self._counts["function_failed"] += 1
                 kind = score.error.split(":", 1)[0]
                 key = {"raised": "function_raised", "bad_return": "function_bad_returns",
-                       _TIMEOUT_ERROR: "function_timeouts"}.get(kind, "function_crashes")
+                       _TIMEOUT_ERROR: "function_timeouts", _REJECTED_ERROR: "function_rejected"}.get(
+                    kind, "function_crashes")
                 self._counts[key] += 1
 
     def _run_task(self, slot: _WorkerSlot, task: _Task) -> RewardResult:

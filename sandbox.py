@@ -30,7 +30,7 @@ tests/test_sandbox.py runs each attack against them):
     audit hook (sys.addaudithook)  Python        in the program's own interpreter: opening for write,
                                                  creating, removing or renaming a path outside the
                                                  private directory, any socket, ctypes.dlopen
-                                                 raise PermissionError
+                                                 (unless site_packages) raise PermissionError
 
 The kernel layers hold for any code the program runs (child processes, other binaries). The audit
 hook is the only layer that stops writes into world-writable directories outside the private one
@@ -100,7 +100,8 @@ if os.getpid() == 1:
         _, status = os.waitpid(child, 0)
         os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
 ROOT = os.path.realpath(os.getcwd())
-GUARD = sys.argv[1] == "1"
+GUARD = sys.argv[1] != "off"
+BLOCKED_PREFIXES = ("socket.", "ctypes.dlopen") if sys.argv[1] == "strict" else ("socket.",)
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 PATH_EVENTS = {"os.remove": 1, "os.rename": 2, "os.mkdir": 1, "os.rmdir": 1, "os.symlink": 2, "os.link": 2,
                "os.chmod": 1, "os.chown": 1, "os.truncate": 1, "os.utime": 1, "shutil.rmtree": 1,
@@ -120,7 +121,7 @@ def hook(event, args):
         for path in args[:PATH_EVENTS[event]]:
             if path is not None and not inside(path):
                 raise PermissionError(f"sandbox: {event} outside the sandbox directory is not allowed: {path!r}")
-    elif event.startswith("socket.") or event == "ctypes.dlopen":
+    elif event.startswith(BLOCKED_PREFIXES):
         raise PermissionError(f"sandbox: {event} is not allowed")
 if GUARD:
     sys.addaudithook(hook)
@@ -150,6 +151,11 @@ class SandboxConfig:
     """RLIMIT_FSIZE: largest file a process may write (SIGXFSZ beyond it)."""
     max_output_bytes: int = 1024 * 1024
     """stdout + stderr kept; a program that writes more is killed (outcome "output_limit")."""
+    site_packages: bool = False
+    """Let the program import the installed packages (the interpreter's site-packages). False runs
+    it with `python -S`: the standard library only, and a faster start (site's import of a large
+    environment's .pth files costs tens of ms per run). True also lets it load C libraries through
+    ctypes (numpy does), which can bypass the audit hook: the kernel layers still hold."""
     python_guards: bool = True
     """Install the audit hook (writes outside the directory, sockets, ctypes) in the program's
     interpreter. False leaves only the kernel layers (tests use it to check those alone)."""
@@ -235,7 +241,16 @@ def _command(config: SandboxConfig, layers: Isolation, uid: int | None) -> list[
         command += ["unshare", "--net", "--pid", "--fork", "--kill-child"]
     if uid is not None:
         command += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
-    return command + [sys.executable, "-I", "-c", _BOOT, "1" if config.python_guards else "0", PROGRAM_FILE]
+    flags = ["-I"] if config.site_packages else ["-I", "-S"]
+    return command + [sys.executable, *flags, "-c", _BOOT, _guard_mode(config), PROGRAM_FILE]
+
+
+def _guard_mode(config: SandboxConfig) -> str:
+    """The boot code's audit-hook mode: off, strict (ctypes blocked too) or lenient (installed
+    packages such as numpy load C libraries through ctypes, so site_packages allows it)."""
+    if not config.python_guards:
+        return "off"
+    return "lenient" if config.site_packages else "strict"
 
 
 def _rlimits_in_child(config: SandboxConfig) -> None:

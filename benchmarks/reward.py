@@ -22,6 +22,24 @@ on by default), each workload on a fresh pool, and prints one line per run and t
 The pool's result cache is off by default (`--cache_size 0`): these completions are long and
 mostly distinct, so the figure is the cost of verification itself. Pass a size to include it.
 
+`--reward` picks the scoring path (each on the same pool, processes and deadline rules):
+    math            math-verify through VerifierPool.score (the default reward), as above;
+    math_function   math-verify as a plug-in reward function (math_verifier:math_verify_reward)
+                    through VerifierPool.score_function, same completions, no cache or fast path
+                    in the parent (the function's own pre-checks and fast path run in the process);
+    function        a trivial Python function (`trivial` below: the completion equals the gold);
+                    hostile completions are those of the math workload (an exponent tower, 1 MB
+                    strings), or with --function_hostile misbehaving, inputs that make the
+                    function raise, return NaN or a string, hang (killed at
+                    --function_timeout_s) or kill its own process;
+    code            code_reward:run_tests on tiny programs (one stdin/stdout test each, half
+                    wrong) in the sandbox; hostile programs loop forever, fork-bomb, allocate
+                    8 GB, print 100 MB, write outside their directory or open a socket
+                    (--sandbox_timeout_s per program).
+For the plug-in paths every hostile completion must score 0 (failed with its reason for
+`function`; a wrong answer for `code`, whose sandbox contains it) and every other one its
+expected reward.
+
 Latency is per completion, from its group's submission to its result (queueing included).
 Startup is excluded. Each run's line is key=value pairs: samples_per_s, p50_ms, p99_ms, the pool
 size, hostile fractions, deadline, rejected (by a pre-check), fast_path (plain-number verdicts),
@@ -41,7 +59,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the pool's processes import `reward:trivial`
+
+from typing import Literal  # noqa: E402
+
 from math_verifier import RewardResult, VerifierPool  # noqa: E402
+from reward_functions import FunctionScore  # noqa: E402
 from run_config import load_config  # noqa: E402
 
 # Target length of a long reasoning completion: ~1k tokens, a typical math rollout.
@@ -56,6 +79,39 @@ _HOSTILE_OUTPUTS = (
 # measured), so only the deadline stops it.
 _EVASIVE_OUTPUT = "$" + "x" * 20_000 + "$"
 _FAILED_KINDS = ("rejected", "timeout")
+# What `trivial` does with each hostile completion, and the error kind it must come back with.
+_HOSTILE_FUNCTION_INPUTS = {"raise": "raised", "nan": "bad_return", "text": "bad_return", "hang": "timeout",
+                            "exit": "crash"}
+# Hostile programs for the code sandbox (each must score 0, and cost at most its deadline).
+_HOSTILE_PROGRAMS = (
+    "while True:\n    pass",
+    "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+    "x = bytearray(8 * 1024 ** 3)",
+    "import sys\nsys.stdout.write('x' * 100_000_000)",
+    "open('/tmp/sandbox-bench-escape', 'w').write('x')",
+    "import socket\nsocket.create_connection(('127.0.0.1', 22))",
+)
+TRIVIAL = "reward:trivial"
+CODE = "code_reward:run_tests"
+MATH_FUNCTION = "math_verifier:math_verify_reward"
+
+
+def trivial(prompt: dict, completion: str, token_ids: list[int], metadata: dict) -> float:
+    """The benchmark's trivial reward function: 1.0 when the completion is the gold answer. Its
+    hostile inputs (_HOSTILE_FUNCTION_INPUTS) make it misbehave in each way the pool must survive."""
+    if completion == "raise":
+        raise ValueError("hostile input")
+    if completion == "nan":
+        return float("nan")
+    if completion == "text":
+        return "1.0"  # type: ignore[return-value]
+    if completion == "hang":
+        time.sleep(3600)
+    if completion == "exit":
+        import os
+
+        os._exit(3)
+    return float(completion == prompt["gt_answer"])
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -82,6 +138,22 @@ class RewardBenchConfig:
     """Seed of the workload."""
     cache_size: int = 0
     """VerifierPool result cache entries (0: off)."""
+    reward: Literal["math", "math_function", "function", "code"] = "math"
+    """Scoring path (module docstring): math-verify, math-verify as a plug-in function, a trivial
+    plug-in function, or the code sandbox."""
+    function_hostile: Literal["inputs", "misbehaving"] = "inputs"
+    """`function`: hostile completions are hostile *inputs* (the math workload's towers and 1 MB
+    strings, which the trivial function scores 0) or make the function *misbehave* (raise, NaN,
+    a string, hang, os._exit): the failure paths, each costing a deadline or a process restart."""
+    function_timeout_s: float = 1.0
+    """Deadline of one `function` call (a hang costs this plus a process restart). The trivial
+    function takes microseconds, but on a loaded machine a process may wait that long for a core:
+    0.2 s timed out clean calls at load average 40; 1 s is the pool's default deadline."""
+    sandbox_timeout_s: float = 2.0
+    """`code`: wall deadline of one sandboxed program (tiny programs finish in ~30-150 ms, more on
+    a loaded machine: a correct program past it scores 0 and counts as a mismatch)."""
+    code_function_timeout_s: float = 10.0
+    """`code`: deadline of one run_tests call (one program, one test), above sandbox_timeout_s."""
     fast_path: bool = True
     """The pool's plain-number fast path. This workload's answers and golds are all plain numbers,
     so with it every non-hostile completion is decided without math-verify; false measures
@@ -98,6 +170,8 @@ class Case:
     """1.0/0.0 for built completions; None for hostile ones (they must fail: rejected or timeout)."""
     expected_kinds: tuple[str, ...] = ()
     """For hostile ones: the error kinds that count as handled."""
+    record: dict | None = None
+    """Plug-in paths: the prompt record the function gets (gt_answer added)."""
 
 
 def _long_reasoning(rng: random.Random, answer: int) -> str:
@@ -136,6 +210,61 @@ def build_workload(
     return groups
 
 
+def build_function_workload(num_samples: int, group_size: int, hostile_fraction: float, seed: int,
+                            misbehaving: bool) -> list[list[Case]]:
+    """`function`: short answers, half right; hostile ones are the math workload's hostile outputs
+    (scored 0), or with `misbehaving` make `trivial` misbehave (failed, with their kind)."""
+    rng = random.Random(seed)
+    groups = []
+    for start in range(0, num_samples, group_size):
+        gold = str(rng.randint(0, 10_000))
+        group = []
+        for _ in range(min(group_size, num_samples - start)):
+            if rng.random() < hostile_fraction and not misbehaving:
+                group.append(Case(completion=rng.choice(_HOSTILE_OUTPUTS), gold=gold, expected_reward=0.0,
+                                  expected_kinds=("hostile",)))
+                continue
+            if rng.random() < hostile_fraction and misbehaving:
+                text = rng.choice(sorted(_HOSTILE_FUNCTION_INPUTS))
+                group.append(Case(completion=text, gold=gold, expected_reward=None,
+                                  expected_kinds=(_HOSTILE_FUNCTION_INPUTS[text],)))
+                continue
+            correct = rng.random() < 0.5
+            group.append(Case(completion=gold if correct else gold + "0", gold=gold, expected_reward=float(correct)))
+        groups.append(group)
+    return groups
+
+
+def build_code_workload(num_samples: int, group_size: int, hostile_fraction: float, seed: int,
+                        sandbox_timeout_s: float) -> list[list[Case]]:
+    """`code`: tiny programs (add k to the input; half add the wrong k), one test each; hostile
+    ones from _HOSTILE_PROGRAMS, which the sandbox contains: they fail their test (reward 0)."""
+    rng = random.Random(seed)
+    groups = []
+    for start in range(0, num_samples, group_size):
+        k, x = rng.randint(1, 99), rng.randint(0, 10_000)
+        record = {"tests": [{"input": f"{x}\n", "output": f"{x + k}\n"}], "sandbox_timeout_s": sandbox_timeout_s}
+        group = []
+        for _ in range(min(group_size, num_samples - start)):
+            if rng.random() < hostile_fraction:
+                program, expected = rng.choice(_HOSTILE_PROGRAMS), 0.0
+            else:
+                correct = rng.random() < 0.5
+                program = f"n = int(input())\nprint(n + {k if correct else k + 1})"
+                expected = float(correct)
+            group.append(Case(completion=f"```python\n{program}\n```", gold="", expected_reward=expected,
+                              record=record, expected_kinds=("hostile",) if program in _HOSTILE_PROGRAMS else ()))
+        groups.append(group)
+    return groups
+
+
+def handled_function(case: Case, score: FunctionScore) -> bool:
+    """Plug-in paths: hostile `function` inputs fail with their kind; everything else gets its reward."""
+    if case.expected_reward is None:
+        return score.failed and score.reward == 0.0 and score.error.split(":", 1)[0] in case.expected_kinds
+    return not score.failed and score.reward == case.expected_reward
+
+
 def handled(case: Case, result: RewardResult) -> bool:
     """Whether the pool's result is what the case should get."""
     if case.expected_reward is None:
@@ -143,15 +272,25 @@ def handled(case: Case, result: RewardResult) -> bool:
     return result.reward == case.expected_reward and not result.failed
 
 
-async def _score_one(pool: VerifierPool, case: Case, latencies: list[float]) -> bool:
+async def _score_one(pool: VerifierPool, case: Case, latencies: list[float], function: str | None,
+                     timeout_s: float | None) -> bool:
     """Score one completion; returns whether the result was what the case expected."""
     start = time.perf_counter()
-    (result,) = await pool.score([case.completion], case.gold)
+    if function is None:
+        (result,) = await pool.score([case.completion], case.gold)
+        latencies.append(time.perf_counter() - start)
+        return handled(case, result)
+    call = {"prompt": {**(case.record or {}), "gt_answer": case.gold}, "completion": case.completion,
+            "token_ids": [], "metadata": {}}
+    (score,) = await pool.score_function(function, [call], timeout_s)
     latencies.append(time.perf_counter() - start)
-    return handled(case, result)
+    if function == MATH_FUNCTION and case.expected_reward is None:  # its pre-checks answer 0, not failed
+        return score.reward == 0.0
+    return handled_function(case, score)
 
 
-async def run(pool: VerifierPool, groups: list[list[Case]], num_clients: int) -> tuple[list[float], int]:
+async def run(pool: VerifierPool, groups: list[list[Case]], num_clients: int, function: str | None = None,
+              timeout_s: float | None = None) -> tuple[list[float], int]:
     """Replay the groups with num_clients groups in flight; returns (latencies_s, mismatches)."""
     latencies: list[float] = []
     mismatches = 0
@@ -160,7 +299,7 @@ async def run(pool: VerifierPool, groups: list[list[Case]], num_clients: int) ->
     async def client() -> None:
         nonlocal mismatches
         for group in pending:
-            ok = await asyncio.gather(*(_score_one(pool, case, latencies) for case in group))
+            ok = await asyncio.gather(*(_score_one(pool, case, latencies, function, timeout_s) for case in group))
             mismatches += ok.count(False)
 
     await asyncio.gather(*(client() for _ in range(num_clients)))
@@ -169,29 +308,45 @@ async def run(pool: VerifierPool, groups: list[list[Case]], num_clients: int) ->
 
 def bench_once(args: RewardBenchConfig, hostile_fraction: float, evasive_fraction: float, label: str) -> float:
     """One run on a fresh pool; prints its line and returns its samples per second."""
-    groups = build_workload(args.num_samples, args.group_size, hostile_fraction, args.seed, evasive_fraction)
-    num_hostile = sum(case.expected_reward is None for group in groups for case in group)
+    groups, function, timeout = _workload(args, hostile_fraction, evasive_fraction)
+    num_hostile = sum(case.expected_reward is None or bool(case.expected_kinds) for group in groups for case in group)
     pool_args = {"timeout_s": args.timeout_s, "cache_size": args.cache_size, "fast_path": args.fast_path}
     if args.num_processes is not None:
         pool_args["num_processes"] = args.num_processes
     with VerifierPool(**pool_args) as pool:
         start = time.perf_counter()
-        latencies, mismatches = asyncio.run(run(pool, groups, args.num_clients))
+        latencies, mismatches = asyncio.run(run(pool, groups, args.num_clients, function, timeout))
         elapsed = time.perf_counter() - start
     stats = pool.stats()  # after close(): the last replacement process has been counted
     latencies_ms = sorted(1000 * x for x in latencies)
     p99 = latencies_ms[min(len(latencies_ms) - 1, int(0.99 * len(latencies_ms)))]
     samples_per_s = len(latencies) / elapsed
     print(
-        f"run={label} samples_per_s={samples_per_s:.1f} p99_ms={p99:.1f} "
+        f"run={label} reward={args.reward} samples_per_s={samples_per_s:.1f} p99_ms={p99:.1f} "
         f"p50_ms={statistics.median(latencies_ms):.1f} num_processes={stats['num_processes']} "
         f"hostile_fraction={hostile_fraction} evasive_fraction={evasive_fraction} hostile={num_hostile} "
         f"samples={len(latencies)} timeout_s={args.timeout_s} fast_path_on={args.fast_path} rejected={stats['rejected']} "
         f"fast_path={stats['fast_path']} timeouts={stats['timeouts']} restarts={stats['restarts']} "
-        f"cache_hits={stats['cache_hits']} mismatches={mismatches}",
+        f"cache_hits={stats['cache_hits']} function_failed={stats['function_failed']} "
+        f"function_timeouts={stats['function_timeouts']} function_crashes={stats['function_crashes']} "
+        f"mismatches={mismatches}",
         flush=True,
     )
     return samples_per_s
+
+
+def _workload(args: RewardBenchConfig, hostile_fraction: float,
+              evasive_fraction: float) -> tuple[list[list[Case]], str | None, float | None]:
+    """(groups, the reward function or None for VerifierPool.score, its deadline) of args.reward."""
+    if args.reward == "function":
+        misbehaving = args.function_hostile == "misbehaving"
+        return (build_function_workload(args.num_samples, args.group_size, hostile_fraction, args.seed, misbehaving),
+                TRIVIAL, args.function_timeout_s)
+    if args.reward == "code":
+        return (build_code_workload(args.num_samples, args.group_size, hostile_fraction, args.seed,
+                                    args.sandbox_timeout_s), CODE, args.code_function_timeout_s)
+    groups = build_workload(args.num_samples, args.group_size, hostile_fraction, args.seed, evasive_fraction)
+    return groups, (MATH_FUNCTION if args.reward == "math_function" else None), None
 
 
 def main(argv: list[str] | None = None) -> None:

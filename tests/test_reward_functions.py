@@ -207,3 +207,12 @@ def test_under_math_verify_accuracy_counts_the_verdict_not_the_format_shaping(po
     # truncated one got truncated_reward unverified: unsolved.
     assert [s.solved for s in samples] == [True, True, False, False]
     assert [counts_as_solved(s.solved, s.reward) for s in samples] == [True, True, False, False]
+
+
+def test_an_overlong_completion_is_rejected_before_any_process(pool):
+    huge = "x" * (pool.limits.max_completion_chars + 1)
+    before = pool.stats()["function_rejected"]
+    scores = pool.score_function_sync(f"{PLUGINS}:batch_rank", [_call("a"), _call(huge), _call("b")])
+    assert [(s.reward, s.failed) for s in scores] == [(0.0, False), (0.0, True), (1.0, False)]
+    assert scores[1].error.startswith("rejected: completion length")
+    assert pool.stats()["function_rejected"] - before == 1

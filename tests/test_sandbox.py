@@ -210,3 +210,9 @@ def test_config_rejects_bad_values(field, value):
 def test_no_sandbox_process_outlives_the_tests():
     assert _processes_of_uid_range() == []
     assert os.geteuid() != sandbox._UID_BASE
+
+
+def test_installed_packages_only_with_site_packages():
+    program = "import numpy\nprint(numpy.__name__)"
+    assert run_python(program, config=_config()).outcome == "error"
+    assert run_python(program, config=_config(site_packages=True)).stdout == "numpy\n"

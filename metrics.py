@@ -260,7 +260,7 @@ class MetricsLogger:
                 continue
             self._trackers.append(tracker)
         if names:
-            logger.info("metrics: jsonl%s", "".join(f", {t.name}" for t in self._trackers))
+            logger.info("reporting to jsonl%s", "".join(f", {t.name}" for t in self._trackers))
 
     def _call_trackers(self, what: str, call: Callable[[Tracker], None]) -> None:
         """call(tracker) for every tracker; one that raises is reported in one line and dropped."""

@@ -96,4 +96,5 @@ def test_compare_command_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     missing = subprocess.run([sys.executable, "metrics.py", "compare", str(fast), str(tmp_path / "nope")],
                              cwd=REPO_ROOT, capture_output=True, text=True)
     assert missing.returncode == 2
-    assert missing.stderr.strip() == f"metrics.py compare: {tmp_path / 'nope'}: no metrics.jsonl (is it a run directory?)"
+    expected = f"metrics.py compare: {tmp_path / 'nope'}: no metrics.jsonl (is it a run directory?)"
+    assert missing.stderr.strip() == expected

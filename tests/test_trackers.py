@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import logging
 import os
 import socket
@@ -22,7 +21,7 @@ import yaml
 from metrics import MetricsConfig, MetricsLogger, read_metrics
 from run_config import ConfigError, load_config
 from trackers import TensorBoardTracker, flatten_config, mlflow_key
-from wandb_offline import wandb_offline_runs
+from tracker_readers import trackio_run, wandb_offline_runs
 
 STEPS = 4
 EVALS = {1: {"eval/accuracy": 0.25, "eval/pass@4": 0.5}, 3: {"eval/accuracy": 0.75, "eval/pass@4": 0.875}}
@@ -165,7 +164,8 @@ def test_report_to_from_the_command_line_and_its_checks() -> None:
 
     from trainer_core import TrainerConfig
 
-    assert load_config(MetricsConfig, ["--report_to", "jsonl", "wandb", "mlflow"]).report_to == ("jsonl", "wandb", "mlflow")
+    parsed = load_config(MetricsConfig, ["--report_to", "jsonl", "wandb", "mlflow"])
+    assert parsed.report_to == ("jsonl", "wandb", "mlflow")
     assert MetricsConfig().report_to == ("jsonl", "tensorboard")
     with pytest.raises(ConfigError, match=r"report_to\[1\]: 'neptune' is not one of"):
         load_config(MetricsConfig, ["--report_to", "jsonl", "neptune"])
@@ -174,34 +174,19 @@ def test_report_to_from_the_command_line_and_its_checks() -> None:
     assert {f.name: f.type for f in dataclasses.fields(TrainerConfig)}["metrics"] in (MetricsConfig, "MetricsConfig")
 
 
-_TRACKIO_READER = """
-import json, sys
-from trackio import SQLiteStorage
-logs = SQLiteStorage.get_logs("grpo", sys.argv[1])
-config = SQLiteStorage.get_run_config("grpo", sys.argv[1])
-print(json.dumps({"logs": logs, "config": config}, default=str))
-"""
-
-
 def test_trackio_holds_every_metric_the_config_and_the_plot(tmp_path: Path) -> None:
     """In child processes: trackio reads TRACKIO_DIR once, when first imported."""
     run_dir = tmp_path / "trackio-run"
     tests, repo = Path(__file__).parent, Path(__file__).parent.parent
     env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "PYTHONPATH": f"{repo}:{tests}"}
-    writer = f"from pathlib import Path; from test_trackers import _run; _run(Path({str(run_dir)!r}), ('jsonl', 'trackio'))"
+    writer = (f"from pathlib import Path; from test_trackers import _run; "
+              f"_run(Path({str(run_dir)!r}), ('jsonl', 'trackio'))")
     subprocess.run([sys.executable, "-c", writer], env=env, check=True, capture_output=True, text=True)
-    read = subprocess.run([sys.executable, "-c", _TRACKIO_READER, "trackio-run"], env=env, check=True,
-                          capture_output=True, text=True)
-    stored = json.loads(read.stdout)
+    stored = trackio_run(tmp_path / "trackio", "grpo", "trackio-run")
     expected = {r["step"]: {k: v for k, v in r.items() if k not in ("step", "time_s", "unix_time")}
                 for r in read_metrics(run_dir / "metrics.jsonl")}
-    logs: dict[int, dict] = {}
-    for entry in stored["logs"]:
-        logs.setdefault(entry["step"], {}).update({k: v for k, v in entry.items() if k not in ("step", "timestamp")})
-    plots = {step: logs[step].pop("reward_plot") for step in list(logs) if "reward_plot" in logs[step]}
-    assert logs == expected
-    assert list(plots) == [STEPS - 1], plots
-    stored_plot = tmp_path / "trackio" / "media" / plots[STEPS - 1]["file_path"]
-    assert stored_plot.read_bytes() == (run_dir / "reward.png").read_bytes()
-    assert {k: v for k, v in stored["config"].items() if not k.startswith("_")} == RUN_CONFIG
+    assert stored["history"] == expected
+    assert stored["config"] == RUN_CONFIG
+    assert list(stored["images"]) == [STEPS - 1]
+    assert stored["images"][STEPS - 1].read_bytes() == (run_dir / "reward.png").read_bytes()
     assert list((tmp_path / "trackio").glob("grpo.db"))

@@ -1,6 +1,7 @@
-"""Read back a W&B offline run: its run-<id>.wandb transaction log, with W&B's own protobufs.
+"""Read back what the trackers stored, with each tool's own code.
 
-W&B 0.31 ships no Python reader for the file (its Go core writes and syncs it), so this follows
+W&B: an offline run's run-<id>.wandb transaction log, parsed into W&B's own protobufs. W&B 0.31
+ships no Python reader for the file (its Go core writes and syncs it), so this follows
 the format: a LevelDB-style log with a 7-byte header (":W&B", a 2-byte magic, a version byte),
 then 32 KiB blocks of chunks, each with a 7-byte header (CRC32, length, type: 1 a whole record,
 2 first, 3 middle, 4 last piece), each record a wandb_internal_pb2.Record.
@@ -9,7 +10,10 @@ then 32 KiB blocks of chunks, each with a 7-byte header (CRC32, length, type: 1 
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -65,3 +69,28 @@ def wandb_offline_runs(run_dir: Path) -> list[dict[str, Any]]:
                 artifacts.append(record.artifact)
         runs.append({"history": history, "config": config, "artifacts": artifacts})
     return runs
+
+
+_TRACKIO_READER = """
+import json, sys
+from trackio import SQLiteStorage
+print(json.dumps({"logs": SQLiteStorage.get_logs(sys.argv[1], sys.argv[2]),
+                  "config": SQLiteStorage.get_run_config(sys.argv[1], sys.argv[2])}, default=str))
+"""
+
+
+def trackio_run(trackio_dir: Path, project: str, run: str) -> dict[str, Any]:
+    """A trackio run's history {step: {key: value}} (the reward plot's image entries included),
+    config (trackio's own `_` keys left out) and images {step: file path}. Read in a child
+    process: trackio reads TRACKIO_DIR once, when first imported."""
+    env = {**os.environ, "TRACKIO_DIR": str(trackio_dir)}
+    read = subprocess.run([sys.executable, "-c", _TRACKIO_READER, project, run], env=env, check=True,
+                          capture_output=True, text=True)
+    stored = json.loads(read.stdout)
+    history: dict[int, dict[str, Any]] = {}
+    for entry in stored["logs"]:
+        history.setdefault(entry["step"], {}).update({k: v for k, v in entry.items() if k not in ("step", "timestamp")})
+    images = {step: trackio_dir / "media" / history[step].pop("reward_plot")["file_path"]
+              for step in list(history) if "reward_plot" in history[step]}
+    config = {k: v for k, v in stored["config"].items() if not k.startswith("_")}
+    return {"history": history, "config": config, "images": images}

@@ -12,11 +12,18 @@ record's fields and logs its choice):
                                   removed ("...\\n#### 1,000" -> "1000"), as GSM8K's graders do
     math     `problem`            `solution`: the contents of its last `\\boxed{...}` or `\\fbox{...}`
                                   (nested braces kept: "\\boxed{\\frac{1}{2}}" -> "\\frac{1}{2}")
+    verl     `prompt` (a list of  `reward_model.ground_truth` (text verbatim; a list or object, e.g.
+             chat messages, put    code tests, as its JSON text); `data_source` picks the reward
+             through the          function (sampling.reward.by_data_source), as verl's Parquet
+             tokenizer's chat     files publish it
+             template)
 
     {"input_token_ids": [151644, 8948, 198, ...], "gt_answer": "\\frac{1}{2}"}
     {"prompt": "3+4=", "gt_answer": "7"}
     {"question": "Natalia sold 48 clips ...", "answer": "... 48+24 = 72\\n#### 72"}
     {"problem": "What is $1/2 + 0$?", "solution": "It is $\\boxed{\\frac{1}{2}}$."}
+    {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "Natalia sold ..."}],
+     "ability": "math", "reward_model": {"style": "rule", "ground_truth": "72"}, "extra_info": {...}}
 
 `data.prompt_field` / `data.answer_field` rename the two fields of the chosen format for datasets
 that renamed their columns (e.g. format generic, prompt_field "problem", answer_field "answer" for
@@ -70,7 +77,7 @@ GROUPING_FIELDS = ("group_id", "run_id")
 pair of a step; group_id defaults to the record's prompt_id, run_id to 0 (algorithm.py)."""
 PROMPT_TEXT_FIELD = "prompt"
 ANSWER_FIELD = "gt_answer"
-DataFormat = Literal["auto", "generic", "gsm8k", "math"]
+DataFormat = Literal["auto", "generic", "gsm8k", "math", "verl"]
 MissingAnswerPolicy = Literal["error", "skip"]
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 MISSING_ANSWER_POLICIES: tuple[str, ...] = get_args(MissingAnswerPolicy)
@@ -79,7 +86,15 @@ FORMAT_FIELDS: dict[str, tuple[str, str]] = {
     "generic": (PROMPT_TEXT_FIELD, ANSWER_FIELD),
     "gsm8k": ("question", "answer"),
     "math": ("problem", "solution"),
+    "verl": ("prompt", "reward_model"),
 }
+# verl's layout: the gold answer under reward_model.ground_truth, the source dataset's name
+# (which picks the reward function) under data_source.
+VERL_GROUND_TRUTH = "ground_truth"
+VERL_DATA_SOURCE = "data_source"
+# verl's record fields besides the prompt and reward_model: kept in Sample.record for reward
+# functions, not counted as ignored.
+_VERL_EXTRA_FIELDS = ("data_source", "ability", "extra_info")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIX = ".parquet"
 # The one placeholder of data.prompt_template: the record's question text.
@@ -132,8 +147,11 @@ class DatasetConfig:
     whitespace removed), "math" (`problem`; `solution` whose last `\\boxed{...}`/`\\fbox{...}`
     holds the answer), or "auto": chosen from the first record's fields (generic if it has
     `prompt`/`input_token_ids`/`gt_answer`, gsm8k if `question`+`answer`, math if
-    `problem`+`solution`; none or several: an error) and logged. eval.data is read with the
-    same settings."""
+    `problem`+`solution`, verl if `prompt` is a list of chat messages and `reward_model` is
+    present; none or several: an error) and logged. "verl": verl's published Parquet layout
+    (`prompt` as chat messages, always put through the tokenizer's chat template; the gold
+    answer under `reward_model.ground_truth`; `data_source`). eval.data is read with the same
+    settings unless eval.data.format is set."""
     prompt_field: str | None = None
     """Field holding the prompt text, replacing the format's own (`prompt`, `question`,
     `problem`); needs an explicit `format`."""
@@ -331,6 +349,9 @@ class PromptEncoder:
         messages = [{"role": "user", "content": question}]
         if self.config.system_prompt is not None:
             messages.insert(0, {"role": "system", "content": self.config.system_prompt})
+        return self._chat_text(messages)
+
+    def _chat_text(self, messages: list[dict[str, str]]) -> str:
         try:
             # tokenize=False, then encode without special tokens: the template already writes
             # them (e.g. Llama 3's <|begin_of_text|>), and encoding would add a second BOS.
@@ -344,9 +365,22 @@ class PromptEncoder:
                              f"{type(text).__name__}, not text")
         return text
 
+    def message_token_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Encoded chat messages (verl's prompts): the tokenizer's chat template with the
+        assistant turn opened, whatever data.chat_template says (the prompt is a conversation)."""
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"the prompt is a list of chat messages (verl format) but the tokenizer of "
+                             f"{self.tokenizer.name_or_path!r} has no chat template")
+        if self.config.prompt_template is not None or self.config.system_prompt is not None:
+            raise ValueError("data.prompt_template and data.system_prompt apply to text prompts; a verl prompt is "
+                             "already a list of chat messages")
+        return self._encoded(self._chat_text(messages))
+
     def token_ids(self, question: str) -> list[int]:
         """Encoded text(question), validated; raises ValueError naming the problem."""
-        text = self.text(question)
+        return self._encoded(self.text(question))
+
+    def _encoded(self, text: str) -> list[int]:
         ids = list(self.tokenizer.encode(text, add_special_tokens=self.config.add_special_tokens))
         if self.config.check_round_trip:
             decoded = self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
@@ -373,7 +407,7 @@ class RecordSchema:
 
     @property
     def known_fields(self) -> frozenset[str]:
-        extra = (TOKEN_IDS_FIELD,) if self.format == "generic" else ()
+        extra = (TOKEN_IDS_FIELD,) if self.format == "generic" else _VERL_EXTRA_FIELDS if self.format == "verl" else ()
         return frozenset((self.prompt_field, self.answer_field, *GROUPING_FIELDS, *extra))
 
 
@@ -381,12 +415,13 @@ def _detect_format(record: dict[str, Any]) -> str:
     """The format a record's fields match; raises ValueError if none or several do."""
     matches = [
         name for name, present in (
-            ("generic", PROMPT_TEXT_FIELD in record or TOKEN_IDS_FIELD in record),
+            ("generic", isinstance(record.get(PROMPT_TEXT_FIELD), str) or TOKEN_IDS_FIELD in record),
+            ("verl", isinstance(record.get(PROMPT_TEXT_FIELD), list) and "reward_model" in record),
             ("gsm8k", {"question", "answer"} <= record.keys()),
             ("math", {"problem", "solution"} <= record.keys()),
         ) if present
     ]
-    if not matches and ANSWER_FIELD in record:
+    if not matches and (ANSWER_FIELD in record or PROMPT_TEXT_FIELD in record):
         matches = ["generic"]  # so that the missing prompt field is reported as such
     if len(matches) == 1:
         return matches[0]
@@ -394,7 +429,7 @@ def _detect_format(record: dict[str, Any]) -> str:
     raise ValueError(
         f"cannot detect data.format: the first record's fields {sorted(record)} {found}; expected "
         f"{PROMPT_TEXT_FIELD!r} or {TOKEN_IDS_FIELD!r} with {ANSWER_FIELD!r} (generic), 'question' + 'answer' "
-        "(gsm8k) or 'problem' + 'solution' (math); set data.format, and data.prompt_field / data.answer_field "
+        "(gsm8k), 'problem' + 'solution' (math) or 'prompt' (chat messages) + 'reward_model' (verl); set data.format, and data.prompt_field / data.answer_field "
         "for renamed fields"
     )
 
@@ -439,12 +474,40 @@ def _string_field(record: dict[str, Any], name: str) -> str:
 
 def _gold_answer(record: dict[str, Any], schema: RecordSchema) -> str | None:
     """The record's gold answer read the schema's way; None if a gsm8k/math solution has none."""
+    if schema.format == "verl":
+        return _verl_ground_truth(record, schema.answer_field)
     text = _string_field(record, schema.answer_field)
     if schema.format == "gsm8k":
         return extract_gsm8k_answer(text)
     if schema.format == "math":
         return extract_boxed_answer(text)
     return text
+
+
+def _verl_ground_truth(record: dict[str, Any], field_name: str) -> str:
+    """reward_model.ground_truth as text: a string verbatim, anything else (code tests, a list of
+    accepted answers) as its JSON text, which reward functions can parse back."""
+    holder = record.get(field_name)
+    if not isinstance(holder, dict) or VERL_GROUND_TRUTH not in holder:
+        raise ValueError(f"field {field_name!r} must be an object with a {VERL_GROUND_TRUTH!r} "
+                         f"(verl format), got {_clip(repr(holder))}")
+    truth = holder[VERL_GROUND_TRUTH]
+    text = truth if isinstance(truth, str) else json.dumps(truth)
+    if not text.strip():
+        raise ValueError(f"field {field_name}.{VERL_GROUND_TRUTH} is empty")
+    return text
+
+
+def _chat_messages(value: Any, field_name: str) -> list[dict[str, str]]:
+    """A verl prompt: a non-empty list of {"role": str, "content": str}."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"field {field_name!r} must be a non-empty list of chat messages (verl format), "
+                         f"got {_clip(repr(value))}")
+    for i, message in enumerate(value):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ValueError(f"{field_name}[{i}] must be {{'role': str, 'content': str}}, got {_clip(repr(message))}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
 def _no_answer_problem(schema: RecordSchema, solution: str) -> str:
@@ -460,6 +523,9 @@ def _prompt_ids(
     record: dict[str, Any], schema: RecordSchema, encoder: PromptEncoder, stats: PromptFileStats
 ) -> list[int]:
     config = encoder.config
+    if schema.format == "verl":
+        stats.from_text += 1
+        return encoder.message_token_ids(_chat_messages(record.get(schema.prompt_field), schema.prompt_field))
     has_ids = schema.format == "generic" and TOKEN_IDS_FIELD in record
     has_text = schema.prompt_field in record
     if has_ids and has_text:

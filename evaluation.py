@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Awaitable, Iterable, Sequence, TypeVar
 
-from dataset import DatasetConfig, PromptTokenizer, load_prompts
+from dataset import DATA_FORMATS, DataFormat, DatasetConfig, PromptTokenizer, load_prompts
 from rewards import counts_as_solved
 from sample_processing_utils import Sample
 from vllm_experience_batcher import RequestClient
@@ -59,10 +59,21 @@ class EvalDataConfig:
     """JSONL prompt file in the training data's format; "" means no evaluation set."""
     max_prompt_tokens: int | None = None
     """Longest prompt accepted, in tokens; None takes the training data's max_prompt_tokens."""
+    format: DataFormat | None = None
+    """The evaluation file's own record layout (dataset.DatasetConfig.format, e.g. "verl" or
+    "gsm8k"), with prompt_field / answer_field below; None reads it like the training data."""
+    prompt_field: str | None = None
+    """With `format`: the field holding the prompt (DatasetConfig.prompt_field)."""
+    answer_field: str | None = None
+    """With `format`: the field holding the gold answer (DatasetConfig.answer_field)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str):
             raise ValueError(f"EvalDataConfig.path must be a path string, got {self.path!r}")
+        if self.format is not None and self.format not in DATA_FORMATS:
+            raise ValueError(f"EvalDataConfig.format must be one of {list(DATA_FORMATS)} or None, got {self.format!r}")
+        if self.format is None and (self.prompt_field or self.answer_field):
+            raise ValueError("EvalDataConfig.prompt_field/answer_field need EvalDataConfig.format")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"EvalDataConfig.max_prompt_tokens must be >= 1 or None, got {self.max_prompt_tokens}")
 
@@ -237,6 +248,9 @@ def load_eval_prompts(config: EvalConfig, train_data: DatasetConfig, tokenizer: 
     if max_prompt_tokens is None:
         max_prompt_tokens = train_data.max_prompt_tokens
     data = replace(train_data, path=config.data.path, max_prompt_tokens=max_prompt_tokens)
+    if config.data.format is not None:  # the evaluation file's own layout
+        data = replace(data, format=config.data.format, prompt_field=config.data.prompt_field,
+                       answer_field=config.data.answer_field)
     prompts = load_prompts(data, tokenizer)
     if config.max_prompts is not None and config.max_prompts < len(prompts):
         logger.info("evaluating the first %d of %d prompts of %s", config.max_prompts, len(prompts), data.path)

@@ -49,6 +49,8 @@ from reward_functions import FunctionScore
 # sample as solved when its reward reaches it. A bonus this large would count a wrong but
 # well-formatted answer as solved, so format_bonus stays below it.
 CORRECT_VERDICT = 1.0
+# The record field that routes a prompt to its reward function (verl's layout).
+DATA_SOURCE_FIELD = "data_source"
 # Metric names under reward/ that a reward function's name (reward/<name>) must not take.
 _RESERVED_METRIC_NAMES = ("mean", "accuracy", "mean_generated")
 # Patterns are searched over the whole completion with "." matching newlines too: reasoning
@@ -78,12 +80,17 @@ class RewardConfig:
     (the same verdict as "math_verifier:math_verify_reward", with the pool's cache and fast path)."""
     weights: tuple[float, ...] = ()
     """One finite weight per entry of `functions`; empty: 1.0 each."""
+    by_data_source: tuple[str, ...] = ()
+    """verl-style routing, "data_source=module:function" entries: a prompt whose record's
+    `data_source` field (dataset format verl) is named here is scored by that function alone
+    (weight 1); every other prompt by `functions` (or math-verify). Checked like `functions`."""
     function_timeout_s: float | None = None
     """Deadline of one reward-function call (a batched function: one batch), after which its
     process is killed and the completion scores 0 for it; None: the verifier pool's deadline."""
 
     def __post_init__(self) -> None:
         self._check_functions()
+        self._check_routes()
         for name in ("format_bonus", "format_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -130,6 +137,35 @@ class RewardConfig:
                 reward_functions.check_function(ref)
             except reward_functions.RewardFunctionError as exc:
                 raise ValueError(f"RewardConfig.functions: {exc}") from None
+
+    def _check_routes(self) -> None:
+        if isinstance(self.by_data_source, str):
+            raise ValueError(f"RewardConfig.by_data_source must be a list of 'source=module:function', "
+                             f"got {self.by_data_source!r}")
+        sources = []
+        for entry in self.by_data_source:
+            source, sep, ref = entry.partition("=") if isinstance(entry, str) else ("", "", "")
+            if not sep or not source or not ref:
+                raise ValueError(f"RewardConfig.by_data_source entries are 'data_source=module:function', got {entry!r}")
+            sources.append(source)
+            try:
+                reward_functions.check_function(ref)
+            except reward_functions.RewardFunctionError as exc:
+                raise ValueError(f"RewardConfig.by_data_source: {exc}") from None
+            if reward_functions.function_name(ref) in _RESERVED_METRIC_NAMES:
+                raise ValueError(f"RewardConfig.by_data_source: {ref!r} would overwrite a reward/ metric; rename it")
+        if len(set(sources)) != len(sources):
+            raise ValueError(f"RewardConfig.by_data_source names a data_source twice: {self.by_data_source!r}")
+
+    def functions_for(self, record: dict | None) -> tuple[tuple[str, ...], tuple[float, ...]]:
+        """(functions, weights) that score a prompt from `record`: its data_source's route, else
+        `functions` and their weights; ((), ()) means math-verify."""
+        source = (record or {}).get(DATA_SOURCE_FIELD)
+        for entry in self.by_data_source:
+            name, _, ref = entry.partition("=")
+            if name == source:
+                return (ref,), (1.0,)
+        return self.functions, self.function_weights()
 
     def function_weights(self) -> tuple[float, ...]:
         """The weight of each function (1.0 each when `weights` is empty)."""

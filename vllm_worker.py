@@ -49,7 +49,7 @@ import ray
 from math_verifier import RewardResult, connect_verifier_pool
 from reward_functions import FunctionScore, failure, function_name
 from ray_env import GENERATION
-from rewards import CORRECT_VERDICT, CombinedScore, RewardConfig, ShapedReward, combine_scores, overlong_penalty, shape_reward
+from rewards import CORRECT_VERDICT, CombinedScore, ShapedReward, combine_scores, overlong_penalty, shape_reward
 from sample_processing_utils import Sample
 from sampling import SamplingConfig, request_seed
 from setup_model import VLLM_LORA_RANKS
@@ -712,7 +712,8 @@ class GenerationWorker:
         sampling.reward; sets each sample's `solved` (the verdict's, before any shaping) and, with
         functions, its `reward_parts`. Completions given truncated_reward are unsolved."""
         fixed = [s.truncated and sampling.truncated_reward is not None for s in samples]
-        if not sampling.reward.functions:
+        functions, weights = sampling.reward.functions_for(samples[0].record if samples else None)
+        if not functions:
             results = await self.score_completions(
                 [s.output_text for s in samples], [s.truncated for s in samples], gt_answer, sampling.truncated_reward)
             for s, result, cut in zip(samples, results, fixed):
@@ -721,7 +722,8 @@ class GenerationWorker:
         results = [RewardResult(reward=float(sampling.truncated_reward), failed=False, error="") if cut else None
                    for cut in fixed]
         pending = [i for i, cut in enumerate(fixed) if not cut]
-        combined = await self._score_functions([samples[i] for i in pending], sampling.reward)
+        combined = await self._score_functions([samples[i] for i in pending], functions, weights,
+                                               sampling.reward.function_timeout_s)
         for i, verdict in zip(pending, combined):
             samples[i].reward_parts = verdict.parts
             results[i] = RewardResult(reward=verdict.reward, failed=bool(verdict.errors), error="; ".join(verdict.errors))
@@ -731,19 +733,20 @@ class GenerationWorker:
             samples[i].solved = False
         return [r for r in results if r is not None]
 
-    async def _score_functions(self, samples: list[Sample], config: RewardConfig) -> list[CombinedScore]:
+    async def _score_functions(self, samples: list[Sample], functions: tuple[str, ...], weights: tuple[float, ...],
+                               timeout_s: float | None) -> list[CombinedScore]:
         """The reward functions' combined verdicts on samples, from the verifier pool's processes."""
         if not samples:
             return []
         calls = [_reward_call(s) for s in samples]
         try:
             per_function = await asyncio.gather(*(
-                self._verifier_client().score_function(ref, calls, config.function_timeout_s) for ref in config.functions))
+                self._verifier_client().score_function(ref, calls, timeout_s) for ref in functions))
         except Exception as exc:
             logger.exception("%s: verifier pool call failed", self.worker_name)
             lost = failure("crash", f"verifier pool failed: {type(exc).__name__}: {exc}")
-            per_function = [[lost] * len(calls) for _ in config.functions]
-        names, weights = [function_name(ref) for ref in config.functions], config.function_weights()
+            per_function = [[lost] * len(calls) for _ in functions]
+        names = [function_name(ref) for ref in functions]
         return [combine_scores(names, weights, [scores[j] for scores in per_function]) for j in range(len(calls))]
 
     async def score_completions(

@@ -216,3 +216,12 @@ def test_an_overlong_completion_is_rejected_before_any_process(pool):
     assert [(s.reward, s.failed) for s in scores] == [(0.0, False), (0.0, True), (1.0, False)]
     assert scores[1].error.startswith("rejected: completion length")
     assert pool.stats()["function_rejected"] - before == 1
+
+
+def test_the_worker_routes_a_prompt_by_its_data_source(pool):
+    reward = RewardConfig(functions=(f"{PLUGINS}:exact",), by_data_source=(f"lengths={PLUGINS}:length_parts",))
+    routed = _generate(pool, ["ok"], reward, record={"data_source": "lengths"})
+    assert routed[0].reward_parts == {"length_parts": 2.02, "length_parts/tokens": 2.0, "length_parts/chars": 0.02}
+    assert routed[0].solved is True
+    default = _generate(pool, ["7"], reward, record={"data_source": "elsewhere"})
+    assert default[0].reward_parts == {"exact": 1.0}

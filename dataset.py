@@ -77,7 +77,7 @@ GROUPING_FIELDS = ("group_id", "run_id")
 pair of a step; group_id defaults to the record's prompt_id, run_id to 0 (algorithm.py)."""
 PROMPT_TEXT_FIELD = "prompt"
 ANSWER_FIELD = "gt_answer"
-DataFormat = Literal["auto", "generic", "gsm8k", "math", "verl"]
+DataFormat = Literal["auto", "generic", "gsm8k", "math", "verl", "reasoning_gym"]
 MissingAnswerPolicy = Literal["error", "skip"]
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 MISSING_ANSWER_POLICIES: tuple[str, ...] = get_args(MissingAnswerPolicy)
@@ -87,7 +87,10 @@ FORMAT_FIELDS: dict[str, tuple[str, str]] = {
     "gsm8k": ("question", "answer"),
     "math": ("problem", "solution"),
     "verl": ("prompt", "reward_model"),
+    "reasoning_gym": ("question", "answer"),
 }
+# data_source of the prompts of data.format reasoning_gym (rewards.py routes it to the task's scorer).
+REASONING_GYM_SOURCE_PREFIX = "reasoning_gym/"
 # verl's layout: the gold answer under reward_model.ground_truth, the source dataset's name
 # (which picks the reward function) under data_source.
 VERL_GROUND_TRUTH = "ground_truth"
@@ -135,12 +138,33 @@ class PromptTokenizer(Protocol):
 
 
 @dataclass(kw_only=True, frozen=True)
+class ReasoningGymConfig:
+    """Procedural prompts from the `reasoning-gym` package (data.format reasoning_gym)."""
+
+    tasks: tuple[str, ...] = ()
+    """reasoning-gym dataset names, e.g. ["basic_arithmetic", "leg_counting"]; prompts are dealt
+    round robin over them."""
+    size: int = 1000
+    """Prompts generated in all."""
+    seed: int = 0
+    """Generation seed (task i uses seed + i): the same config gives the same prompts."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tasks, str) or not all(isinstance(t, str) and t for t in self.tasks):
+            raise ValueError(f"ReasoningGymConfig.tasks must be a list of dataset names, got {self.tasks!r}")
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"ReasoningGymConfig.size must be an int >= 1, got {self.size!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"ReasoningGymConfig.seed must be an int, got {self.seed!r}")
+
+
+@dataclass(kw_only=True, frozen=True)
 class DatasetConfig:
     """Where the prompts come from, how records map to prompts and answers, and what a valid prompt is."""
 
     path: str
     """Prompt file: JSON Lines (.jsonl/.json/.ndjson) or Parquet (.parquet), by suffix (see the
-    module docstring for the record formats)."""
+    module docstring for the record formats); "" with format reasoning_gym (generated prompts)."""
     format: DataFormat = "auto"
     """Record layout: "generic" (`prompt` text or `input_token_ids`, plus `gt_answer` verbatim),
     "gsm8k" (`question`; `answer` with the final answer after its last `####`, commas and
@@ -186,9 +210,16 @@ class DatasetConfig:
     catches characters a tokenizer silently drops (the tiny char-level tokenizer drops
     non-ASCII). Turn off for tokenizers that normalise text (some SentencePiece models)."""
 
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    """The generated tasks of format reasoning_gym (data.reasoning_gym.tasks/size/seed)."""
+
     def __post_init__(self) -> None:
-        if not isinstance(self.path, str) or not self.path:
+        generated = self.format == "reasoning_gym"
+        if not isinstance(self.path, str) or not (self.path or generated):
             raise ValueError(f"DatasetConfig.path must be a non-empty path string, got {self.path!r}")
+        if generated and not self.reasoning_gym.tasks:
+            raise ValueError("DatasetConfig.format reasoning_gym needs DatasetConfig.reasoning_gym.tasks "
+                             "(e.g. --data.reasoning_gym.tasks basic_arithmetic)")
         if not isinstance(self.max_prompt_tokens, int) or self.max_prompt_tokens < 1:
             raise ValueError(f"DatasetConfig.max_prompt_tokens must be an int >= 1, got {self.max_prompt_tokens!r}")
         if self.format not in DATA_FORMATS:
@@ -649,6 +680,8 @@ def load_prompt_file(config: DatasetConfig, tokenizer: PromptTokenizer) -> Promp
     """
     path = Path(config.path)
     encoder = PromptEncoder(config, tokenizer)  # fails on a missing chat template before any reading
+    if config.format == "reasoning_gym":
+        return _reasoning_gym_prompts(config, encoder)
     samples: list[Sample] = []
     stats = PromptFileStats()
     schema: RecordSchema | None = None
@@ -671,6 +704,55 @@ def load_prompt_file(config: DatasetConfig, tokenizer: PromptTokenizer) -> Promp
         raise DatasetError(f"{path}: no prompts: {_why_empty(stats)}")
     stats.prompts = len(samples)
     _log_load(path, stats)
+    return PromptFile(samples=samples, stats=stats)
+
+
+def reasoning_gym_records(config: ReasoningGymConfig) -> list[dict[str, Any]]:
+    """The generated entries as records: question, answer, metadata (JSON values: reasoning-gym
+    keeps tuples in its metadata) and data_source "reasoning_gym/<task>"; dealt round robin over
+    the tasks, deterministic in the config."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise DatasetError("data.format reasoning_gym needs the reasoning-gym package (requirements_base.txt)") from None
+    per_task = [config.size // len(config.tasks) + (i < config.size % len(config.tasks))
+                for i in range(len(config.tasks))]
+    generated = []
+    for i, (task, count) in enumerate(zip(config.tasks, per_task)):
+        if count == 0:
+            generated.append([])
+            continue
+        try:
+            entries = reasoning_gym.create_dataset(task, size=count, seed=config.seed + i)
+        except Exception as exc:  # noqa: BLE001 - an unknown name or bad option, reported in one line
+            raise DatasetError(f"data.reasoning_gym.tasks: cannot create {task!r}: {type(exc).__name__}: {exc}") from None
+        generated.append([json.loads(json.dumps(entry, default=str)) for entry in entries])
+    records = []
+    for position in range(max(per_task)):
+        for task, entries in zip(config.tasks, generated):
+            if position < len(entries):
+                entry = entries[position]
+                records.append({**entry, "data_source": f"{REASONING_GYM_SOURCE_PREFIX}{task}"})
+    return records
+
+
+def _reasoning_gym_prompts(config: DatasetConfig, encoder: PromptEncoder) -> PromptFile:
+    """PromptFile of the generated tasks: the question is the prompt text (templates apply), the
+    answer the gold answer; the whole entry stays in Sample.record for the task's scorer."""
+    stats = PromptFileStats(format="reasoning_gym")
+    samples = []
+    for prompt_id, record in enumerate(reasoning_gym_records(config.reasoning_gym)):
+        where = f"reasoning_gym {record['data_source']} #{prompt_id}"
+        try:
+            ids = encoder.token_ids(_string_field(record, "question"))
+        except ValueError as exc:
+            raise DatasetError(f"{where}: {exc}") from None
+        stats.from_text += 1
+        samples.append(Sample(input_token_ids=ids, gt_answer=str(record["answer"]), prompt_id=prompt_id,
+                              record=record))
+    stats.prompts = len(samples)
+    logger.info("generated %d reasoning-gym prompts (tasks %s, seed %d)", len(samples),
+                list(config.reasoning_gym.tasks), config.reasoning_gym.seed)
     return PromptFile(samples=samples, stats=stats)
 
 

@@ -537,9 +537,22 @@ def _worker_main(conn: Connection) -> None:
         if "function" in request:
             conn.send_bytes(_run_function(request["function"], request["calls"]))
             continue
+        if "load" in request:
+            conn.send_bytes(_load_function(request["load"]))
+            continue
         # The parent ran the pre-checks and the fast path (quick_verdict) before sending it here.
         result = verify_with_math_verify(request["completion"], request["gold"])
         conn.send_bytes(json.dumps(asdict(result)).encode("utf-8"))
+
+
+def _load_function(ref: str) -> bytes:
+    """Import a reward function's module ahead of its first call (inside a verifier process), so
+    that its import time (reasoning-gym: seconds) never counts against a call's deadline."""
+    try:
+        reward_functions.load_function(ref)
+    except reward_functions.RewardFunctionError as exc:
+        return json.dumps({"loaded": False, "error": str(exc)}).encode("utf-8")
+    return json.dumps({"loaded": True}).encode("utf-8")
 
 
 def _run_function(ref: str, calls: list[dict[str, Any]]) -> bytes:
@@ -590,6 +603,8 @@ class _WorkerSlot:
         self._ctx = ctx
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
+        self.loaded: set[str] = set()
+        """Reward functions this slot's current process has imported (see load)."""
 
     @property
     def alive(self) -> bool:
@@ -609,6 +624,19 @@ class _WorkerSlot:
         finally:
             child_conn.close()  # the child has its copy; closing ours lets the parent see EOF when it dies
         self._process, self._conn = process, parent_conn
+        self.loaded = set()
+
+    def load(self, ref: str) -> None:
+        """Have the process import reward function `ref`, waiting up to _STARTUP_TIMEOUT_S (an
+        import is start-up work, not scoring). A module that fails to import is not an error
+        here: the call then fails the same way and reports it. Raises EOFError/OSError when the
+        process died, TimeoutError when the import outlasted the wait."""
+        assert self._conn is not None, "load() on a slot without a process"
+        self._conn.send_bytes(json.dumps({"load": ref}).encode("utf-8"))
+        if not self._conn.poll(_STARTUP_TIMEOUT_S):
+            raise TimeoutError(f"importing {ref} took more than {_STARTUP_TIMEOUT_S:.0f} s")
+        self._conn.recv_bytes(_MAX_REPLY_BYTES)
+        self.loaded.add(ref)
 
     def wait_ready(self) -> None:
         """Block until the process has imported math-verify, or raise WorkerStartError."""
@@ -684,6 +712,8 @@ class _Task:
     """(gold, completion) under which a deterministic result is cached, or None: do not cache."""
     timeout_s: float | None = None
     """This task's deadline; None: the pool's timeout_s."""
+    function_ref: str = ""
+    """The reward function of a function task ("module:function")."""
     num_calls: int = 0
     """Reward-function calls in the payload (0: a math-verify task); the future then resolves to
     a list of that many FunctionScores."""
@@ -821,7 +851,8 @@ class VerifierPool:
             task = _Task(payload=json.dumps({"function": ref, "calls": group}).encode("utf-8"),
                          completion_chars=sum(len(str(call.get("completion", ""))) for call in group),
                          snippet=f"{ref} on {str(group[0].get('completion', ''))[:_LOG_SNIPPET_CHARS]}",
-                         future=Future(), cache_key=None, timeout_s=timeout_s, num_calls=len(group))
+                         future=Future(), cache_key=None, timeout_s=timeout_s, num_calls=len(group),
+                         function_ref=ref)
             self._tasks.put(task)
             parts.append((indices, task.future))
         return parts
@@ -977,11 +1008,13 @@ class VerifierPool:
         """Run one reward-function task; kills the process on timeout, death or protocol failure."""
         timeout = self.timeout_s if task.timeout_s is None else task.timeout_s
         try:
+            if task.function_ref not in slot.loaded:
+                slot.load(task.function_ref)
             reply = slot.run(task.payload, timeout, _MAX_FUNCTION_REPLY_BYTES)
             scores = None if reply is None else [FunctionScore.from_json(s) for s in json.loads(reply)["scores"]]
             if scores is not None and len(scores) != task.num_calls:
                 raise ValueError(f"{len(scores)} scores for {task.num_calls} calls")
-        except (EOFError, OSError, ValueError, KeyError, TypeError) as exc:
+        except (EOFError, OSError, ValueError, KeyError, TypeError, TimeoutError) as exc:
             exitcode = slot.kill()
             logger.error("verifier process %d died or broke protocol in %s (exit code %s): %r",
                          slot.index, task.snippet, exitcode, exc)

@@ -51,6 +51,11 @@ from reward_functions import FunctionScore
 CORRECT_VERDICT = 1.0
 # The record field that routes a prompt to its reward function (verl's layout).
 DATA_SOURCE_FIELD = "data_source"
+# Prompts of data.format reasoning_gym have data_source "reasoning_gym/<task>"; without other
+# functions they are scored by the task's own scorer (reasoning_gym_reward.py; the names are
+# repeated here so that this pure module does not import the reward function's module).
+REASONING_GYM_SOURCE_PREFIX = "reasoning_gym/"
+REASONING_GYM_FUNCTION = "reasoning_gym_reward:score"
 # Metric names under reward/ that a reward function's name (reward/<name>) must not take.
 _RESERVED_METRIC_NAMES = ("mean", "accuracy", "mean_generated")
 # Patterns are searched over the whole completion with "." matching newlines too: reasoning
@@ -83,7 +88,8 @@ class RewardConfig:
     by_data_source: tuple[str, ...] = ()
     """verl-style routing, "data_source=module:function" entries: a prompt whose record's
     `data_source` field (dataset format verl) is named here is scored by that function alone
-    (weight 1); every other prompt by `functions` (or math-verify). Checked like `functions`."""
+    (weight 1); every other prompt by `functions` (or math-verify; or, for prompts of data.format reasoning_gym, the task's own scorer,
+    reasoning_gym_reward:score). Checked like `functions`."""
     function_timeout_s: float | None = None
     """Deadline of one reward-function call (a batched function: one batch), after which its
     process is killed and the completion scores 0 for it; None: the verifier pool's deadline."""
@@ -165,6 +171,9 @@ class RewardConfig:
             name, _, ref = entry.partition("=")
             if name == source:
                 return (ref,), (1.0,)
+        if not self.functions and isinstance(source, str) and source.startswith(REASONING_GYM_SOURCE_PREFIX):
+            # data.format reasoning_gym: the task's own scorer is the default reward.
+            return (REASONING_GYM_FUNCTION,), (1.0,)
         return self.functions, self.function_weights()
 
     def function_weights(self) -> tuple[float, ...]:

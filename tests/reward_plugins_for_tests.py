@@ -68,3 +68,4 @@ def hostile_by_text(prompt, completion, token_ids, metadata):
 
 def wrong_arity(prompt, completion):
     return 1.0
+

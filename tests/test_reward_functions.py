@@ -225,3 +225,9 @@ def test_the_worker_routes_a_prompt_by_its_data_source(pool):
     assert routed[0].solved is True
     default = _generate(pool, ["7"], reward, record={"data_source": "elsewhere"})
     assert default[0].reward_parts == {"exact": 1.0}
+
+
+def test_a_slow_import_does_not_count_against_the_deadline(pool):
+    # The deadline is 1 s; importing the module takes 2 s, in the process, before the first call.
+    scores = pool.score_function_sync("slow_import_plugin_for_tests:score", [_call("a"), _call("b")])
+    assert [(s.reward, s.failed) for s in scores] == [(1.0, False), (1.0, False)]

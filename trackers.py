@@ -16,6 +16,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,6 +31,7 @@ _MLFLOW_PARAMS_PER_BATCH = 100  # MlflowClient.log_batch's limit on params per c
 _MLFLOW_PARAM_MAX_CHARS = 6000  # MLflow 3's longest param value; longer values are cut (the
 # whole config also goes up as the config.yaml artifact)
 _MLFLOW_DB = "mlflow.db"
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class Tracker(Protocol):
@@ -190,7 +192,8 @@ class TrackioTracker:
         banner = io.StringIO()
         with contextlib.redirect_stdout(banner):
             self._run = trackio.init(project=project, name=run_name, config=config, embed=False)
-        logger.info("trackio: %s", " | ".join(line.strip("* ") for line in banner.getvalue().splitlines()))
+        text = _ANSI_ESCAPE.sub("", banner.getvalue())  # it colours the `trackio show` command
+        logger.info("trackio: %s", " | ".join(line.strip("* ") for line in text.splitlines() if line.strip()))
         self._last_step = 0
 
     def log(self, step: int, record: dict[str, float]) -> None:

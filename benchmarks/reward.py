@@ -262,6 +262,8 @@ def handled_function(case: Case, score: FunctionScore) -> bool:
     """Plug-in paths: hostile `function` inputs fail with their kind; everything else gets its reward."""
     if case.expected_reward is None:
         return score.failed and score.reward == 0.0 and score.error.split(":", 1)[0] in case.expected_kinds
+    if case.expected_kinds == ("hostile",):  # scored 0 by the function, or rejected by the pool's length cap
+        return score.reward == 0.0 and (not score.failed or score.error.startswith("rejected"))
     return not score.failed and score.reward == case.expected_reward
 
 

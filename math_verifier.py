@@ -1374,7 +1374,7 @@ def get_or_create_verifier_pool(num_processes: int | None = None, timeout_s: flo
     """
     import ray
 
-    from ray_env import RAY_NAMESPACE, VERIFIER_POOL_ACTOR_NAME
+    from ray_env import ON_HEAD_NODE, RAY_NAMESPACE, VERIFIER_POOL_ACTOR_NAME
 
     actor_cls = ray.remote(VerifierPoolActor)
     return actor_cls.options(
@@ -1383,6 +1383,7 @@ def get_or_create_verifier_pool(num_processes: int | None = None, timeout_s: flo
         get_if_exists=True,
         lifetime="detached",
         num_cpus=0,
+        resources=ON_HEAD_NODE,  # never on a worker node that can be lost mid-run
         max_restarts=_ACTOR_MAX_RESTARTS,
     ).remote(num_processes, timeout_s)
 

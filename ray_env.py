@@ -37,6 +37,12 @@ LOGPROB_SERVICE_KINDS = (LOGPROB, REFERENCE, TEACHER)
 """Kinds served by the logprob worker class (logprob_worker.py)."""
 FROZEN_KINDS = (REFERENCE, TEACHER)
 """Logprob services whose weights never change: they refuse weight pushes."""
+# The resource only Ray's head node offers (Ray Train pins its state actor with it too). The
+# cluster's bookkeeping actors (registries, the batcher, the verifier pool, the shard stager) ask
+# for a sliver of it: they must live where the cluster itself lives, not on a worker node that
+# can be lost mid-run (its dispatchers' workers are replaceable; a registry or batcher is not).
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+ON_HEAD_NODE = {HEAD_NODE_RESOURCE: 0.001}
 BATCHER_ACTOR_NAME = "experience-batcher"
 VERIFIER_POOL_ACTOR_NAME = "math-verifier-pool"
 SHARD_STAGER_NAME = "weight-shard-stager"

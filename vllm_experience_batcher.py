@@ -41,7 +41,9 @@ from algorithm import (
     sequence_kl,
 )
 from sample_processing_utils import INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs
-from ray_env import BATCHER_ACTOR_NAME, GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env
+from ray_env import (
+    BATCHER_ACTOR_NAME, GENERATION, LOGPROB, ON_HEAD_NODE, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env,
+)
 from vllm_registry import Bundle, get_or_create_registry
 # vllm_worker imports neither vLLM nor math-verify at import time: cheap in the batcher's process.
 from sampling import SamplingConfig, derive_seed
@@ -1263,6 +1265,7 @@ def get_or_create_batcher(
             get_if_exists=True,
             max_concurrency=_ACTOR_MAX_CONCURRENCY,
             num_cpus=0,  # it only awaits other actors; packing costs microseconds per sample
+            resources=ON_HEAD_NODE,  # never on a worker node that can be lost mid-run
             runtime_env=actor_runtime_env(),
         )
         .remote(config, generation_registry, logprob_registry, reference_registry, teacher_registry)

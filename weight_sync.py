@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ray_env import RAY_NAMESPACE, SHARD_STAGER_NAME
+from ray_env import ON_HEAD_NODE, RAY_NAMESPACE, SHARD_STAGER_NAME
 from setup_model import LORA_ADAPTER_NAME, MODEL_DTYPES, TokenLogprobModel, training_compute_dtype
 
 logger = logging.getLogger(__name__)
@@ -518,7 +518,8 @@ def get_or_create_shard_stager() -> Any:
     import ray
 
     actor_cls = ray.remote(num_cpus=0, max_concurrency=64)(ShardStager)
-    return actor_cls.options(name=SHARD_STAGER_NAME, namespace=RAY_NAMESPACE, get_if_exists=True).remote()
+    return actor_cls.options(name=SHARD_STAGER_NAME, namespace=RAY_NAMESPACE, get_if_exists=True,
+                             resources=ON_HEAD_NODE).remote()
 
 
 # --------------------------------------------------------------------------------------------

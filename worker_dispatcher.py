@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -406,9 +407,22 @@ class NodeLostError(RuntimeError):
     workers died with it, and a replacement can only run on this node, so the dispatcher exits."""
 
 
+_RAYLET_PROBE_TIMEOUT_S = 2.0
+
+
 def node_alive(node_id: str) -> bool:
-    """Whether the GCS still lists the node as alive (asked of the head, not the local raylet)."""
-    return any(node["NodeID"] == node_id and node["Alive"] for node in ray.nodes())
+    """Whether the node is still in the cluster: the GCS lists it as alive and its raylet accepts
+    a connection. The second check decides at once: the GCS marks a lost node dead only after
+    its own health checks (seconds), while the worker's death is seen first."""
+    for node in ray.nodes():
+        if node["NodeID"] == node_id and node["Alive"]:
+            try:
+                address = (node["NodeManagerAddress"], node["NodeManagerPort"])
+                with socket.create_connection(address, timeout=_RAYLET_PROBE_TIMEOUT_S):
+                    return True
+            except OSError:
+                return False
+    return False
 
 
 def keep_alive(
@@ -514,6 +528,11 @@ def serve(cfg: DispatcherConfig) -> int:
             return 1
         if life.failure is None:
             return 0
+        if not node_alive(node_id):  # the worker died with its node: a replacement has nowhere to run
+            print(f"worker_dispatcher.py: node {node_id[:_NODE_ID_CHARS]} left the Ray cluster (its raylet is gone) "
+                  f"and worker {life.name} with it ({life.failure}); exiting: this dispatcher starts workers on its "
+                  f"own node only", file=sys.stderr, flush=True)
+            return 1
         if not life.was_ready:
             print(NOT_RESTARTING_LINE.format(failure=life.failure), file=sys.stderr, flush=True)
             return 1

@@ -254,15 +254,12 @@ def run_object_store_probe(address: str, out_path: str, interval_s: float) -> No
     """Join the cluster at `address` as a driver and append a JSON line of the object store's use
     to `out_path` every `interval_s`, until the cluster goes away or this process's parent exits.
     Runs in its own process (probe_command), so the benchmark itself never joins the cluster."""
-    from local_cluster import use_loopback_only_ray
-    from ray_env import use_ray_token_auth_if_available
-
-    use_loopback_only_ray()
-    use_ray_token_auth_if_available()
     import ray
 
+    from ray_cluster import join_cluster
+
     parent = os.getppid()
-    ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
+    join_cluster(address, namespace="soak-probe", timeout_s=30.0, log_to_driver=False)
     with open(out_path, "a") as out:
         while os.getppid() == parent:
             try:

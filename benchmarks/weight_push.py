@@ -342,12 +342,13 @@ class TrainerRole:
 
         from dataset import DatasetConfig
         from fsdp_setup import build_training_model, init_distributed
+        from ray_cluster import join_cluster
         from setup_model import LoraConfig, ModelConfig
         from trainer_core import TrainerConfig, make_weight_pusher
         from weight_sync import adapter_named_tensors, get_or_create_shard_stager
 
         self.dist = init_distributed()
-        ray.init(address=os.environ["RAY_ADDRESS"], namespace=RAY_NAMESPACE, log_to_driver=False)
+        join_cluster(os.environ["RAY_ADDRESS"], namespace=RAY_NAMESPACE, timeout_s=30.0, log_to_driver=False)
         lora = LoraConfig(r=lora_r, alpha=2.0 * lora_r) if lora_r else LoraConfig()
         model_config = ModelConfig(model_path=str(model_dir), lora=lora)
         self.model = build_training_model(model_config, self.dist)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fsdp_setup import build_training_model, init_distributed  # noqa: E402
+from ray_cluster import join_cluster
 from ray_env import actor_runtime_env  # noqa: E402
 from setup_model import LoraConfig, ModelConfig  # noqa: E402
 from weight_sync import WeightPusher, WeightUpdate  # noqa: E402
@@ -75,7 +76,8 @@ def main() -> None:
     parser.add_argument("--adapter_dir", required=True)
     args = parser.parse_args()
     info = init_distributed(DIST_TIMEOUT_S)
-    ray.init(address=args.ray_address, namespace=args.namespace, runtime_env=actor_runtime_env(), log_to_driver=False)
+    join_cluster(args.ray_address, namespace=args.namespace, timeout_s=60.0, log_to_driver=False,
+                 runtime_env=actor_runtime_env())
     recorder = Recorder.remote() if info.is_main else None
     out = Path(args.out_dir)
     model = build_training_model(ModelConfig(model_path=args.model_path, lora=LoraConfig(r=8, alpha=16.0)), info,

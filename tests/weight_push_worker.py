@@ -27,6 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fsdp_setup import build_training_model, init_distributed  # noqa: E402
+from ray_cluster import join_cluster
 from ray_env import actor_runtime_env  # noqa: E402
 from setup_model import ModelConfig  # noqa: E402
 from weight_sync import WeightPusher, WeightUpdate  # noqa: E402
@@ -68,7 +69,8 @@ def main() -> None:
     parser.add_argument("--model_path", action="append", required=True)
     args = parser.parse_args()
     info = init_distributed(DIST_TIMEOUT_S)
-    ray.init(address=args.ray_address, namespace=args.namespace, runtime_env=actor_runtime_env(), log_to_driver=False)
+    join_cluster(args.ray_address, namespace=args.namespace, timeout_s=60.0, log_to_driver=False,
+                 runtime_env=actor_runtime_env())
     recorder = Recorder.remote() if info.is_main else None
     # Built once and kept, as the trainer keeps its one pusher: the shard stager is owned by the
     # rank that created it and goes away with that rank's last handle.

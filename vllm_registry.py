@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import gc
+import heapq
+import itertools
 import logging
 import os
 import time
@@ -43,6 +46,19 @@ logger = logging.getLogger(__name__)
 # checks; the registry only awaits, so idle concurrency slots cost nothing.
 REGISTRY_MAX_CONCURRENCY = 10_000
 _MAX_ERROR_CHARS = 500  # keeps status tables and logs readable when a worker dumps a traceback
+# Allocations between the garbage collector's youngest-generation passes in a registry process
+# (Python's default: 700). Thousands of request records in flight survive into the old
+# generations, and the full passes over them cost ~25% of the registry's CPU per batched
+# request at the default (benchmarks/scale.py); they hold no reference cycles worth collecting early.
+_REGISTRY_GC_THRESHOLD = 100_000
+# The routing heap is rebuilt once it holds this many entries per live worker (each load change
+# pushes one; the stale ones are dropped lazily): bounds its memory at a rebuild per ~this many changes.
+_HEAP_ENTRIES_PER_WORKER = 8
+
+# How long a finished outcome waits for others to travel with it (registry -> caller and
+# worker -> registry): each streamed chunk costs an object and a message, whatever its size, and
+# a few milliseconds are nothing beside a rollout's seconds.
+OUTCOME_COALESCE_S = 0.005
 
 BATCH_METHOD = "call_many"
 """The worker actor method `submit_many` calls: (method, list of argument tuples), a streaming
@@ -296,6 +312,8 @@ class _WorkerSlot:
     state: str = ""
     uptime_s: float = 0.0
     requests_failed: int = 0
+    stamp: int = 0
+    """Bumped on every change of its routing key: only its newest heap entry is current."""
 
 
 @dataclass(slots=True, eq=False)
@@ -307,6 +325,8 @@ class _BatchCall:
     outcomes: list[BatchOutcome] = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     """Set while `outcomes` is not empty."""
+    undecided: int = 0
+    """Requests with neither an outcome nor a cancellation yet."""
 
 
 @dataclass(slots=True, eq=False)
@@ -363,11 +383,18 @@ class Registry:
         self._next_index = 0
         self._latest_update: Any = None  # the last published weight_sync.WeightUpdate
         self.redispatched_requests = 0
+        self._heap: list[tuple[bool, int, int, str, int, int, _WorkerSlot]] = []
+        """(not healthy, inflight cost, dispatched, name, sequence, stamp, slot): _pick's order, so
+        the least-loaded worker is found without a pass over the pool (~20 us per request at 128)."""
+        self._sequence = itertools.count()
         self._calls: dict[str, _BatchCall] = {}
         """Running submit_many calls by their caller's id (cancel_many names them)."""
         self._outbox: dict[tuple[int, str], tuple[_WorkerSlot, list[_BatchedRequest]]] = {}
         """Batched requests given a worker since the last flush, per (id(slot), method)."""
         self._worker_batches: set[asyncio.Task[None]] = set()
+        self._sending: set[tuple[int, str]] = set()
+        """Outbox keys whose last batch the worker has not started yet."""
+        self._flush_scheduled = False
 
     def allocate_index(self) -> int:
         """A worker index never handed out before by this registry (names stay unique)."""
@@ -407,6 +434,7 @@ class Registry:
         self._workers[worker_name] = _WorkerSlot(name=worker_name, handle=handle, node_id=health.node_id,
                                                  gpu_ids=health.gpu_ids,
                                                  weight_version=version)
+        self._touch(self._workers[worker_name])
         logger.info("%s: registered %s on node %s at weight version %d (%d live)", self.name, worker_name,
                     health.node_id, version, len(self._workers))
         self._serve_waiters()
@@ -472,21 +500,49 @@ class Registry:
         on a busy machine does not mean the worker cannot serve.
         """
         cap = self.config.max_inflight_cost_per_worker
+        top = self._least_loaded()
+        if top is None or top.inflight_requests == 0 or top.inflight_cost + cost <= cap:
+            return top
+        # The least-loaded one is full: only an idle or differently-healthy worker may still fit.
         fits = [s for s in self._workers.values() if s.inflight_requests == 0 or s.inflight_cost + cost <= cap]
         if not fits:
             return None
         return min(fits, key=lambda s: (not s.healthy, s.inflight_cost, s.requests_dispatched, s.name))
 
-    @staticmethod
-    def _reserve(slot: _WorkerSlot, cost: int) -> _WorkerSlot:
+    def _least_loaded(self) -> _WorkerSlot | None:
+        """The first live worker in _pick's order (the heap's top once stale entries are gone)."""
+        heap = self._heap
+        while heap:
+            slot = heap[0][-1]
+            if heap[0][-2] == slot.stamp and self._workers.get(slot.name) is slot:
+                return slot
+            heapq.heappop(heap)
+        return None
+
+    def _touch(self, slot: _WorkerSlot) -> None:
+        """Record a change of the worker's load or health in the routing heap."""
+        slot.stamp += 1
+        heapq.heappush(self._heap, (not slot.healthy, slot.inflight_cost, slot.requests_dispatched, slot.name,
+                                    next(self._sequence), slot.stamp, slot))
+        if len(self._heap) > _HEAP_ENTRIES_PER_WORKER * (len(self._workers) + 1):
+            self._heap = []
+            for live in self._workers.values():
+                live.stamp += 1
+                self._heap.append((not live.healthy, live.inflight_cost, live.requests_dispatched, live.name,
+                                   next(self._sequence), live.stamp, live))
+            heapq.heapify(self._heap)
+
+    def _reserve(self, slot: _WorkerSlot, cost: int) -> _WorkerSlot:
         slot.inflight_cost += cost
         slot.inflight_requests += 1
         slot.requests_dispatched += 1
+        self._touch(slot)
         return slot
 
     def _release(self, slot: _WorkerSlot, cost: int) -> None:
         slot.inflight_cost -= cost
         slot.inflight_requests -= 1
+        self._touch(slot)
         self._serve_waiters()
 
     def _serve_waiters(self) -> None:
@@ -595,6 +651,7 @@ class Registry:
         call = _BatchCall(method=method)
         call.requests = [_BatchedRequest(call=call, index=i, args=tuple(a), cost=c)
                          for i, (a, c) in enumerate(zip(calls, costs))]
+        call.undecided = len(call.requests)
         self._calls[call_id] = call
         for request in call.requests:
             self._enqueue(request)
@@ -629,34 +686,58 @@ class Registry:
     def _dispatch(self, request: _BatchedRequest, slot: _WorkerSlot) -> None:
         """`request` holds a slot on `slot`: add it to that worker's next batch."""
         request.waiter, request.slot = None, slot
-        key = (id(slot), request.call.method)
-        if not self._outbox:
+        self._outbox.setdefault((id(slot), request.call.method), (slot, []))[1].append(request)
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
-        self._outbox.setdefault(key, (slot, []))[1].append(request)
 
     def _flush(self) -> None:
-        """Send each worker its batch: one BATCH_METHOD call per worker and method."""
-        outbox, self._outbox = self._outbox, {}
-        for slot, requests in outbox.values():
-            task = asyncio.get_running_loop().create_task(self._run_on_worker(slot, requests))
+        """Send each worker its batch (one BATCH_METHOD call per worker and method), except to a
+        worker that has not yet started the last batch sent to it: what is routed to it
+        meanwhile waits and goes in the next call. So calls per worker adapt to load: one per
+        request when requests are sparse, one per round trip when they crowd in (with one call
+        per loop turn, 128 workers cost the registry 233 us of CPU per request; scale.py)."""
+        self._flush_scheduled = False
+        for key in [k for k in self._outbox if k not in self._sending]:
+            slot, requests = self._outbox.pop(key)
+            self._sending.add(key)
+            task = asyncio.get_running_loop().create_task(self._run_on_worker(key, slot, requests))
             self._worker_batches.add(task)
             task.add_done_callback(self._worker_batches.discard)
 
-    async def _run_on_worker(self, slot: _WorkerSlot, requests: list[_BatchedRequest]) -> None:
-        """Run one worker batch, settling each request as its outcome streams back."""
+    def _started(self, key: tuple[int, str]) -> None:
+        """The worker started (or never will start) the batch sent under `key`: send the next."""
+        self._sending.discard(key)
+        if key in self._outbox:
+            self._schedule_flush()
+
+    async def _run_on_worker(self, key: tuple[int, str], slot: _WorkerSlot, requests: list[_BatchedRequest]) -> None:
+        """Run one worker batch, settling each request as its outcome streams back (serve_many's
+        first, empty chunk says the worker has started the batch)."""
         method = requests[0].call.method
         pending = dict(enumerate(requests))
+        started = False
         try:
             stream = getattr(slot.handle, BATCH_METHOD).options(num_returns="streaming").remote(
                 method, Bundle([r.args for r in requests]))
             async for ref in stream:
-                for position, ok, value in (await ref).items:
+                chunk = (await ref).items
+                if not started:
+                    started = True
+                    self._started(key)
+                for position, ok, value in chunk:
                     self._settle(slot, pending.pop(position), ok, value)
             if pending:
                 raise RuntimeError(f"{slot.name}: {BATCH_METHOD} ended with {len(pending)} requests unanswered")
         except Exception as err:  # the batch call itself failed: each request still waiting shares the cause
             for request in pending.values():
                 self._settle(slot, request, False, err)
+        finally:
+            if not started:
+                self._started(key)
 
     def _settle(self, slot: _WorkerSlot, request: _BatchedRequest, ok: bool, value: Any) -> None:
         """A batched request's worker answered: deliver it, or fail it over if the worker died."""
@@ -685,6 +766,7 @@ class Registry:
 
     def _deliver(self, request: _BatchedRequest, ok: bool, value: Any) -> None:
         request.done = True
+        request.call.undecided -= 1
         request.call.outcomes.append((request.index, ok, value))
         request.call.ready.set()
 
@@ -693,6 +775,7 @@ class Registry:
         if request.done:
             return
         request.done = True
+        request.call.undecided -= 1
         if request.waiter is not None:
             request.waiter.gone, request.waiter = True, None
             self._serve_waiters()  # the requests behind it may fit now
@@ -714,6 +797,8 @@ class Registry:
                 await asyncio.wait_for(call.ready.wait(), remaining)
             except asyncio.TimeoutError:
                 continue
+        if call.undecided:  # more will come: let some join this chunk
+            await asyncio.sleep(OUTCOME_COALESCE_S)
         chunk, call.outcomes = call.outcomes, []
         call.ready.clear()
         return chunk
@@ -792,6 +877,12 @@ class Registry:
 
     async def _probe(self, slot: _WorkerSlot) -> None:
         """Refresh one worker's health and version; unhealthy if slow or failing, dropped if dead."""
+        try:
+            await self._probe_health(slot)
+        finally:
+            self._touch(slot)  # its health decides its place in the routing order
+
+    async def _probe_health(self, slot: _WorkerSlot) -> None:
         timeout = self.config.health_timeout_s
         try:
             health: WorkerHealth = await asyncio.wait_for(_await_ref(slot.handle.health.remote()), timeout)
@@ -843,8 +934,8 @@ class Registry:
 
 async def serve_many(target: Any, allowed: Collection[str], method: str, calls: Bundle) -> AsyncIterator[Bundle]:
     """A worker actor's BATCH_METHOD: run `target.method(*args)` for every args in `calls` at once
-    and yield the outcomes (BatchOutcome) in Bundles as they finish (whatever finished since the
-    last one).
+    and yield an empty Bundle (started), then the outcomes (BatchOutcome) in Bundles as they
+    finish (whatever finished within OUTCOME_COALESCE_S of the first).
 
     Only methods in `allowed` run. A request's error is its outcome, not the batch's: the registry
     fails over the requests that raised WorkerFailedError and hands the others their error. When
@@ -867,9 +958,12 @@ async def serve_many(target: Any, allowed: Collection[str], method: str, calls: 
 
     tasks = [asyncio.create_task(run(i, tuple(args))) for i, args in enumerate(calls.items)]
     try:
+        yield Bundle([])  # started: the registry sends this worker's next batch from now on
         left = len(tasks)
         while left:
             await ready.wait()
+            if len(finished) < left:
+                await asyncio.sleep(OUTCOME_COALESCE_S)
             chunk, finished[:] = list(finished), []
             ready.clear()
             left -= len(chunk)
@@ -884,6 +978,8 @@ class RegistryActor:
     """Ray shell over `Registry`; runs the periodic health check in its event loop."""
 
     def __init__(self, kind: str, config: RegistryConfig) -> None:
+        gc.freeze()  # what start-up imported lives as long as the process: no pass need scan it
+        gc.set_threshold(_REGISTRY_GC_THRESHOLD)
         self._registry = Registry(kind, config)
         # Async actors run __init__ inside their event loop, so the monitor can start here.
         self._monitor = asyncio.get_running_loop().create_task(self._registry.run_health_checks())

@@ -13,14 +13,16 @@ import os
 import signal
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import pytest
 import ray
 
 from ray_env import GENERATION, RAY_NAMESPACE, registry_name, worker_actor_name
+from vllm_experience_batcher import BatchedRegistryClient
 from vllm_registry import (
-    RegistryConfig, WorkerFailedError, WorkerHealth, WorkerPoolError, WorkerState, get_or_create_registry,
+    Bundle, RegistryConfig, WorkerFailedError, WorkerHealth, WorkerPoolError, WorkerState, get_or_create_registry,
+    serve_many,
 )
 from weight_sync import WeightUpdate
 
@@ -29,6 +31,7 @@ from weight_sync import WeightUpdate
 _WAIT_BOUND_S = 60.0
 # How long one probe of a restarting actor may take before it is retried.
 _PROBE_TIMEOUT_S = 5.0
+_BAD_TAG = "bad"  # FakeWorker.work raises ValueError for this tag
 
 
 @ray.remote(num_cpus=0)
@@ -53,12 +56,15 @@ class FakeWorker:
         self._lifecycle: list[str] = []  # "update v3", "ready": the order the registry drove it in
         self._broken = broken  # its engine is dead: `work` enters FAILED and raises WorkerFailedError
         self._fetch = fetch  # update_weights reads the update's objects, as real workers do
+        self._batch_sizes: list[int] = []
 
     async def work(self, tag: Any) -> tuple[str, Any]:
         self._calls.append(tag)
         if self._broken:
             self.fail_with("engine died")
             raise WorkerFailedError(f"{self._name} FAILED: engine died")
+        if tag == _BAD_TAG:
+            raise ValueError(f"{self._name}: bad request {tag}")
         self._active += 1
         self._peak = max(self._peak, self._active)
         try:
@@ -69,6 +75,16 @@ class FakeWorker:
 
     async def fail(self) -> None:
         raise ValueError(f"{self._name}: bad request")
+
+    async def call_many(self, method: str, calls: Bundle):
+        """The registry's batched path, as the real workers serve it (serve_many)."""
+        self._batch_sizes.append(len(calls.items))
+        async for chunk in serve_many(self, ("work", "fail"), method, calls):
+            yield chunk
+
+    def batch_sizes(self) -> list[int]:
+        """Requests per call_many call, in arrival order."""
+        return list(self._batch_sizes)
 
     async def set_version(self, version: int) -> int:
         self._version = version
@@ -567,6 +583,213 @@ def test_health_checks_drop_a_worker_that_reports_failed_and_registration_refuse
     _wait_until(lambda: ray.get(registry.live_workers.remote()) == [b], "the health check to drop the FAILED worker")
     with pytest.raises(WorkerPoolError, match=f"cannot register {a}: kind='generation' state=FAILED self-check failed"):
         ray.get(registry.register.remote(a))
+
+
+# --- The batched path: submit_many through BatchedRegistryClient (what the batcher uses) ---------
+
+
+async def _await_until(condition: Callable[[], Awaitable[bool]], what: str) -> None:
+    deadline = time.monotonic() + _WAIT_BOUND_S
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def _submit_batch(client: BatchedRegistryClient, tags: list[Any], costs: list[int] | None = None) -> list[Any]:
+    """One task per request, all started in one loop turn: they leave in one submit_many call."""
+    costs = costs or [1] * len(tags)
+    return [asyncio.ensure_future(client.submit("work", tag, cost=cost)) for tag, cost in zip(tags, costs)]
+
+
+async def _calls(*workers: Any) -> list[list[Any]]:
+    return [await w.calls.remote() for w in workers]
+
+
+async def _has_calls(count: int, *workers: Any) -> bool:
+    """The workers have received `count` requests between them."""
+    return sum(len(c) for c in await _calls(*workers)) == count
+
+
+def _run(scenario: Awaitable[Any]) -> Any:
+    return asyncio.run(asyncio.wait_for(scenario, 3 * _WAIT_BOUND_S))
+
+
+def test_a_batch_goes_least_loaded_in_one_call_per_worker(make_registry):
+    registry = make_registry()
+    (a, worker_a), (b, worker_b) = _start_worker("a", held=True), _start_worker("b", held=True)
+    _register(registry, a, b)
+    tags = ["big", 0, 1, 2, 3]
+
+    async def scenario() -> list[Any]:
+        tasks = _submit_batch(BatchedRegistryClient(registry), tags, costs=[10, 1, 1, 1, 1])
+        await _await_until(lambda: _has_calls(5, worker_a, worker_b), "all five requests at the workers")
+        calls = dict(zip((a, b), await _calls(worker_a, worker_b)))
+        big_worker = a if "big" in calls[a] else b
+        other = b if big_worker == a else a
+        assert calls[big_worker] == ["big"], "cost-1 requests went to the worker carrying cost 10"
+        assert sorted(calls[other]) == [0, 1, 2, 3]
+        sizes = {a: await worker_a.batch_sizes.remote(), b: await worker_b.batch_sizes.remote()}
+        assert sizes == {big_worker: [1], other: [4]}, "a worker got its share of the batch in more than one call"
+        await worker_a.open_gate.remote()
+        await worker_b.open_gate.remote()
+        results = await asyncio.gather(*tasks)
+        assert [tag for _, tag in results] == tags, "a request got another one's answer"
+        assert [name for name, _ in results] == [big_worker] + [other] * 4
+        return await registry.status.remote()
+
+    rows = _run(scenario())
+    assert sorted((r.requests_served, r.inflight_requests, r.inflight_cost) for r in rows) == [(1, 0, 0), (4, 0, 0)]
+
+
+def test_a_batch_waits_at_the_cap_and_is_served_as_capacity_frees(make_registry):
+    registry = make_registry(max_inflight_cost_per_worker=2)
+    name, worker = _start_worker("capped", held=True)
+    _register(registry, name)
+
+    async def scenario() -> None:
+        tasks = _submit_batch(BatchedRegistryClient(registry), list(range(5)))
+        await _await_until(lambda: _has_calls(2, worker), "two requests at the worker")
+        await _await_until(lambda: _equals(registry.queued_requests.remote(), 3), "three requests queued")
+        assert not any(t.done() for t in tasks)
+        await worker.open_gate.remote()
+        assert [tag for _, tag in await asyncio.gather(*tasks)] == list(range(5))
+
+    _run(scenario())
+    assert ray.get(worker.peak.remote()) == 2
+    assert sum(ray.get(worker.batch_sizes.remote())) == 5
+    (row,) = ray.get(registry.status.remote())
+    assert (row.inflight_requests, row.inflight_cost, row.requests_served) == (0, 0, 5)
+
+
+async def _equals(ref: Any, expected: Any) -> bool:
+    return await ref == expected
+
+
+def test_a_batch_on_a_worker_killed_mid_batch_completes_on_the_other(make_registry):
+    registry = make_registry()
+    (doomed, doomed_worker), (survivor, survivor_worker) = _start_worker("doomed", held=True), _start_worker("survivor")
+    _register(registry, doomed, survivor)
+
+    async def scenario() -> list[Any]:
+        tasks = _submit_batch(BatchedRegistryClient(registry), list(range(8)))
+        await _await_until(lambda: _has_calls(4, doomed_worker), "half the batch held on the doomed worker")
+        held = await doomed_worker.calls.remote()
+        ray.kill(doomed_worker)
+        results = await asyncio.gather(*tasks)
+        assert [tag for _, tag in results] == list(range(8))
+        assert {name for name, tag in results if tag in held} == {survivor}
+        return held
+
+    held = _run(scenario())
+    assert len(held) == 4
+    assert ray.get(registry.live_workers.remote()) == [survivor]
+    assert ray.get(registry.counters.remote()) == {"redispatched_requests": 4}
+    # The four failed-over requests travelled together, in one call.
+    assert ray.get(survivor_worker.batch_sizes.remote()) == [4, 4]
+    (row,) = ray.get(registry.status.remote())
+    assert (row.inflight_requests, row.inflight_cost, row.requests_served) == (0, 0, 8)
+
+
+def test_batched_requests_on_a_failed_worker_wait_for_a_new_one(make_registry):
+    # Each request answers WorkerFailedError (its engine died): dropped, re-sent, served later.
+    registry = make_registry(no_worker_timeout_s=_WAIT_BOUND_S)
+    (broken, broken_worker), (healthy, _) = _start_worker("broken", broken=True), _start_worker("healthy")
+    _register(registry, broken)
+
+    async def scenario() -> list[Any]:
+        tasks = _submit_batch(BatchedRegistryClient(registry), ["x", "y"])
+        await _await_until(lambda: _equals(registry.live_workers.remote(), []), "the FAILED worker to be dropped")
+        await registry.register.remote(healthy)
+        return await asyncio.gather(*tasks)
+
+    assert _run(scenario()) == [(healthy, "x"), (healthy, "y")]
+    assert sorted(ray.get(broken_worker.calls.remote())) == ["x", "y"]
+    assert ray.get(registry.counters.remote()) == {"redispatched_requests": 2}
+
+
+def test_batched_requests_without_workers_fail_with_an_error_naming_the_registry(make_registry):
+    timeout_s = 2.0
+    registry = make_registry(no_worker_timeout_s=timeout_s)
+
+    async def scenario() -> list[Any]:
+        return await asyncio.gather(*_submit_batch(BatchedRegistryClient(registry), [0, 1, 2]), return_exceptions=True)
+
+    started = time.monotonic()
+    outcomes = _run(scenario())
+    assert time.monotonic() - started >= timeout_s, "the registry gave up before waiting for a worker"
+    assert [type(o) for o in outcomes] == [WorkerPoolError] * 3
+    assert all(f"generation-registry: no live workers for {timeout_s} s" in str(o) for o in outcomes)
+    assert ray.get(registry.queued_requests.remote()) == 0
+
+
+def test_a_batched_request_error_reaches_only_its_caller(make_registry):
+    registry = make_registry()
+    name, _ = _start_worker("erring")
+    _register(registry, name)
+
+    async def scenario() -> list[Any]:
+        tasks = _submit_batch(BatchedRegistryClient(registry), ["ok-1", _BAD_TAG, "ok-2"])
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    first, bad, last = _run(scenario())
+    assert (first, last) == ((name, "ok-1"), (name, "ok-2"))
+    assert isinstance(bad, ValueError) and "bad request" in str(bad)
+    assert ray.get(registry.live_workers.remote()) == [name]
+    (row,) = ray.get(registry.status.remote())
+    assert "bad request" in row.last_error and row.healthy and row.requests_served == 2
+
+
+def test_cancelling_batched_requests_frees_their_places(make_registry):
+    registry = make_registry(max_inflight_cost_per_worker=1)
+    name, worker = _start_worker("cancel", held=True)
+    _register(registry, name)
+
+    async def scenario() -> None:
+        client = BatchedRegistryClient(registry)
+        running, queued = _submit_batch(client, ["running", "queued"])
+        await _await_until(lambda: _equals(registry.queued_requests.remote(), 1), "the second request to queue")
+        queued.cancel()
+        await _await_until(lambda: _equals(registry.queued_requests.remote(), 0), "the cancelled request to leave")
+        # A running request's cost comes back at once when it is cancelled, as with submit.
+        running.cancel()
+        await _await_until(lambda: _inflight_cost_is(registry, 0), "the cancelled running request's cost back")
+        (after,) = _submit_batch(client, ["after"])
+        await _await_until(lambda: _has_calls(2, worker), "the next request to reach the worker")
+        await worker.open_gate.remote()
+        assert await after == (name, "after")
+
+    _run(scenario())
+    assert ray.get(worker.calls.remote()) == ["running", "after"]
+    (row,) = ray.get(registry.status.remote())
+    assert (row.inflight_requests, row.inflight_cost) == (0, 0)
+
+
+async def _inflight_cost_is(registry: Any, cost: int) -> bool:
+    return [row.inflight_cost for row in await registry.status.remote()] == [cost]
+
+
+def test_serve_many_runs_only_allowed_methods_and_reports_each_outcome():
+    class Target:
+        async def echo(self, value: int) -> int:
+            if value < 0:
+                raise ValueError(f"negative {value}")
+            return value
+
+        async def shutdown(self) -> None:
+            raise AssertionError("must not run")
+
+    async def collect(method: str, calls: list[tuple[Any, ...]]) -> dict[int, tuple[bool, Any]]:
+        out: dict[int, tuple[bool, Any]] = {}
+        async for chunk in serve_many(Target(), ("echo",), method, Bundle(calls)):
+            out.update({i: (ok, value) for i, ok, value in chunk.items})
+        return out
+
+    outcomes = asyncio.run(collect("echo", [(1,), (-2,), (3,)]))
+    assert {i: ok for i, (ok, _) in outcomes.items()} == {0: True, 1: False, 2: True}
+    assert (outcomes[0][1], outcomes[2][1]) == (1, 3) and "negative -2" in str(outcomes[1][1])
+    with pytest.raises(ValueError, match="'shutdown' is not one of"):
+        asyncio.run(collect("shutdown", [()]))
 
 
 # Real engines: small enough for CPU (a fixed KV cache avoids the RAM-fraction sizing that fails

@@ -225,6 +225,9 @@ def init_local_ray(*, num_cpus: int, namespace: str, log_to_driver: bool, num_gp
 
     use_loopback_only_ray()
     ray.init(
+        # 'local': always a new head. With no address Ray joins RAY_ADDRESS, or else any Ray
+        # cluster running on the machine (it looks for GCS processes), and then refuses num_cpus.
+        address="local",
         num_cpus=num_cpus,
         num_gpus=num_gpus,
         include_dashboard=False,

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(RayletIdleConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
     extra = json.loads(config.system_config)
     use_loopback_only_ray()
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", namespace="raylet-idle",
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", namespace="raylet-idle",
              runtime_env=actor_runtime_env(), log_to_driver=False,
              _system_config={"enable_metrics_collection": False, "task_events_report_interval_ms": 0, **extra})
 

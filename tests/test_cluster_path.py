@@ -336,3 +336,14 @@ def test_the_lost_nodes_dispatcher_exits_with_a_clear_reason(run: Run) -> None:
     code, tail = run.second_dispatcher
     assert code == 1, tail
     assert "left the Ray cluster" in tail and "its own node only" in tail, tail
+
+
+def test_a_local_cluster_starts_its_own_head_beside_a_running_cluster(cluster: Cluster) -> None:
+    """local_cluster.py (the demo, the tests) next to a `ray start` cluster, even with RAY_ADDRESS
+    pointing at it: it must start a private head, not join (or fail to join) the running one."""
+    probe = ("from local_cluster import init_local_ray\n"
+             "print('HEAD', init_local_ray(num_cpus=1, namespace='local-probe', log_to_driver=False))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=cluster.env,
+                          cwd=REPO_ROOT, timeout=_EXIT_BOUND_S)
+    heads = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("HEAD ")]
+    assert done.returncode == 0 and heads and heads[0] != cluster.address, done.stdout + done.stderr[-3000:]

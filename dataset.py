@@ -148,6 +148,9 @@ class ReasoningGymConfig:
     """Prompts generated in all."""
     seed: int = 0
     """Generation seed (task i uses seed + i): the same config gives the same prompts."""
+    options: str = ""
+    """JSON object of per-task keyword arguments for reasoning_gym.create_dataset, e.g.
+    '{"basic_arithmetic": {"min_terms": 2, "max_terms": 2, "max_digits": 1}}'; "" for none."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tasks, str) or not all(isinstance(t, str) and t for t in self.tasks):
@@ -156,6 +159,22 @@ class ReasoningGymConfig:
             raise ValueError(f"ReasoningGymConfig.size must be an int >= 1, got {self.size!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"ReasoningGymConfig.seed must be an int, got {self.seed!r}")
+        options = self.task_options()
+        unknown = sorted(set(options) - set(self.tasks))
+        if unknown:
+            raise ValueError(f"ReasoningGymConfig.options names tasks not in tasks: {unknown}")
+
+    def task_options(self) -> dict[str, dict[str, Any]]:
+        """`options` parsed: task name -> keyword arguments."""
+        if not self.options:
+            return {}
+        try:
+            options = json.loads(self.options)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"ReasoningGymConfig.options is not valid JSON: {exc}") from None
+        if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+            raise ValueError(f"ReasoningGymConfig.options must be a JSON object of objects, got {self.options!r}")
+        return options
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -217,6 +236,9 @@ class DatasetConfig:
         generated = self.format == "reasoning_gym"
         if not isinstance(self.path, str) or not (self.path or generated):
             raise ValueError(f"DatasetConfig.path must be a non-empty path string, got {self.path!r}")
+        if generated and self.path:
+            raise ValueError(f"DatasetConfig.path must be '' with format reasoning_gym (its prompts are generated), "
+                             f"got {self.path!r}; an evaluation file needs its own eval.data.format")
         if generated and not self.reasoning_gym.tasks:
             raise ValueError("DatasetConfig.format reasoning_gym needs DatasetConfig.reasoning_gym.tasks "
                              "(e.g. --data.reasoning_gym.tasks basic_arithmetic)")
@@ -723,7 +745,8 @@ def reasoning_gym_records(config: ReasoningGymConfig) -> list[dict[str, Any]]:
             generated.append([])
             continue
         try:
-            entries = reasoning_gym.create_dataset(task, size=count, seed=config.seed + i)
+            entries = reasoning_gym.create_dataset(task, size=count, seed=config.seed + i,
+                                                   **config.task_options().get(task, {}))
         except Exception as exc:  # noqa: BLE001 - an unknown name or bad option, reported in one line
             raise DatasetError(f"data.reasoning_gym.tasks: cannot create {task!r}: {type(exc).__name__}: {exc}") from None
         generated.append([json.loads(json.dumps(entry, default=str)) for entry in entries])

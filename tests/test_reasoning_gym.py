@@ -70,3 +70,22 @@ def test_scored_in_the_pool_under_its_deadline():
         scores = pool.score_function_sync(FUNCTION, calls)
     assert [s.reward for s in scores] == [1.0, 0.0] * 4
     assert [s.solved for s in scores] == [True, False] * 4
+
+
+def test_task_options_reach_the_generator_and_bad_ones_are_named():
+    options = '{"basic_arithmetic": {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"], ' \
+              '"allow_parentheses": false, "allow_negation": false, "whitespace": "no_space"}}'
+    records = reasoning_gym_records(ReasoningGymConfig(tasks=("basic_arithmetic",), size=6, seed=0, options=options))
+    for record in records:
+        left, right = record["question"].removeprefix("Calculate ").removesuffix(".").split("+")
+        assert int(left) + int(right) == int(record["answer"])
+    with pytest.raises(ValueError, match="options names tasks not in tasks"):
+        ReasoningGymConfig(tasks=("basic_arithmetic",), options='{"leg_counting": {}}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ReasoningGymConfig(tasks=("basic_arithmetic",), options="{")
+
+
+def test_a_file_path_with_generated_prompts_is_refused():
+    with pytest.raises(ValueError, match="DatasetConfig.path must be '' with format reasoning_gym"):
+        DatasetConfig(path="eval.jsonl", format="reasoning_gym",
+                      reasoning_gym=ReasoningGymConfig(tasks=("basic_arithmetic",)))

@@ -40,12 +40,12 @@ import torch
 
 from rewards import counts_as_solved
 from sample_processing_utils import PackedBatch, Sample
+from run_report import EVAL_ACCURACY, first_reached, moving_average, read_metrics  # noqa: F401 (re-exported)
 from trackers import Tracker, one_line, start_tracker
 
 logger = logging.getLogger(__name__)
 
 # Evaluation keys drawn on the reward plot (evaluation.py writes them on the steps it ran).
-EVAL_ACCURACY = "eval/accuracy"
 EVAL_PASS_AT_PREFIX = "eval/pass@"
 _PASS_AT_COLORS = ("tab:red", "tab:purple", "tab:brown")
 
@@ -386,38 +386,6 @@ def truncate_step_records(path: Path, first_removed_step: int) -> dict[str, Any]
     return last
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Records of a metrics.jsonl, the last record per step winning (a resumed run appends)."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for line_no, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{line_no}: not JSON ({exc})") from None
-            by_step[record["step"]] = record
-    return [by_step[k] for k in sorted(by_step)]
-
-
-def moving_average(values: Sequence[float], window: int) -> list[float]:
-    """Mean of each value and the up to window - 1 before it (a trailing window)."""
-    if window < 1:
-        raise ValueError(f"moving_average window must be >= 1, got {window}")
-    out, total = [], 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
-def first_reached(records: Sequence[dict[str, Any]], target: float, window: int = 10) -> int | None:
-    """Index of the first record whose trailing window-step mean reward (a full window) is >= target."""
-    smoothed = moving_average([r["reward/mean"] for r in records], window)
-    return next((i for i in range(window - 1, len(smoothed)) if smoothed[i] >= target), None)
-
-
 def summarize_reward(records: Sequence[dict[str, Any]], window: int = 10, target: float = 0.6) -> str:
     """One line: reward at the start and end (window-step means) and when the mean first reached target."""
     rewards = [r["reward/mean"] for r in records]
@@ -504,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "plot":
         print(f"wrote {plot_reward_curve(args.run_dir, args.out, args.title)}")
         return
-    from run_report import compare_runs  # run_report builds on this module
+    from run_report import compare_runs
 
     try:
         print(compare_runs(args.run_dirs, args.out, window=args.window, thresholds=args.thresholds))

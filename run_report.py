@@ -12,12 +12,47 @@ start (`time_s`). Every figure is computed from the run directories; nothing is 
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from metrics import EVAL_ACCURACY, first_reached, moving_average, read_metrics
+EVAL_ACCURACY = "eval/accuracy"
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl, the last record per step winning (a resumed run appends)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{line_no}: not JSON ({exc})") from None
+            by_step[record["step"]] = record
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Mean of each value and the up to window - 1 before it (a trailing window)."""
+    if window < 1:
+        raise ValueError(f"moving_average window must be >= 1, got {window}")
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def first_reached(records: Sequence[dict[str, Any]], target: float, window: int = 10) -> int | None:
+    """Index of the first record whose trailing window-step mean reward (a full window) is >= target."""
+    smoothed = moving_average([r["reward/mean"] for r in records], window)
+    return next((i for i in range(window - 1, len(smoothed)) if smoothed[i] >= target), None)
+
+
 
 WINDOW = 10  # the README's "10-step mean reward"
 THRESHOLDS = (0.5, 0.6, 0.9)

@@ -39,7 +39,7 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from ray_env import RAY_NAMESPACE, actor_runtime_env, check_kind, registry_name
+from ray_env import ON_HEAD_NODE, RAY_NAMESPACE, actor_runtime_env, check_kind, registry_name
 
 logger = logging.getLogger(__name__)
 
@@ -1039,6 +1039,7 @@ def get_or_create_registry(kind: str, config: RegistryConfig | None = None) -> A
         get_if_exists=True,
         lifetime="detached",
         num_cpus=0,
+        resources=ON_HEAD_NODE,  # never on a worker node that can be lost mid-run
         max_concurrency=REGISTRY_MAX_CONCURRENCY,
         # A crashed registry comes back under the same name (callers' handles keep working),
         # empty: every dispatcher re-registers its worker at its next health check.

@@ -415,6 +415,28 @@ class WriteTinyModelConfig:
             raise ValueError(f"WriteTinyModelConfig.dtype must be one of {sorted(_WEIGHT_DTYPES)}, got {self.dtype!r}")
 
 
+# Every linear layer of a Qwen2 decoder block: what the LoRA tests and benchmarks adapt.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ADAPTER_INIT_SCALE = 0.3  # large enough that the adapter visibly changes greedy tokens
+
+
+def write_random_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> Path:
+    """A PEFT adapter on LORA_TARGETS with random nonzero A and B (a fresh PEFT adapter has B = 0,
+    i.e. no effect), saved with save_pretrained to `out`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGETS)))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(_ADAPTER_INIT_SCALE * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(str(out))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     from run_config import load_config
 

@@ -40,6 +40,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from local_cluster import init_local_ray  # noqa: E402
+from tiny_model import write_random_adapter as write_adapter  # noqa: E402
 from math_verifier import RewardResult  # noqa: E402
 from run_config import load_config  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
@@ -48,7 +49,6 @@ from tiny_model import write_tiny_model  # noqa: E402
 from vllm_worker import GenerationWorker, GenerationWorkerConfig, weights_file_dir  # noqa: E402
 from weight_sync import StableMarker, WeightUpdate, tensor_to_blob, update_parts, write_stable_marker  # noqa: E402
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 WORKER_NAME = "lora-memory-probe"
 FIELDS = ("VmRSS", "RssAnon", "RssShmem", "RssFile")
 
@@ -85,22 +85,6 @@ class _AlwaysRight:
 
     async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]:
         return [RewardResult(reward=1.0, failed=False, error="") for _ in completions]
-
-
-def write_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> Path:
-    """A PEFT adapter with random nonzero A and B, saved with save_pretrained."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
-    model.save_pretrained(str(out))
-    return out
 
 
 def sharded_update(adapter: Path, version: int, marker: Path) -> WeightUpdate:

@@ -27,6 +27,7 @@ from math_verifier import RewardResult
 from sample_processing_utils import Sample
 from sampling import SamplingConfig
 from setup_model import load_causal_lm
+from tiny_model import write_random_adapter as _write_adapter
 from vllm_worker import GenerationWorker, GenerationWorkerConfig, weights_file_dir
 from weight_sync import (
     StableMarker, UnstableVersionError, WeightUpdate, adapter_step_dir, state_dict_to_blobs, tensor_to_blob,
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 MAX_LORA_RANK = 64
 SMALL_RANK = 8  # the adapters compared with HF
 BIG_RANK = 64  # the memory loop's adapters: 1.05 MB of safetensors each on the tiny model
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[5, 6, 7, 8], [20, 21, 22], [40, 3, 9, 17, 33]]
 GREEDY_TOKENS = 12
 LONG_TOKENS = 160  # engine steps the long request needs: an adapter load takes one step between two
@@ -67,22 +67,6 @@ class _ExactVerifier:
 
     async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]:
         return [RewardResult(reward=float(c == gt_answer), failed=False, error="") for c in completions]
-
-
-def _write_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> Path:
-    """A PEFT adapter with random nonzero A and B (a fresh one has B = 0, i.e. no effect)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
-    model.save_pretrained(str(out))
-    return out
 
 
 def _hf_peft(model_dir: Path, adapter: Path):

@@ -533,6 +533,13 @@ class GenerationWorker:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
             max_model_len=cfg.max_model_len,
+            # Whole prompts per step on CPU. With chunked prefill, a seeded request whose prompt is
+            # split across steps has its sampler generator rewound with get_offset/set_offset
+            # (vLLM 0.32 gpu_model_runner._bookkeeping_sync, which the CPU runner inherits), and a
+            # CPU torch.Generator has no offset: "CPU Generator does not use offset" killed the
+            # engine as soon as a step's prompts passed the 2,048-token budget. vLLM then sizes
+            # the budget to at least max_model_len, so every prompt fits one step.
+            enable_chunked_prefill=False if _on_cpu_platform() else None,
             enforce_eager=cfg.enforce_eager,
             dtype=cfg.dtype,
             seed=cfg.engine_seed,

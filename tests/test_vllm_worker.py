@@ -69,8 +69,13 @@ STARTS_WITH_SEVEN = RewardConfig(format_pattern=r"^7", format_bonus=0.5, format_
 EMBED_OFFSET = 100.0
 
 
+# The tiny model's whole context, and prompts long enough that three of them overflow one step.
+_LONG_MODEL_LEN = 1024
+_LONG_PROMPT_TOKENS = 700
+
+
 def _config(model_dir: Path, failed_samples_path: Path | None = None, **overrides: Any) -> GenerationWorkerConfig:
-    return GenerationWorkerConfig(
+    fields: dict[str, Any] = dict(
         model_path=str(model_dir),
         max_num_seqs=16,
         gpu_memory_utilization=0.1,
@@ -81,8 +86,8 @@ def _config(model_dir: Path, failed_samples_path: Path | None = None, **override
         global_num_verifiers=1,
         verifier_timeout_s=TEST_VERIFIER_TIMEOUT_S,
         failed_samples_path=None if failed_samples_path is None else str(failed_samples_path),
-        **overrides,
     )
+    return GenerationWorkerConfig(**{**fields, **overrides})
 
 
 def _write_answering_model(src: Path, dst: Path) -> Path:
@@ -620,3 +625,24 @@ def test_stop_strings_stop_token_ids_and_eos(ray_local, generation_actor, answer
     assert 0 < matched < len(checked)
     assert counters_after["generation/format_checked"] - counters_before["generation/format_checked"] == len(checked)
     assert counters_after["generation/format_matched"] - counters_before["generation/format_matched"] == matched
+
+
+@pytest.mark.vllm
+def test_seeded_requests_whose_prompts_overflow_one_step_are_served(ray_local, tiny_model_dir) -> None:
+    """Three seeded requests with ~1,000-token prompts arrive together: more prompt tokens than
+    one engine step takes (2,048). With vLLM's chunked prefill the third prompt was split across
+    steps and the CPU sampler could not rewind its seeded generator ("CPU Generator does not use
+    offset"): the engine died. Each request's tokens must equal the same request served alone."""
+    config = _config(tiny_model_dir, max_model_len=_LONG_MODEL_LEN, kv_cache_memory_bytes=64 << 20)
+    actor = _start_actor(ray_local, "generation-worker-test-long", config)
+    try:
+        tokenizer = load_tokenizer(tiny_model_dir)
+        samples = [_build_sample(f"{i}+{i}=" * 250, "0", 700 + i, tokenizer) for i in range(3)]
+        assert all(_LONG_PROMPT_TOKENS <= len(s.input_token_ids) < _LONG_MODEL_LEN - 4 for s in samples)
+        sampling = SamplingConfig(n=2, max_tokens=2, temperature=1.0, seed=7)
+        together = ray_local.get([actor.generate.remote(s, sampling) for s in samples])
+        alone = [ray_local.get(actor.generate.remote(s, sampling)) for s in samples]
+        assert [[r.output_token_ids for r in g] for g in together] == [[r.output_token_ids for r in g] for g in alone]
+        assert ray_local.get(actor.health.remote()).healthy
+    finally:
+        _stop_actor(ray_local, actor)

@@ -566,7 +566,7 @@ def test_prompt_template_rewrites_the_question_in_plain_completion_mode(tmp_path
 
 
 @pytest.mark.parametrize(("overrides", "problem"), [
-    ({"format": "jsonl"}, "DatasetConfig.format must be one of ['auto', 'generic', 'gsm8k', 'math', 'verl']"),
+    ({"format": "jsonl"}, "DatasetConfig.format must be one of ['auto', 'generic', 'gsm8k', 'math', 'verl', 'reasoning_gym']"),
     ({"prompt_field": "problem"}, "DatasetConfig.prompt_field renames a field of a format, so it needs an explicit"),
     ({"answer_field": "answer"}, "DatasetConfig.answer_field renames a field of a format, so it needs an explicit"),
     ({"format": "math", "answer_field": ""}, "DatasetConfig.answer_field must be a non-empty field name"),

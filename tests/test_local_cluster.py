@@ -48,6 +48,9 @@ def _start_tree(mode: str) -> tuple[subprocess.Popen, int]:
     return leader, child_pid
 
 
+_HANG_BOUND_S = 60.0
+
+
 def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -68,7 +71,9 @@ def test_members_ignoring_sigterm_are_killed_after_the_grace_period() -> None:
     leader, child_pid = _start_tree("ignore")
     started = time.monotonic()
     stop_process_group(leader, grace_s=1.0)
-    assert time.monotonic() - started < 10.0
+    # Without the SIGKILL after the grace period the stop would never return (the members ignore
+    # SIGTERM); the bound only catches that, with room for a loaded machine (it takes ~1 s).
+    assert time.monotonic() - started < _HANG_BOUND_S
     assert leader.returncode == -9
     assert _wait_gone(child_pid)
 

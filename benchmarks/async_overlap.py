@@ -252,7 +252,9 @@ def trainer_args(assets: Path, run_dir: Path, cfg: BenchConfig, num_steps: int, 
         "--num_steps", str(num_steps), "--max_lag", str(max_lag),
         "--prompts_per_rank", str(cfg.prompts_per_rank), "--sampling.n", str(cfg.n),
         "--sampling.max_tokens", str(cfg.max_tokens), "--checkpoint_every", "0",
-        "--progress_bar", "false", "--tensorboard", "false", *extra,
+        # No evaluation: it would need eval.data.path (demo.yaml evaluates every 100 steps) and
+        # is not what this benchmark times.
+        "--eval.every", "0", "--progress_bar", "false", "--tensorboard", "false", *extra,
     ]
 
 

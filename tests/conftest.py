@@ -3,9 +3,11 @@ Ray cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,15 +42,36 @@ def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def _start_session_ray() -> None:
+    from local_cluster import init_local_ray
+
+    init_local_ray(num_cpus=max(4, os.cpu_count() or 1), namespace=TEST_NAMESPACE, log_to_driver=True)
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """A private local Ray cluster bound to 127.0.0.1, dashboard off, project code importable."""
     import ray
 
-    from local_cluster import init_local_ray
-
     if ray.is_initialized():
         ray.shutdown()
-    init_local_ray(num_cpus=max(4, os.cpu_count() or 1), namespace=TEST_NAMESPACE, log_to_driver=True)
+    _start_session_ray()
     yield ray
     ray.shutdown()
+
+
+@contextlib.contextmanager
+def session_ray_set_aside() -> Iterator[None]:
+    """Inside the block this process holds no Ray connection, so a LocalCluster can start its own
+    head in it (a process holds one connection); the session's cluster (ray_local) is started
+    again after it, if there was one, for the modules that come later in the same run."""
+    import ray
+
+    had_session_ray = ray.is_initialized()
+    if had_session_ray:
+        ray.shutdown()
+    try:
+        yield
+    finally:
+        if had_session_ray and not ray.is_initialized():
+            _start_session_ray()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import session_ray_set_aside
 from local_cluster import LocalCluster, LocalClusterConfig
 from metrics import moving_average, read_metrics
 from trackers import flatten_config, mlflow_key
@@ -45,11 +46,8 @@ def two_runs(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
     with pytest.MonkeyPatch.context() as env:
         env.setenv("WANDB_DATA_DIR", str(root / "wandb-data"))  # W&B's artifact staging, not ~/.local
         env.setenv("TRACKIO_DIR", str(root / "trackio"))  # trackio's database, not ~/.cache
-        # init_local_ray calls ray.init() without an address, which joins the newest cluster that
-        # `ray start` left on this machine (/tmp/ray/ray_current_cluster), if one runs; "local"
-        # makes it start its own head whatever else runs here.
-        env.setenv("RAY_ADDRESS", "local")
-        with LocalCluster(config) as cluster:
+        # Earlier modules of the same run may hold the session's Ray connection (ray_local).
+        with session_ray_set_aside(), LocalCluster(config) as cluster:
             _train_both(cluster, demo_assets, root, table)
     return root / "trackers", root / "plain"
 

@@ -406,6 +406,12 @@ class NodeLostError(RuntimeError):
     """This dispatcher's Ray node left the cluster (its raylet died, the machine was removed): its
     workers died with it, and a replacement can only run on this node, so the dispatcher exits."""
 
+    @classmethod
+    def of(cls, node_id: str, worker: str, detail: str = "") -> "NodeLostError":
+        seen = f" ({detail})" if detail else ""
+        return cls(f"node {node_id[:_NODE_ID_CHARS]} left the Ray cluster (its raylet is gone) and worker {worker} "
+                   f"with it{seen}; exiting: this dispatcher starts workers on its own node only")
+
 
 _RAYLET_PROBE_TIMEOUT_S = 2.0
 
@@ -439,9 +445,7 @@ def keep_alive(
             continue
         except ray.exceptions.RayError as err:
             if node_id and not node_alive(node_id):
-                raise NodeLostError(f"node {node_id[:_NODE_ID_CHARS]} left the Ray cluster (its raylet is gone) and "
-                                    f"worker {name} with it; exiting: this dispatcher starts workers on its own "
-                                    f"node only") from err
+                raise NodeLostError.of(node_id, name) from err
             if isinstance(err, ray.exceptions.RayActorError):
                 raise WorkerDiedError(f"worker {name} died: {err}", actor_dead=True) from err
             logger.warning("health() of worker %s failed: %s", name, _one_line(err))
@@ -529,9 +533,8 @@ def serve(cfg: DispatcherConfig) -> int:
         if life.failure is None:
             return 0
         if not node_alive(node_id):  # the worker died with its node: a replacement has nowhere to run
-            print(f"worker_dispatcher.py: node {node_id[:_NODE_ID_CHARS]} left the Ray cluster (its raylet is gone) "
-                  f"and worker {life.name} with it ({life.failure}); exiting: this dispatcher starts workers on its "
-                  f"own node only", file=sys.stderr, flush=True)
+            print(f"worker_dispatcher.py: {NodeLostError.of(node_id, life.name, life.failure)}", file=sys.stderr,
+                  flush=True)
             return 1
         if not life.was_ready:
             print(NOT_RESTARTING_LINE.format(failure=life.failure), file=sys.stderr, flush=True)

@@ -43,12 +43,15 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import reward_functions
-from reward_functions import FunctionScore
+from reward_functions import FunctionScore, failure_kind
 
 # The verifier's reward for a correct answer; `reward/accuracy` and `eval/accuracy` count a
 # sample as solved when its reward reaches it. A bonus this large would count a wrong but
 # well-formatted answer as solved, so format_bonus stays below it.
 CORRECT_VERDICT = 1.0
+# The name the default reward (math-verify without reward functions) goes by in the per-reason
+# failure counts: counts/reward_failed/math_verify/<reason>.
+DEFAULT_REWARD_NAME = "math_verify"
 # The record field that routes a prompt to its reward function (verl's layout).
 DATA_SOURCE_FIELD = "data_source"
 # Prompts of data.format reasoning_gym have data_source "reasoning_gym/<task>"; without other
@@ -194,6 +197,9 @@ class CombinedScore:
     """Per-function rewards by function name (unweighted), and each dict part as "<name>/<part>"."""
     errors: tuple[str, ...]
     """"<name>: <error>" of each failed function; empty when none failed."""
+    failure_reasons: tuple[str, ...] = ()
+    """"<name>/<kind>" of each failed function (kind: raised, bad_return, timeout, crash,
+    rejected), for the per-reason counts of the step metrics."""
 
 
 def combine_scores(names: Sequence[str], weights: Sequence[float],
@@ -201,16 +207,19 @@ def combine_scores(names: Sequence[str], weights: Sequence[float],
     """One completion's verdict from its functions' scores (names, weights, scores aligned)."""
     parts: dict[str, float] = {}
     errors = []
+    reasons = []
     solved = True
     for name, score in zip(names, scores, strict=True):
         parts[name] = score.reward
         parts.update({f"{name}/{part}": value for part, value in score.parts.items()})
         if score.failed:
             errors.append(f"{name}: {score.error}")
+            reasons.append(f"{name}/{failure_kind(score.error)}")
         solved = solved and not score.failed and (
             score.solved if score.solved is not None else score.reward >= CORRECT_VERDICT)
     reward = sum(w * s.reward for w, s in zip(weights, scores, strict=True))
-    return CombinedScore(reward=reward, solved=solved, parts=parts, errors=tuple(errors))
+    return CombinedScore(reward=reward, solved=solved, parts=parts, errors=tuple(errors),
+                         failure_reasons=tuple(reasons))
 
 
 def counts_as_solved(solved: bool | None, reward: float) -> bool:

@@ -79,6 +79,11 @@ class Sample:
     reward_parts: dict[str, float] | None = None
     """Per-reward-function rewards (and named parts) of this rollout, by metric name
     (rewards.combine_scores); None under the default math-verify reward."""
+    reward_failure_reasons: list[str] | None = None
+    """Why scoring failed: one "<function>/<reason>" per failed reward function (reason: raised,
+    bad_return, timeout, crash, rejected), or "math_verify/<reason>" under the default reward
+    (timeout, parse_error, verify_error, rejected); None when nothing failed. The batcher counts
+    them per step (counts/reward_failed/<function>/<reason>)."""
 
     @property
     def group_key(self) -> tuple[int, int]:

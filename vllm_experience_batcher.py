@@ -534,6 +534,10 @@ class StepStats:
     reward_part_sums: dict[str, float] = field(default_factory=dict)
     """Per reward function (and named part): the sum over released rollouts that carry it."""
     reward_part_counts: dict[str, int] = field(default_factory=dict)
+    reward_failed: int = 0
+    """Released rollouts whose scoring failed (reward 0 from the failed function)."""
+    reward_failure_counts: dict[str, int] = field(default_factory=dict)
+    """Per "<function>/<reason>" (Sample.reward_failure_reasons): released rollouts that failed so."""
     overlong_penalised: int = 0
     """Released samples longer than max_tokens - overlong_buffer (their reward carries the soft
     overlong punishment; 0 when overlong_buffer is 0)."""
@@ -588,6 +592,8 @@ class StepStats:
             **{f"reward/{name}": _mean(total, self.reward_part_counts[name])
                for name, total in self.reward_part_sums.items()},
             "counts/overlong_penalised": float(self.overlong_penalised),
+            "counts/reward_failed": float(self.reward_failed),
+            **{f"counts/reward_failed/{reason}": float(count) for reason, count in self.reward_failure_counts.items()},
             **self._algorithm_metrics(),
         }
 
@@ -1016,6 +1022,9 @@ class ExperienceBatcher:
             for name, value in (s.reward_parts or {}).items():
                 state.stats.reward_part_sums[name] = state.stats.reward_part_sums.get(name, 0.0) + value
                 state.stats.reward_part_counts[name] = state.stats.reward_part_counts.get(name, 0) + 1
+            state.stats.reward_failed += s.reward_failed
+            for reason in s.reward_failure_reasons or ():
+                state.stats.reward_failure_counts[reason] = state.stats.reward_failure_counts.get(reason, 0) + 1
         if self.config.sampling.drop_zero_variance_groups and len({s.reward for s in samples}) == 1:
             state.stats.dropped_zero_variance_groups += 1
             return

@@ -47,9 +47,10 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Iterator, Litera
 import ray
 
 from math_verifier import RewardResult, connect_verifier_pool
-from reward_functions import FunctionScore, failure, function_name
+from reward_functions import FunctionScore, failure, failure_kind, function_name
 from ray_env import GENERATION
-from rewards import CORRECT_VERDICT, CombinedScore, ShapedReward, combine_scores, overlong_penalty, shape_reward
+from rewards import (CORRECT_VERDICT, DEFAULT_REWARD_NAME, CombinedScore, ShapedReward, combine_scores,
+                     overlong_penalty, shape_reward)
 from sample_processing_utils import Sample
 from sampling import SamplingConfig, request_seed
 from setup_model import VLLM_LORA_RANKS
@@ -725,6 +726,8 @@ class GenerationWorker:
                 [s.output_text for s in samples], [s.truncated for s in samples], gt_answer, sampling.truncated_reward)
             for s, result, cut in zip(samples, results, fixed):
                 s.solved = not cut and not result.failed and result.reward >= CORRECT_VERDICT
+                if result.failed:
+                    s.reward_failure_reasons = [f"{DEFAULT_REWARD_NAME}/{failure_kind(result.error)}"]
             return results
         results = [RewardResult(reward=float(sampling.truncated_reward), failed=False, error="") if cut else None
                    for cut in fixed]
@@ -733,6 +736,7 @@ class GenerationWorker:
                                                sampling.reward.function_timeout_s)
         for i, verdict in zip(pending, combined):
             samples[i].reward_parts = verdict.parts
+            samples[i].reward_failure_reasons = list(verdict.failure_reasons) or None
             results[i] = RewardResult(reward=verdict.reward, failed=bool(verdict.errors), error="; ".join(verdict.errors))
         for s, verdict in zip((samples[i] for i in pending), combined):
             s.solved = verdict.solved

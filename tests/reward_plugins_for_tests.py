@@ -69,3 +69,18 @@ def hostile_by_text(prompt, completion, token_ids, metadata):
 def wrong_arity(prompt, completion):
     return 1.0
 
+
+
+def fails_as_told(prompt, completion, token_ids, metadata):
+    """Fails in the way the completion names (one per failure reason the pool counts), else 1.0."""
+    if completion == "raise":
+        raise ValueError(completion)
+    if completion == "hang":
+        time.sleep(3600)
+    if completion == "nan":
+        return float("nan")
+    if completion == "text":
+        return "1.0"
+    if completion == "exit":
+        os._exit(3)
+    return 1.0

@@ -48,7 +48,8 @@ def _rich_samples() -> list[Sample]:
         Sample(input_token_ids=[1, 2, 3], gt_answer="42 ü", prompt_id=3, output_token_ids=[5, 6],
                output_text="é\n\"x\"", sampling_logprobs=[-0.1, -0.25], ref_logprobs=None, old_logprobs=[],
                teacher_logprobs=[-1.5, -2.0], token_advantages=[0.1, 1 / 3], reward=0.5, advantage=-1 / 7,
-               weight_version=4, finish_reason="length", truncated=True, reward_failed=True),
+               weight_version=4, finish_reason="length", truncated=True, reward_failed=True,
+               reward_failure_reasons=["exact/timeout", "math_verify/rejected"]),
         Sample(input_token_ids=[9], gt_answer="", prompt_id=0, group_id=5, run_id=2, output_token_ids=[7],
                sampling_logprobs=[-3.0], ref_logprobs=[-2.9], old_logprobs=[-3.1], weight_version=-1),
     ]

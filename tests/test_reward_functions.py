@@ -4,6 +4,7 @@ reason and are counted; the pool keeps serving)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -231,3 +232,68 @@ def test_a_slow_import_does_not_count_against_the_deadline(pool):
     # The deadline is 1 s; importing the module takes 2 s, in the process, before the first call.
     scores = pool.score_function_sync("slow_import_plugin_for_tests:score", [_call("a"), _call("b")])
     assert [(s.reward, s.failed) for s in scores] == [(1.0, False), (1.0, False)]
+
+
+class _WorkerGeneration:
+    """The batcher's generation client, served by a real GenerationWorker (fixed completions per
+    prompt, no engine) scored by the real pool: what reaches the step metrics from a worker."""
+
+    def __init__(self, pool, texts_of: dict[int, list[str]], reward: RewardConfig) -> None:
+        self.pool, self.texts_of, self.reward = pool, texts_of, reward
+
+    async def submit(self, method: str, *args, cost: int):
+        from vllm_worker import GenerationWorker, GenerationWorkerConfig
+
+        prompt, sampling = args
+        texts = self.texts_of[prompt.prompt_id]
+        worker = GenerationWorker("unit", GenerationWorkerConfig(model_path="unused"), verifier=self.pool)
+
+        async def fake_engine(sample, sampling, adapter=None):
+            return [_fake_completion(i, text) for i, text in enumerate(texts)]
+
+        worker._run_engine = fake_engine
+        worker._weight_version = 0  # step 0's weights under max_lag 0: the rollouts are fresh
+        return await worker.generate(prompt, dataclasses.replace(sampling, reward=self.reward))
+
+
+def _step_metrics(pool, texts_of: dict[int, list[str]], reward: RewardConfig) -> dict[str, float]:
+    """One batcher step over prompts texts_of's keys (n = 4 completions each); its metrics."""
+    import asyncio
+
+    from sample_processing_utils import Sample
+    from sampling import SamplingConfig
+    from vllm_experience_batcher import BatcherConfig, EndOfStep, ExperienceBatcher
+
+    config = BatcherConfig(world_size=1, max_tokens_per_gpu=64, prompt_deadline_s=120.0,
+                           sampling=SamplingConfig(n=4), logprob_target=None, max_lag=0, reorder_window=0)
+
+    async def scenario() -> dict[str, float]:
+        batcher = ExperienceBatcher(config, _WorkerGeneration(pool, texts_of, reward), None)
+        await batcher.submit_prompts(0, 0, [Sample(input_token_ids=[1], gt_answer="7", prompt_id=i)
+                                            for i in texts_of])
+        while not isinstance(await asyncio.wait_for(batcher.next_message(0, 0), 120.0), EndOfStep):
+            pass
+        return batcher.stats(0)
+
+    return asyncio.run(scenario())
+
+
+def test_each_failure_reason_of_a_function_is_counted_in_the_step_metrics(pool):
+    name = "fails_as_told"
+    reward = RewardConfig(functions=(f"{PLUGINS}:{name}", f"{PLUGINS}:exact"))
+    metrics = _step_metrics(pool, {0: ["raise", "hang", "nan", "7"], 1: ["text", "exit", "raise", "8"]}, reward)
+    failed = {key: value for key, value in metrics.items() if key.startswith("counts/reward_failed/")}
+    assert failed == {f"counts/reward_failed/{name}/raised": 2.0, f"counts/reward_failed/{name}/timeout": 1.0,
+                      f"counts/reward_failed/{name}/bad_return": 2.0, f"counts/reward_failed/{name}/crash": 1.0}
+    assert metrics["counts/reward_failed"] == 6.0
+    # The failing samples still got `exact`'s reward: "7" x 1 of 8; fails_as_told gave 1 to "7" and "8".
+    assert metrics[f"reward/{name}"] == pytest.approx(2 / 8) and metrics["reward/exact"] == pytest.approx(1 / 8)
+
+
+def test_math_verify_failures_are_counted_by_reason_in_the_step_metrics(pool):
+    metrics = _step_metrics(pool, {0: ["\\boxed{5^{5^{5^{5^5}}}}", "\\boxed{7}", "{" * 50, "8"]}, RewardConfig())
+    assert metrics["counts/reward_failed/math_verify/rejected"] == 2.0
+    assert metrics["counts/reward_failed"] == 2.0
+    clean = _step_metrics(pool, {0: ["7", "\\boxed{7}", "8", "9"]}, RewardConfig())
+    assert clean["counts/reward_failed"] == 0.0
+    assert not [key for key in clean if key.startswith("counts/reward_failed/")]

@@ -83,7 +83,7 @@ class Sample:
     """Why scoring failed: one "<function>/<reason>" per failed reward function (reason: raised,
     bad_return, timeout, crash, rejected), or "math_verify/<reason>" under the default reward
     (timeout, parse_error, verify_error, rejected); None when nothing failed. The batcher counts
-    them per step (counts/reward_failed/<function>/<reason>)."""
+    them per step (counts/reward_failures/<function>/<reason>)."""
 
     @property
     def group_key(self) -> tuple[int, int]:

@@ -592,8 +592,10 @@ class StepStats:
             **{f"reward/{name}": _mean(total, self.reward_part_counts[name])
                for name, total in self.reward_part_sums.items()},
             "counts/overlong_penalised": float(self.overlong_penalised),
-            "counts/reward_failed": float(self.reward_failed),
-            **{f"counts/reward_failed/{reason}": float(count) for reason, count in self.reward_failure_counts.items()},
+            # Over every generated rollout, like reward/mean_generated (the trainer's
+            # counts/reward_failed counts the trained ones).
+            "counts/reward_failures": float(self.reward_failed),
+            **{f"counts/reward_failures/{reason}": float(count) for reason, count in self.reward_failure_counts.items()},
             **self._algorithm_metrics(),
         }
 

@@ -282,18 +282,18 @@ def test_each_failure_reason_of_a_function_is_counted_in_the_step_metrics(pool):
     name = "fails_as_told"
     reward = RewardConfig(functions=(f"{PLUGINS}:{name}", f"{PLUGINS}:exact"))
     metrics = _step_metrics(pool, {0: ["raise", "hang", "nan", "7"], 1: ["text", "exit", "raise", "8"]}, reward)
-    failed = {key: value for key, value in metrics.items() if key.startswith("counts/reward_failed/")}
-    assert failed == {f"counts/reward_failed/{name}/raised": 2.0, f"counts/reward_failed/{name}/timeout": 1.0,
-                      f"counts/reward_failed/{name}/bad_return": 2.0, f"counts/reward_failed/{name}/crash": 1.0}
-    assert metrics["counts/reward_failed"] == 6.0
+    failed = {key: value for key, value in metrics.items() if key.startswith("counts/reward_failures/")}
+    assert failed == {f"counts/reward_failures/{name}/raised": 2.0, f"counts/reward_failures/{name}/timeout": 1.0,
+                      f"counts/reward_failures/{name}/bad_return": 2.0, f"counts/reward_failures/{name}/crash": 1.0}
+    assert metrics["counts/reward_failures"] == 6.0
     # The failing samples still got `exact`'s reward: "7" x 1 of 8; fails_as_told gave 1 to "7" and "8".
     assert metrics[f"reward/{name}"] == pytest.approx(2 / 8) and metrics["reward/exact"] == pytest.approx(1 / 8)
 
 
 def test_math_verify_failures_are_counted_by_reason_in_the_step_metrics(pool):
     metrics = _step_metrics(pool, {0: ["\\boxed{5^{5^{5^{5^5}}}}", "\\boxed{7}", "{" * 50, "8"]}, RewardConfig())
-    assert metrics["counts/reward_failed/math_verify/rejected"] == 2.0
-    assert metrics["counts/reward_failed"] == 2.0
+    assert metrics["counts/reward_failures/math_verify/rejected"] == 2.0
+    assert metrics["counts/reward_failures"] == 2.0
     clean = _step_metrics(pool, {0: ["7", "\\boxed{7}", "8", "9"]}, RewardConfig())
-    assert clean["counts/reward_failed"] == 0.0
-    assert not [key for key in clean if key.startswith("counts/reward_failed/")]
+    assert clean["counts/reward_failures"] == 0.0
+    assert not [key for key in clean if key.startswith("counts/reward_failures/")]

@@ -8,6 +8,9 @@ one figure of every run's reward curve against step and time, with evaluation po
 Times count from the command's start when every run has the `command_started_at` file that
 scripts/demo.sh writes (Ray, worker and trainer start-up included), else from the trainer's
 start (`time_s`). Every figure is computed from the run directories; nothing is typed in by hand.
+
+`run_summary` is what the trainer prints at the end of every run (docs/console.md): the same
+summary line, where a step's time goes, and what was dropped.
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ def first_reached(records: Sequence[dict[str, Any]], target: float, window: int 
     """Index of the first record whose trailing window-step mean reward (a full window) is >= target."""
     smoothed = moving_average([r["reward/mean"] for r in records], window)
     return next((i for i in range(window - 1, len(smoothed)) if smoothed[i] >= target), None)
-
 
 
 WINDOW = 10  # the README's "10-step mean reward"
@@ -235,3 +237,58 @@ def compare_runs(run_dirs: Sequence[Path], out: Path | None, *, window: int = WI
     if out is not None:
         plot_runs(run_dirs, out, title=f"{len(run_dirs)} runs: " + ", ".join(r.name for r in run_dirs), window=window)
     return text
+
+
+TIMING_KEYS = ("timing/step_s", "timing/wait_s", "timing/train_s", "timing/push_s",
+               "timing/batcher_generate_s_mean", "timing/batcher_logprob_s_mean", "perf/samples_per_s")
+
+# Per-step counts of rollouts, prompts or requests a run lost or had to repeat (metric key, what
+# it counts): the console warns when one is non-zero and the summary gives their totals. Not
+# here: counts/reward_failed, which counts answers without a parsable result too (routine while
+# a model learns the format: 15 of 512 at the demo's first step), and policy choices such as
+# counts/dropped_zero_variance_groups.
+DROP_COUNTS = (
+    ("counts/dropped_stale", "stale rollouts dropped"),
+    ("counts/timed_out_prompts", "prompts timed out"),
+    ("batcher/missing_rollouts", "rollouts missing from generation"),
+    ("batcher/dropped_logprob_version", "rollouts dropped for logprobs of other weights"),
+    ("counts/redispatched_requests", "requests re-sent after their worker failed"),
+)
+
+
+def timing_line(run_dirs: Sequence[Path]) -> str:
+    """Medians over every step of every run: where a step's time goes, and what an evaluation costs.
+    `rest` is step - wait - train - push (optimizer steps, metrics, the batcher's stats call)."""
+    records = [r for run in run_dirs for r in _records(Path(run))]
+    medians = {k.split("/", 1)[1]: statistics.median(r[k] for r in records if k in r)
+               for k in TIMING_KEYS if any(k in r for r in records)}
+    parts = ("timing/step_s", "timing/wait_s", "timing/train_s", "timing/push_s")
+    rests = [r[parts[0]] - sum(r[k] for k in parts[1:]) for r in records if all(k in r for k in parts)]
+    if rests:
+        medians["rest_s"] = statistics.median(rests)
+    evals = [r["eval/time_s"] for r in records if "eval/time_s" in r]
+    if evals:
+        medians["eval_time_s"] = statistics.median(evals)
+    return "medians over all steps: " + " ".join(f"{k}={v:.3f}" for k, v in medians.items())
+
+
+def drop_counts(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Totals over `records` of each DROP_COUNTS key that is non-zero, in DROP_COUNTS order."""
+    totals = {key: sum(r.get(key, 0.0) for r in records) for key, _ in DROP_COUNTS}
+    return {key: total for key, total in totals.items() if total}
+
+
+def drops_text(totals: dict[str, float]) -> str:
+    """'3 stale rollouts dropped, 1 prompts timed out' for drop_counts' totals ('' when none)."""
+    labels = dict(DROP_COUNTS)
+    return ", ".join(f"{total:g} {labels[key]}" for key, total in totals.items())
+
+
+def run_summary(run_dir: Path, window: int = WINDOW) -> str:
+    """The end-of-run summary (the trainer prints it; scripts/demo_report.py prints its first two
+    lines): when the window-step mean reward reached THRESHOLDS, the final reward and evaluation,
+    where a step's time goes, and what the run dropped."""
+    run_dir = Path(run_dir)
+    dropped = drops_text(drop_counts(_records(run_dir)))
+    return "\n".join([summary_line(summarize_run(run_dir, window=window), window), timing_line([run_dir]),
+                      f"dropped or re-sent: {dropped or 'nothing'}"])

@@ -16,16 +16,14 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from metrics import read_metrics  # noqa: E402
 from run_config import load_config  # noqa: E402
-from run_report import command_times, markdown_table, plot_runs, summarize_run, summary_line  # noqa: E402
+from run_report import command_times, markdown_table, plot_runs, summarize_run, summary_line, timing_line  # noqa: E402
 
 DEMO_TITLE = "demo: tiny Qwen2, single-digit addition, 2 CPU cores (scripts/demo_seeds.sh)"
 
@@ -42,23 +40,6 @@ class DemoReportConfig:
     """Draw all runs' curves here; None: no plot."""
     command: str = ""
     """The command that produced the runs, quoted in the table."""
-
-
-TIMING_KEYS = ("timing/step_s", "timing/wait_s", "timing/train_s", "timing/push_s",
-               "timing/batcher_generate_s_mean", "timing/batcher_logprob_s_mean", "perf/samples_per_s")
-
-
-def timing_line(run_dirs: list[Path]) -> str:
-    """Medians over every step of every run: where a step's time goes, and what an evaluation costs.
-    `rest` is step - wait - train - push (optimizer steps, metrics, the batcher's stats call)."""
-    records = [r for run in run_dirs for r in read_metrics(run / "metrics.jsonl")]
-    medians = {k.split("/", 1)[1]: statistics.median(r[k] for r in records if k in r) for k in TIMING_KEYS}
-    medians["rest_s"] = statistics.median(
-        r["timing/step_s"] - r["timing/wait_s"] - r["timing/train_s"] - r["timing/push_s"] for r in records)
-    evals = [r["eval/time_s"] for r in records if "eval/time_s" in r]
-    if evals:
-        medians["eval_time_s"] = statistics.median(evals)
-    return "medians over all steps: " + " ".join(f"{k}={v:.3f}" for k, v in medians.items())
 
 
 def machine_line() -> str:

@@ -16,6 +16,7 @@ import contextlib
 import getpass
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -23,21 +24,32 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
 from ray_env import LOOPBACK_ONLY_ENV, RAY_NAMESPACE, REPO_ROOT, actor_runtime_env, repo_pythonpath, use_loopback_only_ray
 from run_config import load_config, split_passthrough
 
+if TYPE_CHECKING:
+    from trainer_core import TrainerConfig
+
 logger = logging.getLogger(__name__)
 
 REGISTERED_MARKER = "registered"  # worker_dispatcher prints `worker <name> registered` when ready
 _POLL_S = 0.5  # how often the launcher looks at dispatcher logs while waiting
 _STOP_GRACE_S = 30.0  # how long a stopped trainer gets to exit before SIGKILL
+# Dispatcher log lines the launcher repeats on its console as warnings: the dispatcher's own
+# warnings and errors (a failed health check, a replacement starting) and its restart and give-up
+# lines (worker_dispatcher's RESTARTING_LINE and final failure lines). vLLM's and Ray's lines in
+# the same file, warnings included, stay there. Group 1: the dispatcher's message.
+_RELAYED_LINE = re.compile(r"^\S+ \S+ (?:WARNING|ERROR|CRITICAL) __main__: (.*)$"
+                           r"|^(worker \S+ restarting \(.*|.*; giving up after .*|.*; not restarting it: .*)$")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -247,6 +259,53 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def relayed(line: str) -> str | None:
+    """The part of a dispatcher log line that the launcher repeats as a warning (None: not one)."""
+    match = _RELAYED_LINE.match(line.rstrip("\n"))
+    return None if match is None else match.group(1) or match.group(2)
+
+
+class DispatcherLogRelay:
+    """Follows the dispatcher logs and logs their `relayed` lines as warnings of this process, so
+    that a failing or replaced worker shows on the launcher's console (its log stays in the file)."""
+
+    def __init__(self, logs: list[tuple[str, Path]]) -> None:
+        self._logs = logs
+        self._offsets = {path: 0 for _, path in logs}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="dispatcher-log-relay", daemon=True)
+
+    def poll(self) -> None:
+        """Relay the complete lines written since the last poll."""
+        for label, path in self._logs:
+            try:
+                with path.open("rb") as f:
+                    f.seek(self._offsets[path])
+                    chunk = f.read()
+            except OSError:  # not created yet, or removed with the run
+                continue
+            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+            self._offsets[path] += len(complete)
+            for line in complete.decode(errors="replace").splitlines():
+                message = relayed(line)
+                if message is not None:
+                    logger.warning("%s worker: %s", label, message)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Relay what is left, then stop following."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.poll()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            self.poll()
+
+
 class LocalCluster:
     """Context manager owning a Ray head and the dispatcher processes started into it."""
 
@@ -256,6 +315,7 @@ class LocalCluster:
         self.temp_dir = ""
         self.gpus = GpuPlan()
         self._dispatchers: list[tuple[str, subprocess.Popen, Path]] = []
+        self._relay: DispatcherLogRelay | None = None
 
     def __enter__(self) -> "LocalCluster":
         Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
@@ -332,6 +392,8 @@ class LocalCluster:
         for kind, count in counts.items():
             for i in range(count):
                 self._dispatch(f"{kind}-{i}", self.dispatcher_args(kind))
+        self._relay = DispatcherLogRelay([(label, log) for label, _, log in self._dispatchers])
+        self._relay.start()
         for label, process, log in self._dispatchers:
             self._wait_registered(label, process, log)
         for kind, count in counts.items():
@@ -378,6 +440,10 @@ class LocalCluster:
         env = self.env()
         if self.gpus.trainer_gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus.trainer_gpus
+        if nproc_per_node > 1:
+            # The value torchrun sets itself for several ranks, given here so that torchrun does
+            # not print its five-line banner about it on the console.
+            env.setdefault("OMP_NUM_THREADS", "1")
         process = subprocess.Popen(command, env=env, cwd=REPO_ROOT, start_new_session=True,
                                    stdout=out, stderr=subprocess.STDOUT if out else None)
         try:
@@ -393,6 +459,8 @@ class LocalCluster:
         import ray
 
         try:
+            if self._relay is not None:  # before the dispatchers stop: their shutdown is no news
+                self._relay.stop()
             for _, process, _ in self._dispatchers:
                 if process.poll() is None:
                     process.send_signal(signal.SIGINT)  # the dispatcher deregisters and stops its actor
@@ -468,16 +536,51 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(LocalClusterConfig, own, description=__doc__)
     if not config.run_dir:
         raise SystemExit("local_cluster.py: --run_dir is required (the trainer's run directory)")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     trainer_args = ["--run_dir", config.run_dir, "--model.model_path", config.model_path, *trainer_args]
     check_environment(config)
-    check_trainer_inputs(trainer_args, max_lora_rank=config.max_lora_rank)
+    trainer_config = load_trainer_config(trainer_args)  # prints its one line and exits 2 itself
+    setup_logging(config, trainer_config)
+    from metrics import CONSOLE, LOG_FILE  # torch and more: imported once the command line is good
+    check_trainer_inputs(trainer_config, max_lora_rank=config.max_lora_rank)
     if config.teacher_workers:
         check_teacher_model(config.teacher_model_path, config.model_path)
+    Path(config.run_dir).mkdir(parents=True, exist_ok=True)  # the checks passed: run.log can start
     _interrupt_on_sigterm()
+    logger.info("starting Ray (127.0.0.1 only), %s, then the trainer (%d ranks); logs in %s", _workers_text(config),
+                config.nproc_per_node, config.log_dir, extra=CONSOLE)
     with LocalCluster(config) as cluster:
+        started = time.monotonic()
         cluster.start_workers()
+        logger.info("workers ready after %.0f s; starting the trainer (every INFO line in %s)",
+                    time.monotonic() - started, Path(config.run_dir) / LOG_FILE, extra=CONSOLE)
         return cluster.run_trainer(trainer_args, config.nproc_per_node)
+
+
+def load_trainer_config(trainer_args: list[str]) -> TrainerConfig:
+    """The trainer's config, as the trainer will load it (exit 2 with one line if it does not)."""
+    from trainer_core import load_trainer_config as load
+
+    return load(trainer_args)
+
+
+def setup_logging(config: LocalClusterConfig, trainer_config: TrainerConfig) -> None:
+    """The launcher's console follows the trainer's log_level; its INFO lines go to the run's
+    run.log, beside rank 0's."""
+    import importlib
+
+    from metrics import LOG_FILE, configure_logging
+
+    importlib.import_module("ray")  # Ray installs its own log handler when imported: import it first
+
+    configure_logging(trainer_config.log_level, log_file=Path(config.run_dir) / LOG_FILE, tag="[launcher] ")
+
+
+def _workers_text(config: LocalClusterConfig) -> str:
+    """'2 workers (1 generation, 1 logprob)'."""
+    counts = {"generation": config.generation_workers, "logprob": config.logprob_workers,
+              "reference": config.reference_workers, "teacher": config.teacher_workers}
+    kinds = ", ".join(f"{count} {kind}" for kind, count in counts.items() if count)
+    return f"{config.total_workers} worker{'s' if config.total_workers != 1 else ''} ({kinds})"
 
 
 def check_environment(config: LocalClusterConfig) -> None:
@@ -511,15 +614,14 @@ def check_teacher_model(teacher_path: str, student_path: str) -> None:
         raise SystemExit(CONFIG_ERROR_EXIT)
 
 
-def check_trainer_inputs(trainer_args: list[str], max_lora_rank: int = 0) -> None:
-    """Load the trainer's config, model folder, prompts and evaluation file as the trainer will,
-    before Ray or any worker starts; exit 2 with one line on the first problem (also when the
-    trainer trains LoRA adapters the generation workers, max_lora_rank, could not serve)."""
+def check_trainer_inputs(trainer_config: TrainerConfig, max_lora_rank: int = 0) -> None:
+    """Load the trainer's model folder, prompts and evaluation file as the trainer will, before
+    Ray or any worker starts; exit 2 with one line on the first problem (also when the trainer
+    trains LoRA adapters the generation workers, max_lora_rank, could not serve)."""
     from setup_model import vllm_lora_rank
-    from trainer_core import CONFIG_ERROR_EXIT, InputError, load_run_inputs, load_trainer_config
+    from trainer_core import CONFIG_ERROR_EXIT, InputError, load_run_inputs
 
     started = time.monotonic()
-    trainer_config = load_trainer_config(trainer_args)  # prints its one line and exits 2 itself
     lora_r = trainer_config.model.lora.r
     if lora_r > max_lora_rank:
         print(f"local_cluster.py: the trainer's model.lora.r={lora_r} needs generation workers that serve LoRA "

@@ -37,7 +37,10 @@ from dataset import DatasetConfig, DatasetError, InfiniteDistributedSampler, loa
 from evaluation import EvalConfig, Evaluator
 from fsdp_setup import DistInfo, build_training_model, check_trainer_gpus, host_gpu_count, init_distributed
 from grpo_loss import LossConfig, grpo_loss, step_divisor
-from metrics import MetricsConfig, MetricsLogger, StepAccumulator, StepDataLog
+from metrics import (
+    CONSOLE, LOG_FILE, LogLevel, MetricsConfig, MetricsLogger, StepAccumulator, StepDataLog, configure_logging,
+    log_run_summary,
+)
 from optimizer import OptimConfig, build_optimizer, build_scheduler
 from ray_env import (
     GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name,
@@ -179,7 +182,14 @@ class TrainerConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Where rank 0 reports metrics besides metrics.jsonl: TensorBoard, W&B, MLflow, trackio (docs/trackers.md)."""
     progress_bar: bool = True
-    """tqdm bar on rank 0."""
+    """Rank 0's progress on the console: a bar (reward, its 10-step mean, the last evaluation's
+    accuracy, step time) on a terminal, a line every tenth of the run elsewhere (docs/console.md)."""
+    log_level: LogLevel = "warning"
+    """What rank 0's console shows besides the progress, evaluation lines and the end-of-run
+    summary. warning: warnings and errors only; every INFO line (per step: metrics, weight push)
+    goes to run_dir/run.log. info: the INFO lines on the console too, as well as Ray's start-up
+    lines; debug: DEBUG lines as well, in both. local_cluster.py's console follows it too. Other
+    ranks show warnings only."""
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "prompts_per_rank", "max_tokens_per_gpu", "push_every", "keep_checkpoints",
@@ -245,9 +255,13 @@ class TrainerConfig:
         return {"reference": "ref", "old_policy": "old", "none": None}[self.logprob_role]
 
 
-def _setup_logging(rank: int) -> None:
-    level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
+def setup_logging(config: TrainerConfig, rank: int) -> None:
+    """Rank 0: the console at config.log_level and every INFO line in run_dir/run.log; other ranks:
+    warnings on the console only (their INFO lines would repeat rank 0's)."""
+    if rank == 0:
+        configure_logging(config.log_level, log_file=Path(config.run_dir) / LOG_FILE, tag="[rank0] ")
+    else:
+        configure_logging("warning", log_file=None, tag=f"[rank{rank}] ", show_marked=False)
 
 
 def _connect_ray(config: TrainerConfig) -> None:
@@ -458,7 +472,7 @@ def _restore(config: TrainerConfig, dist: DistInfo, model: torch.nn.Module, opti
         return TrainerState(step=0)
     state = load_checkpoint(checkpoint, model, optimizer, scheduler, dist)
     sampler.load_state_dict(state.sampler_state)
-    logger.info("resumed from %s at step %d", checkpoint, state.step)
+    logger.info("resumed from %s at step %d", checkpoint, state.step, extra=CONSOLE)
     return state
 
 
@@ -498,7 +512,6 @@ def load_run_inputs(config: TrainerConfig, *, with_evaluator: bool) -> RunInputs
 def train(config: TrainerConfig) -> None:
     """Run the GRPO loop: get batch, loss, step, push weights, log, checkpoint."""
     rank = int(os.environ.get("RANK", "0"))  # torchrun's; init_distributed reads the same variable
-    _setup_logging(rank)
     inputs = load_run_inputs(config, with_evaluator=rank == 0)
     if config.loss.kl_in_reward and config.algorithm.estimator == "grpo" and config.algorithm.prepare_batch is None:
         logger.warning("loss.kl_in_reward with the grpo estimator: the std division scales the KL differences "
@@ -566,7 +579,10 @@ def train(config: TrainerConfig) -> None:
     finally:
         metrics.close()
     torch_dist.barrier()
-    logger.info("training finished at step %d; metrics in %s", config.num_steps, run_dir / "metrics.jsonl")
+    logger.info("training finished at step %d; metrics in %s, every INFO line in %s", config.num_steps,
+                run_dir / "metrics.jsonl", run_dir / LOG_FILE, extra=CONSOLE)
+    if dist.rank == 0:
+        log_run_summary(run_dir)
     torch_dist.destroy_process_group()
 
 
@@ -752,6 +768,7 @@ def check_environment() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = load_trainer_config(sys.argv[1:] if argv is None else argv)
+    setup_logging(config, int(os.environ.get("RANK", "0")))  # torchrun's rank; init_distributed reads it too
     try:
         check_environment()
         train(config)

@@ -933,7 +933,7 @@ def run(config: RealisticRunConfig, passthrough: list[str]) -> dict[str, Any]:
     ]
     log = work_dir / "local_cluster.log"
     logger.info("running: %s (log: %s)", " ".join(command[1:]), log)
-    watcher = LogWatcher(log, (run_dir, "*_worker.log"))
+    watcher = LogWatcher(log, (run_dir, "*.log"))  # *_worker.log and run.log (every INFO line)
     metrics_path = run_dir / "metrics.jsonl"
     torchrun_gone: list[float] = []
 

@@ -337,7 +337,7 @@ class SoakRun:
         self.log = work_dir / "local_cluster.log"
         self.probe_path = work_dir / "object_store.jsonl"
         self.monitor = monitor
-        self.watcher = LogWatcher(self.log, (self.run_dir, "*_worker.log"))
+        self.watcher = LogWatcher(self.log, (self.run_dir, "*.log"))  # *_worker.log and run.log (every INFO line)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.snapshots: dict[str, dict[str, Any]] = {}
         self.timeline: list[dict[str, Any]] = []  # snapshots every config.timeline_every steps

@@ -5,9 +5,12 @@
 #      prompts and the evaluation table (every single-digit sum once)
 #   3. starts a private Ray head on 127.0.0.1, one generation + one logprob worker, and
 #      torchrun --nproc_per_node=2 trainer_core.py (local_cluster.py stops all of it on exit)
-#   4. draws the reward curve to <run_dir>/reward.png and prints when the 10-step mean reward
-#      reached 0.5 / 0.6 / 0.9, counted from this command's start
-# Extra arguments go to the trainer, e.g.  bash scripts/demo.sh --seed 1   or   --num_steps 50
+#   4. the trainer ends with its summary (when the 10-step mean reward reached 0.5 / 0.6 / 0.9,
+#      counted from this command's start; the last evaluation; where a step's time goes); then
+#      the reward curve goes to <run_dir>/reward.png
+# The console shows a progress bar, evaluations, warnings and that summary; every INFO line is in
+# <run_dir>/run.log (docs/console.md). Extra arguments go to the trainer, e.g.
+#   bash scripts/demo.sh --seed 1   or   --num_steps 50   or   --log_level info (INFO lines here too)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 COMMAND_STARTED_AT=$(date +%s.%N)
@@ -23,10 +26,12 @@ fi
 rm -rf "$RUN_DIR"
 mkdir -p "$RUN_DIR"
 echo "$COMMAND_STARTED_AT" > "$RUN_DIR/command_started_at"
-echo "[demo] training; progress in $RUN_DIR/metrics.jsonl (Ctrl-C stops everything)"
+echo "[demo] training in $RUN_DIR (Ctrl-C stops everything)"
 $PY local_cluster.py --model_path "$ASSETS/model" --run_dir "$RUN_DIR" --nproc_per_node 2 -- \
   --config configs/demo.yaml --data.path "$ASSETS/arithmetic.jsonl" \
   --eval.data.path "$ASSETS/arithmetic_eval.jsonl" "$@"
-date +%s.%N > "$RUN_DIR/command_finished_at"
-$PY metrics.py plot --run_dir "$RUN_DIR" --out "$RUN_DIR/reward.png" --title "demo: tiny Qwen2, single-digit addition, 2 CPU cores"
-$PY scripts/demo_report.py --runs "$RUN_DIR"
+COMMAND_FINISHED_AT=$(date +%s.%N)
+echo "$COMMAND_FINISHED_AT" > "$RUN_DIR/command_finished_at"
+$PY metrics.py plot --run_dir "$RUN_DIR" --out "$RUN_DIR/reward.png" --title "demo: tiny Qwen2, single-digit addition, 2 CPU cores" > /dev/null
+awk -v s="$COMMAND_STARTED_AT" -v e="$COMMAND_FINISHED_AT" -v d="$RUN_DIR" \
+  'BEGIN { printf "[demo] whole command %.1f min; reward curve in %s/reward.png\n", (e - s) / 60, d }'

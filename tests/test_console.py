@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -272,3 +273,95 @@ def test_the_relay_repeats_complete_new_lines_once(tmp_path: Path, caplog: pytes
     assert [r.getMessage() for r in caplog.records] == [
         "generation-0 worker: health() of worker generation-worker-0 failed: ActorDiedError: died",
         "generation-0 worker: worker generation-worker-0 restarting (1 of 3): the actor died"]
+
+
+# One real run, as the demo starts it. Small steps (2 ranks x 4 prompts x 8 rollouts, as in
+# tests/test_trackers_end_to_end.py); engines uncompiled to start sooner.
+STEPS = 3
+REAL_RUN_TIMEOUT_S = 1200
+_CLOCK = re.compile(r"^\d\d:\d\d:\d\d ")
+_INFO_RECORD = re.compile(r"\bINFO ([\w.]+: |[\w.]+\.py:\d+ |\d\d-\d\d )")
+
+
+@pytest.mark.vllm
+@pytest.mark.distributed
+def test_a_real_run_prints_progress_evaluations_and_the_summary_only(demo_assets: Path, tmp_path: Path) -> None:
+    from dataset import write_arithmetic_table
+
+    table = write_arithmetic_table(tmp_path / "eval.jsonl", max_operand=2)  # 9 held-out prompts
+    run = tmp_path / "run"
+    command = [sys.executable, str(REPO_ROOT / "local_cluster.py"), "--model_path", str(demo_assets / "model"),
+               "--run_dir", str(run), "--kv_cache_memory_bytes", str(128 * 2**20), "--max_model_len", "64",
+               "--global_num_verifiers", "1", "--enforce_eager", "true", "--",
+               "--config", str(REPO_ROOT / "configs" / "demo.yaml"), "--data.path", str(demo_assets / "arithmetic.jsonl"),
+               "--eval.data.path", str(table), "--num_steps", str(STEPS), "--prompts_per_rank", "4",
+               "--sampling.n", "8", "--sampling.max_tokens", "4", "--max_tokens_per_gpu", "256",
+               "--data.max_prompt_tokens", "16", "--eval.every", "2", "--eval.pass_k", "2",
+               "--checkpoint_at_end", "false", "--tensorboard", "false"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "RAY_ADDRESS")}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=REAL_RUN_TIMEOUT_S)
+    console = done.stdout + done.stderr
+    assert done.returncode == 0, console[-4000:]
+
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(STEPS))
+    rewards = [r["reward/mean"] for r in records]
+    evals = {r["step"]: r for r in records if "eval/accuracy" in r}
+    assert sorted(evals) == [1, 2]
+
+    # None of the per-step INFO lines, nor Ray's, vLLM's, torchrun's or Hugging Face's start-up lines.
+    for absent in ("pushed weights", "metrics: step", "Started a local Ray instance", "Connecting to",
+                   "Token authentication", "OMP_NUM_THREADS", "Loading weights", "EngineCore", "[rank1]"):
+        assert absent not in console, f"{absent!r} on the console:\n{console[-4000:]}"
+    # An INFO record in our format (`INFO metrics: `), Ray's (`INFO worker.py:1841 -- `) or vLLM's (`INFO 11-25 `).
+    assert not _INFO_RECORD.search(console), console[-4000:]
+    shown = [line[9:] for line in console.splitlines() if _CLOCK.match(line)]
+    assert len(shown) == len(console.strip().splitlines()), console  # every line is one of ours
+    warnings = [line for line in shown if line.startswith(("WARNING", "ERROR"))]
+
+    def step_line(step: int) -> str:
+        recent = rewards[max(0, step - 9): step + 1]
+        seen = [evals[s]["eval/accuracy"] for s in sorted(evals) if s <= step]
+        evaluated = f" eval {seen[-1]:.3f}" if seen else ""
+        return (f"{step + 1}/{STEPS} steps: reward {rewards[step]:.3f} mean10 {sum(recent) / len(recent):.3f}"
+                f"{evaluated} step {records[step]['timing/step_s']:.1f}s")
+
+    def eval_text(step: int) -> str:
+        r = evals[step]
+        return (f"eval after step {step}: greedy accuracy {r['eval/accuracy']:.3f}, pass@2 {r['eval/pass@2']:.3f} "
+                f"on 9 prompts ({r['eval/time_s']:.1f} s)")
+
+    step_s = [r["timing/step_s"] for r in records]
+    dropped = {key: sum(r.get(key, 0.0) for r in records) for key in (
+        "counts/dropped_stale", "counts/timed_out_prompts", "batcher/missing_rollouts",
+        "batcher/dropped_logprob_version", "counts/redispatched_requests")}
+    info = [line for line in shown if line not in warnings]
+    assert info[0] == (f"starting Ray (127.0.0.1 only), 2 workers (1 generation, 1 logprob), then the trainer "
+                       f"(2 ranks); logs in {run}")
+    assert info[1].startswith("workers ready after ") and info[1].endswith(f"(every INFO line in {run / LOG_FILE})")
+    assert info[2:9] == [step_line(0), eval_text(1), step_line(1), eval_text(2), step_line(2),
+                         f"training finished at step {STEPS}; metrics in {run / 'metrics.jsonl'}, every INFO line in "
+                         f"{run / LOG_FILE}",
+                         # fewer steps than the 10-step window: no level is reached
+                         f"run: 10-step mean reward first reached 0.5: not reached; 0.6: not reached; 0.9: not "
+                         f"reached; last 10 steps {statistics.mean(rewards):.3f}, final greedy eval accuracy "
+                         f"{evals[2]['eval/accuracy']:.3f}; median step {statistics.median(step_s):.2f} s"]
+    assert info[9].startswith(f"medians over all steps: step_s={statistics.median(step_s):.3f} ")
+    assert info[10].startswith("dropped or re-sent: ")
+    if any(dropped.values()):
+        assert all(f"{total:g} " in info[10] for total in dropped.values() if total), info[10]
+    else:
+        assert info[10] == "dropped or re-sent: nothing"
+    assert len(info) == 11
+    assert bool([w for w in warnings if "per-step counts in metrics.jsonl" in w]) == any(dropped.values())
+
+    # run.log holds every INFO line: the per-step ones, the pushes, Ray's start-up.
+    run_log = (run / LOG_FILE).read_text()
+    for step, reward in enumerate(rewards):
+        assert f"[rank0] INFO metrics: step {step} reward {reward:.3f} " in run_log
+    assert f"[rank0] INFO weight_sync: pushed weights v{STEPS} " in run_log
+    for line in ("[launcher] INFO ray._private.worker: Started a local Ray instance.",
+                 "[rank0] INFO ray._private.worker: Connected to Ray cluster.",
+                 "[launcher] INFO __main__: generation-0 worker registered"):
+        assert line in run_log
+    assert "Initializing a V1 LLM engine" in (run / "generation-0_worker.log").read_text()  # vLLM's start-up

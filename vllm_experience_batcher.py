@@ -29,7 +29,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -44,7 +43,7 @@ from sample_processing_utils import INITIAL_WEIGHT_VERSION, Sample, TokenLogprob
 from ray_env import (
     BATCHER_ACTOR_NAME, GENERATION, LOGPROB, ON_HEAD_NODE, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env,
 )
-from vllm_registry import Bundle, get_or_create_registry
+from vllm_registry import BatchedRegistryClient, get_or_create_registry
 # vllm_worker imports neither vLLM nor math-verify at import time: cheap in the batcher's process.
 from sampling import SamplingConfig, derive_seed
 
@@ -392,98 +391,6 @@ class RayRegistryClient:
             # stops holding a worker slot (best effort; a finished request ignores the cancel).
             ray.cancel(ref)
             raise
-
-
-@dataclass(slots=True, eq=False)
-class _QueuedRequest:
-    """A request waiting in BatchedRegistryClient for its batch, then for its outcome."""
-
-    args: tuple[Any, ...]
-    cost: int
-    future: asyncio.Future[Any]
-    call_id: str = ""
-    """The submit_many call it went out in ('' until sent)."""
-    index: int = -1
-    """Its position in that call."""
-
-
-class BatchedRegistryClient:
-    """`RequestClient` over a registry actor handle that sends every request made in one turn of
-    the event loop as one `submit_many` call, and hands each caller its own outcome as the
-    registry streams them back.
-
-    The batcher starts a rank's prompts together, so a step's generate requests leave in one
-    actor call instead of one each (one call per request capped a registry near 650 requests/s;
-    benchmarks/scale.py). Results still come back one by one as they finish, so packing starts
-    on the first finished prompts. Bound to the event loop of its first request.
-    """
-
-    def __init__(self, handle: ActorHandle) -> None:
-        self._handle = handle
-        self._queued: dict[str, list[_QueuedRequest]] = {}
-        """Requests not sent yet, per method."""
-        self._cancelled: dict[str, list[int]] = {}
-        """Indices to cancel_many per call id, not sent yet."""
-        self._streams: set[asyncio.Task[None]] = set()
-        self._next_call = 0
-        self._client_id = uuid.uuid4().hex
-
-    async def submit(self, method: str, *args: Any, cost: int) -> Any:
-        loop = asyncio.get_running_loop()
-        request = _QueuedRequest(args=args, cost=cost, future=loop.create_future())
-        if not self._queued and not self._cancelled:
-            loop.call_soon(self._flush)
-        self._queued.setdefault(method, []).append(request)
-        try:
-            return await request.future
-        except asyncio.CancelledError:
-            # The prompt hit its deadline or its step failed: free its place or worker slot in
-            # the registry too (a request not sent yet is simply not sent).
-            if request.call_id:
-                if not self._queued and not self._cancelled:
-                    loop.call_soon(self._flush)
-                self._cancelled.setdefault(request.call_id, []).append(request.index)
-            raise
-
-    def _flush(self) -> None:
-        queued, self._queued = self._queued, {}
-        cancelled, self._cancelled = self._cancelled, {}
-        for call_id, indices in cancelled.items():
-            self._handle.cancel_many.remote(call_id, indices)
-        for method, requests in queued.items():
-            live = [r for r in requests if not r.future.done()]  # cancelled before it was sent
-            if not live:
-                continue
-            call_id = f"{self._client_id}-{self._next_call}"
-            self._next_call += 1
-            for index, request in enumerate(live):
-                request.call_id, request.index = call_id, index
-            task = asyncio.get_running_loop().create_task(self._stream(call_id, method, live))
-            self._streams.add(task)
-            task.add_done_callback(self._streams.discard)
-
-    async def _stream(self, call_id: str, method: str, requests: list[_QueuedRequest]) -> None:
-        """Hand each request its outcome as the registry streams them back."""
-        try:
-            stream = self._handle.submit_many.options(num_returns="streaming").remote(
-                call_id, method, Bundle([r.args for r in requests]), [r.cost for r in requests])
-            async for ref in stream:
-                for index, ok, value in (await ref).items:
-                    future = requests[index].future
-                    if future.done():  # cancelled by its caller
-                        continue
-                    if ok:
-                        future.set_result(value)
-                    else:
-                        future.set_exception(value)
-        except Exception as err:  # the registry call itself failed: every request still waiting fails with it
-            for request in requests:
-                if not request.future.done():
-                    request.future.set_exception(err)
-        for request in requests:
-            if not request.future.done():
-                request.future.set_exception(RuntimeError(
-                    f"submit_many {call_id} ended without an outcome for request {request.index} ({method})"))
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ after a fixed delay. They register with the real generation registry exactly as 
 For each N, alternating the two paths in each repeat:
 - routing: `requests` generate requests (cost 1) go through the registry and back. Baseline
   (`per_request`): one `submit` actor call each, all in flight at once, as the batcher sent them
-  before issue 21. Batched: `BatchedRegistryClient`, `batch` requests per `submit_many` call (a
+  before issue 21. Batched: `BatchedRegistryClient`, `batch` requests per `lease_many` call (a
   rank's prompts of a step), every batch in flight at once. `routed_per_s` = requests / wall
   seconds; `registry_cpu_us` = the registry process's CPU seconds per request (utime + stime from
   /proc): the steadier figure on a shared machine, and 1e6 / it is what one registry could route
@@ -74,7 +74,7 @@ class ScaleConfig:
     baseline_requests: int = 2_000
     """Generate requests per per-request routing run (the baseline is ~30x slower)."""
     batch: int = 256
-    """Requests per submit_many call in the batched routing run."""
+    """Requests per lease_many call in the batched routing run."""
     ranks: int = 8
     """Trainer ranks of the batcher run."""
     prompts_per_rank: int = 64
@@ -281,7 +281,7 @@ class Bench:
                 for first in range(0, count, self.config.batch):
                     tasks += [asyncio.create_task(client.submit("generate", p, sampling, cost=1))
                               for p in prompts[first:first + self.config.batch]]
-                    await asyncio.sleep(0)  # the next batch leaves in its own submit_many call
+                    await asyncio.sleep(0)  # the next batch leaves in its own lease_many call
                 return await asyncio.gather(*tasks)
 
             results = asyncio.run(run())

@@ -34,7 +34,7 @@ from vllm_experience_batcher import (
     get_or_create_batcher,
 )
 from ray_env import GENERATION, RAY_NAMESPACE
-from vllm_registry import Bundle, RegistryActor, RegistryConfig
+from vllm_registry import Bundle, RegistryActor, RegistryConfig, serve_many
 from sampling import SamplingConfig
 
 # Ray workers cannot import this test module (tests/ is not on their path): ship the stand-in
@@ -456,54 +456,74 @@ def test_a_failing_request_fails_the_step_for_every_rank(
 
 @ray.remote(num_cpus=0)
 class RegistryDouble:
-    """Stands in for a registry actor: answers `generate` and `compute_group_logprobs` itself.
+    """Stands in for a registry actor and its one worker: leases every request to itself at once
+    and answers `generate` and `compute_group_logprobs` itself.
 
-    Prompts listed in `hang` never get an answer; the double records the cancellation when the
-    batcher gives up on them.
+    Prompts listed in `hang` never get an answer; the double counts the cancellations the
+    batcher sends when it gives up on them.
     """
 
     def __init__(self, hang: tuple[int, ...] = (), version: int = 0) -> None:
         self._hang = set(hang)
         self._version = version
         self._calls: list[tuple[str, int, int]] = []
-        self._cancelled: list[int] = []
-        self._batches: dict[str, dict[int, asyncio.Task[Any]]] = {}
+        self._answered: list[int] = []
+        self._cancelled = 0
+        self._undecided: dict[str, set[int]] = {}
+        self._decided: dict[str, asyncio.Event] = {}
 
     async def submit(self, method: str, *args: Any, cost: int = 1) -> Any:
         sample = args[0] if method == "generate" else args[0][0]  # a prompt, or a group's first rollout
         self._calls.append((method, sample.prompt_id, cost))
         if sample.prompt_id in self._hang:
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                self._cancelled.append(sample.prompt_id)
-                raise
+            await asyncio.Event().wait()
+        self._answered.append(sample.prompt_id)
         if method == "generate":
             return _rollouts(sample, args[1].n, self._version)
         return [TokenLogprobs(weight_version=-1, values=_fake_logprobs(s)) for s in args[0]]
 
-    async def submit_many(self, call_id: str, method: str, calls: Bundle, costs: list[int]) -> Any:
-        """The batched path the batcher actor uses: each request answered by `submit`, outcomes
-        streamed back one Bundle each."""
-        tasks = {i: asyncio.create_task(self.submit(method, *args, cost=cost))
-                 for i, (args, cost) in enumerate(zip(calls.items, costs))}
-        self._batches[call_id] = tasks
-        pending = set(tasks.values())
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for i, task in tasks.items():
-                if task in done and not task.cancelled():
-                    yield Bundle([(i, task.exception() is None, task.exception() or task.result())])
+    async def lease_many(self, call_id: str, method: str, costs: list[int]) -> Any:
+        """The batched path the batcher actor uses: every request leased to this double, the
+        stream open until each is reported or cancelled (as the registry's)."""
+        self._undecided[call_id] = set(range(len(costs)))
+        self._decided[call_id] = asyncio.Event()
+        yield Bundle([(i, True, "double") for i in range(len(costs))])
+        await self._decided[call_id].wait()
+
+    def release_many(self, reports: dict[str, list[tuple[int, str, str]]]) -> None:
+        for call_id, call_reports in reports.items():
+            self._decide(call_id, [index for index, _, _ in call_reports])
 
     def cancel_many(self, call_id: str, indices: list[int]) -> None:
-        for i in indices:
-            self._batches[call_id][i].cancel()
+        self._cancelled += len(indices)
+        self._decide(call_id, indices)
+
+    def _decide(self, call_id: str, indices: list[int]) -> None:
+        self._undecided[call_id].difference_update(indices)
+        if not self._undecided[call_id]:
+            self._decided[call_id].set()
+
+    def worker_handles(self, names: list[str]) -> dict[str, Any]:
+        return {name: ray.get_runtime_context().current_actor for name in names}
+
+    async def call_many(self, method: str, calls: Bundle) -> Any:
+        async for chunk in serve_many(self, ("generate", "compute_group_logprobs"), method, calls):
+            yield chunk
+
+    async def generate(self, sample: Sample, sampling: SamplingConfig) -> list[Sample]:
+        return await self.submit("generate", sample, sampling, cost=sampling.n)
+
+    async def compute_group_logprobs(self, *args: Any) -> list[TokenLogprobs]:
+        return await self.submit("compute_group_logprobs", *args)
 
     def calls(self) -> list[tuple[str, int, int]]:
         return list(self._calls)
 
-    def cancelled(self) -> list[int]:
-        return list(self._cancelled)
+    def answered(self) -> list[int]:
+        return list(self._answered)
+
+    def cancelled(self) -> int:
+        return self._cancelled
 
 
 @pytest.fixture
@@ -571,9 +591,11 @@ def test_actor_cancels_and_counts_a_prompt_past_its_deadline(batcher_actors) -> 
     assert hung_prompt not in {s.prompt_id for mb in mbs0 + mbs1 for s in mb.samples}
     assert ray.get(batcher.stats.remote(0))["batcher/timed_out_prompts"] == 1
     give_up = time.monotonic() + _WAIT_BOUND_S  # the cancel travels on after EndOfStep
-    while ray.get(generation.cancelled.remote()) != [hung_prompt] and time.monotonic() < give_up:
+    while ray.get(generation.cancelled.remote()) != 1 and time.monotonic() < give_up:
         time.sleep(0.05)
-    assert ray.get(generation.cancelled.remote()) == [hung_prompt]
+    assert ray.get(generation.cancelled.remote()) == 1, "the registry was not told to free the hung request"
+    assert hung_prompt in {pid for _, pid, _ in ray.get(generation.calls.remote())}
+    assert hung_prompt not in ray.get(generation.answered.remote())
 
 
 def test_actor_reports_a_registry_without_workers_to_the_trainer(batcher_actors) -> None:

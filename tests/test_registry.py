@@ -585,7 +585,7 @@ def test_health_checks_drop_a_worker_that_reports_failed_and_registration_refuse
         ray.get(registry.register.remote(a))
 
 
-# --- The batched path: submit_many through BatchedRegistryClient (what the batcher uses) ---------
+# --- The batched path: lease_many through BatchedRegistryClient (what the batcher uses) ---------
 
 
 async def _await_until(condition: Callable[[], Awaitable[bool]], what: str) -> None:
@@ -597,9 +597,17 @@ async def _await_until(condition: Callable[[], Awaitable[bool]], what: str) -> N
 
 
 def _submit_batch(client: BatchedRegistryClient, tags: list[Any], costs: list[int] | None = None) -> list[Any]:
-    """One task per request, all started in one loop turn: they leave in one submit_many call."""
+    """One task per request, all started in one loop turn: they leave in one lease_many call."""
     costs = costs or [1] * len(tags)
     return [asyncio.ensure_future(client.submit("work", tag, cost=cost)) for tag, cost in zip(tags, costs)]
+
+
+def _settled_rows(registry: Any) -> list[Any]:
+    """The registry's status once every reservation is back: a caller gets its answer from the
+    worker first and reports it to the registry just after (release_many)."""
+    _wait_until(lambda: all(r.inflight_requests == 0 for r in ray.get(registry.status.remote())),
+                "every answered request to be reported back")
+    return ray.get(registry.status.remote())
 
 
 async def _calls(*workers: Any) -> list[list[Any]]:
@@ -636,9 +644,9 @@ def test_a_batch_goes_least_loaded_in_one_call_per_worker(make_registry):
         results = await asyncio.gather(*tasks)
         assert [tag for _, tag in results] == tags, "a request got another one's answer"
         assert [name for name, _ in results] == [big_worker] + [other] * 4
-        return await registry.status.remote()
 
-    rows = _run(scenario())
+    _run(scenario())
+    rows = _settled_rows(registry)
     assert sorted((r.requests_served, r.inflight_requests, r.inflight_cost) for r in rows) == [(1, 0, 0), (4, 0, 0)]
 
 
@@ -658,7 +666,7 @@ def test_a_batch_waits_at_the_cap_and_is_served_as_capacity_frees(make_registry)
     _run(scenario())
     assert ray.get(worker.peak.remote()) == 2
     assert sum(ray.get(worker.batch_sizes.remote())) == 5
-    (row,) = ray.get(registry.status.remote())
+    (row,) = _settled_rows(registry)
     assert (row.inflight_requests, row.inflight_cost, row.requests_served) == (0, 0, 5)
 
 
@@ -687,7 +695,7 @@ def test_a_batch_on_a_worker_killed_mid_batch_completes_on_the_other(make_regist
     assert ray.get(registry.counters.remote()) == {"redispatched_requests": 4}
     # The four failed-over requests travelled together, in one call.
     assert ray.get(survivor_worker.batch_sizes.remote()) == [4, 4]
-    (row,) = ray.get(registry.status.remote())
+    (row,) = _settled_rows(registry)
     assert (row.inflight_requests, row.inflight_cost, row.requests_served) == (0, 0, 8)
 
 
@@ -736,7 +744,7 @@ def test_a_batched_request_error_reaches_only_its_caller(make_registry):
     assert (first, last) == ((name, "ok-1"), (name, "ok-2"))
     assert isinstance(bad, ValueError) and "bad request" in str(bad)
     assert ray.get(registry.live_workers.remote()) == [name]
-    (row,) = ray.get(registry.status.remote())
+    (row,) = _settled_rows(registry)
     assert "bad request" in row.last_error and row.healthy and row.requests_served == 2
 
 
@@ -761,7 +769,7 @@ def test_cancelling_batched_requests_frees_their_places(make_registry):
 
     _run(scenario())
     assert ray.get(worker.calls.remote()) == ["running", "after"]
-    (row,) = ray.get(registry.status.remote())
+    (row,) = _settled_rows(registry)
     assert (row.inflight_requests, row.inflight_cost) == (0, 0)
 
 

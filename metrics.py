@@ -37,6 +37,7 @@ import argparse
 import itertools
 import json
 import logging
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -390,14 +391,19 @@ class ConsoleFormatter(logging.Formatter):
 
 
 class ConsoleHandler(logging.StreamHandler):
-    """Writes through tqdm.write, so that a line logged while the progress bar is drawn lands
-    above the bar instead of through it."""
+    """Writes through tqdm.write, so that a line logged while this process's progress bar is drawn
+    lands above the bar instead of through it. On a terminal each line first blanks the current
+    one: the launcher shares the terminal with the trainer's bar, which it cannot move, and the
+    bar is drawn again below at the trainer's next step."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             from tqdm import tqdm
 
-            tqdm.write(self.format(record), file=self.stream)
+            text = self.format(record)
+            if self.stream.isatty():
+                text = "\r" + " " * (shutil.get_terminal_size().columns - 1) + "\r" + text
+            tqdm.write(text, file=self.stream)
         except Exception:  # logging's own policy: a handler failure is reported, never raised
             self.handleError(record)
 

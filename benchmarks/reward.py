@@ -17,7 +17,10 @@ math-verify; `--fast_path false` makes the processes verify them, as before the 
 
 Each invocation first replays the same kind of workload with no hostile inputs (`--compare_clean`,
 on by default), each workload on a fresh pool, and prints one line per run and then the ratio
-`hostile_over_clean` of their throughputs: what a few hostile outputs cost the pool.
+`hostile_over_clean` of their throughputs: what a few hostile outputs cost the pool. `--rounds N`
+repeats the clean/hostile pair N times back to back and prints each pair's ratio and their median:
+on a shared machine the load moves within seconds, and a ratio of two runs minutes apart measured
+the load as much as the pool (a trivial function's 8,000-sample run lasts ~2-4 s).
 
 The pool's result cache is off by default (`--cache_size 0`): these completions are long and
 mostly distinct, so the figure is the cost of verification itself. Pass a size to include it.
@@ -41,7 +44,10 @@ For the plug-in paths every hostile completion must score 0 (failed with its rea
 expected reward.
 
 Latency is per completion, from its group's submission to its result (queueing included).
-Startup is excluded. Each run's line is key=value pairs: samples_per_s, p50_ms, p99_ms, the pool
+Startup is excluded: the pool's start, and on the plug-in paths each process's first import of
+the function's module (one clean call per process before the clock starts; the pool imports a
+module outside the deadline, as start-up work). A process that replaces a killed one imports it
+again inside the timed window: that is part of what a misbehaving function costs. Each run's line is key=value pairs: samples_per_s, p50_ms, p99_ms, the pool
 size, hostile fractions, deadline, rejected (by a pre-check), fast_path (plain-number verdicts),
 timeouts, restarts and reward mismatches (should be 0).
 """
@@ -134,6 +140,8 @@ class RewardBenchConfig:
     """Share of completions that pass the pre-checks and hang math-verify (they must time out)."""
     compare_clean: bool = True
     """First run the workload with no hostile inputs, then print hostile_over_clean."""
+    rounds: int = 1
+    """Clean/hostile pairs run back to back (each pair's ratio printed, then the median)."""
     seed: int = 0
     """Seed of the workload."""
     cache_size: int = 0
@@ -316,6 +324,8 @@ def bench_once(args: RewardBenchConfig, hostile_fraction: float, evasive_fractio
     if args.num_processes is not None:
         pool_args["num_processes"] = args.num_processes
     with VerifierPool(**pool_args) as pool:
+        if function is not None:
+            asyncio.run(_warm_up(pool, groups, function, timeout))
         start = time.perf_counter()
         latencies, mismatches = asyncio.run(run(pool, groups, args.num_clients, function, timeout))
         elapsed = time.perf_counter() - start
@@ -337,6 +347,13 @@ def bench_once(args: RewardBenchConfig, hostile_fraction: float, evasive_fractio
     return samples_per_s
 
 
+async def _warm_up(pool: VerifierPool, groups: list[list[Case]], function: str, timeout_s: float | None) -> None:
+    """One clean call per process at once (each idle dispatcher takes one), so every process has
+    imported the function's module before the timed run; the results are not counted."""
+    case = next(c for group in groups for c in group if c.expected_reward is not None and not c.expected_kinds)
+    await asyncio.gather(*(_score_one(pool, case, [], function, timeout_s) for _ in range(pool.num_processes)))
+
+
 def _workload(args: RewardBenchConfig, hostile_fraction: float,
               evasive_fraction: float) -> tuple[list[list[Case]], str | None, float | None]:
     """(groups, the reward function or None for VerifierPool.score, its deadline) of args.reward."""
@@ -354,10 +371,20 @@ def _workload(args: RewardBenchConfig, hostile_fraction: float,
 def main(argv: list[str] | None = None) -> None:
     args = load_config(RewardBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    clean = bench_once(args, 0.0, 0.0, "clean") if args.compare_clean else None
-    hostile = bench_once(args, args.hostile_fraction, args.evasive_fraction, "hostile")
-    if clean is not None:
-        print(f"hostile_over_clean={hostile / clean:.3f} clean_samples_per_s={clean:.1f} hostile_samples_per_s={hostile:.1f}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    ratios = []
+    for index in range(args.rounds):
+        suffix = f"_{index + 1}" if args.rounds > 1 else ""
+        clean = bench_once(args, 0.0, 0.0, f"clean{suffix}") if args.compare_clean else None
+        hostile = bench_once(args, args.hostile_fraction, args.evasive_fraction, f"hostile{suffix}")
+        if clean is not None:
+            ratios.append(hostile / clean)
+            print(f"hostile_over_clean{suffix}={hostile / clean:.3f} clean_samples_per_s={clean:.1f} "
+                  f"hostile_samples_per_s={hostile:.1f}", flush=True)
+    if len(ratios) > 1:
+        print(f"hostile_over_clean_median={statistics.median(ratios):.3f} min={min(ratios):.3f} "
+              f"max={max(ratios):.3f} rounds={len(ratios)}")
 
 
 if __name__ == "__main__":

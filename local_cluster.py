@@ -635,5 +635,13 @@ def check_trainer_inputs(trainer_config: TrainerConfig, max_lora_rank: int = 0) 
     logger.info("trainer inputs checked in %.1f s: %d prompts", time.monotonic() - started, len(inputs.prompts))
 
 
+# Exit status of a run stopped by Ctrl-C or SIGTERM (the shell's 128 + SIGINT).
+INTERRUPTED_EXIT = 130
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # LocalCluster's exit has stopped the trainer, the workers and Ray by now
+        print("local_cluster.py: interrupted; everything it started is stopped", file=sys.stderr)
+        sys.exit(INTERRUPTED_EXIT)

@@ -1060,6 +1060,10 @@ class BatchedRegistryClient:
         """Answers to report in release_many per call id, not sent yet."""
         self._workers: dict[str, Any] = {}
         """Worker actor handles by name (from the registry's worker_handles)."""
+        self._outbox: dict[tuple[str, str], list[_ClientRequest]] = {}
+        """Requests for a worker whose last batch it has not started yet, per (worker, method)."""
+        self._sending: set[tuple[str, str]] = set()
+        """(worker, method) pairs with a batch sent and not yet started."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._flush_scheduled = False
         self._next_call = 0
@@ -1128,7 +1132,7 @@ class BatchedRegistryClient:
                 if by_worker:
                     await self._learn_handles(by_worker)
                 for name, batch in by_worker.items():
-                    self._start(self._run_on_worker(method, name, batch))
+                    self._send(method, name, batch)
         except Exception as err:  # the registry call itself failed: every request still waiting fails with it
             for request in requests:
                 if not request.future.done():
@@ -1143,9 +1147,32 @@ class BatchedRegistryClient:
         if unknown:
             self._workers.update(await self._handle.worker_handles.remote(unknown))
 
+    def _send(self, method: str, name: str, requests: list[_ClientRequest]) -> None:
+        """Send a worker its requests, unless it has not yet started the last batch sent to it:
+        then they wait and go with the next one. So calls per worker adapt to load (one per batch
+        when batches are sparse, one per round trip when they crowd in), which matters when a
+        batch spreads over many workers (with 128 workers, a few requests each)."""
+        key = (name, method)
+        if key in self._sending:
+            self._outbox.setdefault(key, []).extend(requests)
+            return
+        self._sending.add(key)
+        self._start(self._run_on_worker(method, name, requests))
+
+    def _started(self, key: tuple[str, str]) -> None:
+        """The worker started (or never will start) the batch sent under `key`: send what waits."""
+        self._sending.discard(key)
+        waiting = self._outbox.pop(key, None)
+        if waiting:
+            live = [r for r in waiting if not r.future.done()]  # cancelled meanwhile: the registry knows
+            if live:
+                self._send(key[1], key[0], live)
+
     async def _run_on_worker(self, method: str, name: str, requests: list[_ClientRequest]) -> None:
-        """One worker batch: settle each request as its answer streams back."""
+        """One worker batch: settle each request as its answer streams back (serve_many's first,
+        empty chunk says the worker has started the batch)."""
         pending = dict(enumerate(requests))
+        started = False
         try:
             handle = self._workers.get(name)
             if handle is None:
@@ -1153,13 +1180,20 @@ class BatchedRegistryClient:
             stream = getattr(handle, BATCH_METHOD).options(num_returns="streaming").remote(
                 method, Bundle([r.args for r in requests]))
             async for ref in stream:
-                for position, ok, value in (await ref).items:
+                chunk = (await ref).items
+                if not started:
+                    started = True
+                    self._started((name, method))
+                for position, ok, value in chunk:
                     self._settle(name, pending.pop(position), ok, value)
             if pending:
                 raise RuntimeError(f"{name}: {BATCH_METHOD} ended with {len(pending)} requests unanswered")
         except Exception as err:  # the batch call itself failed: each request still waiting shares the cause
             for request in pending.values():
                 self._settle(name, request, False, err)
+        finally:
+            if not started:
+                self._started((name, method))
 
     def _settle(self, name: str, request: _ClientRequest, ok: bool, value: Any) -> None:
         """Queue the report that gives the worker's reservation back (sent before the caller

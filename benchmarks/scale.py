@@ -17,8 +17,9 @@ For each N, alternating the two paths in each repeat:
   before issue 21. Batched: `BatchedRegistryClient`, `batch` requests per `lease_many` call (a
   rank's prompts of a step), every batch in flight at once. `routed_per_s` = requests / wall
   seconds; `registry_cpu_us` = the registry process's CPU seconds per request (utime + stime from
-  /proc): the steadier figure on a shared machine, and 1e6 / it is what one registry could route
-  with a core of its own.
+  /proc); `routing_cpu_us` = the same less the registry's background rate (sampled idle for
+  `idle_s` just before) times the run's wall time: the steadier figure on a shared machine, and
+  1e6 / it is what one registry could route with a core of its own.
 - batcher: an ExperienceBatcher (the real class, in an actor of its own) with `ranks` ranks runs
   `steps` steps of `prompts_per_rank` prompts x `rollouts` rollouts, no logprob pool; each step's
   prompts are submitted, then every rank drains its minibatches to EndOfStep.
@@ -83,6 +84,10 @@ class ScaleConfig:
     """Rollouts per prompt (sampling n) in the batcher run."""
     steps: int = 3
     """Steps per batcher run."""
+    idle_s: float = 3.0
+    """Seconds the registry's CPU is sampled with no request in flight before each routing run:
+    its background rate (Ray's threads, health checks) times the run's wall time is taken out of
+    `routing_cpu_us`, which a slow client would otherwise inflate."""
     smoke: bool = False
     """Tiny sizes (4 workers, 1 repeat, a few hundred requests): checks the script runs, < 60 s."""
 
@@ -95,12 +100,14 @@ class ScaleConfig:
                 raise ValueError(f"ScaleConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not self.delay_s > 0:
             raise ValueError(f"ScaleConfig.delay_s must be > 0, got {self.delay_s}")
+        if not self.idle_s > 0:
+            raise ValueError(f"ScaleConfig.idle_s must be > 0, got {self.idle_s}")
 
     def resolved(self) -> "ScaleConfig":
         if not self.smoke:
             return self
         return dataclasses.replace(self, workers=[4], repeats=1, requests=400, baseline_requests=100, batch=50,
-                                   ranks=2, prompts_per_rank=8, rollouts=4, steps=2)
+                                   ranks=2, prompts_per_rank=8, rollouts=4, steps=2, idle_s=0.5)
 
 
 def _stand_in_worker_class() -> Any:
@@ -272,6 +279,9 @@ class Bench:
         sampling = SamplingConfig(n=1, max_tokens=_OUTPUT_TOKENS)
         prompts = [Sample(input_token_ids=list(_PROMPT_TOKENS), gt_answer="1", prompt_id=i) for i in range(count)]
         pid = self.registry_pid(registry)
+        idle_started, idle_cpu_before = time.perf_counter(), _cpu_s(pid)
+        time.sleep(self.config.idle_s)
+        idle_rate = (_cpu_s(pid) - idle_cpu_before) / (time.perf_counter() - idle_started)
         cpu_before = _cpu_s(pid)
         started = time.perf_counter()
         if batched:
@@ -290,7 +300,8 @@ class Bench:
         elapsed = time.perf_counter() - started
         cpu = _cpu_s(pid) - cpu_before
         assert [r[0].prompt_id for r in results] == list(range(count)), "a request got another one's answer"
-        return {"routed_per_s": count / elapsed, "registry_cpu_us": 1e6 * cpu / count}
+        return {"routed_per_s": count / elapsed, "registry_cpu_us": 1e6 * cpu / count,
+                "routing_cpu_us": 1e6 * max(0.0, cpu - idle_rate * elapsed) / count}
 
     def batcher(self, registry: Any, batched: bool) -> dict[str, float]:
         """One batcher run; batcher_samples_per_s."""
@@ -370,15 +381,17 @@ def main(argv: list[str] | None = None) -> int:
             runs = measure(bench, count)
             base, new = runs["per_request"], runs["batched"]
             ratio = statistics.median(new["routed_per_s"]) / statistics.median(base["routed_per_s"])
-            capacity = 1e6 / statistics.median(new["registry_cpu_us"])
+            capacity = 1e6 / statistics.median(new["routing_cpu_us"])
             print(f"N={count}: routed_per_s batched {_summary(new['routed_per_s'])} vs per_request "
                   f"{_summary(base['routed_per_s'])} (x{ratio:.1f}); registry_cpu_us batched "
                   f"{statistics.median(new['registry_cpu_us']):.0f} vs per_request "
-                  f"{statistics.median(base['registry_cpu_us']):.0f} (one core: {capacity:,.0f} requests/s, target "
+                  f"{statistics.median(base['registry_cpu_us']):.0f}; routing_cpu_us batched "
+                  f"{statistics.median(new['routing_cpu_us']):.0f} (one core: {capacity:,.0f} requests/s, target "
                   f"{_TARGET_ROUTED_PER_S:,}); batcher_samples_per_s batched {_summary(new['batcher_samples_per_s'])} "
                   f"vs per_request {_summary(base['batcher_samples_per_s'])}; load {_load()}", flush=True)
             final.append(f"N={count}:routed_per_s={statistics.median(new['routed_per_s']):.0f},"
                          f"routed_ratio={ratio:.2f},registry_cpu_us={statistics.median(new['registry_cpu_us']):.1f},"
+                         f"routing_cpu_us={statistics.median(new['routing_cpu_us']):.1f},"
                          f"batcher_samples_per_s={statistics.median(new['batcher_samples_per_s']):.0f},"
                          f"baseline_batcher_samples_per_s={statistics.median(base['batcher_samples_per_s']):.0f}")
         print("scale: " + " ".join(final), flush=True)

@@ -19,7 +19,8 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The smoke run takes ~50 s on an idle 2-core machine; a busy one may take several times that.
 _SMOKE_BOUND_S = 900
-_FIGURES = ("routed_per_s", "routed_ratio", "registry_cpu_us", "batcher_samples_per_s", "baseline_batcher_samples_per_s")
+_FIGURES = ("routed_per_s", "routed_ratio", "registry_cpu_us", "routing_cpu_us", "batcher_samples_per_s",
+            "baseline_batcher_samples_per_s")
 
 
 @pytest.mark.system
@@ -32,4 +33,6 @@ def test_scale_benchmark_smoke_mode_reports_every_figure() -> None:
     assert last.startswith("scale: N=4:"), last
     figures = dict(pair.split("=") for pair in last.split(":", 2)[2].split(","))
     assert sorted(figures) == sorted(_FIGURES)
-    assert all(float(value) > 0 for value in figures.values()), figures
+    # routing_cpu_us is the registry's CPU less its idle rate: a few hundred requests may not rise above it.
+    assert all(float(value) > 0 for name, value in figures.items() if name != "routing_cpu_us"), figures
+    assert float(figures["routing_cpu_us"]) >= 0, figures

@@ -285,6 +285,7 @@ _INFO_RECORD = re.compile(r"\bINFO ([\w.]+: |[\w.]+\.py:\d+ |\d\d-\d\d )")
 
 @pytest.mark.vllm
 @pytest.mark.distributed
+@pytest.mark.system
 def test_a_real_run_prints_progress_evaluations_and_the_summary_only(demo_assets: Path, tmp_path: Path) -> None:
     from dataset import write_arithmetic_table
 

@@ -20,7 +20,7 @@ from local_cluster import LocalCluster, LocalClusterConfig
 from metrics import read_metrics
 from ray_env import GENERATION, RAY_NAMESPACE, registry_name
 
-pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
+pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORLD_SIZE = 2
@@ -95,9 +95,12 @@ def test_few_steps_train_push_and_log(cluster: LocalCluster, demo_assets: Path, 
     from dataset import write_arithmetic_table
 
     table = write_arithmetic_table(tmp_path / "eval.jsonl", max_operand=2)  # 9 held-out prompts
+    # Beside math-verify, a second reward function that raises on every rollout (the arithmetic
+    # records carry no `tests`): the failures must reach each step's record, counted by reason.
     records = _train(cluster, demo_assets, tmp_path / "run", "--num_steps", "3", "--max_lag", "1",
                      "--sampling.n", "8", "--eval.every", "2", "--eval.data.path", str(table),
-                     "--eval.pass_k", "2")
+                     "--eval.pass_k", "2", "--sampling.reward.functions", "math_verifier:math_verify_reward",
+                     "code_reward:run_tests")
     assert [r["step"] for r in records] == [0, 1, 2]
     # Evaluated after step 1 (every 2) and after the last step, on the weights pushed by then.
     assert ["eval/accuracy" in r for r in records] == [False, True, True]
@@ -111,6 +114,11 @@ def test_few_steps_train_push_and_log(cluster: LocalCluster, demo_assets: Path, 
         if record["counts/zero_advantage_samples"] < record["counts/samples"]:
             assert record["optim/grad_norm"] > 0, record
         assert 0.0 <= record["reward/mean"] <= 1.0
+        # Every rollout failed run_tests ("raised"); nothing is dropped after scoring, so the
+        # batcher's per-reason count equals the trainer's count of flagged trained samples.
+        assert record["counts/reward_failures/run_tests/raised"] == record["counts/reward_failures"]
+        assert record["counts/reward_failures"] == record["counts/reward_failed"] == record["counts/samples"]
+        assert record["reward/run_tests"] == 0.0
     assert any(r["counts/zero_advantage_samples"] < r["counts/samples"] for r in records), "no step had a signal"
     # Weights changed, and the generation worker reports the final version.
     final = _load_weights(latest_checkpoint(tmp_path / "run"))

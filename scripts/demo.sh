@@ -16,6 +16,13 @@ cd "$(dirname "$0")/.."
 COMMAND_STARTED_AT=$(date +%s.%N)
 bash scripts/install_cpu.sh
 PY=.venv/bin/python
+for arg in "$@"; do
+  if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then
+    sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'  # this header, then the trainer's flags
+    echo
+    exec $PY trainer_core.py --help
+  fi
+done
 ASSETS=${DEMO_ASSETS:-runs/demo-assets}
 RUN_DIR=${DEMO_RUN_DIR:-runs/demo}
 

@@ -8,6 +8,11 @@ workers exactly as an operator would (`python worker_dispatcher.py --mode ...`, 
 each, waiting for `worker <name> registered`), runs `torchrun trainer_core.py`, and stops
 everything it started on exit, Ctrl-C or failure. Owning the head in-process (rather than
 `ray start` / `ray stop`) means stopping never touches another Ray cluster on the machine.
+
+The console (docs/console.md) gets two start-up lines, warnings (its dispatchers' too) and the
+trainer's progress and summary; every INFO line goes to <run_dir>/run.log, and each worker's
+output (Ray's and vLLM's start-up included) to <log_dir>/<kind>-<i>_worker.log. The trainer's
+--log_level sets this console's level too.
 """
 
 from __future__ import annotations

@@ -32,16 +32,28 @@ def _config(**overrides) -> SandboxConfig:
 
 
 def _processes_of_uid_range() -> list[int]:
-    """Pids of live processes whose effective uid is in the sandbox's range."""
+    """Pids of live processes whose effective uid is in the sandbox's range. A zombie is not live
+    (it runs nothing and holds nothing; the machine's pid 1 reaps it a second or two later), and
+    is read here from its state letter independently of sandbox._is_dead."""
     found = []
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
-                if os.stat(f"/proc/{name}").st_uid >= sandbox._UID_BASE:
+                if os.stat(f"/proc/{name}").st_uid >= sandbox._UID_BASE and any(
+                        _thread_state(name, task) not in ("Z", "X", None) for task in os.listdir(f"/proc/{name}/task")):
                     found.append(int(name))
             except OSError:
                 continue
     return found
+
+
+def _thread_state(pid: str, task: str) -> str | None:
+    """The state letter of one thread from its status file; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{task}/status") as status:
+            return next(line for line in status if line.startswith("State:")).split()[1]
+    except OSError:
+        return None
 
 
 def test_a_plain_program_reads_stdin_and_its_files():

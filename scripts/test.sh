@@ -1,8 +1,53 @@
 #!/usr/bin/env bash
-# The README's test command: install into ./.venv if needed, then run the whole suite on CPU.
-# Exits non-zero on any failure (and on "no tests collected").
+# The README's test command: install into ./.venv if needed, then run the suite on CPU, one
+# pytest process per tier (tests/conftest.py says what each tier holds), so no test depends on
+# which modules ran before it in the same process.
+#
+#   bash scripts/test.sh                 # every tier (what CI runs)
+#   bash scripts/test.sh --fast          # the pure, single-process tier only (a few minutes)
+#   bash scripts/test.sh tests/test_x.py -k name   # anything else: one pytest run with these arguments
+#
+# Exits non-zero on any failure (and on "no tests collected"), after running every tier.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install_cpu.sh
 export PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest "$@"
+
+if [[ $# -gt 0 && "$1" != "--fast" ]]; then
+    exec .venv/bin/python -m pytest "$@"
+fi
+
+# tier name, then its marker expression: each test runs in exactly one tier (the last of
+# ray < vllm < distributed < system < gpu that it carries; unmarked tests are fast).
+tiers=(
+    "fast" "not (ray or vllm or distributed or system or gpu)"
+    "ray" "ray and not (vllm or distributed or system or gpu)"
+    "vllm" "vllm and not (distributed or system or gpu)"
+    "distributed" "distributed and not (system or gpu)"
+    "system" "system and not gpu"
+    "gpu" "gpu"
+)
+if [[ "${1:-}" == "--fast" ]]; then
+    tiers=("${tiers[@]:0:2}")
+fi
+
+failed=()
+started=$SECONDS
+for ((i = 0; i < ${#tiers[@]}; i += 2)); do
+    name=${tiers[i]}
+    expression=${tiers[i + 1]}
+    echo "=== tier ${name}: -m \"${expression}\""
+    tier_started=$SECONDS
+    rc=0
+    .venv/bin/python -m pytest -m "${expression}" --durations=25 || rc=$?
+    # 5: nothing selected (the gpu tier on a machine whose tests all carry other tiers).
+    if [[ $rc -ne 0 && !( $rc -eq 5 && "$name" == "gpu" ) ]]; then
+        failed+=("${name} (exit ${rc})")
+    fi
+    echo "=== tier ${name}: exit ${rc} in $((SECONDS - tier_started)) s"
+done
+echo "=== all tiers: $((SECONDS - started)) s"
+if [[ ${#failed[@]} -gt 0 ]]; then
+    echo "FAILED tiers: ${failed[*]}" >&2
+    exit 1
+fi

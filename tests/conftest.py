@@ -1,5 +1,18 @@
-"""Shared fixtures: the tiny model and the demo's assets written once per session, and a local
-Ray cluster."""
+"""Shared fixtures (the tiny model and the demo's assets written once per session, a local Ray
+cluster) and the test tiers.
+
+Tiers (markers; scripts/test.sh runs each in its own pytest process, `--fast` only the first):
+- fast (no marker): pure and single-process: no child process, no Ray, no process group.
+- ray: uses the session's local Ray cluster (applied from the `ray_local` fixture).
+- vllm: starts a real vLLM engine.
+- distributed: launches torch.distributed process groups (torchrun or spawned ranks).
+- system: starts child processes: whole programs (local_cluster.py, `ray start`, scripts,
+  benchmarks, pip), sandboxed programs, verifier process pools.
+- gpu: needs a CUDA device (skipped on CPU machines).
+A test with several markers runs in the last tier of that list that it carries (see TIER_ORDER).
+An unmarked test that starts a process, Ray or a process group fails with a line saying which
+marker it needs, so a slow test cannot slip into the fast tier unseen.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +22,56 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 TEST_NAMESPACE = "grpo-tests"
+
+TIER_ORDER = ("ray", "vllm", "distributed", "system", "gpu")
+"""The tier markers, cheapest first; scripts/test.sh selects on them in this order."""
+FIXTURE_TIERS = {"ray_local": "ray"}
+"""Markers that follow from a fixture a test uses."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture, marker in FIXTURE_TIERS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(marker)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """In the fast tier, a test that starts a child process, Ray or a process group fails (at its
+    end: the start itself goes ahead, since refusing it inside a pool's thread would hang the test)."""
+    if any(request.node.get_closest_marker(marker) for marker in TIER_ORDER):
+        yield
+        return
+    import multiprocessing.process
+
+    seen: dict[str, str] = {}
+
+    def watch(owner: Any, name: str, what: str, needs: str) -> None:
+        original = getattr(owner, name)
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            seen.setdefault(what, needs)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, watched)
+
+    watch(subprocess.Popen, "__init__", "starts a child process", "system")
+    watch(multiprocessing.process.BaseProcess, "start", "starts a child process", "system")
+    if "ray" in sys.modules:
+        watch(sys.modules["ray"], "init", "starts Ray", "ray (or use the ray_local fixture)")
+    if "torch.distributed" in sys.modules:
+        watch(sys.modules["torch.distributed"], "init_process_group", "starts a process group", "distributed")
+    yield
+    if seen:
+        what = ", ".join(seen)
+        pytest.fail(f"{request.node.nodeid} {what} but has no tier marker: mark it (or its module's pytestmark) "
+                    f"{' / '.join(sorted(set(seen.values())))} (tests/conftest.py lists the tiers)", pytrace=False)
 
 
 @pytest.fixture(scope="session")

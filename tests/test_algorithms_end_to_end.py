@@ -21,7 +21,7 @@ import pytest
 from local_cluster import LocalCluster, LocalClusterConfig
 from metrics import read_metrics
 
-pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
+pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAINER_TIMEOUT_S = 600

@@ -41,7 +41,7 @@ from metrics import read_metrics
 from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
 from vllm_worker import weights_file_dir
 
-pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
+pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
 SEED = 11
 NUM_STEPS = 10

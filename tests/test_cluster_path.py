@@ -45,7 +45,7 @@ from ray_env import LOOPBACK_ONLY_ENV, repo_pythonpath
 from process_output import OutputLog
 from torchrun_launch import free_port
 
-pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
+pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DISPATCHER = str(REPO_ROOT / "worker_dispatcher.py")

@@ -32,6 +32,7 @@ def test_extract_program_takes_the_last_fenced_block():
     assert code_reward.extract_program("print(1)") == "print(1)"
 
 
+@pytest.mark.system
 def test_reward_is_the_fraction_of_tests_passed():
     right = code_reward.run_tests(**_call(_fenced("n = int(input())\nprint(n * n)")))
     assert right == {"pass_rate": 1.0, "solved": 1.0}
@@ -42,12 +43,14 @@ def test_reward_is_the_fraction_of_tests_passed():
     assert crashing["pass_rate"] == 0.0
 
 
+@pytest.mark.system
 def test_tests_may_come_as_json_text_and_must_exist():
     assert code_reward.run_tests(**_call("print(int(input())**2)", tests=json.dumps(SQUARE_TESTS)))["solved"] == 1.0
     with pytest.raises(ValueError, match="non-empty 'tests'"):
         code_reward.run_tests(**_call("print(1)", tests=[]))
 
 
+@pytest.mark.system
 def test_through_the_pool_hostile_programs_score_zero_in_bounded_time():
     programs = ["n = int(input())\nprint(n * n)", "while True:\n    pass",
                 "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",

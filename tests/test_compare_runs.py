@@ -85,6 +85,7 @@ def test_runs_without_command_marks_use_the_trainer_clock(tmp_path: Path) -> Non
     assert TRAINER_TIME in text
 
 
+@pytest.mark.system
 def test_compare_command_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     fast = _write_run(tmp_path / "fast", FAST, 10.0)
     slow = _write_run(tmp_path / "slow", SLOW, 30.0)

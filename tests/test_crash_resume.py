@@ -29,7 +29,7 @@ from dataset import InfiniteDistributedSampler, write_arithmetic_dataset
 from local_cluster import LocalCluster, LocalClusterConfig, free_port
 from ray_env import BATCHER_ACTOR_NAME, RAY_NAMESPACE
 
-pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
+pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORLD_SIZE = 2

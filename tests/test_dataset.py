@@ -208,6 +208,7 @@ def test_arithmetic_table_holds_every_problem_exactly_once(tmp_path: Path, token
         write_arithmetic_table(tmp_path / "bad.jsonl", min_operand=5, max_operand=2)
 
 
+@pytest.mark.system
 def test_arithmetic_cli_writes_the_same_file(tmp_path: Path) -> None:
     out = tmp_path / "cli.jsonl"
     subprocess.run(
@@ -679,6 +680,7 @@ def test_a_failing_chat_template_names_the_record_and_the_model(tmp_path: Path, 
     assert "System role not supported" in str(info.value)
 
 
+@pytest.mark.system
 def test_check_command_reports_a_gsm8k_parquet_file_with_a_chat_template(tmp_path: Path, chat_model_dir: Path) -> None:
     path = _write_parquet(tmp_path / "gsm8k.parquet", [{"question": "1+1=", "answer": "#### 2"}, GSM8K_RECORDS[1]])
     done = subprocess.run(

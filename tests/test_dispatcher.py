@@ -136,6 +136,7 @@ def test_token_auth_turns_on_only_when_a_token_exists_and_the_mode_is_unset(tmp_
     assert not ray_auth_token_exists(missing)
 
 
+@pytest.mark.system
 def test_importing_the_dispatcher_leaves_the_auth_mode_alone(tmp_path):
     # Importing must not set RAY_AUTH_MODE: every child of the importer (a Ray head's GCS started
     # by ray.init in a test process) would inherit token mode while the importer's Ray, imported

@@ -21,7 +21,7 @@ from local_cluster import LocalCluster, LocalClusterConfig
 from test_end_to_end import _generation_versions, _train
 from weight_sync import read_stable_marker
 
-pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
+pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
 LORA_RANK = 8
 LORA_FLAGS = ["--model.lora.r", str(LORA_RANK), "--model.lora.alpha", "16", "--optim.lr", "5e-3"]

@@ -64,6 +64,7 @@ def test_check_model_dir_names_the_path_and_what_is_missing(tmp_path: Path, tiny
         load_tokenizer("/nonexistent/Qwen2.5-0.5B")
 
 
+@pytest.mark.system
 def test_trainer_reports_a_missing_model_path_before_any_start_up(tmp_path: Path) -> None:
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(_good_lines(4)) + "\n")
@@ -73,6 +74,7 @@ def test_trainer_reports_a_missing_model_path_before_any_start_up(tmp_path: Path
     assert not (tmp_path / "run").exists()  # stopped before making its run directory
 
 
+@pytest.mark.system
 def test_trainer_reports_a_bad_line_with_file_and_line_before_any_start_up(tmp_path: Path, tiny_model_dir: Path) -> None:
     data = tmp_path / "data.jsonl"
     lines = _good_lines(6) + ['{"prompt": "7+1=", "gt_answer": 8}']  # line 7: the answer is not a string
@@ -83,6 +85,7 @@ def test_trainer_reports_a_bad_line_with_file_and_line_before_any_start_up(tmp_p
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.system
 def test_local_cluster_checks_the_trainer_inputs_before_starting_ray_or_workers(
         tmp_path: Path, tiny_model_dir: Path) -> None:
     data = tmp_path / "data.jsonl"
@@ -101,6 +104,7 @@ def test_local_cluster_checks_the_trainer_inputs_before_starting_ray_or_workers(
     assert "TrainerConfig.max_tokens_per_gpu=3 is below" in _one_line(bad_budget)
 
 
+@pytest.mark.system
 def test_dispatcher_reports_a_folder_that_is_not_a_model_before_joining_ray(tmp_path: Path) -> None:
     folder = tmp_path / "weights-only"
     folder.mkdir()

@@ -120,6 +120,7 @@ def test_pyproject_lists_every_top_level_module():
                                     f"extra {sorted(listed - set(MODULES))}")
 
 
+@pytest.mark.system
 def test_a_non_editable_install_imports_from_another_directory(tmp_path):
     """`pip install .` (no editable link), then every entry point imports with the checkout off the path."""
     source = tmp_path / "source"

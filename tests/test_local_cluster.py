@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from local_cluster import stop_process_group
 
 # Leader: start a child that sleeps (optionally ignoring SIGTERM), print its pid, sleep.
@@ -60,6 +62,7 @@ def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
     return False
 
 
+@pytest.mark.system
 def test_stop_reaches_the_children_of_the_leader() -> None:
     leader, child_pid = _start_tree("obey")
     stop_process_group(leader, grace_s=10.0)
@@ -67,6 +70,7 @@ def test_stop_reaches_the_children_of_the_leader() -> None:
     assert _wait_gone(child_pid), "the leader's child outlived stop_process_group"
 
 
+@pytest.mark.system
 def test_members_ignoring_sigterm_are_killed_after_the_grace_period() -> None:
     leader, child_pid = _start_tree("ignore")
     started = time.monotonic()
@@ -78,6 +82,7 @@ def test_members_ignoring_sigterm_are_killed_after_the_grace_period() -> None:
     assert _wait_gone(child_pid)
 
 
+@pytest.mark.system
 def test_a_child_in_its_own_session_is_stopped_too() -> None:
     # As torch 2.13's torchrun starts each rank: a new session, outside the leader's process group
     # (and this one ignores SIGTERM, so only the final SIGKILL by pid can stop it).
@@ -87,6 +92,7 @@ def test_a_child_in_its_own_session_is_stopped_too() -> None:
     assert _wait_gone(child_pid), "a rank in its own session outlived stop_process_group"
 
 
+@pytest.mark.system
 def test_stopping_a_finished_group_is_a_no_op() -> None:
     done = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
     done.wait()

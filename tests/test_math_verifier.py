@@ -214,6 +214,7 @@ def test_empty_batch_and_bad_arguments(pool: VerifierPool) -> None:
         VerifierPool(num_processes=1, timeout_s=float("nan"))
 
 
+@pytest.mark.system
 def test_repeated_completions_are_verified_once_and_the_cache_is_lru() -> None:
     with VerifierPool(num_processes=2, timeout_s=NORMAL_TIMEOUT_S, cache_size=3) as verifier:
         first = verifier.score_sync(["7", "8", "7", "no idea", "7", "8"], "7")
@@ -234,6 +235,7 @@ def test_repeated_completions_are_verified_once_and_the_cache_is_lru() -> None:
         VerifierPool(num_processes=1, timeout_s=1.0, cache_size=-1)
 
 
+@pytest.mark.system
 def test_hostile_outputs_time_out_and_the_replacement_serves() -> None:
     """One process, pre-checks off: every sample after a timeout is served by a fresh process."""
     before = _pool_children()
@@ -259,6 +261,7 @@ def test_hostile_outputs_time_out_and_the_replacement_serves() -> None:
         verifier.score_sync(["7"], "7")
 
 
+@pytest.mark.system
 def test_normal_samples_flow_beside_timeouts() -> None:
     """Two processes, a hostile sample (pre-checks off) in the same call: the others are scored
     right, in order."""
@@ -268,6 +271,7 @@ def test_normal_samples_flow_beside_timeouts() -> None:
         assert verifier.stats()["timeouts"] == 1
 
 
+@pytest.mark.system
 def test_a_running_hostile_sample_does_not_hold_back_other_calls() -> None:
     """While one process is stuck on a hostile sample (pre-checks off, 60 s deadline), another call's samples are
     all scored by the other process: the call returns while the hostile one is still running."""
@@ -290,6 +294,7 @@ def test_a_running_hostile_sample_does_not_hold_back_other_calls() -> None:
         assert verifier.stats()["timeouts"] == 0
 
 
+@pytest.mark.system
 def test_known_hostile_shapes_are_rejected_without_a_process() -> None:
     """One process and a 60 s deadline: had any of these reached math-verify, the call would end
     in a timeout. They are rejected with the cap they broke, and counted."""
@@ -455,6 +460,7 @@ def test_shortcuts_never_change_a_verdict_on_ordinary_inputs() -> None:
         assert score_completion(completion, gold) == verify_with_math_verify(completion, gold), (completion, gold)
 
 
+@pytest.mark.system
 def test_without_the_fast_path_plain_numbers_go_to_math_verify() -> None:
     with VerifierPool(num_processes=1, timeout_s=NORMAL_TIMEOUT_S, fast_path=False) as verifier:
         assert verifier.score_sync(["\\boxed{7.0}", "8", "\\boxed{5^{5^{5^5}}}"], "7") == [
@@ -476,6 +482,7 @@ def test_pool_config_defaults_and_validation(monkeypatch) -> None:
         AnswerLimits(max_nesting_depth=0)
 
 
+@pytest.mark.system
 def test_process_killed_mid_sample_is_reported_and_replaced() -> None:
     before = _pool_children()
     with VerifierPool(num_processes=1, timeout_s=60.0, limits=NO_LIMITS) as verifier:

@@ -62,6 +62,7 @@ def test_the_tasks_own_scorer_is_the_default_reward():
     assert extract_answer("think <answer>1</answer> then <answer> 2 </answer>") == "2"
 
 
+@pytest.mark.system
 def test_scored_in_the_pool_under_its_deadline():
     records = reasoning_gym_records(ReasoningGymConfig(tasks=TASKS, size=4, seed=1))
     calls = [{"prompt": {**r, "gt_answer": r["answer"]}, "completion": text, "token_ids": [], "metadata": {}}

@@ -123,6 +123,7 @@ def test_math_verify_is_one_such_function(pool):
     ("exits", "crash: verifier process died", "function_crashes"),
     ("batch_too_short", "bad_return: batched function returned 1 results for 2", "function_bad_returns"),
 ])
+@pytest.mark.system
 def test_a_misbehaving_function_scores_zero_with_its_reason_and_the_pool_serves_on(pool, name, kind, counter):
     before = pool.stats()
     start = time.monotonic()
@@ -138,6 +139,7 @@ def test_a_misbehaving_function_scores_zero_with_its_reason_and_the_pool_serves_
     assert pool.score_sync(["\\boxed{7}"], "7")[0].reward == 1.0
 
 
+@pytest.mark.system
 def test_hostile_samples_cost_their_deadline_and_spare_the_others(pool):
     calls = [_call("hang"), _call("fine"), _call("raise"), _call("fine")]
     scores = pool.score_function_sync(f"{PLUGINS}:hostile_by_text", calls)
@@ -145,6 +147,7 @@ def test_hostile_samples_cost_their_deadline_and_spare_the_others(pool):
                                                                    (1.0, "")]
 
 
+@pytest.mark.system
 def test_a_per_call_deadline_overrides_the_pools(pool):
     start = time.monotonic()
     (score,) = pool.score_function_sync(f"{PLUGINS}:hangs", [_call("7")], timeout_s=0.2)
@@ -278,6 +281,7 @@ def _step_metrics(pool, texts_of: dict[int, list[str]], reward: RewardConfig) ->
     return asyncio.run(scenario())
 
 
+@pytest.mark.system
 def test_each_failure_reason_of_a_function_is_counted_in_the_step_metrics(pool):
     name = "fails_as_told"
     reward = RewardConfig(functions=(f"{PLUGINS}:{name}", f"{PLUGINS}:exact"))

@@ -56,30 +56,35 @@ def _thread_state(pid: str, task: str) -> str | None:
         return None
 
 
+@pytest.mark.system
 def test_a_plain_program_reads_stdin_and_its_files():
     program = "data = open('table.txt').read()\nprint(int(input()) * 2, data.strip())"
     result = run_python(program, stdin="21\n", config=_config(), files={"table.txt": "hello\n"})
     assert (result.outcome, result.exit_code, result.stdout) == ("ok", 0, "42 hello\n")
 
 
+@pytest.mark.system
 def test_a_crashing_program_is_an_error_with_its_traceback():
     result = run_python("raise ValueError('nope')", config=_config())
     assert (result.outcome, result.exit_code) == ("error", 1)
     assert "ValueError: nope" in result.stderr
 
 
+@pytest.mark.system
 def test_an_infinite_loop_is_killed_at_the_deadline():
     result = run_python("while True:\n    pass", config=_config(cpu_time_s=60))
     assert result.outcome == "timeout" and result.exit_code is None
     assert DEADLINE_S <= result.wall_s < DEADLINE_S + SLACK_S
 
 
+@pytest.mark.system
 def test_a_cpu_burner_hits_the_cpu_limit_before_a_longer_deadline():
     result = run_python("while True:\n    pass", config=SandboxConfig(timeout_s=30.0, cpu_time_s=1))
     assert result.outcome == "cpu_limit", result
     assert result.wall_s < 30.0
 
 
+@pytest.mark.system
 @needs_own_uid
 def test_a_fork_bomb_is_capped_and_leaves_no_process_behind():
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
@@ -89,6 +94,7 @@ def test_a_fork_bomb_is_capped_and_leaves_no_process_behind():
     assert _processes_of_uid_range() == []
 
 
+@pytest.mark.system
 @needs_namespaces
 def test_children_that_leave_the_session_die_with_the_run():
     # setsid() escapes a process-group kill; the PID namespace's teardown still reaches it.
@@ -111,12 +117,14 @@ def _cmdline(proc: Path) -> str:
         return ""
 
 
+@pytest.mark.system
 def test_a_memory_hog_gets_memory_error_not_the_machine():
     result = run_python("x = bytearray(8 * 1024 ** 3)\nprint('allocated')", config=_config(memory_bytes=256 * 2**20))
     assert result.outcome == "memory_limit"
     assert "allocated" not in result.stdout
 
 
+@pytest.mark.system
 def test_a_gradual_memory_hog_is_stopped_too():
     program = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 1024 ** 2))"
     result = run_python(program, config=_config(memory_bytes=256 * 2**20))
@@ -124,6 +132,7 @@ def test_a_gradual_memory_hog_is_stopped_too():
     assert result.wall_s < DEADLINE_S + SLACK_S
 
 
+@pytest.mark.system
 def test_100_mb_of_output_is_cut_at_the_cap_and_killed():
     program = "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 1_000_000)"
     result = run_python(program, config=_config(max_output_bytes=65536))
@@ -132,6 +141,7 @@ def test_100_mb_of_output_is_cut_at_the_cap_and_killed():
     assert result.wall_s < DEADLINE_S + SLACK_S
 
 
+@pytest.mark.system
 def test_a_file_larger_than_the_file_limit_cannot_be_written():
     program = "with open('big.bin', 'wb') as f:\n    f.write(b'x' * 4_000_000)"
     result = run_python(program, config=_config(max_file_bytes=1_000_000))
@@ -139,6 +149,7 @@ def test_a_file_larger_than_the_file_limit_cannot_be_written():
     assert result.outcome != "ok"
 
 
+@pytest.mark.system
 @needs_own_uid
 def test_the_kernel_refuses_writes_to_root_owned_paths(tmp_path):
     target = tmp_path / "pwned.txt"
@@ -148,6 +159,7 @@ def test_the_kernel_refuses_writes_to_root_owned_paths(tmp_path):
     assert not target.exists()
 
 
+@pytest.mark.system
 def test_the_audit_hook_refuses_writes_outside_the_directory():
     # /tmp is world-writable, so only the Python layer stops this one.
     target = Path("/tmp") / f"sandbox-escape-{uuid.uuid4().hex}"
@@ -160,6 +172,7 @@ def test_the_audit_hook_refuses_writes_outside_the_directory():
         assert not target.exists(), program
 
 
+@pytest.mark.system
 def test_writes_inside_the_directory_work_and_the_directory_is_removed():
     program = "import os\nopen('out.txt', 'w').write('hi')\nos.mkdir('sub')\nprint(os.getcwd())"
     result = run_python(program, config=_config())
@@ -186,6 +199,7 @@ def _listener() -> tuple[socket.socket, list[socket.socket]]:
     return server, accepted
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("guards", [True, False], ids=["audit_hook", "kernel_only"])
 def test_a_socket_reaches_nothing(guards):
     if not guards and not LAYERS.namespaces:
@@ -200,6 +214,7 @@ def test_a_socket_reaches_nothing(guards):
     assert accepted == []
 
 
+@pytest.mark.system
 def test_the_environment_is_not_inherited(monkeypatch):
     monkeypatch.setenv("SECRET_TOKEN", "do-not-leak")
     result = run_python("import os\nprint(os.environ.get('SECRET_TOKEN'), os.environ['HOME'] == os.getcwd())",
@@ -224,6 +239,7 @@ def test_no_sandbox_process_outlives_the_tests():
     assert os.geteuid() != sandbox._UID_BASE
 
 
+@pytest.mark.system
 def test_installed_packages_only_with_site_packages():
     program = "import numpy\nprint(numpy.__name__)"
     assert run_python(program, config=_config()).outcome == "error"

@@ -50,6 +50,7 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
 
 
+@pytest.mark.system
 def test_wandb_and_mlflow_hold_every_metric_the_config_and_the_plot(tmp_path: Path, offline: None) -> None:
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -93,6 +94,7 @@ def test_wandb_and_mlflow_hold_every_metric_the_config_and_the_plot(tmp_path: Pa
     assert [(e.step, e.value) for e in events.Scalars("eval/pass@4")] == [(1, 0.5), (3, 0.875)]
 
 
+@pytest.mark.system
 def test_a_tracker_that_cannot_start_costs_one_line_not_the_run(tmp_path: Path, offline: None,
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
@@ -151,6 +153,7 @@ def test_report_to_from_the_command_line_and_its_checks() -> None:
     assert {f.name: f.type for f in dataclasses.fields(TrainerConfig)}["metrics"] in (MetricsConfig, "MetricsConfig")
 
 
+@pytest.mark.system
 def test_trackio_holds_every_metric_the_config_and_the_plot(tmp_path: Path) -> None:
     """In child processes: trackio reads TRACKIO_DIR once, when first imported."""
     run_dir = tmp_path / "trackio-run"
@@ -191,6 +194,7 @@ _run(Path(sys.argv[1]), ("jsonl", "tensorboard", "wandb", "mlflow", "trackio"))
 """
 
 
+@pytest.mark.system
 def test_no_tracker_reaches_for_the_network(tmp_path: Path) -> None:
     tests, repo = Path(__file__).parent, Path(__file__).parent.parent
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", "CI", "MLFLOW_DISABLE_TELEMETRY",

@@ -19,7 +19,7 @@ from metrics import moving_average, read_metrics
 from trackers import flatten_config, mlflow_key
 from tracker_readers import trackio_run, wandb_offline_runs
 
-pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
+pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3

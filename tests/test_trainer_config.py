@@ -80,6 +80,7 @@ def _start_trainer(tmp_path: Path, *args: str, **env: str) -> subprocess.Complet
                           capture_output=True, text=True, timeout=START_TIMEOUT_S)
 
 
+@pytest.mark.system
 def test_no_arguments_says_how_to_pass_a_config(tmp_path: Path) -> None:
     done = _start_trainer(tmp_path)
     assert done.returncode == CONFIG_ERROR_EXIT != 0
@@ -90,6 +91,7 @@ def test_no_arguments_says_how_to_pass_a_config(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir())  # it stopped before making a run directory (or anything else)
 
 
+@pytest.mark.system
 def test_a_bad_config_is_one_line_printed_by_each_nodes_first_rank(tmp_path: Path) -> None:
     # Under torchrun every rank parses the command line: only LOCAL_RANK 0 prints, all exit non-zero.
     silent = _start_trainer(tmp_path, "--model.model_path", "m", LOCAL_RANK="1", RANK="1", WORLD_SIZE="2")
@@ -109,8 +111,10 @@ def test_a_bad_config_is_one_line_printed_by_each_nodes_first_rank(tmp_path: Pat
 def test_every_bundled_config_loads_into_the_trainer_config(config_file: str) -> None:
     """Each file under configs/ is a valid TrainerConfig (sections only, or whole runs), given the
     paths its header says to pass."""
-    config = load_config(TrainerConfig, ["--config", str(REPO_ROOT / "configs" / config_file),
-                                         "--model.model_path", "m", "--data.path", "d.jsonl",
+    path = REPO_ROOT / "configs" / config_file
+    generated = "format: reasoning_gym" in path.read_text()  # its prompts are generated: no data file
+    config = load_config(TrainerConfig, ["--config", str(path), "--model.model_path", "m",
+                                         *([] if generated else ["--data.path", "d.jsonl"]),
                                          "--eval.data.path", "e.jsonl"])
     assert config.data.max_prompt_tokens + config.sampling.max_tokens <= config.max_tokens_per_gpu
 

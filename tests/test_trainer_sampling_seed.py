@@ -102,6 +102,7 @@ def _engine_seeds(sampling: SamplingConfig) -> dict[tuple[int, int], int | None]
     return seeds
 
 
+@pytest.mark.system
 def test_engine_seeds_differ_per_step_and_prompt_and_repeat_on_a_rerun() -> None:
     seeds = _engine_seeds(SamplingConfig(n=N, seed=11))
     assert set(seeds) == {(s, p) for s in STEPS for p in PROMPT_IDS}

@@ -315,6 +315,7 @@ def test_generate_applies_the_soft_overlong_punishment() -> None:
     assert [s.reward for s in samples] == pytest.approx([1.0, 1.0, 1.0 - 0.125, 1.0 - 0.375, 0.0 - 0.5])
 
 
+@pytest.mark.system
 def test_sampling_params_carry_stops_and_keep_stop_strings() -> None:
     worker = GenerationWorker("unit", GenerationWorkerConfig(model_path="unused"), verifier=_RecordingVerifier())
     params = worker._sampling_params(SamplingConfig(n=2, stop=["</answer>", "\n\n"], stop_token_ids=[5, 9]), 0)

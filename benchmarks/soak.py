@@ -373,7 +373,11 @@ class SoakRun:
         return snapshot
 
     def _start_probe(self) -> None:
-        match = next((m for m in map(_RAY_HEAD.search, self.log.read_text(errors="replace").splitlines()) if m), None)
+        # local_cluster.py logs the head's address at INFO: in run_dir/run.log since the quiet
+        # console (in its console log with --log_level info).
+        lines = [line for path in (self.log, self.run_dir / "run.log") if path.exists()
+                 for line in path.read_text(errors="replace").splitlines()]
+        match = next((m for m in map(_RAY_HEAD.search, lines) if m), None)
         if match is None:
             return
         self.probe_path.unlink(missing_ok=True)

@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     check_environment(config)
     trainer_config = load_trainer_config(trainer_args)  # prints its one line and exits 2 itself
     setup_logging(config, trainer_config)
-    from metrics import CONSOLE, LOG_FILE  # torch and more: imported once the command line is good
+    from console import CONSOLE, LOG_FILE
     check_trainer_inputs(trainer_config, max_lora_rank=config.max_lora_rank)
     if config.teacher_workers:
         check_teacher_model(config.teacher_model_path, config.model_path)
@@ -573,7 +573,7 @@ def setup_logging(config: LocalClusterConfig, trainer_config: TrainerConfig) -> 
     run.log, beside rank 0's."""
     import importlib
 
-    from metrics import LOG_FILE, configure_logging
+    from console import LOG_FILE, configure_logging
 
     importlib.import_module("ray")  # Ray installs its own log handler when imported: import it first
 

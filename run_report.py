@@ -57,6 +57,7 @@ def first_reached(records: Sequence[dict[str, Any]], target: float, window: int 
 
 
 WINDOW = 10  # the README's "10-step mean reward"
+EVAL_PASS_AT_PREFIX = "eval/pass@"
 THRESHOLDS = (0.5, 0.6, 0.9)
 STARTED_FILE = "command_started_at"
 FINISHED_FILE = "command_finished_at"
@@ -292,3 +293,11 @@ def run_summary(run_dir: Path, window: int = WINDOW) -> str:
     dropped = drops_text(drop_counts(_records(run_dir)))
     return "\n".join([summary_line(summarize_run(run_dir, window=window), window), timing_line([run_dir]),
                       f"dropped or re-sent: {dropped or 'nothing'}"])
+
+
+def eval_series(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Evaluation keys to draw, found in any record: eval/accuracy, then each eval/pass@k by k."""
+    keys = {k for r in records for k in r}
+    pass_keys = [k for k in keys if k.startswith(EVAL_PASS_AT_PREFIX) and k.removeprefix(EVAL_PASS_AT_PREFIX).isdigit()]
+    pass_keys.sort(key=lambda k: int(k.removeprefix(EVAL_PASS_AT_PREFIX)))
+    return ([EVAL_ACCURACY] if EVAL_ACCURACY in keys else []) + pass_keys

@@ -37,10 +37,8 @@ from dataset import DatasetConfig, DatasetError, InfiniteDistributedSampler, loa
 from evaluation import EvalConfig, Evaluator
 from fsdp_setup import DistInfo, build_training_model, check_trainer_gpus, host_gpu_count, init_distributed
 from grpo_loss import LossConfig, grpo_loss, step_divisor
-from metrics import (
-    CONSOLE, LOG_FILE, LogLevel, MetricsConfig, MetricsLogger, StepAccumulator, StepDataLog, configure_logging,
-    log_run_summary,
-)
+from console import CONSOLE, LOG_FILE, LogLevel, configure_logging, log_run_summary
+from metrics import MetricsConfig, MetricsLogger, StepAccumulator, StepDataLog
 from optimizer import OptimConfig, build_optimizer, build_scheduler
 from ray_env import (
     GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name,

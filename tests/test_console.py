@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from local_cluster import DispatcherLogRelay, relayed
-from metrics import (
-    CONSOLE, LOG_FILE, ConsoleFilter, ConsoleProgress, DropWarnings, MetricsLogger, configure_logging, eval_line,
-    progress_text, read_metrics,
+from console import (
+    CONSOLE, LOG_FILE, ConsoleFilter, ConsoleProgress, DropWarnings, configure_logging, eval_line, progress_text,
 )
+from metrics import MetricsLogger, read_metrics
 from run_report import drop_counts, drops_text, run_summary, timing_line
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -143,7 +143,7 @@ def _record(reward: float, step_s: float = 1.0, **extra: float) -> dict[str, flo
 
 def test_plain_progress_prints_a_line_every_tenth_of_the_run(caplog: pytest.LogCaptureFixture) -> None:
     progress = ConsoleProgress(25, initial=5, interactive=False)  # a resumed run: 20 steps left, a line every 2
-    with caplog.at_level(logging.INFO, logger="metrics"):
+    with caplog.at_level(logging.INFO, logger="console"):
         for step in range(5, 25):
             extra = {"eval/accuracy": 0.5} if step == 10 else {}
             progress.update(step, _record(step / 100, **extra))

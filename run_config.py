@@ -227,3 +227,55 @@ def save_config(config: Any, path: Path) -> None:
     """Write the resolved config as YAML (loadable again with --config)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+
+
+def _type_name(tp: Any) -> str:
+    """A type as a reader writes it: `int`, `str | None`, `list[str]`, `'a' | 'b'`."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(arg) for arg in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(arg) for arg in typing.get_args(tp))
+    if origin is not None:
+        args = ", ".join(_type_name(arg) for arg in typing.get_args(tp))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    if tp is type(None):
+        return "None"
+    if tp is Ellipsis:
+        return "..."
+    return getattr(tp, "__name__", str(tp))
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def config_reference(cls: type, prefix: str = "") -> list[str]:
+    """Markdown for `cls` and each nested section: a heading, the class's docstring, and a table
+    of its fields (flag, type, default, the field's docstring). docs/config.md is made of these
+    (scripts/config_docs.py), so the reference cannot drift from the classes."""
+    docs = _field_docs(cls)
+    heading = f"`{prefix.rstrip('.')}` ({cls.__name__})" if prefix else cls.__name__
+    summary = " ".join((inspect.getdoc(cls) or "").split("\n\n")[0].split())
+    lines = [f"### {heading}", "", summary, "", "| flag | type | default | meaning |", "|---|---|---|---|"]
+    sections: list[tuple[str, type]] = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = _field_types(cls)[f.name]
+        if _is_dataclass_type(tp):
+            sections.append((f"{prefix}{f.name}.", tp))
+            lines.append(f"| `--{prefix}{f.name}.*` | section | | {_cell(docs.get(f.name, ''))} (below) |")
+            continue
+        if f.default_factory is not dataclasses.MISSING:
+            default = f"`{f.default_factory()!r}`"
+        elif f.default is dataclasses.MISSING:
+            default = "required"
+        else:
+            default = f"`{f.default!r}`"
+        lines.append(f"| `--{prefix}{f.name}` | `{_cell(_type_name(tp))}` | {_cell(default)} | "
+                     f"{_cell(docs.get(f.name, ''))} |")
+    lines.append("")
+    for section_prefix, section_cls in sections:
+        lines += config_reference(section_cls, section_prefix)
+    return lines

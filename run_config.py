@@ -161,14 +161,16 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def _field_default(f: dataclasses.Field) -> Any:
+    """The field's default value (its factory called), or dataclasses.MISSING when required."""
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def _flags(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
     """(dotted flag name, annotated type, help) of every leaf field, nested sections flattened."""
     flags = []
     docs = _field_docs(cls)
-    defaults = {
-        f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        for f in dataclasses.fields(cls)
-    }
+    defaults = {f.name: _field_default(f) for f in dataclasses.fields(cls)}
     for name, tp in _field_types(cls).items():
         dotted = f"{prefix}{name}"
         if _is_dataclass_type(tp):
@@ -267,12 +269,8 @@ def config_reference(cls: type, prefix: str = "") -> list[str]:
             sections.append((f"{prefix}{f.name}.", tp))
             lines.append(f"| `--{prefix}{f.name}.*` | section | | {_cell(docs.get(f.name, ''))} (below) |")
             continue
-        if f.default_factory is not dataclasses.MISSING:
-            default = f"`{f.default_factory()!r}`"
-        elif f.default is dataclasses.MISSING:
-            default = "required"
-        else:
-            default = f"`{f.default!r}`"
+        value = _field_default(f)
+        default = "required" if value is dataclasses.MISSING else f"`{value!r}`"
         lines.append(f"| `--{prefix}{f.name}` | `{_cell(_type_name(tp))}` | {_cell(default)} | "
                      f"{_cell(docs.get(f.name, ''))} |")
     lines.append("")

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
 from fsdp_setup import DistInfo
@@ -140,7 +141,7 @@ _Write = Callable[[], None]
 
 def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's own data of a (possibly DTensor) parameter or optimizer state."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _live_storages(model: nn.Module, optimizer: torch.optim.Optimizer) -> set[int]:
@@ -218,90 +219,112 @@ class _BackgroundWrite:
 
 
 class CheckpointWriter:
-    """Saves a run's checkpoints, in the training loop or (background=True) on a thread of rank 0.
+    """Saves a run's checkpoints in the training loop (BackgroundCheckpointWriter: on a thread).
 
-    Per checkpoint every rank calls `save` (collective: the snapshot), the trainer writes the
-    step's records, then every rank calls `commit` (the directory appears). At most one save is
-    in flight: the next `save` first waits for the previous one. `close` waits for the save in
-    flight (committing it only if `commit` was called) and must run before the process exits.
+    Per checkpoint every rank calls `save` (collective: the snapshot, written as it is gathered),
+    the trainer writes the step's records, then every rank calls `commit` (the directory appears;
+    every rank returns after it). `close` must run before the process exits.
     """
 
-    def __init__(self, run_dir: Path, source_model_path: str, dist: DistInfo, *, keep: int, background: bool) -> None:
+    def __init__(self, run_dir: Path, source_model_path: str, dist: DistInfo, *, keep: int) -> None:
         self._run_dir = Path(run_dir)
         self._source = source_model_path
         self._dist = dist
         self._keep = keep
-        self._background = background
-        self._in_flight: _BackgroundWrite | None = None
         self._pending: tuple[Path, Path] | None = None
-        """(tmp, final) of a synchronous save written but not committed."""
+        """(tmp, final) of a save written but not committed."""
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
              state: TrainerState) -> float:
-        """Collective: snapshot the trainer at `state.step` (and, unless background, write it to
-        the tmp directory). Returns the seconds this call blocked the caller, including the wait
-        for the previous background save."""
+        """Collective: snapshot the trainer at `state.step` into the tmp directory (this class
+        writes each part as soon as it is gathered; the background writer keeps them for its
+        thread). Returns the seconds this call blocked the caller, including any wait for the
+        previous save."""
         start = time.perf_counter()
         final = checkpoints_root(self._run_dir) / f"step_{state.step:06d}"
         tmp = final.with_name(final.name + ".tmp")
-        main = self._dist.rank == 0
+        main = self._dist.is_main
         if main:
             self.wait()
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        # Synchronously each part is written as soon as it is gathered and then dropped; in the
-        # background the whole snapshot is kept until the thread has written it.
-        run_now = not self._background
         writes: list[_Write] = []
-
-        def add(write: _Write) -> None:
-            if run_now:
-                write()
-            else:
-                writes.append(write)
-
         if is_lora_model(model):  # the frozen base is the source model itself: save the adapter only
             weights = gather_adapter(model)  # collective; fresh CPU copies on rank 0
             if main:
-                add(partial(write_adapter_folder, weights, adapter_config_json(model), tmp))
+                self._take(partial(write_adapter_folder, weights, adapter_config_json(model), tmp), writes)
         else:
             weights = gather_full_state_dict(model)  # collective; fresh CPU copies on rank 0
             if main:
-                add(partial(write_hf_folder, weights, inference_config(model, weights), tmp, self._source))
+                self._take(partial(write_hf_folder, weights, inference_config(model, weights), tmp, self._source),
+                           writes)
         del weights
         optim_state = get_optimizer_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         if main:
-            add(partial(torch.save, _owned(optim_state, _live_storages(model, optimizer)), tmp / OPTIMIZER_FILE))
+            self._take(partial(torch.save, _owned(optim_state, _live_storages(model, optimizer)), tmp / OPTIMIZER_FILE),
+                       writes)
         del optim_state
         rng_states: list[Any] = [None] * self._dist.world_size
         torch_dist.all_gather_object(rng_states, _rng_state())
         if main:
             saved = copy.deepcopy(state)
             saved.scheduler_state = _jsonable(scheduler.state_dict())
-            add(partial(_write_rng_and_state, rng_states, saved, tmp))
-            if self._background:
-                self._in_flight = _BackgroundWrite(writes, tmp, final, self._run_dir, self._keep)
-            else:
-                self._pending = (tmp, final)
+            self._take(partial(_write_rng_and_state, rng_states, saved, tmp), writes)
+            self._saved(writes, tmp, final)
         return time.perf_counter() - start
 
+    def _take(self, write: _Write, writes: list[_Write]) -> None:
+        """One part of a save, gathered: written now, so its tensors are dropped right after."""
+        write()
+
+    def _saved(self, writes: list[_Write], tmp: Path, final: Path) -> None:
+        """Rank 0, every part taken: the save waits for commit()."""
+        self._pending = (tmp, final)
+
     def commit(self) -> None:
-        """Collective: make the last save visible. Synchronous: renamed now, and every rank returns
-        after it; background: renamed by the thread once written (wait() to be sure)."""
-        if self._dist.rank == 0:
-            if self._in_flight is not None:
-                self._in_flight.decide(commit=True)
-            elif self._pending is not None:
-                _commit(*self._pending, self._run_dir, self._keep)
-                self._pending = None
-        if not self._background:
-            torch_dist.barrier()
+        """Collective: make the last save visible; every rank returns once it is renamed."""
+        if self._dist.is_main and self._pending is not None:
+            _commit(*self._pending, self._run_dir, self._keep)
+            self._pending = None
+        torch_dist.barrier()
 
     def wait(self) -> None:
-        """Rank 0: block until the background save in flight is on disk (committed, if commit()
-        was called; abandoned otherwise); raise the error it failed with. No-op elsewhere."""
+        """Block until no save is in flight (a no-op here: each save is done when save returns)."""
+
+    def close(self) -> None:
+        """Wait for the save in flight; call before exiting (also after an error)."""
+        self.wait()
+
+
+class BackgroundCheckpointWriter(CheckpointWriter):
+    """A CheckpointWriter whose rank 0 writes each save on a thread while training goes on.
+
+    The whole snapshot is kept until the thread has written it. At most one save is in flight:
+    the next `save` first waits for the previous one. `commit` returns at once (the thread renames
+    the directory once written); `close` waits for the save in flight, committing it only if
+    `commit` was called.
+    """
+
+    def __init__(self, run_dir: Path, source_model_path: str, dist: DistInfo, *, keep: int) -> None:
+        super().__init__(run_dir, source_model_path, dist, keep=keep)
+        self._in_flight: _BackgroundWrite | None = None
+
+    def _take(self, write: _Write, writes: list[_Write]) -> None:
+        writes.append(write)
+
+    def _saved(self, writes: list[_Write], tmp: Path, final: Path) -> None:
+        self._in_flight = _BackgroundWrite(writes, tmp, final, self._run_dir, self._keep)
+
+    def commit(self) -> None:
+        """Collective: the thread renames the last save once written (wait() to be sure)."""
+        if self._dist.is_main and self._in_flight is not None:
+            self._in_flight.decide(commit=True)
+
+    def wait(self) -> None:
+        """Rank 0: block until the save in flight is on disk (committed, if commit() was called;
+        abandoned otherwise); raise the error it failed with. No-op elsewhere."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return
@@ -310,15 +333,11 @@ class CheckpointWriter:
         if in_flight.error is not None:
             raise RuntimeError(f"background checkpoint save failed: {in_flight.error!r}") from in_flight.error
 
-    def close(self) -> None:
-        """Wait for the save in flight; call before exiting (also after an error)."""
-        self.wait()
-
 
 def save_checkpoint(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
                     state: TrainerState, source_model_path: str, dist: DistInfo, *, keep: int) -> Path:
     """Collective: a synchronous save, committed. Returns the final checkpoint path."""
-    writer = CheckpointWriter(run_dir, source_model_path, dist, keep=keep, background=False)
+    writer = CheckpointWriter(run_dir, source_model_path, dist, keep=keep)
     writer.save(model, optimizer, scheduler, state)
     writer.commit()
     return checkpoints_root(run_dir) / f"step_{state.step:06d}"
@@ -338,7 +357,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     """Collective: restore optimizer, scheduler and RNG (weights come from the HF files, or for
     a LoRA policy the adapter files, via build_training_model). Returns the trainer state."""
     state = TrainerState(**json.loads((path / _STATE_FILE).read_text()))
-    optim_full = torch.load(path / "optimizer.pt", weights_only=True) if dist.rank == 0 else {}
+    optim_full = torch.load(path / "optimizer.pt", weights_only=True) if dist.is_main else {}
     set_optimizer_state_dict(
         model, optimizer, optim_state_dict=optim_full,
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),

@@ -14,7 +14,7 @@ Two paths, chosen by TrainerConfig.data_path:
   at 8+ ranks per node keeps the object transfers to one process per node group and puts the
   fan-out on the interconnect (NCCL) instead.
 
-Ordering (the seed's two-phase protocol): the batcher refuses round i + 1 until round i was
+Ordering (a two-phase protocol: release, then acknowledge): the batcher refuses round i + 1 until round i was
 acknowledged, so a round is only ever released to a reader that holds the previous one whole;
 a rank starts a minibatch only after the scatter that carried it completed; and a step's
 EndOfStep arrives in its own round, after every round of data before it.
@@ -235,7 +235,7 @@ class Rank0DataPath:
     """
 
     def __init__(self, client: BatcherClient | None, prompts: Sequence[Sample], dist: DistInfo) -> None:
-        if dist.rank == 0 and client is None:
+        if dist.is_main and client is None:
             raise ValueError("Rank0DataPath: rank 0 needs the batcher client")
         self._client, self._prompts, self._dist = client, prompts, dist
         self._round: dict[int, int] = {}
@@ -253,7 +253,7 @@ class Rank0DataPath:
                                              round_index)
 
     def next_message(self, step: int, timeout_s: float) -> Received:
-        if self._dist.rank == 0:
+        if self._dist.is_main:
             return self._read_and_scatter(step, timeout_s)
         return self._receive(step)
 

@@ -144,7 +144,7 @@ def build_training_model(model_config: ModelConfig, dist_info: DistInfo,
     # other ranks build a parameter-less skeleton and receive their shards from it, so host
     # memory holds one full copy per node's rank 0, not one per rank.
     full_weights: dict[str, torch.Tensor] | None = None
-    if dist_info.rank == 0:
+    if dist_info.is_main:
         causal_lm = load_causal_lm(model_config.model_path, dtype=torch.float32, attn_implementation=attn)
     else:
         causal_lm = meta_causal_lm(model_config.model_path, attn_implementation=attn)
@@ -153,11 +153,11 @@ def build_training_model(model_config: ModelConfig, dist_info: DistInfo,
         causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if model_config.lora.enabled:
         causal_lm = apply_lora(causal_lm, model_config.lora, model_config.model_path)
-        if dist_info.rank == 0 and adapter_dir is not None:
+        if dist_info.is_main and adapter_dir is not None:
             load_adapter_weights(causal_lm, adapter_dir)
     elif adapter_dir is not None:
         raise ValueError(f"build_training_model: adapter_dir {adapter_dir} given but model.lora.r is 0")
-    if dist_info.rank == 0:
+    if dist_info.is_main:
         full_weights = {name: p.detach() for name, p in causal_lm.named_parameters()}
     causal_lm.train()
     mesh = init_device_mesh(dist_info.device.type, (dist_info.world_size,))

@@ -17,7 +17,7 @@ which makes any split of the step over ranks and minibatches equal one pass over
 r_t = pi(t) / pi_old(t) (ratio_level token), or with ratio_level sequence (GSPO) the sequence's
 geometric-mean ratio s_i = exp(mean_t log(pi(t) / pi_old(t))) for every token of sample i, with its
 own clip range. Without old logprobs pi_old is pi itself, detached, so r_t = 1 and the gradient is
-exactly that of the seed's -A_i log pi(t). w_t corrects for the sampler (vLLM, possibly stale
+exactly that of on-policy GRPO's -A_i log pi(t). w_t corrects for the sampler (vLLM, possibly stale
 weights) differing from the trainer (is_mode): 1 (none), min(rho_t, is_cap) (tis, truncated) or
 rho_t if rho_t <= is_cap else 0 (mis, masked), with rho_t = pi_old(t) / pi_sampler(t).
 """

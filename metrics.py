@@ -212,7 +212,8 @@ class MetricsConfig:
 
 class MetricsLogger:
     """Rank 0's sink: metrics.jsonl, the trackers of MetricsConfig.report_to (TensorBoard by
-    default) and the console (a progress bar, evaluation lines, drop warnings). No-op elsewhere.
+    default) and the console (a progress bar, evaluation lines, drop warnings). Other ranks hold a
+    DiscardedMetrics instead (open_metrics_sink picks).
 
     tensorboard=False turns TensorBoard off whatever report_to says (TrainerConfig.tensorboard).
     resume_step: the step a resumed run continues from. metrics.jsonl is cut back to the records
@@ -222,10 +223,9 @@ class MetricsLogger:
     to each tracker.
     """
 
-    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool, progress_total: int,
-                 progress_start: int = 0, progress_bar: bool = True, resume_step: int | None = None,
+    def __init__(self, run_dir: Path, *, tensorboard: bool, progress_total: int, progress_start: int = 0,
+                 progress_bar: bool = True, resume_step: int | None = None,
                  report: MetricsConfig | None = None) -> None:
-        self._enabled = enabled
         self._run_dir = run_dir
         self._start_time = time.time()
         self._time_offset = 0.0
@@ -234,8 +234,6 @@ class MetricsLogger:
         self._logged = False
         self._progress: ConsoleProgress | None = None
         self._drops = DropWarnings()
-        if not enabled:
-            return
         path = run_dir / "metrics.jsonl"
         if resume_step is not None:
             last = truncate_step_records(path, resume_step)
@@ -280,8 +278,6 @@ class MetricsLogger:
     def log(self, step: int, record: dict[str, float]) -> None:
         """Write one step's record. Keys may differ between steps (evaluation keys appear only on
         steps that evaluated): each JSONL line and tracker entry carries the keys it has."""
-        if not self._enabled:
-            return
         now = time.time()
         # time_s counts training time from the run's first start (see the module docstring);
         # unix_time lets a caller measure from elsewhere (the demo reports time from its
@@ -314,8 +310,6 @@ class MetricsLogger:
             self._progress.update(step, record)
 
     def close(self) -> None:
-        if not self._enabled:
-            return
         self._file.close()
         if self._trackers and self._logged:  # a run that stopped before its first step has no curve
             self._hand_over_plot()
@@ -335,6 +329,21 @@ class MetricsLogger:
             logger.warning("metrics: no reward plot for the trackers (%s)", one_line(exc))
             return
         self._call_trackers("the reward plot", lambda tracker: tracker.log_plot(plot))
+
+
+class DiscardedMetrics:
+    """Every rank but 0: a step's record is rank 0's to write, so the others' go nowhere."""
+
+    def log(self, step: int, record: dict[str, float]) -> None:
+        """Nothing: rank 0 logs the step."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+def open_metrics_sink(run_dir: Path, *, is_main: bool, **logger_options: Any) -> MetricsLogger | DiscardedMetrics:
+    """Rank 0 (`is_main`): a MetricsLogger with `logger_options`; any other rank: DiscardedMetrics."""
+    return MetricsLogger(run_dir, **logger_options) if is_main else DiscardedMetrics()
 
 
 class StepDataLog:

@@ -7,7 +7,7 @@ submits its prompts to the ExperienceBatcher, trains on the packed minibatches i
 they become ready, and after the optimizer step the new weights are pushed to the inference
 workers. Generation of the next `max_lag` steps overlaps training of the current one.
 
-Gradient scaling (the seed's exact-equivalence rule): each minibatch's loss is a sum over its
+Gradient scaling: each minibatch's loss is a sum over its
 samples (or tokens, see loss.aggregation); it is multiplied by world_size (FSDP averages
 gradients over ranks) and the summed gradients are divided by the step's divisor (its total
 sample count, output-token count, or samples x max_tokens: grpo_loss.step_divisor), which equals
@@ -28,17 +28,18 @@ import ray
 import torch
 import torch.distributed as torch_dist
 from ray.actor import ActorHandle
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
 from algorithm import AlgorithmConfig, DistillConfig, load_prepare_fn
 from data_path import PerRankDataPath, Rank0DataPath, make_data_path
-from checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, load_checkpoint
+from checkpoint import BackgroundCheckpointWriter, CheckpointWriter, TrainerState, latest_checkpoint, load_checkpoint
 from dataset import DatasetConfig, DatasetError, InfiniteDistributedSampler, load_prompts
 from evaluation import EvalConfig, Evaluator
 from fsdp_setup import DistInfo, build_training_model, check_trainer_gpus, host_gpu_count, init_distributed
 from grpo_loss import LossConfig, grpo_loss, step_divisor
 from console import CONSOLE, LOG_FILE, LogLevel, configure_logging, log_run_summary
-from metrics import MetricsConfig, MetricsLogger, StepAccumulator, StepDataLog
+from metrics import MetricsConfig, StepAccumulator, StepDataLog, open_metrics_sink
 from optimizer import OptimConfig, build_optimizer, build_scheduler
 from ray_env import (
     GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name,
@@ -311,7 +312,7 @@ def make_weight_pusher(config: TrainerConfig, dist: DistInfo) -> WeightPusher:
     """The pusher of this rank: rank 0 broadcasts to the registries of every kind that serves
     the policy (generation; logprob too when it computes old-policy logprobs)."""
     kinds = [GENERATION] + ([LOGPROB] if config.logprob_role == "old_policy" else [])
-    registries = [_registry(kind) for kind in kinds] if dist.rank == 0 else []
+    registries = [_registry(kind) for kind in kinds] if dist.is_main else []
     dtype = resolve_push_dtype(config.weight_push_dtype, dist.device, config.model.mixed_precision)
     return WeightPusher(config.weight_push_mode, dist.rank, dist.world_size, registries, config.message_timeout_s,
                         dtype=dtype, weights_root=weights_dir(config.run_dir))
@@ -436,21 +437,34 @@ def train_again(model: torch.nn.Module, kept: list[KeptMinibatch], config: Train
         acc.add_time("train_s", time.perf_counter() - compute_start)
 
 
-def take_gradient_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
-                       divisor: float, max_grad_norm: float, advance_schedule: bool = True) -> float:
-    """Scale summed gradients by the step's divisor (gradient_divisor), clip, step. Returns the
-    pre-clip grad norm."""
+def take_gradient_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, divisor: float,
+                       max_grad_norm: float) -> float:
+    """Scale summed gradients by the step's divisor (gradient_divisor), clip, step the optimizer.
+    Returns the pre-clip grad norm. The lr schedule is the caller's: it advances once per trainer
+    step, however many optimizer steps (epochs) that step takes."""
     for param in model.parameters():
         if param.grad is not None:
             param.grad.div_(divisor)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    if hasattr(grad_norm, "full_tensor"):
+    if isinstance(grad_norm, DTensor):  # FSDP2: the norm of sharded gradients, itself sharded
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
-    if advance_schedule:
-        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(grad_norm)
+
+
+def update_for_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
+                    kept: list[KeptMinibatch] | None, divisor: float, config: TrainerConfig, dist: DistInfo,
+                    acc: StepAccumulator) -> float:
+    """A step's updates once its first pass is done: an optimizer step, then one more pass and
+    optimizer step per further epoch over the kept minibatches, then one lr-schedule step (the
+    schedule counts trainer steps, not passes). Returns the first optimizer step's grad norm."""
+    grad_norm = take_gradient_step(model, optimizer, divisor, config.optim.max_grad_norm)
+    for _ in range(1, config.epochs_per_step):
+        train_again(model, kept, config, dist, acc)
+        take_gradient_step(model, optimizer, divisor, config.optim.max_grad_norm)
+    scheduler.step()
+    return grad_norm
 
 
 def gradient_divisor(end: EndOfStep, config: TrainerConfig) -> float:
@@ -519,7 +533,7 @@ def train(config: TrainerConfig) -> None:
     dist = init_distributed(config.dist_timeout_s)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if dist.rank == 0:
+    if dist.is_main:
         save_config(config, run_dir / "config.yaml")
     torch.manual_seed(config.seed + dist.rank)
 
@@ -550,11 +564,11 @@ def train(config: TrainerConfig) -> None:
     parts = StepParts(model=model, optimizer=optimizer, scheduler=scheduler, batcher=batcher, data_path=data_path,
                       pusher=pusher, feeder=feeder, data_log=data_log)
 
-    metrics = MetricsLogger(run_dir, enabled=dist.rank == 0, tensorboard=config.tensorboard,
-                            progress_total=config.num_steps, progress_start=start_step,
-                            progress_bar=config.progress_bar, resume_step=resume_step, report=config.metrics)
-    checkpoints = CheckpointWriter(run_dir, config.model.model_path, dist, keep=config.keep_checkpoints,
-                                   background=config.checkpoint_async)
+    metrics = open_metrics_sink(run_dir, is_main=dist.is_main, tensorboard=config.tensorboard,
+                                progress_total=config.num_steps, progress_start=start_step,
+                                progress_bar=config.progress_bar, resume_step=resume_step, report=config.metrics)
+    writer_class = BackgroundCheckpointWriter if config.checkpoint_async else CheckpointWriter
+    checkpoints = writer_class(run_dir, config.model.model_path, dist, keep=config.keep_checkpoints)
     try:
         for step in range(start_step, config.num_steps):
             if feeder.next_step <= step:
@@ -579,7 +593,7 @@ def train(config: TrainerConfig) -> None:
     torch_dist.barrier()
     logger.info("training finished at step %d; metrics in %s, every INFO line in %s", config.num_steps,
                 run_dir / "metrics.jsonl", run_dir / LOG_FILE, extra=CONSOLE)
-    if dist.rank == 0:
+    if dist.is_main:
         log_run_summary(run_dir)
     torch_dist.destroy_process_group()
 
@@ -667,7 +681,7 @@ def _make_batcher(config: TrainerConfig, dist: DistInfo,
         reference_pool=config.reference_pool,
         distill=config.distill,
     )
-    if dist.rank == 0:
+    if dist.is_main:
         _registry(GENERATION)
         if config.logprob_target is not None:
             _registry(LOGPROB)
@@ -695,13 +709,7 @@ def run_step(step: int, parts: StepParts, config: TrainerConfig, dist: DistInfo)
     kept: list[KeptMinibatch] | None = [] if epochs > 1 else None
     end = train_on_step(model, parts.data_path, step, config, dist, acc, keep=kept, feeder=parts.feeder)
     if end.num_samples > 0:
-        divisor = gradient_divisor(end, config)
-        grad_norm = take_gradient_step(model, optimizer, scheduler, divisor, config.optim.max_grad_norm,
-                                       advance_schedule=epochs == 1)
-        for epoch in range(1, epochs):
-            train_again(model, kept, config, dist, acc)
-            take_gradient_step(model, optimizer, scheduler, divisor, config.optim.max_grad_norm,
-                               advance_schedule=epoch == epochs - 1)
+        grad_norm = update_for_step(model, optimizer, scheduler, kept, gradient_divisor(end, config), config, dist, acc)
     else:
         logger.warning("step %d: no trainable samples (%s); skipping the optimizer step", step, end)
         optimizer.zero_grad(set_to_none=True)
@@ -717,7 +725,7 @@ def run_step(step: int, parts: StepParts, config: TrainerConfig, dist: DistInfo)
             parts.feeder.submit_through(last_step)
     if parts.data_log is not None:
         parts.data_log.trained(step, acc.trained_prompt_ids)
-    batcher_stats = ray.get(batcher.stats.remote(step)) if dist.rank == 0 else {}
+    batcher_stats = ray.get(batcher.stats.remote(step)) if dist.is_main else {}
     return acc.finalize(
         dist=dist,
         end=end,

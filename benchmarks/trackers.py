@@ -49,7 +49,7 @@ def _one(setting: str, steps: int, gap_s: float, root: Path) -> tuple[float, flo
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("seed: 0\noptim:\n  lr: 0.001\n")
     start = time.perf_counter()
-    sink = MetricsLogger(run_dir, enabled=True, tensorboard=True, progress_total=steps, progress_bar=False,
+    sink = MetricsLogger(run_dir, tensorboard=True, progress_total=steps, progress_bar=False,
                          report=MetricsConfig(report_to=("jsonl",) if setting == "jsonl" else ("jsonl", setting)))
     started = time.perf_counter() - start
     per_step = []

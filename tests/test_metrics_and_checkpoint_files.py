@@ -105,7 +105,7 @@ def test_eval_keys_of_some_steps_reach_jsonl_tensorboard_and_the_plot(tmp_path: 
 
     evals = {1: {"eval/accuracy": 0.25, "eval/pass@4": 0.5},
              3: {"eval/accuracy": 0.75, "eval/pass@16": 1.0, "eval/pass@4": 0.875}}
-    sink = MetricsLogger(tmp_path, enabled=True, tensorboard=True, progress_total=4, progress_bar=False)
+    sink = MetricsLogger(tmp_path, tensorboard=True, progress_total=4, progress_bar=False)
     for step in range(4):
         sink.log(step, {**_step_record(0.1 * step), **evals.get(step, {})})
     sink.close()
@@ -151,7 +151,7 @@ def test_truncate_step_records_keeps_earlier_steps_and_drops_a_cut_off_line(tmp_
 
 
 def test_resumed_metrics_logger_cuts_later_steps_and_continues_time(tmp_path: Path) -> None:
-    first = MetricsLogger(tmp_path, enabled=True, tensorboard=False, progress_total=6, progress_bar=False)
+    first = MetricsLogger(tmp_path, tensorboard=False, progress_total=6, progress_bar=False)
     for step in range(5):
         first.log(step, _step_record(0.1))
     first.close()
@@ -161,7 +161,7 @@ def test_resumed_metrics_logger_cuts_later_steps_and_continues_time(tmp_path: Pa
     crashed = [{**r, "time_s": 100.0 + r["step"]} for r in _lines(path)]
     path.write_text("".join(json.dumps(r) + "\n" for r in crashed))
 
-    resumed = MetricsLogger(tmp_path, enabled=True, tensorboard=False, progress_total=6, progress_start=3,
+    resumed = MetricsLogger(tmp_path, tensorboard=False, progress_total=6, progress_start=3,
                             progress_bar=False, resume_step=3)
     for step in (3, 4, 5):
         resumed.log(step, _step_record(0.5))

@@ -1,7 +1,7 @@
 """checkpoint.save_checkpoint / load_checkpoint round trip in one process (no Ray, no torchrun):
 weights, AdamW state, lr schedule, torch RNG and trainer state come back, and the next step of
 the restored trainer equals the next step of the one that never stopped. Background saves
-(CheckpointWriter(background=True)) write the same files as synchronous ones while training
+(BackgroundCheckpointWriter) write the same files as synchronous ones while training
 changes the live tensors, appear only on commit, run one at a time and report their errors.
 
     .venv/bin/python -m pytest tests/test_resume_checkpoint.py -x -q
@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import weight_sync
 from checkpoint import (
-    CheckpointWriter,
+    BackgroundCheckpointWriter,
     TrainerState,
     checkpoints_root,
     latest_checkpoint,
@@ -61,7 +62,7 @@ def _train(model, optimizer, scheduler, steps: int) -> None:
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -199,7 +200,7 @@ def test_background_save_writes_the_snapshot_while_training_goes_on(tiny_model_d
 
     monkeypatch.setattr(weight_sync, "write_safetensors", held_write)
     run_dir = tmp_path / "async"
-    writer = CheckpointWriter(run_dir, str(tiny_model_dir), dist, keep=2, background=True)
+    writer = BackgroundCheckpointWriter(run_dir, str(tiny_model_dir), dist, keep=2)
     blocked_s = writer.save(model, optimizer, scheduler, state)
     assert blocked_s >= 0.0
     _train(model, optimizer, scheduler, 1)  # the live tensors move on while the save is held
@@ -229,7 +230,7 @@ def test_background_saves_one_at_a_time_and_errors_surface(tiny_model_dir: Path,
     real_write = weight_sync.write_safetensors
     monkeypatch.setattr(weight_sync, "write_safetensors",
                         lambda *a, **k: (release.wait(timeout=120), real_write(*a, **k))[1])
-    writer = CheckpointWriter(tmp_path, str(tiny_model_dir), dist, keep=5, background=True)
+    writer = BackgroundCheckpointWriter(tmp_path, str(tiny_model_dir), dist, keep=5)
     writer.save(model, optimizer, scheduler, TrainerState(step=1))
     writer.commit()
     threading.Timer(0.5, release.set).start()

@@ -12,12 +12,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
-from metrics import MetricsConfig, MetricsLogger, read_metrics
+from metrics import MetricsConfig, open_metrics_sink, read_metrics
 from run_config import ConfigError, load_config
 from trackers import TensorBoardTracker, flatten_config, mlflow_key
 from tracker_readers import trackio_run, wandb_offline_runs
@@ -34,11 +33,11 @@ def _record(step: int) -> dict[str, float]:
             "counts/samples": 64.0, **EVALS.get(step, {})}
 
 
-def _run(run_dir: Path, report_to: tuple[str, ...], *, enabled: bool = True) -> None:
+def _run(run_dir: Path, report_to: tuple[str, ...], *, is_main: bool = True) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(RUN_CONFIG, sort_keys=False))
-    sink = MetricsLogger(run_dir, enabled=enabled, tensorboard=True, progress_total=STEPS, progress_bar=False,
-                         report=MetricsConfig(report_to=report_to))
+    sink = open_metrics_sink(run_dir, is_main=is_main, tensorboard=True, progress_total=STEPS, progress_bar=False,
+                             report=MetricsConfig(report_to=report_to))
     for step in range(STEPS):
         sink.log(step, _record(step))
     sink.close()
@@ -134,7 +133,7 @@ def test_a_tracker_that_fails_later_is_dropped_and_counted(tmp_path: Path, monke
 
 
 def test_only_rank0_reports(tmp_path: Path, offline: None) -> None:
-    _run(tmp_path, ("jsonl", "tensorboard", "wandb", "mlflow"), enabled=False)
+    _run(tmp_path, ("jsonl", "tensorboard", "wandb", "mlflow"), is_main=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
 
 

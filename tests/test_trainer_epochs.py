@@ -1,9 +1,11 @@
 """epochs_per_step: the trainer's later passes against a PPO-epoch loop written here.
 
-The trainer path (train_on_step keeping its minibatches, train_again, take_gradient_step) runs
-on a TokenLogprobModel in one process, fed by a stand-in batcher. The reference is written
-independently: each sample scored alone by a plain HF forward, the clipped-ratio loss by hand,
-plain SGD (Adam would turn float noise in near-zero gradients into visible weight differences). After two optimizer steps on one batch both models must hold the same weights,
+The trainer path (train_on_step keeping its minibatches, then update_for_step: take_gradient_step,
+train_again, take_gradient_step, one lr-schedule step) runs on a TokenLogprobModel in one process,
+fed by a stand-in batcher. The reference is written independently: each sample scored alone by a
+plain HF forward, the clipped-ratio loss by hand, plain SGD (Adam would turn float noise in
+near-zero gradients into visible weight differences). After two optimizer steps on one batch both
+models must hold the same weights,
 and the second step must have moved them differently from a repeat of the first (ratios != 1).
 """
 
@@ -25,7 +27,7 @@ from sample_processing_utils import Sample
 from fsdp_setup import DistInfo
 from optimizer import OptimConfig, build_scheduler
 from setup_model import TokenLogprobModel, load_causal_lm
-from trainer_core import KeptMinibatch, take_gradient_step, train_again, train_on_step
+from trainer_core import KeptMinibatch, train_on_step, update_for_step
 from vllm_experience_batcher import EndOfStep, Minibatch
 
 LR = 0.1  # SGD: moves most second-pass ratios past the clip bounds, so both branches are exercised
@@ -91,9 +93,10 @@ def test_later_passes_match_a_hand_written_ppo_epoch_loop(tiny_model_dir: Path, 
     import ray
 
     monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
-    config = SimpleNamespace(message_timeout_s=1.0, loss=LossConfig(clip_low=CLIP_LOW, clip_high=CLIP_HIGH))
-    dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     optim_config = OptimConfig(lr=LR, weight_decay=0.0, warmup_steps=0, max_grad_norm=1e9)
+    config = SimpleNamespace(message_timeout_s=1.0, loss=LossConfig(clip_low=CLIP_LOW, clip_high=CLIP_HIGH),
+                             epochs_per_step=2, optim=optim_config)
+    dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     scheduler = build_scheduler(optimizer, optim_config)
     acc = StepAccumulator(step=0)
@@ -101,9 +104,7 @@ def test_later_passes_match_a_hand_written_ppo_epoch_loop(tiny_model_dir: Path, 
 
     end = train_on_step(model, PerRankDataPath(RayBatcherClient(batcher), [], dist), 0, config, dist, acc, keep=kept)
     assert len(kept) == len(chunks) and all(k.batch.old_logprobs is not None for k in kept)
-    take_gradient_step(model, optimizer, scheduler, end.num_samples, optim_config.max_grad_norm, advance_schedule=False)
-    train_again(model, kept, config, dist, acc)
-    take_gradient_step(model, optimizer, scheduler, end.num_samples, optim_config.max_grad_norm)
+    update_for_step(model, optimizer, scheduler, kept, end.num_samples, config, dist, acc)
 
     _reference_two_epochs(reference_lm, samples)
     got = dict(causal_lm.named_parameters())

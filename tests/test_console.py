@@ -223,7 +223,7 @@ def test_run_summary_by_hand(tmp_path: Path) -> None:
 
 
 def test_metrics_logger_prints_evaluations_and_drops(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    sink = MetricsLogger(tmp_path, enabled=True, tensorboard=False, progress_total=3, progress_bar=False)
+    sink = MetricsLogger(tmp_path, tensorboard=False, progress_total=3, progress_bar=False)
     base = {"reward/accuracy": 0.5, "loss/kl": 0.0, "response/length_mean": 3.0, "entropy/first_token": 1.0}
     with caplog.at_level(logging.INFO, logger="metrics"):
         sink.log(0, {**_record(0.5), **base, "counts/dropped_stale": 1.0})
@@ -276,7 +276,7 @@ def test_the_relay_repeats_complete_new_lines_once(tmp_path: Path, caplog: pytes
 
 
 # One real run, as the demo starts it. Small steps (2 ranks x 4 prompts x 8 rollouts, as in
-# tests/test_trackers_end_to_end.py); engines uncompiled to start sooner.
+# the 3-step runs of tests/test_end_to_end.py); engines uncompiled to start sooner.
 STEPS = 3
 REAL_RUN_TIMEOUT_S = 1200
 _CLOCK = re.compile(r"^\d\d:\d\d:\d\d ")

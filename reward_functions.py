@@ -1,5 +1,5 @@
 """Reward functions as plug-ins: load `module:function`, check its signature, call it, validate what
-it returns. The verifier pool's processes call them (math_verifier.VerifierPool.score_function)
+it returns. The verifier pool's processes call them (verifier_pool.VerifierPool.score_function)
 under the pool's deadline; a run names them in `RewardConfig.functions` (rewards.py).
 
 A reward function takes the prompt record (every field of the dataset record, plus `gt_answer`),
@@ -17,7 +17,8 @@ the function's own notion of solved for `reward/accuracy` (else a reward >= 1 co
 `@batched` marks a function that takes lists (prompts, completions, token_ids, metadata) and
 returns one result per element; the whole batch then shares one deadline.
 
-What counts as a failure (reward 0 for that function, the error string says why; `kind` first):
+What counts as a failure (reward 0 for that function; `FunctionScore.kind` is the typed reason,
+reward_failure.FailureKind, and the error string says it in words, the kind first):
     "raised: <Type>: <message>"   the function raised
     "bad_return: <what>"          not a number or dict of numbers; NaN or infinite; wrong length
     "timeout"                     the pool's deadline passed (the process was killed)
@@ -37,6 +38,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable
 
+from reward_failure import FailureKind
+
 # The dict key that states solved-ness instead of adding to the reward.
 SOLVED_KEY = "solved"
 # Marks a batched function (set by @batched).
@@ -45,8 +48,6 @@ _BATCHED_ATTR = "reward_batched"
 ARGUMENTS = ("prompt", "completion", "token_ids", "metadata")
 # Error strings quote exception messages: keep them short.
 _MAX_ERROR_CHARS = 300
-RAISED = "raised"
-BAD_RETURN = "bad_return"
 
 
 class RewardFunctionError(ValueError):
@@ -67,28 +68,39 @@ class FunctionScore:
     """True when the function raised, hung, or returned something unusable (see `error`)."""
     error: str = ""
     """"" on success, else "<kind>: <detail>" (the module docstring lists the kinds)."""
+    kind: FailureKind | None = None
+    """Why it failed, as a typed value (what the counters and metrics read); None exactly when
+    it did not fail."""
+
+    def __post_init__(self) -> None:
+        if self.failed != (self.kind is not None):
+            raise ValueError(f"FunctionScore.kind must be set exactly when failed (failed={self.failed}, "
+                             f"kind={self.kind!r})")
 
     def as_json(self) -> dict[str, Any]:
         return {"reward": self.reward, "parts": self.parts, "solved": self.solved, "failed": self.failed,
-                "error": self.error}
+                "error": self.error, "kind": None if self.kind is None else self.kind.value}
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> FunctionScore:
-        solved = data.get("solved")
+        solved, kind = data.get("solved"), data["kind"]
         return FunctionScore(reward=float(data["reward"]), parts={str(k): float(v) for k, v in data["parts"].items()},
                              solved=None if solved is None else bool(solved), failed=bool(data["failed"]),
-                             error=str(data["error"]))
+                             error=str(data["error"]), kind=None if kind is None else FailureKind(kind))
 
 
-def failure(kind: str, detail: str = "") -> FunctionScore:
-    """A failed score: reward 0, error "<kind>: <detail>" (shortened)."""
+def failure(kind: FailureKind | str, detail: str = "") -> FunctionScore:
+    """A failed score: reward 0, `kind` (a FailureKind or its value: ValueError for any other
+    string), error "<kind>: <detail>" (shortened)."""
+    kind = FailureKind(kind)
     if len(detail) > _MAX_ERROR_CHARS:
         detail = detail[:_MAX_ERROR_CHARS] + "..."
-    return FunctionScore(reward=0.0, failed=True, error=f"{kind}: {detail}" if detail else kind)
+    return FunctionScore(reward=0.0, failed=True, error=f"{kind}: {detail}" if detail else str(kind), kind=kind)
 
 
 def failure_kind(error: str) -> str:
-    """The kind of a failure's error string, its part before the first colon ("raised: ..." -> "raised")."""
+    """The kind of a failure's error string, its part before the first colon ("raised: ..." -> "raised"),
+    for error strings that come without a typed kind (FunctionScore.kind, RewardResult.kind carry one)."""
     return error.split(":", 1)[0]
 
 
@@ -165,9 +177,9 @@ def _number(value: Any, what: str) -> float | FunctionScore:
                 raise TypeError
             value = float(value)
         except (TypeError, ValueError):
-            return failure(BAD_RETURN, f"{what} is a {type(value).__name__}, not a number")
+            return failure(FailureKind.BAD_RETURN, f"{what} is a {type(value).__name__}, not a number")
     if not math.isfinite(value):
-        return failure(BAD_RETURN, f"{what} is {value}")
+        return failure(FailureKind.BAD_RETURN, f"{what} is {value}")
     return float(value)
 
 
@@ -196,15 +208,15 @@ def call_function(function: Callable, calls: list[dict[str, Any]]) -> list[Funct
         try:
             values = _run(function(*([call[name] for call in calls] for name in ARGUMENTS)))
         except Exception as exc:  # noqa: BLE001 - the user's function failing is a scoring outcome
-            return [failure(RAISED, f"{type(exc).__name__}: {exc}")] * len(calls)
+            return [failure(FailureKind.RAISED, f"{type(exc).__name__}: {exc}")] * len(calls)
         if not isinstance(values, (list, tuple)) or len(values) != len(calls):
             got = f"{len(values)} results" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
-            return [failure(BAD_RETURN, f"batched function returned {got} for {len(calls)} completions")] * len(calls)
+            return [failure(FailureKind.BAD_RETURN, f"batched function returned {got} for {len(calls)} completions")] * len(calls)
         return [to_score(value) for value in values]
     scores = []
     for call in calls:
         try:
             scores.append(to_score(_run(function(*(call[name] for name in ARGUMENTS)))))
         except Exception as exc:  # noqa: BLE001
-            scores.append(failure(RAISED, f"{type(exc).__name__}: {exc}"))
+            scores.append(failure(FailureKind.RAISED, f"{type(exc).__name__}: {exc}"))
     return scores

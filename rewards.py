@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import reward_functions
-from reward_functions import FunctionScore, failure_kind
+from reward_functions import FunctionScore
 
 # The verifier's reward for a correct answer; `reward/accuracy` and `eval/accuracy` count a
 # sample as solved when its reward reaches it. A bonus this large would count a wrong but
@@ -214,7 +214,7 @@ def combine_scores(names: Sequence[str], weights: Sequence[float],
         parts.update({f"{name}/{part}": value for part, value in score.parts.items()})
         if score.failed:
             errors.append(f"{name}: {score.error}")
-            reasons.append(f"{name}/{failure_kind(score.error)}")
+            reasons.append(f"{name}/{score.kind}")
         solved = solved and not score.failed and (
             score.solved if score.solved is not None else score.reward >= CORRECT_VERDICT)
     reward = sum(w * s.reward for w, s in zip(weights, scores, strict=True))

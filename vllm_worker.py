@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Iterator, Litera
 
 import ray
 
-from math_verifier import RewardResult, connect_verifier_pool
+from math_verifier import RewardResult
+from verifier_cluster import connect_verifier_pool
 from reward_functions import FunctionScore, failure, failure_kind, function_name
 from ray_env import GENERATION
 from rewards import (CORRECT_VERDICT, DEFAULT_REWARD_NAME, CombinedScore, ShapedReward, combine_scores,

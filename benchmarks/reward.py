@@ -69,7 +69,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the pool's processes
 
 from typing import Literal  # noqa: E402
 
-from math_verifier import RewardResult, VerifierPool  # noqa: E402
+from math_verifier import RewardResult  # noqa: E402
+from verifier_pool import VerifierPool  # noqa: E402
 from reward_functions import FunctionScore  # noqa: E402
 from run_config import load_config  # noqa: E402
 

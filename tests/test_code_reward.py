@@ -10,7 +10,7 @@ import time
 import pytest
 
 import code_reward
-from math_verifier import VerifierPool
+from verifier_pool import VerifierPool
 
 SQUARE_TESTS = [{"input": "3\n", "output": "9\n"}, {"input": "12\n", "output": "144\n"},
                 {"input": "-2\n", "output": "4"}]

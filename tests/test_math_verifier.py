@@ -1,6 +1,8 @@
-"""VerifierPool: real math-verify in worker processes, which answer of a long text counts,
+"""The answer checks (math_verifier.py), the process pool (verifier_pool.py) and its Ray actors
+(verifier_cluster.py): real math-verify in worker processes, which answer of a long text counts,
 the pre-checks and the plain-number fast path (checked against math-verify itself), deadlines,
-replacement, the Ray actor path (the verification_slot path: tests/test_verifier_slots.py)."""
+replacement, the Ray actor path (the verification_slot path: tests/test_verifier_slots.py; the
+typed failure kinds: tests/test_reward_failure.py)."""
 
 from __future__ import annotations
 
@@ -20,25 +22,26 @@ from math_verifier import (
     DEFAULT_LIMITS,
     AnswerLimits,
     RewardResult,
-    VerifierPool,
-    VerifierPoolActor,
-    VerifierPoolConfig,
-    connect_verifier_pool,
-    default_num_processes,
     exponent_tower_height,
-    get_or_create_verifier_pool,
     last_boxed,
     nesting_depth,
     numeric_power_digits,
     plain_number_verdict,
-    plan_verifier_shards,
     precheck,
     quick_verdict,
     score_completion,
-    shutdown_verifier_pool,
     verify_with_math_verify,
 )
 from ray_env import VERIFIER_POOL_ACTOR_NAME
+from reward_failure import FailureKind
+from verifier_cluster import (
+    VerifierPoolActor,
+    connect_verifier_pool,
+    get_or_create_verifier_pool,
+    plan_verifier_shards,
+    shutdown_verifier_pool,
+)
+from verifier_pool import VerifierPool, VerifierPoolConfig, default_num_processes
 
 # Deadline of the pools that only see well-behaved completions: far above math-verify's ~2 ms per
 # sample, so a loaded shared machine never turns a normal sample into a timeout.
@@ -62,7 +65,7 @@ NO_LIMITS = AnswerLimits(max_completion_chars=2**40, max_answer_chars=2**40, max
 LONG_TIMEOUT_S = 60.0
 # How long a killed actor's name may take to disappear (Ray marks it dead asynchronously).
 ACTOR_GONE_WAIT_S = 30.0
-TIMEOUT = RewardResult(reward=0.0, failed=True, error="timeout")
+TIMEOUT = RewardResult(reward=0.0, failed=True, error="timeout", kind=FailureKind.TIMEOUT)
 CORRECT = RewardResult(reward=1.0, failed=False, error="")
 WRONG = RewardResult(reward=0.0, failed=False, error="")
 
@@ -174,7 +177,8 @@ def test_last_boxed_takes_the_last_complete_box(text: str, expected: str | None)
 
 def test_empty_last_box_is_no_answer(pool: VerifierPool) -> None:
     (result,) = pool.score_sync(["\\boxed{7} ... \\boxed{}"], "7")
-    assert result == RewardResult(reward=0.0, failed=True, error="parse_error: no answer found in the last \\boxed{}")
+    assert result == RewardResult(reward=0.0, failed=True, error="parse_error: no answer found in the last \\boxed{}",
+                                  kind=FailureKind.PARSE_ERROR)
 
 
 def test_async_score_keeps_order_across_processes(pool: VerifierPool) -> None:
@@ -187,7 +191,8 @@ def test_async_score_keeps_order_across_processes(pool: VerifierPool) -> None:
 def test_completion_without_answer_is_a_counted_parse_failure(pool: VerifierPool) -> None:
     before = pool.stats()
     results = pool.score_sync(["I cannot solve this.", ""], "7")
-    assert results == [RewardResult(reward=0.0, failed=True, error="parse_error: no answer found in completion")] * 2
+    assert results == [RewardResult(reward=0.0, failed=True, error="parse_error: no answer found in completion",
+                                    kind=FailureKind.PARSE_ERROR)] * 2
     after = pool.stats()
     assert after["parse_errors"] - before["parse_errors"] == 2
     assert after["failed"] - before["failed"] == 2
@@ -198,6 +203,7 @@ def test_unparsable_gold_answer_fails_every_completion(pool: VerifierPool) -> No
     results = pool.score_sync(["\\boxed{7}", "7"], "")
     assert [(r.reward, r.failed) for r in results] == [(0.0, True)] * 2
     assert all(r.error.startswith("parse_error: gold answer ''") for r in results)
+    assert all(r.kind == FailureKind.PARSE_ERROR for r in results)
 
 
 def test_empty_batch_and_bad_arguments(pool: VerifierPool) -> None:
@@ -289,6 +295,7 @@ def test_a_running_hostile_sample_does_not_hold_back_other_calls() -> None:
                 os.kill(pid, signal.SIGKILL)
             (result,) = await hostile
             assert result.failed and result.error.startswith("verify_error: verifier process died")
+            assert result.kind == FailureKind.VERIFY_ERROR
 
         asyncio.run(both())
         assert verifier.stats()["timeouts"] == 0
@@ -306,7 +313,7 @@ def test_known_hostile_shapes_are_rejected_without_a_process() -> None:
         results = verifier.score_sync([*hostile, "\\boxed{\\frac{14}{2}}", "\\boxed{7}"], "7")
         assert results[-2:] == [CORRECT, CORRECT]
         errors = [r.error for r in results[:-2]]
-        assert all(r.failed and r.reward == 0.0 for r in results[:-2])
+        assert all(r.failed and r.reward == 0.0 and r.kind == FailureKind.REJECTED for r in results[:-2])
         assert errors == [
             "rejected: boxed answer exponent tower height 4 exceeds max_exponent_tower=2",
             "rejected: completion length 1000009 exceeds max_completion_chars=131072",
@@ -380,6 +387,7 @@ def test_each_cap_rejects_just_above_itself_and_passes_at_it() -> None:
     assert [precheck(text, limits) for text in at_caps] == [None] * len(caps)
     errors = [precheck(text, limits).error for text in over_caps]
     assert [e.split(":")[0] for e in errors] == ["rejected"] * len(caps)
+    assert [precheck(text, limits).kind for text in over_caps] == [FailureKind.REJECTED] * len(caps)
     for error, cap in zip(errors, caps):
         assert cap in error
     # Outside the box, only the completion's length counts: math-verify parses the box alone.
@@ -464,7 +472,8 @@ def test_shortcuts_never_change_a_verdict_on_ordinary_inputs() -> None:
 def test_without_the_fast_path_plain_numbers_go_to_math_verify() -> None:
     with VerifierPool(num_processes=1, timeout_s=NORMAL_TIMEOUT_S, fast_path=False) as verifier:
         assert verifier.score_sync(["\\boxed{7.0}", "8", "\\boxed{5^{5^{5^5}}}"], "7") == [
-            CORRECT, WRONG, RewardResult(reward=0.0, failed=True, error="rejected: boxed answer exponent tower height 3 exceeds max_exponent_tower=2"),
+            CORRECT, WRONG, RewardResult(reward=0.0, failed=True, error="rejected: boxed answer exponent tower height 3 exceeds max_exponent_tower=2",
+                                         kind=FailureKind.REJECTED),
         ]
         stats = verifier.stats()
         assert (stats["fast_path"], stats["rejected"], stats["scored"]) == (0, 1, 3)
@@ -496,7 +505,8 @@ def test_process_killed_mid_sample_is_reported_and_replaced() -> None:
             results.extend(await task)
 
         asyncio.run(kill_while_scoring())
-        assert results == [RewardResult(reward=0.0, failed=True, error=f"verify_error: verifier process died (exit code {-signal.SIGKILL})")]
+        assert results == [RewardResult(reward=0.0, failed=True, error=f"verify_error: verifier process died (exit code {-signal.SIGKILL})",
+                                        kind=FailureKind.VERIFY_ERROR)]
         assert verifier.score_sync(["\\boxed{\\frac{14}{2}}"], "7") == [CORRECT]
         stats = verifier.stats()
         assert (stats["crashes"], stats["verify_errors"], stats["restarts"]) == (1, 1, 1)
@@ -520,10 +530,10 @@ def test_processes_are_dealt_over_the_nodes_with_slots(node_slots, num_processes
 
 def test_without_verification_slots_the_pool_runs_in_its_actor_and_says_so(ray_local, caplog) -> None:
     """The fixture's cluster offers no verification_slot: today's behaviour, logged as unaccounted."""
-    with caplog.at_level(logging.WARNING, logger="math_verifier"):
+    with caplog.at_level(logging.WARNING, logger="verifier_cluster"):
         actor = VerifierPoolActor(num_processes=1, timeout_s=NORMAL_TIMEOUT_S)  # the plain class, in process
     try:
-        warnings = [r.getMessage() for r in caplog.records if r.name == "math_verifier"]
+        warnings = [r.getMessage() for r in caplog.records if r.name == "verifier_cluster"]
         assert len(warnings) == 1 and "outside Ray's CPU accounting" in warnings[0] and "verification_slot" in warnings[0]
         assert asyncio.run(actor.shards()) == []
         assert asyncio.run(actor.placement()) == {ray_local.get_runtime_context().get_node_id(): 1}

@@ -13,7 +13,7 @@ pytest.importorskip("reasoning_gym")
 import reasoning_gym  # noqa: E402
 
 from dataset import DatasetConfig, DatasetError, ReasoningGymConfig, load_prompt_file, reasoning_gym_records  # noqa: E402
-from math_verifier import VerifierPool  # noqa: E402
+from verifier_pool import VerifierPool  # noqa: E402
 from reasoning_gym_reward import FUNCTION, extract_answer, score  # noqa: E402
 from rewards import RewardConfig  # noqa: E402
 from setup_model import load_tokenizer  # noqa: E402

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import reward_functions
-from math_verifier import VerifierPool
+from verifier_pool import VerifierPool
 from reward_functions import FunctionScore, RewardFunctionError, check_function, to_score
 from rewards import RewardConfig, combine_scores, counts_as_solved
 

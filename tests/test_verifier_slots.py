@@ -48,7 +48,7 @@ def _run_cluster_scenario() -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from math_verifier import (
+    from verifier_cluster import (
         VERIFICATION_SLOT,
         connect_verifier_pool,
         get_or_create_verifier_pool,

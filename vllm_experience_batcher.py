@@ -11,14 +11,15 @@ pulls messages until that step's `EndOfStep`:
     # msg is EndOfStep: divide gradients by msg.num_samples (the step total over all ranks)
 
 Inside, every prompt runs as its own task the moment its rank submits it: n rollouts from the
-generation registry, then (optionally) one logprob request per rollout, all concurrent. Finished
-rollouts are packed by `MinibatchPacker` and a minibatch is sent to its rank as soon as it is
-closed, so trainers start on a step while its slowest prompts are still generating. A step ends
-when every rank has submitted and every prompt has finished or hit its deadline; then the open
-minibatches are flushed, all ranks are padded to the same number of minibatches (FSDP ranks must
-run the same number of forward/backward passes, or their collectives deadlock) and each rank gets
-the step's `EndOfStep`. Rollouts never disappear without a count: stale, timed-out, oversized and
-missing rollouts are all reported in `EndOfStep` and `stats()`.
+generation registry, then (optionally) one logprob request per rollout, all concurrent
+(rollout_fetcher.py). Finished groups are prepared (group_preparer.py: advantages) and packed by
+`MinibatchPacker`, and a minibatch is sent to its rank as soon as it is closed, so trainers start
+on a step while its slowest prompts are still generating. A step ends when every rank has
+submitted and every prompt has finished or hit its deadline; then the open minibatches are
+flushed, all ranks are padded to the same number of minibatches (FSDP ranks must run the same
+number of forward/backward passes, or their collectives deadlock) and each rank gets the step's
+`EndOfStep` (batcher_messages.py). Rollouts never disappear without a count: stale, timed-out,
+oversized and missing rollouts are all reported in `EndOfStep` and `stats()` (step_stats.py).
 
 Benchmark of the packing alone: `python benchmarks/batcher.py`.
 """
@@ -30,22 +31,27 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import ray
 from ray.actor import ActorHandle
 
-from algorithm import (
-    AlgorithmConfig, AlgorithmContext, DistillConfig, KLRewardConfig, KLSchedule, PrepareFn, check_prepared, load_prepare_fn,
-    sequence_kl,
+from algorithm import AlgorithmConfig, DistillConfig, KLRewardConfig, KLSchedule
+from batcher_messages import (
+    LOSS_WEIGHT, PADDING_LOSS_WEIGHT, BatcherMessage, EndOfStep, ExperienceBatcherError, Minibatch, PromptRequest,
+    RankMailboxes,
 )
-from sample_processing_utils import INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs
+from group_preparer import GroupPreparer
 from ray_env import (
     BATCHER_ACTOR_NAME, GENERATION, LOGPROB, ON_HEAD_NODE, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env,
 )
-from vllm_registry import BatchedRegistryClient, get_or_create_registry
-# vllm_worker imports neither vLLM nor math-verify at import time: cheap in the batcher's process.
+# RayRegistryClient is not used here: trainer_core and benchmarks/scale.py import it from this module.
+from rollout_fetcher import LogprobField, PromptRollouts, RayRegistryClient, RequestClient, RolloutFetcher  # noqa: F401
+from round_tracker import RoundTracker
+from sample_processing_utils import Sample
 from sampling import SamplingConfig, derive_seed
+from step_stats import StepStats, mean
+from vllm_registry import BatchedRegistryClient, get_or_create_registry
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +60,9 @@ logger = logging.getLogger(__name__)
 _ACTOR_MAX_CONCURRENCY = 1024
 # stats() keeps this many most recent steps, so a long run does not grow the actor's memory.
 _STATS_HISTORY_STEPS = 256
-LOSS_WEIGHT = 1.0
-"""loss_weight of a minibatch whose samples carry loss."""
-PADDING_LOSS_WEIGHT = 0.0
-"""loss_weight of a padding minibatch: a real forward/backward whose loss is multiplied away."""
 
 LogprobTarget = Literal["ref", "old"]
-_LOGPROB_FIELDS: dict[str, str] = {"ref": "ref_logprobs", "old": "old_logprobs"}
+_LOGPROB_FIELDS: dict[str, LogprobField] = {"ref": "ref_logprobs", "old": "old_logprobs"}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -128,89 +130,6 @@ class BatcherConfig:
                                  "reference_pool)")
             if self.kl_in_reward.policy_logprobs == "old_policy" and self.logprob_target != "old":
                 raise ValueError("BatcherConfig.kl_in_reward with old-policy logprobs needs logprob_target 'old'")
-
-
-@dataclass(slots=True)
-class Minibatch:
-    """Samples for one forward/backward pass on one rank."""
-
-    step: int
-    """Training step (= the weight version it trains at) the samples belong to."""
-    rank: int
-    """Trainer rank that receives it."""
-    index: int
-    """Position among this (step, rank)'s minibatches, from 0."""
-    samples: list[Sample]
-    """The samples, packed by the trainer into one token stream (total <= max_tokens_per_gpu,
-    except a single oversized sample, which travels alone)."""
-    loss_weight: float
-    """LOSS_WEIGHT, or PADDING_LOSS_WEIGHT for a padding minibatch (its loss must not count)."""
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt + output tokens over all samples."""
-        return sum(s.num_tokens for s in self.samples)
-
-
-@dataclass(slots=True)
-class EndOfStep:
-    """Last message of a step for one rank; the counts are step totals over all ranks."""
-
-    step: int
-    """The step that is complete."""
-    num_samples: int
-    """Samples carrying loss, over all ranks (padding and dropped excluded): divide gradients by
-    this for the mean over the whole step's batch."""
-    num_tokens: int
-    """Prompt + output tokens of those samples."""
-    num_minibatches: int
-    """Minibatches each rank received for the step, padding included (equal on every rank)."""
-    num_prompts: int
-    """Prompts submitted for the step by all ranks."""
-    timed_out_prompts: int
-    """Prompts cancelled at prompt_deadline_s; none of their rollouts are in the step."""
-    dropped_stale: int
-    """Rollouts dropped because step - weight_version > max_lag."""
-    oversized_samples: int
-    """Samples over max_tokens_per_gpu, each sent alone in its own minibatch (the trainer logs
-    it as counts/oversized_samples; expected only under oversized_sample_policy: train_alone)."""
-    padding_minibatches: int
-    """Padding minibatches (loss_weight 0) added over all ranks to equalise the counts."""
-    missing_rollouts: int
-    """Rollouts the generation worker returned fewer than sampling.n, summed over prompts."""
-    num_output_tokens: int = 0
-    """Output tokens of the loss-carrying samples (the token_mean aggregation's divisor)."""
-    dropped_zero_variance_groups: int = 0
-    """Groups not trained on because all their rollouts scored the same
-    (sampling.drop_zero_variance_groups)."""
-    resampled_prompts: int = 0
-    """Extra prompts the step asked the ranks for to replace dropped groups (all ranks)."""
-    masked_truncated: int = 0
-    """Truncated samples kept out of the loss (sampling.mask_truncated)."""
-    prepare_dropped: int = 0
-    """Samples a prepare function (algorithm.prepare_batch) returned no advantage for."""
-
-
-@dataclass(slots=True)
-class PromptRequest:
-    """Asks a rank for `count` more prompts of `step` (dynamic sampling): the rank draws them from
-    its data order and submits them with submit_prompts(..., round=round_index), then goes on
-    reading the step's messages."""
-
-    step: int
-    count: int
-    """Prompts this rank is asked for (every rank is asked for the same number)."""
-    round_index: int
-    """1 for the first resampling round, 2 for the second, ..."""
-
-
-@dataclass(slots=True)
-class _StepFailed:
-    """Queue item that wakes a rank waiting on a step that failed."""
-
-
-class ExperienceBatcherError(RuntimeError):
-    """A step cannot complete: a registry request failed. The message carries the cause."""
 
 
 def step_sampling(sampling: SamplingConfig, step: int) -> SamplingConfig:
@@ -364,184 +283,11 @@ class MinibatchPacker:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
 # The batcher (plain async class) and its Ray shell
 # ---------------------------------------------------------------------------------------------
-
-
-class RequestClient(Protocol):
-    """Where the batcher sends requests: a worker registry, or a test double in unit tests."""
-
-    async def submit(self, method: str, *args: Any, cost: int) -> Any:
-        """Run `method(*args)` on some worker; `cost` is the registry's load unit."""
-        ...
-
-
-class RayRegistryClient:
-    """`RequestClient` over a registry actor handle (vllm_registry's `submit`)."""
-
-    def __init__(self, handle: ActorHandle) -> None:
-        self._handle = handle
-
-    async def submit(self, method: str, *args: Any, cost: int) -> Any:
-        ref = self._handle.submit.remote(method, *args, cost=cost)
-        try:
-            return await ref
-        except asyncio.CancelledError:
-            # The prompt hit its deadline or its step failed: stop the remote request too, so it
-            # stops holding a worker slot (best effort; a finished request ignores the cancel).
-            ray.cancel(ref)
-            raise
-
-
-@dataclass(slots=True)
-class StepStats:
-    """What happened in one step, for the trainer's metrics (see `as_metrics`)."""
-
-    step: int
-    num_prompts: int = 0
-    num_samples: int = 0
-    num_tokens: int = 0
-    minibatches_per_rank: int = 0
-    padding_minibatches: int = 0
-    loss_minibatches: int = 0
-    """Minibatches carrying loss, over all ranks."""
-    timed_out_prompts: int = 0
-    dropped_stale: int = 0
-    dropped_logprob_version: int = 0
-    """Rollouts dropped because their old-policy logprobs came from older weights than sampled them."""
-    oversized_samples: int = 0
-    missing_rollouts: int = 0
-    failed: bool = False
-    first_submit_s: float = 0.0
-    """time.monotonic() of the step's first submit_prompts."""
-    last_submit_s: float = 0.0
-    """time.monotonic() when the last rank submitted."""
-    first_minibatch_s: float = 0.0
-    """time.monotonic() when the first minibatch was dispatched (0.0: none yet)."""
-    completed_s: float = 0.0
-    """time.monotonic() when EndOfStep was sent (0.0: not yet)."""
-    generate_s: float = 0.0
-    """Sum over prompts of the generate request's latency."""
-    logprob_s: float = 0.0
-    """Sum over prompts of the time spent waiting for all of its rollouts' logprobs."""
-    teacher_s: float = 0.0
-    """Sum over prompts of the teacher pool's time for its rollouts (distillation only)."""
-    finished_prompts: int = 0
-    """Prompts whose generate (and logprobs) came back, stale or not."""
-    rank_wait_s: float = 0.0
-    """Time trainer ranks spent blocked in next_message for this step, summed over ranks."""
-    dropped_zero_variance_groups: int = 0
-    resampled_prompts: int = 0
-    masked_truncated: int = 0
-    prepare_dropped: int = 0
-    generated_reward_sum: float = 0.0
-    """Sum of the rewards of every rollout whose group was released (trained, dropped for zero
-    variance, masked or dropped by a prepare function alike)."""
-    generated_samples: int = 0
-    reward_part_sums: dict[str, float] = field(default_factory=dict)
-    """Per reward function (and named part): the sum over released rollouts that carry it."""
-    reward_part_counts: dict[str, int] = field(default_factory=dict)
-    reward_failed: int = 0
-    """Released rollouts whose scoring failed (reward 0 from the failed function)."""
-    reward_failure_counts: dict[str, int] = field(default_factory=dict)
-    """Per "<function>/<reason>" (Sample.reward_failure_reasons): released rollouts that failed so."""
-    overlong_penalised: int = 0
-    """Released samples longer than max_tokens - overlong_buffer (their reward carries the soft
-    overlong punishment; 0 when overlong_buffer is 0)."""
-    kl_beta: float | None = None
-    """beta of the KL in the reward for this step (None: the KL is not in the reward)."""
-    kl_sum: float = 0.0
-    """Sum over prepared samples of their KL(policy || reference) (kl_in_reward only)."""
-    kl_samples: int = 0
-    algorithm_sums: dict[str, float] = field(default_factory=dict)
-    """Prepare-function metrics, each summed weighted by the samples of its call."""
-    algorithm_weights: dict[str, int] = field(default_factory=dict)
-
-    def add_algorithm_metrics(self, metrics: dict[str, float], num_samples: int) -> None:
-        for name, value in metrics.items():
-            self.algorithm_sums[name] = self.algorithm_sums.get(name, 0.0) + float(value) * num_samples
-            self.algorithm_weights[name] = self.algorithm_weights.get(name, 0) + num_samples
-
-    def as_metrics(self, max_tokens_per_gpu: int) -> dict[str, float]:
-        """Namespaced metrics: batcher/* are counts and ratios, timing/* are seconds."""
-        now = time.monotonic()
-        done = self.completed_s or now
-        capacity = self.loss_minibatches * max_tokens_per_gpu
-        return {
-            "batcher/num_prompts": float(self.num_prompts),
-            "batcher/num_samples": float(self.num_samples),
-            "batcher/num_tokens": float(self.num_tokens),
-            "batcher/minibatches_per_rank": float(self.minibatches_per_rank),
-            "batcher/padding_minibatches": float(self.padding_minibatches),
-            # Over all loss-carrying minibatches, each rank's final partial one included.
-            "batcher/fill": self.num_tokens / capacity if capacity else 0.0,
-            "batcher/timed_out_prompts": float(self.timed_out_prompts),
-            "batcher/dropped_stale": float(self.dropped_stale),
-            "batcher/dropped_logprob_version": float(self.dropped_logprob_version),
-            "batcher/oversized_samples": float(self.oversized_samples),
-            "batcher/missing_rollouts": float(self.missing_rollouts),
-            "batcher/failed": float(self.failed),
-            "timing/batcher_step_s": _elapsed(self.first_submit_s, done),
-            "timing/batcher_after_last_submit_s": _elapsed(self.last_submit_s, done),
-            "timing/batcher_first_minibatch_s": _elapsed(self.first_submit_s, self.first_minibatch_s),
-            "timing/batcher_generate_s_mean": _mean(self.generate_s, self.finished_prompts),
-            "timing/batcher_logprob_s_mean": _mean(self.logprob_s, self.finished_prompts),
-            "timing/teacher_s": _mean(self.teacher_s, self.finished_prompts),
-            "timing/batcher_rank_wait_s": self.rank_wait_s,
-            "counts/dropped_zero_variance_groups": float(self.dropped_zero_variance_groups),
-            "counts/resampled_prompts": float(self.resampled_prompts),
-            "counts/masked_truncated": float(self.masked_truncated),
-            "counts/prepare_dropped": float(self.prepare_dropped),
-            # Over every generated rollout: reward/mean counts trained samples only, which dynamic
-            # sampling and masking select.
-            "reward/mean_generated": _mean(self.generated_reward_sum, self.generated_samples),
-            # One per reward function (rewards.RewardConfig.functions), its unweighted mean.
-            **{f"reward/{name}": _mean(total, self.reward_part_counts[name])
-               for name, total in self.reward_part_sums.items()},
-            "counts/overlong_penalised": float(self.overlong_penalised),
-            # Over every generated rollout, like reward/mean_generated (the trainer's
-            # counts/reward_failed counts the trained ones).
-            "counts/reward_failures": float(self.reward_failed),
-            **{f"counts/reward_failures/{reason}": float(count) for reason, count in self.reward_failure_counts.items()},
-            **self._algorithm_metrics(),
-        }
-
-    def _algorithm_metrics(self) -> dict[str, float]:
-        # A prepare function's namespaced metrics ("distill/reverse_kl") keep their name; bare
-        # names go under algorithm/.
-        out = {(name if "/" in name else f"algorithm/{name}"): total / max(self.algorithm_weights[name], 1)
-               for name, total in self.algorithm_sums.items()}
-        if self.kl_beta is not None:
-            out["kl/beta"] = self.kl_beta
-            out["kl/in_reward_mean"] = _mean(self.kl_sum, self.kl_samples)
-        return out
-
-
-def _elapsed(start: float, stop: float) -> float:
-    """stop - start, or 0.0 when either moment has not happened (0.0)."""
-    return stop - start if start and stop else 0.0
-
-
-def _mean(total: float, count: int) -> float:
-    return total / count if count else 0.0
-
-
-@dataclass(slots=True)
-class _PromptResult:
-    """What one prompt produced."""
-
-    fresh: list[Sample]
-    """Rollouts within max_lag, logprobs filled: they go to the packer."""
-    stale: int
-    """Rollouts dropped for staleness."""
-    missing: int
-    """sampling.n minus the rollouts the generation worker returned."""
-    generate_s: float
-    logprob_s: float
-    logprob_version: int = 0
-    """Rollouts dropped because their old-policy logprobs came from older weights than sampled them."""
-    teacher_s: float = 0.0
-    """Time the teacher pool took for the group (0 without distillation)."""
 
 
 @dataclass(slots=True)
@@ -551,8 +297,7 @@ class _StepState:
     packer: MinibatchPacker
     sampling: SamplingConfig
     """What the step's generate requests carry (step_sampling: the step's own seed)."""
-    queues: list[asyncio.Queue[Minibatch | EndOfStep | PromptRequest | _StepFailed]]
-    """One mailbox per rank."""
+    mailboxes: RankMailboxes
     stats: StepStats
     kl_beta: float | None = None
     """beta of the KL in the reward for this step (None: not in the reward)."""
@@ -583,11 +328,42 @@ class _StepState:
     ended_ranks: set[int] = field(default_factory=set)
     """Ranks that have received EndOfStep; when all have, the step is retired."""
 
+    def record_submit(self, rank: int, count: int, round_index: int, world_size: int) -> None:
+        """Check and count one submit_prompts call of `count` prompts."""
+        now = time.monotonic()
+        if round_index == 0:
+            if rank in self.submitted:
+                raise ValueError(f"rank {rank} already submitted prompts for step {self.packer.step}")
+            if not self.submitted:
+                self.stats.first_submit_s = now
+            self.submitted.add(rank)
+            if len(self.submitted) == world_size:
+                self.stats.last_submit_s = now
+            self.target_prompts += count
+        else:
+            if round_index != self.round_index or rank in self.round_submitted:
+                raise ValueError(f"rank {rank}: unexpected prompts of resampling round {round_index} for step "
+                                 f"{self.packer.step} (the step is in round {self.round_index})")
+            self.round_submitted.add(rank)
+            self.stats.resampled_prompts += count
+        self.stats.num_prompts += count
+
+    def all_submitted(self, world_size: int) -> bool:
+        """Every rank has submitted the step's prompts (and those of its current resampling round)."""
+        return len(self.submitted) == world_size and (self.round_index == 0 or len(self.round_submitted) == world_size)
+
+    def needs_more_prompts(self, sampling: SamplingConfig) -> bool:
+        """Dynamic sampling: fewer informative prompts than submitted, and rounds left."""
+        return (sampling.drop_zero_variance_groups and self.informative_prompts < self.target_prompts
+                and self.round_index < sampling.max_resample_rounds)
+
 
 class ExperienceBatcher:
     """Turns prompts from all ranks into per-rank minibatch streams; see the module docstring.
 
-    Single event loop, no locks: state changes happen between awaits only.
+    The step bookkeeping lives here; fetching (RolloutFetcher), preparing (GroupPreparer),
+    counting (StepStats) and the rank-0 rounds (RoundTracker) are delegated. Single event loop,
+    no locks: state changes happen between awaits only.
     """
 
     def __init__(self, config: BatcherConfig, generation: RequestClient, logprob: RequestClient | None,
@@ -602,40 +378,24 @@ class ExperienceBatcher:
         if config.distill.teacher != (teacher is not None):
             raise ValueError("ExperienceBatcher: distill.teacher needs a teacher client exactly when it is set")
         self.config = config
-        self._generation = generation
-        self._logprob = logprob
-        self._reference = reference
-        self._teacher = teacher
-        self._prepare: PrepareFn = load_prepare_fn(config.algorithm)
-        self._prepare_name = config.algorithm.prepare_batch or f"built-in {config.algorithm.estimator}"
+        self._fetcher = RolloutFetcher(
+            generation=generation, max_lag=config.max_lag, logprob=logprob,
+            logprob_field=_LOGPROB_FIELDS[config.logprob_target] if config.logprob_target else None,
+            reference=reference, teacher=teacher,
+        )
+        self._preparer = GroupPreparer(algorithm=config.algorithm, sampling=config.sampling,
+                                       kl_in_reward=config.kl_in_reward, distill=config.distill)
         self._kl_schedule = KLSchedule(config.kl_in_reward, config.max_lag) if config.kl_in_reward else None
         self._steps: dict[int, _StepState] = {}
         self._retired_steps: set[int] = set()
         self._stats: dict[int, StepStats] = {}
-        self._rounds: dict[int, tuple[int, bool]] = {}
-        """Rank-0 data path: step -> (index of the last round read, whether it was acknowledged)."""
+        self._rounds = RoundTracker()
 
     async def submit_prompts(self, rank: int, step: int, samples: list[Sample], round_index: int = 0) -> None:
         """Start generating `rank`'s prompts for `step` (once per rank and step; again once per
         resampling round, with the round a PromptRequest named)."""
         state = self._state(rank, step)
-        now = time.monotonic()
-        if round_index == 0:
-            if rank in state.submitted:
-                raise ValueError(f"rank {rank} already submitted prompts for step {step}")
-            if not state.submitted:
-                state.stats.first_submit_s = now
-            state.submitted.add(rank)
-            if len(state.submitted) == self.config.world_size:
-                state.stats.last_submit_s = now
-            state.target_prompts += len(samples)
-        else:
-            if round_index != state.round_index or rank in state.round_submitted:
-                raise ValueError(f"rank {rank}: unexpected prompts of resampling round {round_index} for step {step} "
-                                 f"(the step is in round {state.round_index})")
-            state.round_submitted.add(rank)
-            state.stats.resampled_prompts += len(samples)
-        state.stats.num_prompts += len(samples)
+        state.record_submit(rank, len(samples), round_index, self.config.world_size)
         deadline = asyncio.get_running_loop().time() + self.config.prompt_deadline_s
         for sample in samples:
             key = sample.group_key
@@ -645,7 +405,7 @@ class ExperienceBatcher:
             task = asyncio.create_task(self._run_prompt(state, sample, deadline))
             state.tasks.add(task)
             task.add_done_callback(state.tasks.discard)
-        if self._all_submitted(state):
+        if state.all_submitted(self.config.world_size):
             for key in [k for k, pending in state.pending_by_key.items() if pending == 0]:
                 self._release_group(state, key)
         self._maybe_finish(state)
@@ -661,7 +421,7 @@ class ExperienceBatcher:
         if self._kl_schedule is not None and "kl_schedule" in state:
             self._kl_schedule.load_state_dict(state["kl_schedule"])
 
-    async def next_message(self, rank: int, step: int) -> Minibatch | EndOfStep | PromptRequest:
+    async def next_message(self, rank: int, step: int) -> BatcherMessage:
         """Wait for `rank`'s next minibatch of `step`, a PromptRequest (dynamic sampling), or the
         step's EndOfStep after the last minibatch.
 
@@ -670,10 +430,10 @@ class ExperienceBatcher:
         state = self._state(rank, step)
         started = time.monotonic()
         try:
-            message = await state.queues[rank].get()
+            message = await state.mailboxes.get(rank)
         finally:
             state.stats.rank_wait_s += time.monotonic() - started
-        if isinstance(message, _StepFailed):
+        if message is None:
             raise self._step_error(state)
         if isinstance(message, EndOfStep):
             state.ended_ranks.add(rank)
@@ -682,7 +442,7 @@ class ExperienceBatcher:
                 self._retired_steps.add(step)
         return message
 
-    async def next_round(self, step: int, index: int) -> list[Minibatch | EndOfStep | PromptRequest]:
+    async def next_round(self, step: int, index: int) -> list[BatcherMessage]:
         """The rank-0 data path's read (data_path.Rank0DataPath): the next message of every rank for
         `step`, one per rank in rank order, as round `index` (0, 1, ... per step).
 
@@ -692,29 +452,14 @@ class ExperienceBatcher:
         messages have the same kind in each round (minibatch counts are equal per rank and
         PromptRequests go to all ranks after flush); a round that mixes kinds fails.
         """
-        last, acked = self._rounds.get(step, (-1, True))
-        if index != last + 1 or not acked:
-            raise ExperienceBatcherError(
-                f"step {step}: round {index} requested, but the last round read was {last} "
-                f"({'acknowledged' if acked else 'not acknowledged'}); rounds are read in order, each after "
-                "the previous one's ack_round")
-        self._rounds[step] = (index, False)
+        self._rounds.open(step, index)
         messages = list(await asyncio.gather(*(self.next_message(rank, step) for rank in range(self.config.world_size))))
-        kinds = {type(m).__name__ for m in messages}
-        if len(kinds) != 1:
-            raise ExperienceBatcherError(f"step {step}: round {index} mixes message kinds {sorted(kinds)} across ranks")
+        self._rounds.check_kinds(step, index, messages)
         return messages
 
     def ack_round(self, step: int, index: int) -> None:
         """The rank-0 reader holds round `index` of `step` whole (see next_round)."""
-        last, acked = self._rounds.get(step, (-1, True))
-        if index != last or acked:
-            raise ExperienceBatcherError(f"step {step}: ack of round {index}, but the round awaiting one is "
-                                         f"{last if not acked else 'none'}")
-        if step in self._retired_steps:  # the EndOfStep round: nothing more to read for the step
-            del self._rounds[step]
-        else:
-            self._rounds[step] = (index, True)
+        self._rounds.ack(step, index, step_retired=step in self._retired_steps)
 
     def stats(self, step: int | None = None) -> dict[str, float]:
         """Metrics of `step` (an open step reports its progress so far), or with None of the most
@@ -757,7 +502,7 @@ class ExperienceBatcher:
         state = _StepState(
             packer=packer,
             sampling=step_sampling(self.config.sampling, step),
-            queues=[asyncio.Queue() for _ in range(self.config.world_size)],
+            mailboxes=RankMailboxes(self.config.world_size),
             stats=StepStats(step=step, kl_beta=beta),
             kl_beta=beta,
         )
@@ -773,7 +518,7 @@ class ExperienceBatcher:
         scope = asyncio.timeout_at(deadline)
         try:
             async with scope:
-                result = await self._process_prompt(state.packer.step, sample, state.sampling)
+                result = await self._fetcher.fetch(state.packer.step, sample, state.sampling)
         except TimeoutError as exc:
             # A TimeoutError raised by a registry is an error like any other; only our own
             # deadline (scope.expired()) counts as a timed-out prompt.
@@ -789,116 +534,17 @@ class ExperienceBatcher:
             state.pending_prompts -= 1
             state.pending_by_key[sample.group_key] -= 1
         try:
-            if self._all_submitted(state) and state.pending_by_key[sample.group_key] == 0:
+            if state.all_submitted(self.config.world_size) and state.pending_by_key[sample.group_key] == 0:
                 self._release_group(state, sample.group_key)
             self._maybe_finish(state)
         except Exception as exc:  # a prepare function's error fails the step, naming it
             self._fail(state, sample, exc)
 
-    async def _process_prompt(self, step: int, sample: Sample, sampling: SamplingConfig) -> _PromptResult:
-        """Generate sampling.n rollouts, drop the stale ones, fill logprobs of the rest."""
-        n = sampling.n
-        started = time.monotonic()
-        rollouts: list[Sample] = await self._generation.submit("generate", sample, sampling, cost=n)
-        generated = time.monotonic()
-        if len(rollouts) > n:
-            raise ValueError(f"generate returned {len(rollouts)} rollouts for prompt_id={sample.prompt_id}, n={n}")
-        fresh = [r for r in rollouts if step - r.weight_version <= self.config.max_lag]
-        stale = len(rollouts) - len(fresh)
-        if stale:
-            logger.info(
-                "step %d: prompt_id=%d: %d rollouts older than max_lag=%d dropped (weight versions %s)",
-                step, sample.prompt_id, stale, self.config.max_lag, sorted({r.weight_version for r in rollouts}),
-            )
-        kept, teacher_s = fresh, 0.0
-        if fresh:
-            # Every logprob service at once (the slowest sets the pace); only the old-policy
-            # answers can drop rollouts (their version check).
-            services: list[Any] = []
-            if self._logprob is not None:
-                services.append(self._fill_logprobs(fresh))
-            if self._reference is not None:
-                services.append(self._fill_frozen(self._reference, "reference pool", fresh, "ref_logprobs"))
-            if self._teacher is not None:
-                services.append(self._timed(self._fill_frozen(self._teacher, "teacher pool", fresh, "teacher_logprobs")))
-            answers = await asyncio.gather(*services)
-            if self._logprob is not None:
-                kept = answers[0]
-            if self._teacher is not None:
-                teacher_s = answers[-1]
-        return _PromptResult(
-            fresh=kept,
-            stale=stale,
-            missing=n - len(rollouts),
-            generate_s=generated - started,
-            logprob_s=time.monotonic() - generated,
-            logprob_version=len(fresh) - len(kept),
-            teacher_s=teacher_s,
-        )
-
-    async def _fill_logprobs(self, rollouts: list[Sample]) -> list[Sample]:
-        """Fill the group's logprobs with one registry call (the worker still batches per sample);
-        returns the rollouts whose logprobs' weight version passes the check.
-
-        Reference logprobs must come from the loaded checkpoint (INITIAL_WEIGHT_VERSION): anything
-        else is an error. Old-policy logprobs must come from weights at least as new as those
-        that sampled the rollout; older ones (a restarted worker still on base weights) are
-        dropped and counted, never silently trained on.
-        """
-        assert self._logprob is not None and self.config.logprob_target is not None
-        target = _LOGPROB_FIELDS[self.config.logprob_target]
-        cost = sum(r.num_tokens for r in rollouts)
-        answers: list[TokenLogprobs] = await self._logprob.submit("compute_group_logprobs", rollouts, cost=cost)
-        if len(answers) != len(rollouts):
-            raise ValueError(
-                f"compute_group_logprobs returned {len(answers)} answers for {len(rollouts)} rollouts "
-                f"(prompt_id={rollouts[0].prompt_id})"
-            )
-        kept = []
-        for rollout, answer in zip(rollouts, answers):
-            if len(answer.values) != len(rollout.output_token_ids):
-                raise ValueError(
-                    f"compute_group_logprobs returned {len(answer.values)} values for "
-                    f"{len(rollout.output_token_ids)} output tokens (prompt_id={rollout.prompt_id})"
-                )
-            if target == "ref_logprobs" and answer.weight_version != INITIAL_WEIGHT_VERSION:
-                raise ValueError(f"reference logprobs computed with weight version {answer.weight_version}: the "
-                                 f"reference worker must serve the initial checkpoint (prompt_id={rollout.prompt_id})")
-            if target == "old_logprobs" and answer.weight_version < rollout.weight_version:
-                logger.warning("prompt_id=%d: old-policy logprobs from weights v%d for a rollout sampled with v%d; "
-                               "dropped", rollout.prompt_id, answer.weight_version, rollout.weight_version)
-                continue
-            setattr(rollout, target, [float(v) for v in answer.values])
-            kept.append(rollout)
-        return kept
-
-    @staticmethod
-    async def _timed(work: Any) -> float:
-        """Await `work`; the seconds it took."""
-        started = time.monotonic()
-        await work
-        return time.monotonic() - started
-
-    async def _fill_frozen(self, client: RequestClient, label: str, rollouts: list[Sample], field_name: str) -> None:
-        """Fill `field_name` from a frozen logprob pool (reference or teacher: the model it loaded,
-        weight version -1), one call for the group."""
-        cost = sum(r.num_tokens for r in rollouts)
-        answers: list[TokenLogprobs] = await client.submit("compute_group_logprobs", rollouts, cost=cost)
-        if len(answers) != len(rollouts):
-            raise ValueError(f"{label} returned {len(answers)} answers for {len(rollouts)} rollouts "
-                             f"(prompt_id={rollouts[0].prompt_id})")
-        for rollout, answer in zip(rollouts, answers):
-            if len(answer.values) != len(rollout.output_token_ids) or answer.weight_version != INITIAL_WEIGHT_VERSION:
-                raise ValueError(f"{label} answered {len(answer.values)} values at weight version "
-                                 f"{answer.weight_version} for {len(rollout.output_token_ids)} output tokens "
-                                 f"(prompt_id={rollout.prompt_id}); expected one per token from its loaded model")
-            setattr(rollout, field_name, [float(v) for v in answer.values])
-
-    def _accept(self, state: _StepState, key: tuple[int, int], result: _PromptResult) -> None:
+    def _accept(self, state: _StepState, key: tuple[int, int], result: PromptRollouts) -> None:
         stats = state.stats
         stats.finished_prompts += 1
         stats.dropped_stale += result.stale
-        stats.dropped_logprob_version += result.logprob_version
+        stats.dropped_logprob_version += result.dropped_logprob_version
         stats.generate_s += result.generate_s
         stats.logprob_s += result.logprob_s
         stats.teacher_s += result.teacher_s
@@ -910,11 +556,6 @@ class ExperienceBatcher:
             )
         state.groups.setdefault(key, []).extend(result.fresh)
 
-    def _all_submitted(self, state: _StepState) -> bool:
-        """Every rank has submitted the step's prompts (and those of its current resampling round)."""
-        world = self.config.world_size
-        return len(state.submitted) == world and (state.round_index == 0 or len(state.round_submitted) == world)
-
     def _release_group(self, state: _StepState, key: tuple[int, int]) -> None:
         """A group whose prompts have all finished: drop it (no reward variance, under dynamic
         sampling), hold it (step-scoped prepare) or prepare and pack it now."""
@@ -925,15 +566,7 @@ class ExperienceBatcher:
         samples = state.groups.pop(key, [])
         if not samples:  # every rollout stale, missing or timed out: counted where that happened
             return
-        state.stats.generated_reward_sum += sum(s.reward for s in samples)
-        state.stats.generated_samples += len(samples)
-        for s in samples:
-            for name, value in (s.reward_parts or {}).items():
-                state.stats.reward_part_sums[name] = state.stats.reward_part_sums.get(name, 0.0) + value
-                state.stats.reward_part_counts[name] = state.stats.reward_part_counts.get(name, 0) + 1
-            state.stats.reward_failed += s.reward_failed
-            for reason in s.reward_failure_reasons or ():
-                state.stats.reward_failure_counts[reason] = state.stats.reward_failure_counts.get(reason, 0) + 1
+        state.stats.record_released(samples)
         if self.config.sampling.drop_zero_variance_groups and len({s.reward for s in samples}) == 1:
             state.stats.dropped_zero_variance_groups += 1
             return
@@ -944,33 +577,14 @@ class ExperienceBatcher:
             self._prepare_and_pack(state, samples)
 
     def _prepare_and_pack(self, state: _StepState, samples: list[Sample]) -> None:
-        """Run the prepare function on released samples and pack the ones it returns."""
-        stats = state.stats
-        sampling = self.config.sampling
-        if sampling.overlong_buffer:
-            limit = sampling.max_tokens - sampling.overlong_buffer
-            stats.overlong_penalised += sum(1 for s in samples if len(s.output_token_ids) > limit)
-        policy = self.config.kl_in_reward.policy_logprobs if self.config.kl_in_reward else "sampler"
-        ctx = AlgorithmContext(step=state.packer.step, config=self.config.algorithm, kl_beta=state.kl_beta,
-                               kl_policy_logprobs=policy,
-                               distill=self.config.distill if self.config.distill.teacher else None)
-        if state.kl_beta is not None:
-            stats.kl_sum += sum(sequence_kl(s, policy) for s in samples)
-            stats.kl_samples += len(samples)
-        prepared = check_prepared(self._prepare(samples, ctx), samples, self._prepare_name)
-        stats.prepare_dropped += len(samples) - len(prepared.samples)
-        stats.add_algorithm_metrics(prepared.metrics, len(samples))
-        for sample in prepared.samples:
-            if sampling.mask_truncated and sample.truncated:
-                stats.masked_truncated += 1
-                continue
+        for sample in self._preparer.prepare(samples, state.packer.step, state.kl_beta, state.stats):
             for minibatch in state.packer.add(sample):
                 self._deliver(state, minibatch)
 
     def _deliver(self, state: _StepState, minibatch: Minibatch) -> None:
         if not state.stats.first_minibatch_s:
             state.stats.first_minibatch_s = time.monotonic()
-        state.queues[minibatch.rank].put_nowait(minibatch)
+        state.mailboxes.put(minibatch.rank, minibatch)
 
     def _count_timeout(self, state: _StepState, sample: Sample) -> None:
         state.stats.timed_out_prompts += 1
@@ -997,10 +611,7 @@ class ExperienceBatcher:
         for task in state.tasks:
             if task is not current:
                 task.cancel()
-        for queue in state.queues:
-            while not queue.empty():
-                queue.get_nowait()
-            queue.put_nowait(_StepFailed())
+        state.mailboxes.fail()
 
     @staticmethod
     def _step_error(state: _StepState) -> ExperienceBatcherError:
@@ -1009,12 +620,6 @@ class ExperienceBatcher:
         error = ExperienceBatcherError(str(state.error))
         error.__cause__ = state.error.__cause__
         return error
-
-    def _needs_more_prompts(self, state: _StepState) -> bool:
-        """Dynamic sampling: fewer informative prompts than submitted, and rounds left."""
-        sampling = self.config.sampling
-        return (sampling.drop_zero_variance_groups and state.informative_prompts < state.target_prompts
-                and state.round_index < sampling.max_resample_rounds)
 
     def _request_prompts(self, state: _StepState) -> None:
         """Ask every rank for an equal share of the missing informative prompts (rounded up, so
@@ -1029,14 +634,15 @@ class ExperienceBatcher:
             self._deliver(state, minibatch)
         logger.info("step %d: %d of %d prompts informative; resampling round %d asks each rank for %d more",
                     state.packer.step, state.informative_prompts, state.target_prompts, state.round_index, per_rank)
-        for queue in state.queues:
-            queue.put_nowait(PromptRequest(step=state.packer.step, count=per_rank, round_index=state.round_index))
+        state.mailboxes.broadcast(PromptRequest(step=state.packer.step, count=per_rank, round_index=state.round_index))
 
     def _maybe_finish(self, state: _StepState) -> None:
         """Close the step once every rank has submitted and no prompt is running."""
-        if state.finished or state.error is not None or state.pending_prompts or not self._all_submitted(state):
+        if state.finished or state.error is not None or state.pending_prompts:
             return
-        if self._needs_more_prompts(state):
+        if not state.all_submitted(self.config.world_size):
+            return
+        if state.needs_more_prompts(self.config.sampling):
             self._request_prompts(state)
             return
         if state.held:
@@ -1046,39 +652,28 @@ class ExperienceBatcher:
         packer, stats = state.packer, state.stats
         for minibatch in packer.finish():
             self._deliver(state, minibatch)
-        stats.num_samples, stats.num_tokens = packer.num_samples, packer.num_tokens
-        stats.minibatches_per_rank = max(packer.minibatches_per_rank)
-        stats.padding_minibatches = packer.padding_minibatches
-        stats.loss_minibatches = sum(packer.minibatches_per_rank) - packer.padding_minibatches
-        stats.oversized_samples = packer.oversized_samples
+        _record_packing(stats, packer)
         stats.completed_s = time.monotonic()
-        end = EndOfStep(
-            step=packer.step,
-            num_samples=packer.num_samples,
-            num_tokens=packer.num_tokens,
-            num_minibatches=stats.minibatches_per_rank,
-            num_prompts=stats.num_prompts,
-            timed_out_prompts=stats.timed_out_prompts,
-            dropped_stale=stats.dropped_stale,
-            oversized_samples=packer.oversized_samples,
-            padding_minibatches=packer.padding_minibatches,
-            missing_rollouts=stats.missing_rollouts,
-            num_output_tokens=packer.num_output_tokens,
-            dropped_zero_variance_groups=stats.dropped_zero_variance_groups,
-            resampled_prompts=stats.resampled_prompts,
-            masked_truncated=stats.masked_truncated,
-            prepare_dropped=stats.prepare_dropped,
-        )
+        end = EndOfStep(**stats.counts())
         if self._kl_schedule is not None:
-            self._kl_schedule.record(end.step, _mean(stats.kl_sum, stats.kl_samples), stats.kl_samples)
-        for queue in state.queues:
-            queue.put_nowait(end)
+            self._kl_schedule.record(end.step, mean(stats.kl_sum, stats.kl_samples), stats.kl_samples)
+        state.mailboxes.broadcast(end)
         logger.info(
             "step %d complete: %d samples, %d tokens, %d minibatches per rank (%d padding), %d timed-out prompts, "
             "%d stale rollouts dropped",
             end.step, end.num_samples, end.num_tokens, end.num_minibatches, end.padding_minibatches,
             end.timed_out_prompts, end.dropped_stale,
         )
+
+
+def _record_packing(stats: StepStats, packer: MinibatchPacker) -> None:
+    """Copy a finished packer's totals into the step's stats."""
+    stats.num_samples, stats.num_tokens = packer.num_samples, packer.num_tokens
+    stats.num_output_tokens = packer.num_output_tokens
+    stats.num_minibatches = max(packer.minibatches_per_rank)
+    stats.padding_minibatches = packer.padding_minibatches
+    stats.loss_minibatches = sum(packer.minibatches_per_rank) - packer.padding_minibatches
+    stats.oversized_samples = packer.oversized_samples
 
 
 class ExperienceBatcherActor:
@@ -1150,10 +745,7 @@ class ExperienceBatcherActor:
     async def _redispatched_total(self) -> int:
         total = 0
         for registry in self._registries:
-            try:
-                counters = await registry.counters.remote()
-            except AttributeError:  # a test's stand-in registry keeps no counters
-                continue
+            counters = await registry.counters.remote()
             total += counters.get("redispatched_requests", 0)
         return total
 

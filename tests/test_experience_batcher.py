@@ -22,17 +22,8 @@ import ray
 
 from sample_processing_utils import Sample, TokenLogprobs
 from ray_env import BATCHER_ACTOR_NAME
-from vllm_experience_batcher import (
-    LOSS_WEIGHT,
-    PADDING_LOSS_WEIGHT,
-    BatcherConfig,
-    EndOfStep,
-    ExperienceBatcher,
-    ExperienceBatcherError,
-    Minibatch,
-    MinibatchPacker,
-    get_or_create_batcher,
-)
+from batcher_messages import LOSS_WEIGHT, PADDING_LOSS_WEIGHT, EndOfStep, ExperienceBatcherError, Minibatch
+from vllm_experience_batcher import BatcherConfig, ExperienceBatcher, MinibatchPacker, get_or_create_batcher
 from ray_env import GENERATION, RAY_NAMESPACE
 from vllm_registry import Bundle, RegistryActor, RegistryConfig, serve_many
 from sampling import SamplingConfig
@@ -525,6 +516,10 @@ class RegistryDouble:
     def cancelled(self) -> int:
         return self._cancelled
 
+    def counters(self) -> dict[str, int]:
+        """What the registry reports (vllm_registry's counters): this double never re-sends."""
+        return {"redispatched_requests": 0}
+
 
 @pytest.fixture
 def batcher_actors(ray_local):
@@ -571,7 +566,8 @@ def test_actor_routes_two_steps_submitted_ahead_to_the_right_ranks(batcher_actor
     assert sorted(c for c in ray.get(generation.calls.remote())) == sorted(
         ("generate", pid, _N) for ids in prompts.values() for pid in ids
     )
-    assert ray.get(batcher.stats.remote(1))["batcher/num_prompts"] == 6
+    stats = ray.get(batcher.stats.remote(1))
+    assert (stats["batcher/num_prompts"], stats["counts/redispatched_requests"]) == (6, 0)
     # A second caller gets the same actor; a different config is refused, not silently ignored.
     assert get_or_create_batcher(config, generation_registry=generation, logprob_registry=logprob) == batcher
     with pytest.raises(ValueError, match="different config"):

@@ -1,9 +1,12 @@
-"""Registry routing: least-loaded spreading, the per-worker cap, failover on worker death, errors.
+"""The registry actor: registration and weight catch-up, publish, health checks, status, workers
+really dying under requests, and the batched path over Ray (lease_many streams, BatchedRegistryClient,
+serve_many).
 
-The unit tests use `FakeWorker`, a small Ray actor standing in for an inference worker: its
-`work` calls can be held behind a gate, so the tests control exactly which requests are in flight
-(no sleeps decide the outcome). The integration test at the end uses two real vLLM generation
-workers on the tiny model.
+The routing itself (caps, least-loaded choice, arrival order, timeouts, the failover logic) is
+tested without Ray against the plain classes in tests/test_capacity_queue.py. The tests here use
+`FakeWorker`, a small Ray actor standing in for an inference worker: its `work` calls can be held
+behind a gate, so the tests control exactly which requests are in flight (no sleeps decide the
+outcome). The integration tests at the end use two real vLLM generation workers on the tiny model.
 """
 
 from __future__ import annotations
@@ -37,17 +40,17 @@ _BAD_TAG = "bad"  # FakeWorker.work raises ValueError for this tag
 @ray.remote(num_cpus=0)
 class FakeWorker:
     """Stands in for an inference worker: records calls; when held, each `work` call waits until
-    `release(tag)` or `open_gate()` lets it finish."""
+    `open_gate()` lets it finish."""
 
     def __init__(self, name: str, held: bool = False, health_delay_s: float = 0.0, update_delay_s: float = 0.0,
                  failing_update: bool = False, broken: bool = False, fetch: bool = False) -> None:
         self._name = name
-        self._held = held
-        self._gates: dict[Any, asyncio.Event] = {}  # one per tag, so calls can be let go one by one
+        self._gate = asyncio.Event()  # held calls wait here until open_gate()
+        if not held:
+            self._gate.set()
         self._health_delay_s = health_delay_s
         self._calls: list[Any] = []
         self._active = 0
-        self._peak = 0
         self._version = -1
         self._state = WorkerState.INIT
         self._failure = ""
@@ -66,9 +69,8 @@ class FakeWorker:
         if tag == _BAD_TAG:
             raise ValueError(f"{self._name}: bad request {tag}")
         self._active += 1
-        self._peak = max(self._peak, self._active)
         try:
-            await self._gate(tag).wait()
+            await self._gate.wait()
         finally:
             self._active -= 1
         return self._name, tag
@@ -118,28 +120,12 @@ class FakeWorker:
     def set_health_delay(self, delay_s: float) -> None:
         self._health_delay_s = delay_s
 
-    def _gate(self, tag: Any) -> asyncio.Event:
-        if tag not in self._gates:
-            self._gates[tag] = asyncio.Event()
-            if not self._held:
-                self._gates[tag].set()
-        return self._gates[tag]
-
     def open_gate(self) -> None:
         """Let every held call, and every later one, finish."""
-        self._held = False
-        for gate in self._gates.values():
-            gate.set()
-
-    def release(self, tag: Any) -> None:
-        """Let the call tagged `tag` finish (now, or as soon as it arrives)."""
-        self._gate(tag).set()
+        self._gate.set()
 
     def calls(self) -> list[Any]:
         return list(self._calls)
-
-    def peak(self) -> int:
-        return self._peak
 
     async def health(self) -> WorkerHealth:
         await asyncio.sleep(self._health_delay_s)
@@ -255,126 +241,6 @@ def _incarnation(registry: Any) -> str | None:
         return None
 
 
-def test_requests_go_to_the_least_loaded_worker(make_registry):
-    registry = make_registry()
-    (a, worker_a), (b, worker_b) = _start_worker("a", held=True), _start_worker("b", held=True)
-    _register(registry, a, b)
-
-    big = registry.submit.remote("work", "big", cost=10)
-    _wait_until(lambda: len(ray.get(worker_a.calls.remote())) + len(ray.get(worker_b.calls.remote())) == 1, "big")
-    small = [registry.submit.remote("work", i, cost=1) for i in range(4)]
-    _wait_until(lambda: len(ray.get(worker_a.calls.remote())) + len(ray.get(worker_b.calls.remote())) == 5, "small")
-
-    calls = {a: ray.get(worker_a.calls.remote()), b: ray.get(worker_b.calls.remote())}
-    big_worker = a if "big" in calls[a] else b
-    other = b if big_worker == a else a
-    assert calls[big_worker] == ["big"], "cost-1 requests went to the worker carrying cost 10"
-    assert sorted(calls[other]) == [0, 1, 2, 3]
-    ray.get([worker_a.open_gate.remote(), worker_b.open_gate.remote()])
-    assert ray.get(big)[0] == big_worker
-    assert {ray.get(ref)[0] for ref in small} == {other}
-
-
-def test_equal_costs_spread_evenly(make_registry):
-    registry = make_registry()
-    (a, worker_a), (b, worker_b) = _start_worker("a", held=True), _start_worker("b", held=True)
-    _register(registry, a, b)
-    refs = [registry.submit.remote("work", i) for i in range(6)]
-    _wait_until(lambda: len(ray.get(worker_a.calls.remote())) + len(ray.get(worker_b.calls.remote())) == 6, "all")
-    assert len(ray.get(worker_a.calls.remote())) == 3
-    assert len(ray.get(worker_b.calls.remote())) == 3
-    ray.get([worker_a.open_gate.remote(), worker_b.open_gate.remote()])
-    assert sorted(tag for _, tag in ray.get(refs)) == list(range(6))
-
-
-def test_cap_holds_requests_until_capacity_frees(make_registry):
-    registry = make_registry(max_inflight_cost_per_worker=2)
-    name, worker = _start_worker("capped", held=True)
-    _register(registry, name)
-    refs = [registry.submit.remote("work", i) for i in range(5)]
-    _wait_until(lambda: len(ray.get(worker.calls.remote())) == 2, "two requests at the worker")
-    (row,) = ray.get(registry.status.remote())
-    assert (row.inflight_requests, row.inflight_cost) == (2, 2)
-    _wait_until(lambda: ray.get(registry.queued_requests.remote()) == 3, "three requests queued at the registry")
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-    assert ready == []
-
-    ray.get(worker.open_gate.remote())
-    assert sorted(tag for _, tag in ray.get(refs, timeout=_WAIT_BOUND_S)) == list(range(5))
-    assert ray.get(worker.peak.remote()) == 2
-    # A request costlier than the cap still runs on an idle worker instead of waiting forever.
-    assert ray.get(registry.submit.remote("work", "huge", cost=7), timeout=_WAIT_BOUND_S) == (name, "huge")
-    (row,) = ray.get(registry.status.remote())
-    assert (row.inflight_requests, row.inflight_cost, row.requests_served) == (0, 0, 6)
-
-
-def test_queued_requests_are_served_in_arrival_order(make_registry):
-    # Ray starts calls to an async actor in no fixed order, even calls from one caller. So each
-    # request is sent once the one before it has reached the worker or the queue (that fixes the
-    # arrival order), and capacity frees one request at a time, so that each step lets at most one
-    # request through (that makes the worker's record the registry's dispatch order).
-    registry = make_registry(max_inflight_cost_per_worker=4)
-    name, worker = _start_worker("fifo", held=True)
-    _register(registry, name)
-
-    def calls() -> list[Any]:
-        return ray.get(worker.calls.remote())
-
-    def queued() -> int:
-        return ray.get(registry.queued_requests.remote())
-
-    first = []
-    for i in range(4):
-        first.append(registry.submit.remote("work", i))
-        _wait_until(lambda: len(calls()) == i + 1, f"request {i} to reach the worker")
-    big = registry.submit.remote("work", "big", cost=3)
-    _wait_until(lambda: queued() == 1, "the big request to queue")
-    small = []
-    for i in range(3):
-        small.append(registry.submit.remote("work", f"small-{i}"))
-        _wait_until(lambda: queued() == i + 2, f"small-{i} to queue")
-
-    # A result comes back only after the registry has released the request's cost and handed the
-    # freed capacity on, so reading the queue right after it does not race the hand-over.
-    for i in range(2):
-        ray.get(worker.release.remote(i))
-        ray.get(first[i], timeout=_WAIT_BOUND_S)
-        assert queued() == 4, f"a cheap request overtook the costly one once request {i} finished"
-    ray.get(worker.release.remote(2))
-    ray.get(first[2], timeout=_WAIT_BOUND_S)
-    assert queued() == 3, "the costly request did not run once its cost fit"
-    _wait_until(lambda: len(calls()) == 5, "the big request to reach the worker")
-    # "big" holds 3 of 4 units from here on: each finished cost-1 request lets the next one in.
-    for step, (tag, ref) in enumerate([(3, first[3]), ("small-0", small[0]), ("small-1", small[1])]):
-        ray.get(worker.release.remote(tag))
-        ray.get(ref, timeout=_WAIT_BOUND_S)
-        assert queued() == 2 - step, f"not exactly one queued request ran once {tag} finished"
-        _wait_until(lambda: len(calls()) == 6 + step, f"the next queued request to reach the worker after {tag}")
-    ray.get(worker.open_gate.remote())
-    ray.get(first + [big] + small, timeout=_WAIT_BOUND_S)
-    # The costly request waited until its cost fit; the cheap ones behind it did not overtake it.
-    assert calls() == [0, 1, 2, 3, "big", "small-0", "small-1", "small-2"]
-
-
-def test_a_cancelled_queued_request_frees_its_place(make_registry):
-    registry = make_registry(max_inflight_cost_per_worker=1)
-    name, worker = _start_worker("cancel", held=True)
-    _register(registry, name)
-    running = registry.submit.remote("work", "running")
-    _wait_until(lambda: len(ray.get(worker.calls.remote())) == 1, "the first request to run")
-    queued = registry.submit.remote("work", "queued")
-    _wait_until(lambda: ray.get(registry.queued_requests.remote()) == 1, "the second request to queue")
-    ray.cancel(queued)
-    with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError)):
-        ray.get(queued, timeout=_WAIT_BOUND_S)
-    ray.get(worker.open_gate.remote())
-    assert ray.get(running, timeout=_WAIT_BOUND_S) == (name, "running")
-    assert ray.get(registry.submit.remote("work", "after"), timeout=_WAIT_BOUND_S) == (name, "after")
-    assert ray.get(worker.calls.remote()) == ["running", "after"]
-    (row,) = ray.get(registry.status.remote())
-    assert (row.inflight_requests, row.inflight_cost) == (0, 0)
-
-
 def test_requests_on_a_killed_worker_complete_on_the_other(make_registry):
     registry = make_registry()
     (doomed, doomed_worker), (survivor, _) = _start_worker("doomed", held=True), _start_worker("survivor")
@@ -387,32 +253,6 @@ def test_requests_on_a_killed_worker_complete_on_the_other(make_registry):
     assert sorted(tag for _, tag in results) == list(range(8))
     assert {worker for worker, _ in results} == {survivor}
     assert ray.get(registry.live_workers.remote()) == [survivor]
-
-
-def test_all_workers_dead_raises_an_error_naming_the_registry(make_registry):
-    timeout_s = 2.0
-    registry = make_registry(no_worker_timeout_s=timeout_s)
-    (a, worker_a), (b, worker_b) = _start_worker("a", held=True), _start_worker("b", held=True)
-    _register(registry, a, b)
-    refs = [registry.submit.remote("work", i) for i in range(4)]
-    _wait_until(lambda: len(ray.get(worker_a.calls.remote())) + len(ray.get(worker_b.calls.remote())) == 4, "all")
-    started = time.monotonic()
-    ray.kill(worker_a)
-    ray.kill(worker_b)
-    for ref in refs:
-        with pytest.raises(WorkerPoolError, match=f"generation-registry: no live workers for {timeout_s} s"):
-            ray.get(ref, timeout=_WAIT_BOUND_S)
-    assert time.monotonic() - started >= timeout_s, "the registry gave up before waiting for a new worker"
-
-
-def test_a_worker_registering_in_time_serves_waiting_requests(make_registry):
-    registry = make_registry(no_worker_timeout_s=_WAIT_BOUND_S)
-    ref = registry.submit.remote("work", "late")
-    ready, _ = ray.wait([ref], timeout=0.5)
-    assert ready == []
-    name, _ = _start_worker("late")
-    _register(registry, name)
-    assert ray.get(ref, timeout=_WAIT_BOUND_S) == (name, "late")
 
 
 def test_worker_errors_propagate_without_removing_the_worker(make_registry):
@@ -446,7 +286,7 @@ def test_register_unknown_actor_names_the_registry(make_registry):
 
 def test_broadcast_reaches_every_live_worker_and_drops_dead_ones(make_registry):
     registry = make_registry()
-    (a, worker_a), (b, worker_b) = _start_worker("a"), _start_worker("b")
+    (a, _), (b, worker_b) = _start_worker("a"), _start_worker("b")
     _register(registry, a, b)
     assert ray.get(registry.broadcast.remote("set_version", 5)) == {a: 5, b: 5}
     assert {row.name: row.weight_version for row in ray.get(registry.status.remote())} == {a: 5, b: 5}
@@ -650,26 +490,6 @@ def test_a_batch_goes_least_loaded_in_one_call_per_worker(make_registry):
     assert sorted((r.requests_served, r.inflight_requests, r.inflight_cost) for r in rows) == [(1, 0, 0), (4, 0, 0)]
 
 
-def test_a_batch_waits_at_the_cap_and_is_served_as_capacity_frees(make_registry):
-    registry = make_registry(max_inflight_cost_per_worker=2)
-    name, worker = _start_worker("capped", held=True)
-    _register(registry, name)
-
-    async def scenario() -> None:
-        tasks = _submit_batch(BatchedRegistryClient(registry), list(range(5)))
-        await _await_until(lambda: _has_calls(2, worker), "two requests at the worker")
-        await _await_until(lambda: _equals(registry.queued_requests.remote(), 3), "three requests queued")
-        assert not any(t.done() for t in tasks)
-        await worker.open_gate.remote()
-        assert [tag for _, tag in await asyncio.gather(*tasks)] == list(range(5))
-
-    _run(scenario())
-    assert ray.get(worker.peak.remote()) == 2
-    assert sum(ray.get(worker.batch_sizes.remote())) == 5
-    (row,) = _settled_rows(registry)
-    assert (row.inflight_requests, row.inflight_cost, row.requests_served) == (0, 0, 5)
-
-
 async def _equals(ref: Any, expected: Any) -> bool:
     return await ref == expected
 
@@ -714,21 +534,6 @@ def test_batched_requests_on_a_failed_worker_wait_for_a_new_one(make_registry):
     assert _run(scenario()) == [(healthy, "x"), (healthy, "y")]
     assert sorted(ray.get(broken_worker.calls.remote())) == ["x", "y"]
     assert ray.get(registry.counters.remote()) == {"redispatched_requests": 2}
-
-
-def test_batched_requests_without_workers_fail_with_an_error_naming_the_registry(make_registry):
-    timeout_s = 2.0
-    registry = make_registry(no_worker_timeout_s=timeout_s)
-
-    async def scenario() -> list[Any]:
-        return await asyncio.gather(*_submit_batch(BatchedRegistryClient(registry), [0, 1, 2]), return_exceptions=True)
-
-    started = time.monotonic()
-    outcomes = _run(scenario())
-    assert time.monotonic() - started >= timeout_s, "the registry gave up before waiting for a worker"
-    assert [type(o) for o in outcomes] == [WorkerPoolError] * 3
-    assert all(f"generation-registry: no live workers for {timeout_s} s" in str(o) for o in outcomes)
-    assert ray.get(registry.queued_requests.remote()) == 0
 
 
 def test_a_batched_request_error_reaches_only_its_caller(make_registry):
@@ -814,11 +619,13 @@ def real_workers(ray_local, tiny_model_dir):
     """Two GenerationWorkerActors on the tiny model, started together (~1 min each on 2 cores)."""
     from ray_env import actor_runtime_env
     from vllm_worker import GenerationWorkerActor, GenerationWorkerConfig
+    from worker_options import EngineConfig
 
     config = GenerationWorkerConfig(
-        model_path=str(tiny_model_dir), max_num_seqs=16, gpu_memory_utilization=0.08,
-        kv_cache_memory_bytes=_ENGINE_KV_CACHE_BYTES, max_model_len=_ENGINE_MAX_MODEL_LEN, enforce_eager=True,
-        dtype="float32", global_num_verifiers=1,
+        model_path=str(tiny_model_dir), engine=EngineConfig(
+            max_num_seqs=16, gpu_memory_utilization=0.08, kv_cache_memory_bytes=_ENGINE_KV_CACHE_BYTES,
+            max_model_len=_ENGINE_MAX_MODEL_LEN, enforce_eager=True, dtype="float32"),
+        global_num_verifiers=1,
     )
     workers = {}
     for index in range(2):

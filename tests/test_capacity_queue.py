@@ -307,6 +307,29 @@ def test_all_workers_dead_raises_an_error_naming_the_registry():
     _run(scenario())
 
 
+def test_the_no_worker_timeout_counts_from_when_the_pool_emptied():
+    # Requests queued for capacity longer than the timeout while a worker lived still get the
+    # whole timeout, counted from when the pool emptied, for a new worker to register.
+    async def scenario() -> None:
+        queue, book = _book(max_cost_per_worker=1, no_worker_timeout_s=_SHORT_TIMEOUT_S)
+        (worker,) = _workers(queue, "w")
+        await queue.acquire(1)  # the worker is full from here on
+        submitted = _submit(queue, "submitted")
+        leased = _Caller(book, "call-0", [1])
+        await asyncio.sleep(2 * _SHORT_TIMEOUT_S)  # queued past the timeout, with a worker alive
+        assert not submitted.done() and not leased.task.done() and queue.queued() == 2
+        emptied = time.monotonic()
+        queue.remove("w", "deregistered")
+        with pytest.raises(WorkerPoolError, match="no live workers"):
+            await submitted
+        assert time.monotonic() - emptied >= _SHORT_TIMEOUT_S, "submit's wait was counted from its arrival"
+        await leased.task
+        assert isinstance(leased.failed[0], WorkerPoolError)
+        assert leased.ended - emptied >= _SHORT_TIMEOUT_S, "the lease's wait was counted from its arrival"
+
+    _run(scenario())
+
+
 def test_a_worker_registering_in_time_serves_waiting_requests():
     async def scenario() -> None:
         queue = _queue()
@@ -389,6 +412,8 @@ class _Caller:
         self.assigned: dict[int, str] = {}
         """Where each request was last sent (index -> worker name)."""
         self.failed: dict[int, Exception] = {}
+        self.ended = 0.0
+        """time.monotonic() when the stream ended."""
         self.task = asyncio.ensure_future(self._read(book.lease(call_id, "work", costs)))
 
     async def _read(self, stream: Any) -> None:
@@ -399,6 +424,7 @@ class _Caller:
                     self.assigned[index] = value
                 else:
                     self.failed[index] = value
+        self.ended = time.monotonic()
 
     def on(self, name: str) -> list[int]:
         return sorted(i for i, worker in self.assigned.items() if worker == name)

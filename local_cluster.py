@@ -18,6 +18,7 @@ output (Ray's and vLLM's start-up included) to <log_dir>/<kind>-<i>_worker.log. 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import getpass
 import logging
 import os
@@ -34,12 +35,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from ray_env import LOOPBACK_ONLY_ENV, RAY_NAMESPACE, REPO_ROOT, actor_runtime_env, repo_pythonpath, use_loopback_only_ray
-from run_config import load_config, split_passthrough
+from run_config import config_to_flags, flattened, load_config, split_passthrough
+from worker_options import EngineConfig, LogprobBatchingConfig
 
 if TYPE_CHECKING:
     from trainer_core import TrainerConfig
@@ -55,6 +57,26 @@ _STOP_GRACE_S = 30.0  # how long a stopped trainer gets to exit before SIGKILL
 # the same file, warnings included, stay there. Group 1: the dispatcher's message.
 _RELAYED_LINE = re.compile(r"^\S+ \S+ (?:WARNING|ERROR|CRITICAL) __main__: (.*)$"
                            r"|^(worker \S+ restarting \(.*|.*; giving up after .*|.*; not restarting it: .*)$")
+
+
+# The engine on one CPU machine shared with the trainer:
+# - dtype float32, as the CPU trainer computes: vLLM's 'auto' would serve an fp32 checkpoint in
+#   bf16, which CPUs without bf16 instructions emulate slowly, and whose sampling logprobs then
+#   differ from the trainer's (~6e-3 per token on the demo). The logprob workers get it too.
+# - a 256 MiB KV cache, set explicitly: the CPU build otherwise reserves a fraction of one NUMA
+#   node's RAM minus what the process already uses, which fails on a busy machine.
+# - max_model_len 512 and 256 sequences per step: the launcher's sizes for the tiny demo model
+#   since it was written (the demo's prompt + completion budget is far below 512 tokens); no
+#   measurement behind them is recorded.
+LOCAL_ENGINE = EngineConfig(dtype="float32", kv_cache_memory_bytes=256 * 2**20, max_model_len=512, max_num_seqs=256)
+# The launcher's logprob budget since it was written (half the worker's default; the demo's
+# minibatch budget, max_tokens_per_gpu, is 4096); no measurement behind it is recorded.
+LOCAL_BATCHING = LogprobBatchingConfig(max_tokens_per_forward=8192)
+
+
+def local_engine(**changes: Any) -> EngineConfig:
+    """LOCAL_ENGINE with `changes` (e.g. a test's smaller KV cache), for LocalClusterConfig(engine=...)."""
+    return dataclasses.replace(LOCAL_ENGINE, **changes)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -82,37 +104,22 @@ class LocalClusterConfig:
     """The teacher's model folder (needed when teacher_workers > 0)."""
     num_cpus: int = 8
     """CPU slots Ray advertises (actors are light; real cores are shared)."""
-    kv_cache_memory_bytes: int = 256 * 2**20
-    """vLLM KV cache per engine. Set explicitly: the CPU build otherwise reserves a fraction of
-    one NUMA node's RAM minus what the process already uses, which fails on a busy machine."""
-    max_num_seqs: int = 256
-    """vLLM's concurrent sequences per engine."""
-    max_model_len: int = 512
-    """Longest prompt + output the engines accept."""
+    engine: EngineConfig = flattened(LOCAL_ENGINE)
+    """The generation engines' options (worker_options.EngineConfig), with this machine's
+    defaults (LOCAL_ENGINE); their dtype is the logprob workers' too."""
     global_num_verifiers: int | None = None
     """Verifier processes shared by all generation workers; None: one per usable core (2 to 32,
     math_verifier.VerifierPoolConfig), so a few slow verifications cannot hold up the rest."""
-    max_tokens_per_gpu: int = 8192
-    """Token budget of one logprob-worker batch."""
-    dtype: str = "float32"
-    """Dtype of both workers' models. fp32, as the CPU trainer computes: vLLM's 'auto' would
-    serve an fp32 checkpoint in bf16, which CPUs without bf16 instructions emulate slowly, and
-    whose sampling logprobs then differ from the trainer's (~6e-3 per token on the demo)."""
+    batching: LogprobBatchingConfig = flattened(LOCAL_BATCHING)
+    """How the logprob workers pack requests (worker_options.LogprobBatchingConfig)."""
     worker_start_timeout_s: float = 600.0
     """Give up if a worker has not registered by then (vLLM on CPU takes ~1 min)."""
-    enforce_eager: bool = False
-    """Generation engines without torch.compile (the dispatchers' --enforce_eager): they run
-    uncompiled and start sooner (vLLM's 'init engine' step, 2 cores: 8.7 s compiled on the demo's
-    tiny model, 0.04-0.2 s eager on the tests' tiny model)."""
     health_check_interval_s: float | None = None
     """How often each dispatcher checks its worker (its --health_check_interval_s); None: the
     dispatcher's default."""
     restart_backoff_s: float | None = None
     """How long a dispatcher waits before replacing a dead worker (its --restart_backoff_s);
     None: the dispatcher's default."""
-    max_lora_rank: int = 0
-    """Generation workers serve LoRA adapters up to this rank (set it when the trainer runs with
-    model.lora.r > 0: one of vLLM's 1, 8, 16, 32, 64, ...; at least r). 0: LoRA off."""
 
     @property
     def total_workers(self) -> int:
@@ -361,23 +368,19 @@ class LocalCluster:
 
     def dispatcher_args(self, kind: str) -> list[str]:
         """worker_dispatcher.py's flags for one worker of `kind` ('generation', 'logprob',
-        'reference' or 'teacher'; the teacher loads teacher_model_path, the others model_path)."""
+        'reference' or 'teacher'; the teacher loads teacher_model_path, the others model_path):
+        the sections this config shares with the dispatcher, as flags (run_config.config_to_flags),
+        where they differ from the dispatcher's defaults."""
         c = self.config
-        common = ["--model_path", c.teacher_model_path if kind == "teacher" else c.model_path, "--dtype", c.dtype]
+        common = ["--mode", kind, "--model_path", c.teacher_model_path if kind == "teacher" else c.model_path]
         for flag in ("health_check_interval_s", "restart_backoff_s"):
             if getattr(c, flag) is not None:
                 common += [f"--{flag}", str(getattr(c, flag))]
         if kind == "generation":
             verifiers = [] if c.global_num_verifiers is None else ["--global_num_verifiers", str(c.global_num_verifiers)]
-            return common + [
-                "--mode", "generation", "--tensor_parallel_size", "1", "--max_num_seqs", str(c.max_num_seqs),
-                *verifiers,
-                "--kv_cache_memory_bytes", str(c.kv_cache_memory_bytes), "--max_model_len", str(c.max_model_len),
-                *(["--enforce_eager"] if c.enforce_eager else []),
-                *(["--max_lora_rank", str(c.max_lora_rank)] if c.max_lora_rank else []),
-            ]
+            return common + verifiers + config_to_flags(c.engine)
         if kind in ("logprob", "reference", "teacher"):
-            return common + ["--mode", kind, "--max_tokens_per_gpu", str(c.max_tokens_per_gpu)]
+            return common + ["--dtype", c.engine.dtype] + config_to_flags(c.batching)
         raise ValueError(f"unknown worker kind {kind!r}")
 
     def add_worker_command(self, kind: str) -> str:
@@ -546,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer_config = load_trainer_config(trainer_args)  # prints its one line and exits 2 itself
     setup_logging(config, trainer_config)
     from console import CONSOLE, LOG_FILE
-    check_trainer_inputs(trainer_config, max_lora_rank=config.max_lora_rank)
+    check_trainer_inputs(trainer_config, max_lora_rank=config.engine.max_lora_rank)
     if config.teacher_workers:
         check_teacher_model(config.teacher_model_path, config.model_path)
     Path(config.run_dir).mkdir(parents=True, exist_ok=True)  # the checks passed: run.log can start

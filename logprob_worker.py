@@ -6,7 +6,7 @@ the latter, because a Ray call through the registry costs more CPU than scoring 
 (512 per-sample calls per demo step took ~1.5 core-seconds across registry, worker and batcher).
 Either way every sample is queued on its own. Scoring one sample per forward leaves an
 accelerator mostly idle, so the worker packs queued samples (padding-free,
-`get_input_for_logprobs`) into one forward of at most `max_tokens_per_gpu` tokens:
+`get_input_for_logprobs`) into one forward of at most `max_tokens_per_forward` tokens:
 
     caller -> compute_logprobs(sample) -> queue -> batch (<= token budget, or max_wait_ms after
     the first queued request) -> forward in a thread -> split_per_sample -> each caller's slice
@@ -47,11 +47,14 @@ from setup_model import (
     load_causal_lm,
     training_compute_dtype,
 )
+from run_config import flattened
 from vllm_registry import Bundle, WorkerHealth, WorkerLifecycle, serve_many
 from weight_sync import (
     ADAPTER_WEIGHTS_FILE, WeightUpdate, assemble_state_dict, check_stable, iter_checkpoint_tensors,
     load_state_dict_into,
 )
+
+from worker_options import LogprobBatchingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -69,16 +72,9 @@ class LogprobWorkerConfig:
 
     model_path: str
     """Hugging Face checkpoint folder (safetensors) loaded with from_pretrained."""
-    max_tokens_per_gpu: int = 16384
-    """Token budget of one packed forward (prompt + output tokens of all samples in it). A single
-    sample longer than this still runs, alone, and is counted in stats().oversized_samples.
-    Attention cost follows each sample's own length (flash_attention_2, or packed_attention's
-    packed_sdpa without flash-attn), so larger budgets amortise more per-forward overhead;
-    benchmarks/logprob_batching.py sweeps it (on the 2-core CPU: 1.0x / 1.19x / 1.27x at
-    512 / 1024 / 2048 tokens)."""
-    max_wait_ms: float = 20.0
-    """How long the first queued request waits for company before its batch runs even if not full.
-    0 runs whatever is queued as soon as the previous batch is done."""
+    batching: LogprobBatchingConfig = flattened(LogprobBatchingConfig())
+    """How queued requests are packed into forwards (worker_options.LogprobBatchingConfig;
+    top-level flags and keys)."""
     logprob_chunk_size: int = 1024
     """Output positions per lm_head chunk (bounds the [chunk, vocab] fp32 logits held at once)."""
     device: str = "auto"
@@ -102,10 +98,6 @@ class LogprobWorkerConfig:
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("LogprobWorkerConfig.model_path must be a checkpoint folder, got ''")
-        if self.max_tokens_per_gpu < 1:
-            raise ValueError(f"LogprobWorkerConfig.max_tokens_per_gpu must be >= 1, got {self.max_tokens_per_gpu}")
-        if self.max_wait_ms < 0:
-            raise ValueError(f"LogprobWorkerConfig.max_wait_ms must be >= 0, got {self.max_wait_ms}")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"LogprobWorkerConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         if self.device not in _DEVICES:
@@ -139,14 +131,14 @@ class LogprobWorkerStats:
     output_tokens: int
     """Output tokens scored (logprobs returned)."""
     mean_batch_fill: float
-    """tokens / (batches * max_tokens_per_gpu): average share of the token budget a forward used
+    """tokens / (batches * max_tokens_per_forward): average share of the token budget a forward used
     (an oversized single-sample batch counts above 1)."""
     max_batch_tokens: int
     """Largest packed forward, in tokens."""
     max_batch_samples: int
     """Most samples packed into one forward."""
     oversized_samples: int
-    """Samples longer than max_tokens_per_gpu, each run alone."""
+    """Samples longer than max_tokens_per_forward, each run alone."""
     failed_batches: int
     """Forwards that raised; their callers got the error."""
     rejected_samples: int
@@ -303,7 +295,7 @@ class LogprobWorker:
         logger.info(
             "logprob worker %s: %s on %s (%s, %s), budget %d tokens, max wait %.1f ms",
             worker_name, config.model_path, self.device, self.dtype, self.attn_implementation,
-            config.max_tokens_per_gpu, config.max_wait_ms,
+            config.batching.max_tokens_per_forward, config.batching.max_wait_ms,
         )
 
     async def start(self) -> WorkerHealth:
@@ -430,7 +422,7 @@ class LogprobWorker:
     def stats(self) -> LogprobWorkerStats:
         """A snapshot of the batching counters."""
         c = self._counters
-        budget_tokens = c.batches * self.config.max_tokens_per_gpu
+        budget_tokens = c.batches * self.config.batching.max_tokens_per_forward
         return LogprobWorkerStats(
             batches=c.batches,
             samples=c.samples,
@@ -499,8 +491,8 @@ class LogprobWorker:
         if self._closed:
             return []
         loop = asyncio.get_running_loop()
-        deadline = self._queue[0].enqueued_at + self.config.max_wait_ms / 1000.0
-        while self._queued_tokens < self.config.max_tokens_per_gpu and not self._closed:
+        deadline = self._queue[0].enqueued_at + self.config.batching.max_wait_ms / 1000.0
+        while self._queued_tokens < self.config.batching.max_tokens_per_forward and not self._closed:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
@@ -514,7 +506,7 @@ class LogprobWorker:
     def _take_batch(self) -> list[_Request]:
         """Remove the next batch from the queue, dropping requests whose callers gave up."""
         live = [r for r in self._queue if not r.future.done()]
-        chosen = select_batch([r.num_tokens for r in live], self.config.max_tokens_per_gpu)
+        chosen = select_batch([r.num_tokens for r in live], self.config.batching.max_tokens_per_forward)
         picked = set(chosen)
         batch = [live[i] for i in chosen]
         self._queue = deque(r for i, r in enumerate(live) if i not in picked)
@@ -524,11 +516,11 @@ class LogprobWorker:
     async def _run_batch(self, batch: list[_Request]) -> None:
         """Score one batch in a thread and hand every caller its slice (or the batch's error)."""
         num_tokens = sum(r.num_tokens for r in batch)
-        if num_tokens > self.config.max_tokens_per_gpu:
+        if num_tokens > self.config.batching.max_tokens_per_forward:
             self._counters.oversized_samples += 1
             logger.warning(
-                "logprob worker %s: sample of %d tokens exceeds max_tokens_per_gpu=%d; scoring it alone (%d so far)",
-                self.name, num_tokens, self.config.max_tokens_per_gpu, self._counters.oversized_samples,
+                "logprob worker %s: sample of %d tokens exceeds max_tokens_per_forward=%d; scoring it alone (%d so far)",
+                self.name, num_tokens, self.config.batching.max_tokens_per_forward, self._counters.oversized_samples,
             )
         loop = asyncio.get_running_loop()
         async with self._model_lock:

@@ -7,6 +7,19 @@ nested section as `--section.name`. Precedence: defaults < config file < CLI fla
 (`--enforce_eager`, or `--enforce_eager false`); a list field takes one or more values
 (`--seeds 0 1 2`, or JSON: `--seeds "[0, 1, 2]"`).
 
+A field declared with `flattened(default)` embeds a section whose fields stay at the top level
+of the embedding config: no `--section.` prefix on its flags, no `section:` mapping in a file,
+and the section's defaults are those of `default` (so two configs can embed one section, each
+with defaults of its own, while each field, its type, docstring and validation are declared
+once, in the section). `config_to_flags(section)` turns a section back into the flags that
+give it, for a launcher that starts a child with the same options:
+
+    @dataclass(kw_only=True, frozen=True)
+    class DispatcherConfig:
+        engine: EngineConfig = flattened(EngineConfig())   # --max_num_seqs, --dtype, ...
+
+    config_to_flags(EngineConfig(max_num_seqs=256))  # ['--max_num_seqs', '256']
+
 Every entry point of the project parses its command line this way, so defaults live in one
 place, the config class:
 
@@ -19,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import dataclasses
 import inspect
 import json
@@ -27,7 +41,7 @@ import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Iterator, Literal, TypeVar
 
 import yaml
 
@@ -36,6 +50,21 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A config file or flag that does not fit the config's schema."""
+
+
+_FLATTEN = "run_config.flatten"  # dataclass field metadata key marking a flattened section
+
+
+def flattened(default: Any) -> Any:
+    """A dataclass field embedding the section `default` (a frozen config dataclass instance),
+    whose fields are top-level flags and file keys of the embedding config (module docstring)."""
+    if not dataclasses.is_dataclass(default) or isinstance(default, type):
+        raise TypeError(f"flattened() needs a config dataclass instance, got {default!r}")
+    return dataclasses.field(default_factory=lambda: default, metadata={_FLATTEN: True})
+
+
+def _is_flattened(f: dataclasses.Field) -> bool:
+    return bool(f.metadata.get(_FLATTEN))
 
 
 def _is_dataclass_type(tp: Any) -> bool:
@@ -97,15 +126,40 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-def _build(cls: type[T], values: dict[str, Any], where: str) -> T:
-    """Instantiate a (possibly nested) config dataclass from a dict of raw values."""
+def _flat_sections(cls: type) -> dict[str, tuple[type, Any]]:
+    """{field name: (section class, default instance)} of cls's flattened sections."""
     types_by_name = _field_types(cls)
-    unknown = set(values) - set(types_by_name)
+    return {f.name: (types_by_name[f.name], _field_default(f)) for f in dataclasses.fields(cls)
+            if f.init and _is_flattened(f)}
+
+
+def _keys(cls: type) -> list[str]:
+    """The keys cls takes in a file or as flags: its own fields, a flattened section's fields in
+    its place. TypeError when two of them share a name (a flag would mean two things)."""
+    keys: list[str] = []
+    sections = _flat_sections(cls)
+    for name in _field_types(cls):
+        keys += _keys(sections[name][0]) if name in sections else [name]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise TypeError(f"{cls.__name__}: flattened sections repeat the key(s) {repeated}")
+    return keys
+
+
+def _build(cls: type[T], values: dict[str, Any], where: str, base: Any = None) -> T:
+    """Instantiate a (possibly nested) config dataclass from a dict of raw values; fields that
+    `values` leaves out take `base`'s values when given, else their defaults."""
+    types_by_name = _field_types(cls)
+    unknown = set(values) - set(_keys(cls))
     if unknown:
-        raise ConfigError(f"{where or 'config'}: unknown key(s) {sorted(unknown)}; known: {sorted(types_by_name)}")
+        raise ConfigError(f"{where or 'config'}: unknown key(s) {sorted(unknown)}; known: {sorted(_keys(cls))}")
     kwargs: dict[str, Any] = {}
+    for name, (section_cls, default) in _flat_sections(cls).items():
+        own = {key: values[key] for key in _keys(section_cls) if key in values}
+        if own:  # at the embedding's level: errors name the keys as the user wrote them
+            kwargs[name] = _build(section_cls, own, where, base=getattr(base, name) if base is not None else default)
     for name, tp in types_by_name.items():
-        if name not in values:
+        if name not in values or name in kwargs:
             continue
         key = f"{where}.{name}" if where else name
         if _is_dataclass_type(tp):
@@ -115,6 +169,8 @@ def _build(cls: type[T], values: dict[str, Any], where: str) -> T:
             kwargs[name] = _build(tp, section, key)
         else:
             kwargs[name] = _coerce(values[name], tp, key)
+    if base is not None:
+        kwargs = {name: kwargs[name] if name in kwargs else getattr(base, name) for name in types_by_name}
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -166,20 +222,34 @@ def _field_default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
+def _leaves(cls: type, base: Any = None) -> Iterator[tuple[dataclasses.Field, Any, str, Any]]:
+    """(field, annotated type, docstring, default) of cls's fields, a flattened section's fields
+    in its place (their defaults: the section instance the embedding gives). A nested section's
+    default is its class's defaults; `base` (a section instance) overrides every default."""
+    docs = _field_docs(cls)
+    types_by_name = _field_types(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        default = getattr(base, f.name) if base is not None else _field_default(f)
+        if _is_flattened(f):
+            yield from _leaves(types_by_name[f.name], default)
+        else:
+            yield f, types_by_name[f.name], docs.get(f.name, ""), default
+
+
 def _flags(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
     """(dotted flag name, annotated type, help) of every leaf field, nested sections flattened."""
+    _keys(cls)  # refuse repeated keys before building a parser
     flags = []
-    docs = _field_docs(cls)
-    defaults = {f.name: _field_default(f) for f in dataclasses.fields(cls)}
-    for name, tp in _field_types(cls).items():
-        dotted = f"{prefix}{name}"
+    for f, tp, doc, default in _leaves(cls):
+        dotted = f"{prefix}{f.name}"
         if _is_dataclass_type(tp):
             flags.extend(_flags(tp, dotted + "."))
             continue
-        default = defaults.get(name, dataclasses.MISSING)
         shown = "required" if default is dataclasses.MISSING else f"default: {default!r}"
         # argparse formats help with %: escape it so docs may mention percentages.
-        flags.append((dotted, tp, f"{docs.get(name, '')} ({shown})".strip().replace("%", "%%")))
+        flags.append((dotted, tp, f"{doc} ({shown})".strip().replace("%", "%%")))
     return flags
 
 
@@ -220,9 +290,59 @@ def load_config(cls: type[T], argv: list[str], description: str = "") -> T:
     return _build(cls, values, "")
 
 
+def _as_dict(config: Any) -> dict[str, Any]:
+    """dataclasses.asdict, with a flattened section's fields in the section's place."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if _is_flattened(f):
+            values.update(_as_dict(value))
+        elif dataclasses.is_dataclass(value):
+            values[f.name] = _as_dict(value)
+        else:
+            values[f.name] = copy.deepcopy(value)
+    return values
+
+
 def config_to_dict(config: Any) -> dict[str, Any]:
-    """Plain nested dict of a config (tuples as lists), for saving and logging."""
-    return json.loads(json.dumps(dataclasses.asdict(config)))
+    """Plain nested dict of a config (tuples as lists), for saving and logging; flattened
+    sections' fields at the level of the config that embeds them, as in a file."""
+    return json.loads(json.dumps(_as_dict(config)))
+
+
+def _flag_words(value: Any) -> list[str]:
+    """A value as the words after its flag: load_config reads them back to the same value."""
+    if value is None:
+        return ["none"]
+    if isinstance(value, bool):
+        return ["true" if value else "false"]
+    if isinstance(value, (list, tuple)):
+        return [json.dumps(list(value))]
+    return [str(value)]
+
+
+def config_to_flags(config: Any, baseline: Any = None) -> list[str]:
+    """The flags that give `config` to a program loading its class: one `--name value` per field
+    whose value differs from `baseline`'s (default: the class's own defaults; a field without a
+    default always), in field order; a bool that is true as the bare flag. A nested section's
+    flags are `--section.name`; a flattened section's are its fields' own."""
+    return _to_flags(config, baseline, "")
+
+
+def _to_flags(config: Any, baseline: Any, prefix: str) -> list[str]:
+    words: list[str] = []
+    for f in dataclasses.fields(config):
+        if not f.init:
+            continue
+        value = getattr(config, f.name)
+        default = getattr(baseline, f.name) if baseline is not None else _field_default(f)
+        if dataclasses.is_dataclass(value):
+            section_base = default if dataclasses.is_dataclass(default) else None
+            words += _to_flags(value, section_base, prefix if _is_flattened(f) else f"{prefix}{f.name}.")
+        elif default is dataclasses.MISSING or value != default:
+            flag = f"--{prefix}{f.name}"
+            words += [flag] if value is True else [flag, *_flag_words(value)]
+    return words
 
 
 def save_config(config: Any, path: Path) -> None:
@@ -256,23 +376,17 @@ def config_reference(cls: type, prefix: str = "") -> list[str]:
     """Markdown for `cls` and each nested section: a heading, the class's docstring, and a table
     of its fields (flag, type, default, the field's docstring). docs/config.md is made of these
     (scripts/config_docs.py), so the reference cannot drift from the classes."""
-    docs = _field_docs(cls)
     heading = f"`{prefix.rstrip('.')}` ({cls.__name__})" if prefix else cls.__name__
     summary = " ".join((inspect.getdoc(cls) or "").split("\n\n")[0].split())
     lines = [f"### {heading}", "", summary, "", "| flag | type | default | meaning |", "|---|---|---|---|"]
     sections: list[tuple[str, type]] = []
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        tp = _field_types(cls)[f.name]
+    for f, tp, doc, value in _leaves(cls):
         if _is_dataclass_type(tp):
             sections.append((f"{prefix}{f.name}.", tp))
-            lines.append(f"| `--{prefix}{f.name}.*` | section | | {_cell(docs.get(f.name, ''))} (below) |")
+            lines.append(f"| `--{prefix}{f.name}.*` | section | | {_cell(doc)} (below) |")
             continue
-        value = _field_default(f)
         default = "required" if value is dataclasses.MISSING else f"`{value!r}`"
-        lines.append(f"| `--{prefix}{f.name}` | `{_cell(_type_name(tp))}` | {_cell(default)} | "
-                     f"{_cell(docs.get(f.name, ''))} |")
+        lines.append(f"| `--{prefix}{f.name}` | `{_cell(_type_name(tp))}` | {_cell(default)} | {_cell(doc)} |")
     lines.append("")
     for section_prefix, section_cls in sections:
         lines += config_reference(section_cls, section_prefix)

@@ -54,8 +54,9 @@ from rewards import (CORRECT_VERDICT, DEFAULT_REWARD_NAME, CombinedScore, Shaped
                      overlong_penalty, shape_reward)
 from sample_processing_utils import Sample
 from sampling import SamplingConfig, request_seed
-from setup_model import VLLM_LORA_RANKS
 from vllm_registry import Bundle, WorkerHealth, WorkerLifecycle, serve_many
+from run_config import flattened
+from worker_options import EngineConfig
 from weight_sync import (
     UnstableVersionError, WeightUpdate, check_stable, iter_checkpoint_tensors, iter_state_dict, write_adapter_folder,
     write_safetensors,
@@ -175,35 +176,8 @@ class GenerationWorkerConfig:
 
     model_path: str
     """Hugging Face model folder the engine loads (safetensors + tokenizer)."""
-    tensor_parallel_size: int = 1
-    """GPUs one engine spans."""
-    max_num_seqs: int = 128
-    """Most sequences the engine schedules in one step (continuous-batching width)."""
-    gpu_memory_utilization: float = 0.9
-    """Fraction of accelerator memory vLLM may use; on the CPU backend, the fraction of RAM
-    reserved for the KV cache."""
-    kv_cache_memory_bytes: int | None = None
-    """Explicit KV-cache size in bytes, overriding gpu_memory_utilization. Useful on the CPU
-    backend, where the utilization fraction is of the NUMA node's RAM and must also cover the
-    engine process's own memory, so small fractions fail at start."""
-    max_model_len: int | None = None
-    """Longest prompt + completion in tokens; None takes the model's own limit."""
-    enforce_eager: bool = False
-    """Skip CUDA-graph capture (faster start, slower decoding)."""
-    dtype: str = "auto"
-    """Engine weight dtype ('auto' follows the checkpoint)."""
-    engine_seed: int = 0
-    """Seed of the engine's own random state (unseeded requests draw from it)."""
-    cpu_in_process_executor: bool = True
-    """On vLLM's CPU backend with tensor_parallel_size 1, run the model inside the engine-core
-    process (vLLM's 'uni' executor). vLLM-CPU otherwise forces its 'mp' executor, whose extra
-    worker process busy-polls shared memory for a second after every step: on a 512-rollout
-    demo step, 1.45 CPU-seconds against 0.26 in process, at the same latency (measured on the
-    2-core machine), CPU that the trainer ranks sharing the machine then lack. No effect on GPUs,
-    where vLLM already runs a single-GPU engine in process."""
-    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
-    """Which distribution `sampling_logprobs` come from: the model's raw softmax (what the
-    trainer's logprob pass computes) or the one after temperature/top-p (the true sampler)."""
+    engine: EngineConfig = flattened(EngineConfig())
+    """The vLLM engine's options (worker_options.EngineConfig; top-level flags and keys)."""
     weight_reload_bucket_bytes: int = 512 * 2**20
     """Most bytes of weights one reload step hands the engine. A push streams the update into the
     engine in buckets of whole decoder layers (a layer bigger than this travels alone), each
@@ -225,29 +199,10 @@ class GenerationWorkerConfig:
     failed_samples_path: str | None = None
     """JSONL file that receives every sample whose generation or scoring failed, with the
     error; None turns this off."""
-    max_lora_rank: int = 0
-    """Serve a LoRA-trained policy (trainer's model.lora): the largest adapter rank the engine
-    accepts, one of vLLM's 1, 8, 16, 32, 64, 128, 256, 320, 512 (at least model.lora.r). 0: LoRA
-    off; the worker then takes full-weight updates only."""
 
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("GenerationWorkerConfig.model_path must be set")
-        for name in ("tensor_parallel_size", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GenerationWorkerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"GenerationWorkerConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ValueError(
-                f"GenerationWorkerConfig.kv_cache_memory_bytes must be >= 1 or None, got {self.kv_cache_memory_bytes}"
-            )
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"GenerationWorkerConfig.max_model_len must be >= 2 or None, got {self.max_model_len}")
-        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
-            raise ValueError(f"GenerationWorkerConfig.logprobs_mode unknown: {self.logprobs_mode!r}")
         if self.weight_update_pause_mode not in ("keep", "wait"):
             raise ValueError(
                 f"GenerationWorkerConfig.weight_update_pause_mode unknown: {self.weight_update_pause_mode!r}"
@@ -262,9 +217,6 @@ class GenerationWorkerConfig:
             raise ValueError(
                 f"GenerationWorkerConfig.weight_reload_bucket_bytes must be >= 1, got {self.weight_reload_bucket_bytes}"
             )
-        if self.max_lora_rank and self.max_lora_rank not in VLLM_LORA_RANKS:
-            raise ValueError(f"GenerationWorkerConfig.max_lora_rank must be 0 (off) or one of {VLLM_LORA_RANKS}, "
-                             f"got {self.max_lora_rank}")
 
 
 class RewardScorer(Protocol):
@@ -521,7 +473,7 @@ class GenerationWorker:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        cfg = self.config
+        cfg, model_path = self.config.engine, self.config.model_path
         in_process = cfg.cpu_in_process_executor and cfg.tensor_parallel_size == 1 and _on_cpu_platform()
         if in_process:
             # vLLM's CPU platform swaps 'uni' for 'mp' unless V1 multiprocessing is off. The flag
@@ -529,10 +481,10 @@ class GenerationWorker:
             # process either way.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         args = AsyncEngineArgs(
-            model=cfg.model_path,
+            model=model_path,
             tensor_parallel_size=cfg.tensor_parallel_size,
             max_num_seqs=cfg.max_num_seqs,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            gpu_memory_utilization=cfg.memory_fraction,
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
             max_model_len=cfg.max_model_len,
             # Whole prompts per step on CPU. With chunked prefill, a seeded request whose prompt is
@@ -561,16 +513,16 @@ class GenerationWorker:
             self._start_error = f"{type(exc).__name__}: {exc}" + (f" (root cause: {cause})" if cause else "")
             raise self.life.fail(f"engine did not start: {self._start_error}") from exc
         logger.info(
-            "%s: engine for %s started in %.1f s (%s executor)", self.worker_name, cfg.model_path,
+            "%s: engine for %s started in %.1f s (%s executor)", self.worker_name, model_path,
             time.perf_counter() - began, "in-process" if in_process else "default",
         )
         await self._self_check()
 
     def _lora_engine_args(self) -> dict[str, Any]:
         """vLLM's LoRA settings when this worker serves adapters (max_lora_rank > 0)."""
-        if not self.config.max_lora_rank:
+        if not self.config.engine.max_lora_rank:
             return {}
-        return {"enable_lora": True, "max_lora_rank": self.config.max_lora_rank,
+        return {"enable_lora": True, "max_lora_rank": self.config.engine.max_lora_rank,
                 "max_loras": _ADAPTERS_PER_BATCH, "max_cpu_loras": _ADAPTERS_PER_BATCH}
 
     async def _self_check(self) -> None:
@@ -846,12 +798,12 @@ class GenerationWorker:
         """
         from vllm.lora.request import LoRARequest
 
-        if not self.config.max_lora_rank:
+        if not self.config.engine.max_lora_rank:
             raise ValueError(f"{self.worker_name}: got a LoRA update but serves no adapters (max_lora_rank 0): "
                              f"start generation workers with --max_lora_rank >= the trainer's model.lora.r")
         rank = int(json.loads(update.adapter_config or "{}").get("r", 0))
-        if rank > self.config.max_lora_rank:
-            raise ValueError(f"{self.worker_name}: adapter rank {rank} exceeds max_lora_rank {self.config.max_lora_rank}")
+        if rank > self.config.engine.max_lora_rank:
+            raise ValueError(f"{self.worker_name}: adapter rank {rank} exceeds max_lora_rank {self.config.engine.max_lora_rank}")
         began = time.perf_counter()
         try:
             await asyncio.to_thread(check_stable, update)

@@ -35,6 +35,7 @@ Ray has no authentication unless its token auth is on: run clusters on a trusted
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -55,10 +56,11 @@ from ray_env import (
     worker_actor_name,
 )
 from ray_cluster import ClusterJoinError, join_cluster
-from run_config import ConfigError, load_config
+from run_config import ConfigError, flattened, load_config
 from setup_model import ModelPathError, check_model_dir
 from versions import LOGPROB_WORKER_REQUIREMENTS, RAY, WORKER_REQUIREMENTS, VersionError, check_versions
 from vllm_registry import RegistryConfig, WorkerState, WorkerStatus, get_or_create_registry
+from worker_options import EngineConfig, LogprobBatchingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +86,8 @@ _NODE_ID_CHARS = 12  # enough of the hex node id to tell nodes apart in the stat
 class DispatcherConfig:
     """One dispatcher: which worker to start, how, and how to watch it.
 
-    Worker fields left at None take the worker config's own default, so defaults live in one
-    place (vllm_worker.GenerationWorkerConfig / logprob_worker.LogprobWorkerConfig).
+    The engine and batching options are the workers' own sections (worker_options), embedded
+    flat (`--max_num_seqs`, `--max_tokens_per_forward`) and handed to the worker as they are.
     """
 
     mode: str = ""
@@ -94,10 +96,10 @@ class DispatcherConfig:
     old-policy logprob workers; never receives weight pushes)."""
     model_path: str = ""
     """Hugging Face model folder, readable at the same path on this node."""
-    tensor_parallel_size: int = 1
-    """GPUs of one generation engine (the actor reserves that many GPUs on GPU nodes)."""
-    max_num_seqs: int | None = None
-    """Generation: sequences one engine step schedules."""
+    engine: EngineConfig = flattened(EngineConfig())
+    """Generation: the vLLM engine's options (its dtype also serves logprob workers)."""
+    batching: LogprobBatchingConfig = flattened(LogprobBatchingConfig())
+    """Logprob: how requests are packed into forwards."""
     global_num_verifiers: int | None = None
     """Generation: processes of the cluster-wide math-verify pool (one CPU each)."""
     verifier_timeout_s: float | None = None
@@ -106,23 +108,6 @@ class DispatcherConfig:
     """Generation: append samples whose generation or scoring failed to failed_samples_path."""
     failed_samples_path: str = DEFAULT_FAILED_SAMPLES_PATH
     """Generation: JSONL file for failed samples (relative paths resolve against the cwd)."""
-    gpu_memory_utilization: float | None = None
-    """Generation: vLLM's memory fraction (on CPU builds, of RAM, for the KV cache)."""
-    kv_cache_memory_bytes: int | None = None
-    """Generation: explicit KV-cache size, overriding gpu_memory_utilization (handy on CPU)."""
-    max_model_len: int | None = None
-    """Generation: longest prompt + completion in tokens."""
-    enforce_eager: bool = False
-    """Generation: skip CUDA-graph capture (faster start)."""
-    max_lora_rank: int | None = None
-    """Generation: serve a LoRA-trained policy's adapters up to this rank (one of vLLM's 1, 8,
-    16, 32, 64, 128, 256, 320, 512; at least the trainer's model.lora.r). Unset: LoRA off."""
-    max_tokens_per_gpu: int | None = None
-    """Logprob: token budget of one packed forward."""
-    dtype: str | None = None
-    """Dtype the worker runs its model in. Generation: vLLM's dtype ('auto' by default, which
-    serves an fp32 checkpoint in bf16 on CPU); logprob: 'auto' (the default: the trainer's
-    compute dtype, bfloat16 on a GPU node and float32 on CPU), 'float32', 'bfloat16' or 'float16'."""
     num_cpus: float = 1.0
     """CPUs the worker actor reserves in Ray's accounting."""
     ray_address: str = "auto"
@@ -153,9 +138,7 @@ class DispatcherConfig:
             raise ValueError(f"DispatcherConfig.mode must be one of {WORKER_KINDS}, got {self.mode!r}")
         if not self.model_path:
             raise ValueError("DispatcherConfig.model_path must be set (--model_path)")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"DispatcherConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.mode != GENERATION and self.tensor_parallel_size != 1:
+        if self.mode != GENERATION and self.engine.tensor_parallel_size != 1:
             raise ValueError(f"DispatcherConfig.tensor_parallel_size must be 1 in {self.mode} mode (one device per worker)")
         if self.num_cpus < 0:
             raise ValueError(f"DispatcherConfig.num_cpus must be >= 0, got {self.num_cpus}")
@@ -165,11 +148,6 @@ class DispatcherConfig:
         for name in ("connect_timeout_s", "start_timeout_s", "health_check_interval_s", "health_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"DispatcherConfig.{name} must be > 0, got {getattr(self, name)}")
-
-
-def _given(**fields: Any) -> dict[str, Any]:
-    """The fields the operator set (None means: keep the worker config's default)."""
-    return {k: v for k, v in fields.items() if v is not None}
 
 
 # KV cache of a generation worker on a CPU node when the operator sets no size: vLLM's CPU backend
@@ -204,54 +182,39 @@ def generation_worker_config(cfg: DispatcherConfig, cuda: bool = True) -> Any:
     from vllm_worker import GenerationWorkerConfig
 
     failed = str(Path(cfg.failed_samples_path).resolve()) if cfg.write_failed_generation_samples else None
-    kv_cache_memory_bytes = cfg.kv_cache_memory_bytes
-    if not cuda and kv_cache_memory_bytes is None and cfg.gpu_memory_utilization is None:
+    engine = cfg.engine
+    if not cuda and engine.kv_cache_memory_bytes is None and engine.gpu_memory_utilization is None:
         import psutil
 
         available = psutil.virtual_memory().available
-        kv_cache_memory_bytes = cpu_kv_cache_bytes(available)
+        engine = dataclasses.replace(engine, kv_cache_memory_bytes=cpu_kv_cache_bytes(available))
         logger.info("CPU node: vLLM KV cache %.2f GiB (1/8 of the %.2f GiB free, within [%.2f, %.0f] GiB; "
-                    "--kv_cache_memory_bytes or --gpu_memory_utilization to change)", kv_cache_memory_bytes / 2**30,
-                    available / 2**30, _CPU_KV_CACHE_MIN_BYTES / 2**30, _CPU_KV_CACHE_MAX_BYTES / 2**30)
+                    "--kv_cache_memory_bytes or --gpu_memory_utilization to change)",
+                    engine.kv_cache_memory_bytes / 2**30, available / 2**30, _CPU_KV_CACHE_MIN_BYTES / 2**30,
+                    _CPU_KV_CACHE_MAX_BYTES / 2**30)
     return GenerationWorkerConfig(
-        model_path=str(Path(cfg.model_path).resolve()),
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        enforce_eager=cfg.enforce_eager,
-        failed_samples_path=failed,
-        **_given(
-            max_num_seqs=cfg.max_num_seqs,
-            global_num_verifiers=cfg.global_num_verifiers,
-            verifier_timeout_s=cfg.verifier_timeout_s,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            max_model_len=cfg.max_model_len,
-            dtype=cfg.dtype,
-            max_lora_rank=cfg.max_lora_rank,
-        ),
+        model_path=str(Path(cfg.model_path).resolve()), engine=engine, failed_samples_path=failed,
+        global_num_verifiers=cfg.global_num_verifiers, verifier_timeout_s=cfg.verifier_timeout_s,
     )
 
 
 def logprob_worker_config(cfg: DispatcherConfig) -> Any:
-    """logprob_worker.LogprobWorkerConfig for this dispatcher.
+    """logprob_worker.LogprobWorkerConfig for this dispatcher, in the engine's dtype.
 
     The device is 'auto', resolved in the actor: the GPU Ray grants it (it sees only that one, as
     cuda:0) where CUDA works, else the CPU (Ray's fake GPUs on a CPU node included).
     """
     from logprob_worker import LogprobWorkerConfig
 
-    return LogprobWorkerConfig(
-        model_path=str(Path(cfg.model_path).resolve()),
-        device="auto",
-        kind=cfg.mode,
-        **_given(max_tokens_per_gpu=cfg.max_tokens_per_gpu, dtype=cfg.dtype),
-    )
+    return LogprobWorkerConfig(model_path=str(Path(cfg.model_path).resolve()), device="auto", kind=cfg.mode,
+                               batching=cfg.batching, dtype=cfg.engine.dtype)
 
 
 def registry_config_for(mode: str, worker_config: Any) -> RegistryConfig:
     """Per-worker cap in the pool's cost unit: sequences (generation) or tokens (logprob)."""
     if mode == GENERATION:
-        return RegistryConfig(max_inflight_cost_per_worker=_GENERATION_CAP_PER_SEQ_SLOT * worker_config.max_num_seqs)
-    return RegistryConfig(max_inflight_cost_per_worker=_LOGPROB_CAP_PER_BATCH * worker_config.max_tokens_per_gpu)
+        return RegistryConfig(max_inflight_cost_per_worker=_GENERATION_CAP_PER_SEQ_SLOT * worker_config.engine.max_num_seqs)
+    return RegistryConfig(max_inflight_cost_per_worker=_LOGPROB_CAP_PER_BATCH * worker_config.batching.max_tokens_per_forward)
 
 
 def node_gpu_count(node_id: str) -> int:
@@ -513,7 +476,7 @@ def serve(cfg: DispatcherConfig) -> int:
     stop.install()  # after ray.init, so these handlers are the ones in force
     node_id = ray.get_runtime_context().get_node_id()
     try:
-        gpus = gpus_per_worker(cfg.mode, cfg.tensor_parallel_size, node_gpu_count(node_id))
+        gpus = gpus_per_worker(cfg.mode, cfg.engine.tensor_parallel_size, node_gpu_count(node_id))
     except ValueError as err:
         print(f"worker_dispatcher.py: node {node_id[:_NODE_ID_CHARS]}: {err}", file=sys.stderr, flush=True)
         return 1

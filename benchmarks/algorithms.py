@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 from benchmarks.realistic_run import interrupt_on_sigterm  # noqa: E402
-from local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
+from local_cluster import LocalCluster, LocalClusterConfig, local_engine  # noqa: E402
 from metrics import read_metrics  # noqa: E402
 from run_config import load_config  # noqa: E402
 
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     lora = any(name.startswith("lora_") for name in config.variants)
     cluster_config = LocalClusterConfig(model_path=str(assets / "model"), log_dir=str(out / "cluster-logs"),
-                                        max_lora_rank=LORA_RANK if lora else 0)
+                                        engine=local_engine(max_lora_rank=LORA_RANK if lora else 0))
     results = []
     with LocalCluster(cluster_config) as cluster:
         cluster.start_workers()

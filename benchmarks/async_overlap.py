@@ -56,7 +56,7 @@ from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
+from local_cluster import LocalCluster, LocalClusterConfig, local_engine  # noqa: E402
 from metrics import read_metrics  # noqa: E402
 from run_config import load_config  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
@@ -322,7 +322,7 @@ def run_real(assets: Path, work: Path, cfg: BenchConfig) -> dict[int, RunTimes]:
     """Real vLLM generation worker + real logprob worker (reference logprobs)."""
     cluster_config = LocalClusterConfig(
         model_path=str(assets / "model"), log_dir=str(work / "real-workers"), generation_workers=1,
-        logprob_workers=1, kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
+        logprob_workers=1, engine=local_engine(kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN),
         global_num_verifiers=1,
     )
     with LocalCluster(cluster_config) as cluster:

@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dataset import write_arithmetic_dataset  # noqa: E402
-from local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
+from local_cluster import LocalCluster, LocalClusterConfig, local_engine  # noqa: E402
 from metrics import read_metrics  # noqa: E402
 from run_config import load_config  # noqa: E402
 from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     weights_mb = (model / "model.safetensors").stat().st_size / 2**20
     cluster_config = LocalClusterConfig(
         model_path=str(model), log_dir=str(work / "logs"), generation_workers=1, logprob_workers=0,
-        kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
+        engine=local_engine(kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN),
     )
     runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
     with LocalCluster(cluster_config) as cluster:

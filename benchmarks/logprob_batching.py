@@ -9,7 +9,7 @@ random-init weights are written to a temporary folder and the same random sample
 LogprobWorkers in two modes:
 
 - sequential: each compute_logprobs call awaited before the next (one sample per forward);
-- batched: all calls in flight at once, packed into forwards of <= max_tokens_per_gpu tokens,
+- batched: all calls in flight at once, packed into forwards of <= max_tokens_per_forward tokens,
   once per budget in --budgets.
 
 Every worker uses max_wait_ms=0 (sequential requests would otherwise wait for company that never
@@ -45,6 +45,7 @@ from transformers import AutoConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from logprob_worker import LogprobWorker, LogprobWorkerConfig, resolve_device  # noqa: E402
+from worker_options import LogprobBatchingConfig  # noqa: E402
 from run_config import load_config  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
 from setup_model import default_attn_implementation  # noqa: E402
@@ -70,7 +71,7 @@ class BenchConfig:
     max_output: int = 192
     """Longest output, in tokens."""
     budgets: tuple[int, ...] = (512, 1024, 2048)
-    """Token budgets (max_tokens_per_gpu) of the batched mode; the first is the one `speedup`
+    """Token budgets (max_tokens_per_forward) of the batched mode; the first is the one `speedup`
     reports (512: the CPU sweet spot under plain sdpa, kept so results stay comparable)."""
     repeats: int = 2
     """Timed passes per mode; the best is reported."""
@@ -150,7 +151,8 @@ def _worker(label: str, model_dir: Path, budget: int, attn_implementation: str |
     # max_wait_ms=0: the sequential mode would otherwise wait for company on every request, and
     # the batched mode queues all its requests before the first batch forms anyway.
     config = LogprobWorkerConfig(
-        model_path=str(model_dir), max_tokens_per_gpu=budget, max_wait_ms=0.0, attn_implementation=attn_implementation
+        model_path=str(model_dir), batching=LogprobBatchingConfig(max_tokens_per_forward=budget, max_wait_ms=0.0),
+        attn_implementation=attn_implementation,
     )
     return LogprobWorker(f"logprob-bench-{label}-{budget}", config)
 

@@ -47,6 +47,7 @@ from sample_processing_utils import Sample  # noqa: E402
 from sampling import SamplingConfig  # noqa: E402
 from tiny_model import write_tiny_model  # noqa: E402
 from vllm_worker import GenerationWorker, GenerationWorkerConfig, weights_file_dir  # noqa: E402
+from worker_options import EngineConfig  # noqa: E402
 from weight_sync import StableMarker, WeightUpdate, tensor_to_blob, update_parts, write_stable_marker  # noqa: E402
 
 WORKER_NAME = "lora-memory-probe"
@@ -155,9 +156,9 @@ async def run(config: LoraPushMemoryConfig, root: Path) -> list[dict]:
     adapters = [write_adapter(model_dir, root / f"big{i}", config.rank, 10 + i) for i in range(2)]
     marker = root / "weights" / "STABLE"
     marker.parent.mkdir(parents=True)
-    worker = GenerationWorker(WORKER_NAME, GenerationWorkerConfig(
-        model_path=str(model_dir), max_num_seqs=8, kv_cache_memory_bytes=64 << 20, max_model_len=256,
-        enforce_eager=True, dtype="float32", max_lora_rank=64), verifier=_AlwaysRight())
+    worker = GenerationWorker(WORKER_NAME, GenerationWorkerConfig(model_path=str(model_dir), engine=EngineConfig(
+        max_num_seqs=8, kv_cache_memory_bytes=64 << 20, max_model_len=256, enforce_eager=True, dtype="float32",
+        max_lora_rank=64)), verifier=_AlwaysRight())
     await worker.start()
     worker.mark_ready()
     engine = worker._require_engine()

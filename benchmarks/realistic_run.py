@@ -157,7 +157,7 @@ class RealisticRunConfig:
     max_num_seqs: int | None = None
     """vLLM's concurrent sequences; None: (max_lag + 1) x ranks x prompts_per_rank x n."""
     logprob_max_tokens: int | None = None
-    """Logprob worker's batch budget (local_cluster --max_tokens_per_gpu); None: n x max_model_len."""
+    """Logprob worker's batch budget (local_cluster --max_tokens_per_forward); None: n x max_model_len."""
     global_num_verifiers: int = 1
     """Verifier processes."""
     patience_s: float = 4 * 3600.0
@@ -926,7 +926,7 @@ def run(config: RealisticRunConfig, passthrough: list[str]) -> dict[str, Any]:
         sys.executable, str(REPO_ROOT / "local_cluster.py"), "--model_path", str(model_dir), "--run_dir", str(run_dir),
         "--nproc_per_node", str(config.nproc_per_node), "--dtype", config.dtype,
         "--kv_cache_memory_bytes", str(sizing.kv_cache_memory_bytes), "--max_model_len", str(sizing.max_model_len),
-        "--max_num_seqs", str(sizing.max_num_seqs), "--max_tokens_per_gpu", str(sizing.logprob_max_tokens),
+        "--max_num_seqs", str(sizing.max_num_seqs), "--max_tokens_per_forward", str(sizing.logprob_max_tokens),
         "--global_num_verifiers", str(config.global_num_verifiers),
         "--worker_start_timeout_s", str(config.worker_start_timeout_s),
         "--", "--config", str(yaml_path), *passthrough,

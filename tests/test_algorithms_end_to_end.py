@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from local_cluster import LocalCluster, LocalClusterConfig
+from local_cluster import LocalCluster, LocalClusterConfig, local_engine
 from metrics import read_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
@@ -43,8 +43,8 @@ def cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory):
     config = LocalClusterConfig(
         model_path=model, log_dir=str(tmp_path_factory.mktemp("worker-logs")), generation_workers=1,
         logprob_workers=1, reference_workers=1, teacher_workers=1, teacher_model_path=model, num_cpus=8,
-        kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64, global_num_verifiers=1,
-        enforce_eager=True,
+        engine=local_engine(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64, enforce_eager=True),
+        global_num_verifiers=1,
     )
     with LocalCluster(config) as running:
         running.start_workers()

@@ -36,7 +36,7 @@ import psutil
 import pytest
 
 from dataset import write_arithmetic_dataset
-from local_cluster import RUN_TEMP_PREFIX, LocalCluster, LocalClusterConfig
+from local_cluster import RUN_TEMP_PREFIX, LocalCluster, LocalClusterConfig, local_engine
 from metrics import read_metrics
 from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
 from vllm_worker import weights_file_dir
@@ -142,8 +142,9 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
     log_dir = tmp_path / "logs"
     config = LocalClusterConfig(
         model_path=str(tiny_model_dir), log_dir=str(log_dir), generation_workers=2, logprob_workers=2,
-        num_cpus=8, kv_cache_memory_bytes=64 * 2**20, max_num_seqs=64, max_model_len=64, global_num_verifiers=1,
-        dtype="float32", enforce_eager=True, health_check_interval_s=HEALTH_CHECK_INTERVAL_S,
+        num_cpus=8, global_num_verifiers=1, health_check_interval_s=HEALTH_CHECK_INTERVAL_S,
+        engine=local_engine(kv_cache_memory_bytes=64 * 2**20, max_num_seqs=64, max_model_len=64, dtype="float32",
+                            enforce_eager=True),
         restart_backoff_s=RESTART_BACKOFF_S,
     )
     killed: dict[str, int] = {}

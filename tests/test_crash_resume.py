@@ -26,7 +26,7 @@ import pytest
 
 from checkpoint import checkpoints_root, latest_checkpoint
 from dataset import InfiniteDistributedSampler, write_arithmetic_dataset
-from local_cluster import LocalCluster, LocalClusterConfig, free_port
+from local_cluster import LocalCluster, LocalClusterConfig, free_port, local_engine
 from ray_env import BATCHER_ACTOR_NAME, RAY_NAMESPACE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
@@ -52,8 +52,9 @@ POLL_S = 0.05
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     config = LocalClusterConfig(
         model_path=str(tiny_model_dir), log_dir=str(tmp_path_factory.mktemp("worker-logs")),
-        generation_workers=1, logprob_workers=0, num_cpus=8, kv_cache_memory_bytes=128 * 2**20,
-        max_num_seqs=256, max_model_len=64, global_num_verifiers=1,
+        generation_workers=1, logprob_workers=0, num_cpus=8,
+        engine=local_engine(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64),
+        global_num_verifiers=1,
     )
     with LocalCluster(config) as running:
         running.start_workers()

@@ -24,7 +24,9 @@ import pytest
 from local_cluster import LOOPBACK_ONLY_ENV
 from process_output import OutputLog
 from ray_env import GENERATION, registry_name, repo_pythonpath, worker_actor_name
+from run_config import load_config
 from worker_dispatcher import REGISTERED_LINE, DispatcherConfig, format_status
+from worker_options import EngineConfig, LogprobBatchingConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DISPATCHER = str(REPO_ROOT / "worker_dispatcher.py")
@@ -153,18 +155,39 @@ def test_config_rejects_bad_fields():
     with pytest.raises(ValueError, match="DispatcherConfig.mode"):
         DispatcherConfig(mode="trainer", model_path="m")
     with pytest.raises(ValueError, match="DispatcherConfig.tensor_parallel_size"):
-        DispatcherConfig(mode="logprob", model_path="m", tensor_parallel_size=2)
+        DispatcherConfig(mode="logprob", model_path="m", engine=EngineConfig(tensor_parallel_size=2))
 
 
 def test_dtype_reaches_each_worker_config_and_unset_keeps_their_defaults():
     from worker_dispatcher import generation_worker_config, logprob_worker_config
 
-    assert generation_worker_config(DispatcherConfig(mode="generation", model_path="m")).dtype == "auto"
-    assert generation_worker_config(DispatcherConfig(mode="generation", model_path="m", dtype="float32")).dtype == "float32"
-    assert logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m")).dtype == "auto"
-    assert logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m", dtype="bfloat16")).dtype == "bfloat16"
+    def dispatcher(mode: str, *flags: str) -> DispatcherConfig:
+        return load_config(DispatcherConfig, ["--mode", mode, "--model_path", "m", *flags])
+
+    assert generation_worker_config(dispatcher("generation")).engine.dtype == "auto"
+    assert generation_worker_config(dispatcher("generation", "--dtype", "float32")).engine.dtype == "float32"
+    assert logprob_worker_config(dispatcher("logprob")).dtype == "auto"
+    assert logprob_worker_config(dispatcher("logprob", "--dtype", "bfloat16")).dtype == "bfloat16"
     with pytest.raises(ValueError, match="LogprobWorkerConfig.dtype"):
-        logprob_worker_config(DispatcherConfig(mode="logprob", model_path="m", dtype="int8"))
+        logprob_worker_config(dispatcher("logprob", "--dtype", "int8"))
+
+
+def test_the_engine_and_batching_sections_reach_the_workers_as_given():
+    from worker_dispatcher import generation_worker_config, logprob_worker_config, registry_config_for
+
+    flags = ["--model_path", "m", "--max_num_seqs", "8", "--kv_cache_memory_bytes", "1024", "--max_model_len", "64",
+             "--enforce_eager", "--max_lora_rank", "16", "--max_tokens_per_forward", "512", "--max_wait_ms", "5"]
+    cfg = load_config(DispatcherConfig, ["--mode", "generation", *flags])
+    assert cfg.engine == EngineConfig(max_num_seqs=8, kv_cache_memory_bytes=1024, max_model_len=64, enforce_eager=True,
+                                      max_lora_rank=16)
+    worker = generation_worker_config(cfg, cuda=False)  # a KV-cache size given: no CPU sizing
+    assert worker.engine == cfg.engine
+    assert registry_config_for("generation", worker).max_inflight_cost_per_worker == 2 * 8
+    logprob = logprob_worker_config(load_config(DispatcherConfig, ["--mode", "logprob", *flags]))
+    assert logprob.batching == LogprobBatchingConfig(max_tokens_per_forward=512, max_wait_ms=5.0)
+    assert registry_config_for("logprob", logprob).max_inflight_cost_per_worker == 2 * 512
+    unset = generation_worker_config(load_config(DispatcherConfig, ["--mode", "generation", "--model_path", "m"]))
+    assert unset.engine == EngineConfig()  # the worker's own defaults; on a CUDA node nothing is sized
 
 
 @pytest.mark.vllm

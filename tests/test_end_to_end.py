@@ -16,7 +16,7 @@ import torch
 
 from checkpoint import latest_checkpoint
 from dataset import InfiniteDistributedSampler
-from local_cluster import LocalCluster, LocalClusterConfig
+from local_cluster import LocalCluster, LocalClusterConfig, local_engine
 from metrics import read_metrics
 from ray_env import GENERATION, RAY_NAMESPACE, registry_name
 
@@ -35,8 +35,8 @@ TRAINER_TIMEOUT_S = 600
 def cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory):
     config = LocalClusterConfig(
         model_path=str(demo_assets / "model"), log_dir=str(tmp_path_factory.mktemp("worker-logs")),
-        generation_workers=1, logprob_workers=1, num_cpus=8, kv_cache_memory_bytes=128 * 2**20,
-        max_num_seqs=256, max_model_len=64, global_num_verifiers=1,
+        generation_workers=1, logprob_workers=1, num_cpus=8, global_num_verifiers=1,
+        engine=local_engine(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64),
     )
     with LocalCluster(config) as running:
         running.start_workers()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from checkpoint import latest_checkpoint
-from local_cluster import LocalCluster, LocalClusterConfig
+from local_cluster import LocalCluster, LocalClusterConfig, local_engine
 from test_end_to_end import _generation_versions, _train
 from weight_sync import read_stable_marker
 
@@ -34,8 +34,9 @@ KL_AT_START_ATOL = 1e-5
 def lora_cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: F811
     config = LocalClusterConfig(
         model_path=str(demo_assets / "model"), log_dir=str(tmp_path_factory.mktemp("lora-worker-logs")),
-        generation_workers=1, logprob_workers=1, num_cpus=8, kv_cache_memory_bytes=128 * 2**20,
-        max_num_seqs=256, max_model_len=64, global_num_verifiers=1, max_lora_rank=LORA_RANK,
+        generation_workers=1, logprob_workers=1, num_cpus=8, global_num_verifiers=1,
+        engine=local_engine(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64,
+                            max_lora_rank=LORA_RANK),
     )
     with LocalCluster(config) as running:
         running.start_workers()

@@ -26,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MODULES = sorted(p.stem for p in REPO_ROOT.glob("*.py"))
 
 PURE = ("advantages", "algorithm", "grpo_loss", "optimizer", "packed_attention", "ray_env", "rewards", "run_config",
-        "sample_processing_utils", "sampling", "versions", "math_verifier", "reward_failure", "capacity_queue", "lease_book",
+        "sample_processing_utils", "sampling", "versions", "worker_options", "math_verifier", "reward_failure", "capacity_queue", "lease_book",
         "batcher_messages", "step_stats", "group_preparer", "round_tracker")
 FORBIDDEN_IN_PURE = ("ray", "vllm", "torch.distributed")
 WORKER_SIDE = ("logprob_worker", "verifier_cluster", "vllm_experience_batcher", "vllm_registry", "vllm_worker",

@@ -117,3 +117,29 @@ def test_the_add_worker_command_joins_this_cluster_on_loopback_and_parses(tmp_pa
         parsed = load_config(DispatcherConfig, words[5:])
         assert parsed.mode == kind and parsed.model_path == str(tmp_path / "model")
         assert words[5:] == cluster.dispatcher_args(kind)  # the same flags the cluster's own workers got
+
+
+def test_dispatchers_get_the_launchers_engine_and_batching_sections(tmp_path) -> None:
+    from local_cluster import LOCAL_ENGINE, LocalCluster, LocalClusterConfig, local_engine
+    from run_config import load_config
+    from worker_dispatcher import DispatcherConfig, generation_worker_config, logprob_worker_config
+    from worker_options import EngineConfig, LogprobBatchingConfig
+
+    engine = local_engine(max_num_seqs=64, enforce_eager=True, max_lora_rank=8)
+    config = LocalClusterConfig(model_path="m", run_dir=str(tmp_path), engine=engine, global_num_verifiers=1,
+                                batching=LogprobBatchingConfig(max_tokens_per_forward=4096))
+    cluster = LocalCluster(config)
+    generation = load_config(DispatcherConfig, cluster.dispatcher_args("generation"))
+    assert generation.engine == generation_worker_config(generation).engine == engine
+    assert generation.global_num_verifiers == 1
+    for kind in ("logprob", "reference"):
+        worker = logprob_worker_config(load_config(DispatcherConfig, cluster.dispatcher_args(kind)))
+        assert worker.batching == LogprobBatchingConfig(max_tokens_per_forward=4096) and worker.dtype == "float32"
+    # The launcher's CPU defaults, as the hand-written flags gave them before the sections existed.
+    assert LOCAL_ENGINE == EngineConfig(dtype="float32", kv_cache_memory_bytes=256 * 2**20, max_model_len=512,
+                                        max_num_seqs=256)
+    default_args = LocalCluster(LocalClusterConfig(model_path="m", run_dir=str(tmp_path))).dispatcher_args("logprob")
+    assert default_args[-2:] == ["--max_tokens_per_forward", "8192"]
+    flags = load_config(LocalClusterConfig, ["--model_path", "m", "--run_dir", "r", "--max_num_seqs", "3",
+                                             "--max_tokens_per_forward", "77"])
+    assert flags.engine == local_engine(max_num_seqs=3) and flags.batching.max_tokens_per_forward == 77

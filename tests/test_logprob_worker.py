@@ -32,6 +32,7 @@ from tiny_model import TinyModelConfig, write_tiny_model
 from ray_env import LOGPROB
 from vllm_registry import WorkerHealth
 from weight_sync import WeightUpdate, state_dict_to_blobs
+from worker_options import LogprobBatchingConfig
 
 FP32_TOLERANCE = 1e-5  # packed vs per-sample fp32 attention differed by ~3e-7 on this machine
 DIFFERENT_WEIGHTS_GAP = 1e-2  # two random inits give logprobs far further apart than this
@@ -117,13 +118,19 @@ def other_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Pat
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("model_path", ""), ("max_tokens_per_gpu", 0), ("max_wait_ms", -1.0), ("logprob_chunk_size", 0), ("device", "tpu"),
-     ("dtype", "int8"), ("attn_implementation", "")],
+    [("model_path", ""), ("logprob_chunk_size", 0), ("device", "tpu"), ("dtype", "int8"), ("attn_implementation", "")],
 )
 def test_config_rejects_bad_field(field: str, value: object) -> None:
     kwargs = {"model_path": "m", field: value}
     with pytest.raises(ValueError, match=f"LogprobWorkerConfig.{field}"):
         LogprobWorkerConfig(**kwargs)
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_tokens_per_forward", 0), ("max_wait_ms", -1.0)])
+def test_batching_config_rejects_bad_field(field: str, value: object) -> None:
+    # The worker's batching section (worker_options.LogprobBatchingConfig) validates its own fields.
+    with pytest.raises(ValueError, match=f"LogprobBatchingConfig.{field}"):
+        LogprobWorkerConfig(model_path="m", batching=LogprobBatchingConfig(**{field: value}))
 
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
@@ -185,7 +192,8 @@ def test_select_batch_takes_head_then_first_fit() -> None:
 
 def test_one_at_a_time_equals_trainer_function_and_hf(tiny_model_dir: Path) -> None:
     samples = _build_samples(6, _vocab_size(tiny_model_dir))
-    worker = LogprobWorker("logprob-worker-0", LogprobWorkerConfig(model_path=str(tiny_model_dir), max_wait_ms=0.0))
+    worker = LogprobWorker("logprob-worker-0", LogprobWorkerConfig(model_path=str(tiny_model_dir),
+        batching=LogprobBatchingConfig(max_wait_ms=0.0)))
 
     async def run() -> list[list[float]]:
         results = await _one_at_a_time(worker, samples)
@@ -204,7 +212,8 @@ def test_one_at_a_time_equals_trainer_function_and_hf(tiny_model_dir: Path) -> N
 def test_concurrent_batches_equal_one_at_a_time(tiny_model_dir: Path) -> None:
     budget = 256
     samples = _build_samples(40, _vocab_size(tiny_model_dir), seed=1)
-    config = LogprobWorkerConfig(model_path=str(tiny_model_dir), max_tokens_per_gpu=budget, max_wait_ms=50.0)
+    config = LogprobWorkerConfig(model_path=str(tiny_model_dir),
+        batching=LogprobBatchingConfig(max_tokens_per_forward=budget, max_wait_ms=50.0))
     worker = LogprobWorker("logprob-worker-0", config)
 
     async def run() -> tuple[list[list[float]], list[list[float]]]:
@@ -234,7 +243,8 @@ def test_oversized_sample_runs_alone(tiny_model_dir: Path) -> None:
     samples = _build_samples(5, vocab, seed=2, max_prompt=10, max_output=10)
     rng = random.Random(3)
     samples.append(_build_sample(rng, vocab, prompt_len=40, output_len=60, prompt_id=99))
-    worker = LogprobWorker("logprob-worker-0", LogprobWorkerConfig(model_path=str(tiny_model_dir), max_tokens_per_gpu=budget))
+    worker = LogprobWorker("logprob-worker-0", LogprobWorkerConfig(model_path=str(tiny_model_dir),
+        batching=LogprobBatchingConfig(max_tokens_per_forward=budget)))
 
     async def run() -> list[list[float]]:
         results = await _concurrently(worker, samples)
@@ -251,7 +261,8 @@ def test_full_budget_runs_without_waiting_and_shutdown_fails_queued(tiny_model_d
     vocab = _vocab_size(tiny_model_dir)
     first, second, third = _build_samples(3, vocab, seed=4)
     budget = first.num_tokens + second.num_tokens
-    config = LogprobWorkerConfig(model_path=str(tiny_model_dir), max_tokens_per_gpu=budget, max_wait_ms=NEVER_MS)
+    config = LogprobWorkerConfig(model_path=str(tiny_model_dir),
+        batching=LogprobBatchingConfig(max_tokens_per_forward=budget, max_wait_ms=NEVER_MS))
     worker = LogprobWorker("logprob-worker-0", config)
 
     async def run() -> tuple[list[list[float]], BaseException | None]:
@@ -294,7 +305,8 @@ def test_group_call_answers_in_order_and_a_bad_sample_fails_it_before_queueing(t
     vocab = _vocab_size(tiny_model_dir)
     good = _build_samples(6, vocab, seed=7)
     bad = Sample(input_token_ids=[1, 2, 3], gt_answer="", prompt_id=8, output_token_ids=[vocab])
-    worker = LogprobWorker("logprob-worker-0", LogprobWorkerConfig(model_path=str(tiny_model_dir), max_wait_ms=50.0))
+    worker = LogprobWorker("logprob-worker-0", LogprobWorkerConfig(model_path=str(tiny_model_dir),
+        batching=LogprobBatchingConfig(max_wait_ms=50.0)))
 
     async def run() -> tuple[list[list[float]], BaseException | None]:
         answers = [a.values for a in await worker.compute_group_logprobs(good)]
@@ -365,7 +377,8 @@ def test_weight_update_matches_hf_model_with_those_weights(
 def test_weight_update_lands_between_batches(ray_local, tiny_model_dir: Path, other_model_dirs: dict[bool, Path]) -> None:
     new_dir = other_model_dirs[False]
     samples = _build_samples(30, _vocab_size(tiny_model_dir), seed=8)
-    config = LogprobWorkerConfig(model_path=str(tiny_model_dir), max_tokens_per_gpu=128, max_wait_ms=0.0)
+    config = LogprobWorkerConfig(model_path=str(tiny_model_dir),
+        batching=LogprobBatchingConfig(max_tokens_per_forward=128, max_wait_ms=0.0))
     worker = LogprobWorker("logprob-worker-0", config)
     update = _weight_update(new_dir, version=1)
 
@@ -391,7 +404,8 @@ def test_ray_actor_serves_batches_and_updates(ray_local, tiny_model_dir: Path, o
     ray = ray_local
     name = "logprob-worker-0"
     samples = _build_samples(12, _vocab_size(tiny_model_dir), seed=9)
-    config = LogprobWorkerConfig(model_path=str(tiny_model_dir), max_tokens_per_gpu=512, max_wait_ms=50.0)
+    config = LogprobWorkerConfig(model_path=str(tiny_model_dir),
+        batching=LogprobBatchingConfig(max_tokens_per_forward=512, max_wait_ms=50.0))
     actor = LogprobWorkerActor.options(name=name).remote(name, config)
     try:
         health = ray.get(actor.start.remote())  # self-check passed; READY comes from registration

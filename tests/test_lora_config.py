@@ -13,6 +13,7 @@ from run_config import ConfigError, load_config
 from setup_model import DEFAULT_LORA_TARGETS, LoraConfig, ModelConfig, vllm_lora_rank
 from trainer_core import TrainerConfig
 from vllm_worker import GenerationWorkerConfig
+from worker_options import EngineConfig
 
 REQUIRED = ["--model.model_path", "m", "--data.path", "d.jsonl"]
 
@@ -53,6 +54,6 @@ def test_vllm_lora_rank_is_the_smallest_accepted_rank_that_fits(r: int, rank: in
 
 
 def test_generation_worker_refuses_a_rank_vllm_does_not_serve() -> None:
-    with pytest.raises(ValueError, match="GenerationWorkerConfig.max_lora_rank"):
-        GenerationWorkerConfig(model_path="m", max_lora_rank=12)
-    assert GenerationWorkerConfig(model_path="m", max_lora_rank=16).max_lora_rank == 16
+    with pytest.raises(ValueError, match="EngineConfig.max_lora_rank"):
+        GenerationWorkerConfig(model_path="m", engine=EngineConfig(max_lora_rank=12))
+    assert GenerationWorkerConfig(model_path="m", engine=EngineConfig(max_lora_rank=16)).engine.max_lora_rank == 16

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from logprob_worker import LogprobWorker, LogprobWorkerConfig
+from worker_options import LogprobBatchingConfig
 from sample_processing_utils import Sample
 from setup_model import load_causal_lm
 from test_lora_vllm import _files_update, _hf_logprobs, _hf_peft, _mark_stable, _write_adapter
@@ -32,7 +33,7 @@ async def _scenario(model_dir: Path, root: Path) -> dict:
     a1 = _write_adapter(model_dir, root / "a1", 8, seed=1)
     a2 = _write_adapter(model_dir, root / "a2", 8, seed=2)
     worker = LogprobWorker("lora-logprob-test", LogprobWorkerConfig(model_path=str(model_dir), device="cpu",
-                                                                     max_wait_ms=0))
+                                                                     batching=LogprobBatchingConfig(max_wait_ms=0)))
     await worker.start()
     got: dict = {"base": await worker.compute_group_logprobs(_samples())}
     update = _files_update(a1, 1, marker)
@@ -82,8 +83,8 @@ def test_adapter_after_other_full_weights_is_applied_to_the_checkpoint(ray_local
     adapter goes on the checkpoint's own weights (equal to HF PeftModel on the checkpoint)."""
     async def scenario() -> tuple[list, list]:
         a1 = _write_adapter(tiny_model_dir, tmp_path / "a1", 8, seed=1)
-        worker = LogprobWorker("lora-logprob-reset", LogprobWorkerConfig(model_path=str(tiny_model_dir), device="cpu",
-                                                                          max_wait_ms=0))
+        worker = LogprobWorker("lora-logprob-reset", LogprobWorkerConfig(
+            model_path=str(tiny_model_dir), device="cpu", batching=LogprobBatchingConfig(max_wait_ms=0)))
         await worker.start()
         noise = torch.Generator().manual_seed(7)
         other = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=noise) if v.numel() > 1 else v

@@ -29,6 +29,7 @@ from sampling import SamplingConfig
 from setup_model import load_causal_lm
 from tiny_model import write_random_adapter as _write_adapter
 from vllm_worker import GenerationWorker, GenerationWorkerConfig, weights_file_dir
+from worker_options import EngineConfig
 from weight_sync import (
     StableMarker, UnstableVersionError, WeightUpdate, adapter_step_dir, state_dict_to_blobs, tensor_to_blob,
     update_parts, write_stable_marker,
@@ -162,9 +163,9 @@ async def _scenario(model_dir: Path, root: Path) -> dict:
     adapters = {name: _write_adapter(model_dir, root / name, SMALL_RANK, seed)
                 for name, seed in (("a1", 1), ("a2", 2), ("a3", 3))}
     big = [_write_adapter(model_dir, root / f"big{i}", BIG_RANK, 10 + i) for i in range(2)]
-    config = GenerationWorkerConfig(model_path=str(model_dir), max_num_seqs=8, kv_cache_memory_bytes=64 << 20,
-                                    max_model_len=256, enforce_eager=True, dtype="float32",
-                                    max_lora_rank=MAX_LORA_RANK)
+    config = GenerationWorkerConfig(model_path=str(model_dir), engine=EngineConfig(
+        max_num_seqs=8, kv_cache_memory_bytes=64 << 20, max_model_len=256, enforce_eager=True, dtype="float32",
+        max_lora_rank=MAX_LORA_RANK))
     worker = GenerationWorker("lora-test-worker", config, verifier=_ExactVerifier())
     children_before = {p.pid for p in psutil.Process().children()}
     await worker.start()

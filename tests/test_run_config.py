@@ -8,7 +8,7 @@ from typing import Literal
 
 import pytest
 
-from run_config import ConfigError, load_config, save_config, split_passthrough
+from run_config import ConfigError, config_reference, config_to_dict, config_to_flags, flattened, load_config, save_config, split_passthrough
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -108,3 +108,87 @@ def test_help_shows_each_fields_docstring_and_default(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "Seeds, one or more. (default: [0])" in out
     assert "A switch. (default: False)" in out
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Engine:
+    seqs: int = 128
+    """Sequences per step."""
+    eager: bool = False
+    """Skip compilation."""
+    kv: int | None = None
+    """KV-cache bytes."""
+
+    def __post_init__(self) -> None:
+        if self.seqs < 1:
+            raise ValueError(f"_Engine.seqs must be >= 1, got {self.seqs}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Launcher:
+    name: str = "x"
+    """Who."""
+    engine: _Engine = flattened(_Engine(seqs=256, kv=1024))
+    """The engine, with this launcher's defaults."""
+    inner: _Inner = field(default_factory=_Inner)
+
+
+def test_a_flattened_section_takes_top_level_flags_and_file_keys_with_its_embedders_defaults(tmp_path: Path) -> None:
+    assert load_config(_Launcher, []).engine == _Engine(seqs=256, kv=1024)
+    cfg = load_config(_Launcher, ["--seqs", "8", "--eager"])
+    assert cfg.engine == _Engine(seqs=8, eager=True, kv=1024)  # kv keeps the launcher's default
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("name: y\nkv: null\ninner:\n  lr: 0.5\n")
+    assert load_config(_Launcher, ["--config", str(cfg_file)]) == _Launcher(
+        name="y", engine=_Engine(seqs=256, kv=None), inner=_Inner(lr=0.5))
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['engine.seqs'\]"):
+        load_config(_Launcher, ["--config", str(_write(tmp_path / "d.yaml", "engine.seqs: 3\n"))])
+    with pytest.raises(ConfigError, match="_Engine.seqs must be >= 1"):  # the section's own validation
+        load_config(_Launcher, ["--seqs", "0"])
+    with pytest.raises(SystemExit):
+        load_config(_Launcher, ["--engine.seqs", "3"])
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_a_flattened_section_saves_flat_and_round_trips(tmp_path: Path) -> None:
+    cfg = load_config(_Launcher, ["--seqs", "4", "--inner.lr", "0.5"])
+    assert config_to_dict(cfg)["seqs"] == 4 and "engine" not in config_to_dict(cfg)
+    save_config(cfg, tmp_path / "resolved.yaml")
+    assert load_config(_Launcher, ["--config", str(tmp_path / "resolved.yaml")]) == cfg
+
+
+def test_help_and_reference_show_the_embedders_defaults(capsys) -> None:
+    reference = "\n".join(config_reference(_Launcher))
+    assert "| `--seqs` | `int` | `256` | Sequences per step. |" in reference
+    assert "--engine" not in reference
+    with pytest.raises(SystemExit):
+        load_config(_Launcher, ["--help"])
+    assert "Sequences per step. (default: 256)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_config_to_flags_gives_the_non_default_fields_and_loads_back() -> None:
+    engine = _Engine(seqs=256, eager=True, kv=None)
+    assert config_to_flags(engine) == ["--seqs", "256", "--eager"]
+    assert config_to_flags(_Engine()) == []
+    assert config_to_flags(_Engine(kv=None), baseline=_Engine(kv=5)) == ["--kv", "none"]
+    launcher = _Launcher(name="z", engine=_Engine(seqs=3, kv=1024), inner=_Inner(betas=(0.1, 0.2), cap=1.5))
+    words = config_to_flags(launcher)
+    assert words == ["--name", "z", "--seqs", "3", "--inner.betas", "[0.1, 0.2]", "--inner.cap", "1.5"]
+    assert load_config(_Launcher, words) == launcher
+    assert load_config(_Launcher, config_to_flags(_Launcher(engine=_Engine(eager=True, kv=None)))) == _Launcher(
+        engine=_Engine(eager=True, kv=None))
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Clash:
+    seqs: int = 1
+    engine: _Engine = flattened(_Engine())
+
+
+def test_a_flattened_key_that_repeats_another_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"repeat the key\(s\) \['seqs'\]"):
+        load_config(_Clash, [])

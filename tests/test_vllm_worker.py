@@ -32,6 +32,7 @@ from weight_sync import WeightUpdate, state_dict_to_blobs
 from rewards import RewardConfig
 from sampling import SamplingConfig
 from vllm_worker import GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig, _with_tied_lm_head, reload_buckets
+from worker_options import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +75,20 @@ _LONG_MODEL_LEN = 1024
 _LONG_PROMPT_TOKENS = 700
 
 
-def _config(model_dir: Path, failed_samples_path: Path | None = None, **overrides: Any) -> GenerationWorkerConfig:
-    fields: dict[str, Any] = dict(
-        model_path=str(model_dir),
+def _config(model_dir: Path, failed_samples_path: Path | None = None, engine: dict[str, Any] | None = None,
+            **overrides: Any) -> GenerationWorkerConfig:
+    """The tests' worker config; `engine` changes fields of its EngineConfig."""
+    engine_fields: dict[str, Any] = dict(
         max_num_seqs=16,
         gpu_memory_utilization=0.1,
         kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
         max_model_len=TEST_MAX_MODEL_LEN,
         enforce_eager=True,
         dtype="float32",
+    )
+    fields: dict[str, Any] = dict(
+        model_path=str(model_dir),
+        engine=EngineConfig(**{**engine_fields, **(engine or {})}),
         global_num_verifiers=1,
         verifier_timeout_s=TEST_VERIFIER_TIMEOUT_S,
         failed_samples_path=None if failed_samples_path is None else str(failed_samples_path),
@@ -193,9 +199,6 @@ def test_sampling_config_rejects_bad_values(kwargs: dict, field: str) -> None:
     ("kwargs", "field"),
     [
         ({"model_path": ""}, "model_path"),
-        ({"max_num_seqs": 0}, "max_num_seqs"),
-        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
-        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
         ({"weight_update_pause_mode": "abort"}, "weight_update_pause_mode"),
         ({"verifier_timeout_s": 0.0}, "verifier_timeout_s"),
     ],
@@ -203,6 +206,20 @@ def test_sampling_config_rejects_bad_values(kwargs: dict, field: str) -> None:
 def test_worker_config_rejects_bad_values(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"GenerationWorkerConfig.{field}"):
         GenerationWorkerConfig(**{"model_path": "m", **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
+    ],
+)
+def test_engine_config_rejects_bad_values(kwargs: dict, field: str) -> None:
+    # The worker's engine section (worker_options.EngineConfig) validates its own fields.
+    with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
+        GenerationWorkerConfig(model_path="m", engine=EngineConfig(**kwargs))
 
 
 class _RecordingVerifier:
@@ -634,7 +651,7 @@ def test_seeded_requests_whose_prompts_overflow_one_step_are_served(ray_local, t
     one engine step takes (2,048). With vLLM's chunked prefill the third prompt was split across
     steps and the CPU sampler could not rewind its seeded generator ("CPU Generator does not use
     offset"): the engine died. Each request's tokens must equal the same request served alone."""
-    config = _config(tiny_model_dir, max_model_len=_LONG_MODEL_LEN, kv_cache_memory_bytes=64 << 20)
+    config = _config(tiny_model_dir, engine=dict(max_model_len=_LONG_MODEL_LEN, kv_cache_memory_bytes=64 << 20))
     actor = _start_actor(ray_local, "generation-worker-test-long", config)
     try:
         tokenizer = load_tokenizer(tiny_model_dir)

@@ -2,23 +2,33 @@
 ExperienceBatcher and `torchrun --nproc_per_node=2 trainer_core.py` (FSDP2 on gloo).
 
 One local cluster (workers started through worker_dispatcher.py) serves every run in this module;
-each run pushes its own weights at start, so runs do not see each other's weights.
+each run pushes its own weights at start, so runs do not see each other's weights. Runs that
+several tests read are made once (module fixtures): the 3-step run with every tracker on serves
+the training, staleness and tracker tests; the plain 3-step run the max_lag 0 and `metrics.py
+compare` tests; the uninterrupted 4-step run the resume and rank-0 data-path tests.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from checkpoint import latest_checkpoint
 from dataset import InfiniteDistributedSampler
 from local_cluster import LocalCluster, LocalClusterConfig, local_engine
-from metrics import read_metrics
+from metrics import moving_average, read_metrics
 from ray_env import GENERATION, RAY_NAMESPACE, registry_name
+from tracker_readers import trackio_run, wandb_offline_runs
+from trackers import flatten_config, mlflow_key
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
@@ -89,18 +99,69 @@ def test_cluster_listens_on_loopback_only(cluster: LocalCluster) -> None:
     assert not exposed, f"listening beyond loopback: {exposed}"
 
 
-def test_few_steps_train_push_and_log(cluster: LocalCluster, demo_assets: Path, tmp_path: Path) -> None:
-    # 8 rollouts per prompt: the warmed-up model scores ~7%, so with 4 a whole step often has only
-    # equal-reward groups (advantage 0, and at step 0 the KL term's gradient is 0 too).
+@dataclass(frozen=True)
+class FinishedRun:
+    """A run a module fixture made once, for every test that reads it."""
+
+    run_dir: Path
+    records: list[dict]
+    generation_versions: list[int]
+    """The generation workers' weight versions right after the run (later runs push their own)."""
+
+
+def _finished(cluster: LocalCluster, demo_assets: Path, run_dir: Path, *extra: str) -> FinishedRun:
+    records = _train(cluster, demo_assets, run_dir, *extra)
+    return FinishedRun(run_dir, records, _generation_versions())
+
+
+@pytest.fixture(scope="module")
+def eval_table(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from dataset import write_arithmetic_table
 
-    table = write_arithmetic_table(tmp_path / "eval.jsonl", max_operand=2)  # 9 held-out prompts
-    # Beside math-verify, a second reward function that raises on every rollout (the arithmetic
-    # records carry no `tests`): the failures must reach each step's record, counted by reason.
-    records = _train(cluster, demo_assets, tmp_path / "run", "--num_steps", "3", "--max_lag", "1",
-                     "--sampling.n", "8", "--eval.every", "2", "--eval.data.path", str(table),
-                     "--eval.pass_k", "2", "--sampling.reward.functions", "math_verifier:math_verify_reward",
-                     "code_reward:run_tests")
+    return write_arithmetic_table(tmp_path_factory.mktemp("eval") / "eval.jsonl", max_operand=2)  # 9 prompts
+
+
+# Both 3-step runs: 8 rollouts per prompt (the warmed-up model scores ~7%, so with 4 a whole step
+# often has only equal-reward groups: advantage 0, and at step 0 the KL term's gradient is 0 too),
+# evaluated after step 1 (every 2) and after the last step.
+THREE_STEPS = ["--num_steps", "3", "--sampling.n", "8", "--eval.every", "2", "--eval.pass_k", "2"]
+
+
+@pytest.fixture(scope="module")
+def tracked_run(cluster: LocalCluster, demo_assets: Path, eval_table: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
+    """3 steps with max_lag 1, every tracker on (TensorBoard, W&B offline, MLflow, trackio) and,
+    beside math-verify, a second reward function that raises on every rollout (the arithmetic
+    records carry no `tests`): its failures must reach each step's record, counted by reason."""
+    root = tmp_path_factory.mktemp("tracked")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WANDB_DATA_DIR", str(root / "wandb-data"))  # W&B's artifact staging, not ~/.local
+        env.setenv("TRACKIO_DIR", str(root / "trackio"))  # trackio's database, not ~/.cache
+        return _finished(cluster, demo_assets, root / "trackers", *THREE_STEPS, "--max_lag", "1",
+                         "--eval.data.path", str(eval_table),
+                         "--sampling.reward.functions", "math_verifier:math_verify_reward", "code_reward:run_tests",
+                         "--tensorboard", "true",
+                         "--metrics.report_to", "jsonl", "tensorboard", "wandb", "mlflow", "trackio")
+
+
+@pytest.fixture(scope="module")
+def plain_run(cluster: LocalCluster, demo_assets: Path, eval_table: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
+    """3 steps as demo.yaml sets them (max_lag 0), metrics.jsonl only."""
+    return _finished(cluster, demo_assets, tmp_path_factory.mktemp("plain") / "plain", *THREE_STEPS,
+                     "--eval.data.path", str(eval_table), "--metrics.report_to", "jsonl", "--checkpoint_every", "0")
+
+
+@pytest.fixture(scope="module")
+def four_steps(cluster: LocalCluster, demo_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
+    """4 uninterrupted steps on the per-rank data path (demo.yaml: max_lag 0, warmup, so the lr
+    changes per step): the reference of the resume and rank-0 data-path tests."""
+    return _finished(cluster, demo_assets, tmp_path_factory.mktemp("whole") / "whole", "--num_steps", "4",
+                     "--data_path", "per_rank")
+
+
+def test_few_steps_train_push_and_log(tracked_run: FinishedRun, demo_assets: Path) -> None:
+    records = tracked_run.records
     assert [r["step"] for r in records] == [0, 1, 2]
     # Evaluated after step 1 (every 2) and after the last step, on the weights pushed by then.
     assert ["eval/accuracy" in r for r in records] == [False, True, True]
@@ -121,23 +182,30 @@ def test_few_steps_train_push_and_log(cluster: LocalCluster, demo_assets: Path, 
         assert record["reward/run_tests"] == 0.0
     assert any(r["counts/zero_advantage_samples"] < r["counts/samples"] for r in records), "no step had a signal"
     # Weights changed, and the generation worker reports the final version.
-    final = _load_weights(latest_checkpoint(tmp_path / "run"))
+    final = _load_weights(latest_checkpoint(tracked_run.run_dir))
     base = _load_weights(demo_assets / "model")
     assert any(not torch.equal(final[k], base[k]) for k in base)
-    assert _generation_versions() == [3]
-    config = (tmp_path / "run" / "config.yaml").read_text()
+    assert tracked_run.generation_versions == [3]
+    config = (tracked_run.run_dir / "config.yaml").read_text()
     assert "max_lag: 1" in config and "num_steps: 3" in config
 
 
-@pytest.mark.parametrize("max_lag", [0, 1])
-def test_max_lag_bounds_staleness(cluster: LocalCluster, demo_assets: Path, tmp_path: Path, max_lag: int) -> None:
-    records = _train(cluster, demo_assets, tmp_path / "run", "--num_steps", "3", "--max_lag", str(max_lag),
-                     "--checkpoint_every", "0")
+def _assert_staleness_within(records: list[dict], max_lag: int) -> None:
     assert max(r["staleness/max"] for r in records) <= max_lag
     assert all(r["counts/dropped_stale"] == 0 for r in records)
     if max_lag == 1:
         # Steps 1+ were generated while the previous step trained: one version old.
         assert any(r["staleness/max"] == 1 for r in records[1:])
+
+
+def test_max_lag_0_trains_on_policy(plain_run: FinishedRun, four_steps: FinishedRun) -> None:
+    for run in (plain_run, four_steps):
+        assert "max_lag: 0" in (run.run_dir / "config.yaml").read_text()
+        _assert_staleness_within(run.records, 0)
+
+
+def test_max_lag_1_overlaps_generation_with_training(tracked_run: FinishedRun) -> None:
+    _assert_staleness_within(tracked_run.records, 1)
 
 
 def test_push_every_two_trains_every_step_on_fresh_rollouts(cluster: LocalCluster, demo_assets: Path,
@@ -227,7 +295,8 @@ def _assert_same_checkpoint(resumed: Path, whole: Path) -> None:
         assert rng[0].keys() == rng[1].keys() and all(torch.equal(rng[0][k], rng[1][k]) for k in rng[0])
 
 
-def test_resume_continues_like_an_uninterrupted_run(cluster: LocalCluster, demo_assets: Path, tmp_path: Path) -> None:
+def test_resume_continues_like_an_uninterrupted_run(cluster: LocalCluster, demo_assets: Path, tmp_path: Path,
+                                                    four_steps: FinishedRun) -> None:
     """2 steps, then a resume to 4: the data position, the per-step metrics and the final
     checkpoint (weights, AdamW state, lr schedule, sampler, RNG) match an uninterrupted 4-step run."""
     run = tmp_path / "run"
@@ -250,9 +319,8 @@ def test_resume_continues_like_an_uninterrupted_run(cluster: LocalCluster, demo_
             logged[entry["step"]] = entry["prompt_ids"]  # the resumed run re-submits steps 2+
         assert {s: logged[s] for s in range(4)} == expected
 
-    # The same 4 steps without the interruption (demo.yaml: max_lag 0, warmup, so lr changes per step).
-    whole = tmp_path / "whole"
-    reference = _train(cluster, demo_assets, whole, "--num_steps", "4")
+    # The same 4 steps without the interruption.
+    reference = four_steps.records
     assert [r["step"] for r in reference] == [0, 1, 2, 3]
     worst = {}
     for got, want in zip(records, reference):
@@ -261,15 +329,16 @@ def test_resume_continues_like_an_uninterrupted_run(cluster: LocalCluster, demo_
             worst[key] = max(worst.get(key, 0.0), diff)
     print(f"resumed vs uninterrupted metrics, worst relative difference over steps 0-3: {worst}")
     assert max(worst.values()) <= METRIC_RTOL, (worst, records, reference)
-    _assert_same_checkpoint(latest_checkpoint(run), latest_checkpoint(whole))
+    _assert_same_checkpoint(latest_checkpoint(run), latest_checkpoint(four_steps.run_dir))
 
 
-def test_rank0_data_path_trains_like_per_rank(cluster: LocalCluster, demo_assets: Path, tmp_path: Path) -> None:
+def test_rank0_data_path_trains_like_per_rank(cluster: LocalCluster, demo_assets: Path, tmp_path: Path,
+                                              four_steps: FinishedRun) -> None:
     """data_path rank0 (rank 0 reads every rank's minibatches and scatters them over gloo) trains
-    the same 3 steps as the per-rank path: data order, per-step metrics and final checkpoint."""
-    runs = {kind: tmp_path / kind for kind in ("per_rank", "rank0")}
-    records = {kind: _train(cluster, demo_assets, run, "--num_steps", "3", "--data_path", kind)
-               for kind, run in runs.items()}
+    the same 4 steps as the per-rank path: data order, per-step metrics and final checkpoint."""
+    runs = {"per_rank": four_steps.run_dir, "rank0": tmp_path / "rank0"}
+    records = {"per_rank": four_steps.records,
+               "rank0": _train(cluster, demo_assets, runs["rank0"], "--num_steps", "4", "--data_path", "rank0")}
     # Each rank's data order is the same; which rank trains a sample depends on when its rollout
     # arrived (the packer balances tokens as samples come in), so the trained prompts are
     # compared as the step's union over ranks.
@@ -281,13 +350,13 @@ def test_rank0_data_path_trains_like_per_rank(cluster: LocalCluster, demo_assets
                 entry = json.loads(line)
                 drawn[kind].append((rank, entry["step"], entry["prompt_ids"]))
                 trained[kind].setdefault(entry["step"], []).extend(entry["trained_prompt_ids"])
-    assert drawn["rank0"] == drawn["per_rank"] and len(drawn["per_rank"]) == 3 * WORLD_SIZE
+    assert drawn["rank0"] == drawn["per_rank"] and len(drawn["per_rank"]) == 4 * WORLD_SIZE
     assert {k: sorted(v) for k, v in trained["rank0"].items()} == {k: sorted(v) for k, v in trained["per_rank"].items()}
     worst = {}
     for got, want in zip(records["rank0"], records["per_rank"], strict=True):
         for key in RESUME_METRICS:
             worst[key] = max(worst.get(key, 0.0), abs(got[key] - want[key]) / max(abs(want[key]), METRIC_FLOOR))
-    print(f"rank0 vs per_rank metrics, worst relative difference over steps 0-2: {worst}")
+    print(f"rank0 vs per_rank metrics, worst relative difference over steps 0-3: {worst}")
     assert max(worst.values()) <= METRIC_RTOL, worst
     # Where the data went: all of it over Ray on per_rank; on rank0, rank 1's share by scatter.
     assert all(r["data/scatter_bytes"] == 0 and r["data/ray_bytes"] > 0 for r in records["per_rank"])
@@ -313,3 +382,83 @@ def test_reward_rises_on_the_easiest_setting(cluster: LocalCluster, demo_assets:
     rewards = [r["reward/mean"] for r in records]
     start, end = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
     assert end >= start + LEARNING_MARGIN, f"reward did not rise by {LEARNING_MARGIN}: {rewards}"
+
+
+def _metrics_by_step(run_dir: Path) -> dict[int, dict[str, float]]:
+    return {r["step"]: {k: v for k, v in r.items() if k not in ("step", "time_s", "unix_time")}
+            for r in read_metrics(run_dir / "metrics.jsonl")}
+
+
+def test_the_trackers_hold_what_metrics_jsonl_holds(tracked_run: FinishedRun, plain_run: FinishedRun) -> None:
+    from mlflow.tracking import MlflowClient
+
+    tracked, plain = tracked_run.run_dir, plain_run.run_dir
+    expected = _metrics_by_step(tracked)
+    assert sorted(expected) == [0, 1, 2] and "eval/pass@2" in expected[2]
+    config = yaml.safe_load((tracked / "config.yaml").read_text())
+    plot = (tracked / "reward.png").read_bytes()
+
+    # One W&B, MLflow and trackio run for two ranks: only rank 0 reports.
+    [wandb_run] = wandb_offline_runs(tracked)
+    assert wandb_run["history"] == expected
+    assert wandb_run["config"] == config and wandb_run["config"]["metrics"]["report_to"][2] == "wandb"
+    [artifact] = wandb_run["artifacts"]
+    assert artifact.name == "reward_plot" and Path(artifact.manifest.contents[0].local_path).read_bytes() == plot
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tracked / 'mlflow' / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
+    assert run.info.run_name == "trackers"
+    for key in set().union(*expected.values()):
+        history = client.get_metric_history(run.info.run_id, mlflow_key(key))
+        assert sorted((m.step, m.value) for m in history) == [(s, r[key]) for s, r in expected.items() if key in r], key
+    assert run.data.params == {k: str(v) for k, v in flatten_config(config).items()}
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"reward.png", "config.yaml"}
+
+    trackio = trackio_run(tracked.parent / "trackio", "grpo", "trackers")
+    assert trackio["history"] == expected and trackio["config"] == config
+    assert [path.read_bytes() for path in trackio["images"].values()] == [plot]
+    assert (tracked / "tensorboard").is_dir()
+    assert not any((plain / name).exists() for name in ("wandb", "mlflow", "tensorboard", "reward.png"))
+
+
+COMPARE_WINDOW = 2
+
+
+def _reached(records: list[dict], threshold: float) -> str:
+    """`metrics.py compare`'s cell, computed here from the records (trainer clock: no command marks)."""
+    smoothed = moving_average([r["reward/mean"] for r in records], COMPARE_WINDOW)
+    for i in range(COMPARE_WINDOW - 1, len(records)):
+        if smoothed[i] >= threshold:
+            return f"step {records[i]['step']} ({records[i]['time_s'] / 60:.1f} min)"
+    return "not reached"
+
+
+def test_compare_the_two_runs(tracked_run: FinishedRun, plain_run: FinishedRun, tmp_path: Path) -> None:
+    """`python metrics.py compare` and the demo's report on two finished runs, checked against the
+    same figures computed here from their metrics.jsonl files."""
+    two_runs = (tracked_run.run_dir, plain_run.run_dir)
+    out = tmp_path / "compare.png"
+    # 0.0: reached by the first full window; 1.01: above any reward.
+    command = [sys.executable, "metrics.py", "compare", *map(str, two_runs), "--out", str(out),
+               "--window", str(COMPARE_WINDOW), "--thresholds", "0.0", "1.01"]
+    printed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+    rows = {line.split(" | ")[0].removeprefix("| "): line for line in printed.splitlines() if line.startswith("| ")}
+    for run_dir in two_runs:
+        records = read_metrics(run_dir / "metrics.jsonl")
+        rewards = [r["reward/mean"] for r in records]
+        evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+        assert len(evals) == 2  # after step 1 (every 2) and after the last step
+        cells = [run_dir.name, "0", str(len(records)), _reached(records, 0.0), _reached(records, 1.01),
+                 f"{statistics.mean(rewards[-COMPARE_WINDOW:]):.3f}", f"{evals[-1]:.3f}",
+                 f"{statistics.median(r['timing/step_s'] for r in records):.2f}", "-"]
+        assert rows[run_dir.name] == "| " + " | ".join(cells) + " |"
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+    # The demo's report is the same code: its table rows are compare's (window 10, its levels).
+    report = tmp_path / "report.md"
+    subprocess.run([sys.executable, "scripts/demo_report.py", "--runs", *map(str, two_runs), "--out_md", str(report)],
+                   cwd=REPO_ROOT, check=True, capture_output=True)
+    default = subprocess.run([sys.executable, "metrics.py", "compare", *map(str, two_runs), "--out", str(out)],
+                             cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+    table = [line for line in default.splitlines() if line.startswith("|")]
+    assert table and all(line in report.read_text().splitlines() for line in table)

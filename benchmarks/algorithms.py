@@ -1,7 +1,7 @@
 """Algorithm variants on the demo task: reward at fixed steps, several seeds each, one table.
 
-    .venv/bin/python benchmarks/algorithms.py                          # 6 variants x 3 seeds, 100 steps each
-    .venv/bin/python benchmarks/algorithms.py --variants baseline rloo --seeds 0 --num_steps 20   # a quick look
+    .venv/bin/python -m benchmarks.algorithms                          # 6 variants x 3 seeds, 100 steps each
+    .venv/bin/python -m benchmarks.algorithms --variants baseline rloo --seeds 0 --num_steps 20   # a quick look
 
 What runs: the demo (`configs/demo.yaml`, the bundled tiny model and prompts from
 `scripts/prepare_demo.py`, 2 trainer ranks x 16 prompts x 16 rollouts, 4 PPO epochs per step) on
@@ -24,20 +24,18 @@ import json
 import logging
 import statistics
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-from benchmarks.realistic_run import interrupt_on_sigterm  # noqa: E402
-from local_cluster import LocalCluster, LocalClusterConfig, local_engine  # noqa: E402
-from metrics import read_metrics  # noqa: E402
-from run_config import load_config  # noqa: E402
+from benchmarks.harness import (
+    DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, demo_assets, demo_trainer_flags, fresh_run_dir, interrupt_on_sigterm,
+    reward_at, run_trainer, setup_logging, summary_line,
+)
+from local_cluster import LocalCluster, LocalClusterConfig, local_engine
+from run_config import load_config
 
-logger = logging.getLogger("algorithms")
+logger = logging.getLogger(__name__)
 
 VARIANTS: dict[str, list[str]] = {
     "baseline": [],  # the demo: GRPO, k3 KL 0.05 in the loss, per-sample token mean
@@ -60,12 +58,13 @@ LORA_RANK = 16
 for _lr in ("3e-3", "5e-3", "7e-3", "1e-2", "1.4e-2"):
     VARIANTS[f"lora_r16_lr{_lr}"] = ["--model.lora.r", str(LORA_RANK), "--model.lora.alpha", str(2 * LORA_RANK),
                                      "--optim.lr", _lr, "--weight_push_mode", "sharded"]
+SMOKE = {"variants": ["baseline"], "seeds": [0], "num_steps": 2, "at_steps": [2], "window": 1}
 DEFAULT_VARIANTS = ["baseline", "kl_in_reward_adaptive", "dynamic_sampling", "token_mean", "gspo", "rloo"]
 
 
 @dataclass(kw_only=True, frozen=True)
 class AlgorithmsConfig:
-    """Command line of `python benchmarks/algorithms.py`."""
+    """Command line of `python -m benchmarks.algorithms`."""
 
     variants: list[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
     """Variants to run (names in VARIANTS; the issue's six by default)."""
@@ -77,10 +76,12 @@ class AlgorithmsConfig:
     """Steps at which the table reports the reward."""
     window: int = 10
     """Steps averaged for each reported reward (ending at the step)."""
-    assets_dir: str = str(REPO_ROOT / "runs" / "demo-assets")
-    """The demo's model and prompts (written by scripts/prepare_demo.py if missing)."""
+    assets_dir: str = str(DEFAULT_DEMO_ASSETS)
+    """The demo's model, prompts and evaluation table (written by scripts/prepare_demo.py if missing)."""
     out_dir: str = str(REPO_ROOT / "runs" / "algorithms")
     """Runs go to <out_dir>/<variant>-seed<seed>."""
+    smoke: bool = False
+    """Smoke mode: the baseline, seed 0, 2 steps (SMOKE); checks that the command runs, its figures mean nothing."""
 
     def __post_init__(self) -> None:
         unknown = [v for v in self.variants if v not in VARIANTS]
@@ -92,47 +93,18 @@ class AlgorithmsConfig:
             raise ValueError(f"window must be >= 1, got {self.window}")
 
 
-def ensure_assets(assets: Path) -> None:
-    if not (assets / "model" / "model.safetensors").is_file() or not (assets / "arithmetic.jsonl").is_file():
-        from prepare_demo import main as prepare_demo
-
-        prepare_demo(["--out_dir", str(assets)])
-
-
-def reward_at(records: list[dict], step: int, window: int) -> float | None:
-    """Mean reward over every generated rollout (reward/mean_generated; reward/mean, the trained
-    samples', in records without it) over the `window` steps ending at `step` (1-based count).
-    Dynamic sampling trains only the informative groups, so its reward/mean is not comparable."""
-    key = "reward/mean_generated" if records and "reward/mean_generated" in records[0] else "reward/mean"
-    values = [r[key] for r in records if step - window <= r["step"] < step]
-    return statistics.fmean(values) if len(values) == window else None
-
-
-def run_variant(cluster: LocalCluster, name: str, seed: int, config: AlgorithmsConfig) -> dict:
-    run_dir = Path(config.out_dir) / f"{name}-seed{seed}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "data_rank0.jsonl", "data_rank1.jsonl"):
-        (run_dir / stale).unlink(missing_ok=True)
-    assets = Path(config.assets_dir)
-    args = ["--config", str(REPO_ROOT / "configs" / "demo.yaml"), "--run_dir", str(run_dir),
-            "--model.model_path", str(assets / "model"), "--data.path", str(assets / "arithmetic.jsonl"),
-            "--seed", str(seed), "--num_steps", str(config.num_steps), "--optim.total_steps", str(config.num_steps),
-            "--checkpoint_every", "0", "--checkpoint_at_end", "false", "--eval.every", "0",
-            "--progress_bar", "false", "--tensorboard", "false", *VARIANTS[name]]
-    started = time.monotonic()
-    log = run_dir / "trainer.log"
-    code = cluster.run_trainer(args, nproc_per_node=2, log_path=log)
-    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
-    result = {"variant": name, "seed": seed, "exit_code": code, "wall_s": time.monotonic() - started,
+def run_variant(cluster: LocalCluster, assets: DemoAssets, name: str, seed: int, config: AlgorithmsConfig) -> dict:
+    run_dir = fresh_run_dir(Path(config.out_dir) / f"{name}-seed{seed}")
+    args = [*demo_trainer_flags(assets, run_dir, num_steps=config.num_steps, seed=seed), *VARIANTS[name]]
+    run = run_trainer(cluster, args, run_dir)
+    records = run.records
+    result = {"variant": name, "seed": seed, "exit_code": run.exit_code, "wall_s": run.wall_s,
               "steps": len(records), "rewards": {str(s): reward_at(records, s, config.window) for s in config.at_steps}}
     for key in ("counts/dropped_zero_variance_groups", "counts/resampled_prompts", "kl/beta"):
         values = [r[key] for r in records if key in r]
         if values:
             result[key + "_last"] = values[-1]
-    if code != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-        logger.error("%s seed %d failed (exit %d); last lines of %s:\n%s", name, seed, code, log, tail)
-    logger.info("%s seed %d: exit %d, %d steps in %.0f s, rewards %s", name, seed, code, len(records),
+    logger.info("%s seed %d: exit %d, %d steps in %.0f s, rewards %s", name, seed, run.exit_code, len(records),
                 result["wall_s"], result["rewards"])
     return result
 
@@ -147,35 +119,36 @@ def print_table(results: list[dict], config: AlgorithmsConfig) -> None:
         print(f"| {r['variant']} | {r['seed']} | " + " | ".join(cells) + f" | {r['wall_s']:.0f} |")
     print("\n| variant | " + " | ".join(f"step {s}" for s in steps) + " |")
     print("|---|" + "---|" * len(steps))
-    last = []
+    last: list[tuple[str, str]] = []
     for name in config.variants:
         cells = []
         for s in steps:
             values = [r["rewards"][s] for r in results if r["variant"] == name and r["rewards"][s] is not None]
             cells.append(f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]" if values else "-")
             if s == steps[-1]:
-                last.append(f"{name}={statistics.median(values):.3f}" if values else f"{name}=failed")
+                last.append((name, f"{statistics.median(values):.3f}" if values else "failed"))
         print(f"| {name} | " + " | ".join(cells) + " |")
-    print("\nalgorithms: " + " ".join(last))
+    print("\n" + summary_line("algorithms", dict(last)))
 
 
 def main(argv: list[str] | None = None) -> int:
     config = load_config(AlgorithmsConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.smoke:
+        config = replace(config, **SMOKE)
+    setup_logging()
     interrupt_on_sigterm()  # a kill unwinds like Ctrl-C: the cluster and the running trainer stop too
-    assets = Path(config.assets_dir)
-    ensure_assets(assets)
+    assets = demo_assets(config.assets_dir)
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lora = any(name.startswith("lora_") for name in config.variants)
-    cluster_config = LocalClusterConfig(model_path=str(assets / "model"), log_dir=str(out / "cluster-logs"),
+    cluster_config = LocalClusterConfig(model_path=str(assets.model), log_dir=str(out / "cluster-logs"),
                                         engine=local_engine(max_lora_rank=LORA_RANK if lora else 0))
     results = []
     with LocalCluster(cluster_config) as cluster:
         cluster.start_workers()
         for name in config.variants:
             for seed in config.seeds:
-                results.append(run_variant(cluster, name, seed, config))
+                results.append(run_variant(cluster, assets, name, seed, config))
                 (out / "algorithms.json").write_text(json.dumps(results, indent=1))
     print_table(results, config)
     return 1 if any(r["exit_code"] != 0 for r in results) else 0

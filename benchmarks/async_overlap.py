@@ -1,8 +1,8 @@
 """Step time with generation overlapped with training (max_lag=1) vs synchronous (max_lag=0).
 
-    cd /work/main && .venv/bin/python benchmarks/async_overlap.py                 # both modes, 9-15 min on 2 cores
-    .venv/bin/python benchmarks/async_overlap.py --modes simulated                # simulated engine only, ~4-6 min
-    .venv/bin/python benchmarks/async_overlap.py --assets_dir runs/demo-assets    # reuse prepared demo assets
+    cd /work/main && .venv/bin/python -m benchmarks.async_overlap                 # both modes, 9-15 min on 2 cores
+    .venv/bin/python -m benchmarks.async_overlap --modes simulated                # simulated engine only, ~4-6 min
+    .venv/bin/python -m benchmarks.async_overlap --assets_dir runs/demo-assets    # reuse prepared demo assets
 
 Both modes run `torchrun --nproc_per_node=2 trainer_core.py` (FSDP2 on gloo) in one local
 cluster, alternating max_lag=0 and max_lag=1 runs of `--num_steps` steps (`--rounds` pairs),
@@ -46,36 +46,32 @@ import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from local_cluster import LocalCluster, LocalClusterConfig, local_engine  # noqa: E402
-from metrics import read_metrics  # noqa: E402
-from run_config import load_config  # noqa: E402
-from sample_processing_utils import Sample  # noqa: E402
+from benchmarks.harness import DEMO_CONFIG, DemoAssets, demo_assets, setup_logging, summary_line
+from local_cluster import LocalCluster, LocalClusterConfig, local_engine
+from metrics import read_metrics
+from run_config import load_config
+from sample_processing_utils import Sample
 from ray_env import GENERATION, RAY_NAMESPACE, worker_actor_name
 from vllm_registry import RegistryConfig, WorkerHealth, get_or_create_registry
-from advantages import group_advantages  # noqa: E402  (the batcher's default, grpo)
-from sampling import SamplingConfig  # noqa: E402
-from weight_sync import WeightUpdate, assemble_state_dict  # noqa: E402
+from advantages import group_advantages  # the batcher's default, grpo
+from sampling import SamplingConfig
+from weight_sync import WeightUpdate, assemble_state_dict
 
-logger = logging.getLogger("async_overlap")
+logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 WORLD_SIZE = 2  # trainer ranks, as in the demo and the end-to-end tests
 LAGS = (0, 1)  # synchronous, then one-step-off
 # Short warm-up: the benchmark needs a model that emits answer-shaped completions, not a good one.
 WARMUP_STEPS = 50
 NUM_PROMPTS = 500
-PREPARE_TIMEOUT_S = 900  # the demo warm-up took ~3 min on a loaded 2-core machine
 MAX_MODEL_LEN = 64  # demo prompts are <= 16 tokens; completions are a few tokens
 KV_CACHE_BYTES = 128 * 2**20  # plenty for 64-token sequences; small enough on a busy machine
 # The simulated engine is a single worker that takes every request at once: lift the registry's
@@ -86,9 +82,12 @@ SIM_CALIBRATION_LATENCY_S = 0.05  # G during calibration: small, so T is measure
 SIM_REWARD_PROBABILITY = 0.5  # coin-flip rewards: most groups have a spread, so most advantages are non-zero
 
 
+SMOKE = {"num_steps": 2, "rounds": 1, "skip_steps": 1, "prompts_per_rank": 2, "n": 2, "calibration_steps": 2}
+
+
 @dataclass(kw_only=True, frozen=True)
 class AsyncOverlapConfig:
-    """Command line of `python benchmarks/async_overlap.py`."""
+    """Command line of `python -m benchmarks.async_overlap`."""
 
     modes: list[Literal["real", "simulated"]] = field(default_factory=lambda: ["real", "simulated"])
     """Which engines to measure: the real vLLM worker, the SIMULATED one, or both."""
@@ -116,6 +115,9 @@ class AsyncOverlapConfig:
     """Steps of the simulated mode's calibration run (max_lag=0, tiny G)."""
     trainer_timeout_s: float = 600.0
     """Kill a trainer run that takes longer than this."""
+    smoke: bool = False
+    """Smoke mode: both modes, one round of 2-step runs of 2 prompts x 2 rollouts (SMOKE); checks that
+    the command runs, its figures mean nothing."""
 
     def bench(self, max_tokens: int) -> BenchConfig:
         """One mode's run shape, with that mode's completion length."""
@@ -232,15 +234,10 @@ class SimulatedGenerationEngine:
         )
 
 
-def prepare_assets(out_dir: Path) -> Path:
-    """The demo model (short format warm-up) and prompts, written by scripts/prepare_demo.py."""
+def prepare_assets(out_dir: Path) -> DemoAssets:
+    """The demo model (short format warm-up), prompts and evaluation table (scripts/prepare_demo.py)."""
     logger.info("preparing demo assets in %s (%d warm-up steps)", out_dir, WARMUP_STEPS)
-    subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "prepare_demo.py"), "--out_dir", str(out_dir),
-         "--warmup_steps", str(WARMUP_STEPS), "--num_prompts", str(NUM_PROMPTS)],
-        check=True, cwd=REPO_ROOT, timeout=PREPARE_TIMEOUT_S, stdout=subprocess.DEVNULL,
-    )
-    return out_dir
+    return demo_assets(out_dir, ("--warmup_steps", str(WARMUP_STEPS), "--num_prompts", str(NUM_PROMPTS)))
 
 
 def trainer_args(assets: Path, run_dir: Path, cfg: BenchConfig, num_steps: int, max_lag: int,
@@ -252,9 +249,9 @@ def trainer_args(assets: Path, run_dir: Path, cfg: BenchConfig, num_steps: int, 
         "--num_steps", str(num_steps), "--max_lag", str(max_lag),
         "--prompts_per_rank", str(cfg.prompts_per_rank), "--sampling.n", str(cfg.n),
         "--sampling.max_tokens", str(cfg.max_tokens), "--checkpoint_every", "0",
-        # No evaluation: it would need eval.data.path (demo.yaml evaluates every 100 steps) and
-        # is not what this benchmark times.
-        "--eval.every", "0", "--progress_bar", "false", "--tensorboard", "false", *extra,
+        # No evaluation: it is not what this benchmark times (the table is named all the same, so the
+        # demo's config stays complete if a trainer flag turns evaluation back on).
+        "--eval.data.path", str(DemoAssets(root=assets).eval_table), "--eval.every", "0", "--progress_bar", "false", "--tensorboard", "false", *extra,
     ]
 
 
@@ -398,11 +395,13 @@ def _load_average() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = load_config(AsyncOverlapConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.smoke:
+        args = replace(args, **SMOKE)
+    setup_logging()
 
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="async-overlap-"))
     work.mkdir(parents=True, exist_ok=True)
-    assets = Path(args.assets_dir) if args.assets_dir else prepare_assets(work / "assets")
+    assets = Path(args.assets_dir) if args.assets_dir else prepare_assets(work / "assets").root
     summary: dict[str, str] = {}
     load_before = _load_average()
     if "real" in args.modes:
@@ -424,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
                        T_s=f"{sim.trainer_s:.3f}")
     print(f"runs and logs: {work}; load average at start {load_before}, at end {_load_average()} "
           f"on {os.cpu_count()} cores")
-    print(" ".join(f"{k}={v}" for k, v in summary.items()))
+    print(summary_line("async_overlap", summary))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """How full the experience batcher's minibatches are on a realistic step (packing only, no Ray).
 
-    .venv/bin/python benchmarks/batcher.py                 # defaults below, several windows
-    .venv/bin/python benchmarks/batcher.py --windows 0 16  # compare chosen reorder windows
+    .venv/bin/python -m benchmarks.batcher                 # defaults below, several windows
+    .venv/bin/python -m benchmarks.batcher --windows 0 16  # compare chosen reorder windows
 
 A synthetic step: `prompts` prompts x `rollouts` rollouts, prompt lengths ~ N(150, 50), output
 lengths log-normal (median 300, long tail cut at max_tokens), fed to `MinibatchPacker` in random
@@ -27,14 +27,12 @@ import random
 import statistics
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from run_config import load_config  # noqa: E402
-from sample_processing_utils import Sample  # noqa: E402
-from vllm_experience_batcher import PADDING_LOSS_WEIGHT, BatcherConfig, Minibatch, MinibatchPacker  # noqa: E402
+from run_config import load_config
+from sample_processing_utils import Sample
+from vllm_experience_batcher import PADDING_LOSS_WEIGHT, BatcherConfig, Minibatch, MinibatchPacker
 
 _PROMPT_MEAN, _PROMPT_STD = 150.0, 50.0  # typical math-prompt lengths in tokens
 _MIN_PROMPT_TOKENS = 8  # a prompt shorter than this is not a realistic question
@@ -72,7 +70,7 @@ class BenchConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class BatcherFillConfig:
-    """Command line of `python benchmarks/batcher.py`: the synthetic step and the windows to compare."""
+    """Command line of `python -m benchmarks.batcher`: the synthetic step and the windows to compare."""
 
     ranks: int = 8
     """Trainer ranks (world_size)."""

@@ -1,7 +1,7 @@
 """Step-time cost of checkpoints: synchronous saves vs background saves (`checkpoint_async`).
 
-    cd /work/main && .venv/bin/python benchmarks/checkpoint_async.py            # ~5-8 min on 2 cores
-    .venv/bin/python benchmarks/checkpoint_async.py --hidden_size 256 --num_layers 2 --num_steps 8
+    cd /work/main && .venv/bin/python -m benchmarks.checkpoint_async            # ~5-8 min on 2 cores
+    .venv/bin/python -m benchmarks.checkpoint_async --hidden_size 256 --num_layers 2 --num_steps 8
 
 One local cluster (one real vLLM generation worker, no logprob worker: logprob_role none) serves
 `torchrun --nproc_per_node=2 trainer_core.py` runs of the same short job, alternating
@@ -21,7 +21,7 @@ Per mode, from metrics.jsonl:
   exit is not in it).
 
 The LAST line is key=value pairs:
-`sync_checkpoint_s=<median> async_checkpoint_s=<median> blocked_ratio=<async/sync> ...`
+`checkpoint_async: weights_mb=... sync_checkpoint_s=<median> ... blocked_ratio=<async/sync>`
 """
 
 from __future__ import annotations
@@ -30,24 +30,25 @@ import logging
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.harness import setup_logging, summarize_checkpoint_run, summary_line
+from dataset import write_arithmetic_dataset
+from local_cluster import LocalCluster, LocalClusterConfig, local_engine
+from metrics import read_metrics
+from run_config import load_config
+from tiny_model import TinyModelConfig, write_tiny_model
 
-from dataset import write_arithmetic_dataset  # noqa: E402
-from local_cluster import LocalCluster, LocalClusterConfig, local_engine  # noqa: E402
-from metrics import read_metrics  # noqa: E402
-from run_config import load_config  # noqa: E402
-from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
-
-logger = logging.getLogger("checkpoint_async")
+logger = logging.getLogger(__name__)
 
 WORLD_SIZE = 2  # trainer ranks, as in the demo and the end-to-end tests
 MAX_MODEL_LEN = 64  # arithmetic prompts are <= 16 tokens; completions are 4 tokens
 KV_CACHE_BYTES = 128 * 2**20  # plenty for 64-token sequences; small enough on a busy machine
 TRAINER_TIMEOUT_S = 1200
+SMOKE = {"hidden_size": 64, "num_layers": 1, "intermediate_size": 128, "num_steps": 3, "checkpoint_every": 2,
+         "skip_steps": 0, "rounds": 1}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -74,6 +75,9 @@ class CheckpointBenchConfig:
     """Prompts per rank per step."""
     rollouts: int = 4
     """Rollouts per prompt (sampling.n)."""
+    smoke: bool = False
+    """Smoke mode: a 1-layer, 64-wide model, 3 steps, a checkpoint every 2 (SMOKE); checks that the
+    command runs, its figures mean nothing."""
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "checkpoint_every", "rounds", "prompts_per_rank", "rollouts"):
@@ -81,28 +85,6 @@ class CheckpointBenchConfig:
                 raise ValueError(f"CheckpointBenchConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.skip_steps < 0:
             raise ValueError(f"CheckpointBenchConfig.skip_steps must be >= 0, got {self.skip_steps}")
-
-
-def checkpoint_steps(num_steps: int, every: int) -> list[int]:
-    """Steps after which the trainer checkpoints (trainer_core._should_checkpoint, at_end on)."""
-    return [s for s in range(num_steps) if (s + 1) % every == 0 or s + 1 == num_steps]
-
-
-def summarize_run(records: list[dict[str, Any]], every: int, skip_steps: int) -> dict[str, Any]:
-    """A run's checkpoint times and step-time medians (see the module docstring)."""
-    steps = [r["step"] for r in records]
-    if steps != list(range(len(records))):
-        raise ValueError(f"expected steps 0..{len(records) - 1} once each, got {steps}")
-    saved = checkpoint_steps(len(records), every)
-    after = {s + 1 for s in saved}
-    after_steps = [r["timing/step_s"] for r in records if r["step"] in after and r["step"] >= skip_steps]
-    other_steps = [r["timing/step_s"] for r in records if r["step"] not in after and r["step"] >= skip_steps]
-    return {
-        "checkpoint_s": [records[s]["timing/checkpoint_s"] for s in saved],
-        "step_after_checkpoint_s": after_steps,
-        "other_step_s": other_steps,
-        "time_s": records[-1]["time_s"],
-    }
 
 
 def _median(values: list[float]) -> float:
@@ -135,7 +117,9 @@ def _run(cluster: LocalCluster, config: CheckpointBenchConfig, model: Path, data
 
 def main(argv: list[str] | None = None) -> None:
     config = load_config(CheckpointBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.smoke:
+        config = replace(config, **SMOKE)
+    setup_logging()
     work = Path(config.work_dir or tempfile.mkdtemp(prefix="checkpoint-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     model, data = _prepare(config, work)
@@ -150,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         for round_index in range(config.rounds):
             for mode in ("sync", "async"):
                 records = _run(cluster, config, model, data, work / f"{mode}-{round_index}", mode == "async")
-                summary = summarize_run(records, config.checkpoint_every, config.skip_steps)
+                summary = summarize_checkpoint_run(records, config.checkpoint_every, config.skip_steps)
                 runs[mode].append(summary)
                 print(f"{mode} round {round_index}: checkpoint_s {[round(x, 3) for x in summary['checkpoint_s']]}, "
                       f"step after a checkpoint {_median(summary['step_after_checkpoint_s']):.3f} s, "
@@ -165,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         out[f"{mode}_run_s"] = round(_median([s["time_s"] for s in summaries]), 1)
         print(f"{mode}: all timing/checkpoint_s {[round(x, 4) for x in checkpoint_s]}")
     out["blocked_ratio"] = round(out["async_checkpoint_s"] / out["sync_checkpoint_s"], 3)
-    print(" ".join(f"{k}={v}" for k, v in out.items()))
+    print(summary_line("checkpoint_async", out))
 
 
 if __name__ == "__main__":

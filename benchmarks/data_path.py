@@ -1,7 +1,7 @@
 """The two data paths (TrainerConfig.data_path) on the demo: time waiting for data, bytes over Ray.
 
-    .venv/bin/python benchmarks/data_path.py                       # 2 repeats x 20 steps per path
-    .venv/bin/python benchmarks/data_path.py --num_steps 5 --repeats 1   # a quick look
+    .venv/bin/python -m benchmarks.data_path                       # 2 repeats x 20 steps per path
+    .venv/bin/python -m benchmarks.data_path --num_steps 5 --repeats 1   # a quick look
 
 What runs: one local cluster with the demo's workers (a vLLM generation worker and a reference
 logprob worker) that stays up; then `torchrun --nproc_per_node=2 trainer_core.py` with
@@ -27,21 +27,18 @@ import json
 import logging
 import statistics
 import sys
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-from benchmarks.algorithms import ensure_assets  # noqa: E402
-from benchmarks.realistic_run import interrupt_on_sigterm  # noqa: E402
-from local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
-from metrics import read_metrics  # noqa: E402
-from run_config import load_config  # noqa: E402
+from benchmarks.harness import (
+    DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, demo_assets, demo_trainer_flags, fresh_run_dir, interrupt_on_sigterm,
+    run_trainer, setup_logging, summary_line,
+)
+from local_cluster import LocalCluster, LocalClusterConfig
+from run_config import load_config
 
-logger = logging.getLogger("data_path")
+logger = logging.getLogger(__name__)
 
 PATHS = ("per_rank", "rank0")
 KEYS = ("timing/wait_s", "timing/step_s", "data/ray_bytes", "data/scatter_bytes")
@@ -49,7 +46,7 @@ KEYS = ("timing/wait_s", "timing/step_s", "data/ray_bytes", "data/scatter_bytes"
 
 @dataclass(kw_only=True, frozen=True)
 class DataPathBenchConfig:
-    """Command line of `python benchmarks/data_path.py`."""
+    """Command line of `python -m benchmarks.data_path`."""
 
     num_steps: int = 20
     """Steps per run (the first of each run is left out of the figures)."""
@@ -57,30 +54,26 @@ class DataPathBenchConfig:
     """Runs per path, alternating between the paths."""
     seed: int = 0
     """Trainer seed of every run."""
-    assets_dir: str = str(REPO_ROOT / "runs" / "demo-assets")
-    """The demo's model and prompts (made by scripts/prepare_demo.py if missing)."""
+    assets_dir: str = str(DEFAULT_DEMO_ASSETS)
+    """The demo's model, prompts and evaluation table (made by scripts/prepare_demo.py if missing)."""
     out_dir: str = str(REPO_ROOT / "runs" / "data-path")
     """Runs go to <out_dir>/<path>-<repeat>."""
+    smoke: bool = False
+    """Smoke mode: 2 steps, 1 repeat (SMOKE); checks that the command runs, its figures mean nothing."""
 
 
-def run_one(cluster: LocalCluster, path: str, repeat: int, config: DataPathBenchConfig) -> list[dict]:
-    assets = Path(config.assets_dir)
-    run_dir = Path(config.out_dir) / f"{path}-{repeat}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    args = ["--config", str(REPO_ROOT / "configs" / "demo.yaml"), "--run_dir", str(run_dir),
-            "--model.model_path", str(assets / "model"), "--data.path", str(assets / "arithmetic.jsonl"),
-            "--seed", str(config.seed), "--num_steps", str(config.num_steps),
-            "--optim.total_steps", str(max(config.num_steps, 6)), "--checkpoint_every", "0",
-            "--checkpoint_at_end", "false", "--progress_bar", "false", "--tensorboard", "false",
-            "--eval.every", "0", "--data_path", path]
-    started = time.monotonic()
-    code = cluster.run_trainer(args, nproc_per_node=2, log_path=run_dir / "trainer.log")
-    if code != 0:
-        raise RuntimeError(f"{path} run {repeat} exited {code}; see {run_dir / 'trainer.log'}")
-    records = read_metrics(run_dir / "metrics.jsonl")
-    logger.info("%s run %d: %d steps in %.0f s", path, repeat, len(records), time.monotonic() - started)
-    return records[1:]
+SMOKE = {"num_steps": 2, "repeats": 1}
+
+
+def run_one(cluster: LocalCluster, assets: DemoAssets, path: str, repeat: int, config: DataPathBenchConfig) -> list[dict]:
+    run_dir = fresh_run_dir(Path(config.out_dir) / f"{path}-{repeat}")
+    args = [*demo_trainer_flags(assets, run_dir, num_steps=config.num_steps, seed=config.seed,
+                                total_steps=max(config.num_steps, 6)), "--data_path", path]
+    run = run_trainer(cluster, args, run_dir)
+    if run.exit_code != 0:
+        raise RuntimeError(f"{path} run {repeat} exited {run.exit_code}; see {run.log}")
+    logger.info("%s run %d: %d steps in %.0f s", path, repeat, len(run.records), run.wall_s)
+    return run.records[1:]
 
 
 def summarise(records: list[dict]) -> dict[str, dict[str, float]]:
@@ -93,19 +86,20 @@ def summarise(records: list[dict]) -> dict[str, dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     config = load_config(DataPathBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.smoke:
+        config = replace(config, **SMOKE)
+    setup_logging()
     interrupt_on_sigterm()
-    assets = Path(config.assets_dir)
-    ensure_assets(assets)
+    assets = demo_assets(config.assets_dir)
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, list[dict]] = {path: [] for path in PATHS}
-    cluster_config = LocalClusterConfig(model_path=str(assets / "model"), log_dir=str(out / "cluster-logs"))
+    cluster_config = LocalClusterConfig(model_path=str(assets.model), log_dir=str(out / "cluster-logs"))
     with LocalCluster(cluster_config) as cluster:
         cluster.start_workers()
         for repeat in range(config.repeats):
             for path in PATHS:
-                records[path].extend(run_one(cluster, path, repeat, config))
+                records[path].extend(run_one(cluster, assets, path, repeat, config))
     summary = {path: summarise(rs) for path, rs in records.items()}
     (out / "data_path.json").write_text(json.dumps({"summary": summary, "steps_per_path": {
         p: len(rs) for p, rs in records.items()}}, indent=1))
@@ -119,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     step = summary["rank0"]["timing/step_s"]["median"] / summary["per_rank"]["timing/step_s"]["median"]
     # rank0: Ray carries every byte to rank 0 only; the other ranks' share goes by scatter.
     ray_bytes = {p: summary[p]["data/ray_bytes"]["median"] for p in PATHS}
-    print(f"\ndata_path: wait_ratio={wait:.3f} step_ratio={step:.3f} ray_bytes_per_step=per_rank:{ray_bytes['per_rank']:.0f}"
-          f",rank0:{ray_bytes['rank0']:.0f} scatter_bytes_per_step=rank0:{summary['rank0']['data/scatter_bytes']['median']:.0f}")
+    print("\n" + summary_line("data_path", {
+        "wait_ratio": f"{wait:.3f}", "step_ratio": f"{step:.3f}",
+        "ray_bytes_per_step": f"per_rank:{ray_bytes['per_rank']:.0f},rank0:{ray_bytes['rank0']:.0f}",
+        "scatter_bytes_per_step": f"rank0:{summary['rank0']['data/scatter_bytes']['median']:.0f}"}))
     return 0
 
 

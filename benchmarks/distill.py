@@ -2,7 +2,7 @@
 against plain GRPO from the same start, several seeds each.
 
     bash scripts/demo.sh                               # once: trains the teacher (runs/demo/checkpoints/step_000450)
-    .venv/bin/python benchmarks/distill.py --teacher_path runs/demo/checkpoints/step_000450
+    .venv/bin/python -m benchmarks.distill --teacher_path runs/demo/checkpoints/step_000450
 
 What runs: one local cluster with the demo's workers (a vLLM generation worker and a reference
 logprob worker on the demo's starting model, the format-only warm-up of scripts/prepare_demo.py)
@@ -33,29 +33,27 @@ import json
 import logging
 import statistics
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-from benchmarks.algorithms import ensure_assets, reward_at  # noqa: E402
-from benchmarks.realistic_run import interrupt_on_sigterm  # noqa: E402
-from local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
-from metrics import read_metrics  # noqa: E402
-from run_config import load_config  # noqa: E402
+from benchmarks.harness import (
+    DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, demo_assets, demo_trainer_flags, fresh_run_dir, interrupt_on_sigterm,
+    reward_at, run_trainer, setup_logging, summary_line,
+)
+from local_cluster import LocalCluster, LocalClusterConfig
+from run_config import load_config
 
-logger = logging.getLogger("distill")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, frozen=True)
 class DistillBenchConfig:
-    """Command line of `python benchmarks/distill.py`."""
+    """Command line of `python -m benchmarks.distill`."""
 
-    teacher_path: str
-    """The teacher: a model folder sharing the demo's tokenizer (a trained demo checkpoint)."""
+    teacher_path: str = ""
+    """The teacher: a model folder sharing the demo's tokenizer (a trained demo checkpoint); required
+    unless --smoke (which uses the demo's starting model)."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """Trainer seeds."""
     variants: list[str] = field(default_factory=lambda: ["grpo", "distill"])
@@ -70,16 +68,24 @@ class DistillBenchConfig:
     """optim.lr of the distill variants (None: the demo's)."""
     teacher_eval: bool = True
     """Measure the teacher's greedy accuracy first."""
-    assets_dir: str = str(REPO_ROOT / "runs" / "demo-assets")
+    assets_dir: str = str(DEFAULT_DEMO_ASSETS)
     """The demo's starting model, prompts and evaluation table."""
     out_dir: str = str(REPO_ROOT / "runs" / "distill")
     """Runs go to <out_dir>/<variant>-seed<seed>."""
+    smoke: bool = False
+    """Smoke mode: the distill variant, seed 0, 2 steps, the demo's starting model as the teacher
+    (SMOKE); checks that the command runs, its figures mean nothing."""
 
     def __post_init__(self) -> None:
+        if not self.teacher_path and not self.smoke:
+            raise ValueError("DistillBenchConfig.teacher_path must be set (a trained demo checkpoint)")
         unknown = set(self.variants) - {"grpo", "distill", "distill_reward", "distill_baseline"}
         if unknown:
             raise ValueError(f"unknown variants {sorted(unknown)}; known: grpo, distill, distill_reward, "
                              "distill_baseline")
+
+
+SMOKE = {"seeds": [0], "variants": ["distill"], "num_steps": 2, "eval_every": 2}
 
 
 def variant_args(name: str, config: DistillBenchConfig) -> list[str]:
@@ -92,50 +98,33 @@ def variant_args(name: str, config: DistillBenchConfig) -> list[str]:
     return args + (["--optim.lr", str(config.distill_lr)] if config.distill_lr is not None else [])
 
 
-def run_one(cluster: LocalCluster, name: str, seed: int, config: DistillBenchConfig, num_steps: int) -> dict:
-    assets = Path(config.assets_dir)
-    run_dir = Path(config.out_dir) / f"{name}-seed{seed}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    args = ["--config", str(REPO_ROOT / "configs" / "demo.yaml"), "--run_dir", str(run_dir),
-            "--model.model_path", str(assets / "model"), "--data.path", str(assets / "arithmetic.jsonl"),
-            "--eval.data.path", str(assets / "arithmetic_eval.jsonl"), "--eval.every", str(config.eval_every),
-            "--seed", str(seed), "--num_steps", str(num_steps), "--optim.total_steps", str(max(num_steps, 6)),
-            "--checkpoint_every", "0", "--checkpoint_at_end", "false", "--progress_bar", "false",
-            "--tensorboard", "false", *variant_args(name, config)]
-    started = time.monotonic()
-    log = run_dir / "trainer.log"
-    code = cluster.run_trainer(args, nproc_per_node=2, log_path=log)
-    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+def run_one(cluster: LocalCluster, assets: DemoAssets, name: str, seed: int, config: DistillBenchConfig,
+            num_steps: int) -> dict:
+    run_dir = fresh_run_dir(Path(config.out_dir) / f"{name}-seed{seed}")
+    args = [*demo_trainer_flags(assets, run_dir, num_steps=num_steps, seed=seed, eval_every=config.eval_every,
+                                total_steps=max(num_steps, 6)), *variant_args(name, config)]
+    run = run_trainer(cluster, args, run_dir)
+    records = run.records
     evals = {str(r["step"] + 1): r["eval/accuracy"] for r in records if "eval/accuracy" in r}
     rewards = {str(s): reward_at(records, s, 10) for s in range(config.eval_every, num_steps + 1, config.eval_every)}
     kl = [r["distill/reverse_kl"] for r in records if "distill/reverse_kl" in r]
-    result = {"variant": name, "seed": seed, "exit_code": code, "wall_s": time.monotonic() - started,
+    result = {"variant": name, "seed": seed, "exit_code": run.exit_code, "wall_s": run.wall_s,
               "eval_accuracy": evals, "rewards": rewards, "reverse_kl_first_last": [kl[0], kl[-1]] if kl else None}
-    if code != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-        logger.error("%s seed %d failed (exit %d); last lines of %s:\n%s", name, seed, code, log, tail)
-    logger.info("%s seed %d: exit %d in %.0f s, eval %s, rewards %s", name, seed, code, result["wall_s"], evals, rewards)
+    logger.info("%s seed %d: exit %d in %.0f s, eval %s, rewards %s", name, seed, run.exit_code, result["wall_s"],
+                evals, rewards)
     return result
 
 
-def teacher_accuracy(cluster: LocalCluster, config: DistillBenchConfig) -> float | None:
+def teacher_accuracy(cluster: LocalCluster, assets: DemoAssets, config: DistillBenchConfig) -> float | None:
     """Greedy accuracy of the teacher through the same generation worker: a one-step run that
     starts from the teacher's weights at lr 1e-12 (Adam's first step moves a weight by about lr)
     and evaluates the weights it pushed after that step."""
-    assets = Path(config.assets_dir)
-    run_dir = Path(config.out_dir) / "teacher-eval"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    args = ["--config", str(REPO_ROOT / "configs" / "demo.yaml"), "--run_dir", str(run_dir),
-            "--model.model_path", config.teacher_path, "--data.path", str(assets / "arithmetic.jsonl"),
-            "--eval.data.path", str(assets / "arithmetic_eval.jsonl"), "--eval.every", "1", "--num_steps", "1",
-            "--optim.lr", "1e-12", "--optim.warmup_steps", "0", "--optim.schedule", "constant",
-            "--checkpoint_at_end", "false",
-            "--progress_bar", "false", "--tensorboard", "false", "--logprob_role", "none", "--loss.kl_coef", "0"]
-    code = cluster.run_trainer(args, nproc_per_node=2, log_path=run_dir / "trainer.log")
-    records = read_metrics(run_dir / "metrics.jsonl") if code == 0 else []
-    return records[-1].get("eval/accuracy") if records else None
+    run_dir = fresh_run_dir(Path(config.out_dir) / "teacher-eval")
+    args = [*demo_trainer_flags(assets, run_dir, num_steps=1, eval_every=1, total_steps=450),
+            "--model.model_path", config.teacher_path, "--optim.lr", "1e-12", "--optim.warmup_steps", "0",
+            "--optim.schedule", "constant", "--logprob_role", "none", "--loss.kl_coef", "0"]
+    run = run_trainer(cluster, args, run_dir)
+    return run.records[-1].get("eval/accuracy") if run.exit_code == 0 and run.records else None
 
 
 def print_table(results: list[dict], teacher: float | None, config: DistillBenchConfig) -> None:
@@ -148,35 +137,36 @@ def print_table(results: list[dict], teacher: float | None, config: DistillBench
         evals = [f"{r['eval_accuracy'].get(s, float('nan')):.2f}" for s in steps]
         rewards = [f"{r['rewards'].get(s):.3f}" if r["rewards"].get(s) is not None else "-" for s in steps]
         print(f"| {r['variant']} | {r['seed']} | " + " | ".join(evals) + " | " + " | ".join(rewards) + " |")
-    last = [f"teacher={teacher}"]
+    last = {"teacher": teacher}
     for name in config.variants:
         finals = [r["eval_accuracy"][steps[-1]] for r in results if r["variant"] == name and steps
                   and steps[-1] in r["eval_accuracy"]]
         if finals:
             print(f"{name}: final eval accuracy median {statistics.median(finals):.2f} "
                   f"[{min(finals):.2f}-{max(finals):.2f}] over {len(finals)} seeds")
-        last.append(f"{name}={statistics.median(finals):.2f}" if finals else f"{name}=failed")
-    print("\ndistill: " + " ".join(last))
+        last[name] = f"{statistics.median(finals):.2f}" if finals else "failed"
+    print("\n" + summary_line("distill", last))
 
 
 def main(argv: list[str] | None = None) -> int:
     config = load_config(DistillBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     interrupt_on_sigterm()
-    assets = Path(config.assets_dir)
-    ensure_assets(assets)
+    assets = demo_assets(config.assets_dir)
+    if config.smoke:
+        config = replace(config, **SMOKE, teacher_path=config.teacher_path or str(assets.model))
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cluster_config = LocalClusterConfig(model_path=str(assets / "model"), log_dir=str(out / "cluster-logs"),
+    cluster_config = LocalClusterConfig(model_path=str(assets.model), log_dir=str(out / "cluster-logs"),
                                         teacher_model_path=config.teacher_path, teacher_workers=1)
     results: list[dict] = []
     with LocalCluster(cluster_config) as cluster:
         cluster.start_workers()
-        teacher = teacher_accuracy(cluster, config) if config.teacher_eval else None
+        teacher = teacher_accuracy(cluster, assets, config) if config.teacher_eval else None
         logger.info("teacher greedy accuracy: %s", teacher)
         for seed in config.seeds:
             for name in config.variants:
-                results.append(run_one(cluster, name, seed, config, config.num_steps))
+                results.append(run_one(cluster, assets, name, seed, config, config.num_steps))
                 (out / "distill.json").write_text(json.dumps({"teacher_accuracy": teacher, "runs": results}, indent=1))
     print_table(results, teacher, config)
     return 1 if any(r["exit_code"] != 0 for r in results) else 0

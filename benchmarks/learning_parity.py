@@ -1,9 +1,9 @@
 """Learning parity: the full system against a plain single-process GRPO loop, same start and settings.
 
-    .venv/bin/python benchmarks/learning_parity.py --model_dir runs/demo-assets/model \
+    .venv/bin/python -m benchmarks.learning_parity --model_dir runs/demo-assets/model \
         --data runs/demo-assets/arithmetic.jsonl --trainer_config configs/demo.yaml --seeds 0 1 2
-    .venv/bin/python benchmarks/learning_parity.py ... --only reference     # the reference alone
-    .venv/bin/python benchmarks/learning_parity.py ... -- --optim.lr 3e-4   # trainer flags for both loops
+    .venv/bin/python -m benchmarks.learning_parity ... --only reference     # the reference alone
+    .venv/bin/python -m benchmarks.learning_parity ... -- --optim.lr 3e-4   # trainer flags for both loops
 
 The *reference* is written here from the definitions, sharing no maths with the system: a
 Hugging Face model sampled token by token with its own sampler, rewards from math-verify's
@@ -39,17 +39,16 @@ from typing import Literal
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
-from dataset import InfiniteDistributedSampler, load_prompts  # noqa: E402
-from math_verifier import score_completion  # noqa: E402
-from metrics import first_reached, moving_average, read_metrics  # noqa: E402
-from run_config import load_config, split_passthrough  # noqa: E402
-from sample_processing_utils import Sample  # noqa: E402
-from trainer_core import TrainerConfig  # noqa: E402
+from benchmarks.harness import REPO_ROOT, setup_logging
+from dataset import InfiniteDistributedSampler, load_prompts
+from math_verifier import score_completion
+from metrics import first_reached, moving_average, read_metrics
+from run_config import load_config, split_passthrough
+from sample_processing_utils import Sample
+from trainer_core import TrainerConfig
 
-logger = logging.getLogger("learning_parity")
+logger = logging.getLogger(__name__)
 
 WINDOW = 10  # steps in the trailing mean that the thresholds and the curves use
 THRESHOLDS = (0.5, 0.6, 0.9)
@@ -59,7 +58,7 @@ _MAX_LOG_RATIO = 20.0  # the same guard any PPO loss needs so exp() stays finite
 
 @dataclass(kw_only=True, frozen=True)
 class LearningParityConfig:
-    """Command line of `python benchmarks/learning_parity.py`; trainer flags for both loops go after `--`."""
+    """Command line of `python -m benchmarks.learning_parity`; trainer flags for both loops go after `--`."""
 
     model_dir: str
     """Starting model (Hugging Face folder)."""
@@ -396,7 +395,7 @@ def print_curves(seed: int, runs: dict[str, list[dict[str, float]]], every: int)
 def main(argv: list[str] | None = None) -> None:
     own, trainer_args = split_passthrough(sys.argv[1:] if argv is None else argv)
     args = load_config(LearningParityConfig, own, description=__doc__)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     torch.set_num_threads(args.threads)
     model_dir, out_dir = Path(args.model_dir), Path(args.out_dir)
     eval_data = Path(args.eval_data) if args.eval_data else None

@@ -1,8 +1,8 @@
 """Logprob worker throughput: packed batches of concurrent requests vs one sample per forward.
 
-    cd /work/main && .venv/bin/python benchmarks/logprob_batching.py
-    .venv/bin/python benchmarks/logprob_batching.py --num_samples 96 --budgets 1024 512 2048 --repeats 3
-    .venv/bin/python benchmarks/logprob_batching.py --attn_implementation sdpa  # the block-mask path
+    cd /work/main && .venv/bin/python -m benchmarks.logprob_batching
+    .venv/bin/python -m benchmarks.logprob_batching --num_samples 96 --budgets 1024 512 2048 --repeats 3
+    .venv/bin/python -m benchmarks.logprob_batching --attn_implementation sdpa  # the block-mask path
 
 For each model shape (the bundled tiny Qwen2, and a wider one: hidden 512, 4 layers),
 random-init weights are written to a temporary folder and the same random samples are scored by
@@ -42,14 +42,14 @@ from typing import Awaitable
 import torch
 from transformers import AutoConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from logprob_worker import LogprobWorker, LogprobWorkerConfig, resolve_device  # noqa: E402
-from worker_options import LogprobBatchingConfig  # noqa: E402
-from run_config import load_config  # noqa: E402
-from sample_processing_utils import Sample  # noqa: E402
-from setup_model import default_attn_implementation  # noqa: E402
-from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
+from benchmarks.harness import setup_logging
+from logprob_worker import LogprobWorker, LogprobWorkerConfig, resolve_device
+from worker_options import LogprobBatchingConfig
+from run_config import load_config
+from sample_processing_utils import Sample
+from setup_model import default_attn_implementation
+from tiny_model import TinyModelConfig, write_tiny_model
 
 TINY_SHAPE = TinyModelConfig()
 WIDE_SHAPE = TinyModelConfig(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1408)
@@ -58,7 +58,7 @@ WARMUP_SAMPLES = 4  # first forwards pay one-off allocation and kernel-selection
 
 @dataclass(kw_only=True, frozen=True)
 class BenchConfig:
-    """Workload of one benchmark run: the command line of `python benchmarks/logprob_batching.py`."""
+    """Workload of one benchmark run: the command line of `python -m benchmarks.logprob_batching`."""
 
     num_samples: int = 64
     """Samples scored per mode and repeat."""
@@ -214,7 +214,7 @@ def run_shape(label: str, shape: TinyModelConfig, config: BenchConfig, workdir: 
 
 def main(argv: list[str] | None = None) -> None:
     config = load_config(BenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.WARNING)
     device = resolve_device(LogprobWorkerConfig.device)
     attn = config.attn_implementation or default_attn_implementation(device)
     print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads, attn {attn}", flush=True)

@@ -1,9 +1,9 @@
 """Do LoRA adapter pushes leak? Every process's memory after each of many pushes into one engine.
 
-    .venv/bin/python benchmarks/lora_push_memory.py --pushes 200
-    .venv/bin/python benchmarks/lora_push_memory.py --raise_mmap_threshold_mib 32   # as a long-lived process
-    .venv/bin/python benchmarks/lora_push_memory.py --trace_python true            # + Python allocation sites
-    MALLOC_MMAP_THRESHOLD_=262144 MALLOC_TRIM_THRESHOLD_=262144 .venv/bin/python benchmarks/lora_push_memory.py
+    .venv/bin/python -m benchmarks.lora_push_memory --pushes 200
+    .venv/bin/python -m benchmarks.lora_push_memory --raise_mmap_threshold_mib 32   # as a long-lived process
+    .venv/bin/python -m benchmarks.lora_push_memory --trace_python true            # + Python allocation sites
+    MALLOC_MMAP_THRESHOLD_=262144 MALLOC_TRIM_THRESHOLD_=262144 .venv/bin/python -m benchmarks.lora_push_memory
 
 (Another `ray start` head on the machine: prefix RAY_ADDRESS=local, or ray.init joins that one.)
 
@@ -33,22 +33,20 @@ import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
-import psutil  # noqa: E402
-import torch  # noqa: E402
+import psutil
+import torch
 
-from local_cluster import init_local_ray  # noqa: E402
-from tiny_model import write_random_adapter as write_adapter  # noqa: E402
-from math_verifier import RewardResult  # noqa: E402
-from run_config import load_config  # noqa: E402
-from sample_processing_utils import Sample  # noqa: E402
-from sampling import SamplingConfig  # noqa: E402
-from tiny_model import write_tiny_model  # noqa: E402
-from vllm_worker import GenerationWorker, GenerationWorkerConfig, weights_file_dir  # noqa: E402
-from worker_options import EngineConfig  # noqa: E402
-from weight_sync import StableMarker, WeightUpdate, tensor_to_blob, update_parts, write_stable_marker  # noqa: E402
+from local_cluster import init_local_ray
+from tiny_model import write_random_adapter as write_adapter
+from math_verifier import RewardResult
+from run_config import load_config
+from sample_processing_utils import Sample
+from sampling import SamplingConfig
+from tiny_model import write_tiny_model
+from vllm_worker import GenerationWorker, GenerationWorkerConfig, weights_file_dir
+from worker_options import EngineConfig
+from weight_sync import StableMarker, WeightUpdate, tensor_to_blob, update_parts, write_stable_marker
 
 WORKER_NAME = "lora-memory-probe"
 FIELDS = ("VmRSS", "RssAnon", "RssShmem", "RssFile")
@@ -56,7 +54,7 @@ FIELDS = ("VmRSS", "RssAnon", "RssShmem", "RssFile")
 
 @dataclass(kw_only=True, frozen=True)
 class LoraPushMemoryConfig:
-    """Command line of `python benchmarks/lora_push_memory.py`."""
+    """Command line of `python -m benchmarks.lora_push_memory`."""
 
     pushes: int = 200
     """Adapter pushes into the one engine."""

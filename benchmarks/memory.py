@@ -60,16 +60,15 @@ from pathlib import Path
 from typing import Callable, Literal
 
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or with -m
 
-from benchmarks.trainer_throughput import draw_packed_samples  # noqa: E402
-from grpo_loss import LossConfig, chunked_token_logprobs, grpo_loss  # noqa: E402
-from run_config import load_config  # noqa: E402
-from sample_processing_utils import PackedBatch, post_process_batch  # noqa: E402
-from setup_model import TokenLogprobModel, load_causal_lm  # noqa: E402
-from tiny_model import (  # noqa: E402
+from benchmarks.harness import setup_logging
+from benchmarks.packed_samples import draw_packed_samples, full_logit_logprobs
+from grpo_loss import LossConfig, chunked_token_logprobs, grpo_loss
+from run_config import load_config
+from sample_processing_utils import PackedBatch, post_process_batch
+from setup_model import TokenLogprobModel, load_causal_lm
+from tiny_model import (
     PRESETS, ShapeOverrides, TinyModelConfig, build_chat_tokenizer, build_tiny_tokenizer, model_shape,
     write_tiny_model,
 )
@@ -146,12 +145,6 @@ def resolve_dtype(config: BenchConfig, device: torch.device) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
-
-
-def full_logit_logprobs(hidden_states: torch.Tensor, lm_head: torch.nn.Linear, labels: torch.Tensor) -> torch.Tensor:
-    """The reference: every position's [vocab] logits at once, log_softmax in fp32, gather the labels."""
-    logits = F.linear(hidden_states, lm_head.weight, lm_head.bias).float()
-    return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None])[:, 0]
 
 
 @dataclass
@@ -368,7 +361,7 @@ def run(config: BenchConfig, model_dir: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = load_config(BenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging(logging.WARNING)
     shape = model_shape(config.preset, config.model)
     device = resolve_device(config)
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:

@@ -41,14 +41,14 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or with -m
 
-from grpo_loss import LossConfig, grpo_loss  # noqa: E402
-from packed_attention import PACKED_SDPA  # noqa: E402
-from run_config import load_config  # noqa: E402
-from sample_processing_utils import PackedBatch, Sample, post_process_batch  # noqa: E402
-from setup_model import TokenLogprobModel, load_causal_lm  # noqa: E402
-from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
+from benchmarks.harness import setup_logging
+from grpo_loss import LossConfig, grpo_loss
+from packed_attention import PACKED_SDPA
+from run_config import load_config
+from sample_processing_utils import PackedBatch, Sample, post_process_batch
+from setup_model import TokenLogprobModel, load_causal_lm
+from tiny_model import TinyModelConfig, write_tiny_model
 
 logger = logging.getLogger("benchmarks.packing")
 
@@ -258,7 +258,7 @@ def run(config: BenchConfig, model_dir: Path) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     config = load_config(BenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging(logging.WARNING)
     torch.set_num_threads(config.threads)
     with tempfile.TemporaryDirectory(prefix="bench-packing-") as tmp:
         result = run(config, Path(tmp))

@@ -1,7 +1,7 @@
 """The raylet's memory with nothing running: does it grow with time alone, under which settings?
 
-    .venv/bin/python benchmarks/raylet_idle.py --duration_s 900
-    .venv/bin/python benchmarks/raylet_idle.py --duration_s 900 --system_config '{"event_stats": false}'
+    .venv/bin/python -m benchmarks.raylet_idle --duration_s 900
+    .venv/bin/python -m benchmarks.raylet_idle --duration_s 900 --system_config '{"event_stats": false}'
 
 Starts a private Ray head as local_cluster.init_local_ray does (loopback only, dashboard, metrics
 and task events off) with the extra `_system_config` entries given as JSON, creates one idle
@@ -19,17 +19,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
-from local_cluster import use_loopback_only_ray  # noqa: E402
-from ray_env import actor_runtime_env  # noqa: E402
-from run_config import load_config  # noqa: E402
+from local_cluster import use_loopback_only_ray
+from ray_env import actor_runtime_env
+from run_config import load_config
 
 
 @dataclass(kw_only=True, frozen=True)
 class RayletIdleConfig:
-    """Command line of `python benchmarks/raylet_idle.py`."""
+    """Command line of `python -m benchmarks.raylet_idle`."""
 
     duration_s: float = 900.0
     """How long to watch."""

@@ -1,7 +1,7 @@
 """Verifier pool throughput and latency on realistic completions with hostile ones mixed in.
 
-    cd /work/main && .venv/bin/python benchmarks/reward.py
-    .venv/bin/python benchmarks/reward.py --num_processes 2 --hostile_fraction 0.03 --timeout_s 2
+    cd /work/main && .venv/bin/python -m benchmarks.reward
+    .venv/bin/python -m benchmarks.reward --num_processes 2 --hostile_fraction 0.03 --timeout_s 2
 
 The workload imitates generation workers: prompts with a gold answer, each sending its group of
 `group_size` completions to the pool at once, `num_clients` prompts in flight. Completions are
@@ -61,18 +61,16 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the pool's processes import `reward:trivial`
 
-from typing import Literal  # noqa: E402
+from typing import Literal
 
-from math_verifier import RewardResult  # noqa: E402
-from verifier_pool import VerifierPool  # noqa: E402
-from reward_functions import FunctionScore  # noqa: E402
-from run_config import load_config  # noqa: E402
+from benchmarks.harness import setup_logging
+from math_verifier import RewardResult
+from verifier_pool import VerifierPool
+from reward_functions import FunctionScore
+from run_config import load_config
 
 # Target length of a long reasoning completion: ~1k tokens, a typical math rollout.
 _LONG_COMPLETION_CHARS = 4000
@@ -98,7 +96,7 @@ _HOSTILE_PROGRAMS = (
     "open('/tmp/sandbox-bench-escape', 'w').write('x')",
     "import socket\nsocket.create_connection(('127.0.0.1', 22))",
 )
-TRIVIAL = "reward:trivial"
+TRIVIAL = "benchmarks.reward:trivial"  # the pool's processes import it from the repository root
 CODE = "code_reward:run_tests"
 MATH_FUNCTION = "math_verifier:math_verify_reward"
 
@@ -123,7 +121,7 @@ def trivial(prompt: dict, completion: str, token_ids: list[int], metadata: dict)
 
 @dataclass(kw_only=True, frozen=True)
 class RewardBenchConfig:
-    """Command line of `python benchmarks/reward.py`."""
+    """Command line of `python -m benchmarks.reward`."""
 
     num_processes: int | None = 2
     """Verifier worker processes in the pool (None: the pool's default, one per core, at least 2)."""
@@ -371,7 +369,7 @@ def _workload(args: RewardBenchConfig, hostile_fraction: float,
 
 def main(argv: list[str] | None = None) -> None:
     args = load_config(RewardBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
-    logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.ERROR)
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     ratios = []

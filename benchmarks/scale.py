@@ -1,9 +1,9 @@
 """Scale by simulation: how many rollout requests one registry routes per second, and how many
 samples the experience batcher delivers, with N stand-in workers over two Ray nodes.
 
-    .venv/bin/python benchmarks/scale.py                       # N = 8, 32, 128; 3 repeats each
-    .venv/bin/python benchmarks/scale.py --workers 8 --repeats 1
-    .venv/bin/python benchmarks/scale.py --smoke true          # 4 workers, a few requests, < 60 s
+    .venv/bin/python -m benchmarks.scale                       # N = 8, 32, 128; 3 repeats each
+    .venv/bin/python -m benchmarks.scale --workers 8 --repeats 1
+    .venv/bin/python -m benchmarks.scale --smoke true          # 4 workers, a few requests, < 60 s
 
 No vLLM: each stand-in worker is a Ray actor with a generation worker's methods (`health`,
 `mark_ready`, `update_weights`, `generate`, `call_many`) whose `generate` answers `n` rollouts
@@ -44,11 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
-from local_cluster import use_loopback_only_ray  # noqa: E402
-from run_config import load_config  # noqa: E402
+from local_cluster import use_loopback_only_ray
+from run_config import load_config
 
 _TARGET_ROUTED_PER_S = 20_000  # issue 21: routing must not limit a 64-GPU job
 _PROMPT_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]  # a short prompt: payload size is not what is measured
@@ -62,7 +60,7 @@ _RAY_ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")  # Ray's default temp d
 
 @dataclass(kw_only=True, frozen=True)
 class ScaleConfig:
-    """Command line of `python benchmarks/scale.py`."""
+    """Command line of `python -m benchmarks.scale`."""
 
     workers: list[int] = dataclasses.field(default_factory=lambda: [8, 32, 128])
     """Numbers of stand-in generation workers to measure, each on a fresh registry."""
@@ -312,7 +310,7 @@ class Bench:
         batcher_config = BatcherConfig(
             world_size=config.ranks, max_tokens_per_gpu=64 * (len(_PROMPT_TOKENS) + _OUTPUT_TOKENS),
             prompt_deadline_s=600.0, sampling=SamplingConfig(n=config.rollouts, max_tokens=_OUTPUT_TOKENS),
-            logprob_target=None, max_lag=config.steps + 1,  # stand-in rollouts carry version -1
+            logprob_role="none", max_lag=config.steps + 1,  # stand-in rollouts carry version -1
         )
         host = self._host_class.remote(batcher_config, registry, batched)
         try:

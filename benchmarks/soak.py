@@ -1,10 +1,10 @@
 """Soak: does any process of the system keep growing over a long run? RSS per process at two steps.
 
-    cd /work/main && .venv/bin/python benchmarks/soak.py                       # 300 steps of the demo, ~10 min
-    .venv/bin/python benchmarks/soak.py --num_steps 12 --early_step 4 --work_dir runs/soak-quick
+    cd /work/main && .venv/bin/python -m benchmarks.soak                       # 300 steps of the demo, ~10 min
+    .venv/bin/python -m benchmarks.soak --num_steps 12 --early_step 4 --work_dir runs/soak-quick
                                                                               # ~3 min: checks the plumbing
-    .venv/bin/python benchmarks/soak.py --timeline_every 25                    # + every process's RSS every 25 steps
-    .venv/bin/python benchmarks/soak.py ... -- --prompts_per_rank 4            # trainer flags go after `--`
+    .venv/bin/python -m benchmarks.soak --timeline_every 25                    # + every process's RSS every 25 steps
+    .venv/bin/python -m benchmarks.soak ... -- --prompts_per_rank 4            # trainer flags go after `--`
 
 What runs: the demo (scripts/demo.sh) as a user runs it: `local_cluster.py` on the bundled tiny
 model from `scripts/prepare_demo.py` (written to `--assets_dir` unless already there), one vLLM
@@ -60,93 +60,29 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.realistic_run import (  # noqa: E402
-    KB, LogWatcher, ProcessMonitor, RunFailed, count_lines, format_table, interrupt_on_sigterm, parse_status,
-    phase_of, print_failure, run_polled,
+from benchmarks.harness import REPO_ROOT, DemoAssets, interrupt_on_sigterm, setup_logging
+from benchmarks.process_monitor import (
+    KB, LogWatcher, ProcessMonitor, RunFailed, count_lines, format_table, parse_status, phase_of, print_failure,
+    run_polled,
 )
-from metrics import read_metrics  # noqa: E402
-from run_config import config_to_dict, load_config, split_passthrough  # noqa: E402
+from benchmarks.soak_parts import (
+    TARGET_GROWTH, SoakConfig, compare, process_timelines, read_memory, rss_growth, trainer_args,
+)
+from metrics import read_metrics
+from run_config import config_to_dict, load_config, split_passthrough
 
-logger = logging.getLogger("soak")
+logger = logging.getLogger(__name__)
 
 MB = 1e6
-TARGET_GROWTH = 1.10  # issue 11: RSS at the last step within 10% of RSS at the early step
 TIMELINE_PRINT_RATIO = 1.05  # the printed timeline leaves out processes within 5% of flat
 OWN_LABEL = "soak.py (this benchmark)"
 PROBE_LABEL = "object-store probe (this benchmark)"
 STEP_POLL_S = 0.2  # how often metrics.jsonl is checked: the ranks exit ~1 s after their last record
 PROBE_INTERVAL_S = 1.0  # object-store readings: two cheap GCS calls each, so a reading lies within ~1 s of a snapshot
-DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
-DEMO_ASSETS = ("model/model.safetensors", "arithmetic.jsonl", "arithmetic_eval.jsonl")  # as scripts/demo.sh checks
 _RAY_HEAD = re.compile(r"Ray head at (\S+) ")  # local_cluster.py's log line
-
-
-@dataclass(kw_only=True, frozen=True)
-class SoakConfig:
-    """Command line of `python benchmarks/soak.py`; trainer flags go after `--`."""
-
-    work_dir: str = str(REPO_ROOT / "runs" / "soak")
-    """Where the run (`run/`), its logs, the probe's readings and report.json go."""
-    assets_dir: str = ""
-    """The demo's starting model and prompts (scripts/prepare_demo.py; reused when complete);
-    '' means <work_dir>/assets."""
-    num_prompts: int = 2000
-    """prepare_demo.py --num_prompts, when the assets are written (its default, as the demo)."""
-    num_steps: int = 300
-    """Optimizer steps of the run; the late snapshot is taken when all of them are done."""
-    early_step: int = 50
-    """The early snapshot is taken when metrics.jsonl holds this many records."""
-    trainer_config: str = str(DEMO_CONFIG)
-    """The trainer's --config (the demo's)."""
-    nproc_per_node: int = 2
-    """Trainer ranks."""
-    poll_s: float = 5.0
-    """How often the whole process tree is read for the memory timeline (snapshots are read when due)."""
-    timeline_every: int = 0
-    """Also read every process's memory each time metrics.jsonl gains this many records (0: only
-    the two snapshots): a per-process timeline, which shows whether a growth levels off."""
-    timeout_s: float = 2 * 3600.0
-    """Stop the run (and fail) after this long."""
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.early_step < self.num_steps:
-            raise ValueError(f"SoakConfig.early_step must be in [1, num_steps), got {self.early_step} "
-                             f"(num_steps {self.num_steps})")
-        if self.timeline_every < 0:
-            raise ValueError(f"SoakConfig.timeline_every must be >= 0, got {self.timeline_every}")
-        for name in ("num_prompts", "nproc_per_node"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SoakConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("poll_s", "timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"SoakConfig.{name} must be > 0, got {getattr(self, name)}")
-
-
-# ---- memory of one process --------------------------------------------------------------------
-
-MEMORY_FIELDS = ("VmRSS", "RssAnon", "RssShmem", "RssFile")
-
-
-def read_memory(pid: int) -> dict[str, int] | None:
-    """The kB memory fields of /proc/<pid>/status, or None when the process is gone."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text(errors="replace")
-    except OSError:
-        return None
-    fields = parse_status(text)
-    return {key: fields.get(key, 0) for key in MEMORY_FIELDS}
-
-
-def rss_kb(memory: dict[str, int]) -> int:
-    """The soak's RSS: private + touched shared memory (RssAnon + RssShmem), file pages left out."""
-    return memory["RssAnon"] + memory["RssShmem"]
 
 
 class SoakMonitor(ProcessMonitor):
@@ -154,7 +90,7 @@ class SoakMonitor(ProcessMonitor):
     benchmark's own processes, and takes snapshots of every process's current memory."""
 
     def __init__(self, started: float, every_s: float) -> None:
-        super().__init__(started)
+        super().__init__(started, OWN_LABEL)
         self.every_s = every_s
         self.own_pids: dict[int, str] = {os.getpid(): OWN_LABEL}
         self._last_sample = -math.inf
@@ -181,71 +117,6 @@ class SoakMonitor(ProcessMonitor):
             if memory is not None:
                 processes[pid] = {"label": record.label, "first_seen_s": record.first_seen_s, **memory}
         return {"step": step, "t_s": round(t, 1), "unix_time": time.time(), "processes": processes}
-
-
-# ---- comparing two snapshots ----------------------------------------------------------------------
-
-def numbered_labels(entries: dict[int, dict[str, Any]]) -> dict[int, str]:
-    """pid -> label, with `#1`, `#2` (by start order) where processes share a label."""
-    by_label: dict[str, list[tuple[float, int]]] = {}
-    for pid, entry in entries.items():
-        by_label.setdefault(entry["label"], []).append((entry["first_seen_s"], pid))
-    names = {}
-    for label, group in by_label.items():
-        for i, (_, pid) in enumerate(sorted(group), 1):
-            names[pid] = label if len(group) == 1 else f"{label} #{i}"
-    return names
-
-
-def _ratio(late: int, early: int) -> float | None:
-    return round(late / early, 4) if early > 0 else None
-
-
-def compare(early: dict[str, Any], late: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per process seen at either snapshot (the same pid is the same process), largest
-    late RSS first: RSS and VmRSS at both and their ratios (None where a snapshot lacks it)."""
-    a, b = early["processes"], late["processes"]
-    union = {**a, **b}
-    labels = numbered_labels(union)
-    rows = []
-    for pid in union:
-        row: dict[str, Any] = {"pid": pid, "label": labels[pid]}
-        for name, snap in (("early", a), ("late", b)):
-            memory = snap.get(pid)
-            row[f"rss_{name}_kb"] = rss_kb(memory) if memory else None
-            row[f"vmrss_{name}_kb"] = memory["VmRSS"] if memory else None
-            row[f"{name}_fields"] = {k: memory[k] for k in MEMORY_FIELDS} if memory else None
-        both = pid in a and pid in b
-        row["status"] = "both" if both else ("gone" if pid in a else "new")
-        row["ratio"] = _ratio(row["rss_late_kb"], row["rss_early_kb"]) if both else None
-        row["vmrss_ratio"] = _ratio(row["vmrss_late_kb"], row["vmrss_early_kb"]) if both else None
-        rows.append(row)
-    rows.sort(key=lambda r: -(r["rss_late_kb"] or r["rss_early_kb"] or 0))
-    return rows
-
-
-def process_timelines(points: list[dict[str, Any]]) -> dict[str, Any]:
-    """The timeline's snapshots as one row per process: its RSS (kB) at each point, None where it
-    was not running; processes named as in `compare`, largest last RSS first."""
-    union: dict[int, dict[str, Any]] = {}
-    for point in points:
-        union.update(point["processes"])
-    labels = numbered_labels(union)
-    rows = []
-    for pid in union:
-        rss = [rss_kb(point["processes"][pid]) if pid in point["processes"] else None for point in points]
-        rows.append({"pid": pid, "label": labels[pid], "rss_kb": rss})
-    rows.sort(key=lambda r: -next((v for v in reversed(r["rss_kb"]) if v is not None), 0))
-    return {"steps": [point["step"] for point in points], "t_s": [point["t_s"] for point in points], "rows": rows}
-
-
-def rss_growth(rows: list[dict[str, Any]], key: str = "ratio") -> tuple[float, str]:
-    """The largest ratio over processes present at both snapshots, and its process's label."""
-    compared = [r for r in rows if r[key] is not None]
-    if not compared:
-        raise ValueError("no process was seen at both snapshots")
-    top = max(compared, key=lambda r: r[key])
-    return top[key], top["label"]
 
 
 # ---- Ray's object store ---------------------------------------------------------------------------
@@ -275,9 +146,9 @@ def run_object_store_probe(address: str, out_path: str, interval_s: float) -> No
 
 
 def probe_command(address: str, out_path: Path, interval_s: float) -> list[str]:
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from benchmarks.soak import run_object_store_probe; "
-            "run_object_store_probe(sys.argv[2], sys.argv[3], float(sys.argv[4]))")
-    return [sys.executable, "-c", code, str(REPO_ROOT), address, str(out_path), str(interval_s)]
+    code = ("import sys; from benchmarks.soak import run_object_store_probe; "
+            "run_object_store_probe(sys.argv[1], sys.argv[2], float(sys.argv[3]))")
+    return [sys.executable, "-c", code, address, str(out_path), str(interval_s)]  # run with cwd=REPO_ROOT
 
 
 def read_probe(path: Path) -> list[dict[str, Any]]:
@@ -310,7 +181,7 @@ def dev_shm_used_bytes() -> int:
 
 def prepare_assets(config: SoakConfig, assets: Path) -> bool:
     """Write the demo's starting model and prompts unless complete; whether they were reused."""
-    if all((assets / name).is_file() for name in DEMO_ASSETS):
+    if DemoAssets(root=assets).complete():
         return True
     command = [sys.executable, str(REPO_ROOT / "scripts" / "prepare_demo.py"), "--out_dir", str(assets),
                "--num_prompts", str(config.num_prompts)]
@@ -320,12 +191,6 @@ def prepare_assets(config: SoakConfig, assets: Path) -> bool:
         raise RunFailed(f"prepare_demo.py exited with {result.returncode}:\n{result.stderr[-3000:]}")
     return False
 
-
-def trainer_args(config: SoakConfig, assets: Path, passthrough: list[str]) -> list[str]:
-    """The demo's trainer flags, with the soak's length, no checkpoints and no evaluation."""
-    return ["--config", config.trainer_config, "--data.path", str(assets / "arithmetic.jsonl"),
-            "--num_steps", str(config.num_steps), "--optim.total_steps", str(config.num_steps),
-            "--checkpoint_every", "0", "--checkpoint_at_end", "false", "--eval.every", "0", *passthrough]
 
 
 class SoakRun:
@@ -562,7 +427,7 @@ def final_line(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     own, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv))
     config = load_config(SoakConfig, own, description=__doc__)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     interrupt_on_sigterm()  # so run_polled stops local_cluster.py, which stops everything it started
     try:
         report = run(config, passthrough)

@@ -1,8 +1,8 @@
 """What each tracker costs rank 0: start-up, one step's log() and close (with the reward plot),
 against metrics.jsonl alone, measured in the same process.
 
-    cd /work/main && .venv/bin/python benchmarks/trackers.py            # ~2 min on 2 cores
-    .venv/bin/python benchmarks/trackers.py --steps 200 --rounds 3 --gap_s 0
+    cd /work/main && .venv/bin/python -m benchmarks.trackers            # ~2 min on 2 cores
+    .venv/bin/python -m benchmarks.trackers --steps 200 --rounds 3 --gap_s 0
 
 Each round runs MetricsLogger once per setting (jsonl alone, then jsonl plus one tracker) on a
 fresh run dir with a config.yaml, logging `--steps` records of the trainer's size (~60 keys,
@@ -20,12 +20,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SETTINGS = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")
 # Keys of one trainer step (metrics.StepAccumulator.finalize and the batcher's, ~60).

@@ -1,7 +1,7 @@
 """Training throughput of the trainer's own step: packed tokens/s and model FLOPs utilisation (MFU).
 
     .venv/bin/python -m benchmarks.trainer_throughput          # qwen2.5-0.5b, 16384 tokens per rank
-    torchrun --nproc_per_node=2 benchmarks/trainer_throughput.py --preset qwen2.5-0.5b \\
+    torchrun --nproc_per_node=2 -m benchmarks.trainer_throughput --preset qwen2.5-0.5b \\
         --tokens_per_rank 2048 --gradient_checkpointing                  # 2 FSDP ranks (gloo on CPU)
     .venv/bin/python -m benchmarks.trainer_throughput --preset qwen2.5-0.5b --model.num_layers 2 \\
         --model.hidden_size 128 --model.num_heads 2 --model.intermediate_size 256 \\
@@ -59,15 +59,16 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script, with -m or torchrun
 
-from fsdp_setup import DistInfo, build_training_model, init_distributed  # noqa: E402
-from grpo_loss import LossConfig, grpo_loss  # noqa: E402
-from optimizer import OptimConfig, build_optimizer  # noqa: E402
-from run_config import load_config  # noqa: E402
-from sample_processing_utils import Sample, post_process_batch  # noqa: E402
-from setup_model import ModelConfig, TokenLogprobModel  # noqa: E402
-from tiny_model import PRESETS, ShapeOverrides, model_shape, write_tiny_model  # noqa: E402
+from benchmarks.harness import setup_logging
+from benchmarks.packed_samples import draw_packed_samples, training_flops
+from fsdp_setup import DistInfo, build_training_model, init_distributed
+from grpo_loss import LossConfig, grpo_loss
+from optimizer import OptimConfig, build_optimizer
+from run_config import load_config
+from sample_processing_utils import Sample, post_process_batch
+from setup_model import ModelConfig, TokenLogprobModel
+from tiny_model import PRESETS, ShapeOverrides, model_shape, write_tiny_model
 
 logger = logging.getLogger("benchmarks.trainer_throughput")
 
@@ -146,69 +147,6 @@ class BenchConfig:
             raise ValueError(f"BenchConfig: warmup >= 0 and steps >= 1 required, got {self.warmup}, {self.steps}")
         if self.peak_tflops < 0 or self.matmul_size < 0:
             raise ValueError("BenchConfig: peak_tflops and matmul_size must be >= 0")
-
-
-@dataclass(frozen=True, slots=True)
-class FlopCount:
-    """Model FLOPs of one forward + backward over a packed minibatch (see the module docstring)."""
-
-    dense: float
-    """6 * non-embedding params * packed tokens."""
-    lm_head: float
-    """6 * hidden * vocab * output tokens."""
-    attention: float
-    """6 * layers * attention width * sum of squared sample lengths (causal)."""
-
-    @property
-    def total(self) -> float:
-        return self.dense + self.lm_head + self.attention
-
-
-def training_flops(*, non_embedding_params: int, hidden_size: int, vocab_size: int, num_layers: int,
-                   attention_width: int, sample_lengths: list[int], output_tokens: int) -> FlopCount:
-    """Model FLOPs of training on one packed minibatch; attention_width = n_heads * head_dim."""
-    tokens = sum(sample_lengths)
-    return FlopCount(
-        dense=6.0 * non_embedding_params * tokens,
-        lm_head=6.0 * hidden_size * vocab_size * output_tokens,
-        attention=6.0 * num_layers * attention_width * sum(n * n for n in sample_lengths),
-    )
-
-
-def draw_packed_samples(num_tokens: int, vocab_size: int, *, min_prompt: int, max_prompt: int,
-                        output_median: float, output_sigma: float, max_output: int, seed: int) -> list[Sample]:
-    """Rollouts of realistic lengths filling exactly num_tokens packed tokens (the last one cut to fit).
-
-    Token ids are uniform over the vocabulary; logprobs are near 0 (sampling = reference, so the
-    KL term is live); advantages are standard normal. Needs num_tokens >= 2.
-    """
-    if num_tokens < 2:
-        raise ValueError(f"draw_packed_samples: num_tokens must be >= 2, got {num_tokens}")
-    gen = torch.Generator().manual_seed(seed)
-    lengths: list[tuple[int, int]] = []  # (prompt, output)
-    remaining = num_tokens
-    while remaining > 0:
-        prompt = int(torch.randint(min_prompt, max_prompt + 1, (1,), generator=gen))
-        output = int(min(max_output, max(1.0, round(output_median * math.exp(output_sigma * float(
-            torch.randn(1, generator=gen)))))))
-        if remaining == 1:  # no room for a prompt and an output: the previous rollout gets the token
-            last_prompt, last_output = lengths.pop()
-            lengths.append((last_prompt, last_output + 1))
-            break
-        prompt = min(prompt, remaining - 1)
-        output = min(output, remaining - prompt)
-        lengths.append((prompt, output))
-        remaining -= prompt + output
-    samples = []
-    for i, (prompt, output) in enumerate(lengths):
-        logprobs = (-0.1 * torch.rand(output, generator=gen)).tolist()
-        samples.append(Sample(
-            input_token_ids=torch.randint(0, vocab_size, (prompt,), generator=gen).tolist(),
-            output_token_ids=torch.randint(0, vocab_size, (output,), generator=gen).tolist(),
-            gt_answer="", prompt_id=i, advantage=float(torch.randn(1, generator=gen)),
-            sampling_logprobs=logprobs, ref_logprobs=logprobs,
-        ))
-    return samples
 
 
 def _sync(device: torch.device) -> None:
@@ -400,7 +338,7 @@ def format_result(result: dict[str, float | int | str]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     config = load_config(BenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.WARNING)
     dist = init_distributed()
     workdir = Path(tempfile.mkdtemp(prefix="bench-trainer-throughput-")) if dist.is_main else Path()
     try:

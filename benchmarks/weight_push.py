@@ -1,7 +1,7 @@
 """Weight push time and effective bandwidth of both push modes, against raw memory-copy bandwidth.
 
-    cd /work/main && .venv/bin/python benchmarks/weight_push.py                 # ~134M params fp32, 1 receiver
-    .venv/bin/python benchmarks/weight_push.py --num_layers 20 --receivers 2 --repeats 7
+    cd /work/main && .venv/bin/python -m benchmarks.weight_push                 # ~134M params fp32, 1 receiver
+    .venv/bin/python -m benchmarks.weight_push --num_layers 20 --receivers 2 --repeats 7
 
 One run: a random-init Qwen2 big enough to be bandwidth-bound (default hidden 1024, 12 layers,
 MLP 2816: ~134M parameters, ~0.54 GB fp32) is written with tiny_model.write_tiny_model; a private
@@ -34,7 +34,7 @@ push also writes the STABLE marker and the receivers (logprob workers, old_polic
 apply the adapter to their base model with PEFT. GB and GB/s then count adapter bytes; the
 breakdown is skipped.
 
-    .venv/bin/python benchmarks/weight_push.py --lora_r 16
+    .venv/bin/python -m benchmarks.weight_push --lora_r 16
 
 The LAST line is key=value pairs:
 `fraction_of_memcpy=<x> best_mode=<m> gather_s=... sharded_s=... gather_gbps=... sharded_gbps=... memcpy_gbps=... model_gb=...`
@@ -59,17 +59,16 @@ from typing import Any, Literal
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from local_cluster import LocalCluster, LocalClusterConfig, free_port  # noqa: E402
-from run_config import load_config  # noqa: E402
-from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
-from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, worker_actor_name  # noqa: E402
-from vllm_registry import get_or_create_registry  # noqa: E402
+from benchmarks.harness import REPO_ROOT
+from local_cluster import LocalCluster, LocalClusterConfig, free_port
+from run_config import load_config
+from tiny_model import TinyModelConfig, write_tiny_model
+from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, worker_actor_name
+from vllm_registry import get_or_create_registry
 
-logger = logging.getLogger("weight_push")
+logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 WORLD_SIZE = 2  # FSDP ranks under torchrun, as in the demo
 MODES = ("gather", "sharded")
 LORA_MODES = ("gather", "sharded", "lora_files")
@@ -86,7 +85,7 @@ _DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}  # safetensors dtype names -> byt
 @dataclass(kw_only=True, frozen=True)
 class PushBenchConfig:
     """The model and how many pushes the trainer role makes: the command line of
-    `python benchmarks/weight_push.py` (torchrun runs the same file with `--role trainer`)."""
+    `python -m benchmarks.weight_push` (torchrun runs the same file with `--role trainer`)."""
 
     hidden_size: int = 1024
     """Model width (the tiny tokenizer's ~100-token vocabulary makes embeddings negligible)."""
@@ -246,10 +245,10 @@ def start_receivers(model_dir: Path, count: int, with_probe: bool) -> list[Any]:
 
 def run_trainer_role(cluster: LocalCluster, model_dir: Path, cfg: PushBenchConfig, out: Path,
                      log: Path) -> tuple[dict[str, ModeResult], int]:
-    """torchrun this file in --role trainer; returns what rank 0 wrote (per mode, bytes per push)."""
+    """torchrun this module in --role trainer; returns what rank 0 wrote (per mode, bytes per push)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD_SIZE}",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(Path(__file__).resolve()),
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--module", "benchmarks.weight_push",
         "--role", "trainer", "--model_dir", str(model_dir), "--out", str(out),
         "--repeats", str(cfg.repeats), "--breakdown_repeats", str(cfg.breakdown_repeats),
         "--lora_r", str(cfg.lora_r),

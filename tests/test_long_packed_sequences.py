@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.memory import full_logit_logprobs
-from benchmarks.trainer_throughput import draw_packed_samples, training_flops
+from benchmarks.packed_samples import draw_packed_samples, full_logit_logprobs, training_flops
 from grpo_loss import LossConfig, chunked_token_logprobs, grpo_loss
 from sample_processing_utils import Sample, post_process_batch
 from setup_model import TokenLogprobModel, load_causal_lm

@@ -1,4 +1,4 @@
-"""benchmarks/realistic_run.py's pure helpers: data, trainer config and engine sizing, process
+"""benchmarks/realistic_run.py's pure helpers (benchmarks/realistic_parts.py, process_monitor.py): data, trainer config and engine sizing, process
 labels, memory bookkeeping, stage times. No Ray, vLLM or torchrun here (the benchmark itself runs
 the whole system)."""
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 import yaml
 
-from benchmarks import realistic_run as rr
+from benchmarks import process_monitor as pm
+from benchmarks import realistic_parts as rr
 from dataset import DatasetConfig, extract_gsm8k_answer, load_prompts
 from run_config import load_config
 from tiny_model import PRESETS, build_chat_tokenizer, build_model, hf_config
@@ -106,12 +107,12 @@ def test_model_folder_names_and_writer_command(tmp_path: Path) -> None:
     ("ray::LogprobWorkerActor", {}, "logprob worker actor"),
     ("ray::RegistryActor.register", {}, "registry actor"),
     ("ray::ExperienceBatcherActor.next_message", {}, "experience batcher actor"),
-    ("ray::IDLE", {}, rr.IDLE_RAY_WORKER),
+    ("ray::IDLE", {}, pm.IDLE_RAY_WORKER),
     ("ray::SomethingNew", {}, "Ray actor SomethingNew"),
     ("VLLM::EngineCore", {}, "vLLM EngineCore"),
     ("/v/python -m torch.distributed.run --nproc_per_node=2 /r/trainer_core.py --x", {}, "torchrun"),
     ("/v/python -u /r/trainer_core.py --ray_address a", {"rank": "1"}, "trainer rank 1"),
-    ("/v/python -u /r/trainer_core.py --ray_address a", {}, rr.UNKNOWN_RANK),
+    ("/v/python -u /r/trainer_core.py --ray_address a", {}, pm.UNKNOWN_RANK),
     ("/v/python /r/worker_dispatcher.py --model_path m --mode logprob", {}, "dispatcher (logprob)"),
     ("/v/python /r/local_cluster.py --model_path m", {}, "local_cluster.py (Ray head driver)"),
     ("/v/site-packages/ray/core/src/ray/raylet/raylet --raylet_socket_name=x", {}, "raylet"),
@@ -122,32 +123,32 @@ def test_model_folder_names_and_writer_command(tmp_path: Path) -> None:
      {"parent_label": "forkserver of verifier pool actor"}, "verifier process"),
     ("/usr/bin/cc1plus -quiet x.cpp", {"parent_label": "g++ (under vLLM EngineCore)", "anchor": "vLLM EngineCore"},
      "cc1plus (under vLLM EngineCore)"),
-    ("anything", {"own": True}, "realistic_run.py (this benchmark)"),
+    ("anything", {"own_label": "realistic_run.py (this benchmark)"}, "realistic_run.py (this benchmark)"),
 ])
 def test_process_labels(cmdline: str, kwargs: dict, label: str) -> None:
-    assert rr.process_label(cmdline, **kwargs) == label
+    assert pm.process_label(cmdline, **kwargs) == label
 
 
 def test_weak_labels() -> None:
-    assert rr.is_weak_label(rr.IDLE_RAY_WORKER) and rr.is_weak_label(rr.UNKNOWN_RANK)
-    assert rr.is_weak_label("python (under raylet)")
-    assert not rr.is_weak_label("generation worker actor") and not rr.is_weak_label("forkserver of verifier pool actor")
+    assert pm.is_weak_label(pm.IDLE_RAY_WORKER) and pm.is_weak_label(pm.UNKNOWN_RANK)
+    assert pm.is_weak_label("python (under raylet)")
+    assert not pm.is_weak_label("generation worker actor") and not pm.is_weak_label("forkserver of verifier pool actor")
 
 
 def test_parse_status_reads_kb_fields() -> None:
     text = "Name:\tpython\nVmHWM:\t  226928 kB\nVmRSS:\t  200000 kB\nRssAnon:\t  150000 kB\nThreads:\t4\n"
-    assert rr.parse_status(text) == {"VmHWM": 226928, "VmRSS": 200000, "RssAnon": 150000}
-    own = rr.parse_status(Path("/proc/self/status").read_text())
+    assert pm.parse_status(text) == {"VmHWM": 226928, "VmRSS": 200000, "RssAnon": 150000}
+    own = pm.parse_status(Path("/proc/self/status").read_text())
     assert own["VmHWM"] >= own["VmRSS"] > 0
 
 
-def _record(pid: int, label: str, peak_kb: int, first: float) -> rr.ProcessRecord:
-    return rr.ProcessRecord(pid=pid, label=label, cmdline=label, first_seen_s=first, last_seen_s=first + 1,
+def _record(pid: int, label: str, peak_kb: int, first: float) -> pm.ProcessRecord:
+    return pm.ProcessRecord(pid=pid, label=label, cmdline=label, first_seen_s=first, last_seen_s=first + 1,
                             peak_rss_kb=peak_kb, rises=[(peak_kb, "step 0")])
 
 
 def test_merge_rows_numbers_duplicates_and_merges_helpers() -> None:
-    rows = rr.merge_rows([
+    rows = pm.merge_rows([
         _record(10, "registry actor", 300_000, 2.0), _record(9, "registry actor", 310_000, 1.0),
         _record(20, "cc1plus (under vLLM EngineCore)", 200_000, 5.0),
         _record(21, "cc1plus (under vLLM EngineCore)", 250_000, 6.0),
@@ -176,21 +177,21 @@ def test_log_watcher_events_and_phases(tmp_path: Path) -> None:
                    "2026-11-23 20:22:14,704 INFO __main__: starting trainer: torch.distributed.run ...\n"
                    "2026-11-23 20:22:30,855 [rank0] INFO fsdp_setup: FSDP2 model from /m: 1 parameters\n")
     (tmp_path / "logprob-0_worker.log").write_text("loading\nworker logprob-worker-0 registered\n")
-    watcher = rr.LogWatcher(log, (tmp_path, "*_worker.log"))
+    watcher = pm.LogWatcher(log, (tmp_path, "*_worker.log"))
     watcher.poll()
     events = watcher.events
     assert events["registered:generation-0"] - events["ray_head_started"] == pytest.approx(105.207)
     assert "worker_log_registered:logprob-worker-0" in events
-    assert rr.phase_of(watcher, 0, 3, cluster_running=True) == "trainer start-up (first push)"
+    assert pm.phase_of(watcher, 0, 3, cluster_running=True) == "trainer start-up (first push)"
     with log.open("a") as f:
         f.write("2026-11-23 20:22:36,192 [rank0] INFO weight_sync: pushed weights v0 (gather, torch.float32) to 1 workers\n")
     watcher.poll()
-    assert rr.phase_of(watcher, 0, 3, cluster_running=True) == "step 0"
-    assert rr.phase_of(watcher, 2, 3, cluster_running=True) == "step 2"
-    assert rr.phase_of(watcher, 3, 3, cluster_running=True) == "final checkpoint"
+    assert pm.phase_of(watcher, 0, 3, cluster_running=True) == "step 0"
+    assert pm.phase_of(watcher, 2, 3, cluster_running=True) == "step 2"
+    assert pm.phase_of(watcher, 3, 3, cluster_running=True) == "final checkpoint"
     watcher.feed("2026-11-23 20:22:39,826 [rank0] INFO __main__: training finished at step 3; metrics in x")
-    assert rr.phase_of(watcher, 3, 3, cluster_running=True) == "shutdown"
-    assert rr.phase_of(rr.LogWatcher(log), 0, 3, cluster_running=False) == "prepare"
+    assert pm.phase_of(watcher, 3, 3, cluster_running=True) == "shutdown"
+    assert pm.phase_of(pm.LogWatcher(log), 0, 3, cluster_running=False) == "prepare"
 
 
 def _metrics(step: int, end: float, step_s: float) -> dict:
@@ -235,6 +236,6 @@ def test_first_errors_finds_the_root_cause_before_the_summaries(tmp_path: Path) 
                    "[rank0]: ValueError: Specified `attn_implementation=\"bogus\"` is not supported.\n"
                    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
                    "RuntimeError: local cluster gave up\n")
-    assert rr.first_errors(log) == ['ValueError: Specified `attn_implementation="bogus"` is not supported.',
+    assert pm.first_errors(log) == ['ValueError: Specified `attn_implementation="bogus"` is not supported.',
                                     "RuntimeError: local cluster gave up"]
-    assert rr.first_errors(tmp_path / "missing.log") == []
+    assert pm.first_errors(tmp_path / "missing.log") == []

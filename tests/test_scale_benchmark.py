@@ -1,4 +1,4 @@
-"""System-level: `benchmarks/scale.py --smoke` runs end to end (its own two-node loopback Ray
+"""System-level: `python -m benchmarks.scale --smoke true` runs end to end (its own two-node loopback Ray
 cluster, stand-in workers, the real registry and batcher) and reports its figures.
 
     .venv/bin/python -m pytest tests/test_scale_benchmark.py -q
@@ -9,7 +9,6 @@ delivered every sample), so a routing fault fails it here. No figure is compared
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,9 +24,8 @@ _FIGURES = ("routed_per_s", "routed_ratio", "registry_cpu_us", "routing_cpu_us",
 
 @pytest.mark.system
 def test_scale_benchmark_smoke_mode_reports_every_figure() -> None:
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "scale.py"), "--smoke", "true"],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=_SMOKE_BOUND_S,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    result = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--smoke", "true"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=_SMOKE_BOUND_S)
     assert result.returncode == 0, f"scale.py --smoke failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("scale: N=4:"), last

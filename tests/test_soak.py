@@ -1,4 +1,4 @@
-"""benchmarks/soak.py: the snapshot comparison (pure), and its quick check end to end (real
+"""benchmarks/soak.py: the snapshot comparison (pure, in soak_parts.py), and its quick check end to end (real
 local_cluster.py: vLLM worker, logprob worker, torchrun with 2 FSDP ranks) for the report's
 structure. No timing or memory thresholds here: the soak's figures are in benchmarks/RESULTS.md."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import soak
+from benchmarks import soak_parts as soak
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUICK_TIMEOUT_S = 900  # ~1.5 min on 2 idle cores; generous for a busy machine
@@ -79,7 +79,7 @@ def test_trainer_args_keep_the_demo_config_and_turn_off_checkpoints_and_eval(tmp
 @pytest.mark.distributed
 def test_quick_soak_reports_both_snapshots_per_process(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "soak.py"), "--num_steps", "12", "--early_step", "4",
+        [sys.executable, "-m", "benchmarks.soak", "--num_steps", "12", "--early_step", "4",
          "--work_dir", str(tmp_path), "--num_prompts", "500", "--poll_s", "2", "--timeline_every", "4",
          # Small steps (the demo's are 2 x 16 prompts x 16 rollouts): the report's structure is
          # under test here, and a step's size changes nothing in it.

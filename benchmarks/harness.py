@@ -1,0 +1,200 @@
+"""What the benchmark scripts share: logging set-up, the one-line summary, the demo's assets and
+trainer flags, and one trainer run on a local cluster with its metrics read back.
+
+Every script runs from the repository root as `python -m benchmarks.NAME` (the root is then on
+sys.path, so the project's modules import as they are). Library modules here (this one,
+process_monitor.py, *_parts.py) hold no `main`; no benchmark script imports another one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
+DEFAULT_DEMO_ASSETS = REPO_ROOT / "runs" / "demo-assets"
+PREPARE_DEMO = REPO_ROOT / "scripts" / "prepare_demo.py"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+TRAINER_LOG_TAIL_LINES = 30  # enough to show the traceback of a failed trainer run
+
+logger = logging.getLogger(__name__)
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """The scripts' one logging set-up (called once, in main)."""
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+
+
+def interrupt_on_sigterm() -> None:
+    """A kill unwinds like Ctrl-C, so the `with LocalCluster(...)` blocks stop what they started."""
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def summary_line(name: str, figures: dict[str, Any]) -> str:
+    """`name: key=value key=value ...`: the last line each script prints (what tests read)."""
+    return f"{name}: " + " ".join(f"{key}={value}" for key, value in figures.items())
+
+
+def parse_summary_line(line: str) -> tuple[str, dict[str, str]]:
+    """The name ('' for a line of key=value pairs alone) and the key=value figures of a summary
+    line (a value holding spaces keeps only its first word; the scripts print none such)."""
+    name, sep, rest = line.partition(": ")
+    if not sep or "=" in name:
+        name, rest = "", line
+    return name, dict(pair.split("=", 1) for pair in rest.split() if "=" in pair)
+
+
+# ---- the demo's assets and trainer flags ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DemoAssets:
+    """The files configs/demo.yaml needs beside it (scripts/prepare_demo.py writes all three)."""
+
+    root: Path
+    """The assets folder."""
+
+    @property
+    def model(self) -> Path:
+        """The starting model (tiny Qwen2, format warm-up only)."""
+        return self.root / "model"
+
+    @property
+    def prompts(self) -> Path:
+        """The training prompts (data.path)."""
+        return self.root / "arithmetic.jsonl"
+
+    @property
+    def eval_table(self) -> Path:
+        """The evaluation table (eval.data.path: every single-digit sum once)."""
+        return self.root / "arithmetic_eval.jsonl"
+
+    def complete(self) -> bool:
+        """Whether all three are there (as scripts/demo.sh checks)."""
+        return all(p.is_file() for p in (self.model / "model.safetensors", self.prompts, self.eval_table))
+
+
+def demo_assets(root: str | Path = DEFAULT_DEMO_ASSETS, prepare_args: tuple[str, ...] = ()) -> DemoAssets:
+    """The demo's model, prompts and evaluation table in `root`, written together by
+    scripts/prepare_demo.py (in a child process) unless all three are there already."""
+    assets = DemoAssets(root=Path(root))
+    if not assets.complete():
+        logger.info("preparing the demo's model, prompts and evaluation table in %s", assets.root)
+        subprocess.run([sys.executable, str(PREPARE_DEMO), "--out_dir", str(assets.root), *prepare_args],
+                       cwd=REPO_ROOT, check=True)
+    return assets
+
+
+def load_prepare_demo() -> ModuleType:
+    """scripts/prepare_demo.py as a module (its warm-up is reused by learnability.py); scripts/ is
+    not a package, so it is loaded from its file."""
+    spec = importlib.util.spec_from_file_location("prepare_demo", PREPARE_DEMO)
+    assert spec is not None and spec.loader is not None
+    if spec.name in sys.modules:
+        return sys.modules[spec.name]
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def demo_trainer_flags(assets: DemoAssets, run_dir: Path, *, num_steps: int, seed: int = 0,
+                       eval_every: int = 0, total_steps: int | None = None) -> list[str]:
+    """trainer_core.py flags for the demo (configs/demo.yaml with its data and evaluation files)
+    for `num_steps` steps: no checkpoints, progress bar or TensorBoard; evaluation every
+    `eval_every` steps (0: none); the cosine schedule ends at `total_steps` (default num_steps)."""
+    return ["--config", str(DEMO_CONFIG), "--run_dir", str(run_dir),
+            "--model.model_path", str(assets.model), "--data.path", str(assets.prompts),
+            "--eval.data.path", str(assets.eval_table), "--eval.every", str(eval_every),
+            "--seed", str(seed), "--num_steps", str(num_steps),
+            "--optim.total_steps", str(total_steps if total_steps is not None else num_steps),
+            "--checkpoint_every", "0", "--checkpoint_at_end", "false",
+            "--progress_bar", "false", "--tensorboard", "false"]
+
+
+# ---- one trainer run on a local cluster ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class TrainerRun:
+    """What a trainer run left behind."""
+
+    exit_code: int
+    """torchrun's exit code."""
+    records: list[dict[str, Any]]
+    """metrics.jsonl's records (empty when it was not written)."""
+    wall_s: float
+    """Seconds from launch to exit."""
+    log: Path
+    """The trainer's log."""
+
+    def log_tail(self, lines: int = TRAINER_LOG_TAIL_LINES) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def fresh_run_dir(run_dir: Path) -> Path:
+    """`run_dir`, made, without the files a trainer appends to (metrics.jsonl, data_rank*.jsonl)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("metrics.jsonl", *(p.name for p in run_dir.glob("data_rank*.jsonl"))):
+        (run_dir / stale).unlink(missing_ok=True)
+    return run_dir
+
+
+def run_trainer(cluster: Any, args: list[str], run_dir: Path, *, nproc_per_node: int = 2) -> TrainerRun:
+    """`torchrun trainer_core.py args` on a started LocalCluster; its metrics read back. A failed run
+    is logged with its log's tail (the caller decides whether that fails the benchmark)."""
+    from metrics import read_metrics
+
+    log = run_dir / "trainer.log"
+    started = time.monotonic()
+    code = cluster.run_trainer(args, nproc_per_node=nproc_per_node, log_path=log)
+    metrics = run_dir / "metrics.jsonl"
+    run = TrainerRun(exit_code=code, records=read_metrics(metrics) if metrics.is_file() else [],
+                     wall_s=time.monotonic() - started, log=log)
+    if code != 0:
+        logger.error("trainer run in %s failed (exit %d); last lines of %s:\n%s", run_dir, code, log, run.log_tail())
+    return run
+
+
+def reward_at(records: list[dict], step: int, window: int) -> float | None:
+    """Mean reward over every generated rollout (reward/mean_generated; reward/mean, the trained
+    samples', in records without it) over the `window` steps ending at `step` (1-based count).
+    Dynamic sampling trains only the informative groups, so its reward/mean is not comparable."""
+    key = "reward/mean_generated" if records and "reward/mean_generated" in records[0] else "reward/mean"
+    values = [r[key] for r in records if step - window <= r["step"] < step]
+    return statistics.fmean(values) if len(values) == window else None
+
+
+# ---- a run's checkpoints -------------------------------------------------------------------------
+
+def checkpoint_steps(num_steps: int, every: int) -> list[int]:
+    """Steps after which the trainer checkpoints (trainer_core._should_checkpoint, at_end on)."""
+    return [s for s in range(num_steps) if (s + 1) % every == 0 or s + 1 == num_steps]
+
+
+def summarize_checkpoint_run(records: list[dict[str, Any]], every: int, skip_steps: int) -> dict[str, Any]:
+    """A run's checkpoint times and step-time medians (see the module docstring)."""
+    steps = [r["step"] for r in records]
+    if steps != list(range(len(records))):
+        raise ValueError(f"expected steps 0..{len(records) - 1} once each, got {steps}")
+    saved = checkpoint_steps(len(records), every)
+    after = {s + 1 for s in saved}
+    after_steps = [r["timing/step_s"] for r in records if r["step"] in after and r["step"] >= skip_steps]
+    other_steps = [r["timing/step_s"] for r in records if r["step"] not in after and r["step"] >= skip_steps]
+    return {
+        "checkpoint_s": [records[s]["timing/checkpoint_s"] for s in saved],
+        "step_after_checkpoint_s": after_steps,
+        "other_step_s": other_steps,
+        "time_s": records[-1]["time_s"],
+    }

@@ -6,7 +6,8 @@ the latter, because a Ray call through the registry costs more CPU than scoring 
 (512 per-sample calls per demo step took ~1.5 core-seconds across registry, worker and batcher).
 Either way every sample is queued on its own. Scoring one sample per forward leaves an
 accelerator mostly idle, so the worker packs queued samples (padding-free,
-`get_input_for_logprobs`) into one forward of at most `max_tokens_per_forward` tokens:
+`get_input_for_logprobs`) into one forward of at most `max_tokens_per_forward` tokens, as
+token_budget_queue.TokenBudgetQueue hands them out:
 
     caller -> compute_logprobs(sample) -> queue -> batch (<= token budget, or max_wait_ms after
     the first queued request) -> forward in a thread -> split_per_sample -> each caller's slice
@@ -23,11 +24,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import AsyncIterator, Sequence
 
 import ray
 import torch
@@ -48,6 +48,7 @@ from setup_model import (
     training_compute_dtype,
 )
 from run_config import flattened
+from token_budget_queue import QueuedRequest, TokenBudgetQueue, fail_requests
 from vllm_registry import Bundle, WorkerHealth, WorkerLifecycle, serve_many
 from weight_sync import (
     ADAPTER_WEIGHTS_FILE, WeightUpdate, assemble_state_dict, check_stable, iter_checkpoint_tensors,
@@ -150,19 +151,6 @@ class LogprobWorkerStats:
 
 
 @dataclass(slots=True)
-class _Request:
-    """One queued compute_logprobs call."""
-
-    sample: Sample
-    num_tokens: int
-    """Tokens the sample adds to a packed forward."""
-    future: asyncio.Future
-    """Resolved with the sample's logprobs, or the batch's error."""
-    enqueued_at: float
-    """Event-loop time when the request was queued."""
-
-
-@dataclass(slots=True)
 class _Counters:
     """Mutable totals behind LogprobWorkerStats, updated on the event loop only."""
 
@@ -178,23 +166,6 @@ class _Counters:
     forward_s: float = 0.0
     last_error: str = ""
     """repr of the most recent batch error, '' if none."""
-
-
-def select_batch(token_counts: Sequence[int], budget: int) -> list[int]:
-    """Indices (in queue order) of the requests that form the next packed forward.
-
-    The head of the queue is always taken, alone if it exceeds the budget, so no request waits
-    more than one batch behind later ones. Then every later request that still fits is added
-    (first fit), so one long sample does not cut a batch short for the short ones behind it.
-    """
-    if not token_counts:
-        return []
-    chosen, used = [0], token_counts[0]
-    for index in range(1, len(token_counts)):
-        if used + token_counts[index] <= budget:
-            chosen.append(index)
-            used += token_counts[index]
-    return chosen
 
 
 def resolve_device(device: str) -> torch.device:
@@ -281,10 +252,8 @@ class LogprobWorker:
         self._holds_pushed_weights = False
         """True once a full-weight push replaced the checkpoint's weights (see _load_adapter)."""
         self._node_id = _current_node_id()
-        self._queue: deque[_Request] = deque()
-        self._queued_tokens = 0
+        self._queue = TokenBudgetQueue(config.batching.max_tokens_per_forward, config.batching.max_wait_ms / 1000.0)
         self._running_batch = 0
-        self._arrival = asyncio.Event()
         # Held by every forward and by every weight load: a batch never sees two weight versions.
         self._model_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -326,16 +295,11 @@ class LogprobWorker:
     def _enqueue(self, sample: Sample) -> asyncio.Future:
         """Queue an already checked sample for the next batches (now, not at the caller's next
         await); the future resolves to its TokenLogprobs once scored."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
         if not sample.output_token_ids:
+            future = asyncio.get_running_loop().create_future()
             future.set_result(TokenLogprobs(weight_version=self.weight_version, values=[]))
             return future
-        request = _Request(sample=sample, num_tokens=sample.num_tokens, future=future, enqueued_at=loop.time())
-        self._queue.append(request)
-        self._queued_tokens += request.num_tokens
-        self._arrival.set()
-        return future
+        return self._queue.put(sample, sample.num_tokens)
 
     def _check(self, sample: Sample) -> None:
         """check_sample, counting refusals in stats().rejected_samples."""
@@ -444,12 +408,10 @@ class LogprobWorker:
             return
         self._closed = True
         self.life.finish()
-        self._arrival.set()
+        self._queue.close()
         if self._batcher is not None and self._loop is asyncio.get_running_loop():
             await asyncio.gather(self._batcher, return_exceptions=True)
-        self._fail(list(self._queue), RuntimeError(f"logprob worker {self.name} shut down"))
-        self._queue.clear()
-        self._queued_tokens = 0
+        self._queue.fail_all(RuntimeError(f"logprob worker {self.name} shut down"))
         logger.info("logprob worker %s shut down: %s", self.name, self.stats())
 
     def _ensure_batcher(self) -> None:
@@ -479,41 +441,11 @@ class LogprobWorker:
     async def _batch_forever(self) -> None:
         """Form batches and score them, one at a time, until shutdown."""
         while not self._closed:
-            batch = await self._next_batch()
+            batch = await self._queue.next_batch()
             if batch:
                 await self._run_batch(batch)
 
-    async def _next_batch(self) -> list[_Request]:
-        """Wait for a request, then until the budget is full or max_wait_ms after the oldest one."""
-        while not self._queue and not self._closed:
-            self._arrival.clear()
-            await self._arrival.wait()
-        if self._closed:
-            return []
-        loop = asyncio.get_running_loop()
-        deadline = self._queue[0].enqueued_at + self.config.batching.max_wait_ms / 1000.0
-        while self._queued_tokens < self.config.batching.max_tokens_per_forward and not self._closed:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            self._arrival.clear()
-            try:
-                await asyncio.wait_for(self._arrival.wait(), remaining)
-            except TimeoutError:
-                break
-        return [] if self._closed else self._take_batch()
-
-    def _take_batch(self) -> list[_Request]:
-        """Remove the next batch from the queue, dropping requests whose callers gave up."""
-        live = [r for r in self._queue if not r.future.done()]
-        chosen = select_batch([r.num_tokens for r in live], self.config.batching.max_tokens_per_forward)
-        picked = set(chosen)
-        batch = [live[i] for i in chosen]
-        self._queue = deque(r for i, r in enumerate(live) if i not in picked)
-        self._queued_tokens = sum(r.num_tokens for r in self._queue)
-        return batch
-
-    async def _run_batch(self, batch: list[_Request]) -> None:
+    async def _run_batch(self, batch: list[QueuedRequest]) -> None:
         """Score one batch in a thread and hand every caller its slice (or the batch's error)."""
         num_tokens = sum(r.num_tokens for r in batch)
         if num_tokens > self.config.batching.max_tokens_per_forward:
@@ -528,12 +460,12 @@ class LogprobWorker:
             started = loop.time()
             try:
                 version = self.weight_version  # fixed while the lock is held
-                results = await asyncio.to_thread(self._score, [r.sample for r in batch])
+                results = await asyncio.to_thread(self._score, [r.item for r in batch])
             except Exception as error:
                 self._counters.failed_batches += 1
                 self._counters.last_error = repr(error)
                 logger.exception("logprob worker %s: batch of %d samples failed", self.name, len(batch))
-                self._fail(batch, error)
+                fail_requests(batch, error)
                 return
             finally:
                 self._counters.forward_s += loop.time() - started
@@ -582,20 +514,14 @@ class LogprobWorker:
             load_state_dict_into(self.model.causal_lm, state_dict)
         self._holds_pushed_weights = True
 
-    def _record_batch(self, batch: list[_Request], num_tokens: int) -> None:
+    def _record_batch(self, batch: list[QueuedRequest], num_tokens: int) -> None:
         c = self._counters
         c.batches += 1
         c.samples += len(batch)
         c.tokens += num_tokens
-        c.output_tokens += sum(len(r.sample.output_token_ids) for r in batch)
+        c.output_tokens += sum(len(r.item.output_token_ids) for r in batch)
         c.max_batch_tokens = max(c.max_batch_tokens, num_tokens)
         c.max_batch_samples = max(c.max_batch_samples, len(batch))
-
-    @staticmethod
-    def _fail(requests: list[_Request], error: BaseException) -> None:
-        for request in requests:
-            if not request.future.done():
-                request.future.set_exception(error)
 
 
 @ray.remote(max_concurrency=ACTOR_MAX_CONCURRENCY)

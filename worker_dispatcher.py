@@ -438,7 +438,7 @@ def teardown(kind: str, actor: ActorHandle, name: str, worker_died: bool) -> Non
         _best_effort(f"shutting down {name}", actor.shutdown.remote())
         ray.kill(actor)
     if kind == GENERATION:
-        from vllm_worker import remove_weight_files
+        from weight_files import remove_weight_files
 
         for path in remove_weight_files(name):
             logger.warning("removed %s, left by %s", path, name)

@@ -44,7 +44,8 @@ from run_config import load_config
 from sample_processing_utils import Sample
 from sampling import SamplingConfig
 from tiny_model import write_tiny_model
-from vllm_worker import GenerationWorker, GenerationWorkerConfig, weights_file_dir
+from vllm_worker import GenerationWorker, GenerationWorkerConfig
+from weight_files import weights_file_dir
 from worker_options import EngineConfig
 from weight_sync import StableMarker, WeightUpdate, tensor_to_blob, update_parts, write_stable_marker
 

@@ -39,7 +39,7 @@ from dataset import write_arithmetic_dataset
 from local_cluster import RUN_TEMP_PREFIX, LocalCluster, LocalClusterConfig, local_engine
 from metrics import read_metrics
 from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
-from vllm_worker import weights_file_dir
+from weight_files import weights_file_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 

@@ -12,7 +12,8 @@ import pytest
 from fsdp_setup import check_trainer_gpus, host_gpu_count
 from local_cluster import GpuPlan, plan_gpus
 from versions import Requirement, VersionError, check_versions
-from vllm_worker import UninformativeReloadWarnings, root_cause_line
+from vllm_worker import root_cause_line
+from weight_reload import UninformativeReloadWarnings
 from worker_dispatcher import cpu_kv_cache_bytes, gpus_per_worker
 
 GiB = 2**30

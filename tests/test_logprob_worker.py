@@ -23,7 +23,6 @@ from logprob_worker import (
     LogprobWorkerConfig,
     resolve_dtype,
     resolve_model_settings,
-    select_batch,
 )
 from packed_attention import PACKED_SDPA
 from sample_processing_utils import Sample, get_input_for_logprobs
@@ -172,22 +171,6 @@ def test_flash_attention_with_auto_dtype_on_auto_device_is_checked_where_it_reso
     assert resolve_model_settings(config, CUDA) == (torch.bfloat16, "flash_attention_2")
     with pytest.raises(ValueError, match="flash-attn does not run float32 models"):
         resolve_model_settings(config, CPU)
-
-
-def test_select_batch_takes_head_then_first_fit() -> None:
-    assert select_batch([], 10) == []
-    assert select_batch([10, 50, 20, 5], 40) == [0, 2, 3]
-    assert select_batch([100, 5, 5], 50) == [0]  # oversized head runs alone
-    rng = random.Random(0)
-    for _ in range(200):
-        counts = [rng.randint(1, 40) for _ in range(rng.randint(1, 12))]
-        budget = rng.randint(20, 80)
-        chosen = select_batch(counts, budget)
-        used = sum(counts[i] for i in chosen)
-        assert chosen[0] == 0 and chosen == sorted(set(chosen))
-        assert used <= budget or chosen == [0]
-        # First fit leaves nothing behind that would still have fitted.
-        assert all(used + counts[i] > budget for i in range(len(counts)) if i not in chosen)
 
 
 def test_one_at_a_time_equals_trainer_function_and_hf(tiny_model_dir: Path) -> None:

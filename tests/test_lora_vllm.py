@@ -28,7 +28,8 @@ from sample_processing_utils import Sample
 from sampling import SamplingConfig
 from setup_model import load_causal_lm
 from tiny_model import write_random_adapter as _write_adapter
-from vllm_worker import GenerationWorker, GenerationWorkerConfig, weights_file_dir
+from vllm_worker import GenerationWorker, GenerationWorkerConfig
+from weight_files import weights_file_dir
 from worker_options import EngineConfig
 from weight_sync import (
     StableMarker, UnstableVersionError, WeightUpdate, adapter_step_dir, state_dict_to_blobs, tensor_to_blob,

@@ -31,7 +31,9 @@ from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
 from weight_sync import WeightUpdate, state_dict_to_blobs
 from rewards import RewardConfig
 from sampling import SamplingConfig
-from vllm_worker import GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig, _with_tied_lm_head, reload_buckets
+from vllm_worker import AdapterBook, FailedSampleLog, GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig
+from weight_files import reload_buckets
+from weight_reload import with_tied_lm_head
 from worker_options import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -349,11 +351,11 @@ def test_tied_lm_head_is_fed_only_when_tied_and_missing() -> None:
 
     embed = torch.ones(3, 2)
     weights = {"model.embed_tokens.weight": embed}
-    assert _with_tied_lm_head(weights, _Config(True))["lm_head.weight"] is embed
-    assert "lm_head.weight" not in _with_tied_lm_head(weights, _Config(False))
+    assert with_tied_lm_head(weights, _Config(True))["lm_head.weight"] is embed
+    assert "lm_head.weight" not in with_tied_lm_head(weights, _Config(False))
     own_head = torch.zeros(3, 2)
     given = {**weights, "lm_head.weight": own_head}
-    assert _with_tied_lm_head(given, _Config(True))["lm_head.weight"] is own_head
+    assert with_tied_lm_head(given, _Config(True))["lm_head.weight"] is own_head
 
 
 # ---------------------------------------------------------------- real verifier pool (Ray)
@@ -664,3 +666,43 @@ def test_seeded_requests_whose_prompts_overflow_one_step_are_served(ray_local, t
         assert ray_local.get(actor.health.remote()).healthy
     finally:
         _stop_actor(ray_local, actor)
+
+
+def test_a_replaced_adapter_leaves_the_engine_once_its_last_request_ends() -> None:
+    removed: list[int] = []
+
+    async def remove(adapter_id: int) -> None:
+        removed.append(adapter_id)
+
+    async def scenario() -> None:
+        book = AdapterBook(remove)
+        assert book.acquire() is None  # no adapter: the engine's own weights
+        first = SimpleNamespace(lora_int_id=book.new_id())
+        await book.replace(first)
+        a, b = book.acquire(), book.acquire()
+        assert a is b is first
+        second = SimpleNamespace(lora_int_id=book.new_id())
+        await book.replace(second)
+        assert (first.lora_int_id, second.lora_int_id) == (1, 2) and book.acquire() is second
+        await book.release(first.lora_int_id)
+        assert removed == []  # one request still runs on the first adapter
+        await book.release(first.lora_int_id)
+        assert removed == [1]
+        await book.release(second.lora_int_id)
+        assert removed == [1]  # the served adapter stays, requests or not
+        await book.replace(None)
+        assert removed == [1, 2] and book.acquire() is None
+
+    asyncio.run(scenario())
+
+
+def test_the_failed_sample_log_appends_one_record_per_failure(tmp_path: Path) -> None:
+    sample = Sample(input_token_ids=[1, 2], gt_answer="7", prompt_id=3)
+    FailedSampleLog(None, "w").record([(sample, "ignored")])  # None: off, nothing written
+    log = FailedSampleLog(str(tmp_path / "sub" / "failed.jsonl"), "worker-0")
+    log.record([])
+    log.record([(sample, "generation failed: X")])
+    log.record([(sample, "reward failed: Y")])
+    records = [json.loads(line) for line in (tmp_path / "sub" / "failed.jsonl").read_text().splitlines()]
+    assert [(r["worker"], r["error"], r["prompt_id"], r["gt_answer"]) for r in records] == [
+        ("worker-0", "generation failed: X", 3, "7"), ("worker-0", "reward failed: Y", 3, "7")]

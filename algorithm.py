@@ -31,7 +31,7 @@ from __future__ import annotations
 import importlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Protocol, Sequence
 
 import numpy as np
 
@@ -85,35 +85,44 @@ class AlgorithmConfig:
         return "step" if self.prepare_batch is None and self.estimator in STEP_SCOPED_ESTIMATORS else "group"
 
 
-@dataclass(kw_only=True, frozen=True)
-class KLRewardConfig:
-    """KL(policy || reference) subtracted from the reward before advantages (built from LossConfig)."""
+LogprobRole = Literal["reference", "old_policy", "none"]
+"""What the logprob workers compute: reference logprobs (a frozen model; for a KL term),
+old-policy logprobs (the weights that sampled the rollout; for PPO ratios and IS corrections), or
+nothing (no logprob requests)."""
+
+
+class KLSettings(Protocol):
+    """The KL(policy || reference) settings the batcher reads when the KL goes into the reward.
+    Declared, documented and validated once, in grpo_loss.LossConfig (its kl_* fields); this
+    protocol only names the ones used here, so this module needs no torch."""
 
     kl_coef: float
-    """Initial (fixed: constant) coefficient beta."""
-    controller: KLControllerKind = "fixed"
-    """fixed: beta stays kl_coef; adaptive: beta follows the measured KL towards target_kl."""
-    policy_logprobs: PolicyLogprobs = "sampler"
-    """Whose logprobs stand for the policy in KL(policy || reference): the sampler's (vLLM's
-    sampled-token logprobs) or the old-policy logprob workers' (the trainer's forward on the
-    weights that sampled the rollout)."""
-    target_kl: float = 6.0
-    """adaptive: the KL per sample (summed over its response tokens) beta steers towards."""
-    horizon: int = 10000
-    """adaptive: samples over which beta's relative change integrates (Ziegler et al.'s horizon)."""
+    kl_in_reward: bool
+    kl_policy_logprobs: PolicyLogprobs
+    kl_controller: KLControllerKind
+    target_kl: float
+    kl_horizon: int
 
-    def __post_init__(self) -> None:
-        if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
-            raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef}")
-        if self.policy_logprobs not in ("sampler", "old_policy"):
-            raise ValueError(f"kl_policy_logprobs must be sampler or old_policy, got {self.policy_logprobs!r}")
-        if self.controller not in ("fixed", "adaptive"):
-            raise ValueError(f"kl_controller must be fixed or adaptive, got {self.controller!r}")
-        if self.controller == "adaptive":
-            if not self.target_kl > 0:
-                raise ValueError(f"target_kl must be > 0 for the adaptive controller, got {self.target_kl}")
-            if self.horizon < 1:
-                raise ValueError(f"kl_horizon must be >= 1, got {self.horizon}")
+
+def check_logprob_sources(owner: str, logprob_role: LogprobRole, reference_pool: bool,
+                          kl: KLSettings | None) -> None:
+    """Every logprob the loss and the reward need has a service that computes it (the trainer's
+    config and the batcher's both ask, before anything starts). kl None: no KL term to feed."""
+    if logprob_role not in ("reference", "old_policy", "none"):
+        raise ValueError(f"{owner}.logprob_role must be reference, old_policy or none, got {logprob_role!r}")
+    if reference_pool and logprob_role != "old_policy":
+        raise ValueError(f"{owner}.reference_pool goes with logprob_role old_policy (under 'reference' the logprob "
+                         f"workers compute reference logprobs themselves), got {logprob_role}")
+    if kl is None:
+        return
+    if kl.kl_coef > 0 and logprob_role != "reference" and not reference_pool:
+        where = "the reward (loss.kl_in_reward)" if kl.kl_in_reward else "the loss"
+        raise ValueError(f"{owner}: loss.kl_coef > 0 puts a KL term in {where}, which needs reference logprobs: "
+                         f"logprob_role reference, or old_policy with reference_pool true; got logprob_role "
+                         f"{logprob_role}")
+    if kl.kl_in_reward and kl.kl_policy_logprobs == "old_policy" and logprob_role != "old_policy":
+        raise ValueError(f"{owner}: loss.kl_policy_logprobs old_policy needs logprob_role old_policy (with "
+                         f"reference_pool true), got {logprob_role}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -152,16 +161,16 @@ class KLController:
 
     where KL is the step's mean per-sample KL and n its number of samples."""
 
-    def __init__(self, config: KLRewardConfig) -> None:
+    def __init__(self, config: KLSettings) -> None:
         self.config = config
         self.beta = config.kl_coef
 
     def update(self, measured_kl: float, num_samples: int) -> None:
         """Move beta after a step that measured `measured_kl` over `num_samples` samples."""
-        if self.config.controller == "fixed" or num_samples <= 0:
+        if self.config.kl_controller == "fixed" or num_samples <= 0:
             return
         error = float(np.clip(measured_kl / self.config.target_kl - 1.0, -_ADAPTIVE_ERROR_CLIP, _ADAPTIVE_ERROR_CLIP))
-        self.beta *= 1.0 + error * num_samples / self.config.horizon
+        self.beta *= 1.0 + error * num_samples / self.config.kl_horizon
 
     def state_dict(self) -> dict[str, float]:
         return {"beta": self.beta}
@@ -182,7 +191,7 @@ class KLSchedule:
 
     _HISTORY = 256  # steps of beta history kept (state_for looks back max_lag + 1 steps)
 
-    def __init__(self, config: KLRewardConfig, max_lag: int) -> None:
+    def __init__(self, config: KLSettings, max_lag: int) -> None:
         self._controller = KLController(config)
         self._max_lag = max_lag
         self._applied_through = -1
@@ -239,7 +248,7 @@ class AlgorithmContext:
     kl_beta: float | None = None
     """beta of the KL in the reward for this step; None when the KL is not in the reward."""
     kl_policy_logprobs: PolicyLogprobs = "sampler"
-    """Which logprobs stand for the policy in that KL (KLRewardConfig.policy_logprobs)."""
+    """Which logprobs stand for the policy in that KL (LossConfig.kl_policy_logprobs)."""
     distill: DistillConfig | None = None
     """Distillation settings when the samples carry teacher logprobs; None: no distillation."""
 

@@ -8,7 +8,7 @@ options keep out of the loss, and returns the samples to pack.
 from __future__ import annotations
 
 from algorithm import (
-    AlgorithmConfig, AlgorithmContext, DistillConfig, KLRewardConfig, PrepareFn, check_prepared, load_prepare_fn,
+    AlgorithmConfig, AlgorithmContext, DistillConfig, KLSettings, PrepareFn, check_prepared, load_prepare_fn,
     sequence_kl,
 )
 from sample_processing_utils import Sample
@@ -20,10 +20,10 @@ class GroupPreparer:
     """Prepares released groups for one run's algorithm, sampling and KL/distillation settings."""
 
     def __init__(self, *, algorithm: AlgorithmConfig, sampling: SamplingConfig,
-                 kl_in_reward: KLRewardConfig | None, distill: DistillConfig) -> None:
+                 kl_in_reward: KLSettings | None, distill: DistillConfig) -> None:
         self._algorithm = algorithm
         self._sampling = sampling
-        self._kl_policy = kl_in_reward.policy_logprobs if kl_in_reward else "sampler"
+        self._kl_policy = kl_in_reward.kl_policy_logprobs if kl_in_reward else "sampler"
         self._distill = distill if distill.teacher else None
         self._prepare: PrepareFn = load_prepare_fn(algorithm)
         self._prepare_name = algorithm.prepare_batch or f"built-in {algorithm.estimator}"

@@ -24,6 +24,7 @@ rho_t if rho_t <= is_cap else 0 (mis, masked), with rho_t = pi_old(t) / pi_sampl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from algorithm import KLRewardConfig
 from sample_processing_utils import IGNORE_INDEX, PackedBatch
 
 _MAX_LOG_RATIO = 20.0  # keeps exp() finite when a stale logprob is wildly off
@@ -44,7 +44,8 @@ ISMode = Literal["none", "tis", "mis"]
 
 @dataclass(kw_only=True, frozen=True)
 class LossConfig:
-    """Hyperparameters of the GRPO loss (and of the KL term, in the loss or in the reward)."""
+    """Hyperparameters of the GRPO loss and of the KL term, in the loss or in the reward (the
+    batcher reads the kl_* fields for the latter: algorithm.KLSettings)."""
 
     kl_coef: float = 0.0
     """Weight beta of KL(pi || pi_ref); 0 disables it (no reference logprobs needed). In the loss
@@ -92,8 +93,8 @@ class LossConfig:
     """Cap C of tis and mis."""
 
     def __post_init__(self) -> None:
-        if self.kl_coef < 0:
-            raise ValueError(f"LossConfig.kl_coef must be >= 0, got {self.kl_coef}")
+        if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
+            raise ValueError(f"LossConfig.kl_coef must be a finite number >= 0, got {self.kl_coef}")
         if self.kl_estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"LossConfig.kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}")
         if not 0 <= self.clip_low < 1:
@@ -107,15 +108,15 @@ class LossConfig:
             raise ValueError(f"LossConfig.is_cap must be > 0, got {self.is_cap}")
         if self.kl_in_reward and self.kl_coef == 0:
             raise ValueError("LossConfig.kl_in_reward needs kl_coef > 0 (the controller's starting beta)")
-        self.kl_reward_config()  # validates kl_controller, target_kl and kl_horizon
-
-    def kl_reward_config(self) -> KLRewardConfig:
-        """The KL-in-reward settings the batcher applies (meaningful when kl_in_reward)."""
-        try:
-            return KLRewardConfig(kl_coef=self.kl_coef, controller=self.kl_controller, target_kl=self.target_kl,
-                                  horizon=self.kl_horizon, policy_logprobs=self.kl_policy_logprobs)
-        except ValueError as exc:
-            raise ValueError(f"LossConfig: {exc}") from None
+        if self.kl_policy_logprobs not in ("sampler", "old_policy"):
+            raise ValueError(f"LossConfig.kl_policy_logprobs must be sampler or old_policy, got "
+                             f"{self.kl_policy_logprobs!r}")
+        if self.kl_controller not in ("fixed", "adaptive"):
+            raise ValueError(f"LossConfig.kl_controller must be fixed or adaptive, got {self.kl_controller!r}")
+        if self.kl_controller == "adaptive" and not self.target_kl > 0:
+            raise ValueError(f"LossConfig.target_kl must be > 0 for the adaptive controller, got {self.target_kl}")
+        if self.kl_controller == "adaptive" and self.kl_horizon < 1:
+            raise ValueError(f"LossConfig.kl_horizon must be >= 1, got {self.kl_horizon}")
 
     @property
     def kl_in_loss(self) -> bool:

@@ -31,7 +31,7 @@ from ray.actor import ActorHandle
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
-from algorithm import AlgorithmConfig, DistillConfig, load_prepare_fn
+from algorithm import AlgorithmConfig, DistillConfig, LogprobRole, check_logprob_sources, load_prepare_fn
 from data_path import PerRankDataPath, Rank0DataPath, make_data_path
 from checkpoint import BackgroundCheckpointWriter, CheckpointWriter, TrainerState, latest_checkpoint, load_checkpoint
 from dataset import DatasetConfig, DatasetError, InfiniteDistributedSampler, load_prompts
@@ -132,7 +132,7 @@ class TrainerConfig:
     batcher; it reads every rank's minibatches, acknowledges them, and scatters each rank its
     share over the trainer's process group (gloo/NCCL), so the other ranks never receive data
     over Ray. Both give every rank the same minibatches."""
-    logprob_role: Literal["reference", "old_policy", "none"] = "reference"
+    logprob_role: LogprobRole = "reference"
     """What the logprob workers compute: reference logprobs (fixed weights, for the KL term),
     old-policy logprobs (they receive weight pushes), or nothing (no logprob workers needed)."""
     reference_pool: bool = False
@@ -225,17 +225,7 @@ class TrainerConfig:
 
     def _check_logprob_sources(self) -> None:
         """Every logprob the loss and the reward need has a service that computes it."""
-        if self.reference_pool and self.logprob_role != "old_policy":
-            raise ValueError(f"TrainerConfig.reference_pool goes with logprob_role old_policy (the logprob workers "
-                             f"compute reference logprobs themselves under 'reference'), got {self.logprob_role}")
-        if self.loss.kl_coef > 0 and self.logprob_role != "reference" and not self.reference_pool:
-            where = "the reward (loss.kl_in_reward)" if self.loss.kl_in_reward else "the loss"
-            raise ValueError(f"TrainerConfig.loss.kl_coef > 0 puts a KL term in {where}, which needs reference "
-                             f"logprobs: logprob_role reference, or old_policy with reference_pool true; got "
-                             f"logprob_role {self.logprob_role}")
-        if self.loss.kl_in_reward and self.loss.kl_policy_logprobs == "old_policy" and self.logprob_role != "old_policy":
-            raise ValueError("TrainerConfig.loss.kl_policy_logprobs old_policy needs logprob_role old_policy (with "
-                             f"reference_pool true), got {self.logprob_role}")
+        check_logprob_sources("TrainerConfig", self.logprob_role, self.reference_pool, self.loss)
 
     def _check_sample_budget(self) -> None:
         """Refuse (unless oversized_sample_policy allows it) a budget one sample could exceed."""
@@ -247,11 +237,6 @@ class TrainerConfig:
                 f"one sample could exceed the minibatch budget; raise max_tokens_per_gpu to at least {longest}, "
                 f"lower data.max_prompt_tokens or sampling.max_tokens, or set oversized_sample_policy: train_alone"
             )
-
-    @property
-    def logprob_target(self) -> str | None:
-        """Which Sample field the logprob workers fill."""
-        return {"reference": "ref", "old_policy": "old", "none": None}[self.logprob_role]
 
 
 def setup_logging(config: TrainerConfig, rank: int) -> None:
@@ -665,25 +650,30 @@ def check_teacher_tokenizer(teacher_registry: ActorHandle, student_model_path: s
     logger.info("distillation: %d teacher worker(s) share the student's tokenizer", len(infos))
 
 
+def make_batcher_config(config: TrainerConfig, world_size: int) -> BatcherConfig:
+    """The batcher's settings, from the trainer's (its logprob role, KL-in-reward and budgets)."""
+    return BatcherConfig(
+        world_size=world_size,
+        max_tokens_per_gpu=config.max_tokens_per_gpu,
+        prompt_deadline_s=config.prompt_deadline_s,
+        logprob_role=config.logprob_role,
+        max_lag=config.max_lag,
+        sampling=config.sampling,
+        algorithm=config.algorithm,
+        kl_in_reward=config.loss if config.loss.kl_in_reward else None,
+        reference_pool=config.reference_pool,
+        distill=config.distill,
+    )
+
+
 def _make_batcher(config: TrainerConfig, dist: DistInfo,
                   algorithm_state: dict[str, Any] | None = None) -> ActorHandle | None:
     """Rank 0 creates the batcher (get-if-exists) and restores a checkpoint's algorithm state into
     it; the others find it after a barrier (with data_path rank0 they do not use it: None)."""
-    batcher_config = BatcherConfig(
-        world_size=dist.world_size,
-        max_tokens_per_gpu=config.max_tokens_per_gpu,
-        prompt_deadline_s=config.prompt_deadline_s,
-        logprob_target=config.logprob_target,
-        max_lag=config.max_lag,
-        sampling=config.sampling,
-        algorithm=config.algorithm,
-        kl_in_reward=config.loss.kl_reward_config() if config.loss.kl_in_reward else None,
-        reference_pool=config.reference_pool,
-        distill=config.distill,
-    )
+    batcher_config = make_batcher_config(config, dist.world_size)
     if dist.is_main:
         _registry(GENERATION)
-        if config.logprob_target is not None:
+        if config.logprob_role != "none":
             _registry(LOGPROB)
         if config.reference_pool:
             _registry(REFERENCE)

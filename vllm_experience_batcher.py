@@ -31,12 +31,12 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import ray
 from ray.actor import ActorHandle
 
-from algorithm import AlgorithmConfig, DistillConfig, KLRewardConfig, KLSchedule
+from algorithm import AlgorithmConfig, DistillConfig, KLSchedule, KLSettings, LogprobRole, check_logprob_sources
 from batcher_messages import (
     LOSS_WEIGHT, PADDING_LOSS_WEIGHT, BatcherMessage, EndOfStep, ExperienceBatcherError, Minibatch, PromptRequest,
     RankMailboxes,
@@ -61,8 +61,8 @@ _ACTOR_MAX_CONCURRENCY = 1024
 # stats() keeps this many most recent steps, so a long run does not grow the actor's memory.
 _STATS_HISTORY_STEPS = 256
 
-LogprobTarget = Literal["ref", "old"]
-_LOGPROB_FIELDS: dict[str, LogprobField] = {"ref": "ref_logprobs", "old": "old_logprobs"}
+# The Sample field each logprob role's results fill ('none' sends no logprob requests).
+_LOGPROB_FIELDS: dict[str, LogprobField] = {"reference": "ref_logprobs", "old_policy": "old_logprobs"}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -80,9 +80,9 @@ class BatcherConfig:
     sampling: SamplingConfig
     """Sampling settings sent with every generate request; `sampling.n` rollouts per prompt. A
     seeded config is sent with each step's own seed (`step_sampling`)."""
-    logprob_target: LogprobTarget | None = "ref"
-    """Sample field the logprob worker's result fills: 'ref' -> ref_logprobs, 'old' ->
-    old_logprobs; None skips logprob requests."""
+    logprob_role: LogprobRole = "reference"
+    """What the logprob workers compute (the trainer's logprob_role): 'reference' fills
+    ref_logprobs, 'old_policy' old_logprobs; 'none' sends no logprob requests."""
     max_lag: int = 1
     """Most weight versions a rollout may lag the step that trains on it (step - weight_version);
     staler rollouts are dropped from the loss and counted in `dropped_stale`. The batcher starts
@@ -94,12 +94,13 @@ class BatcherConfig:
     rollout on arrival). Raises minibatch fill; see benchmarks/batcher.py for the figures."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """How each finished group's rewards become advantages (algorithm.py)."""
-    kl_in_reward: KLRewardConfig | None = None
-    """When set, reward - beta * KL(sample) before advantages, beta per step from a KLSchedule;
-    needs reference logprobs (logprob_target 'ref', or reference_pool)."""
+    kl_in_reward: KLSettings | None = None
+    """The trainer's loss config when its KL goes into the reward (loss.kl_in_reward): reward -
+    beta * KL(sample) before advantages, beta per step from a KLSchedule; needs reference logprobs
+    (logprob_role 'reference', or reference_pool). None: the reward has no KL."""
     reference_pool: bool = False
     """Also fill ref_logprobs from the reference registry (frozen workers of kind 'reference'),
-    concurrently with the old-policy logprobs of logprob_target 'old'."""
+    concurrently with the old-policy logprobs of logprob_role 'old_policy'."""
     distill: DistillConfig = field(default_factory=DistillConfig)
     """With distill.teacher, fill teacher_logprobs from the teacher registry (concurrently with the
     other logprobs) and add the distillation term to every token's advantage."""
@@ -113,23 +114,13 @@ class BatcherConfig:
             raise ValueError(f"BatcherConfig.prompt_deadline_s must be > 0, got {self.prompt_deadline_s}")
         if not isinstance(self.sampling, SamplingConfig):  # SamplingConfig validates its own fields
             raise ValueError(f"BatcherConfig.sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
-        if self.logprob_target is not None and self.logprob_target not in _LOGPROB_FIELDS:
-            raise ValueError(
-                f"BatcherConfig.logprob_target must be 'ref', 'old' or None, got {self.logprob_target!r}"
-            )
         if self.max_lag < 0:
             raise ValueError(f"BatcherConfig.max_lag must be >= 0, got {self.max_lag}")
         if self.reorder_window < 0:
             raise ValueError(f"BatcherConfig.reorder_window must be >= 0, got {self.reorder_window}")
-        if self.reference_pool and self.logprob_target != "old":
-            raise ValueError("BatcherConfig.reference_pool goes with logprob_target 'old' (with 'ref' the logprob "
-                             f"workers compute reference logprobs themselves), got {self.logprob_target!r}")
-        if self.kl_in_reward is not None:
-            if self.logprob_target != "ref" and not self.reference_pool:
-                raise ValueError("BatcherConfig.kl_in_reward needs reference logprobs (logprob_target 'ref', or "
-                                 "reference_pool)")
-            if self.kl_in_reward.policy_logprobs == "old_policy" and self.logprob_target != "old":
-                raise ValueError("BatcherConfig.kl_in_reward with old-policy logprobs needs logprob_target 'old'")
+        if self.kl_in_reward is not None and not self.kl_in_reward.kl_in_reward:
+            raise ValueError("BatcherConfig.kl_in_reward must be a loss config with kl_in_reward true, or None")
+        check_logprob_sources("BatcherConfig", self.logprob_role, self.reference_pool, self.kl_in_reward)
 
 
 def step_sampling(sampling: SamplingConfig, step: int) -> SamplingConfig:
@@ -368,10 +359,10 @@ class ExperienceBatcher:
 
     def __init__(self, config: BatcherConfig, generation: RequestClient, logprob: RequestClient | None,
                  reference: RequestClient | None = None, teacher: RequestClient | None = None) -> None:
-        if (config.logprob_target is None) != (logprob is None):
+        if (config.logprob_role == "none") != (logprob is None):
             raise ValueError(
-                f"ExperienceBatcher: logprob_target={config.logprob_target!r} needs a logprob client exactly "
-                "when it is not None"
+                f"ExperienceBatcher: logprob_role={config.logprob_role!r} needs a logprob client exactly "
+                "when it is not 'none'"
             )
         if config.reference_pool != (reference is not None):
             raise ValueError("ExperienceBatcher: reference_pool needs a reference client exactly when it is set")
@@ -380,7 +371,7 @@ class ExperienceBatcher:
         self.config = config
         self._fetcher = RolloutFetcher(
             generation=generation, max_lag=config.max_lag, logprob=logprob,
-            logprob_field=_LOGPROB_FIELDS[config.logprob_target] if config.logprob_target else None,
+            logprob_field=_LOGPROB_FIELDS.get(config.logprob_role),
             reference=reference, teacher=teacher,
         )
         self._preparer = GroupPreparer(algorithm=config.algorithm, sampling=config.sampling,
@@ -693,7 +684,7 @@ class ExperienceBatcherActor:
         if generation_registry is None:
             generation_registry = get_or_create_registry(GENERATION)
         logprob_client: RequestClient | None = None
-        if config.logprob_target is not None:
+        if config.logprob_role != "none":
             if logprob_registry is None:
                 logprob_registry = get_or_create_registry(LOGPROB)
             logprob_client = BatchedRegistryClient(logprob_registry)

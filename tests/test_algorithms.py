@@ -23,7 +23,7 @@ import pytest
 
 from advantages import batch_normalised_advantages, estimate, group_advantages, leave_one_out_advantages
 from algorithm import (
-    AlgorithmConfig, AlgorithmContext, DistillConfig, KLController, KLRewardConfig, KLSchedule, PreparedSamples,
+    AlgorithmConfig, AlgorithmContext, DistillConfig, KLController, KLSchedule, PreparedSamples,
     builtin_prepare,
     check_prepared, load_prepare_fn,
 )
@@ -86,12 +86,12 @@ def test_unknown_estimator_is_refused_naming_the_choices() -> None:
 
 
 def test_adaptive_controller_by_hand() -> None:
-    controller = KLController(KLRewardConfig(kl_coef=0.1, controller="adaptive", target_kl=2.0, horizon=100))
+    controller = KLController(LossConfig(kl_coef=0.1, kl_controller="adaptive", target_kl=2.0, kl_horizon=100, kl_in_reward=True))
     controller.update(measured_kl=3.0, num_samples=10)  # error 0.5 clipped to 0.2: x (1 + 0.2 * 10/100)
     assert controller.beta == pytest.approx(0.1 * 1.02)
     controller.update(measured_kl=1.9, num_samples=50)  # error -0.05: x (1 - 0.05 * 0.5)
     assert controller.beta == pytest.approx(0.1 * 1.02 * 0.975)
-    fixed = KLController(KLRewardConfig(kl_coef=0.1))
+    fixed = KLController(LossConfig(kl_coef=0.1, kl_in_reward=True))
     fixed.update(measured_kl=100.0, num_samples=1000)
     assert fixed.beta == 0.1
 
@@ -100,7 +100,7 @@ def test_adaptive_controller_by_hand() -> None:
 def test_kl_schedule_lags_and_resumes_to_the_same_betas(max_lag: int) -> None:
     """Step s uses beta after the updates of steps <= s - 1 - max_lag; a schedule restored from
     state_for(k), taken once step k - 1 has finished, gives steps >= k the same betas."""
-    config = KLRewardConfig(kl_coef=0.2, controller="adaptive", target_kl=1.0, horizon=10)
+    config = LossConfig(kl_coef=0.2, kl_controller="adaptive", target_kl=1.0, kl_horizon=10, kl_in_reward=True)
     kls = [3.0, 0.5, 2.0, 0.1, 1.5, 4.0, 0.2, 1.0]
 
     def expected_beta(step: int) -> float:
@@ -260,7 +260,7 @@ def _batcher(generation: RewardGeneration, *, world_size: int = 1, n: int = 2, l
              **overrides: Any) -> ExperienceBatcher:
     sampling = overrides.pop("sampling", SamplingConfig(n=n))
     config = BatcherConfig(world_size=world_size, max_tokens_per_gpu=64, prompt_deadline_s=_WAIT_BOUND_S,
-                           sampling=sampling, logprob_target="ref" if logprob else None, max_lag=0,
+                           sampling=sampling, logprob_role="reference" if logprob else "none", max_lag=0,
                            reorder_window=0, **overrides)
     return ExperienceBatcher(config, generation, RefLogprob() if logprob else None)
 
@@ -441,7 +441,7 @@ def test_kl_in_reward_uses_the_scheduled_beta_and_reports_it() -> None:
     async def scenario() -> list[dict[str, float]]:
         generation = RewardGeneration(lambda p, i: float(i))
         batcher = _batcher(generation, logprob=True,
-                           kl_in_reward=KLRewardConfig(kl_coef=0.5, controller="adaptive", target_kl=0.5, horizon=4))
+                           kl_in_reward=LossConfig(kl_coef=0.5, kl_controller="adaptive", target_kl=0.5, kl_horizon=4, kl_in_reward=True))
         stats = []
         for step in range(3):
             generation.version = step
@@ -458,9 +458,9 @@ def test_kl_in_reward_uses_the_scheduled_beta_and_reports_it() -> None:
 
 
 def test_config_errors_name_the_field() -> None:
-    with pytest.raises(ValueError, match="kl_in_reward needs reference logprobs"):
+    with pytest.raises(ValueError, match="KL term in the reward .* needs reference logprobs"):
         BatcherConfig(world_size=1, max_tokens_per_gpu=8, prompt_deadline_s=1.0, sampling=SamplingConfig(),
-                      logprob_target="old", kl_in_reward=KLRewardConfig(kl_coef=0.1))
+                      logprob_role="old_policy", kl_in_reward=LossConfig(kl_coef=0.1, kl_in_reward=True))
     with pytest.raises(ValueError, match="kl_in_reward needs kl_coef > 0"):
         LossConfig(kl_in_reward=True)
     with pytest.raises(ValueError, match="target_kl"):
@@ -545,9 +545,9 @@ class FrozenReference:
 
 def _old_policy_batcher(reference: FrozenReference, policy: str) -> ExperienceBatcher:
     config = BatcherConfig(world_size=1, max_tokens_per_gpu=64, prompt_deadline_s=_WAIT_BOUND_S,
-                           sampling=SamplingConfig(n=2), logprob_target="old", max_lag=0, reorder_window=0,
+                           sampling=SamplingConfig(n=2), logprob_role="old_policy", max_lag=0, reorder_window=0,
                            reference_pool=True, algorithm=AlgorithmConfig(estimator="dr_grpo"),
-                           kl_in_reward=KLRewardConfig(kl_coef=0.5, policy_logprobs=policy))
+                           kl_in_reward=LossConfig(kl_coef=0.5, kl_policy_logprobs=policy, kl_in_reward=True))
     return ExperienceBatcher(config, RewardGeneration(lambda p, i: float(i)), OldLogprob(), reference)
 
 
@@ -584,12 +584,12 @@ def test_a_reference_pool_serving_pushed_weights_fails_the_step() -> None:
 
 def test_reference_pool_config_errors_name_the_fields() -> None:
     base = dict(world_size=1, max_tokens_per_gpu=8, prompt_deadline_s=1.0, sampling=SamplingConfig())
-    with pytest.raises(ValueError, match="reference_pool goes with logprob_target 'old'"):
-        BatcherConfig(**base, logprob_target="ref", reference_pool=True)
-    with pytest.raises(ValueError, match="old-policy logprobs needs logprob_target 'old'"):
-        BatcherConfig(**base, logprob_target="ref", kl_in_reward=KLRewardConfig(kl_coef=0.1, policy_logprobs="old_policy"))
-    BatcherConfig(**base, logprob_target="old", reference_pool=True,
-                  kl_in_reward=KLRewardConfig(kl_coef=0.1, policy_logprobs="old_policy"))  # the supported pairing
+    with pytest.raises(ValueError, match="reference_pool goes with logprob_role old_policy"):
+        BatcherConfig(**base, logprob_role="reference", reference_pool=True)
+    with pytest.raises(ValueError, match="kl_policy_logprobs old_policy needs logprob_role old_policy"):
+        BatcherConfig(**base, logprob_role="reference", kl_in_reward=LossConfig(kl_coef=0.1, kl_policy_logprobs="old_policy", kl_in_reward=True))
+    BatcherConfig(**base, logprob_role="old_policy", reference_pool=True,
+                  kl_in_reward=LossConfig(kl_coef=0.1, kl_policy_logprobs="old_policy", kl_in_reward=True))  # the supported pairing
 
 
 @pytest.mark.parametrize("kind", ["reference", "teacher"])
@@ -668,7 +668,7 @@ def test_batcher_asks_the_teacher_pool_and_distils() -> None:
     async def scenario() -> tuple[list[Sample], dict[str, float]]:
         teacher = TeacherPool()
         config = BatcherConfig(world_size=1, max_tokens_per_gpu=64, prompt_deadline_s=_WAIT_BOUND_S,
-                               sampling=SamplingConfig(n=2), logprob_target="ref", max_lag=0, reorder_window=0,
+                               sampling=SamplingConfig(n=2), logprob_role="reference", max_lag=0, reorder_window=0,
                                distill=DistillConfig(teacher=True, coef=0.5, use_reward=False))
         batcher = ExperienceBatcher(config, RewardGeneration(lambda p, i: float(i)), RefLogprob(), teacher=teacher)
         await batcher.submit_prompts(0, 0, [_prompt(0), _prompt(1)])

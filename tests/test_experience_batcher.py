@@ -92,7 +92,7 @@ def _config(**overrides: Any) -> BatcherConfig:
         max_tokens_per_gpu=40,
         prompt_deadline_s=_WAIT_BOUND_S,
         sampling=SamplingConfig(n=_N),
-        logprob_target="ref",
+        logprob_role="reference",
         max_lag=1,
         reorder_window=0,
     )
@@ -201,7 +201,7 @@ def test_packer_with_no_samples_sends_nothing() -> None:
 
 @pytest.mark.parametrize(
     "field, value",
-    [("world_size", 0), ("max_tokens_per_gpu", 0), ("prompt_deadline_s", 0.0), ("logprob_target", "new"),
+    [("world_size", 0), ("max_tokens_per_gpu", 0), ("prompt_deadline_s", 0.0), ("logprob_role", "new"),
      ("max_lag", -1), ("reorder_window", -1)],
 )
 def test_config_rejects_bad_values_naming_the_field(field: str, value: Any) -> None:
@@ -278,11 +278,12 @@ def _expected_tokens(prompt_ids: list[int], prompt_len: int = 4) -> int:
     return sum(prompt_len + _out_len(pid, i) for pid in prompt_ids for i in range(_N))
 
 
-@pytest.mark.parametrize("target, field, other", [("ref", "ref_logprobs", "old_logprobs"), ("old", "old_logprobs", "ref_logprobs")])
-def test_batcher_fills_the_target_logprobs_and_reports_step_totals(target: str, field: str, other: str) -> None:
+@pytest.mark.parametrize("role, field, other", [("reference", "ref_logprobs", "old_logprobs"),
+                                                ("old_policy", "old_logprobs", "ref_logprobs")])
+def test_batcher_fills_the_roles_logprobs_and_reports_step_totals(role: str, field: str, other: str) -> None:
     async def scenario() -> None:
-        generation, logprob = FakeGeneration({}, {}), FakeLogprob(reference=target == "ref")
-        batcher = ExperienceBatcher(_config(logprob_target=target), generation, logprob)
+        generation, logprob = FakeGeneration({}, {}), FakeLogprob(reference=role == "reference")
+        batcher = ExperienceBatcher(_config(logprob_role=role), generation, logprob)
         await batcher.submit_prompts(0, 0, _prompts(range(0, 3)))
         await batcher.submit_prompts(1, 0, _prompts(range(3, 5)))
         (mbs0, end0), (mbs1, end1) = await asyncio.gather(_drain(batcher, 0, 0), _drain(batcher, 1, 0))
@@ -306,9 +307,9 @@ def test_batcher_fills_the_target_logprobs_and_reports_step_totals(target: str, 
     asyncio.run(scenario())
 
 
-def test_batcher_without_logprob_target_sends_no_logprob_requests() -> None:
+def test_batcher_without_a_logprob_role_sends_no_logprob_requests() -> None:
     async def scenario() -> None:
-        batcher = ExperienceBatcher(_config(logprob_target=None, world_size=1), FakeGeneration({}, {}), None)
+        batcher = ExperienceBatcher(_config(logprob_role="none", world_size=1), FakeGeneration({}, {}), None)
         await batcher.submit_prompts(0, 0, _prompts(range(2)))
         mbs, end = await _drain(batcher, 0, 0)
         assert end.num_samples == 2 * _N
@@ -376,7 +377,7 @@ def test_old_policy_logprobs_from_older_weights_than_the_sampler_are_dropped_and
     # (prompt 1) and v0 (the rest): those from older weights are dropped, never trained on.
     async def scenario() -> None:
         generation = FakeGeneration({1: 1}, {})
-        batcher = ExperienceBatcher(_config(logprob_target="old", world_size=1), generation,
+        batcher = ExperienceBatcher(_config(logprob_role="old_policy", world_size=1), generation,
                                     FakeLogprob(claimed_version=0))
         await batcher.submit_prompts(0, 1, _prompts(range(3)))
         minibatches, end = await _drain(batcher, 0, 1)
@@ -597,7 +598,7 @@ def test_actor_cancels_and_counts_a_prompt_past_its_deadline(batcher_actors) -> 
 def test_actor_reports_a_registry_without_workers_to_the_trainer(batcher_actors) -> None:
     registry = RegistryActor.options(num_cpus=0).remote(GENERATION, RegistryConfig(no_worker_timeout_s=0.5))
     assert ray.get(registry.live_workers.remote()) == []
-    batcher = batcher_actors(_config(logprob_target=None), generation_registry=registry)
+    batcher = batcher_actors(_config(logprob_role="none"), generation_registry=registry)
     ray.get([batcher.submit_prompts.remote(0, 0, _prompts([0])), batcher.submit_prompts.remote(1, 0, [])])
     for rank in (0, 1):
         with pytest.raises(ExperienceBatcherError, match="generation-registry: no live workers") as raised:

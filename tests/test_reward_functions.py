@@ -268,7 +268,7 @@ def _step_metrics(pool, texts_of: dict[int, list[str]], reward: RewardConfig) ->
     from vllm_experience_batcher import BatcherConfig, EndOfStep, ExperienceBatcher
 
     config = BatcherConfig(world_size=1, max_tokens_per_gpu=64, prompt_deadline_s=120.0,
-                           sampling=SamplingConfig(n=4), logprob_target=None, max_lag=0, reorder_window=0)
+                           sampling=SamplingConfig(n=4), logprob_role="none", max_lag=0, reorder_window=0)
 
     async def scenario() -> dict[str, float]:
         batcher = ExperienceBatcher(config, _WorkerGeneration(pool, texts_of, reward), None)

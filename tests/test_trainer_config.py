@@ -17,7 +17,7 @@ from fsdp_setup import DistInfo
 from run_config import load_config
 from sampling import SamplingConfig
 from setup_model import ModelConfig
-from trainer_core import CONFIG_ERROR_EXIT, TrainerConfig, make_weight_pusher
+from trainer_core import CONFIG_ERROR_EXIT, TrainerConfig, make_batcher_config, make_weight_pusher
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAINER = REPO_ROOT / "trainer_core.py"
@@ -150,5 +150,5 @@ def test_old_policy_with_a_reference_pool_serves_the_kl_from_either_side() -> No
     for policy in ("sampler", "old_policy"):
         config = _config(logprob_role="old_policy", reference_pool=True,
                          loss=LossConfig(kl_coef=0.1, kl_in_reward=True, kl_policy_logprobs=policy))
-        assert config.loss.kl_reward_config().policy_logprobs == policy
+        assert make_batcher_config(config, world_size=2).kl_in_reward.kl_policy_logprobs == policy
     assert _config(logprob_role="old_policy", reference_pool=True, loss=LossConfig(kl_coef=0.1)).loss.kl_in_loss

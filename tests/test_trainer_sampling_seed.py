@@ -81,7 +81,7 @@ class _RecordingGeneration:
 def _engine_seeds(sampling: SamplingConfig) -> dict[tuple[int, int], int | None]:
     """(step, prompt_id) -> the seed the engine would get, for STEPS x PROMPT_IDS run by a batcher."""
     config = BatcherConfig(world_size=1, max_tokens_per_gpu=64, prompt_deadline_s=60.0, sampling=sampling,
-                           logprob_target=None, max_lag=len(STEPS))
+                           logprob_role="none", max_lag=len(STEPS))
     worker = GenerationWorker("seed-test", GenerationWorkerConfig(model_path="unused"))
     seeds: dict[tuple[int, int], int | None] = {}
 

@@ -49,7 +49,8 @@ from setup_model import (
 )
 from run_config import flattened
 from token_budget_queue import QueuedRequest, TokenBudgetQueue, fail_requests
-from vllm_registry import Bundle, WorkerHealth, WorkerLifecycle, serve_many
+from vllm_registry import Bundle, serve_many
+from worker_lifecycle import WorkerHealth, WorkerLifecycle
 from weight_sync import (
     ADAPTER_WEIGHTS_FILE, WeightUpdate, assemble_state_dict, check_stable, iter_checkpoint_tensors,
     load_state_dict_into,

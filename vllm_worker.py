@@ -55,7 +55,8 @@ from rewards import ShapedReward
 from rollout_scoring import RewardScorer, RolloutScorer, shaped_rewards
 from sample_processing_utils import Sample
 from sampling import SamplingConfig, request_seed
-from vllm_registry import Bundle, WorkerHealth, WorkerLifecycle, serve_many
+from vllm_registry import Bundle, serve_many
+from worker_lifecycle import WorkerHealth, WorkerLifecycle
 from run_config import flattened
 from worker_options import EngineConfig
 from weight_files import adapter_dir_path, reload_buckets, weight_file_path

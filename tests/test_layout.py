@@ -29,7 +29,7 @@ PURE = ("advantages", "algorithm", "grpo_loss", "optimizer", "packed_attention",
         "sample_processing_utils", "sampling", "versions", "worker_options", "token_budget_queue", "math_verifier", "reward_failure", "capacity_queue", "lease_book",
         "batcher_messages", "step_stats", "group_preparer", "round_tracker")
 FORBIDDEN_IN_PURE = ("ray", "vllm", "torch.distributed")
-WORKER_SIDE = ("logprob_worker", "weight_reload", "weight_files", "rollout_scoring", "verifier_cluster", "vllm_experience_batcher", "vllm_registry", "vllm_worker",
+WORKER_SIDE = ("logprob_worker", "weight_reload", "weight_files", "rollout_scoring", "worker_lifecycle", "verifier_cluster", "vllm_experience_batcher", "vllm_registry", "vllm_worker",
                "worker_dispatcher", "verifier_pool", "verifier_process", "batch_calls",
                "rollout_fetcher")
 TRAINER_ONLY = ("checkpoint", "data_path", "evaluation", "fsdp_setup", "metrics", "optimizer", "trainer_core")

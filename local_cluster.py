@@ -109,7 +109,7 @@ class LocalClusterConfig:
     defaults (LOCAL_ENGINE); their dtype is the logprob workers' too."""
     global_num_verifiers: int | None = None
     """Verifier processes shared by all generation workers; None: one per usable core (2 to 32,
-    math_verifier.VerifierPoolConfig), so a few slow verifications cannot hold up the rest."""
+    verifier_pool.VerifierPoolConfig), so a few slow verifications cannot hold up the rest."""
     batching: LogprobBatchingConfig = flattened(LOCAL_BATCHING)
     """How the logprob workers pack requests (worker_options.LogprobBatchingConfig)."""
     worker_start_timeout_s: float = 600.0

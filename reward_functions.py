@@ -98,12 +98,6 @@ def failure(kind: FailureKind | str, detail: str = "") -> FunctionScore:
     return FunctionScore(reward=0.0, failed=True, error=f"{kind}: {detail}" if detail else str(kind), kind=kind)
 
 
-def failure_kind(error: str) -> str:
-    """The kind of a failure's error string, its part before the first colon ("raised: ..." -> "raised"),
-    for error strings that come without a typed kind (FunctionScore.kind, RewardResult.kind carry one)."""
-    return error.split(":", 1)[0]
-
-
 def batched(function: Callable) -> Callable:
     """Decorator: `function` takes lists of prompts, completions, token ids and metadata and returns a list."""
     setattr(function, _BATCHED_ATTR, True)

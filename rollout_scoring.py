@@ -15,7 +15,8 @@ import logging
 from typing import Any, Callable, Protocol
 
 from math_verifier import RewardResult
-from reward_functions import FunctionScore, failure, failure_kind, function_name
+from reward_failure import FailureKind
+from reward_functions import FunctionScore, failure, function_name
 from rewards import (CORRECT_VERDICT, DEFAULT_REWARD_NAME, CombinedScore, ShapedReward, combine_scores,
                      overlong_penalty, shape_reward)
 from sample_processing_utils import Sample
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 class RewardScorer(Protocol):
-    """What the worker needs from a verifier: math_verifier.VerifierPool or VerifierPoolClient."""
+    """What the worker needs from a verifier: verifier_pool.VerifierPool or verifier_cluster.VerifierPoolClient."""
 
     async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]: ...
 
@@ -85,7 +86,7 @@ class RolloutScorer:
             for s, result, cut in zip(samples, results, fixed):
                 s.solved = not cut and not result.failed and result.reward >= CORRECT_VERDICT
                 if result.failed:
-                    s.reward_failure_reasons = [f"{DEFAULT_REWARD_NAME}/{failure_kind(result.error)}"]
+                    s.reward_failure_reasons = [f"{DEFAULT_REWARD_NAME}/{result.kind}"]
             return results
         results = [RewardResult(reward=float(sampling.truncated_reward), failed=False, error="") if cut else None
                    for cut in fixed]
@@ -143,7 +144,7 @@ class RolloutScorer:
         except Exception as exc:
             logger.exception("%s: verifier pool call failed", self.worker_name)
             error = f"verifier pool failed: {type(exc).__name__}: {exc}"
-            return [RewardResult(reward=0.0, failed=True, error=error) for _ in completions]
+            return [RewardResult(reward=0.0, failed=True, error=error, kind=FailureKind.CRASH) for _ in completions]
         if len(results) != len(completions):
             raise RuntimeError(f"verifier returned {len(results)} results for {len(completions)} completions")
         return list(results)

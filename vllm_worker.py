@@ -147,11 +147,11 @@ class GenerationWorkerConfig:
     """Processes of the cluster-wide math-verify pool (created by the first worker to ask), spread
     over the nodes that advertise the `verification_slot` resource, one slot each (capped at the
     slots offered); without such nodes, all in one process outside Ray's accounting (see
-    math_verifier.VerifierPoolActor). None: math_verifier.VerifierPoolConfig's rule (one per
+    verifier_cluster.VerifierPoolActor). None: verifier_pool.VerifierPoolConfig's rule (one per
     usable core, 2 to 32)."""
     verifier_timeout_s: float | None = None
     """Hard deadline per verification; a verifier that passes it is killed and the reward is 0.
-    None: math_verifier.VerifierPoolConfig's default (1 s, from the measured clean p99)."""
+    None: verifier_pool.VerifierPoolConfig's default (1 s, from the measured clean p99)."""
     failed_samples_path: str | None = None
     """JSONL file that receives every sample whose generation or scoring failed, with the
     error; None turns this off."""

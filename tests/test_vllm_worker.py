@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from math_verifier import RewardResult
+from reward_failure import FailureKind
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
 from weight_sync import WeightUpdate, state_dict_to_blobs
@@ -281,7 +282,8 @@ def _fake_completion(index: int, text: str, finish_reason: str) -> SimpleNamespa
 def test_generate_adds_the_format_bonus_or_penalty_and_counts_it(truncated_reward: float | None) -> None:
     ok = RewardResult(reward=1.0, failed=False, error="")
     wrong = RewardResult(reward=0.0, failed=False, error="")
-    unparsable = RewardResult(reward=0.0, failed=True, error="parse_error: no answer found in completion")
+    unparsable = RewardResult(reward=0.0, failed=True, error="parse_error: no answer found in completion",
+                              kind=FailureKind.PARSE_ERROR)
     # (text, finish reason, verifier's result), and the reward expected with \boxed{} required
     # (bonus 0.1, penalty 0.2), decided by hand.
     rows = [
@@ -308,6 +310,8 @@ def test_generate_adds_the_format_bonus_or_penalty_and_counts_it(truncated_rewar
     expected = [reward for *_, reward in rows]
     assert [s.reward for s in samples] == pytest.approx(expected, abs=1e-12)
     assert [s.reward_failed for s in samples] == [False, False, False, True, False]
+    # The reason travels as the verifier's typed kind, not parsed from its error text.
+    assert [s.reward_failure_reasons for s in samples][3] == ["math_verify/parse_error"]
     assert all(s.advantage == 0.0 for s in samples), "advantages are the batcher's, not the worker's"
     verified = len(rows) - 1 if truncated_reward is not None else len(rows)
     assert verifier.calls == [[text for text, *_ in rows[:verified]]]

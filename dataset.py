@@ -1,4 +1,4 @@
-"""Prompt datasets: the prompt-file loader, the demo's arithmetic data, and the trainer's infinite sampler.
+"""Prompt datasets: prompt files (JSONL / Parquet) and reasoning-gym tasks loaded as Samples, and the data CLI.
 
 A prompt file is JSON Lines (`.jsonl`, `.json`, `.ndjson`: one object per line) or Parquet
 (`.parquet`: one record per row), chosen by the file's suffix. Each record gives a prompt and a gold
@@ -42,8 +42,10 @@ on a silently shortened dataset. Passed over, and counted (PromptFileStats, logg
 lines, and, only with `data.missing_answer: skip`, gsm8k/math records whose answer field holds no
 final answer.
 
-Write the demo's single-digit addition prompts, or check a prompt file against a tokenizer
-(`write_arithmetic_table` writes every problem once, for an evaluation set):
+The record formats' fields, detection and gold answers are prompt_record.py's; the demo's
+arithmetic files are arithmetic_data.py's, the reasoning-gym records reasoning_gym_tasks.py's, and
+the trainer's sampler is distributed_sampler.py's. Write the demo's single-digit addition prompts,
+or check a prompt file against a tokenizer:
 
     python dataset.py write-arithmetic --out data.jsonl --num_samples 1000 --seed 0
     python dataset.py check --path data.jsonl --model_path runs/tiny-qwen2 --max_prompt_tokens 16
@@ -55,71 +57,47 @@ from __future__ import annotations
 
 import json
 import logging
-import operator
-import os
-import random
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Protocol, Sequence, get_args
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 
+from arithmetic_data import WriteArithmeticConfig, write_arithmetic_dataset
+from prompt_record import (
+    DATA_FORMATS,
+    FORMAT_FIELDS,
+    GROUPING_FIELDS,
+    MISSING_ANSWER_POLICIES,
+    TOKEN_IDS_FIELD,
+    DataFormat,
+    DatasetError,
+    MissingAnswerPolicy,
+    RecordSchema,
+    chat_messages,
+    detect_format,
+    gold_answer,
+    no_answer_problem,
+    quote,
+    string_field,
+)
+from reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records
 from run_config import load_config
 from sample_processing_utils import Sample
 
 logger = logging.getLogger(__name__)
 
-TOKEN_IDS_FIELD = "input_token_ids"
-GROUPING_FIELDS = ("group_id", "run_id")
-"""Optional record fields in every format: advantages normalise within each (group_id, run_id)
-pair of a step; group_id defaults to the record's prompt_id, run_id to 0 (algorithm.py)."""
-PROMPT_TEXT_FIELD = "prompt"
-ANSWER_FIELD = "gt_answer"
-DataFormat = Literal["auto", "generic", "gsm8k", "math", "verl", "reasoning_gym"]
-MissingAnswerPolicy = Literal["error", "skip"]
-DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
-MISSING_ANSWER_POLICIES: tuple[str, ...] = get_args(MissingAnswerPolicy)
-# (prompt field, answer field) of each format, before data.prompt_field / data.answer_field.
-FORMAT_FIELDS: dict[str, tuple[str, str]] = {
-    "generic": (PROMPT_TEXT_FIELD, ANSWER_FIELD),
-    "gsm8k": ("question", "answer"),
-    "math": ("problem", "solution"),
-    "verl": ("prompt", "reward_model"),
-    "reasoning_gym": ("question", "answer"),
-}
-# data_source of the prompts of data.format reasoning_gym (rewards.py routes it to the task's scorer).
-REASONING_GYM_SOURCE_PREFIX = "reasoning_gym/"
-# verl's layout: the gold answer under reward_model.ground_truth, the source dataset's name
-# (which picks the reward function) under data_source.
-VERL_GROUND_TRUTH = "ground_truth"
-VERL_DATA_SOURCE = "data_source"
-# verl's record fields besides the prompt and reward_model: kept in Sample.record for reward
-# functions, not counted as ignored.
-_VERL_EXTRA_FIELDS = ("data_source", "ability", "extra_info")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIX = ".parquet"
 # The one placeholder of data.prompt_template: the record's question text.
 PROMPT_TEMPLATE_FIELD = "question"
-# GSM8K writes the final answer after this marker on the solution's last line.
-GSM8K_ANSWER_MARKER = "####"
-# The last of these LaTeX commands, followed by a braced argument, holds a MATH solution's answer;
-# (?![A-Za-z]) keeps \boxedsymbol-like macros out, \s* admits "\boxed {..}".
-_BOXED_COMMAND = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*")
-# Characters of a bad line quoted in an error: enough to recognise it, never a megabyte.
-_QUOTE_CHARS = 80
 # Record locations of skipped records kept for the log line; the count is always complete.
 _SKIPPED_EXAMPLES = 3
 # Parquet rows converted to Python per batch: bounds memory on multi-GB files.
 _PARQUET_BATCH_ROWS = 4096
 # Room for a long math problem with a chat template; the demo's prompts ("3+4=") need 4 tokens.
 DEFAULT_MAX_PROMPT_TOKENS = 1024
-ARITHMETIC_OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
-
-
-class DatasetError(ValueError):
-    """A prompt file that cannot be used; the message names the file, the line/row and the problem."""
 
 
 class PromptTokenizer(Protocol):
@@ -135,46 +113,6 @@ class PromptTokenizer(Protocol):
     def decode(self, token_ids: list[int], clean_up_tokenization_spaces: bool = ...) -> str: ...
 
     def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
-
-
-@dataclass(kw_only=True, frozen=True)
-class ReasoningGymConfig:
-    """Procedural prompts from the `reasoning-gym` package (data.format reasoning_gym)."""
-
-    tasks: tuple[str, ...] = ()
-    """reasoning-gym dataset names, e.g. ["basic_arithmetic", "leg_counting"]; prompts are dealt
-    round robin over them."""
-    size: int = 1000
-    """Prompts generated in all."""
-    seed: int = 0
-    """Generation seed (task i uses seed + i): the same config gives the same prompts."""
-    options: str = ""
-    """JSON object of per-task keyword arguments for reasoning_gym.create_dataset, e.g.
-    '{"basic_arithmetic": {"min_terms": 2, "max_terms": 2, "max_digits": 1}}'; "" for none."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.tasks, str) or not all(isinstance(t, str) and t for t in self.tasks):
-            raise ValueError(f"ReasoningGymConfig.tasks must be a list of dataset names, got {self.tasks!r}")
-        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
-            raise ValueError(f"ReasoningGymConfig.size must be an int >= 1, got {self.size!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"ReasoningGymConfig.seed must be an int, got {self.seed!r}")
-        options = self.task_options()
-        unknown = sorted(set(options) - set(self.tasks))
-        if unknown:
-            raise ValueError(f"ReasoningGymConfig.options names tasks not in tasks: {unknown}")
-
-    def task_options(self) -> dict[str, dict[str, Any]]:
-        """`options` parsed: task name -> keyword arguments."""
-        if not self.options:
-            return {}
-        try:
-            options = json.loads(self.options)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"ReasoningGymConfig.options is not valid JSON: {exc}") from None
-        if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
-            raise ValueError(f"ReasoningGymConfig.options must be a JSON object of objects, got {self.options!r}")
-        return options
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -282,11 +220,11 @@ def _check_prompt_template(template: str) -> None:
         filled = template.format(**{PROMPT_TEMPLATE_FIELD: marker})
     except (KeyError, IndexError, ValueError) as exc:
         raise ValueError(
-            f"DatasetConfig.prompt_template {_quote(template)} is not a format string whose only placeholder is "
+            f"DatasetConfig.prompt_template {quote(template)} is not a format string whose only placeholder is "
             f"{{{PROMPT_TEMPLATE_FIELD}}} (write literal braces as {{{{ and }}}}): {type(exc).__name__}: {exc}"
         ) from None
     if marker not in filled:
-        raise ValueError(f"DatasetConfig.prompt_template {_quote(template)} must contain {{{PROMPT_TEMPLATE_FIELD}}}")
+        raise ValueError(f"DatasetConfig.prompt_template {quote(template)} must contain {{{PROMPT_TEMPLATE_FIELD}}}")
 
 
 @dataclass(slots=True)
@@ -317,66 +255,6 @@ class PromptFile:
 
     samples: list[Sample]
     stats: PromptFileStats
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS] + "..."
-
-
-def _quote(text: str) -> str:
-    return repr(_clip(text))
-
-
-def _quote_tail(text: str) -> str:
-    """The end of a long text, where a solution's final answer sits."""
-    return repr(text if len(text) <= _QUOTE_CHARS else "..." + text[-_QUOTE_CHARS:])
-
-
-def extract_gsm8k_answer(solution: str) -> str | None:
-    """The final answer of a GSM8K solution: the text after its last `####`, with commas and
-    whitespace removed ("#### 1,000" -> "1000"), as GSM8K's own grader does; None if there is no
-    marker or nothing after it."""
-    marker = solution.rfind(GSM8K_ANSWER_MARKER)
-    if marker < 0:
-        return None
-    answer = re.sub(r"[\s,]", "", solution[marker + len(GSM8K_ANSWER_MARKER):])
-    return answer or None
-
-
-def _braced_argument(text: str, start: int) -> str | None:
-    """Contents of the brace group opening at text[start] ("{"), nested groups included; None if
-    it never closes. A backslash escapes the next character, so \\{ and \\} do not count."""
-    depth = 0
-    position = start
-    while position < len(text):
-        char = text[position]
-        if char == "\\":
-            position += 2
-            continue
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1 : position]
-        position += 1
-    return None
-
-
-def extract_boxed_answer(solution: str) -> str | None:
-    """The final answer of a MATH solution: the contents of its last `\\boxed{...}` or
-    `\\fbox{...}` (whitespace before the brace allowed, nested braces kept, outer whitespace
-    stripped); None if there is none, or the last one has no complete braced argument or an empty one."""
-    matches = list(_BOXED_COMMAND.finditer(solution))
-    if not matches:
-        return None
-    start = matches[-1].end()
-    if start >= len(solution) or solution[start] != "{":
-        return None
-    argument = _braced_argument(solution, start)
-    if argument is None or not argument.strip():
-        return None
-    return argument.strip()
 
 
 class PromptEncoder:
@@ -445,51 +323,14 @@ class PromptEncoder:
                     f"({lost!r}), which the tokenizer cannot represent (DatasetConfig.check_round_trip)"
                 )
         if not ids:
-            raise ValueError(f"empty prompt: {_quote(text)} tokenizes to no tokens")
+            raise ValueError(f"empty prompt: {quote(text)} tokenizes to no tokens")
         _check_length(len(ids), self.config.max_prompt_tokens)
         return ids
 
 
-@dataclass(frozen=True, slots=True)
-class RecordSchema:
-    """A concrete format and the two fields it reads."""
-
-    format: str
-    prompt_field: str
-    answer_field: str
-
-    @property
-    def known_fields(self) -> frozenset[str]:
-        extra = (TOKEN_IDS_FIELD,) if self.format == "generic" else _VERL_EXTRA_FIELDS if self.format == "verl" else ()
-        return frozenset((self.prompt_field, self.answer_field, *GROUPING_FIELDS, *extra))
-
-
-def _detect_format(record: dict[str, Any]) -> str:
-    """The format a record's fields match; raises ValueError if none or several do."""
-    matches = [
-        name for name, present in (
-            ("generic", isinstance(record.get(PROMPT_TEXT_FIELD), str) or TOKEN_IDS_FIELD in record),
-            ("verl", isinstance(record.get(PROMPT_TEXT_FIELD), list) and "reward_model" in record),
-            ("gsm8k", {"question", "answer"} <= record.keys()),
-            ("math", {"problem", "solution"} <= record.keys()),
-        ) if present
-    ]
-    if not matches and (ANSWER_FIELD in record or PROMPT_TEXT_FIELD in record):
-        matches = ["generic"]  # so that the missing prompt field is reported as such
-    if len(matches) == 1:
-        return matches[0]
-    found = "fits several formats (" + ", ".join(matches) + ")" if matches else "fits no format"
-    raise ValueError(
-        f"cannot detect data.format: the first record's fields {sorted(record)} {found}; expected "
-        f"{PROMPT_TEXT_FIELD!r} or {TOKEN_IDS_FIELD!r} with {ANSWER_FIELD!r} (generic), 'question' + 'answer' "
-        "(gsm8k), 'problem' + 'solution' (math) or 'prompt' (chat messages) + 'reward_model' (verl); set data.format, and data.prompt_field / data.answer_field "
-        "for renamed fields"
-    )
-
-
 def resolve_schema(config: DatasetConfig, first_record: dict[str, Any]) -> RecordSchema:
     """The schema config gives, detecting the format from first_record when it is "auto"."""
-    data_format = _detect_format(first_record) if config.format == "auto" else config.format
+    data_format = detect_format(first_record) if config.format == "auto" else config.format
     return RecordSchema(data_format, *config.fields(data_format))
 
 
@@ -514,71 +355,13 @@ def _check_length(num_tokens: int, max_tokens: int) -> None:
         raise ValueError(f"prompt has {num_tokens} tokens, more than max_prompt_tokens={max_tokens}")
 
 
-def _string_field(record: dict[str, Any], name: str) -> str:
-    if name not in record:
-        raise ValueError(f"missing field {name!r}")
-    value = record[name]
-    if not isinstance(value, str):
-        raise ValueError(f"field {name!r} must be a string, got {type(value).__name__} {_clip(repr(value))}")
-    if not value.strip():
-        raise ValueError(f"field {name!r} is empty")
-    return value
-
-
-def _gold_answer(record: dict[str, Any], schema: RecordSchema) -> str | None:
-    """The record's gold answer read the schema's way; None if a gsm8k/math solution has none."""
-    if schema.format == "verl":
-        return _verl_ground_truth(record, schema.answer_field)
-    text = _string_field(record, schema.answer_field)
-    if schema.format == "gsm8k":
-        return extract_gsm8k_answer(text)
-    if schema.format == "math":
-        return extract_boxed_answer(text)
-    return text
-
-
-def _verl_ground_truth(record: dict[str, Any], field_name: str) -> str:
-    """reward_model.ground_truth as text: a string verbatim, anything else (code tests, a list of
-    accepted answers) as its JSON text, which reward functions can parse back."""
-    holder = record.get(field_name)
-    if not isinstance(holder, dict) or VERL_GROUND_TRUTH not in holder:
-        raise ValueError(f"field {field_name!r} must be an object with a {VERL_GROUND_TRUTH!r} "
-                         f"(verl format), got {_clip(repr(holder))}")
-    truth = holder[VERL_GROUND_TRUTH]
-    text = truth if isinstance(truth, str) else json.dumps(truth)
-    if not text.strip():
-        raise ValueError(f"field {field_name}.{VERL_GROUND_TRUTH} is empty")
-    return text
-
-
-def _chat_messages(value: Any, field_name: str) -> list[dict[str, str]]:
-    """A verl prompt: a non-empty list of {"role": str, "content": str}."""
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"field {field_name!r} must be a non-empty list of chat messages (verl format), "
-                         f"got {_clip(repr(value))}")
-    for i, message in enumerate(value):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise ValueError(f"{field_name}[{i}] must be {{'role': str, 'content': str}}, got {_clip(repr(message))}")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
-
-
-def _no_answer_problem(schema: RecordSchema, solution: str) -> str:
-    if schema.format == "gsm8k":
-        where = f"no final answer after a {GSM8K_ANSWER_MARKER!r} marker (gsm8k format)"
-    else:
-        where = "no final answer in a \\boxed{...} or \\fbox{...} with balanced braces (math format)"
-    return (f"field {schema.answer_field!r} has {where}: {_quote_tail(solution)}; "
-            "data.missing_answer: skip leaves such records out, counted")
-
-
 def _prompt_ids(
     record: dict[str, Any], schema: RecordSchema, encoder: PromptEncoder, stats: PromptFileStats
 ) -> list[int]:
     config = encoder.config
     if schema.format == "verl":
         stats.from_text += 1
-        return encoder.message_token_ids(_chat_messages(record.get(schema.prompt_field), schema.prompt_field))
+        return encoder.message_token_ids(chat_messages(record.get(schema.prompt_field), schema.prompt_field))
     has_ids = schema.format == "generic" and TOKEN_IDS_FIELD in record
     has_text = schema.prompt_field in record
     if has_ids and has_text:
@@ -598,7 +381,7 @@ def _prompt_ids(
     if not isinstance(value, str):
         raise ValueError(f"field {schema.prompt_field!r} must be a string, got {type(value).__name__}")
     if not value.strip():
-        raise ValueError(f"empty prompt: {schema.prompt_field!r} is {_quote(value)}")
+        raise ValueError(f"empty prompt: {schema.prompt_field!r} is {quote(value)}")
     stats.from_text += 1
     return encoder.token_ids(value)
 
@@ -608,10 +391,10 @@ def _sample_from_record(
     stats: PromptFileStats,
 ) -> Sample | None:
     """The record's Sample; None if it has no final answer and missing_answer is "skip"."""
-    answer = _gold_answer(record, schema)
+    answer = gold_answer(record, schema)
     if answer is None:
         if encoder.config.missing_answer == "error":
-            raise ValueError(_no_answer_problem(schema, record[schema.answer_field]))
+            raise ValueError(no_answer_problem(schema, record[schema.answer_field]))
         stats.skipped_no_answer += 1
         if len(stats.first_skipped) < _SKIPPED_EXAMPLES:
             stats.first_skipped.append(where)
@@ -645,7 +428,7 @@ def _decode_record(raw: bytes) -> dict[str, Any]:
     try:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"invalid JSON ({exc.msg} at column {exc.colno}): {_quote(text.strip())}") from None
+        raise ValueError(f"invalid JSON ({exc.msg} at column {exc.colno}): {quote(text.strip())}") from None
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     return record
@@ -729,36 +512,6 @@ def load_prompt_file(config: DatasetConfig, tokenizer: PromptTokenizer) -> Promp
     return PromptFile(samples=samples, stats=stats)
 
 
-def reasoning_gym_records(config: ReasoningGymConfig) -> list[dict[str, Any]]:
-    """The generated entries as records: question, answer, metadata (JSON values: reasoning-gym
-    keeps tuples in its metadata) and data_source "reasoning_gym/<task>"; dealt round robin over
-    the tasks, deterministic in the config."""
-    try:
-        import reasoning_gym
-    except ImportError:
-        raise DatasetError("data.format reasoning_gym needs the reasoning-gym package (requirements_base.txt)") from None
-    per_task = [config.size // len(config.tasks) + (i < config.size % len(config.tasks))
-                for i in range(len(config.tasks))]
-    generated = []
-    for i, (task, count) in enumerate(zip(config.tasks, per_task)):
-        if count == 0:
-            generated.append([])
-            continue
-        try:
-            entries = reasoning_gym.create_dataset(task, size=count, seed=config.seed + i,
-                                                   **config.task_options().get(task, {}))
-        except Exception as exc:  # noqa: BLE001 - an unknown name or bad option, reported in one line
-            raise DatasetError(f"data.reasoning_gym.tasks: cannot create {task!r}: {type(exc).__name__}: {exc}") from None
-        generated.append([json.loads(json.dumps(entry, default=str)) for entry in entries])
-    records = []
-    for position in range(max(per_task)):
-        for task, entries in zip(config.tasks, generated):
-            if position < len(entries):
-                entry = entries[position]
-                records.append({**entry, "data_source": f"{REASONING_GYM_SOURCE_PREFIX}{task}"})
-    return records
-
-
 def _reasoning_gym_prompts(config: DatasetConfig, encoder: PromptEncoder) -> PromptFile:
     """PromptFile of the generated tasks: the question is the prompt text (templates apply), the
     answer the gold answer; the whole entry stays in Sample.record for the task's scorer."""
@@ -767,7 +520,7 @@ def _reasoning_gym_prompts(config: DatasetConfig, encoder: PromptEncoder) -> Pro
     for prompt_id, record in enumerate(reasoning_gym_records(config.reasoning_gym)):
         where = f"reasoning_gym {record['data_source']} #{prompt_id}"
         try:
-            ids = encoder.token_ids(_string_field(record, "question"))
+            ids = encoder.token_ids(string_field(record, "question"))
         except ValueError as exc:
             raise DatasetError(f"{where}: {exc}") from None
         stats.from_text += 1
@@ -810,219 +563,6 @@ def _log_load(path: Path, stats: PromptFileStats) -> None:
 def load_prompts(config: DatasetConfig, tokenizer: PromptTokenizer) -> list[Sample]:
     """The samples of `load_prompt_file` (its counts are logged)."""
     return load_prompt_file(config, tokenizer).samples
-
-
-def write_arithmetic_dataset(
-    path: str | Path,
-    num_samples: int,
-    seed: int,
-    max_operand: int = 9,
-    min_operand: int = 0,
-    operators: tuple[str, ...] = ("+",),
-) -> Path:
-    """Write `num_samples` prompts such as {"prompt": "3+4=", "gt_answer": "7"} as JSONL.
-
-    Operands are drawn uniformly from [min_operand, max_operand], operators uniformly from
-    `operators` (any of + - *), all from `seed`. The defaults give the demo's single-digit sums.
-    The file is written to a temporary name first, so a reader never sees half of it.
-    """
-    if num_samples < 1:
-        raise ValueError(f"write_arithmetic_dataset: num_samples must be >= 1, got {num_samples}")
-    if not 0 <= min_operand <= max_operand:
-        raise ValueError(
-            f"write_arithmetic_dataset: need 0 <= min_operand <= max_operand, got {min_operand} and {max_operand}"
-        )
-    unknown = [op for op in operators if op not in ARITHMETIC_OPERATORS]
-    if not operators or unknown:
-        raise ValueError(
-            f"write_arithmetic_dataset: operators must be a non-empty subset of {sorted(ARITHMETIC_OPERATORS)}, "
-            f"got {list(operators)}"
-        )
-    rng = random.Random(seed)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    with partial.open("w", encoding="utf-8") as f:
-        for _ in range(num_samples):
-            a, b = rng.randint(min_operand, max_operand), rng.randint(min_operand, max_operand)
-            op = rng.choice(operators)
-            f.write(json.dumps({PROMPT_TEXT_FIELD: f"{a}{op}{b}=", ANSWER_FIELD: str(ARITHMETIC_OPERATORS[op](a, b))}) + "\n")
-    os.replace(partial, out)
-    logger.info("wrote %d arithmetic prompts to %s", num_samples, out)
-    return out
-
-
-def write_arithmetic_table(
-    path: str | Path, max_operand: int = 9, min_operand: int = 0, operators: tuple[str, ...] = ("+",)
-) -> Path:
-    """Write every problem `a op b` with a, b in [min_operand, max_operand] exactly once, as JSONL.
-
-    An evaluation set that covers the task instead of sampling it: the defaults give the 100
-    single-digit sums "0+0=" ... "9+9=", in that order (operator, then a, then b), so two
-    evaluations always see the same prompts. Written to a temporary name first, like
-    write_arithmetic_dataset.
-    """
-    if not 0 <= min_operand <= max_operand:
-        raise ValueError(
-            f"write_arithmetic_table: need 0 <= min_operand <= max_operand, got {min_operand} and {max_operand}"
-        )
-    unknown = [op for op in operators if op not in ARITHMETIC_OPERATORS]
-    if not operators or unknown or len(set(operators)) != len(operators):
-        raise ValueError(
-            f"write_arithmetic_table: operators must be distinct members of {sorted(ARITHMETIC_OPERATORS)}, "
-            f"got {list(operators)}"
-        )
-    operands = range(min_operand, max_operand + 1)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    with partial.open("w", encoding="utf-8") as f:
-        for op in operators:
-            for a in operands:
-                for b in operands:
-                    record = {PROMPT_TEXT_FIELD: f"{a}{op}{b}=", ANSWER_FIELD: str(ARITHMETIC_OPERATORS[op](a, b))}
-                    f.write(json.dumps(record) + "\n")
-    os.replace(partial, out)
-    logger.info("wrote %d arithmetic problems to %s", len(operators) * len(operands) ** 2, out)
-    return out
-
-
-class InfiniteDistributedSampler:
-    """Endless prompt indices for one data-parallel rank: each epoch a fresh seeded permutation,
-    dealt round-robin to the ranks, so the ranks' shards of an epoch are disjoint.
-
-    The last `num_items % world_size` indices of each epoch's permutation are dropped, so every
-    rank draws exactly `num_items // world_size` per epoch and no index repeats within an epoch;
-    since each epoch permutes afresh, the dropped ones differ from epoch to epoch.
-
-    Every rank draws the same number of indices per step, so epoch and position are the same on
-    all ranks: one rank's state_dict() resumes them all exactly where they were.
-
-    A state may also name positions ahead to pass over once (`skip`): prompts already trained
-    although drawn after the state's position (dynamic sampling's extra prompts for an earlier
-    step, drawn after a later step's prompts; see trainer_core.PromptFeeder).
-    """
-
-    def __init__(self, num_items: int, rank: int, world_size: int, seed: int) -> None:
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"InfiniteDistributedSampler: world_size must be an int >= 1, got {world_size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"InfiniteDistributedSampler: rank must be in [0, {world_size}), got {rank!r}")
-        if not isinstance(num_items, int) or num_items < world_size:
-            raise ValueError(
-                f"InfiniteDistributedSampler: num_items ({num_items!r}) must be an int >= world_size ({world_size}), "
-                "so that every rank gets at least one item per epoch"
-            )
-        self.num_items = num_items
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = seed
-        self.per_rank = num_items // world_size
-        self._epoch = 0
-        self._position = 0
-        self._shard = self._epoch_shard(0)
-        self._skip: set[tuple[int, int]] = set()
-        """(epoch, position) pairs ahead that are passed over once."""
-
-    @property
-    def epoch(self) -> int:
-        """Epoch the next index comes from (0-based)."""
-        return self._epoch
-
-    def _epoch_shard(self, epoch: int) -> list[int]:
-        permutation = np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
-        return permutation[self.rank : self.per_rank * self.world_size : self.world_size].tolist()
-
-    def _next_index(self) -> int:
-        return self.next_drawn(1)[0][0]
-
-    def next_drawn(self, k: int) -> list[tuple[int, tuple[int, int]]]:
-        """The next k (index, (epoch, position)) pairs: what next_batch draws, and where from."""
-        drawn = []
-        while len(drawn) < k:
-            if self._position == self.per_rank:
-                self._epoch += 1
-                self._position = 0
-                self._shard = self._epoch_shard(self._epoch)
-            where = (self._epoch, self._position)
-            self._position += 1
-            if where in self._skip:
-                self._skip.discard(where)
-                continue
-            drawn.append((self._shard[where[1]], where))
-        return drawn
-
-    def __iter__(self) -> Iterator[int]:
-        while True:
-            yield self._next_index()
-
-    def next_batch(self, k: int) -> list[int]:
-        """The next k indices of this rank (crossing into the next epoch when one runs out)."""
-        if k < 0:
-            raise ValueError(f"InfiniteDistributedSampler.next_batch: k must be >= 0, got {k}")
-        return [index for index, _ in self.next_drawn(k)]
-
-    def state_dict(self) -> dict[str, int]:
-        """JSON-serialisable position: the epoch, the indices already drawn from it, and the
-        settings that must match on resume."""
-        return {
-            "epoch": self._epoch,
-            "position": self._position,
-            "num_items": self.num_items,
-            "world_size": self.world_size,
-            "seed": self.seed,
-            "skip": [list(where) for where in sorted(self._skip)],
-        }
-
-    @staticmethod
-    def with_skipped(state: dict[str, Any], positions: Sequence[tuple[int, int]]) -> dict[str, Any]:
-        """A copy of `state` that also passes over `positions` at or after its own position."""
-        here = (state["epoch"], state["position"])
-        skip = {tuple(w) for w in state.get("skip", [])} | {tuple(w) for w in positions if tuple(w) >= here}
-        return {**state, "skip": [list(w) for w in sorted(skip)]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a state_dict(); refuses one taken with another dataset size, world size or seed."""
-        for name in ("num_items", "world_size", "seed"):
-            if state.get(name) != getattr(self, name):
-                raise ValueError(
-                    f"InfiniteDistributedSampler.load_state_dict: {name} is {state.get(name)!r} in the saved state "
-                    f"but {getattr(self, name)!r} here; resuming would draw different data"
-                )
-        epoch, position = state.get("epoch"), state.get("position")
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"InfiniteDistributedSampler.load_state_dict: epoch must be an int >= 0, got {epoch!r}")
-        if not isinstance(position, int) or not 0 <= position <= self.per_rank:
-            raise ValueError(
-                f"InfiniteDistributedSampler.load_state_dict: position must be in [0, {self.per_rank}], got {position!r}"
-            )
-        self._epoch, self._position = epoch, position
-        self._shard = self._epoch_shard(epoch)
-        self._skip = {(int(e), int(p)) for e, p in state.get("skip", [])}
-
-
-@dataclass(kw_only=True, frozen=True)
-class WriteArithmeticConfig:
-    """`python dataset.py write-arithmetic`: write the demo's addition prompts as JSONL."""
-
-    out: str = ""
-    """File to write."""
-    num_samples: int = 0
-    """Prompts to write."""
-    seed: int = 0
-    """Seed of the operands and operators."""
-    min_operand: int = 0
-    """Smallest operand."""
-    max_operand: int = 9
-    """Largest operand."""
-    operators: str = "+"
-    """Operators to draw from, e.g. '+-*'."""
-
-    def __post_init__(self) -> None:
-        if not self.out:
-            raise ValueError("WriteArithmeticConfig.out must be set (--out)")
-        if self.num_samples < 1:
-            raise ValueError(f"WriteArithmeticConfig.num_samples must be >= 1 (--num_samples), got {self.num_samples}")
 
 
 @dataclass(kw_only=True, frozen=True)

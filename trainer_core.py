@@ -34,7 +34,8 @@ from torch.optim.lr_scheduler import LRScheduler
 from algorithm import AlgorithmConfig, DistillConfig, LogprobRole, check_logprob_sources, load_prepare_fn
 from data_path import PerRankDataPath, Rank0DataPath, make_data_path
 from checkpoint import BackgroundCheckpointWriter, CheckpointWriter, TrainerState, latest_checkpoint, load_checkpoint
-from dataset import DatasetConfig, DatasetError, InfiniteDistributedSampler, load_prompts
+from dataset import DatasetConfig, DatasetError, load_prompts
+from distributed_sampler import InfiniteDistributedSampler
 from evaluation import EvalConfig, Evaluator
 from fsdp_setup import DistInfo, build_training_model, check_trainer_gpus, host_gpu_count, init_distributed
 from grpo_loss import LossConfig, grpo_loss, step_divisor

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import setup_logging, summarize_checkpoint_run, summary_line
-from dataset import write_arithmetic_dataset
+from arithmetic_data import write_arithmetic_dataset
 from local_cluster import LocalCluster, LocalClusterConfig, local_engine
 from metrics import read_metrics
 from run_config import load_config

@@ -41,7 +41,8 @@ import torch
 
 
 from benchmarks.harness import REPO_ROOT, setup_logging
-from dataset import InfiniteDistributedSampler, load_prompts
+from dataset import load_prompts
+from distributed_sampler import InfiniteDistributedSampler
 from math_verifier import score_completion
 from metrics import first_reached, moving_average, read_metrics
 from run_config import load_config, split_passthrough

@@ -11,8 +11,8 @@
    earlier 150 steps at lr 3e-3, 200 supervised steps on the true sums reached 21% greedy
    accuracy, against 93% after this warm-up and 90% with none (benchmarks/learnability.py), and
    GRPO was held back alike (benchmarks/RESULTS.md, "Learning").
-3. Writes the training prompts (dataset.write_arithmetic_dataset) and the evaluation table
-   (dataset.write_arithmetic_table: each of the 100 single-digit sums exactly once). The task has
+3. Writes the training prompts (arithmetic_data.write_arithmetic_dataset) and the evaluation table
+   (arithmetic_data.write_arithmetic_table: each of the 100 single-digit sums exactly once). The task has
    only 100 distinct problems and the training prompts cover them all, so the evaluation measures
    greedy accuracy on the whole task, not generalisation to unseen problems.
 
@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dataset import write_arithmetic_dataset, write_arithmetic_table  # noqa: E402
+from arithmetic_data import write_arithmetic_dataset, write_arithmetic_table  # noqa: E402
 from run_config import load_config  # noqa: E402
 from sample_processing_utils import Sample, get_input_for_logprobs  # noqa: E402
 from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer  # noqa: E402

@@ -27,7 +27,7 @@ from algorithm import (
     builtin_prepare,
     check_prepared, load_prepare_fn,
 )
-from dataset import InfiniteDistributedSampler
+from distributed_sampler import InfiniteDistributedSampler
 from grpo_loss import LossConfig, step_divisor
 from sample_processing_utils import Sample, TokenLogprobs, post_process_batch
 from sampling import SamplingConfig

@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 import pytest
 
-from dataset import write_arithmetic_dataset
+from arithmetic_data import write_arithmetic_dataset
 from local_cluster import RUN_TEMP_PREFIX, LocalCluster, LocalClusterConfig, local_engine
 from metrics import read_metrics
 from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name

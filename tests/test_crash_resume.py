@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from checkpoint import checkpoints_root, latest_checkpoint
-from dataset import InfiniteDistributedSampler, write_arithmetic_dataset
+from arithmetic_data import write_arithmetic_dataset
+from distributed_sampler import InfiniteDistributedSampler
 from local_cluster import LocalCluster, LocalClusterConfig, free_port, local_engine
 from ray_env import BATCHER_ACTOR_NAME, RAY_NAMESPACE
 

@@ -1,5 +1,6 @@
 """dataset.py: prompt loading (JSONL and Parquet; generic, GSM8K and MATH records; chat templates; with the
-real tiny tokenizer), the arithmetic generator, the sampler."""
+real tiny tokenizer), the arithmetic generator's files as the loader reads them, the data CLI. The sampler's
+tests are in test_distributed_sampler.py, the answer extraction's in test_prompt_record.py."""
 
 from __future__ import annotations
 
@@ -11,22 +12,12 @@ import string
 import subprocess
 import sys
 from dataclasses import replace
-from itertools import islice
 from pathlib import Path
 
 import pytest
 
-from dataset import (
-    DatasetConfig,
-    DatasetError,
-    InfiniteDistributedSampler,
-    extract_boxed_answer,
-    extract_gsm8k_answer,
-    load_prompt_file,
-    load_prompts,
-    write_arithmetic_dataset,
-    write_arithmetic_table,
-)
+from arithmetic_data import write_arithmetic_dataset, write_arithmetic_table
+from dataset import DatasetConfig, DatasetError, load_prompt_file, load_prompts
 from setup_model import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -218,65 +209,6 @@ def test_arithmetic_cli_writes_the_same_file(tmp_path: Path) -> None:
     assert out.read_bytes() == write_arithmetic_dataset(tmp_path / "api.jsonl", num_samples=20, seed=7).read_bytes()
 
 
-def test_sampler_ranks_are_disjoint_within_each_epoch() -> None:
-    num_items, world_size = 11, 3  # 11 % 3 = 2 items dropped per epoch
-    samplers = [InfiniteDistributedSampler(num_items, rank, world_size, seed=5) for rank in range(world_size)]
-    for epoch in range(4):
-        shards = [s.next_batch(3) for s in samplers]
-        drawn = [i for shard in shards for i in shard]
-        assert len(set(drawn)) == 9, f"epoch {epoch}: ranks overlap: {shards}"
-        assert all(0 <= i < num_items for i in drawn)
-        assert all(s.epoch == epoch for s in samplers)
-    assert samplers[0].next_batch(1) and samplers[0].epoch == 4
-
-
-def test_sampler_is_deterministic_and_reshuffles_each_epoch() -> None:
-    a = InfiniteDistributedSampler(20, 1, 2, seed=0).next_batch(40)
-    b = InfiniteDistributedSampler(20, 1, 2, seed=0).next_batch(40)
-    c = InfiniteDistributedSampler(20, 1, 2, seed=1).next_batch(40)
-    assert a == b and a != c
-    epochs = [a[i : i + 10] for i in range(0, 40, 10)]
-    assert all(len(set(e)) == 10 for e in epochs)
-    assert len({tuple(e) for e in epochs}) == 4
-    single = InfiniteDistributedSampler(6, 0, 1, seed=0)
-    assert sorted(single.next_batch(6)) == list(range(6))  # world_size 1: every item once per epoch
-    assert list(islice(iter(InfiniteDistributedSampler(20, 1, 2, seed=0)), 40)) == a
-
-
-@pytest.mark.parametrize("drawn_before_save", [0, 7, 10, 23])
-def test_sampler_resumes_exactly_from_a_json_state(drawn_before_save: int) -> None:
-    original = InfiniteDistributedSampler(20, 0, 2, seed=9)
-    original.next_batch(drawn_before_save)
-    state = json.loads(json.dumps(original.state_dict()))
-    resumed = InfiniteDistributedSampler(20, 0, 2, seed=9)
-    resumed.load_state_dict(state)
-    assert resumed.next_batch(25) == original.next_batch(25)
-
-
-def test_one_ranks_state_resumes_every_rank() -> None:
-    rank0, rank1 = (InfiniteDistributedSampler(20, r, 2, seed=2) for r in (0, 1))
-    rank0.next_batch(13)
-    rank1.next_batch(13)
-    resumed1 = InfiniteDistributedSampler(20, 1, 2, seed=2)
-    resumed1.load_state_dict(rank0.state_dict())
-    assert resumed1.next_batch(15) == rank1.next_batch(15)
-
-
-def test_sampler_rejects_mismatched_state_and_bad_arguments() -> None:
-    sampler = InfiniteDistributedSampler(20, 0, 2, seed=0)
-    for name, value in (("seed", 1), ("num_items", 21), ("world_size", 4)):
-        with pytest.raises(ValueError, match=f"{name} is {value}"):
-            sampler.load_state_dict({**sampler.state_dict(), name: value})
-    with pytest.raises(ValueError, match="position"):
-        sampler.load_state_dict({**sampler.state_dict(), "position": 11})
-    with pytest.raises(ValueError, match="num_items"):
-        InfiniteDistributedSampler(1, 0, 2, seed=0)
-    with pytest.raises(ValueError, match="rank"):
-        InfiniteDistributedSampler(10, 2, 2, seed=0)
-    with pytest.raises(ValueError, match="k must be"):
-        sampler.next_batch(-1)
-
-
 # --- Published formats: GSM8K, MATH, Parquet, chat templates -------------------------------------
 
 # The tiny tokenizer's vocabulary written down from its definition (EOS, PAD, then printable ASCII
@@ -334,42 +266,6 @@ def test_tiny_ids_helper_agrees_with_hand_written_ids(tokenizer) -> None:
     assert _tiny_ids("1+1=") == [3, 74, 3, 82]
     assert _tiny_ids("a b\n") == [12, 96, 13, 97]
     assert tokenizer.encode("a b\n1+1=", add_special_tokens=False) == [12, 96, 13, 97, 3, 74, 3, 82]
-
-
-@pytest.mark.parametrize(("solution", "expected"), [
-    ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "72"),
-    ("so 10*100 = 1,000 hens\n#### 1,000", "1000"),
-    ("#### 1 234 567\n", "1234567"),
-    ("#### -3", "-3"),
-    ("#### 0.5", "0.5"),
-    ("a draft #### 5\nthe fix\n#### 6", "6"),
-    ("no marker, 72", None),
-    ("nothing after it ####  \n", None),
-])
-def test_gsm8k_answer_is_the_text_after_the_last_marker_without_commas(solution: str, expected: str | None) -> None:
-    assert extract_gsm8k_answer(solution) == expected
-
-
-@pytest.mark.parametrize(("solution", "expected"), [
-    ("so it is $\\boxed{5}$.", "5"),
-    ("$\\boxed{\\frac{1}{\\sqrt{2}}}$", "\\frac{1}{\\sqrt{2}}"),
-    ("first \\boxed{1}, then \\boxed{2}", "2"),
-    ("\\boxed{1} or rather \\fbox{3}", "3"),
-    ("\\boxed {7}", "7"),
-    ("\\boxed\n{x + 1}", "x + 1"),
-    ("\\fbox{ 12 }", "12"),
-    ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),
-    ("\\boxed{\\left\\{ x \\right.}", "\\left\\{ x \\right."),
-    ("\\boxed{\\boxed{4}}", "4"),
-    ("\\boxed{a_{1}^{2}} and text {after}", "a_{1}^{2}"),
-    ("The answer is 5.", None),
-    ("\\boxed{1} then \\boxed{unclosed", None),
-    ("\\boxed{}", None),
-    ("\\boxed 5", None),
-    ("\\boxedsymbol{5}", None),
-])
-def test_math_answer_is_the_last_boxed_argument(solution: str, expected: str | None) -> None:
-    assert extract_boxed_answer(solution) == expected
 
 
 def test_gsm8k_file_gives_question_prompts_and_final_answers(tmp_path: Path, tokenizer) -> None:

@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from checkpoint import latest_checkpoint
-from dataset import InfiniteDistributedSampler
+from distributed_sampler import InfiniteDistributedSampler
 from local_cluster import LocalCluster, LocalClusterConfig, local_engine
 from metrics import moving_average, read_metrics
 from ray_env import GENERATION, RAY_NAMESPACE, registry_name
@@ -116,7 +116,7 @@ def _finished(cluster: LocalCluster, demo_assets: Path, run_dir: Path, *extra: s
 
 @pytest.fixture(scope="module")
 def eval_table(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dataset import write_arithmetic_table
+    from arithmetic_data import write_arithmetic_table
 
     return write_arithmetic_table(tmp_path_factory.mktemp("eval") / "eval.jsonl", max_operand=2)  # 9 prompts
 
@@ -373,7 +373,7 @@ LEARNING_MARGIN = 0.10
 
 
 def test_reward_rises_on_the_easiest_setting(cluster: LocalCluster, demo_assets: Path, tmp_path: Path) -> None:
-    from dataset import write_arithmetic_dataset
+    from arithmetic_data import write_arithmetic_dataset
 
     easy = write_arithmetic_dataset(tmp_path / "easy.jsonl", num_samples=300, seed=1, max_operand=2)
     records = _train(cluster, demo_assets, tmp_path / "run", "--num_steps", str(LEARNING_STEPS),

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from dataset import DatasetConfig, DatasetError, write_arithmetic_table
+from arithmetic_data import write_arithmetic_table
+from dataset import DatasetConfig, DatasetError
 from evaluation import (
     EvalConfig,
     EvalDataConfig,

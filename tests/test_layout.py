@@ -27,7 +27,8 @@ MODULES = sorted(p.stem for p in REPO_ROOT.glob("*.py"))
 
 PURE = ("advantages", "algorithm", "grpo_loss", "optimizer", "packed_attention", "ray_env", "rewards", "run_config",
         "sample_processing_utils", "sampling", "versions", "worker_options", "token_budget_queue", "math_verifier", "reward_failure", "capacity_queue", "lease_book",
-        "batcher_messages", "step_stats", "group_preparer", "round_tracker")
+        "batcher_messages", "step_stats", "group_preparer", "round_tracker",
+        "prompt_record", "distributed_sampler", "arithmetic_data", "reasoning_gym_tasks")
 FORBIDDEN_IN_PURE = ("ray", "vllm", "torch.distributed")
 WORKER_SIDE = ("logprob_worker", "weight_reload", "weight_files", "rollout_scoring", "worker_lifecycle", "verifier_cluster", "vllm_experience_batcher", "vllm_registry", "vllm_worker",
                "worker_dispatcher", "verifier_pool", "verifier_process", "batch_calls",

@@ -14,7 +14,8 @@ import yaml
 
 from benchmarks import process_monitor as pm
 from benchmarks import realistic_parts as rr
-from dataset import DatasetConfig, extract_gsm8k_answer, load_prompts
+from dataset import DatasetConfig, load_prompts
+from prompt_record import extract_gsm8k_answer
 from run_config import load_config
 from tiny_model import PRESETS, build_chat_tokenizer, build_model, hf_config
 from trainer_core import TrainerConfig

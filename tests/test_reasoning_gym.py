@@ -12,7 +12,8 @@ pytest.importorskip("reasoning_gym")
 
 import reasoning_gym  # noqa: E402
 
-from dataset import DatasetConfig, DatasetError, ReasoningGymConfig, load_prompt_file, reasoning_gym_records  # noqa: E402
+from dataset import DatasetConfig, DatasetError, load_prompt_file  # noqa: E402
+from reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records  # noqa: E402
 from verifier_pool import VerifierPool  # noqa: E402
 from reasoning_gym_reward import FUNCTION, extract_answer, score  # noqa: E402
 from rewards import RewardConfig  # noqa: E402

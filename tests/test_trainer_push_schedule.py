@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from data_path import PerRankDataPath, RayBatcherClient
-from dataset import DatasetConfig, InfiniteDistributedSampler
+from dataset import DatasetConfig
+from distributed_sampler import InfiniteDistributedSampler
 from grpo_loss import LossConfig
 from sample_processing_utils import Sample
 from fsdp_setup import DistInfo

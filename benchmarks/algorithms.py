@@ -24,13 +24,12 @@ import json
 import logging
 import statistics
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from benchmarks.harness import (
-    DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, demo_assets, demo_trainer_flags, fresh_run_dir, interrupt_on_sigterm,
-    reward_at, run_trainer, setup_logging, summary_line,
+    DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, apply_smoke, demo_assets, demo_trainer_flags, fresh_run_dir,
+    interrupt_on_sigterm, reward_at, run_trainer, setup_logging, summary_line
 )
 from local_cluster import LocalCluster, LocalClusterConfig, local_engine
 from run_config import load_config
@@ -58,7 +57,8 @@ LORA_RANK = 16
 for _lr in ("3e-3", "5e-3", "7e-3", "1e-2", "1.4e-2"):
     VARIANTS[f"lora_r16_lr{_lr}"] = ["--model.lora.r", str(LORA_RANK), "--model.lora.alpha", str(2 * LORA_RANK),
                                      "--optim.lr", _lr, "--weight_push_mode", "sharded"]
-SMOKE = {"variants": ["baseline"], "seeds": [0], "num_steps": 2, "at_steps": [2], "window": 1}
+# 6 steps: a run sets optim.total_steps = num_steps, which the demo's cosine schedule needs above its 5 warm-up steps.
+SMOKE = {"variants": ["baseline"], "seeds": [0], "num_steps": 6, "at_steps": [6], "window": 1}
 DEFAULT_VARIANTS = ["baseline", "kl_in_reward_adaptive", "dynamic_sampling", "token_mean", "gspo", "rloo"]
 
 
@@ -81,7 +81,7 @@ class AlgorithmsConfig:
     out_dir: str = str(REPO_ROOT / "runs" / "algorithms")
     """Runs go to <out_dir>/<variant>-seed<seed>."""
     smoke: bool = False
-    """Smoke mode: the baseline, seed 0, 2 steps (SMOKE); checks that the command runs, its figures mean nothing."""
+    """Smoke mode: the baseline, seed 0, 6 steps (SMOKE); checks that the command runs, its figures mean nothing."""
 
     def __post_init__(self) -> None:
         unknown = [v for v in self.variants if v not in VARIANTS]
@@ -133,8 +133,7 @@ def print_table(results: list[dict], config: AlgorithmsConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     config = load_config(AlgorithmsConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
-    if config.smoke:
-        config = replace(config, **SMOKE)
+    config = apply_smoke(config, SMOKE)
     setup_logging()
     interrupt_on_sigterm()  # a kill unwinds like Ctrl-C: the cluster and the running trainer stop too
     assets = demo_assets(config.assets_dir)

@@ -48,15 +48,14 @@ import random
 import statistics
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-
-from benchmarks.harness import DEMO_CONFIG, DemoAssets, demo_assets, setup_logging, summary_line
+from benchmarks.harness import (
+    DEMO_CONFIG, DemoAssets, apply_smoke, demo_assets, run_trainer, setup_logging, summary_line,
+)
 from local_cluster import LocalCluster, LocalClusterConfig, local_engine
-from metrics import read_metrics
 from run_config import load_config
 from sample_processing_utils import Sample
 from ray_env import GENERATION, RAY_NAMESPACE, worker_actor_name
@@ -82,7 +81,7 @@ SIM_CALIBRATION_LATENCY_S = 0.05  # G during calibration: small, so T is measure
 SIM_REWARD_PROBABILITY = 0.5  # coin-flip rewards: most groups have a spread, so most advantages are non-zero
 
 
-SMOKE = {"num_steps": 2, "rounds": 1, "skip_steps": 1, "prompts_per_rank": 2, "n": 2, "calibration_steps": 2}
+SMOKE = {"num_steps": 3, "rounds": 1, "skip_steps": 1, "prompts_per_rank": 2, "n": 2, "calibration_steps": 2}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -116,8 +115,8 @@ class AsyncOverlapConfig:
     trainer_timeout_s: float = 600.0
     """Kill a trainer run that takes longer than this."""
     smoke: bool = False
-    """Smoke mode: both modes, one round of 2-step runs of 2 prompts x 2 rollouts (SMOKE); checks that
-    the command runs, its figures mean nothing."""
+    """Smoke mode: both modes, one round of 3-step runs of 2 prompts x 2 rollouts (SMOKE); checks that     the
+    command runs, its figures mean nothing."""
 
     def bench(self, max_tokens: int) -> BenchConfig:
         """One mode's run shape, with that mode's completion length."""
@@ -251,7 +250,8 @@ def trainer_args(assets: Path, run_dir: Path, cfg: BenchConfig, num_steps: int, 
         "--sampling.max_tokens", str(cfg.max_tokens), "--checkpoint_every", "0",
         # No evaluation: it is not what this benchmark times (the table is named all the same, so the
         # demo's config stays complete if a trainer flag turns evaluation back on).
-        "--eval.data.path", str(DemoAssets(root=assets).eval_table), "--eval.every", "0", "--progress_bar", "false", "--tensorboard", "false", *extra,
+        "--eval.data.path", str(DemoAssets(root=assets).eval_table), "--eval.every", "0",
+        "--progress_bar", "false", "--tensorboard", "false", *extra,
     ]
 
 
@@ -261,17 +261,10 @@ def train_run(cluster: LocalCluster, args: list[str], run_dir: Path, num_steps: 
 
     A run that exits non-zero is an error, with the tail of its log.
     """
-    log = run_dir.parent / f"{run_dir.name}.trainer.log"
-    began = time.perf_counter()
-    code = cluster.run_trainer(args, nproc_per_node=WORLD_SIZE, timeout_s=timeout_s, log_path=log)
-    metrics_path = run_dir / "metrics.jsonl"
-    records = read_metrics(metrics_path) if metrics_path.is_file() else []
-    lines = log.read_text(errors="replace").splitlines()
-    if code != 0 or len(records) < num_steps:
-        tail = "\n".join(lines[-30:])
-        raise RuntimeError(f"trainer run {run_dir.name} exited {code} after {len(records)} of {num_steps} "
-                           f"steps; last lines of {log}:\n{tail}")
-    logger.info("%s (%d steps) finished in %.0f s", run_dir.name, num_steps, time.perf_counter() - began)
+    run = run_trainer(cluster, args, run_dir, nproc_per_node=WORLD_SIZE, timeout_s=timeout_s,
+                      log=run_dir.parent / f"{run_dir.name}.trainer.log")
+    records = run.require(num_steps)
+    logger.info("%s (%d steps) finished in %.0f s", run_dir.name, num_steps, run.wall_s)
     return records
 
 
@@ -395,8 +388,7 @@ def _load_average() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = load_config(AsyncOverlapConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
-    if args.smoke:
-        args = replace(args, **SMOKE)
+    args = apply_smoke(args, SMOKE)
     setup_logging()
 
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="async-overlap-"))

@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
-
+from benchmarks.harness import apply_smoke
 from run_config import load_config
 from sample_processing_utils import Sample
 from vllm_experience_batcher import PADDING_LOSS_WEIGHT, BatcherConfig, Minibatch, MinibatchPacker
@@ -68,6 +68,10 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.arrival must be 'sample' or 'prompt', got {self.arrival!r}")
 
 
+SMOKE = {"trials": 1, "prompts": 8, "rollouts": 2, "windows": [0, 4]}
+"""Sizes of the smoke mode."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class BatcherFillConfig:
     """Command line of `python -m benchmarks.batcher`: the synthetic step and the windows to compare."""
@@ -92,6 +96,10 @@ class BatcherFillConfig:
     """Reorder windows to compare (`--windows "[]"`: none, only the LAST line's)."""
     window: int = _DEFAULT_WINDOW
     """Reorder window of the LAST line; the default is BatcherConfig.reorder_window's."""
+
+    smoke: bool = False
+    """Smoke mode: 1 trial of 8 prompts x 2 rollouts, windows 0 and 4 (SMOKE); checks that the command still
+    runs, its figures mean nothing."""
 
     def step(self) -> BenchConfig:
         """The synthetic step's shape."""
@@ -179,6 +187,7 @@ def _format(values: dict[str, float]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = load_config(BatcherFillConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    args = apply_smoke(args, SMOKE)
     cfg = args.step()
     print(f"# {cfg}, trials={args.trials}, seed={args.seed}")
     for window in args.windows:

@@ -30,14 +30,13 @@ import logging
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import setup_logging, summarize_checkpoint_run, summary_line
+from benchmarks.harness import apply_smoke, run_trainer, setup_logging, summarize_checkpoint_run, summary_line
 from arithmetic_data import write_arithmetic_dataset
 from local_cluster import LocalCluster, LocalClusterConfig, local_engine
-from metrics import read_metrics
 from run_config import load_config
 from tiny_model import TinyModelConfig, write_tiny_model
 
@@ -76,8 +75,8 @@ class CheckpointBenchConfig:
     rollouts: int = 4
     """Rollouts per prompt (sampling.n)."""
     smoke: bool = False
-    """Smoke mode: a 1-layer, 64-wide model, 3 steps, a checkpoint every 2 (SMOKE); checks that the
-    command runs, its figures mean nothing."""
+    """Smoke mode: a 1-layer, 64-wide model, 3 steps, a checkpoint every 2 (SMOKE); checks that the     command
+    runs, its figures mean nothing."""
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "checkpoint_every", "rounds", "prompts_per_rank", "rollouts"):
@@ -108,17 +107,14 @@ def _run(cluster: LocalCluster, config: CheckpointBenchConfig, model: Path, data
             "--sampling.max_tokens", "4", "--data.max_prompt_tokens", "16", "--max_tokens_per_gpu", "256",
             "--max_lag", "1", "--logprob_role", "none", "--loss.kl_coef", "0",
             "--progress_bar", "false", "--tensorboard", "false"]
-    log = run_dir.parent / f"{run_dir.name}.trainer.log"
-    code = cluster.run_trainer(args, nproc_per_node=WORLD_SIZE, timeout_s=TRAINER_TIMEOUT_S, log_path=log)
-    if code != 0:
-        raise RuntimeError(f"trainer exited {code}; see {log}")
-    return read_metrics(run_dir / "metrics.jsonl")
+    run = run_trainer(cluster, args, run_dir, nproc_per_node=WORLD_SIZE, timeout_s=TRAINER_TIMEOUT_S,
+                      log=run_dir.parent / f"{run_dir.name}.trainer.log")
+    return run.require(config.num_steps)
 
 
 def main(argv: list[str] | None = None) -> None:
     config = load_config(CheckpointBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
-    if config.smoke:
-        config = replace(config, **SMOKE)
+    config = apply_smoke(config, SMOKE)
     setup_logging()
     work = Path(config.work_dir or tempfile.mkdtemp(prefix="checkpoint-bench-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -27,13 +27,12 @@ import json
 import logging
 import statistics
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-
 from benchmarks.harness import (
-    DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, demo_assets, demo_trainer_flags, fresh_run_dir, interrupt_on_sigterm,
-    run_trainer, setup_logging, summary_line,
+    DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, apply_smoke, demo_assets, demo_trainer_flags, fresh_run_dir,
+    interrupt_on_sigterm, run_trainer, setup_logging, summary_line
 )
 from local_cluster import LocalCluster, LocalClusterConfig
 from run_config import load_config
@@ -65,7 +64,8 @@ class DataPathBenchConfig:
 SMOKE = {"num_steps": 2, "repeats": 1}
 
 
-def run_one(cluster: LocalCluster, assets: DemoAssets, path: str, repeat: int, config: DataPathBenchConfig) -> list[dict]:
+def run_one(cluster: LocalCluster, assets: DemoAssets, path: str, repeat: int,
+            config: DataPathBenchConfig) -> list[dict]:
     run_dir = fresh_run_dir(Path(config.out_dir) / f"{path}-{repeat}")
     args = [*demo_trainer_flags(assets, run_dir, num_steps=config.num_steps, seed=config.seed,
                                 total_steps=max(config.num_steps, 6)), "--data_path", path]
@@ -86,8 +86,7 @@ def summarise(records: list[dict]) -> dict[str, dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     config = load_config(DataPathBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
-    if config.smoke:
-        config = replace(config, **SMOKE)
+    config = apply_smoke(config, SMOKE)
     setup_logging()
     interrupt_on_sigterm()
     assets = demo_assets(config.assets_dir)

@@ -36,10 +36,9 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-
 from benchmarks.harness import (
     DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, demo_assets, demo_trainer_flags, fresh_run_dir, interrupt_on_sigterm,
-    reward_at, run_trainer, setup_logging, summary_line,
+    reward_at, run_trainer, setup_logging, summary_line
 )
 from local_cluster import LocalCluster, LocalClusterConfig
 from run_config import load_config
@@ -73,8 +72,8 @@ class DistillBenchConfig:
     out_dir: str = str(REPO_ROOT / "runs" / "distill")
     """Runs go to <out_dir>/<variant>-seed<seed>."""
     smoke: bool = False
-    """Smoke mode: the distill variant, seed 0, 2 steps, the demo's starting model as the teacher
-    (SMOKE); checks that the command runs, its figures mean nothing."""
+    """Smoke mode: the distill variant, seed 0, 2 steps, the demo's starting model as the teacher     (SMOKE);
+    checks that the command runs, its figures mean nothing."""
 
     def __post_init__(self) -> None:
         if not self.teacher_path and not self.smoke:

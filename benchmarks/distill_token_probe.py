@@ -14,22 +14,26 @@ from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-
 
 from benchmarks.harness import REPO_ROOT
 from dataset import DatasetConfig, load_prompts
 from run_config import load_config
 
 
+SMOKE = {"num_prompts": 2, "samples": 2}
+"""Sizes of the smoke mode."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class ProbeConfig:
     """Command line of `python -m benchmarks.distill_token_probe`."""
 
-    teacher_path: str
-    """The teacher checkpoint (sharing the student's tokenizer)."""
+    teacher_path: str = ""
+    """The teacher checkpoint (sharing the student's tokenizer); required unless --smoke (which
+    takes the student as its own teacher)."""
     student_path: str = str(REPO_ROOT / "runs" / "demo-assets" / "model")
     """The student: the demo's start."""
     data_path: str = str(REPO_ROOT / "runs" / "demo-assets" / "arithmetic.jsonl")
@@ -39,6 +43,13 @@ class ProbeConfig:
     """Completions sampled per prompt."""
     max_new_tokens: int = 16
     seed: int = 0
+    smoke: bool = False
+    """Smoke mode: 2 prompts x 2 samples, the student as the teacher (SMOKE); checks that the command
+    still runs, its figures mean nothing."""
+
+    def __post_init__(self) -> None:
+        if not self.teacher_path and not self.smoke:
+            raise ValueError("ProbeConfig.teacher_path must be set (a trained demo checkpoint)")
 
 
 def token_logprobs(model: torch.nn.Module, sequence: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -52,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = load_config(ProbeConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    if config.smoke:
+        config = replace(config, **SMOKE, teacher_path=config.teacher_path or config.student_path)
     torch.manual_seed(config.seed)
     tokenizer = AutoTokenizer.from_pretrained(config.student_path)
     student = AutoModelForCausalLM.from_pretrained(config.student_path).eval()

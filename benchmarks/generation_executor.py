@@ -34,8 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-
+from benchmarks.harness import apply_smoke
 from run_config import load_config
+
+
+SMOKE = {"prompts": 2, "n": 2, "repeats": 1}
+"""Sizes of the smoke mode."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -56,6 +60,10 @@ class GenerationExecutorConfig:
     """Internal: set by the parent for the child process that measures this mode."""
     child_model: str | None = None
     """Internal: the model folder the parent passes to its child process."""
+
+    smoke: bool = False
+    """Smoke mode: 2 prompts x 2 rollouts, 1 repeat (SMOKE); checks that the command still runs, its figures mean
+    nothing."""
 
     def __post_init__(self) -> None:
         if self.child_mode is not None and not self.child_model:
@@ -141,6 +149,7 @@ def _child(model_dir: str, mode: str, args: GenerationExecutorConfig) -> dict[st
 
 def main(argv: list[str] | None = None) -> None:
     args = load_config(GenerationExecutorConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    args = apply_smoke(args, SMOKE)
     if args.child_mode:
         result = asyncio.run(_measure(args.child_model, args.child_mode == "in_process", args))
         print(json.dumps(result))

@@ -1,13 +1,16 @@
-"""What the benchmark scripts share: logging set-up, the one-line summary, the demo's assets and
-trainer flags, and one trainer run on a local cluster with its metrics read back.
+"""What the benchmark scripts share: logging set-up, the smoke mode, the one-line summary, the
+demo's assets and trainer flags, and one trainer run on a local cluster with its metrics read back.
 
 Every script runs from the repository root as `python -m benchmarks.NAME` (the root is then on
-sys.path, so the project's modules import as they are). Library modules here (this one,
-process_monitor.py, *_parts.py) hold no `main`; no benchmark script imports another one.
+sys.path, so the project's modules import as they are) and has a smoke mode (`--smoke true`: a few
+steps at tiny sizes) that tests/test_benchmarks_smoke.py runs. Library modules here (this one,
+process_monitor.py, packed_samples.py, *_parts.py) have no `__main__` entry; no benchmark script
+imports another one (tests/test_benchmarks_layout.py checks both).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import signal
@@ -43,8 +46,15 @@ def interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def apply_smoke(config: Any, sizes: dict[str, Any]) -> Any:
+    """`config` with its script's smoke sizes (a few steps, tiny shapes) when `config.smoke` is set:
+    the run checks that the recorded command still works (tests/test_benchmarks_smoke.py); its
+    figures mean nothing."""
+    return dataclasses.replace(config, **sizes) if config.smoke else config
+
+
 def summary_line(name: str, figures: dict[str, Any]) -> str:
-    """`name: key=value key=value ...`: the last line each script prints (what tests read)."""
+    """`name: key=value key=value ...`: a script's summary line, printed last (tests read it)."""
     return f"{name}: " + " ".join(f"{key}={value}" for key, value in figures.items())
 
 
@@ -142,6 +152,13 @@ class TrainerRun:
     def log_tail(self, lines: int = TRAINER_LOG_TAIL_LINES) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
+    def require(self, num_steps: int) -> list[dict[str, Any]]:
+        """The records, or RuntimeError (with the log's tail) unless the run exited 0 with num_steps."""
+        if self.exit_code != 0 or len(self.records) < num_steps:
+            raise RuntimeError(f"trainer run exited {self.exit_code} after {len(self.records)} of {num_steps} "
+                               f"steps; last lines of {self.log}:\n{self.log_tail()}")
+        return self.records
+
 
 def fresh_run_dir(run_dir: Path) -> Path:
     """`run_dir`, made, without the files a trainer appends to (metrics.jsonl, data_rank*.jsonl)."""
@@ -151,14 +168,16 @@ def fresh_run_dir(run_dir: Path) -> Path:
     return run_dir
 
 
-def run_trainer(cluster: Any, args: list[str], run_dir: Path, *, nproc_per_node: int = 2) -> TrainerRun:
+def run_trainer(cluster: Any, args: list[str], run_dir: Path, *, nproc_per_node: int = 2,
+                timeout_s: float | None = None, log: Path | None = None) -> TrainerRun:
     """`torchrun trainer_core.py args` on a started LocalCluster; its metrics read back. A failed run
-    is logged with its log's tail (the caller decides whether that fails the benchmark)."""
+    is logged with its log's tail (the caller decides whether that fails the benchmark, or calls
+    TrainerRun.require). The log defaults to <run_dir>/trainer.log."""
     from metrics import read_metrics
 
-    log = run_dir / "trainer.log"
+    log = log or run_dir / "trainer.log"
     started = time.monotonic()
-    code = cluster.run_trainer(args, nproc_per_node=nproc_per_node, log_path=log)
+    code = cluster.run_trainer(args, nproc_per_node=nproc_per_node, timeout_s=timeout_s, log_path=log)
     metrics = run_dir / "metrics.jsonl"
     run = TrainerRun(exit_code=code, records=read_metrics(metrics) if metrics.is_file() else [],
                      wall_s=time.monotonic() - started, log=log)

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-
-from benchmarks.harness import load_prepare_demo
+from benchmarks.harness import apply_smoke, load_prepare_demo
 from run_config import load_config
 from setup_model import load_causal_lm, load_tokenizer
 from tiny_model import TinyModelConfig, write_tiny_model
@@ -37,6 +36,10 @@ SFT_LR = 1e-3
 SFT_BATCH = 32
 WELL_FORMED = re.compile(r"\d{1,2}")
 MAX_NEW_TOKENS = 4
+
+
+SMOKE = {"warmups": ["0:0", "2:1e-3"], "sft_steps": 2, "every": 1}
+"""Sizes of the smoke mode."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -53,6 +56,9 @@ class LearnabilityConfig:
     """Seed of the model, its warm-up and the problems drawn."""
     threads: int = 1
     """torch intra-op threads."""
+    smoke: bool = False
+    """Smoke mode: no warm-up and a 2-step one, 2 SFT steps (SMOKE); checks that the command still runs, its
+    figures mean nothing."""
 
 
 def encode(tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
@@ -108,6 +114,7 @@ def supervised_curve(model, tokenizer, steps: int, every: int, rng: random.Rando
 
 def main(argv: list[str] | None = None) -> None:
     args = load_config(LearnabilityConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    args = apply_smoke(args, SMOKE)
     torch.set_num_threads(args.threads)
     for spec in args.warmups:
         steps, lr = int(spec.split(":")[0]), float(spec.split(":")[1])

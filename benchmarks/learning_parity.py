@@ -39,8 +39,7 @@ from typing import Literal
 
 import torch
 
-
-from benchmarks.harness import REPO_ROOT, setup_logging
+from benchmarks.harness import apply_smoke, REPO_ROOT, setup_logging
 from dataset import load_prompts
 from distributed_sampler import InfiniteDistributedSampler
 from math_verifier import score_completion
@@ -55,6 +54,10 @@ WINDOW = 10  # steps in the trailing mean that the thresholds and the curves use
 THRESHOLDS = (0.5, 0.6, 0.9)
 PARITY_TAIL = 100  # parity compares mean reward over the last this-many steps
 _MAX_LOG_RATIO = 20.0  # the same guard any PPO loss needs so exp() stays finite
+
+
+SMOKE = {"seeds": [0], "num_steps": 2}
+"""Sizes of the smoke mode."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -87,6 +90,8 @@ class LearningParityConfig:
     """Print the curves every this many steps."""
     threads: int = 2
     """torch threads of the reference loop."""
+    smoke: bool = False
+    """Smoke mode: seed 0, 2 steps (SMOKE); checks that the command still runs, its figures mean nothing."""
 
 
 @dataclass(slots=True)
@@ -396,6 +401,7 @@ def print_curves(seed: int, runs: dict[str, list[dict[str, float]]], every: int)
 def main(argv: list[str] | None = None) -> None:
     own, trainer_args = split_passthrough(sys.argv[1:] if argv is None else argv)
     args = load_config(LearningParityConfig, own, description=__doc__)
+    args = apply_smoke(args, SMOKE)
     setup_logging()
     torch.set_num_threads(args.threads)
     model_dir, out_dir = Path(args.model_dir), Path(args.out_dir)

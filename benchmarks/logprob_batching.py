@@ -42,8 +42,7 @@ from typing import Awaitable
 import torch
 from transformers import AutoConfig
 
-
-from benchmarks.harness import setup_logging
+from benchmarks.harness import apply_smoke, setup_logging
 from logprob_worker import LogprobWorker, LogprobWorkerConfig, resolve_device
 from worker_options import LogprobBatchingConfig
 from run_config import load_config
@@ -54,6 +53,11 @@ from tiny_model import TinyModelConfig, write_tiny_model
 TINY_SHAPE = TinyModelConfig()
 WIDE_SHAPE = TinyModelConfig(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1408)
 WARMUP_SAMPLES = 4  # first forwards pay one-off allocation and kernel-selection costs
+
+
+SMOKE = {"num_samples": 4, "budgets": [256], "repeats": 1, "min_prompt": 2, "max_prompt": 8, "min_output": 2,
+         "max_output": 8}
+"""Sizes of the smoke mode."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -79,6 +83,10 @@ class BenchConfig:
     """Seed of the random samples."""
     attn_implementation: str | None = None
     """Workers' attn_implementation; None: setup_model.default_attn_implementation for the device."""
+
+    smoke: bool = False
+    """Smoke mode: 4 short samples, one budget, 1 repeat (SMOKE); checks that the command still runs, its figures
+    mean nothing."""
 
     def __post_init__(self) -> None:
         for name in ("num_samples", "min_prompt", "min_output", "repeats"):
@@ -214,6 +222,7 @@ def run_shape(label: str, shape: TinyModelConfig, config: BenchConfig, workdir: 
 
 def main(argv: list[str] | None = None) -> None:
     config = load_config(BenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = apply_smoke(config, SMOKE)
     setup_logging(logging.WARNING)
     device = resolve_device(LogprobWorkerConfig.device)
     attn = config.attn_implementation or default_attn_implementation(device)

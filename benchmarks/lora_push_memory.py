@@ -33,10 +33,10 @@ import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
 
-
 import psutil
 import torch
 
+from benchmarks.harness import apply_smoke
 from local_cluster import init_local_ray
 from tiny_model import write_random_adapter as write_adapter
 from math_verifier import RewardResult
@@ -51,6 +51,10 @@ from weight_sync import StableMarker, WeightUpdate, tensor_to_blob, update_parts
 
 WORKER_NAME = "lora-memory-probe"
 FIELDS = ("VmRSS", "RssAnon", "RssShmem", "RssFile")
+
+
+SMOKE = {"pushes": 4, "fit_from": 2, "rank": 8}
+"""Sizes of the smoke mode."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -72,6 +76,10 @@ class LoraPushMemoryConfig:
     """>0: before anything else, malloc and free one block of this size in this process, which
     raises glibc's dynamic mmap threshold (and trim threshold, twice it) to that size, as any
     earlier free of a large array does in a long-lived process (e.g. pytest after other tests)."""
+
+    smoke: bool = False
+    """Smoke mode: 4 pushes of a rank-8 adapter (SMOKE); checks that the command still runs, its figures mean
+    nothing."""
 
     def __post_init__(self) -> None:
         if self.pushes < 3:
@@ -231,6 +239,7 @@ def raise_mmap_threshold(size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     config = load_config(LoraPushMemoryConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = apply_smoke(config, SMOKE)
     if config.raise_mmap_threshold_mib:
         raise_mmap_threshold(config.raise_mmap_threshold_mib << 20)
     init_local_ray(num_cpus=4, namespace="lora-push-memory", log_to_driver=False)

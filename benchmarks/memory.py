@@ -61,8 +61,7 @@ from typing import Callable, Literal
 
 import torch
 
-
-from benchmarks.harness import setup_logging
+from benchmarks.harness import apply_smoke, setup_logging
 from benchmarks.packed_samples import draw_packed_samples, full_logit_logprobs
 from grpo_loss import LossConfig, chunked_token_logprobs, grpo_loss
 from run_config import load_config
@@ -85,6 +84,12 @@ GRAD_TOLERANCE = 1e-4  # relative to the gradient tensor's largest magnitude
 CHECK_MIN_CHUNKS = 3  # the equality check spans at least this many chunks
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _RESET_PEAK_RSS = "5"  # written to clear_refs: reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
+
+
+SMOKE = {"model": ShapeOverrides(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, num_layers=1,
+                                 vocab_size=256),
+         "token_counts": [256], "check_tokens": 256, "chunk_size": 64}
+"""Sizes of the smoke mode."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -123,6 +128,10 @@ class BenchConfig:
     """Outputs are cut here."""
     seed: int = 0
     """Seed of weights, hidden states and samples."""
+
+    smoke: bool = False
+    """Smoke mode: a 1-layer, 64-wide model with a 256-token vocabulary, 256 tokens (SMOKE); checks that the
+    command still runs, its figures mean nothing."""
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -361,6 +370,7 @@ def run(config: BenchConfig, model_dir: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = load_config(BenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = apply_smoke(config, SMOKE)
     setup_logging(logging.WARNING)
     shape = model_shape(config.preset, config.model)
     device = resolve_device(config)

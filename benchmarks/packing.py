@@ -41,8 +41,7 @@ from typing import Callable
 
 import torch
 
-
-from benchmarks.harness import setup_logging
+from benchmarks.harness import apply_smoke, setup_logging
 from grpo_loss import LossConfig, grpo_loss
 from packed_attention import PACKED_SDPA
 from run_config import load_config
@@ -56,6 +55,10 @@ logger = logging.getLogger("benchmarks.packing")
 LOSS_MATCH_RTOL = 1e-4
 LOSS_CONFIG = LossConfig(kl_coef=0.05, is_mode="tis", is_cap=2.0)
 PADDED_ATTN = "sdpa"  # the baseline: transformers' own sdpa with the padding mask
+
+
+SMOKE = {"num_samples": 4, "reps": 1, "warmup": 0, "num_layers": 1}
+"""Sizes of the smoke mode."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -91,6 +94,10 @@ class BenchConfig:
     threads: int = 1
     """torch intra-op threads. One by default: on a shared machine a single thread's CPU time
     measures the work without OpenMP threads spinning while a sibling is descheduled."""
+
+    smoke: bool = False
+    """Smoke mode: 4 samples, 1 layer, 1 repetition (SMOKE); checks that the command still runs, its figures mean
+    nothing."""
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -258,6 +265,7 @@ def run(config: BenchConfig, model_dir: Path) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     config = load_config(BenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = apply_smoke(config, SMOKE)
     setup_logging(logging.WARNING)
     torch.set_num_threads(config.threads)
     with tempfile.TemporaryDirectory(prefix="bench-packing-") as tmp:

@@ -19,10 +19,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
+from benchmarks.harness import apply_smoke
 from local_cluster import use_loopback_only_ray
 from ray_env import actor_runtime_env
 from run_config import load_config
+
+
+SMOKE = {"duration_s": 5.0, "every_s": 1.0}
+"""Sizes of the smoke mode."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -35,6 +39,9 @@ class RayletIdleConfig:
     """Seconds between readings."""
     system_config: str = "{}"
     """Extra Ray `_system_config` entries, as JSON (on top of init_local_ray's)."""
+    smoke: bool = False
+    """Smoke mode: 5 s, a reading every second (SMOKE); checks that the command still runs, its figures mean
+    nothing."""
 
 
 def raylet_pid(socket_name: str) -> int:
@@ -63,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     config = load_config(RayletIdleConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+
+    config = apply_smoke(config, SMOKE)
     extra = json.loads(config.system_config)
     use_loopback_only_ray()
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", namespace="raylet-idle",

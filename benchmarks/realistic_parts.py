@@ -25,6 +25,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MODEL_SPEC_FILE = "realistic_run_model.json"  # written last: its presence marks a complete model folder
 
 
+SMOKE = {"preset": "tiny", "max_tokens": 8, "num_steps": 1, "num_problems": 8}
+"""Sizes of the smoke mode."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class RealisticRunConfig:
     """Command line of `python -m benchmarks.realistic_run`; trainer flags go after `--`."""
@@ -93,6 +97,10 @@ class RealisticRunConfig:
     first step most activation-sized buffers come from the heap and their freed pages stay
     resident; a fixed threshold hands them back at free. Measured with trainer_throughput (2 ranks,
     0.5B shape, benchmarks/RESULTS.md): a rank's peak 7.37 -> 6.21 GiB, its step 129 -> 142 s."""
+
+    smoke: bool = False
+    """Smoke mode: the tiny model, 8 problems, 1 step of 8-token responses (SMOKE); checks that the command still
+    runs, its figures mean nothing."""
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:

@@ -77,13 +77,13 @@ from typing import Any
 
 import yaml
 
-from benchmarks.harness import REPO_ROOT, interrupt_on_sigterm, setup_logging
+from benchmarks.harness import apply_smoke, REPO_ROOT, interrupt_on_sigterm, setup_logging
 from benchmarks.process_monitor import (
     GB, KB, LogWatcher, ProcessMonitor, RunFailed, count_lines, phase_of, print_failure, process_table, run_polled,
     tail,
 )
 from benchmarks.realistic_parts import (
-    MODEL_SPEC_FILE, RealisticRunConfig, cluster_sizing, final_line, median_row, model_dir_name, model_spec,
+    MODEL_SPEC_FILE, SMOKE, RealisticRunConfig, cluster_sizing, final_line, median_row, model_dir_name, model_spec,
     model_writer_command, parameter_count, stage_times, step_rows, steps_table, trainer_yaml, write_gsm8k,
 )
 from metrics import read_metrics
@@ -301,6 +301,7 @@ def print_report(report: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     own, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv))
     config = load_config(RealisticRunConfig, own, description=__doc__)
+    config = apply_smoke(config, SMOKE)
     setup_logging()
     interrupt_on_sigterm()
     try:

@@ -63,10 +63,9 @@ import time
 from dataclasses import dataclass
 
 
-
 from typing import Literal
 
-from benchmarks.harness import setup_logging
+from benchmarks.harness import apply_smoke, setup_logging
 from math_verifier import RewardResult
 from verifier_pool import VerifierPool
 from reward_functions import FunctionScore
@@ -119,6 +118,10 @@ def trivial(prompt: dict, completion: str, token_ids: list[int], metadata: dict)
     return float(completion == prompt["gt_answer"])
 
 
+SMOKE = {"num_samples": 64, "rounds": 1, "num_processes": 1}
+"""Sizes of the smoke mode."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class RewardBenchConfig:
     """Command line of `python -m benchmarks.reward`."""
@@ -165,6 +168,9 @@ class RewardBenchConfig:
     """The pool's plain-number fast path. This workload's answers and golds are all plain numbers,
     so with it every non-hostile completion is decided without math-verify; false measures
     math-verify in the processes (the pre-checks stay on)."""
+    smoke: bool = False
+    """Smoke mode: 64 samples, 1 round, 1 process (SMOKE); checks that the command still runs, its figures mean
+    nothing."""
 
 
 @dataclass(slots=True)
@@ -369,6 +375,7 @@ def _workload(args: RewardBenchConfig, hostile_fraction: float,
 
 def main(argv: list[str] | None = None) -> None:
     args = load_config(RewardBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    args = apply_smoke(args, SMOKE)
     setup_logging(logging.ERROR)
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-
 from local_cluster import use_loopback_only_ray
 from run_config import load_config
 

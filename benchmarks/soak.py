@@ -63,13 +63,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import REPO_ROOT, DemoAssets, interrupt_on_sigterm, setup_logging
+from benchmarks.harness import REPO_ROOT, DemoAssets, apply_smoke, interrupt_on_sigterm, setup_logging
 from benchmarks.process_monitor import (
     KB, LogWatcher, ProcessMonitor, RunFailed, count_lines, format_table, parse_status, phase_of, print_failure,
     run_polled,
 )
 from benchmarks.soak_parts import (
-    TARGET_GROWTH, SoakConfig, compare, process_timelines, read_memory, rss_growth, trainer_args,
+    SMOKE, TARGET_GROWTH, SoakConfig, compare, process_timelines, read_memory, rss_growth, trainer_args,
 )
 from metrics import read_metrics
 from run_config import config_to_dict, load_config, split_passthrough
@@ -427,6 +427,7 @@ def final_line(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     own, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv))
     config = load_config(SoakConfig, own, description=__doc__)
+    config = apply_smoke(config, SMOKE)
     setup_logging()
     interrupt_on_sigterm()  # so run_polled stops local_cluster.py, which stops everything it started
     try:

@@ -13,6 +13,10 @@ from benchmarks.process_monitor import parse_status
 TARGET_GROWTH = 1.10  # issue 11: RSS at the last step within 10% of RSS at the early step
 
 
+SMOKE = {"num_steps": 12, "early_step": 4, "num_prompts": 500, "poll_s": 2.0, "timeline_every": 4}
+"""Sizes of the smoke mode."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class SoakConfig:
     """Command line of `python -m benchmarks.soak`; trainer flags go after `--`."""
@@ -39,6 +43,10 @@ class SoakConfig:
     the two snapshots): a per-process timeline, which shows whether a growth levels off."""
     timeout_s: float = 2 * 3600.0
     """Stop the run (and fail) after this long."""
+
+    smoke: bool = False
+    """Smoke mode: 12 steps, snapshots at 4 and 12, a timeline every 4 (SMOKE); checks that the command still
+    runs, its figures mean nothing."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.early_step < self.num_steps:

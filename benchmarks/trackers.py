@@ -61,12 +61,20 @@ def _one(setting: str, steps: int, gap_s: float, root: Path) -> tuple[float, flo
     return started, statistics.median(per_step), time.perf_counter() - t
 
 
+SMOKE = {"steps": 5, "rounds": 1, "gap_s": 0.0}
+"""Sizes of the smoke mode."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gap_s", type=float, default=0.1, help="seconds between two steps' log() calls")
+    parser.add_argument("--smoke", type=lambda v: v.lower() == "true", default=False,
+                        help="true: 5 steps, 1 round, no gap (SMOKE): checks that the command still runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.rounds, args.gap_s = SMOKE["steps"], SMOKE["rounds"], SMOKE["gap_s"]
     root = Path(tempfile.mkdtemp(prefix="trackers-bench-"))
     os.environ["TRACKIO_DIR"] = str(root / "trackio")  # before trackio is imported
     os.environ["WANDB_DATA_DIR"] = str(root / "wandb-data")

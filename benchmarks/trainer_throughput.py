@@ -59,8 +59,7 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 
-
-from benchmarks.harness import setup_logging
+from benchmarks.harness import apply_smoke, setup_logging
 from benchmarks.packed_samples import draw_packed_samples, training_flops
 from fsdp_setup import DistInfo, build_training_model, init_distributed
 from grpo_loss import LossConfig, grpo_loss
@@ -85,6 +84,10 @@ LOSS_CONFIG = LossConfig(kl_coef=0.05)  # the demo's KL weight: the KL term runs
 MATMUL_REPS = 5  # timings of the peak matmul; the fastest counts
 CUDA_MATMULS_PER_TIMING = 20  # one GPU matmul is too short to time on its own
 BYTES_PER_GIB = 2**30
+
+
+SMOKE = {"preset": "tiny", "tokens_per_rank": 256, "steps": 1, "warmup": 0, "peak_tflops": 1.0}
+"""Sizes of the smoke mode."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -131,6 +134,10 @@ class BenchConfig:
     """Side of the square matmul timed for the measured peak; 0: 8192 on CUDA, 2048 on CPU."""
     seed: int = 0
     """Seed of the sample draw (rank r draws minibatch i with seed + 1000 r + i); the weights take --model.seed."""
+
+    smoke: bool = False
+    """Smoke mode: the tiny model, 256 tokens per rank, 1 step, no warm-up, no peak measurement (SMOKE); checks
+    that the command still runs, its figures mean nothing."""
 
     def __post_init__(self) -> None:
         if not self.model_path and self.preset not in PRESETS:
@@ -338,6 +345,7 @@ def format_result(result: dict[str, float | int | str]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     config = load_config(BenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = apply_smoke(config, SMOKE)
     setup_logging(logging.WARNING)
     dist = init_distributed()
     workdir = Path(tempfile.mkdtemp(prefix="bench-trainer-throughput-")) if dist.is_main else Path()

@@ -59,8 +59,7 @@ from typing import Any, Literal
 
 import torch
 
-
-from benchmarks.harness import REPO_ROOT
+from benchmarks.harness import apply_smoke, REPO_ROOT
 from local_cluster import LocalCluster, LocalClusterConfig, free_port
 from run_config import load_config
 from tiny_model import TinyModelConfig, write_tiny_model
@@ -80,6 +79,11 @@ UNUSED_DATA_PATH = "unused-by-weight-push.jsonl"
 TRAINER_TIMEOUT_S = 1200.0
 RECEIVER_START_TIMEOUT_S = 600.0
 _DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}  # safetensors dtype names -> bytes per element
+
+
+SMOKE = {"hidden_size": 64, "num_layers": 1, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 2, "repeats": 1,
+         "breakdown_repeats": 1}
+"""Sizes of the smoke mode."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -114,6 +118,10 @@ class PushBenchConfig:
     lora_r: int = 0
     """Rank of a LoRA adapter on every linear layer; > 0 pushes only the adapter (modes gather,
     sharded, lora_files). 0: full weights (gather, sharded)."""
+
+    smoke: bool = False
+    """Smoke mode: a 1-layer, 64-wide model, 1 repeat (SMOKE); checks that the command still runs, its figures
+    mean nothing."""
 
     def __post_init__(self) -> None:
         if self.role == "trainer" and not (self.model_dir and self.out):
@@ -437,6 +445,7 @@ def trainer_main(model_dir: Path, out: Path, repeats: int, breakdown_repeats: in
 
 def main(argv: list[str] | None = None) -> None:
     cfg = load_config(PushBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    cfg = apply_smoke(cfg, SMOKE)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,5 +1,6 @@
-"""benchmarks/realistic_run.py's pure helpers (benchmarks/realistic_parts.py, process_monitor.py): data, trainer config and engine sizing, process
-labels, memory bookkeeping, stage times. No Ray, vLLM or torchrun here (the benchmark itself runs
+"""benchmarks/realistic_run.py's pure helpers (in benchmarks/realistic_parts.py and
+process_monitor.py): data, trainer config and engine sizing, process labels, memory bookkeeping,
+stage times. No Ray, vLLM or torchrun here (the benchmark itself runs
 the whole system)."""
 
 from __future__ import annotations

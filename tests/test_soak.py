@@ -79,8 +79,9 @@ def test_trainer_args_keep_the_demo_config_and_turn_off_checkpoints_and_eval(tmp
 @pytest.mark.distributed
 def test_quick_soak_reports_both_snapshots_per_process(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.soak", "--num_steps", "12", "--early_step", "4",
-         "--work_dir", str(tmp_path), "--num_prompts", "500", "--poll_s", "2", "--timeline_every", "4",
+        # --smoke true: 12 steps, snapshots at 4 and 12, 500 prompts, every process read every 2 s and
+        # at every 4th record (soak_parts.SMOKE).
+        [sys.executable, "-m", "benchmarks.soak", "--smoke", "true", "--work_dir", str(tmp_path),
          # Small steps (the demo's are 2 x 16 prompts x 16 rollouts): the report's structure is
          # under test here, and a step's size changes nothing in it.
          "--", "--prompts_per_rank", "4", "--sampling.n", "4"],

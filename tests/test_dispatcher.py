@@ -23,7 +23,7 @@ import pytest
 
 from local_cluster import LOOPBACK_ONLY_ENV
 from process_output import OutputLog
-from ray_env import GENERATION, registry_name, repo_pythonpath, worker_actor_name
+from ray_env import GENERATION, LOGPROB, registry_name, repo_pythonpath, worker_actor_name
 from run_config import load_config
 from worker_dispatcher import REGISTERED_LINE, DispatcherConfig, format_status
 from worker_options import EngineConfig, LogprobBatchingConfig
@@ -190,17 +190,18 @@ def test_the_engine_and_batching_sections_reach_the_workers_as_given():
     assert unset.engine == EngineConfig()  # the worker's own defaults; on a CUDA node nothing is sized
 
 
-@pytest.mark.vllm
+@pytest.mark.system
 def test_dispatcher_registers_reports_and_stops_cleanly(ray_head, tiny_model_dir):
+    """The lifecycle every mode shares (start, register, status, SIGINT, deregister), on a logprob
+    worker: it starts in seconds where a vLLM engine takes a minute. A generation worker's start,
+    registration and status row are checked by the replacement test below."""
     command = [
-        sys.executable, DISPATCHER, "--model_path", str(tiny_model_dir), "--mode", GENERATION,
-        "--tensor_parallel_size", "1", "--max_num_seqs", "8", "--global_num_verifiers", "1",
-        "--gpu_memory_utilization", "0.08", "--kv_cache_memory_bytes", str(_KV_CACHE_BYTES),
-        "--max_model_len", str(_MAX_MODEL_LEN), "--health_check_interval_s", "1",
+        sys.executable, DISPATCHER, "--model_path", str(tiny_model_dir), "--mode", LOGPROB,
+        "--max_tokens_per_forward", "1024", "--health_check_interval_s", "1",
     ]
     dispatcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_head)
     log = OutputLog(dispatcher)
-    name = worker_actor_name(GENERATION, 0)
+    name = worker_actor_name(LOGPROB, 0)
     try:
         log.wait_for(REGISTERED_LINE.format(name=name), dispatcher, _REGISTER_BOUND_S)
 
@@ -212,10 +213,10 @@ def test_dispatcher_registers_reports_and_stops_cleanly(ray_head, tiny_model_dir
         assert table[0].split() == ["kind", "name", "node", "gpus", "state", "version", "uptime", "load", "in-flight",
                                     "served", "failed", "health"]
         (row,) = [line.split() for line in table if name in line]
-        assert row[0] == GENERATION and row[4] == "READY" and row[-1] == "ok", status.stdout
+        assert row[0] == LOGPROB and row[4] == "READY" and row[-1] == "ok", status.stdout
 
         actors = _named_actors(ray_head)
-        assert name in actors and registry_name(GENERATION) in actors, actors
+        assert name in actors and registry_name(LOGPROB) in actors, actors
 
         dispatcher.send_signal(signal.SIGINT)
         assert dispatcher.wait(timeout=_EXIT_BOUND_S) == 0, log.tail()
@@ -224,12 +225,12 @@ def test_dispatcher_registers_reports_and_stops_cleanly(ray_head, tiny_model_dir
         after = subprocess.run(
             [sys.executable, DISPATCHER, "status"], capture_output=True, text=True, env=ray_head, timeout=_EXIT_BOUND_S
         )
-        assert f"{registry_name(GENERATION)}: no live workers" in after.stdout, after.stdout
+        assert f"{registry_name(LOGPROB)}: no live workers" in after.stdout, after.stdout
         deadline = time.monotonic() + _EXIT_BOUND_S
         while name in (actors := _named_actors(ray_head)):
             assert time.monotonic() < deadline, f"{name} still alive after the dispatcher stopped: {actors}"
             time.sleep(1.0)
-        assert registry_name(GENERATION) in actors, "the detached registry must outlive its dispatcher"
+        assert registry_name(LOGPROB) in actors, "the detached registry must outlive its dispatcher"
     finally:
         if dispatcher.poll() is None:
             dispatcher.kill()
@@ -245,6 +246,7 @@ def test_dispatcher_replaces_a_dead_worker_cleans_its_files_then_gives_up(ray_he
         "--max_num_seqs", "4", "--global_num_verifiers", "1", "--kv_cache_memory_bytes", str(_KV_CACHE_BYTES),
         "--max_model_len", str(_MAX_MODEL_LEN), "--health_check_interval_s", "1",
         "--max_restarts", "1", "--restart_backoff_s", "0.5",
+        "--enforce_eager",  # uncompiled: two engine starts, each ~8 s sooner; the lifecycle is under test
     ]
     dispatcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_head)
     log = OutputLog(dispatcher)

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import reward_functions
+from reasoning_gym_tasks import REASONING_GYM_SOURCE_PREFIX
 from reward_functions import FunctionScore
 
 # The verifier's reward for a correct answer; `reward/accuracy` and `eval/accuracy` count a
@@ -54,10 +55,9 @@ CORRECT_VERDICT = 1.0
 DEFAULT_REWARD_NAME = "math_verify"
 # The record field that routes a prompt to its reward function (verl's layout).
 DATA_SOURCE_FIELD = "data_source"
-# Prompts of data.format reasoning_gym have data_source "reasoning_gym/<task>"; without other
-# functions they are scored by the task's own scorer (reasoning_gym_reward.py; the names are
-# repeated here so that this pure module does not import the reward function's module).
-REASONING_GYM_SOURCE_PREFIX = "reasoning_gym/"
+# Prompts of data.format reasoning_gym have data_source "reasoning_gym/<task>"
+# (reasoning_gym_tasks.REASONING_GYM_SOURCE_PREFIX); without other functions they are scored by
+# the task's own scorer (named here, so that this pure module does not import the scorer's module).
 REASONING_GYM_FUNCTION = "reasoning_gym_reward:score"
 # Metric names under reward/ that a reward function's name (reward/<name>) must not take.
 _RESERVED_METRIC_NAMES = ("mean", "accuracy", "mean_generated")

@@ -25,17 +25,18 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODULES = sorted(p.stem for p in REPO_ROOT.glob("*.py"))
 
-PURE = ("advantages", "algorithm", "grpo_loss", "optimizer", "packed_attention", "ray_env", "rewards", "run_config",
-        "sample_processing_utils", "sampling", "versions", "worker_options", "token_budget_queue", "math_verifier", "reward_failure", "capacity_queue", "lease_book",
-        "batcher_messages", "step_stats", "group_preparer", "round_tracker",
-        "prompt_record", "distributed_sampler", "arithmetic_data", "reasoning_gym_tasks")
+PURE = ("advantages", "algorithm", "arithmetic_data", "batcher_messages", "capacity_queue", "distributed_sampler",
+        "group_preparer", "grpo_loss", "lease_book", "math_verifier", "optimizer", "packed_attention",
+        "prompt_record", "ray_env", "reasoning_gym_tasks", "reward_failure", "rewards", "round_tracker",
+        "run_config", "sample_processing_utils", "sampling", "step_stats", "token_budget_queue", "versions",
+        "worker_options")
 FORBIDDEN_IN_PURE = ("ray", "vllm", "torch.distributed")
-WORKER_SIDE = ("logprob_worker", "weight_reload", "weight_files", "rollout_scoring", "worker_lifecycle", "verifier_cluster", "vllm_experience_batcher", "vllm_registry", "vllm_worker",
-               "worker_dispatcher", "verifier_pool", "verifier_process", "batch_calls",
-               "rollout_fetcher")
+WORKER_SIDE = ("batch_calls", "logprob_worker", "rollout_fetcher", "rollout_scoring", "verifier_cluster",
+               "verifier_pool", "verifier_process", "vllm_experience_batcher", "vllm_registry", "vllm_worker",
+               "weight_files", "weight_reload", "worker_dispatcher", "worker_lifecycle")
 TRAINER_ONLY = ("checkpoint", "data_path", "evaluation", "fsdp_setup", "metrics", "optimizer", "trainer_core")
-WORKER_MODULES = ("logprob_worker", "weight_reload", "weight_files", "rollout_scoring", "verifier_cluster", "verifier_pool", "verifier_process", "vllm_worker",
-                  "worker_dispatcher")
+WORKER_MODULES = ("logprob_worker", "rollout_scoring", "verifier_cluster", "verifier_pool", "verifier_process",
+                  "vllm_worker", "weight_files", "weight_reload", "worker_dispatcher")
 
 
 @cache

@@ -3,7 +3,7 @@ its processes spread over the nodes that offer verifier capacity, and the client
 score through.
 
 On a Ray cluster all generation workers share one pool actor, created by the first call to
-`get_or_create_verifier_pool`; that first caller's `num_processes` (the seed's
+`get_or_create_verifier_pool`; that first caller's `num_processes` (the dispatcher's
 --global_num_verifiers; None: from the cores, verifier_pool.VerifierPoolConfig) and `timeout_s`
 size it, later callers get the existing actor whatever they pass. Each process uses about one CPU
 core. Nodes offer that capacity through the `verification_slot` custom resource
@@ -317,7 +317,7 @@ def get_or_create_verifier_pool(num_processes: int | None = None, timeout_s: flo
 
     The first caller creates it with its arguments (detached: it outlives its creator); every later
     caller gets that same actor and its arguments are ignored, so start the component that should
-    size it (the seed's --global_num_verifiers) first, or pass the same values everywhere.
+    size it (a dispatcher's --global_num_verifiers) first, or pass the same values everywhere.
     `stats()["num_processes"]` tells a caller what it got, `placement()` where the processes run
     (VerifierPoolActor: on the nodes offering `verification_slot`, else in the actor's process).
     num_cpus=0: the actor itself only waits and routes.

@@ -8,7 +8,7 @@ Out of the trainer: `gather_full_state_dict` (rank 0 gets full tensors), `local_
 - "gather": rank 0 gathers the full (unsharded) state dict and `ray.put`s it as one shard.
 - "sharded": every FSDP rank `ray.put`s its own dim-0 shards (no gather on rank 0); a worker
   fetches all ranks' objects and concatenates each tensor's pieces in dim-0 offset order
-  (seed 002's fan-in, for full weights).
+  (a fan-in: no rank holds the whole model, for full weights).
 
 Pushes carry the serving dtype (`resolve_push_dtype`: bf16 when the trainer computes in bf16,
 else fp32), cast on each rank before anything leaves it; checkpoints keep the fp32 weights.

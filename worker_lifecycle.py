@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerState(str, enum.Enum):
-    """Where a worker is in its life (seed 003). Only READY and RUNNING workers get requests."""
+    """Where a worker is in its life. Only READY and RUNNING workers get requests."""
 
     INIT = "INIT"
     """Constructed: loading its model, running its self-check, catching up on weights."""

@@ -14,7 +14,7 @@ SPEC.json (written by the test):
     index whose logprobs and logits are recorded; optim: OptimConfig fields.
 
 Rank 0 writes, under OUT:
-    grads.pt                    full gradients (HF names) after the seed's scaling rule
+    grads.pt                    full gradients (HF names) after the trainer's gradient scaling
     <tag>/before.pt, after.pt   probe logits and logprobs before / after one optimizer step
     <tag>/gathered.pt           gather_full_state_dict after the step
     <tag>/assembled.pt          assemble_state_dict of every rank's local_shard_blobs

@@ -8,7 +8,7 @@ written here), tests/step_parity_worker.py runs the system's step under
 build_scheduler's schedule, the real MinibatchPacker cutting each rank's share into several
 token-budgeted packed minibatches (plus padding minibatches with loss weight 0 where the ranks'
 counts differ), and trainer_core.run_step (train_on_step, train_again, take_gradient_step with
-the seed's scaling: loss x world_size per minibatch, gradients / the step's sample count).
+the gradient scaling: loss x world_size per minibatch, gradients / the step's sample count).
 
 The reference below shares none of that code: a plain HF model from the same checkpoint (eager
 attention), one right-padded batch of all samples with an attention mask, logprobs from

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from benchmarks.harness import apply_smoke
+from benchmarks.harness import REPO_ROOT, apply_smoke
 from run_config import load_config
 
 
@@ -136,12 +136,12 @@ async def _measure(model_dir: str, in_process: bool, args: GenerationExecutorCon
 def _child(model_dir: str, mode: str, args: GenerationExecutorConfig) -> dict[str, list[float]]:
     """Run one mode in a fresh interpreter; returns its measurements."""
     command = [
-        sys.executable, __file__, "--child_mode", mode, "--child_model", model_dir,
+        sys.executable, "-m", "benchmarks.generation_executor", "--child_mode", mode, "--child_model", model_dir,
         "--prompts", str(args.prompts), "--n", str(args.n), "--max_tokens", str(args.max_tokens),
         "--repeats", str(args.repeats), "--idle_s", str(args.idle_s),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=REPO_ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"{mode} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

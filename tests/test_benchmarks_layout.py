@@ -55,6 +55,13 @@ def test_no_benchmark_module_edits_sys_path() -> None:
     assert not offenders, f"sys.path used in {offenders}: run scripts as python -m benchmarks.NAME"
 
 
+def test_scripts_start_themselves_as_modules() -> None:
+    """A script that runs itself in a child (torchrun, a per-mode process) does so with `-m`: its
+    file path alone would leave the repository root off the child's sys.path."""
+    offenders = [name for name, path in _scripts().items() if "__file__" in path.read_text()]
+    assert not offenders, f"{offenders} use __file__: start children with -m benchmarks.NAME (cwd REPO_ROOT)"
+
+
 def test_no_benchmark_script_imports_another() -> None:
     scripts = _scripts()
     offenders = {path.name: sorted(_benchmark_imports(_tree(path)) & set(scripts))

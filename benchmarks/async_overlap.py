@@ -115,7 +115,7 @@ class AsyncOverlapConfig:
     trainer_timeout_s: float = 600.0
     """Kill a trainer run that takes longer than this."""
     smoke: bool = False
-    """Smoke mode: both modes, one round of 3-step runs of 2 prompts x 2 rollouts (SMOKE); checks that     the
+    """Smoke mode: both modes, one round of 3-step runs of 2 prompts x 2 rollouts (SMOKE); checks that the
     command runs, its figures mean nothing."""
 
     def bench(self, max_tokens: int) -> BenchConfig:

@@ -72,8 +72,8 @@ class DistillBenchConfig:
     out_dir: str = str(REPO_ROOT / "runs" / "distill")
     """Runs go to <out_dir>/<variant>-seed<seed>."""
     smoke: bool = False
-    """Smoke mode: the distill variant, seed 0, 2 steps, the demo's starting model as the teacher     (SMOKE);
-    checks that the command runs, its figures mean nothing."""
+    """Smoke mode: the distill variant, seed 0, 2 steps, the demo's starting model as the teacher (SMOKE); checks
+    that the command runs, its figures mean nothing."""
 
     def __post_init__(self) -> None:
         if not self.teacher_path and not self.smoke:

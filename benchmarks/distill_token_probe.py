@@ -44,8 +44,8 @@ class ProbeConfig:
     max_new_tokens: int = 16
     seed: int = 0
     smoke: bool = False
-    """Smoke mode: 2 prompts x 2 samples, the student as the teacher (SMOKE); checks that the command
-    still runs, its figures mean nothing."""
+    """Smoke mode: 2 prompts x 2 samples, the student as the teacher (SMOKE); checks that the command still runs,
+    its figures mean nothing."""
 
     def __post_init__(self) -> None:
         if not self.teacher_path and not self.smoke:

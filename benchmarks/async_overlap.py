@@ -50,7 +50,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, AsyncIterator, Literal
 
 from benchmarks.harness import (
     DEMO_CONFIG, DemoAssets, apply_smoke, demo_assets, run_trainer, setup_logging, summary_line,
@@ -59,6 +59,7 @@ from local_cluster import LocalCluster, LocalClusterConfig, local_engine
 from run_config import load_config
 from sample_processing_utils import Sample
 from ray_env import GENERATION, RAY_NAMESPACE, worker_actor_name
+from batch_calls import Bundle, serve_many
 from vllm_registry import RegistryConfig, WorkerHealth, get_or_create_registry
 from advantages import group_advantages  # the batcher's default, grpo
 from sampling import SamplingConfig
@@ -173,7 +174,7 @@ class RunTimes:
 class SimulatedGenerationEngine:
     """SIMULATED generation worker: fixed latency, random tokens and rewards, real weight fetches.
 
-    Implements the generation worker's actor interface (generate, update_weights, health), so
+    Implements the generation worker's actor interface (generate, call_many, update_weights, health), so
     the registry and the batcher treat it like a vLLM worker. Wrapped with ray.remote at start.
     """
 
@@ -219,6 +220,11 @@ class SimulatedGenerationEngine:
         self.weight_bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
         self.weight_version = update.version
         return self.weight_version
+
+    async def call_many(self, method: str, calls: Bundle) -> AsyncIterator[Bundle]:
+        """The batched entry the registry's clients use (batch_calls.BATCH_METHOD), as a worker has it."""
+        async for chunk in serve_many(self, ("generate",), method, calls):
+            yield chunk
 
     async def mark_ready(self) -> None:
         """The registry's last registration step (a real worker's INIT -> READY); nothing to do here."""

@@ -84,7 +84,7 @@ def check_trainer_gpus(local_world_size: int, visible_gpus: int, host_gpus: int)
     shown = "unset" if visible is None else repr(visible)
     if host_gpus and not visible_gpus:
         raise ValueError(f"this machine has {host_gpus} GPU(s) but CUDA_VISIBLE_DEVICES={shown} leaves the trainer "
-                         f"none: give the trainer the GPUs kept out of Ray (README, 'Cluster')")
+                         f"none: give the trainer the GPUs kept out of Ray (docs/cluster.md)")
     if visible_gpus and visible_gpus < local_world_size:
         raise ValueError(f"torchrun starts {local_world_size} ranks on this node but CUDA_VISIBLE_DEVICES={shown} "
                          f"shows {visible_gpus} GPU(s): one GPU per rank")

@@ -12,10 +12,10 @@ Ray's defaults are kept: token authentication is on because a token exists (here
 the test's, named by RAY_AUTH_TOKEN_PATH, so that ~/.ray is never touched), and RAY_AUTH_MODE is
 *not* set for the project's processes: the entry points must turn it on themselves
 (ray_env.join_cluster). Only Ray's own CLI (`ray list actors`) gets RAY_AUTH_MODE=token, as the
-README tells operators to export.
+docs/cluster.md tells operators to export.
 
 GPU placement uses Ray's fake GPUs: the head advertises GPUs 0-1 (CUDA_VISIBLE_DEVICES=0,1 at
-`ray start`, the README's layout), the trainer runs with CUDA_VISIBLE_DEVICES=2,3, and the second
+`ray start`, docs/cluster.md's layout), the trainer runs with CUDA_VISIBLE_DEVICES=2,3, and the second
 node advertises one GPU. Every process the test starts is stopped by the test; nothing else is
 touched (never `ray stop`).
 
@@ -245,7 +245,7 @@ def run(cluster: Cluster, demo_assets: Path, tmp_path_factory: pytest.TempPathFa
                           cwd=REPO_ROOT, timeout=_EXIT_BOUND_S)
     seen.busy_gpu = (busy.returncode, busy.stdout + busy.stderr, time.monotonic() - began)
 
-    cli_env = {**cluster.env, "RAY_AUTH_MODE": "token"}  # the README's export for Ray's own CLI
+    cli_env = {**cluster.env, "RAY_AUTH_MODE": "token"}  # docs/cluster.md's export for Ray's own CLI
     seen.cli_actors = subprocess.run([RAY_CLI, "list", "actors", "--filter", "state=ALIVE", "--limit", "1000"],
                                      capture_output=True, text=True, env=cli_env, timeout=_EXIT_BOUND_S).stdout
     seen.status = subprocess.run([sys.executable, DISPATCHER, "status"], capture_output=True, text=True,

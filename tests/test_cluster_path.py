@@ -229,7 +229,7 @@ def run(cluster: Cluster, demo_assets: Path, tmp_path_factory: pytest.TempPathFa
     model = demo_assets / "model"
     seen = Run()
     head_gen, head_gen_log = cluster.dispatcher(model, *_GENERATION_FLAGS)  # KV cache: the CPU default
-    head_lp, head_lp_log = cluster.dispatcher(model, "--mode", "logprob", "--max_tokens_per_gpu", "4096")
+    head_lp, head_lp_log = cluster.dispatcher(model, "--mode", "logprob", "--max_tokens_per_forward", "4096")
     second_gen, second_gen_log = cluster.dispatcher(model, *_GENERATION_FLAGS, "--kv_cache_memory_bytes",
                                                     str(_KV_CACHE_BYTES), temp_dir=cluster.second_temp)
     # Ray's relayed worker output can land on the same line right after ours (seen once in CI).

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from local_cluster import LOOPBACK_ONLY_ENV
 from process_output import OutputLog
 from ray_env import GENERATION, LOGPROB, registry_name, repo_pythonpath, worker_actor_name
 from run_config import load_config
+from torchrun_launch import free_port
 from worker_dispatcher import REGISTERED_LINE, DispatcherConfig, format_status
 from worker_options import EngineConfig, LogprobBatchingConfig
 
@@ -38,17 +38,11 @@ _KV_CACHE_BYTES = 64 << 20  # the tiny model needs little KV cache; a fixed size
 _MAX_MODEL_LEN = 256
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_head() -> Iterator[dict[str, str]]:
     """A private `ray start` head; yields the environment for processes that should join it."""
     temp_dir = tempfile.mkdtemp(prefix="rdt", dir="/tmp")  # short: Ray's socket paths must fit 107 chars
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     # LOOPBACK_ONLY_ENV: --node-ip-address 127.0.0.1 alone still listens on all interfaces.
     env = {**os.environ, **LOOPBACK_ONLY_ENV, "PYTHONPATH": repo_pythonpath(), "PYTHONUNBUFFERED": "1"}
     head = subprocess.Popen(

@@ -1,5 +1,6 @@
 """Launch a test's worker script under torchrun (or plain python) on 127.0.0.1, for tests that
-check real multi-rank behaviour (tests/test_fsdp.py, tests/test_step_parity.py)."""
+check real multi-rank behaviour (tests/test_fsdp.py, tests/test_step_parity.py); and free_port,
+for every test that needs a port for a process it starts."""
 
 from __future__ import annotations
 
@@ -15,10 +16,22 @@ from ray_env import repo_pythonpath
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+# Ports a Ray node takes by default whatever it is told for its GCS: the dashboard agent's HTTP
+# port, the dashboard, the client server and the default GCS port. The OS readily hands out a
+# port a finished Ray node just freed (52365 twice in a row in one full run), and a `ray start
+# --port` given it then refuses to start: "dashboard_agent_http is trying to use a port number
+# 52365 that is used by other components".
+_RAY_DEFAULT_PORTS = frozenset({52365, 8265, 10001, 6379})
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on 127.0.0.1 that no Ray node would also claim by default."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _RAY_DEFAULT_PORTS:
+            return port
 
 
 def run_worker(worker: Path, args: list[str], nproc: int | None, timeout_s: float) -> None:

@@ -16,7 +16,7 @@ The forward runs in a thread, so the event loop keeps accepting requests for the
 one is scored. Weight updates wait for the running batch and hold the next one back, so a batch
 is always scored by one weight version. An error in a batch fails only that batch's callers.
 
-Throughput of batched vs one-at-a-time scoring: `python benchmarks/logprob_batching.py`.
+Throughput of batched vs one-at-a-time scoring: `python -m benchmarks.logprob_batching`.
 """
 
 from __future__ import annotations

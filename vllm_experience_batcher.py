@@ -21,7 +21,7 @@ number of forward/backward passes, or their collectives deadlock) and each rank 
 `EndOfStep` (batcher_messages.py). Rollouts never disappear without a count: stale, timed-out,
 oversized and missing rollouts are all reported in `EndOfStep` and `stats()` (step_stats.py).
 
-Benchmark of the packing alone: `python benchmarks/batcher.py`.
+Benchmark of the packing alone: `python -m benchmarks.batcher`.
 """
 
 from __future__ import annotations

@@ -57,14 +57,16 @@ Message = Minibatch | EndOfStep | PromptRequest
 
 _INT_LIST_FIELDS = ("input_token_ids", "output_token_ids")
 """Sample fields that are lists of token ids: one int64 tensor each, split by per-sample lengths."""
+_BOOL_LIST_FIELDS = ("output_mask",)
+"""Sample fields that are lists of flags or None: int64 0/1 on the wire, lengths -1 for None."""
 _FLOAT_LIST_FIELDS = ("sampling_logprobs", "ref_logprobs", "old_logprobs", "teacher_logprobs", "token_advantages")
 """Sample fields that are lists of floats or None: float64 (exact for Python floats), lengths -1 for None."""
 _SCALAR_FIELDS = ("gt_answer", "prompt_id", "group_id", "run_id", "output_text", "finish_reason", "truncated",
                   "reward", "advantage", "weight_version", "reward_failed", "solved", "record", "reward_parts",
-                  "reward_failure_reasons")
+                  "reward_failure_reasons", "token_versions")
 """Sample fields carried in the JSON metadata (Python's JSON round-trips floats exactly)."""
 
-_ALL_FIELDS = set(_INT_LIST_FIELDS) | set(_FLOAT_LIST_FIELDS) | set(_SCALAR_FIELDS)
+_ALL_FIELDS = set(_INT_LIST_FIELDS) | set(_BOOL_LIST_FIELDS) | set(_FLOAT_LIST_FIELDS) | set(_SCALAR_FIELDS)
 if _ALL_FIELDS != {f.name for f in fields(Sample)}:  # a new Sample field must get a place here
     raise ImportError(f"data_path's codec does not cover Sample's fields: "
                       f"{sorted(_ALL_FIELDS ^ {f.name for f in fields(Sample)})}")
@@ -90,7 +92,7 @@ def encode_message(message: Message | BaseException) -> bytes:
         return safetensors_save({}, metadata={"kind": "error", "message": f"{type(message).__name__}: {message}"})
     if isinstance(message, Minibatch):
         tensors: dict[str, torch.Tensor] = {}
-        for name in _INT_LIST_FIELDS:
+        for name in (*_INT_LIST_FIELDS, *_BOOL_LIST_FIELDS):
             tensors.update(_lengths_and_values(message.samples, name, torch.int64))
         for name in _FLOAT_LIST_FIELDS:
             tensors.update(_lengths_and_values(message.samples, name, torch.float64))
@@ -131,6 +133,12 @@ def decode_message(data: bytes) -> Message:
     tensors = safetensors_load(data)
     scalars = header.pop("samples")
     columns = {name: _split(tensors, name, len(scalars)) for name in (*_INT_LIST_FIELDS, *_FLOAT_LIST_FIELDS)}
+    for name in _BOOL_LIST_FIELDS:
+        columns[name] = [None if flags is None else [bool(f) for f in flags]
+                         for flags in _split(tensors, name, len(scalars))]
+    for scalar in scalars:  # JSON has no tuples
+        if scalar.get("token_versions") is not None:
+            scalar["token_versions"] = [(int(v), int(n)) for v, n in scalar["token_versions"]]
     samples = [Sample(**scalar, **{name: column[i] for name, column in columns.items()})
                for i, scalar in enumerate(scalars)]
     return Minibatch(samples=samples, **header)
@@ -152,7 +160,7 @@ def payload_nbytes(message: Message) -> int:
         return 0
     total = 0
     for s in message.samples:
-        total += len(s.input_token_ids) + len(s.output_token_ids)
+        total += len(s.input_token_ids) + len(s.output_token_ids) + len(s.output_mask or ())
         total += sum(len(getattr(s, name) or ()) for name in _FLOAT_LIST_FIELDS)
     return 8 * total
 

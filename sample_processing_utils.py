@@ -46,6 +46,12 @@ class Sample:
     """Which run (e.g. sampling variant) of its group the sample belongs to; see group_id."""
     output_token_ids: list[int] = field(default_factory=list)
     """Generated token ids, length O (0 before generation)."""
+    output_mask: list[bool] | None = None
+    """Multi-turn rollouts: one flag per output token, True where the engine sampled the token,
+    False where an environment appended it (observation tokens, exactly as they were appended).
+    Only sampled tokens are trained and scored, so every other per-output-token field below
+    (sampling/ref/old/teacher logprobs, token_advantages, token_versions) holds one entry per
+    *sampled* token (`num_sampled_tokens`). None: every output token was sampled."""
     output_text: str = ""
     """Detokenised completion, kept for logging and failed-sample dumps."""
     sampling_logprobs: list[float] = field(default_factory=list)
@@ -69,6 +75,10 @@ class Sample:
     when set they replace `advantage` in the loss."""
     weight_version: int = -1
     """Weight version of the generation engine when this rollout started (-1: not generated)."""
+    token_versions: list[tuple[int, int]] | None = None
+    """Run-length weight versions of the sampled tokens: (version, count) pairs in token order,
+    counts summing to `num_sampled_tokens`; a rollout that straddles a weight push has several.
+    None: every sampled token came from `weight_version`."""
     reward_failed: bool = False
     """True when verification timed out or could not parse; reward is then 0."""
     solved: bool | None = None
@@ -91,22 +101,41 @@ class Sample:
         return (self.prompt_id if self.group_id is None else self.group_id, self.run_id)
 
     @property
+    def num_sampled_tokens(self) -> int:
+        """Output tokens the engine sampled (all of them unless `output_mask` says otherwise)."""
+        if self.output_mask is None:
+            return len(self.output_token_ids)
+        return sum(1 for sampled in self.output_mask if sampled)
+
+    @property
     def num_tokens(self) -> int:
         """Tokens this sample occupies in a packed batch (prompt + output)."""
         return len(self.input_token_ids) + len(self.output_token_ids)
 
     def validate_generated(self) -> None:
         """Raise ValueError if the per-output-token fields disagree in length."""
-        n = len(self.output_token_ids)
-        if n == 0:
+        if not self.output_token_ids:
             raise ValueError(f"sample prompt_id={self.prompt_id} has no output tokens")
+        if self.output_mask is not None and len(self.output_mask) != len(self.output_token_ids):
+            raise ValueError(
+                f"sample prompt_id={self.prompt_id}: output_mask has {len(self.output_mask)} entries "
+                f"for {len(self.output_token_ids)} output tokens"
+            )
+        n = self.num_sampled_tokens
+        if n == 0:
+            raise ValueError(f"sample prompt_id={self.prompt_id} has no sampled output tokens")
         for name in ("sampling_logprobs", "ref_logprobs", "old_logprobs", "teacher_logprobs", "token_advantages"):
             values = getattr(self, name)
             if values is not None and len(values) not in (0, n):
                 raise ValueError(
                     f"sample prompt_id={self.prompt_id}: {name} has {len(values)} entries "
-                    f"for {n} output tokens"
+                    f"for {n} sampled output tokens"
                 )
+        if self.token_versions is not None and sum(count for _, count in self.token_versions) != n:
+            raise ValueError(
+                f"sample prompt_id={self.prompt_id}: token_versions cover "
+                f"{sum(count for _, count in self.token_versions)} tokens for {n} sampled output tokens"
+            )
 
 
 INITIAL_WEIGHT_VERSION = -1

@@ -52,6 +52,10 @@ def _rich_samples() -> list[Sample]:
                reward_failure_reasons=["exact/timeout", "math_verify/rejected"]),
         Sample(input_token_ids=[9], gt_answer="", prompt_id=0, group_id=5, run_id=2, output_token_ids=[7],
                sampling_logprobs=[-3.0], ref_logprobs=[-2.9], old_logprobs=[-3.1], weight_version=-1),
+        # a multi-turn rollout: one observation token between two sampled ones, straddling a push
+        Sample(input_token_ids=[4, 4], gt_answer="1", prompt_id=1, output_token_ids=[8, 3, 9],
+               output_mask=[True, False, True], sampling_logprobs=[-0.5, -0.75], weight_version=2,
+               token_versions=[(2, 1), (3, 1)]),
     ]
 
 
@@ -80,8 +84,9 @@ def test_codec_keeps_nan_rewards_and_reports_errors() -> None:
 
 def test_payload_bytes_count_tokens_and_per_token_values() -> None:
     samples = _rich_samples()
-    # sample 0: 3 + 2 ids, sampling 2 + old 0 + teacher 2 + token_advantages 2; sample 1: 1 + 1 ids, 3 lists of 1
-    expected = 8 * ((5 + 2 + 0 + 2 + 2) + (2 + 3))
+    # sample 0: 3 + 2 ids, sampling 2 + old 0 + teacher 2 + token_advantages 2; sample 1: 1 + 1 ids, 3 lists of 1;
+    # sample 2: 2 + 3 ids, a mask of 3, sampling 2
+    expected = 8 * ((5 + 2 + 0 + 2 + 2) + (2 + 3) + (5 + 3 + 2))
     assert payload_nbytes(Minibatch(step=0, rank=0, index=0, samples=samples, loss_weight=1.0)) == expected
     assert payload_nbytes(PromptRequest(step=0, count=1, round_index=1)) == 0
 

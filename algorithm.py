@@ -360,10 +360,10 @@ def check_prepared(prepared: Any, given: Sequence[Sample], spec: str) -> Prepare
         if not math.isfinite(sample.advantage):
             raise ValueError(f"{spec}: sample prompt_id={sample.prompt_id} has advantage {sample.advantage}")
         if sample.token_advantages is not None:
-            if len(sample.token_advantages) != len(sample.output_token_ids):
+            if len(sample.token_advantages) != sample.num_sampled_tokens:
                 raise ValueError(
                     f"{spec}: sample prompt_id={sample.prompt_id} has {len(sample.token_advantages)} token_advantages "
-                    f"for {len(sample.output_token_ids)} output tokens"
+                    f"for {sample.num_sampled_tokens} output tokens the engine sampled"
                 )
             if not all(math.isfinite(a) for a in sample.token_advantages):
                 raise ValueError(f"{spec}: sample prompt_id={sample.prompt_id} has a non-finite token advantage")

@@ -34,7 +34,7 @@ class GroupPreparer:
         sampling = self._sampling
         if sampling.overlong_buffer:
             limit = sampling.max_tokens - sampling.overlong_buffer
-            stats.overlong_penalised += sum(1 for s in samples if len(s.output_token_ids) > limit)
+            stats.overlong_penalised += sum(1 for s in samples if s.num_sampled_tokens > limit)
         ctx = AlgorithmContext(step=step, config=self._algorithm, kl_beta=kl_beta,
                                kl_policy_logprobs=self._kl_policy, distill=self._distill)
         if kl_beta is not None:

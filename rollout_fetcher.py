@@ -148,10 +148,10 @@ class RolloutFetcher:
             )
         kept = []
         for rollout, answer in zip(rollouts, answers):
-            if len(answer.values) != len(rollout.output_token_ids):
+            if len(answer.values) != rollout.num_sampled_tokens:
                 raise ValueError(
                     f"compute_group_logprobs returned {len(answer.values)} values for "
-                    f"{len(rollout.output_token_ids)} output tokens (prompt_id={rollout.prompt_id})"
+                    f"{rollout.num_sampled_tokens} sampled output tokens (prompt_id={rollout.prompt_id})"
                 )
             if target == "ref_logprobs" and answer.weight_version != INITIAL_WEIGHT_VERSION:
                 raise ValueError(f"reference logprobs computed with weight version {answer.weight_version}: the "
@@ -181,8 +181,8 @@ async def _fill_frozen(client: RequestClient, label: str, rollouts: list[Sample]
         raise ValueError(f"{label} returned {len(answers)} answers for {len(rollouts)} rollouts "
                          f"(prompt_id={rollouts[0].prompt_id})")
     for rollout, answer in zip(rollouts, answers):
-        if len(answer.values) != len(rollout.output_token_ids) or answer.weight_version != INITIAL_WEIGHT_VERSION:
+        if len(answer.values) != rollout.num_sampled_tokens or answer.weight_version != INITIAL_WEIGHT_VERSION:
             raise ValueError(f"{label} answered {len(answer.values)} values at weight version "
-                             f"{answer.weight_version} for {len(rollout.output_token_ids)} output tokens "
+                             f"{answer.weight_version} for {rollout.num_sampled_tokens} sampled output tokens "
                              f"(prompt_id={rollout.prompt_id}); expected one per token from its loaded model")
         setattr(rollout, field_name, [float(v) for v in answer.values])

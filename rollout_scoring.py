@@ -54,7 +54,7 @@ def shaped_rewards(samples: list[Sample], results: list[RewardResult], sampling:
     shaped = []
     for s, r in zip(samples, results):
         final = shape_reward(r.reward, s.output_text, verified=not (s.truncated and fixed), config=sampling.reward)
-        cut = overlong_penalty(len(s.output_token_ids), sampling.max_tokens, sampling.overlong_buffer,
+        cut = overlong_penalty(s.num_sampled_tokens, sampling.max_tokens, sampling.overlong_buffer,
                                sampling.overlong_penalty)
         shaped.append(dataclasses.replace(final, reward=final.reward - cut) if cut else final)
     return shaped

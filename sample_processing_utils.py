@@ -9,9 +9,12 @@ sample, so attention never crosses sample boundaries (given `use_cache=False`, s
     -100 ...   a1 a2 ... -100 ...  b1 b2 ...               labels        [T] (already shifted)
 
 `labels[t]` is the token that position `t` predicts, i.e. `input_ids[t + 1]`, but only when that
-next token is an output token of the same sample; everywhere else it is -100. Output positions are
-listed in `output_indices`, so `logprobs[output_indices]` lines up with the concatenation of every
-sample's `output_token_ids` in order.
+next token is a *sampled* output token of the same sample; everywhere else it is -100. Output
+positions are listed in `output_indices`, so `logprobs[output_indices]` lines up with the
+concatenation of every sample's sampled output tokens in order (all of `output_token_ids` unless
+`output_mask` marks some as observation tokens: those are context, never labels). Every
+per-output-token tensor below (advantages, logprobs, lengths) therefore counts sampled tokens,
+while `num_tokens` (the packed stream, the batcher's token budgets) counts every token.
 """
 
 from __future__ import annotations
@@ -150,7 +153,7 @@ class TokenLogprobs:
     weight_version: int
     """INITIAL_WEIGHT_VERSION for the loaded checkpoint (reference logprobs), else a pushed version."""
     values: list[float]
-    """One logprob per output token, length O."""
+    """One logprob per sampled output token (Sample.num_sampled_tokens), in order."""
 
 
 @dataclass(slots=True)
@@ -166,21 +169,21 @@ class LogprobInput:
     output_indices: torch.Tensor
     """[O] int64 positions t with labels[t] != IGNORE_INDEX, in sample order."""
     output_lengths: list[int]
-    """Output token count of each sample, in order; sums to O."""
+    """Sampled output token count of each sample (Sample.num_sampled_tokens), in order; sums to O."""
 
 
 @dataclass(slots=True)
 class PackedBatch:
-    """A packed minibatch ready for the GRPO loss. O = total output tokens in the batch."""
+    """A packed minibatch ready for the GRPO loss. O = total sampled output tokens in the batch."""
 
     inputs: LogprobInput
     advantages: torch.Tensor
     """[O] float32, each sample's advantage broadcast over its output tokens (or its
     token_advantages where it has them)."""
     output_lengths: torch.Tensor
-    """[O] float32, each sample's output length broadcast over its output tokens."""
+    """[O] float32, each sample's sampled output length broadcast over its sampled tokens."""
     output_lengths_per_sample: torch.Tensor
-    """[num_samples] float32, each sample's output length."""
+    """[num_samples] float32, each sample's sampled output length."""
     sample_index: torch.Tensor
     """[O] int64, the index (within this batch) of the sample each output token belongs to."""
     sampling_logprobs: torch.Tensor
@@ -192,6 +195,19 @@ class PackedBatch:
     num_samples: int
     num_tokens: int
     """T, real tokens in the packed stream (there is no padding)."""
+
+
+def _shifted_labels(prompt_len: int, output: Sequence[int], output_mask: Sequence[bool] | None) -> list[int]:
+    """One sample's labels over prompt + output: position t predicts token t+1, and only
+    predictions of *sampled* output tokens are scored. The last prompt token predicts the first
+    output token, the last token predicts nothing. Observation tokens (output_mask False) stay in
+    the stream as context for the tokens after them, but the policy did not choose them, so
+    they are never a target."""
+    labels = [IGNORE_INDEX] * (prompt_len + len(output))
+    for j, token in enumerate(output):
+        if output_mask is None or output_mask[j]:
+            labels[prompt_len - 1 + j] = token
+    return labels
 
 
 def get_input_for_logprobs(samples: Sequence[Sample]) -> LogprobInput:
@@ -212,13 +228,8 @@ def get_input_for_logprobs(samples: Sequence[Sample]) -> LogprobInput:
         sequence = list(prompt) + list(output)
         ids.extend(sequence)
         positions.extend(range(len(sequence)))
-        # Position t predicts token t+1; only predictions of output tokens are scored. The last
-        # prompt token predicts the first output token, the last token predicts nothing.
-        sample_labels = [IGNORE_INDEX] * len(sequence)
-        for j, token in enumerate(output):
-            sample_labels[len(prompt) - 1 + j] = token
-        labels.extend(sample_labels)
-        output_lengths.append(len(output))
+        labels.extend(_shifted_labels(len(prompt), output, sample.output_mask))
+        output_lengths.append(sample.num_sampled_tokens)
     labels_t = torch.tensor(labels, dtype=torch.long)
     return LogprobInput(
         input_ids=torch.tensor(ids, dtype=torch.long),
@@ -252,7 +263,7 @@ def _token_advantages(samples: Sequence[Sample]) -> torch.Tensor:
         if s.token_advantages is not None:
             values.extend(s.token_advantages)
         else:
-            values.extend([s.advantage] * len(s.output_token_ids))
+            values.extend([s.advantage] * s.num_sampled_tokens)
     return torch.tensor(values, dtype=torch.float32)
 
 

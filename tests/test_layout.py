@@ -28,8 +28,8 @@ MODULES = sorted(p.stem for p in REPO_ROOT.glob("*.py"))
 PURE = ("advantages", "algorithm", "arithmetic_data", "batcher_messages", "capacity_queue", "distributed_sampler",
         "group_preparer", "grpo_loss", "lease_book", "math_verifier", "optimizer", "packed_attention",
         "prompt_record", "ray_env", "reasoning_gym_tasks", "reward_failure", "rewards", "round_tracker",
-        "run_config", "sample_processing_utils", "sampling", "step_stats", "token_budget_queue", "versions",
-        "worker_options")
+        "run_config", "sample_processing_utils", "sampling", "step_stats", "token_budget_queue", "token_versions",
+        "versions", "worker_options")
 FORBIDDEN_IN_PURE = ("ray", "vllm", "torch.distributed")
 WORKER_SIDE = ("batch_calls", "logprob_worker", "rollout_fetcher", "rollout_scoring", "verifier_cluster",
                "verifier_pool", "verifier_process", "vllm_experience_batcher", "vllm_registry", "vllm_worker",

@@ -1,0 +1,49 @@
+"""EnvironmentConfig: the environment a config names is checked at start-up, in one line.
+
+    .venv/bin/python -m pytest tests/test_environments.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from environments import EnvironmentConfig, Reset, StepResult
+from tool_environment import ToolEnvironment
+
+
+def test_a_named_environment_is_imported_and_its_options_bound() -> None:
+    config = EnvironmentConfig(name="tool_environment:ToolEnvironment", options={"tools": ["calculator"]})
+    assert config.check() is ToolEnvironment
+    env = config.make()
+    assert isinstance(env, ToolEnvironment) and env.tools == ("calculator",)
+    assert not EnvironmentConfig().enabled and config.enabled
+
+
+@pytest.mark.parametrize(("name", "options", "message"), [
+    ("no_such_module_xyz:Env", {}, "cannot import module 'no_such_module_xyz'"),
+    ("tool_environment:NoSuchClass", {}, "has no class 'NoSuchClass'"),
+    ("environments:EnvPrompt", {}, "has no reset or step method"),
+    ("tool_environment:ToolEnvironment", {"tool": ["calculator"]}, r"options \['tool'\] do not fit"),
+])
+def test_a_bad_environment_fails_in_one_line(name: str, options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as info:
+        EnvironmentConfig(name=name, options=options).check()
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"name": "no_colon"}, "name"), ({"name": "a:b:c"}, "name"), ({"max_turns": 0}, "max_turns"),
+    ({"max_total_tokens": True}, "max_total_tokens"), ({"options": {1: 2}}, "options"),
+])
+def test_config_rejects_bad_fields(fields: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"EnvironmentConfig.{field}"):
+        EnvironmentConfig(**fields)
+
+
+def test_records_refuse_two_observations_and_bad_rewards() -> None:
+    with pytest.raises(ValueError, match="not both"):
+        StepResult(messages=[{"role": "tool", "content": "x"}], token_ids=[1])
+    with pytest.raises(ValueError, match="finite"):
+        StepResult(reward=float("nan"))
+    with pytest.raises(ValueError, match="not both"):
+        Reset(messages=[{"role": "user", "content": "x"}], token_ids=[1])

@@ -29,11 +29,12 @@ PURE = ("advantages", "algorithm", "arithmetic_data", "batcher_messages", "capac
         "group_preparer", "grpo_loss", "lease_book", "math_verifier", "optimizer", "packed_attention",
         "prompt_record", "ray_env", "reasoning_gym_tasks", "reward_failure", "rewards", "round_tracker",
         "run_config", "sample_processing_utils", "sampling", "step_stats", "token_budget_queue", "token_versions",
-        "versions", "worker_options")
+        "versions", "worker_options", "environments")
 FORBIDDEN_IN_PURE = ("ray", "vllm", "torch.distributed")
 WORKER_SIDE = ("batch_calls", "logprob_worker", "rollout_fetcher", "rollout_scoring", "verifier_cluster",
                "verifier_pool", "verifier_process", "vllm_experience_batcher", "vllm_registry", "vllm_worker",
-               "weight_files", "weight_reload", "worker_dispatcher", "worker_lifecycle")
+               "weight_files", "weight_reload", "worker_dispatcher", "worker_lifecycle",
+               "multi_turn", "tool_environment")
 TRAINER_ONLY = ("checkpoint", "data_path", "evaluation", "fsdp_setup", "metrics", "optimizer", "trainer_core")
 WORKER_MODULES = ("logprob_worker", "rollout_scoring", "verifier_cluster", "verifier_pool", "verifier_process",
                   "vllm_worker", "weight_files", "weight_reload", "worker_dispatcher")

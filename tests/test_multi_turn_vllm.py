@@ -1,0 +1,179 @@
+"""Multi-turn rollouts against a real vLLM engine (AsyncLLM in this process, the tiny chat model).
+
+    .venv/bin/python -m pytest tests/test_multi_turn_vllm.py -q      # ~1-2 min (engine start)
+
+What it checks, per rollout: the sample's output stream is exactly the tokens the engine
+returned in each turn plus the observation tokens as appended (which are the hand-written ChatML
+text of the tool's answer, encoded), the mask and the logprob count follow, the engine's prompt
+of each turn is the trained context before that turn, and the trainer's own logprob pass over
+the packed, masked sample reproduces the engine's sampling logprobs: a drifted token anywhere
+before a turn would change that turn's logprobs.
+
+A random tiny model never writes the <tool_call> tags, so the environment here reads each turn
+as if the model had wrapped it in them: the engine's own text is what the tool-call parser meets,
+and being random it is malformed JSON, which must come back as an observation saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from environments import EnvironmentConfig, StepResult, Turn
+from multi_turn import ChatRenderer, Generation, GenerateFn, MultiTurnStats, engine_generate, run_rollouts
+from sample_processing_utils import Sample, get_input_for_logprobs
+from sampling import SamplingConfig
+from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
+from tiny_model import IM_END, TinyModelConfig, write_tiny_model
+from tool_environment import ToolEnvironment
+from vllm_worker import GenerationWorkerConfig, engine_args, sampling_params
+from worker_options import EngineConfig
+
+pytestmark = pytest.mark.vllm
+
+LOGPROB_ATOL = 1e-4  # as tests/test_vllm_worker.py: float32 vLLM CPU against the HF model
+HANG_GUARD_S = 300.0
+NUM_ROLLOUTS = 3
+MAX_TURNS = 3
+TURN_MAX_TOKENS = 12  # short turns: several turns fit the total budget
+MAX_TOTAL_TOKENS = 400  # the tool instructions alone are ~300 tokens of the tiny BPE
+SEED = 1234
+QUESTION = "What is 12 + 30?"
+
+
+class TaggedTurns(ToolEnvironment):
+    """ToolEnvironment that reads each model turn wrapped in <tool_call> tags (see module docstring)."""
+
+    def step(self, turn: Turn) -> StepResult:
+        wrapped = Turn(index=turn.index, token_ids=turn.token_ids, text=f"<tool_call>{turn.text}</tool_call>",
+                       finish_reason=turn.finish_reason)
+        return super().step(wrapped)
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-chat"), TinyModelConfig(tokenizer="bpe"))
+
+
+def _engine_args(model_dir: Path) -> dict:
+    engine = EngineConfig(max_num_seqs=8, gpu_memory_utilization=0.1, kv_cache_memory_bytes=64 << 20,
+                          max_model_len=512, enforce_eager=True, dtype="float32")
+    config = GenerationWorkerConfig(model_path=str(model_dir), engine=engine, global_num_verifiers=1)
+    return engine_args(config, in_process=True)
+
+
+def _recording(generate: GenerateFn, log: list[tuple[list[int], Generation]]) -> GenerateFn:
+    async def wrapped(token_ids: list[int], max_tokens: int) -> Generation:
+        generation = await generate(token_ids, max_tokens)
+        log.append((list(token_ids), generation))
+        return generation
+    return wrapped
+
+
+async def _rollouts(model_dir: Path, tokenizer) -> tuple[list[Sample], list[list[tuple[list[int], Generation]]], MultiTurnStats]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_args(model_dir)))
+    try:
+        sampling = SamplingConfig(n=1, max_tokens=TURN_MAX_TOKENS, seed=SEED)
+        logs: list[list[tuple[list[int], Generation]]] = [[] for _ in range(NUM_ROLLOUTS)]
+
+        def generate_for(index: int) -> GenerateFn:
+            params = sampling_params(sampling, prompt_id=index)
+            return _recording(engine_generate(engine, params, f"rollout-{index}"), logs[index])
+
+        config = EnvironmentConfig(name=f"{TaggedTurns.__module__}:TaggedTurns", max_turns=MAX_TURNS,
+                                   max_total_tokens=MAX_TOTAL_TOKENS, options={"tools": ["calculator"]})
+        config.check()
+        stats = MultiTurnStats()
+        sample = Sample(input_token_ids=[1], gt_answer="42", prompt_id=0, record={"question": QUESTION})
+        samples = await run_rollouts(sample, NUM_ROLLOUTS, config, generate_for, ChatRenderer(tokenizer),
+                                     TURN_MAX_TOKENS, stats)
+        return samples, logs, stats
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def rollouts(chat_model_dir: Path):
+    tokenizer = load_tokenizer(chat_model_dir)
+    # vLLM's CPU platform swaps the in-process 'uni' executor for 'mp' unless this is off (as
+    # GenerationWorker.start sets it); restored after the module.
+    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        samples, logs, stats = asyncio.run(asyncio.wait_for(_rollouts(chat_model_dir, tokenizer), HANG_GUARD_S))
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+    return tokenizer, samples, logs, stats
+
+
+def _expected_observation(tokenizer, last_token: int, content: str) -> list[int]:
+    """The ChatML text of one tool answer after an assistant turn, written out by hand: the turn's
+    <|im_end|> unless the model sampled it, then the tool turn and the next assistant opener."""
+    closer = "" if last_token == tokenizer.convert_tokens_to_ids(IM_END) else IM_END
+    text = f"{closer}\n<|im_start|>tool\n{content}<|im_end|>\n<|im_start|>assistant\n"
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_the_stream_is_the_engines_tokens_plus_observations_verbatim(rollouts) -> None:
+    tokenizer, samples, logs, stats = rollouts
+    env = ToolEnvironment(tools=["calculator"])
+    env.gt_answer = "42"
+    prompt_text = (f"<|im_start|>system\n{env.system_prompt()}<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n"
+                   "<|im_start|>assistant\n")
+    prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
+    multi_turn_seen = False
+    for sample, log in zip(samples, logs):
+        assert sample.input_token_ids == prompt
+        expected_ids: list[int] = []
+        expected_mask: list[bool] = []
+        expected_logprobs: list[float] = []
+        for turn, (engine_prompt, generation) in enumerate(log):
+            # The engine saw exactly the trained context up to this turn.
+            assert engine_prompt == prompt + expected_ids
+            expected_ids += generation.token_ids
+            expected_mask += [True] * len(generation.token_ids)
+            expected_logprobs += generation.logprobs
+            if turn + 1 < len(log):
+                # The tool's answer (the environment's words); its tokens are the ChatML text above.
+                wrapped = Turn(index=turn, token_ids=generation.token_ids, text=f"<tool_call>{generation.text}</tool_call>",
+                               finish_reason=generation.finish_reason)
+                (message,) = env.step(wrapped).messages
+                assert message["content"].startswith("error: "), message  # malformed: an observation, no crash
+                observation = _expected_observation(tokenizer, generation.token_ids[-1], message["content"])
+                expected_ids += observation
+                expected_mask += [False] * len(observation)
+        assert sample.output_token_ids == expected_ids
+        assert sample.output_mask == expected_mask
+        assert sample.sampling_logprobs == expected_logprobs
+        assert len(sample.sampling_logprobs) == sample.num_sampled_tokens
+        assert sample.num_tokens <= MAX_TOTAL_TOKENS
+        sample.validate_generated()
+        multi_turn_seen |= len(log) > 1
+    assert multi_turn_seen, "no rollout had a second turn: the observation path went untested"
+    assert stats.rollouts == NUM_ROLLOUTS and stats.observation_tokens > 0
+
+
+
+def test_the_trainers_packed_logprobs_reproduce_the_engines(rollouts, chat_model_dir: Path) -> None:
+    """The trainer's logprob pass over the packed, masked samples gives each sampled token the
+    logprob the engine sampled it with: the context it scores is the engine's, token for token."""
+    _, samples, _, _ = rollouts
+    model = TokenLogprobModel(load_causal_lm(chat_model_dir)).eval()
+    inputs = get_input_for_logprobs(samples)
+    with torch.no_grad():
+        logprobs, _ = model.score(inputs)
+    engine = torch.tensor([x for s in samples for x in s.sampling_logprobs])
+    assert logprobs.shape == engine.shape
+    diff = (logprobs.float() - engine).abs().max().item()
+    print(f"largest |trainer - engine| logprob over {engine.numel()} sampled tokens: {diff:.2e}")
+    assert diff <= LOGPROB_ATOL

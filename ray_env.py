@@ -90,6 +90,14 @@ def actor_runtime_env() -> dict[str, Any]:
 # look for their local node at the same address.
 LOOPBACK_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
+# For a `ray start --block` head that is stopped with SIGTERM (the tests' own heads): Ray 2.60
+# first marks the node as draining and waits up to RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (default
+# 30 s) for its raylet to exit by itself, a wait meant for Ray Serve replicas on Kubernetes; the
+# tests' heads never finished draining, so each stop took 31 s (3 s without). 0 turns it off ("a value <= 0
+# disables draining and preserves immediate teardown", ray._private.node): the head then kills its
+# processes at once, as `ray stop` would for that one head only.
+PROMPT_STOP_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+
 
 def use_loopback_only_ray() -> None:
     """Make the next `ray.init` in this process (and every child's) run on 127.0.0.1 only."""

@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 
 from metrics import read_metrics
-from ray_env import LOOPBACK_ONLY_ENV, repo_pythonpath
+from ray_env import LOOPBACK_ONLY_ENV, PROMPT_STOP_ENV, repo_pythonpath
 from process_output import OutputLog
 from torchrun_launch import free_port
 
@@ -140,7 +140,7 @@ def cluster() -> Iterator[Cluster]:
             [RAY_CLI, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
              "--port", address.rsplit(":", 1)[1], "--num-cpus", "8", "--num-gpus", "2",
              "--dashboard-host", "127.0.0.1", "--dashboard-port", str(free_port()), "--temp-dir", running.head_temp],
-            env={**_base_env(token), "CUDA_VISIBLE_DEVICES": HEAD_GPUS})
+            env={**_base_env(token), **PROMPT_STOP_ENV, "CUDA_VISIBLE_DEVICES": HEAD_GPUS})
         _wait_line(head_log, head, "Ray runtime started", _START_BOUND_S)
         assert any("Token authentication is enabled" in line for line in head_log.lines), head_log.tail()
         second, second_log = running.start(

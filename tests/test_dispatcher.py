@@ -2,7 +2,7 @@
 
 The test owns its Ray head (`ray start --head --block` in its own temp dir, bound to 127.0.0.1,
 no dashboard) and stops it by terminating that one process, which takes down exactly the Ray
-processes it started; other clusters on the machine are never touched.
+processes it started (at once: PROMPT_STOP_ENV); other clusters on the machine are never touched.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 from local_cluster import LOOPBACK_ONLY_ENV
 from process_output import OutputLog
-from ray_env import GENERATION, LOGPROB, registry_name, repo_pythonpath, worker_actor_name
+from ray_env import GENERATION, LOGPROB, PROMPT_STOP_ENV, registry_name, repo_pythonpath, worker_actor_name
 from run_config import load_config
 from torchrun_launch import free_port
 from worker_dispatcher import REGISTERED_LINE, DispatcherConfig, format_status
@@ -51,7 +51,7 @@ def ray_head() -> Iterator[dict[str, str]]:
             "--node-ip-address", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
             "--include-dashboard=false", "--num-cpus", "4", "--temp-dir", temp_dir,
         ],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**env, **PROMPT_STOP_ENV},
     )
     log = OutputLog(head)
     try:

@@ -43,6 +43,7 @@ import torch
 
 from rewards import counts_as_solved
 from sample_processing_utils import PackedBatch, Sample
+from token_versions import oldest_version, token_staleness
 from console import CONSOLE, ConsoleProgress, DropWarnings, eval_line
 from run_report import (  # noqa: F401 (read_metrics, first_reached: re-exported)
     EVAL_ACCURACY, eval_series, first_reached, moving_average, read_metrics,
@@ -60,6 +61,7 @@ _SUM_KEYS = (
     "staleness_sum", "loss_sum", "output_tokens", "kl_sum", "clip_sum", "entropy_sum",
     "first_entropy_sum", "ratio_sum", "wait_s", "train_s", "later_clip_sum", "later_ratio_sum", "later_tokens",
     "zero_advantage", "mismatch_kl_sum", "mismatch_weight_sum", "mismatch_masked_sum", "ray_bytes", "scatter_bytes",
+    "token_staleness_sum", "sampled_tokens",
 )
 # grpo_loss's per-minibatch token means, logged per step as token means: (metric, its sum key).
 _TOKEN_MEANS = (
@@ -107,9 +109,15 @@ class StepAccumulator:
         s["reward_failed"] += sum(1 for x in samples if x.reward_failed)
         # A group whose rollouts all scored the same has advantage 0: no policy-gradient signal.
         s["zero_advantage"] += sum(1 for x in samples if x.advantage == 0.0)
-        staleness = [self.step - x.weight_version for x in samples]
+        # A rollout that straddles a weight push is as stale as its oldest token; the token mean
+        # weighs each token by the version that sampled it.
+        staleness = [self.step - oldest_version(x) for x in samples]
         s["staleness_sum"] += sum(staleness)
         self.max_staleness = max(self.max_staleness, max(staleness))
+        for x in samples:
+            lag_sum, num_sampled = token_staleness(x, self.step)
+            s["token_staleness_sum"] += lag_sum
+            s["sampled_tokens"] += num_sampled
         s["loss_sum"] += loss_value
         n_out = float(entropy.numel())
         s["output_tokens"] += n_out
@@ -165,6 +173,7 @@ class StepAccumulator:
             "data/scatter_bytes": s["scatter_bytes"],
             "staleness/mean": s["staleness_sum"] / n,
             "staleness/max": float(max_staleness),
+            "staleness/token_mean": s["token_staleness_sum"] / max(s["sampled_tokens"], 1.0),
             "counts/samples": s["samples"],
             "counts/tokens": s["tokens"],
             "counts/dropped_stale": float(end.dropped_stale),

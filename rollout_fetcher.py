@@ -18,6 +18,7 @@ from ray.actor import ActorHandle
 
 from sample_processing_utils import INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs
 from sampling import SamplingConfig
+from token_versions import newest_version, oldest_version
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ class PromptRollouts:
     """What one prompt produced."""
 
     fresh: list[Sample]
-    """Rollouts within max_lag, logprobs filled: they go to the packer."""
+    """Rollouts within max_lag (counted from their oldest token's version), logprobs filled: they
+    go to the packer."""
     stale: int
     """Rollouts dropped for staleness."""
     missing: int
@@ -95,12 +97,13 @@ class RolloutFetcher:
         generated = time.monotonic()
         if len(rollouts) > n:
             raise ValueError(f"generate returned {len(rollouts)} rollouts for prompt_id={sample.prompt_id}, n={n}")
-        fresh = [r for r in rollouts if step - r.weight_version <= self._max_lag]
+        # A rollout that straddles a weight push is as stale as its oldest token.
+        fresh = [r for r in rollouts if step - oldest_version(r) <= self._max_lag]
         stale = len(rollouts) - len(fresh)
         if stale:
             logger.info(
-                "step %d: prompt_id=%d: %d rollouts older than max_lag=%d dropped (weight versions %s)",
-                step, sample.prompt_id, stale, self._max_lag, sorted({r.weight_version for r in rollouts}),
+                "step %d: prompt_id=%d: %d rollouts older than max_lag=%d dropped (oldest token versions %s)",
+                step, sample.prompt_id, stale, self._max_lag, sorted({oldest_version(r) for r in rollouts}),
             )
         kept, teacher_s = (await self._fill_all(fresh)) if fresh else (fresh, 0.0)
         return PromptRollouts(
@@ -134,8 +137,9 @@ class RolloutFetcher:
 
         Reference logprobs must come from the loaded checkpoint (INITIAL_WEIGHT_VERSION): anything
         else is an error. Old-policy logprobs must come from weights at least as new as those
-        that sampled the rollout; older ones (a restarted worker still on base weights) are
-        dropped and counted, never silently trained on.
+        that sampled the rollout (all of them: its newest token's version, for a rollout that
+        straddles a push); older ones (a restarted worker still on base weights) are dropped and
+        counted, never silently trained on.
         """
         assert self._logprob is not None and self._logprob_field is not None
         target = self._logprob_field
@@ -156,9 +160,9 @@ class RolloutFetcher:
             if target == "ref_logprobs" and answer.weight_version != INITIAL_WEIGHT_VERSION:
                 raise ValueError(f"reference logprobs computed with weight version {answer.weight_version}: the "
                                  f"reference worker must serve the initial checkpoint (prompt_id={rollout.prompt_id})")
-            if target == "old_logprobs" and answer.weight_version < rollout.weight_version:
+            if target == "old_logprobs" and answer.weight_version < newest_version(rollout):
                 logger.warning("prompt_id=%d: old-policy logprobs from weights v%d for a rollout sampled with v%d; "
-                               "dropped", rollout.prompt_id, answer.weight_version, rollout.weight_version)
+                               "dropped", rollout.prompt_id, answer.weight_version, newest_version(rollout))
                 continue
             setattr(rollout, target, [float(v) for v in answer.values])
             kept.append(rollout)

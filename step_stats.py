@@ -41,7 +41,7 @@ class StepCounts:
     timed_out_prompts: int = counter("batcher/timed_out_prompts")
     """Prompts cancelled at prompt_deadline_s; none of their rollouts are in the step."""
     dropped_stale: int = counter("batcher/dropped_stale")
-    """Rollouts dropped because step - weight_version > max_lag."""
+    """Rollouts dropped because step - (their oldest token's weight version) > max_lag."""
     oversized_samples: int = counter("batcher/oversized_samples")
     """Samples over max_tokens_per_gpu, each sent alone in its own minibatch (the trainer logs
     it as counts/oversized_samples; expected only under oversized_sample_policy: train_alone)."""

@@ -84,8 +84,9 @@ class BatcherConfig:
     """What the logprob workers compute (the trainer's logprob_role): 'reference' fills
     ref_logprobs, 'old_policy' old_logprobs; 'none' sends no logprob requests."""
     max_lag: int = 1
-    """Most weight versions a rollout may lag the step that trains on it (step - weight_version);
-    staler rollouts are dropped from the loss and counted in `dropped_stale`. The batcher starts
+    """Most weight versions a rollout may lag the step that trains on it (step - the version of
+    its oldest token, token_versions.oldest_version: a rollout that straddles a push counts from
+    the weights it started on); staler rollouts are dropped from the loss and counted in `dropped_stale`. The batcher starts
     a step's prompts as soon as they are submitted: the submitter must wait until weights of
     version >= step - max_lag are served (the trainer submits after publishing them), or every
     rollout of the step is dropped."""
@@ -187,7 +188,7 @@ class MinibatchPacker:
             raise ValueError(f"sample prompt_id={sample.prompt_id} has no tokens")
         self.num_samples += 1
         self.num_tokens += sample.num_tokens
-        self.num_output_tokens += len(sample.output_token_ids)
+        self.num_output_tokens += sample.num_sampled_tokens  # token_mean divides by trained (sampled) tokens
         if self._smallest is None or sample.num_tokens < self._smallest.num_tokens:
             self._smallest = sample
         self._waiting.append(sample)

@@ -14,7 +14,7 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -224,6 +224,9 @@ class FakeGeneration:
     """prompt_id -> exception raised instead of answering."""
     short_by: int = 0
     """Rollouts left out of every answer (a worker returning fewer than n)."""
+    pushed_after_first_token: dict[int, int] = field(default_factory=dict)
+    """prompt_id -> a version pushed after its rollouts' first token (keep mode): the rest of each
+    rollout's tokens carry it (Sample.token_versions)."""
 
     def __post_init__(self) -> None:
         self.calls: list[tuple[int, int]] = []
@@ -237,7 +240,12 @@ class FakeGeneration:
         await self.release.wait()
         if prompt.prompt_id in self.errors:
             raise self.errors[prompt.prompt_id]
-        return _rollouts(prompt, sampling.n - self.short_by, self.version_of.get(prompt.prompt_id, 0))
+        rollouts = _rollouts(prompt, sampling.n - self.short_by, self.version_of.get(prompt.prompt_id, 0))
+        if (pushed := self.pushed_after_first_token.get(prompt.prompt_id)) is not None:
+            for r in rollouts:
+                rest = len(r.output_token_ids) - 1
+                r.token_versions = [(r.weight_version, 1), (pushed, rest)] if rest else None
+        return rollouts
 
 
 class FakeLogprob:
@@ -332,6 +340,43 @@ def test_stale_rollouts_are_dropped_counted_and_not_scored() -> None:
         assert {s.prompt_id for mb in mbs for s in mb.samples} == {1, 2}
         assert {pid for pid, _ in logprob.calls} == {1, 2}  # no logprobs spent on dropped rollouts
         assert batcher.stats(step)["batcher/dropped_stale"] == _N
+
+    asyncio.run(scenario())
+
+
+def test_rollouts_straddling_a_push_are_as_stale_as_their_oldest_token() -> None:
+    """max_lag counts from the oldest token: prompt 0's rollouts started on v2 and finished on v3,
+    so at step 4 (max_lag 1) they are dropped although most of their tokens are recent enough;
+    prompt 1's (v3 then v4) are kept, their token versions intact."""
+    step, max_lag = 4, 1
+
+    async def scenario() -> None:
+        generation = FakeGeneration({0: step - 2, 1: step - 1}, {}, pushed_after_first_token={0: step - 1, 1: step})
+        batcher = ExperienceBatcher(_config(world_size=1, max_lag=max_lag), generation, FakeLogprob())
+        await batcher.submit_prompts(0, step, _prompts(range(2)))
+        mbs, end = await _drain(batcher, 0, step)
+        assert (end.dropped_stale, end.num_samples) == (_N, _N)
+        trained = [s for mb in mbs if mb.loss_weight == LOSS_WEIGHT for s in mb.samples]
+        assert {s.prompt_id for s in trained} == {1}
+        assert sorted(s.token_versions for s in trained) == sorted(
+            [(step - 1, 1), (step, _out_len(1, i) - 1)] for i in range(_N))
+
+    asyncio.run(scenario())
+
+
+def test_old_policy_logprobs_older_than_a_rollouts_newest_token_are_dropped() -> None:
+    """A rollout whose last tokens came from v2 needs old-policy logprobs from v2 or later: an
+    answer from v1 (the weights its first token came from) is dropped and counted."""
+    async def scenario() -> None:
+        generation = FakeGeneration({0: 1, 1: 1}, {}, pushed_after_first_token={0: 2})
+        batcher = ExperienceBatcher(_config(logprob_role="old_policy", world_size=1), generation,
+                                    FakeLogprob(claimed_version=1))
+        await batcher.submit_prompts(0, 2, _prompts(range(2)))
+        minibatches, end = await _drain(batcher, 0, 2)
+        trained = Counter(s.prompt_id for mb in minibatches if mb.loss_weight == LOSS_WEIGHT for s in mb.samples)
+        # _out_len(0, 0) is 1: that rollout has only its v1 token and keeps its logprobs.
+        assert trained == {0: 1, 1: _N} and end.num_samples == _N + 1
+        assert batcher.stats(2)["batcher/dropped_logprob_version"] == _N - 1
 
     asyncio.run(scenario())
 

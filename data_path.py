@@ -25,8 +25,12 @@ pickle. Decoding gives back Minibatch/EndOfStep/PromptRequest records equal to t
 so both paths hand every rank the same minibatches.
 
 Failure: an error rank 0 gets from the batcher is scattered to every rank as an error message
-and raised everywhere; if rank 0 dies, the others' collectives fail (at the latest after the
-process group's dist_timeout_s) and they raise Rank0DataPathError naming the step.
+and raised everywhere; if rank 0 dies or hangs, the others raise Rank0DataPathError naming the
+step. Every collective is issued with async_op=True and waited with a deadline
+(_deadline_s: a little under the process group's timeout), on gloo and NCCL alike: NCCL reports
+a dead peer only through its watchdog, which aborts the process at the group's timeout, and a
+blocking NCCL call (or `int(sizes.max())` on a CUDA tensor) would hang until then without a
+word. gloo fails the wait itself when the peer's connection closes.
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Protocol, Sequence
+from datetime import timedelta
+from typing import Any, Callable, Protocol, Sequence
 
-import ray
 import torch
 import torch.distributed as torch_dist
 from safetensors.torch import load as safetensors_load
@@ -45,7 +49,7 @@ from safetensors.torch import save as safetensors_save
 
 from fsdp_setup import DistInfo
 from sample_processing_utils import Sample
-from vllm_experience_batcher import EndOfStep, Minibatch, PromptRequest
+from batcher_messages import EndOfStep, Minibatch, PromptRequest
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +76,11 @@ if _ALL_FIELDS != {f.name for f in fields(Sample)}:  # a new Sample field must g
                       f"{sorted(_ALL_FIELDS ^ {f.name for f in fields(Sample)})}")
 
 _KINDS = {"minibatch": Minibatch, "end_of_step": EndOfStep, "prompt_request": PromptRequest}
+
+# Share of the process group's timeout a rank waits for one collective of this path: our own
+# deadline must pass first, so that on NCCL the rank raises Rank0DataPathError before the
+# watchdog aborts the process at the group's timeout.
+_DEADLINE_FRACTION = 0.9
 
 
 class Rank0DataPathError(RuntimeError):
@@ -185,24 +194,28 @@ class BatcherClient(Protocol):
 
 
 class RayBatcherClient:
-    """BatcherClient over the ExperienceBatcher actor."""
+    """BatcherClient over the ExperienceBatcher actor. Ray is imported here, not at the top:
+    the process-group half of this module runs where Ray is not installed (the GPU tier)."""
 
     def __init__(self, batcher: Any) -> None:
+        import ray
+
         self.actor = batcher
+        self._ray = ray
 
     def submit_prompts(self, rank: int, step: int, samples: list[Sample], round_index: int) -> None:
-        ray.get(self.actor.submit_prompts.remote(rank, step, samples, round_index))  # surfaces rejections
+        self._ray.get(self.actor.submit_prompts.remote(rank, step, samples, round_index))  # surfaces rejections
 
     def submit_prompts_of_ranks(self, step: int, per_rank: list[list[Sample]], round_index: int) -> None:
         """Every rank's prompts at once (rank 0's path), waited for together."""
-        ray.get([self.actor.submit_prompts.remote(rank, step, samples, round_index)
+        self._ray.get([self.actor.submit_prompts.remote(rank, step, samples, round_index)
                  for rank, samples in enumerate(per_rank)])
 
     def next_message(self, rank: int, step: int, timeout_s: float) -> Message:
-        return ray.get(self.actor.next_message.remote(rank, step), timeout=timeout_s)
+        return self._ray.get(self.actor.next_message.remote(rank, step), timeout=timeout_s)
 
     def next_round(self, step: int, index: int, timeout_s: float) -> list[Message]:
-        return ray.get(self.actor.next_round.remote(step, index), timeout=timeout_s)
+        return self._ray.get(self.actor.next_round.remote(step, index), timeout=timeout_s)
 
     def ack_round(self, step: int, index: int) -> None:
         # Not waited for: Ray runs one caller's calls to an actor in submission order, so the ack
@@ -254,7 +267,7 @@ class Rank0DataPath:
         dist = self._dist
         mine = torch.tensor(indices, dtype=torch.int64, device=dist.device)
         gathered = [torch.empty_like(mine) for _ in range(dist.world_size)]
-        self._collective(step, "the prompt indices", lambda: torch_dist.all_gather(gathered, mine))
+        self._collective(step, "the prompt indices", lambda: torch_dist.all_gather(gathered, mine, async_op=True))
         if dist.rank != 0:
             return
         self._client.submit_prompts_of_ranks(step, [[self._prompts[i] for i in part.tolist()] for part in gathered],
@@ -286,35 +299,51 @@ class Rank0DataPath:
     def _scatter(self, encoded: list[bytes], step: int) -> None:
         dist = self._dist
         sizes = torch.tensor([len(e) for e in encoded], dtype=torch.int64, device=dist.device)
-        self._collective(step, "the message sizes", lambda: torch_dist.broadcast(sizes, src=0))
+        self._collective(step, "the message sizes", lambda: torch_dist.broadcast(sizes, src=0, async_op=True))
         width = int(sizes.max())
         chunks = [torch.zeros(width, dtype=torch.uint8) for _ in encoded]
         for chunk, data in zip(chunks, encoded):
             chunk[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         chunks = [c.to(dist.device) for c in chunks]
         out = torch.empty(width, dtype=torch.uint8, device=dist.device)
-        self._collective(step, "the messages", lambda: torch_dist.scatter(out, chunks, src=0))
+        self._collective(step, "the messages", lambda: torch_dist.scatter(out, chunks, src=0, async_op=True))
 
     def _receive(self, step: int) -> Received:
         dist = self._dist
         sizes = torch.empty(dist.world_size, dtype=torch.int64, device=dist.device)
-        self._collective(step, "the message sizes", lambda: torch_dist.broadcast(sizes, src=0))
+        self._collective(step, "the message sizes", lambda: torch_dist.broadcast(sizes, src=0, async_op=True))
         width = int(sizes.max())
         out = torch.empty(width, dtype=torch.uint8, device=dist.device)
-        self._collective(step, "its message", lambda: torch_dist.scatter(out, None, src=0))
+        self._collective(step, "its message", lambda: torch_dist.scatter(out, None, src=0, async_op=True))
         data = out[:int(sizes[dist.rank])].cpu().numpy().tobytes()
         message = decode_message(data)
         return Received(message=message, ray_bytes=0, scatter_bytes=payload_nbytes(message))
 
-    def _collective(self, step: int, what: str, run: Any) -> None:
+    def _deadline_s(self) -> float:
+        return self._dist.timeout_s * _DEADLINE_FRACTION
+
+    def _collective(self, step: int, what: str, issue: Callable[[], torch_dist.Work]) -> None:
+        """Issue one asynchronous collective and wait for it at most _deadline_s.
+
+        wait(timeout) blocks this thread on both backends (on NCCL until the GPU finished it,
+        so the host may read the result), and raises when the peer's connection closed (gloo)
+        or the deadline passed (both); a False return is taken as a timeout too.
+        """
         started = time.monotonic()
+        deadline_s = self._deadline_s()
         try:
-            run()
-        except Exception as error:  # gloo/NCCL errors when a peer died or the timeout passed
-            raise Rank0DataPathError(
-                f"rank {self._dist.rank}: data_path rank0 failed to exchange {what} for step {step} after "
-                f"{time.monotonic() - started:.1f} s ({type(error).__name__}: {error}); rank 0 died or stopped, "
-                "see its log") from error
+            work = issue()
+            completed = work.wait(timeout=timedelta(seconds=deadline_s))
+        except Exception as error:  # gloo/NCCL errors when a peer died or the deadline passed
+            raise self._error(step, what, started, deadline_s, f"{type(error).__name__}: {error}") from error
+        if completed is False:
+            raise self._error(step, what, started, deadline_s, "not completed by the deadline")
+
+    def _error(self, step: int, what: str, started: float, deadline_s: float, cause: str) -> Rank0DataPathError:
+        return Rank0DataPathError(
+            f"rank {self._dist.rank}: data_path rank0 failed to exchange {what} for step {step} after "
+            f"{time.monotonic() - started:.1f} s (deadline {deadline_s:.1f} s; {cause}); rank 0 died or stopped, "
+            "see its log")
 
 
 def make_data_path(kind: str, batcher: Any | None, prompts: Sequence[Sample],

@@ -48,6 +48,10 @@ class DistInfo:
     """Device this rank computes on (cuda:local_rank, or cpu)."""
     backend: str
     """Process-group backend: 'nccl' on CUDA, 'gloo' on CPU."""
+    timeout_s: float = 600.0
+    """The process group's collective timeout (init_distributed's timeout_s). On NCCL its watchdog
+    aborts the process when a collective outlives it, so code that must report a dead peer itself
+    (data_path) waits a little less."""
 
     @property
     def is_main(self) -> bool:
@@ -107,7 +111,7 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
     if dist.is_initialized():
         return DistInfo(
             rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-            device=device, backend=dist.get_backend(),
+            device=device, backend=dist.get_backend(), timeout_s=timeout_s,
         )
     timeout = timedelta(seconds=timeout_s)
     if "WORLD_SIZE" in os.environ:
@@ -115,7 +119,8 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     logger.info("rank %d/%d (local %d) joined on %s with %s", rank, world_size, local_rank, device, backend)
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend,
+                    timeout_s=timeout_s)
 
 
 def build_training_model(model_config: ModelConfig, dist_info: DistInfo,

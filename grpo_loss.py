@@ -144,6 +144,9 @@ def _chunk_logprobs_and_entropy(
     At most two [chunk, vocab] fp32 tensors live at once (at Qwen's vocabulary of 151,936 and
     1024 tokens, 0.6 GB each): log_softmax's backward needs only its output, so the logits are
     freed as soon as it exists, and the entropy is built in place on one temporary.
+    The entropy comes last on purpose: checkpointing's recompute in backward stops once the
+    tensors backward needs are back (torch's default early stop), so it never reruns the
+    entropy (tests/test_chunked_entropy.py counts the ops).
     """
     log_p = torch.log_softmax(F.linear(hidden, weight, bias).float(), dim=-1)
     ignored = labels == IGNORE_INDEX

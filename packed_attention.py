@@ -4,12 +4,17 @@ A packed stream lays several samples end to end in one row, each sample's positi
 at 0 and no attention mask. `register_packed_sdpa` adds PACKED_SDPA to transformers' attention
 and mask interfaces; a model loaded with attn_implementation=PACKED_SDPA then attends within
 each sample only, at the cost of sum(len_i^2) instead of the [T, T] block mask plain "sdpa" builds.
+
+`varlen_kwargs` computes a packed forward's sample boundaries once (cu_seq_lens_q/k,
+max_length_q/k: the names transformers' flash-attention path takes); TokenLogprobModel passes
+them down to every layer, so flash-attention does not rebuild them from position ids (a host
+sync) in each layer, and PACKED_SDPA reads its samples from them too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -53,6 +58,31 @@ def packed_segments(position_ids: torch.Tensor, batch_size: int) -> PackedSegmen
     return PackedSegments(starts=tuple(starts), lengths=tuple(end - start for start, end in zip(starts, ends)))
 
 
+VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""The keyword arguments of a packed forward's sample boundaries, as transformers' flash-attention
+path (modeling_flash_attention_utils._flash_attention_forward) takes them from the decoder."""
+
+
+def varlen_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
+    """Sample boundaries of a packed [1, T] (or [T]) position-id tensor, for the decoder's kwargs.
+
+    cu_seq_lens_q/k: int32 [num_samples + 1] on position_ids' device, the cumulative lengths
+    (0, len_0, len_0 + len_1, ..., T); max_length_q/k: the longest sample, a Python int (flash-attn
+    takes it so; computing it here is the forward's one host sync). Samples start where a
+    position is not its predecessor + 1 (packed_segments).
+    """
+    flat = position_ids.reshape(1, -1)
+    segments = packed_segments(flat, 1)
+    cu = torch.tensor([*segments.starts, flat.shape[1]], dtype=torch.int32).to(position_ids.device)
+    longest = max(segments.lengths)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def _segments_from_cu(cu_seq_lens: torch.Tensor) -> PackedSegments:
+    bounds = cu_seq_lens.tolist()
+    return PackedSegments(starts=tuple(bounds[:-1]), lengths=tuple(b - a for a, b in zip(bounds[:-1], bounds[1:])))
+
+
 # Layout of the last position-id tensor seen, keyed on the tensor object and its in-place
 # version: every decoder layer (and gradient checkpointing's recompute) receives the same tensor,
 # so a forward pays packed_segments' host sync, and builds its length groups, once rather than
@@ -62,30 +92,35 @@ _last_layout: tuple[torch.Tensor, int, int, PackedSegments, dict[torch.device, L
 
 
 def _layout_of(
-    position_ids: torch.Tensor, batch_size: int
+    key: torch.Tensor, batch_size: int, from_cu: bool = False
 ) -> tuple[torch.Tensor, int, int, PackedSegments, dict[torch.device, LengthGroups]]:
-    """The cache entry for position_ids, recomputed unless given the same, unmodified tensor."""
+    """The cache entry for `key` (position ids, or cu_seq_lens when from_cu), recomputed unless
+    given the same, unmodified tensor."""
     global _last_layout
     cached = _last_layout
-    if (
-        cached is not None
-        and cached[0] is position_ids
-        and cached[1] == position_ids._version
-        and cached[2] == batch_size
-    ):
+    version = _version_of(key)
+    if cached is not None and cached[0] is key and cached[1] == version and cached[2] == batch_size:
         return cached
-    _last_layout = (position_ids, position_ids._version, batch_size, packed_segments(position_ids, batch_size), {})
+    segments = _segments_from_cu(key) if from_cu else packed_segments(key, batch_size)
+    _last_layout = (key, version, batch_size, segments, {})
     return _last_layout
 
 
-def _segments_of(position_ids: torch.Tensor, batch_size: int) -> PackedSegments:
-    """packed_segments, reusing the last result when given the same, unmodified tensor."""
-    return _layout_of(position_ids, batch_size)[3]
+def _version_of(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version; tensors made under inference_mode (the logprob worker's
+    varlen_kwargs) keep no counter, and are taken as unmodified (nothing edits them in place)."""
+    return 0 if tensor.is_inference() else tensor._version
 
 
-def _length_groups_of(position_ids: torch.Tensor, batch_size: int, device: torch.device) -> LengthGroups:
-    """length_groups of _segments_of(position_ids, batch_size), built once per forward and device."""
-    _, _, _, segments, by_device = _layout_of(position_ids, batch_size)
+def _segments_of(key: torch.Tensor, batch_size: int, from_cu: bool = False) -> PackedSegments:
+    """packed_segments (or the cu_seq_lens' segments), reusing the last result when given the
+    same, unmodified tensor."""
+    return _layout_of(key, batch_size, from_cu)[3]
+
+
+def _length_groups_of(key: torch.Tensor, batch_size: int, device: torch.device, from_cu: bool = False) -> LengthGroups:
+    """length_groups of _segments_of(key, batch_size, from_cu), built once per forward and device."""
+    _, _, _, segments, by_device = _layout_of(key, batch_size, from_cu)
     if device not in by_device:
         by_device[device] = length_groups(segments, device)
     return by_device[device]
@@ -144,7 +179,8 @@ def packed_sdpa_attention(
 
     query: [B, H, T, D]; key, value: [B, H_kv, T, D] (H_kv divides H: GQA is left to sdpa's
     enable_gqa or transformers' repeat_kv, as plain sdpa does). kwargs carry what the decoder
-    layer forwards, position_ids [B or 1, T] among them. Returns ([B, T, H, D], None) like
+    layer forwards, position_ids [B or 1, T] among them, and cu_seq_lens_q when the caller
+    computed the samples once (varlen_kwargs): then the samples are read from it. Returns ([B, T, H, D], None) like
     transformers' sdpa_attention_forward, which it defers to when there is a mask to honour,
     no position ids, a KV cache (queries and keys differ in length) or non-causal attention.
     Samples of equal length share one batched sdpa call.
@@ -159,14 +195,17 @@ def packed_sdpa_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     batch, heads, length, head_dim = query.shape
-    segments = _segments_of(position_ids, batch)
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    from_cu = cu_seq_lens is not None
+    key_tensor = cu_seq_lens if from_cu else position_ids
+    segments = _segments_of(key_tensor, batch, from_cu)
     if len(segments.starts) == batch and (sliding_window is None or length <= sliding_window):
         # One sample per row: exactly plain causal sdpa.
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
 
     # [B, H, T, D] -> [B * T, H, D]: undoes the decoder's transpose, a view in the usual layout.
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (query, key, value))
-    plan = _length_groups_of(position_ids, batch, query.device)
+    plan = _length_groups_of(key_tensor, batch, query.device, from_cu)
     group_sizes = [segment_length * count for segment_length, count in plan.groups]
     q_groups, k_groups, v_groups = (torch.split(t.index_select(0, plan.order), group_sizes) for t in (q, k, v))
     outputs = []
@@ -216,6 +255,57 @@ def packed_sdpa_mask(
         q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
         attention_mask=attention_mask, config=config, **kwargs,
     )
+
+
+PACKED_VARLEN = "packed_varlen"
+"""attn_implementation name of torch's own flash-attention varlen kernel
+(torch.nn.attention.varlen.varlen_attn, CUDA only) on a packed stream, registered by
+register_packed_varlen: flash-attention's cost without the flash-attn package (the GPU machine
+has torch but not flash-attn). It needs the samples' boundaries in the layer's kwargs
+(VARLEN_KWARGS, which TokenLogprobModel passes) and defers to PACKED_SDPA otherwise."""
+
+
+def packed_varlen_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """AttentionInterface entry for PACKED_VARLEN: one causal varlen_attn call over the packed
+    stream. Shapes as packed_sdpa_attention; key/value heads are repeated to the query's (GQA)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu_seq_lens, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    plain = attention_mask is None and query.shape[2] == key.shape[2] and sliding_window is None and dropout == 0.0
+    if cu_seq_lens is None or longest is None or not plain or query.shape[0] != 1:
+        return packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     sliding_window=sliding_window, **kwargs)
+    _, heads, length, head_dim = query.shape
+    repeat = heads // key.shape[1]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    # torch 2.13 takes causality as a window (-1, 0); earlier releases as is_causal.
+    causal = ({"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters
+              else {"window_size": (-1, 0)})
+    out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens, cu_seq_lens, longest, longest,
+                      scale=scaling, **causal)
+    return out.view(1, length, heads, head_dim), None
+
+
+def register_packed_varlen() -> None:
+    """Register PACKED_VARLEN with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_VARLEN, packed_varlen_attention)
+    AttentionMaskInterface.register(PACKED_VARLEN, packed_sdpa_mask)
 
 
 def register_packed_sdpa() -> None:

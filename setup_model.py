@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from grpo_loss import chunked_token_logprobs
-from packed_attention import PACKED_SDPA, register_packed_sdpa
+from packed_attention import PACKED_SDPA, PACKED_VARLEN, register_packed_sdpa, register_packed_varlen, varlen_kwargs
 from sample_processing_utils import LogprobInput
 
 if TYPE_CHECKING:
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FLASH_ATTENTION_2 = "flash_attention_2"
+# Attention implementations that read a packed forward's sample boundaries from the decoder's
+# kwargs (packed_attention.VARLEN_KWARGS): TokenLogprobModel computes them once per forward for
+# these, instead of each layer rebuilding them from position ids.
+VARLEN_ATTENTIONS = (FLASH_ATTENTION_2, "flash_attention_3", PACKED_SDPA, PACKED_VARLEN)
 # flash-attn's kernels take only these input dtypes: a float32 model fails on its first batch.
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -238,12 +242,20 @@ def load_causal_lm(
 
     check_model_dir(model_path)
     attn = attn_implementation or default_attn_implementation(device)
-    if attn == PACKED_SDPA:
-        register_packed_sdpa()  # from_pretrained rejects names missing from AttentionInterface
+    _register(attn)  # from_pretrained rejects names missing from AttentionInterface
     model = AutoModelForCausalLM.from_pretrained(
         str(model_path), dtype=dtype, attn_implementation=attn, use_safetensors=True
     )
     return model.to(device)
+
+
+def _register(attn_implementation: str) -> None:
+    """Register our own attention implementations with transformers before a model names one."""
+    if attn_implementation == PACKED_SDPA:
+        register_packed_sdpa()
+    elif attn_implementation == PACKED_VARLEN:
+        register_packed_sdpa()  # PACKED_VARLEN defers to it where a mask is needed
+        register_packed_varlen()
 
 
 def meta_causal_lm(model_path: str | Path, *, attn_implementation: str) -> nn.Module:
@@ -254,8 +266,7 @@ def meta_causal_lm(model_path: str | Path, *, attn_implementation: str) -> nn.Mo
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if attn_implementation == PACKED_SDPA:
-        register_packed_sdpa()
+    _register(attn_implementation)
     config = AutoConfig.from_pretrained(str(check_model_dir(model_path)))
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
@@ -285,10 +296,16 @@ class TokenLogprobModel(nn.Module):
         labels: torch.Tensor,
         output_indices: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids/position_ids/labels: [T]; output_indices: [O]. Returns ([O] logprobs, [O] entropy)."""
+        """input_ids/position_ids/labels: [T]; output_indices: [O]. Returns ([O] logprobs, [O] entropy).
+
+        With a varlen-aware attention (VARLEN_ATTENTIONS) the samples' boundaries are computed
+        here, once, and every layer receives them (cu_seq_lens_q/k, max_length_q/k).
+        """
         decoder = self.causal_lm.get_decoder()
+        position_ids = position_ids.unsqueeze(0)
+        packed = varlen_kwargs(position_ids) if self.attn_implementation() in VARLEN_ATTENTIONS else {}
         hidden = decoder(
-            input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), use_cache=False
+            input_ids=input_ids.unsqueeze(0), position_ids=position_ids, use_cache=False, **packed
         ).last_hidden_state[0]
         return chunked_token_logprobs(
             hidden[output_indices],
@@ -296,6 +313,10 @@ class TokenLogprobModel(nn.Module):
             labels[output_indices],
             self.logprob_chunk_size,
         )
+
+    def attn_implementation(self) -> str | None:
+        """The attention implementation the causal LM runs (its config's)."""
+        return getattr(self.causal_lm.config, "_attn_implementation", None)
 
     def score(self, inputs: LogprobInput) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward on a LogprobInput, moving it to the model's device."""

@@ -8,7 +8,8 @@ Tiers (markers; scripts/test.sh runs each in its own pytest process, `--fast` on
 - distributed: launches torch.distributed process groups (torchrun or spawned ranks).
 - system: starts child processes: whole programs (local_cluster.py, `ray start`, scripts,
   benchmarks, pip), sandboxed programs, verifier process pools.
-- gpu: needs a CUDA device (skipped on CPU machines).
+- gpu: needs a CUDA device. Without CUDA these tests are deselected, and the run's summary says
+  how many ("N gpu tests deselected: no CUDA"); `scripts/test.sh --gpu` runs this tier alone.
 A test with several markers runs in the last tier of that list that it carries (see TIER_ORDER).
 An unmarked test that starts a process, Ray or a process group fails with a line saying which
 marker it needs, so a slow test cannot slip into the fast tier unseen.
@@ -34,11 +35,32 @@ FIXTURE_TIERS = {"ray_local": "ray"}
 """Markers that follow from a fixture a test uses."""
 
 
+_GPU_DESELECTED = pytest.StashKey[int]()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         for fixture, marker in FIXTURE_TIERS.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(marker)
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu and not _cuda_available():
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+        config.stash[_GPU_DESELECTED] = len(gpu)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Say how many gpu tests a machine without CUDA left out: deselected, never silently."""
+    count = config.stash.get(_GPU_DESELECTED, 0)
+    if count:
+        terminalreporter.write_line(f"{count} gpu tests deselected: no CUDA")
 
 
 @pytest.fixture(autouse=True)

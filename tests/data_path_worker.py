@@ -17,8 +17,10 @@ Scenarios:
   answers them by drawing more prompt indices, as the trainer's PromptFeeder does.
 - rank0_dies: rank 0 exits (os._exit) right after it read step 0's first round, before the
   scatter; rank 1 must raise Rank0DataPathError. rank0_hangs: rank 0 sleeps instead, so rank 1's
-  collective reaches the process group's timeout (--dist_timeout_s). Rank 1 prints the error and
-  exits with FAILED_EXIT.
+  wait reaches the data path's deadline (a little under --dist_timeout_s). Rank 1 prints the
+  error and exits with FAILED_EXIT. These two need neither Ray nor the batcher (rank 0 reads a
+  canned round, CannedClient), so they run on the GPU machine too, where the ranks join over
+  NCCL (tests/test_gpu_data_path.py); elsewhere over gloo.
 """
 
 from __future__ import annotations
@@ -39,11 +41,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from batcher_messages import EndOfStep, Minibatch, PromptRequest  # noqa: E402
 from data_path import Rank0DataPath, Rank0DataPathError, encode_message  # noqa: E402
 from fsdp_setup import init_distributed  # noqa: E402
-from sampling import SamplingConfig  # noqa: E402
-from test_experience_batcher import FakeGeneration, FakeLogprob, _config, _prompts  # noqa: E402
-from vllm_experience_batcher import EndOfStep, ExperienceBatcher, PromptRequest  # noqa: E402
+from sample_processing_utils import Sample  # noqa: E402
 
 FAILED_EXIT = 3
 SLOW_S = 0.2
@@ -51,11 +52,41 @@ PROMPTS_PER_RANK = 3
 NUM_PROMPTS = 40
 
 
+class CannedClient:
+    """A data_path.BatcherClient that takes prompts and hands out one fixed round per read: all the
+    failure scenarios need from rank 0 before it dies or hangs (no Ray, no batcher)."""
+
+    def __init__(self, world_size: int) -> None:
+        self._world_size = world_size
+
+    def submit_prompts(self, rank: int, step: int, samples: list, round_index: int) -> None:
+        pass
+
+    def submit_prompts_of_ranks(self, step: int, per_rank: list[list], round_index: int) -> None:
+        pass
+
+    def next_message(self, rank: int, step: int, timeout_s: float) -> Any:
+        raise AssertionError("the rank-0 path must read rounds, not single messages")
+
+    def next_round(self, step: int, index: int, timeout_s: float) -> list:
+        sample = Sample(input_token_ids=[1, 2], gt_answer="3", prompt_id=0, output_token_ids=[4],
+                        sampling_logprobs=[-0.5])
+        return [Minibatch(step=step, rank=rank, index=index, samples=[sample], loss_weight=1.0)
+                for rank in range(self._world_size)]
+
+    def ack_round(self, step: int, index: int) -> None:
+        pass
+
+
+def _canned_prompts(count: int) -> list[Sample]:
+    return [Sample(input_token_ids=[i + 1], gt_answer=str(i), prompt_id=i) for i in range(count)]
+
+
 class LoopClient:
     """A data_path.BatcherClient over a plain ExperienceBatcher running on its own event loop;
     records what next_round returned and the order of next_round/ack_round calls."""
 
-    def __init__(self, batcher: ExperienceBatcher) -> None:
+    def __init__(self, batcher: Any) -> None:
         self._batcher = batcher
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, daemon=True).start()
@@ -104,6 +135,38 @@ def _read_step(path: Rank0DataPath, step: int, rank: int, slow: bool, prompts_of
             return
 
 
+def _batcher(world_size: int, scenario: str) -> Any:
+    """A real ExperienceBatcher over the in-process stand-ins (imported here: they need Ray)."""
+    from sampling import SamplingConfig
+    from test_experience_batcher import FakeGeneration, FakeLogprob, _config
+    from vllm_experience_batcher import ExperienceBatcher
+
+    sampling = SamplingConfig(n=3, drop_zero_variance_groups=scenario == "resample", max_resample_rounds=2)
+    return ExperienceBatcher(_config(world_size=world_size, sampling=sampling), FakeGeneration({}, {}), FakeLogprob())
+
+
+def _rank0_gone(scenario: str, info: Any, order: list[int], dist_timeout_s: float) -> None:
+    """rank0_dies / rank0_hangs: rank 0 reads a round and then dies or hangs before the
+    scatter; rank 1 reports how it stopped (FAILED_EXIT on Rank0DataPathError). Never returns."""
+    client = CannedClient(info.world_size) if info.is_main else None
+    path = Rank0DataPath(client, _canned_prompts(NUM_PROMPTS), info)
+    path.submit_prompts(0, [order.pop(0) for _ in range(PROMPTS_PER_RANK)])
+    if info.is_main:
+        client.next_round(0, 0, 60.0)
+        if scenario == "rank0_dies":
+            os._exit(1)
+        time.sleep(dist_timeout_s * 4)
+        os._exit(1)
+    print(f"rank {info.rank} on {info.backend} ({info.device}) waits for step 0", flush=True)
+    started = time.monotonic()
+    try:
+        path.next_message(0, timeout_s=60.0)
+    except Rank0DataPathError as error:
+        print(f"rank {info.rank} stopped after {time.monotonic() - started:.1f} s: {error}", flush=True)
+        os._exit(FAILED_EXIT)
+    os._exit(0)  # not reached when the path works: the test fails on exit 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--scenario", required=True,
@@ -115,35 +178,18 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     info = init_distributed(args.dist_timeout_s)
     out = Path(args.out_dir)
-    prompts = _prompts(range(NUM_PROMPTS))
     # Rank r's data order: every other prompt, as a sampler shard would give it.
     order = [i for i in range(NUM_PROMPTS) if i % info.world_size == info.rank]
+    if args.scenario in ("rank0_dies", "rank0_hangs"):
+        _rank0_gone(args.scenario, info, order, args.dist_timeout_s)
 
-    client = None
-    if info.is_main:
-        sampling = SamplingConfig(n=3, drop_zero_variance_groups=args.scenario == "resample", max_resample_rounds=2)
-        batcher = ExperienceBatcher(_config(world_size=info.world_size, sampling=sampling),
-                                    FakeGeneration({}, {}), FakeLogprob())
-        client = LoopClient(batcher)
-    path = Rank0DataPath(client, prompts, info)
+    from test_experience_batcher import _prompts  # needs Ray: the ordering scenarios only
+
+    client = LoopClient(_batcher(info.world_size, args.scenario)) if info.is_main else None
+    path = Rank0DataPath(client, _prompts(range(NUM_PROMPTS)), info)
     steps = [0, 1] if args.scenario == "ordering" else [0]
     for step in steps:
         path.submit_prompts(step, [order.pop(0) for _ in range(PROMPTS_PER_RANK)])
-
-    if args.scenario in ("rank0_dies", "rank0_hangs"):
-        if info.is_main:
-            client.next_round(0, 0, 60.0)
-            if args.scenario == "rank0_dies":
-                os._exit(1)
-            time.sleep(args.dist_timeout_s * 4)
-            os._exit(1)
-        started = time.monotonic()
-        try:
-            path.next_message(0, timeout_s=60.0)
-        except Rank0DataPathError as error:
-            print(f"rank {info.rank} stopped after {time.monotonic() - started:.1f} s: {error}", flush=True)
-            os._exit(FAILED_EXIT)
-        os._exit(0)  # not reached when the path works: the test fails on exit 0
 
     received: list[dict] = []
     for step in steps:

@@ -9,8 +9,10 @@
   rank receives exactly the batcher's messages for it, in order, two steps submitted ahead; a
   step's EndOfStep comes after all its data; dynamic sampling's PromptRequests are answered
   through rank 0.
-- If rank 0 dies, or hangs past dist_timeout_s, rank 1 stops with Rank0DataPathError naming
-  the step.
+- If rank 0 dies, or hangs past the data path's deadline (0.9 x dist_timeout_s), rank 1 stops
+  with Rank0DataPathError naming the step, through the asynchronous collective and its timed
+  wait that NCCL needs (tests/test_gpu_data_path.py runs the same scenarios over NCCL); a wait
+  that a backend reports as not completed (False) raises the same error.
 The trainer through this path is checked by tests/test_step_parity.py (case two_epochs_k3_rank0:
 one step over 2 ranks equals a padded single-process step) and tests/test_end_to_end.py (a real
 run with data_path rank0 trains like per_rank).
@@ -21,25 +23,22 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import subprocess
-import sys
-import time
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from data_path import Rank0DataPathError, decode_message, encode_message, payload_nbytes
-from ray_env import repo_pythonpath
+import data_path
+from data_path import Rank0DataPath, Rank0DataPathError, decode_message, encode_message, payload_nbytes
+from fsdp_setup import DistInfo
 from sample_processing_utils import Sample
+from data_path_launch import DIST_TIMEOUT_S, check_rank0_gone, launch_pair
 from test_experience_batcher import FakeGeneration, FakeLogprob, _config, _fake_logprobs, _prompts
-from torchrun_launch import free_port, run_worker
+from torchrun_launch import run_worker
 from vllm_experience_batcher import EndOfStep, ExperienceBatcher, ExperienceBatcherError, Minibatch, PromptRequest
 
 WORKER = Path(__file__).resolve().parent / "data_path_worker.py"
-REPO_ROOT = WORKER.parent.parent
-FAILED_EXIT = 3  # data_path_worker's exit status for "stopped with Rank0DataPathError"
 LAUNCH_TIMEOUT_S = 300  # generous: only stops a hung launch
 
 
@@ -191,36 +190,46 @@ def test_prompt_requests_are_answered_through_rank_0(tmp_path: Path) -> None:
         assert end.num_samples == 0
 
 
-def _launch_pair(scenario: str, out_dir: Path, dist_timeout_s: float) -> tuple[subprocess.CompletedProcess, float]:
-    """Two ranks as plain processes (torchrun would kill rank 1 as soon as rank 0 exits, before
-    it could show how it stops); returns rank 1's result and its wall time."""
-    port = free_port()
-    procs = []
-    started = time.monotonic()
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": repo_pythonpath()}
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), "--scenario", scenario, "--dist_timeout_s", str(dist_timeout_s),
-             "--out_dir", str(out_dir)], env=env, cwd=REPO_ROOT, text=True, start_new_session=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        out, _ = procs[1].communicate(timeout=LAUNCH_TIMEOUT_S)
-        elapsed = time.monotonic() - started
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-    return subprocess.CompletedProcess(procs[1].args, procs[1].returncode, out, ""), elapsed
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("scenario", ["rank0_dies", "rank0_hangs"])
 def test_other_ranks_stop_with_a_clear_error_when_rank_0_is_gone(tmp_path: Path, scenario: str) -> None:
-    dist_timeout_s = 10.0
-    result, elapsed = _launch_pair(scenario, tmp_path, dist_timeout_s)
+    result, elapsed = launch_pair(scenario, tmp_path, DIST_TIMEOUT_S)
     print(f"{scenario}: rank 1 stopped after {elapsed:.1f} s (process start included)")
-    assert result.returncode == FAILED_EXIT, result.stdout[-4000:]
-    assert "data_path rank0 failed to exchange the message sizes for step 0" in result.stdout
-    assert "rank 0 died or stopped" in result.stdout
+    check_rank0_gone(result, "gloo")
+
+
+class _Work:
+    """A torch.distributed Work stand-in whose wait answers as told."""
+
+    def __init__(self, completes: bool | None) -> None:
+        self.completes, self.timeouts = completes, []
+
+    def wait(self, timeout: timedelta) -> bool:
+        self.timeouts.append(timeout)
+        if self.completes is None:
+            raise RuntimeError("Connection closed by peer")
+        return self.completes
+
+
+@pytest.mark.parametrize("completes", [False, None], ids=["wait-returns-false", "wait-raises"])
+def test_receiving_rank_waits_asynchronously_with_a_deadline(monkeypatch: pytest.MonkeyPatch, completes) -> None:
+    """Every collective is issued with async_op=True and waited with 0.9 x the group's timeout;
+    a wait that fails or says "not completed" (as an NCCL wait past its timeout may) is a
+    Rank0DataPathError naming the step. Checked without a process group: the collective is a
+    stand-in, so what is checked is the path's own handling."""
+    import torch
+
+    calls = []
+    work = _Work(completes)
+
+    def broadcast(tensor, src, async_op=False):
+        calls.append(("broadcast", async_op))
+        return work
+
+    monkeypatch.setattr(data_path.torch_dist, "broadcast", broadcast)
+    info = DistInfo(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"), backend="gloo", timeout_s=20.0)
+    path = Rank0DataPath(None, [], info)
+    with pytest.raises(Rank0DataPathError, match=r"the message sizes for step 4 after .* \(deadline 18.0 s; "):
+        path.next_message(4, timeout_s=1.0)
+    assert calls == [("broadcast", True)]
+    assert work.timeouts == [timedelta(seconds=18.0)]

@@ -96,8 +96,10 @@ KL_COEF = 0.1
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 GSPO_CLIP = 0.3  # wider than GSPO's 3e-4: one step at lr 1.5e-3 moves these sequence ratios by tenths
 
-# fp32 throughout; packed vs padded attention, chunked lm_head, FSDP reduce-scatter and gloo
-# sums only reorder float additions (~1e-7 relative on the gradients).
+# fp32 throughout, on any host: torchrun_launch.run_worker hides the GPUs from the ranks (on CUDA
+# the trainer would compute in bf16; tests/test_gpu_model.py compares that step to this reference
+# within bf16's tolerance). Packed vs padded attention, chunked lm_head, FSDP reduce-scatter and
+# gloo sums only reorder float additions (~1e-7 relative on the gradients).
 # Measured: at most ~2e-6 of a tensor's largest gradient.
 GRAD_RTOL, GRAD_ATOL_FRACTION = 1e-4, 2e-5
 GRAD_NORM_RTOL = 1e-5

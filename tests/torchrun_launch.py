@@ -34,11 +34,18 @@ def free_port() -> int:
             return port
 
 
-def run_worker(worker: Path, args: list[str], nproc: int | None, timeout_s: float) -> None:
+def run_worker(worker: Path, args: list[str], nproc: int | None, timeout_s: float, *, cuda: bool = False) -> None:
     """Run `worker` with torchrun on nproc ranks (plain python when nproc is None); raise with its
-    output if it fails or outlives timeout_s."""
+    output if it fails or outlives timeout_s.
+
+    cuda=False hides the GPUs from the ranks: the CPU tiers check gloo and fp32 against CPU
+    references on any host (on a one-GPU host, two NCCL ranks would also share one device,
+    which NCCL refuses); the gpu tier passes cuda=True.
+    """
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1", PYTHONPATH=repo_pythonpath())
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     if nproc is None:
         launcher = [sys.executable]
     else:

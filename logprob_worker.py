@@ -52,8 +52,8 @@ from token_budget_queue import QueuedRequest, TokenBudgetQueue, fail_requests
 from vllm_registry import Bundle, serve_many
 from worker_lifecycle import WorkerHealth, WorkerLifecycle
 from weight_sync import (
-    ADAPTER_WEIGHTS_FILE, WeightUpdate, assemble_state_dict, check_stable, iter_checkpoint_tensors,
-    load_state_dict_into,
+    ADAPTER_WEIGHTS_FILE, TensorBlob, WeightUpdate, assemble_state_dict, check_stable, iter_assembled,
+    iter_checkpoint_tensors, load_state_dict_into, load_streamed_into, update_shapes,
 )
 
 from worker_options import LogprobBatchingConfig
@@ -346,17 +346,20 @@ class LogprobWorker:
         self._ensure_batcher()
         if update.is_adapter:  # a LoRA policy's old-policy logprobs: its adapter on our base
             await asyncio.to_thread(check_stable, update)
-        # fetch_state_dict's steps, with the object refs awaited rather than ray.get: a blocking
-        # get would stall (and warn about) the actor's event loop while the shards arrive.
+        # The object refs are awaited rather than ray.get: a blocking get would stall (and warn
+        # about) the actor's event loop while the shards arrive. Ray maps them from its object
+        # store without copying; full weights are then assembled one tensor at a time as they
+        # are copied in (_load_weights), never as a whole second copy of the model.
         if update.mode == "lora_files":
-            state_dict = await asyncio.to_thread(_read_adapter_file, update.adapter_path)
+            adapter = await asyncio.to_thread(_read_adapter_file, update.adapter_path)
+            load = partial(self._load_adapter, update.adapter_config, adapter)
         else:
             shards = await asyncio.gather(*update.shard_refs)
-            state_dict = await asyncio.to_thread(assemble_state_dict, shards)
-        load = partial(self._load_adapter, update.adapter_config) if update.is_adapter else self._load_weights
+            load = (partial(self._load_adapter_shards, update.adapter_config, shards) if update.is_adapter
+                    else partial(self._load_weights, shards))
         async with self._model_lock:
             try:
-                await asyncio.to_thread(load, state_dict)
+                await asyncio.to_thread(load)
             except Exception as exc:
                 raise self.life.fail(f"weight update to v{update.version} failed: {type(exc).__name__}: {exc}") from exc
             self.weight_version = update.version
@@ -509,10 +512,21 @@ class LogprobWorker:
             raise ValueError(f"adapter tensors do not fit the model: missing {missing[:3]}, unexpected "
                              f"{list(result.unexpected_keys)[:3]}")
 
-    def _load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy full HF-named tensors into the model (runs in a worker thread)."""
-        with torch.no_grad():
-            load_state_dict_into(self.model.causal_lm, state_dict)
+    def _load_adapter_shards(self, adapter_config: str, shards: list[dict[str, TensorBlob]]) -> None:
+        """_load_adapter with the adapter's tensors assembled from its shards (small: a few MB)."""
+        self._load_adapter(adapter_config, assemble_state_dict(shards))
+
+    def _load_weights(self, shards: list[dict[str, TensorBlob]]) -> None:
+        """Stream full HF-named tensors from an update's shards into the model, one assembled at a
+        time (runs in a worker thread). A model a LoRA run wrapped with PEFT is unwrapped first
+        (its adapter layers removed, not merged): full weights replace the whole policy."""
+        from peft import PeftModel
+
+        shapes = update_shapes(shards)
+        if isinstance(self.model.causal_lm, PeftModel):
+            self.model.causal_lm = self.model.causal_lm.unload()
+            logger.warning("logprob worker %s served a LoRA adapter; removed it before loading full weights", self.name)
+        load_streamed_into(self.model.causal_lm, shapes, iter_assembled(shards))
         self._holds_pushed_weights = True
 
     def _record_batch(self, batch: list[QueuedRequest], num_tokens: int) -> None:

@@ -7,16 +7,18 @@ by the experience batcher once the group's reference logprobs are in (algorithm.
 come from rollout_scoring.RolloutScorer (the verifier pool's verdict plus the optional format
 bonus or penalty of `SamplingConfig.reward` and the optional soft overlong punishment); what the
 tokens and text hold when a stop string, stop token or EOS ends a completion is set out in
-sampling.py. New weights arrive as a `weight_sync.WeightUpdate`, are written to safetensors
-files in shared memory (weight_files.py) and are loaded inside the engine-core process by
-weight_reload.WeightReloadExtension (vLLM's `worker_extension_cls` hook, called by method name
-through `collective_rpc`). A LoRA policy's updates (`WeightUpdate.is_adapter`) are loaded
+sampling.py. New weights arrive as a `weight_sync.WeightUpdate` and go into the engine through
+vLLM's weight-transfer API (start_weight_update, one update_weights per bucket of whole decoder
+layers, finish_weight_update) with our object-store backend
+(weight_transfer_engine.ObjectStoreWeightTransferEngine): each bucket is copied from Ray's
+object store into an anonymous memory file (weight_files.BucketBuffer) that the engine-core
+process maps and loads from. A LoRA policy's updates (`WeightUpdate.is_adapter`) are loaded
 instead as a new vLLM adapter (`LoRARequest`, a fresh id per version) once the run's STABLE
 marker names them; requests started before the switch finish on their adapter, which is then
 removed (AdapterBook).
 
 The dispatcher starts it as a Ray actor (the engine-core process must be able to import
-weight_reload.py, so the actor's runtime env carries the repository on PYTHONPATH):
+weight_transfer_engine.py, so the actor's runtime env carries the repository on PYTHONPATH):
 
     worker = GenerationWorkerActor.options(name="generation-worker-0").remote(
         "generation-worker-0", GenerationWorkerConfig(model_path="runs/tiny-qwen2"))
@@ -58,12 +60,10 @@ from sampling import SamplingConfig, request_seed
 from vllm_registry import Bundle, serve_many
 from worker_lifecycle import WorkerHealth, WorkerLifecycle
 from run_config import flattened
-from worker_options import EngineConfig
-from weight_files import adapter_dir_path, reload_buckets, weight_file_path
-from weight_reload import RELOAD_WEIGHTS_RPC, WeightReloadExtension
+from worker_options import OBJECT_STORE_TRANSFER, WEIGHT_TRANSFER_BACKENDS, EngineConfig, check_weight_transfer_device
+from weight_files import BucketBuffer, adapter_dir_path, check_free_space, reload_buckets
 from weight_sync import (
     UnstableVersionError, WeightUpdate, check_stable, iter_checkpoint_tensors, iter_state_dict, write_adapter_folder,
-    write_safetensors,
 )
 
 if TYPE_CHECKING:
@@ -90,6 +90,10 @@ _EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception): \S")
 # process's own traceback, which goes to the actor's stderr (Ray's worker-*.err log).
 _GENERIC_ENGINE_START_ERRORS = ("Engine core initialization failed",)
 _STDERR_TAIL_BYTES = 256 * 1024  # enough for vLLM's start-up tracebacks, small enough to read at once
+# vLLM's worker_extension_cls: a class with no methods whose module's import registers our
+# weight-transfer backend in the engine-core process (named as a string: importing it here
+# would import vLLM into every process that imports this module).
+_WEIGHT_TRANSFER_REGISTRATION = "weight_transfer_engine.WeightTransferRegistration"
 
 
 def root_cause_line(log_text: str) -> str | None:
@@ -135,10 +139,11 @@ class GenerationWorkerConfig:
     engine: EngineConfig = flattened(EngineConfig())
     """The vLLM engine's options (worker_options.EngineConfig; top-level flags and keys)."""
     weight_reload_bucket_bytes: int = 512 * 2**20
-    """Most bytes of weights one reload step hands the engine. A push streams the update into the
-    engine in buckets of whole decoder layers (a layer bigger than this travels alone), each
-    assembled from the object store, written to shared memory and loaded in turn, so the worker
-    holds about one bucket beyond the engine's own weights rather than a full copy of the model."""
+    """Most bytes of weights one update_weights call hands the engine (weight_transfer
+    object_store). A push streams the update into the engine in buckets of whole decoder layers
+    (a layer bigger than this travels alone), each assembled from the object store into an
+    anonymous memory file and loaded in turn, so the worker holds about one bucket beyond the
+    engine's own weights rather than a full copy of the model."""
     weight_update_pause_mode: Literal["keep", "wait"] = "keep"
     """How an update treats rollouts in flight: 'keep' freezes them, swaps weights and finishes
     them with the new weights (no stall; their tokens mix versions), 'wait' lets them finish on
@@ -205,8 +210,8 @@ def engine_args(config: GenerationWorkerConfig, in_process: bool) -> dict[str, A
         dtype=cfg.dtype,
         seed=cfg.engine_seed,
         logprobs_mode=cfg.logprobs_mode,
-        # The engine-core process imports this module (weight_reload.py) to mix the class in.
-        worker_extension_cls=f"{WeightReloadExtension.__module__}.{WeightReloadExtension.__qualname__}",
+        worker_extension_cls=_WEIGHT_TRANSFER_REGISTRATION,
+        weight_transfer_config={"backend": WEIGHT_TRANSFER_BACKENDS[cfg.weight_transfer]},
         disable_log_stats=True,
         distributed_executor_backend="uni" if in_process else None,
         **lora,
@@ -395,15 +400,15 @@ async def _next_bucket(buckets: Iterator[tuple[dict[str, torch.Tensor], bool]], 
         raise _WeightsUnreachable() from exc
 
 
-async def _reload_bucket(engine: AsyncLLM, worker_name: str, bucket: dict[str, torch.Tensor], version: int,
-                         partial: bool) -> None:
-    """Hand one bucket to the engine through a shared-memory safetensors file."""
-    path = weight_file_path(worker_name, version)
+async def _send_bucket(engine: AsyncLLM, worker_name: str, bucket: dict[str, torch.Tensor]) -> None:
+    """Hand one bucket to the engine (vLLM's update_weights) through an anonymous memory file."""
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    buffer = await asyncio.to_thread(BucketBuffer, worker_name, bucket)
     try:
-        await asyncio.to_thread(write_safetensors, bucket, path)
-        await engine.collective_rpc(RELOAD_WEIGHTS_RPC, args=(str(path), partial))
+        await engine.update_weights(WeightTransferUpdateRequest(update_info=buffer.update_info))
     finally:
-        path.unlink(missing_ok=True)
+        buffer.close()
 
 
 def check_adapter_rank(worker_name: str, update: WeightUpdate, max_lora_rank: int) -> None:
@@ -429,7 +434,10 @@ async def adapter_folder(worker_name: str, update: WeightUpdate) -> tuple[Path, 
     folder = adapter_dir_path(worker_name, update.version)
 
     def fetch_and_write() -> None:
-        write_adapter_folder(dict(iter_state_dict(update)), update.adapter_config or "", folder)
+        tensors = dict(iter_state_dict(update))
+        needed = sum(t.numel() * t.element_size() for t in tensors.values())
+        check_free_space(folder.parent, needed, f"{worker_name}'s adapter v{update.version}")
+        write_adapter_folder(tensors, update.adapter_config or "", folder)
 
     try:
         await asyncio.to_thread(fetch_and_write)
@@ -487,6 +495,7 @@ class GenerationWorker:
             # only matters to the synchronous LLMEngine besides; AsyncLLM keeps its engine-core
             # process either way.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        check_weight_transfer_device(cfg.weight_transfer, has_cuda=not _on_cpu_platform())
         args = AsyncEngineArgs(**engine_args(self.config, in_process))
         began = time.perf_counter()
         stderr = StderrTail()
@@ -501,6 +510,11 @@ class GenerationWorker:
             "%s: engine for %s started in %.1f s (%s executor)", self.worker_name, self.config.model_path,
             time.perf_counter() - began, "in-process" if in_process else "default",
         )
+        if cfg.weight_transfer == OBJECT_STORE_TRANSFER:
+            from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+            # Ours needs no rendezvous; vLLM's CUDA engines are initialised by the trainer's side.
+            await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
         await self._self_check()
 
     async def _self_check(self) -> None:
@@ -621,6 +635,9 @@ class GenerationWorker:
                 )
             if update.is_adapter:
                 return await self._load_adapter(engine, update)
+            if self.config.engine.weight_transfer != OBJECT_STORE_TRANSFER:
+                raise ValueError(f"{self.worker_name}: a WeightUpdate travels through the object store, but this engine "
+                                 f"takes weights by EngineConfig.weight_transfer {self.config.engine.weight_transfer!r}")
             began = time.perf_counter()
             buckets = reload_buckets(iter_state_dict(update), self.config.weight_reload_bucket_bytes)
             try:
@@ -695,31 +712,42 @@ class GenerationWorker:
     async def _reload_paused(
         self, engine: AsyncLLM, buckets: Iterator[tuple[dict[str, torch.Tensor], bool]], version: int
     ) -> int:
-        """Pause scheduling, load every bucket, label the version, resume; returns the bucket count.
+        """Pause scheduling, stream every bucket through one weight-transfer session (vLLM's
+        start_weight_update / update_weights / finish_weight_update), label the version, resume;
+        returns the bucket count.
 
         Scheduling stays paused across all buckets, so no step ever runs on a mix of two
         versions' layers. Prefix/KV caches are cleared: cached KV computed with the old weights
         would otherwise be reused by new requests. Requests arriving meanwhile wait, so the
-        version they record is the one they run on.
+        version they record is the one they run on. The first bucket is fetched before the
+        session starts (starting it takes the engine's layers apart for reloading), so an update
+        whose objects are gone leaves the engine serving its version intact.
         """
         self._accepting.clear()
         try:
             await engine.pause_generation(mode=self.config.weight_update_pause_mode, clear_cache=True)
             try:
-                count = 0
                 # Assembling a bucket reads the object store and copies bytes: off the event loop.
-                while (item := await _next_bucket(buckets, loaded=count)) is not None:
-                    bucket, is_last = item
-                    await _reload_bucket(engine, self.worker_name, bucket, version, partial=count > 0 or not is_last)
-                    del bucket, item
+                item = await _next_bucket(buckets, loaded=0)
+                await engine.start_weight_update()
+                count = 0
+                while item is not None:
+                    await _send_bucket(engine, self.worker_name, item[0])
                     count += 1
-                await engine.update_weight_version(str(version))
-                self._weight_version = version
+                    del item
+                    item = await _next_bucket(buckets, loaded=count)
+                await engine.finish_weight_update(str(version))
+                self._versions_changed(version)
                 return count
             finally:
                 await engine.resume_generation()
         finally:
             self._accepting.set()
+
+    def _versions_changed(self, version: int) -> None:
+        """The engine serves `version` from its next step on (scheduling is still paused): the
+        one place a full-weight push switches versions."""
+        self._weight_version = version
 
     def health(self) -> WorkerHealth:
         """Lifecycle state, liveness and load as the registry sees them. An engine found dead

@@ -1,20 +1,25 @@
 """The files a generation worker hands its engine: reload buckets and pushed LoRA adapters.
 
-A push is cut into buckets of whole decoder layers (reload_buckets), each written to a
-safetensors file in shared memory (weight_file_path) and loaded by the engine
-(weight_reload.WeightReloadExtension). Files are named after their worker, so that whoever
-outlives a killed worker (its dispatcher) can remove what it left (remove_weight_files).
+A push is cut into buckets of whole decoder layers (reload_buckets), each copied into an
+anonymous memory file (BucketBuffer, memfd: no name in /dev/shm, freed when the last process
+lets go of it, so a killed worker leaves nothing) and loaded by the engine through vLLM's
+weight-transfer API (weight_transfer_engine.ObjectStoreWeightTransferEngine). A pushed LoRA
+adapter still needs a folder, which goes to shared memory after a free-space check
+(check_free_space); folders are named after their worker, so that whoever outlives a killed
+worker (its dispatcher) can remove what it left (remove_weight_files).
 No Ray, no vLLM: the dispatcher imports this to clean up.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import re
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +32,11 @@ _ADAPTER_DIR_PREFIX = "grpo-adapter-"
 # fuses a layer's q/k/v and gate/up projections into single modules, and processes a module
 # only when all of its weights arrived in the same reload call.
 _DECODER_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+# Dtypes a bucket may carry (torch attribute names): the model dtypes and integer buffers.
+BUCKET_DTYPES = ("float32", "bfloat16", "float16", "int64", "int32")
+# Each tensor of a bucket starts on a cache-line boundary, so the engine's views of it are
+# aligned for every dtype.
+_TENSOR_ALIGN = 64
 
 
 def _reload_group(name: str) -> str:
@@ -66,15 +76,122 @@ def reload_buckets(
         yield bucket, True
 
 
+class BucketBuffer:
+    """One bucket of tensors in an anonymous memory file (memfd), as the engine reads it.
+
+    `update_info` is what vLLM's update_weights carries to the engine: this process's pid and
+    the file's descriptor (the engine opens /proc/<pid>/fd/<fd>) plus each tensor's name, dtype,
+    shape and byte offset. A fresh file per bucket: the engine may keep viewing a bucket's
+    tensors after update_weights returns (vLLM's layerwise reload holds a layer's tensors until
+    the layer is complete), so a file is never rewritten; `close` drops this side's handle, and
+    the memory goes when the engine's last view of it does.
+    """
+
+    def __init__(self, worker_name: str, bucket: dict[str, torch.Tensor]) -> None:
+        import numpy as np
+
+        layout, nbytes = _bucket_layout(bucket)
+        dtypes = [str(t.dtype).removeprefix("torch.") for t in bucket.values()]
+        unknown = sorted(set(dtypes) - set(BUCKET_DTYPES))
+        if unknown:
+            raise ValueError(f"BucketBuffer: dtypes {unknown} are not among {BUCKET_DTYPES}")
+        self._fd = os.memfd_create(f"{_WEIGHT_FILE_PREFIX}{worker_name}", os.MFD_CLOEXEC)
+        try:
+            if nbytes:
+                os.ftruncate(self._fd, nbytes)
+                with mmap.mmap(self._fd, nbytes) as mapping:
+                    target = np.frombuffer(mapping, dtype=np.uint8)
+                    for (name, offset, size), tensor in zip(layout, bucket.values()):
+                        # numpy's byte copy is a plain memcpy (torch's copy_ is slower on one thread).
+                        target[offset:offset + size] = _tensor_bytes(tensor)
+                    del target
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.update_info: dict[str, Any] = {
+            "pid": os.getpid(), "fd": self._fd, "nbytes": nbytes,
+            "names": [name for name, _, _ in layout],
+            "dtypes": dtypes,
+            "shapes": [list(t.shape) for t in bucket.values()],
+            "offsets": [offset for _, offset, _ in layout],
+        }
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def read_bucket(update_info: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """A BucketBuffer's tensors (from its update_info), viewing a private mapping of its file;
+    what the engine side (weight_transfer_engine) loads.
+
+    The mapping stays alive as long as any tensor views it: vLLM's layerwise reload keeps a
+    layer's tensors until the whole layer arrived, then copies them into its parameters.
+    """
+    import torch
+
+    dtypes = [getattr(torch, name) for name in update_info["dtypes"]]
+    layout = list(zip(update_info["names"], dtypes, update_info["shapes"], update_info["offsets"]))
+    if not update_info["nbytes"]:
+        return {name: torch.empty(shape, dtype=dtype) for name, dtype, shape, _ in layout}
+    handle = os.open(f"/proc/{update_info['pid']}/fd/{update_info['fd']}", os.O_RDONLY)
+    try:
+        # ACCESS_COPY: writable, as torch.frombuffer wants, yet private: nothing reaches the sender.
+        mapping = mmap.mmap(handle, update_info["nbytes"], access=mmap.ACCESS_COPY)
+    finally:
+        os.close(handle)
+    flat = torch.frombuffer(mapping, dtype=torch.uint8)
+    tensors = {}
+    for name, dtype, shape, offset in layout:
+        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+        tensors[name] = flat[offset:offset + nbytes].view(dtype).reshape(shape)
+    return tensors
+
+
+def _bucket_layout(bucket: dict[str, torch.Tensor]) -> tuple[list[tuple[str, int, int]], int]:
+    """(name, byte offset, byte size) of each tensor packed in order, and the total size."""
+    layout, end = [], 0
+    for name, tensor in bucket.items():
+        offset = -(-end // _TENSOR_ALIGN) * _TENSOR_ALIGN
+        size = tensor.numel() * tensor.element_size()
+        layout.append((name, offset, size))
+        end = offset + size
+    return layout, end
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> Any:
+    """A tensor's bytes as a flat uint8 numpy array (no copy when it is contiguous on CPU)."""
+    import torch
+
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else flat.new_empty(0, dtype=torch.uint8).numpy()
+
+
+def shm_free_bytes(folder: Path) -> int:
+    """Bytes an unprivileged process may still write under `folder` (statvfs)."""
+    stats = os.statvfs(folder)
+    return stats.f_bavail * stats.f_frsize
+
+
+class SharedMemoryFullError(OSError):
+    """Shared memory lacks the room for what a worker was about to write there."""
+
+
+def check_free_space(folder: Path, needed_bytes: int, what: str,
+                     free_bytes: Callable[[Path], int] = shm_free_bytes) -> None:
+    """SharedMemoryFullError naming the free space and the size needed unless `folder` has
+    room for `needed_bytes` (a container's /dev/shm is 64 MB unless given --shm-size)."""
+    free = free_bytes(folder)
+    if needed_bytes > free:
+        raise SharedMemoryFullError(
+            f"{folder} has {free / 2**20:.1f} MiB free, {what} needs {needed_bytes / 2**20:.1f} MiB: "
+            f"give the container more shared memory (docker --shm-size) or free some")
+
+
 def weights_file_dir() -> Path:
     """Where update files go: shared memory when the machine has it, else the temp dir."""
     return SHARED_MEMORY_DIR if SHARED_MEMORY_DIR.is_dir() else Path(tempfile.gettempdir())
-
-
-def weight_file_path(worker_name: str, version: int) -> Path:
-    """A fresh reload-bucket file of `worker_name`. Named after the worker so that whoever
-    outlives it (its dispatcher) can remove what a killed worker left: remove_weight_files."""
-    return weights_file_dir() / f"{_WEIGHT_FILE_PREFIX}{worker_name}-v{version}-{uuid.uuid4().hex}.safetensors"
 
 
 def adapter_dir_path(worker_name: str, version: int) -> Path:
@@ -83,9 +200,10 @@ def adapter_dir_path(worker_name: str, version: int) -> Path:
 
 
 def remove_weight_files(worker_name: str) -> list[Path]:
-    """Delete the reload-bucket files `worker_name` left behind (a SIGKILL mid-update leaves one,
-    gigabytes on a large model); returns what was removed. Other workers' files are untouched:
-    the name is followed by '-v', so 'worker-1' never matches 'worker-10'."""
+    """Delete the shared-memory files `worker_name` left behind: adapter folders, and the
+    reload-bucket files of earlier versions, which wrote buckets there (a SIGKILL mid-update
+    left one, gigabytes on a large model); returns what was removed. Other workers' files are
+    untouched: the name is followed by '-v', so 'worker-1' never matches 'worker-10'."""
     removed = []
     for path in weights_file_dir().glob(f"{_WEIGHT_FILE_PREFIX}{worker_name}-v*.safetensors"):
         path.unlink(missing_ok=True)

@@ -19,9 +19,10 @@ along (FSDP2 shards LoRA A matrices on dim 1), and workers reassemble by it. Eve
 made loadable by the STABLE marker (<run_dir>/weights/STABLE, written atomically by rank 0 once
 every part is in place): workers load only a version it names (`check_stable`).
 
-Into a worker: `fetch_state_dict` / `assemble_state_dict` (all tensors at once) or
-`iter_state_dict` (one full tensor at a time), then `load_state_dict_into` a plain model
-(logprob worker) or `write_safetensors` for vLLM to reload (generation worker).
+Into a worker: `iter_state_dict` / `iter_assembled` (one full tensor at a time), streamed into
+a plain model by `load_streamed_into` (logprob worker) or cut into buckets for vLLM's
+weight-transfer API (generation worker, weight_files.BucketBuffer); `fetch_state_dict` /
+`assemble_state_dict` build all tensors at once.
 
 Tensors are stored as raw uint8 numpy buffers plus dtype and shape: numpy has no bfloat16, and
 plain buffers let Ray hand them over zero-copy from shared memory. Nothing here unpickles data of
@@ -471,6 +472,42 @@ def load_state_dict_into(causal_lm: nn.Module, state_dict: Mapping[str, torch.Te
     with torch.no_grad():
         for name, target in targets.items():
             target.copy_(state_dict[name])
+
+
+def update_shapes(shards: Iterable[Mapping[str, TensorBlob]]) -> dict[str, tuple[int, ...]]:
+    """The full shape of every tensor in an update's shards, read from their metadata (nothing
+    assembled): what a streamed load checks before it copies anything."""
+    return {name: tuple(blobs[0].global_shape) for name, blobs in _pieces_by_name(shards).items()}
+
+
+def load_streamed_into(causal_lm: nn.Module, shapes: Mapping[str, tuple[int, ...]],
+                       named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy a stream of full HF-named tensors into a plain HF model, in place, one at a time (the
+    stream may assemble each only when reached: iter_assembled); returns how many were copied.
+
+    `shapes` (update_shapes) is checked first, as load_state_dict_into checks its dict: missing
+    or unexpected names raise KeyError, a shape mismatch ValueError, and nothing is copied. A
+    stream that then disagrees with `shapes` raises ValueError part-way (the model holds a mix).
+    """
+    targets = _hf_tensors(causal_lm)
+    missing = sorted(targets.keys() - shapes.keys())
+    unexpected = sorted(shapes.keys() - targets.keys())
+    if missing or unexpected:
+        raise KeyError(f"load_streamed_into: missing keys {missing}, unexpected keys {unexpected}")
+    for name, target in targets.items():
+        if tuple(shapes[name]) != tuple(target.shape):
+            raise ValueError(f"load_streamed_into: {name} has shape {tuple(shapes[name])}, model expects "
+                             f"{tuple(target.shape)}")
+    copied = set()
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name not in targets or tuple(tensor.shape) != tuple(targets[name].shape):
+                raise ValueError(f"load_streamed_into: the stream's {name} {tuple(tensor.shape)} is not in its shapes")
+            targets[name].copy_(tensor)
+            copied.add(name)
+    if copied != targets.keys():
+        raise ValueError(f"load_streamed_into: the stream lacked {sorted(targets.keys() - copied)[:3]}")
+    return len(copied)
 
 
 class ShardStager:

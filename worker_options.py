@@ -21,6 +21,19 @@ from setup_model import VLLM_LORA_RANKS
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 
 
+# EngineConfig.weight_transfer -> the backend name vLLM's WeightTransferEngineFactory knows it
+# by (ours registers in weight_transfer_engine.py, OBJECT_STORE_BACKEND there).
+WEIGHT_TRANSFER_BACKENDS = {"object_store": "grpo_object_store", "nccl": "nccl", "nccl_m2n": "nccl_m2n", "ipc": "ipc"}
+OBJECT_STORE_TRANSFER = "object_store"
+
+
+def check_weight_transfer_device(weight_transfer: str, has_cuda: bool) -> None:
+    """ValueError naming the field when a CUDA-only weight_transfer is asked of a node without CUDA."""
+    if weight_transfer != OBJECT_STORE_TRANSFER and not has_cuda:
+        raise ValueError(f"EngineConfig.weight_transfer {weight_transfer!r} is one of vLLM's CUDA engines and this "
+                         f"node has no CUDA: use 'object_store'")
+
+
 @dataclass(kw_only=True, frozen=True)
 class EngineConfig:
     """The vLLM engine of a generation worker."""
@@ -66,7 +79,18 @@ class EngineConfig:
     accepts, one of vLLM's 1, 8, 16, 32, 64, 128, 256, 320, 512 (at least model.lora.r). 0: LoRA
     off; the worker then takes full-weight updates only."""
 
+    weight_transfer: Literal["object_store", "nccl", "nccl_m2n", "ipc"] = "object_store"
+    """How pushed full weights reach the engine, through vLLM's weight-transfer API:
+    'object_store' (ours, any device: the worker fetches the update from Ray's object store and
+    streams it into the engine bucket by bucket through anonymous memory files), or, on CUDA
+    only, one of vLLM's engines: 'nccl' (trainer rank 0 broadcasts the gathered weights),
+    'nccl_m2n' (every trainer rank sends its own FSDP shards), 'ipc' (CUDA IPC handles, trainer
+    and engine on the same GPUs). LoRA adapters always load as vLLM adapters."""
+
     def __post_init__(self) -> None:
+        if self.weight_transfer not in WEIGHT_TRANSFER_BACKENDS:
+            raise ValueError(f"EngineConfig.weight_transfer must be one of {tuple(WEIGHT_TRANSFER_BACKENDS)}, "
+                             f"got {self.weight_transfer!r}")
         for name in ("tensor_parallel_size", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -30,7 +30,7 @@ from setup_model import TokenLogprobModel, default_attn_implementation, load_cau
 from tiny_model import TinyModelConfig, write_tiny_model
 from ray_env import LOGPROB
 from vllm_registry import WorkerHealth
-from weight_sync import WeightUpdate, state_dict_to_blobs
+from weight_sync import WeightUpdate, state_dict_to_blobs, tensor_to_blob
 from worker_options import LogprobBatchingConfig
 
 FP32_TOLERANCE = 1e-5  # packed vs per-sample fp32 attention differed by ~3e-7 on this machine
@@ -415,3 +415,63 @@ def test_ray_actor_serves_batches_and_updates(ray_local, tiny_model_dir: Path, o
             ray.get(actor.compute_logprobs.remote(samples[0]))
     finally:
         ray.kill(actor)
+
+
+def _sharded_weight_update(model_dir: Path, version: int, world_size: int = 2) -> WeightUpdate:
+    """The checkpoint's tensors cut by rows as FSDP2 ranks hold them, one Ray object per 'rank'
+    (WeightPusher's sharded mode): the worker reassembles them tensor by tensor as it loads."""
+    import ray
+
+    shards: list[dict] = [{} for _ in range(world_size)]
+    for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
+        offset = 0
+        for rank, piece in enumerate(torch.tensor_split(tensor, world_size, dim=0) if tensor.dim() else [tensor]):
+            shards[rank][name] = tensor_to_blob(piece, global_shape=tuple(tensor.shape), offset=offset)
+            offset += piece.shape[0] if tensor.dim() else 0
+    return WeightUpdate(version=version, shard_refs=[ray.put(s) for s in shards], mode="sharded")
+
+
+@pytest.mark.parametrize("order", ["adapter_then_full", "full_then_adapter"])
+def test_full_weights_and_a_lora_adapter_in_either_order(
+    ray_local, tiny_model_dir: Path, other_model_dirs: dict[bool, Path], tmp_path: Path, order: str
+) -> None:
+    """One worker serves a LoRA run (its adapter wraps the model with PEFT) and a full-weights run
+    (streamed, sharded), in either order: each time it scores as HF does with those weights."""
+    from peft import PeftModel
+
+    from test_lora_vllm import _files_update, _hf_peft, _mark_stable
+    from test_lora_vllm import _hf_logprobs as _hf_model_logprobs
+    from tiny_model import write_random_adapter as _write_adapter
+
+    samples = _build_samples(5, _vocab_size(tiny_model_dir), seed=11)
+    adapter = _write_adapter(tiny_model_dir, tmp_path / "a1", 8, seed=1)
+    worker = LogprobWorker("logprob-worker-either-order", LogprobWorkerConfig(
+        model_path=str(tiny_model_dir), device="cpu", batching=LogprobBatchingConfig(max_wait_ms=0)))
+
+    async def push_adapter(version: int) -> list[list[float]]:
+        update = _files_update(adapter, version, tmp_path / "weights" / "STABLE")
+        _mark_stable(update)
+        assert await worker.update_weights(update) == version
+        assert isinstance(worker.model.causal_lm, PeftModel)
+        return await _concurrently(worker, samples)
+
+    async def push_full(version: int) -> list[list[float]]:
+        assert await worker.update_weights(_sharded_weight_update(other_model_dirs[False], version)) == version
+        assert not isinstance(worker.model.causal_lm, PeftModel)
+        return await _concurrently(worker, samples)
+
+    async def run() -> tuple[list[list[float]], list[list[float]]]:
+        await worker.start()
+        if order == "adapter_then_full":
+            adapted, full = await push_adapter(1), await push_full(2)
+        else:
+            full, adapted = await push_full(1), await push_adapter(2)
+        await worker.shutdown()
+        return adapted, full
+
+    adapted, full = asyncio.run(run())
+    assert _max_diff(full, _hf_logprobs(other_model_dirs[False], samples)) <= FP32_TOLERANCE
+    peft = _hf_peft(tiny_model_dir, adapter)  # the adapter always goes on the checkpoint's own weights
+    want = [_hf_model_logprobs(peft, s.input_token_ids, s.output_token_ids) for s in samples]
+    assert _max_diff(adapted, want) <= FP32_TOLERANCE
+    assert _max_diff(adapted, _hf_logprobs(tiny_model_dir, samples)) > DIFFERENT_WEIGHTS_GAP  # the adapter acts

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -133,9 +134,15 @@ class EnvironmentConfig:
     occupies in the engine's context and in a packed batch. Each turn may sample
     min(sampling.max_tokens, what is left); a rollout with nothing left ends truncated."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the class's constructor (JSON values), checked against its signature."""
+    """Keyword arguments of the class's constructor (JSON values), checked against its signature;
+    on the command line one JSON object (--environment.options '{"tools": ["calculator"]}')."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.options, str):  # the command line gives the object as JSON text
+            try:
+                object.__setattr__(self, "options", json.loads(self.options))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"EnvironmentConfig.options must be a JSON object, got {self.options!r} ({exc})") from None
         if not isinstance(self.name, str) or (self.name and self.name.count(":") != 1):
             raise ValueError(f"EnvironmentConfig.name must be 'module:Class' or '', got {self.name!r}")
         for name in ("max_turns", "max_total_tokens"):

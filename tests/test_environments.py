@@ -47,3 +47,13 @@ def test_records_refuse_two_observations_and_bad_rewards() -> None:
         StepResult(reward=float("nan"))
     with pytest.raises(ValueError, match="not both"):
         Reset(messages=[{"role": "user", "content": "x"}], token_ids=[1])
+
+
+def test_options_from_the_command_line_are_one_json_object() -> None:
+    from run_config import load_config
+
+    config = load_config(EnvironmentConfig, ["--name", "tool_environment:ToolEnvironment",
+                                             "--options", '{"tools": ["python"]}'])
+    assert config.options == {"tools": ["python"]}
+    with pytest.raises(ValueError, match="EnvironmentConfig.options must be a JSON object"):
+        EnvironmentConfig(options="{tools")

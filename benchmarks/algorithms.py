@@ -29,9 +29,9 @@ from pathlib import Path
 
 from benchmarks.harness import (
     DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, apply_smoke, demo_assets, demo_trainer_flags, fresh_run_dir,
-    interrupt_on_sigterm, reward_at, run_trainer, setup_logging, summary_line
+    interrupt_on_sigterm, reward_at, run_engine, run_trainer, setup_logging, summary_line
 )
-from local_cluster import LocalCluster, LocalClusterConfig, local_engine
+from local_cluster import LocalCluster, LocalClusterConfig
 from run_config import load_config
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     lora = any(name.startswith("lora_") for name in config.variants)
     cluster_config = LocalClusterConfig(model_path=str(assets.model), log_dir=str(out / "cluster-logs"),
-                                        engine=local_engine(max_lora_rank=LORA_RANK if lora else 0))
+                                        engine=run_engine(config.smoke, max_lora_rank=LORA_RANK if lora else 0))
     results = []
     with LocalCluster(cluster_config) as cluster:
         cluster.start_workers()

@@ -23,11 +23,11 @@ steps noisy.
   concurrently, like one engine batch on hardware of its own), then returns uniformly random
   tokens of length `sampling.max_tokens`, random 0/1 rewards and group advantages, and that
   fetches and assembles every weight push like a real worker. The trainer runs with
-  `logprob_role: none`. A first calibration run (max_lag=0, G tiny) measures T, the trainer's
-  busy time per step (`timing/step_s - timing/wait_s`: forward/backward, optimizer, weight push,
-  bookkeeping), then G is set to T, where overlap helps most. The ideal speedup is
-  (G + T) / max(G, T) (2 at G = T), with T re-measured in the comparison's own max_lag=0 runs;
-  overlap_efficiency = measured / ideal.
+  `logprob_role: none`. Unless `--sim_latency_s` gives G, a first calibration run (max_lag=0, G
+  tiny) measures T, the trainer's busy time per step (`timing/step_s - timing/wait_s`:
+  forward/backward, optimizer, weight push, bookkeeping), then G is set to T, where overlap helps
+  most. The ideal speedup is (G + T) / max(G, T) (2 at G = T), with T re-measured in the
+  comparison's own max_lag=0 runs; overlap_efficiency = measured / ideal.
 
 Reference points: one-step-off async GRPO reports 1.2-1.4x (verl), fully async 2.3-2.8x at
 scale (AReaL, many generation GPUs per trainer GPU); with one pipeline stage each the ceiling
@@ -53,9 +53,9 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Literal
 
 from benchmarks.harness import (
-    DEMO_CONFIG, DemoAssets, apply_smoke, demo_assets, run_trainer, setup_logging, summary_line,
+    DEMO_CONFIG, DemoAssets, apply_smoke, demo_assets, run_engine, run_trainer, setup_logging, summary_line,
 )
-from local_cluster import LocalCluster, LocalClusterConfig, local_engine
+from local_cluster import LocalCluster, LocalClusterConfig
 from run_config import load_config
 from sample_processing_utils import Sample
 from ray_env import GENERATION, RAY_NAMESPACE, worker_actor_name
@@ -82,7 +82,9 @@ SIM_CALIBRATION_LATENCY_S = 0.05  # G during calibration: small, so T is measure
 SIM_REWARD_PROBABILITY = 0.5  # coin-flip rewards: most groups have a spread, so most advantages are non-zero
 
 
-SMOKE = {"num_steps": 3, "rounds": 1, "skip_steps": 1, "prompts_per_rank": 2, "n": 2, "calibration_steps": 2}
+# The smoke's G is fixed, so it skips the calibration run (one trainer launch fewer); its figures mean nothing.
+SMOKE = {"num_steps": 3, "rounds": 1, "skip_steps": 1, "prompts_per_rank": 2, "n": 2,
+         "sim_latency_s": SIM_CALIBRATION_LATENCY_S}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -112,12 +114,12 @@ class AsyncOverlapConfig:
     sim_latency_s: float | None = None
     """Simulated G, seconds per request; None: T measured by the calibration run."""
     calibration_steps: int = 6
-    """Steps of the simulated mode's calibration run (max_lag=0, tiny G)."""
+    """Steps of the simulated mode's calibration run (max_lag=0, tiny G; only when sim_latency_s is None)."""
     trainer_timeout_s: float = 600.0
     """Kill a trainer run that takes longer than this."""
     smoke: bool = False
-    """Smoke mode: both modes, one round of 3-step runs of 2 prompts x 2 rollouts (SMOKE); checks that the
-    command runs, its figures mean nothing."""
+    """Smoke mode: both modes, one round of 3-step runs of 2 prompts x 2 rollouts, a fixed simulated G (no
+    calibration run), the real engine uncompiled (SMOKE); checks that the command runs, its figures mean nothing."""
 
     def bench(self, max_tokens: int) -> BenchConfig:
         """One mode's run shape, with that mode's completion length."""
@@ -314,11 +316,11 @@ def run_schedule(cluster: LocalCluster, assets: Path, work: Path, prefix: str, c
     return {lag: summarise(records) for lag, records in pooled.items()}
 
 
-def run_real(assets: Path, work: Path, cfg: BenchConfig) -> dict[int, RunTimes]:
-    """Real vLLM generation worker + real logprob worker (reference logprobs)."""
+def run_real(assets: Path, work: Path, cfg: BenchConfig, smoke: bool) -> dict[int, RunTimes]:
+    """Real vLLM generation worker + real logprob worker (reference logprobs); uncompiled in smoke mode."""
     cluster_config = LocalClusterConfig(
         model_path=str(assets / "model"), log_dir=str(work / "real-workers"), generation_workers=1,
-        logprob_workers=1, engine=local_engine(kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN),
+        logprob_workers=1, engine=run_engine(smoke, kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN),
         global_num_verifiers=1,
     )
     with LocalCluster(cluster_config) as cluster:
@@ -344,8 +346,8 @@ def start_simulated_engine(vocab_size: int, latency_s: float):
 class SimulatedResult:
     latency_s: float
     """G: the simulated engine's per-request latency."""
-    calibration: RunTimes
-    """max_lag=0 run at a tiny G, which measures T."""
+    calibration: RunTimes | None
+    """max_lag=0 run at a tiny G, which measures T (None: G was given)."""
     times: dict[int, RunTimes]
 
     @property
@@ -361,7 +363,7 @@ class SimulatedResult:
 
 def run_simulated(assets: Path, work: Path, cfg: BenchConfig, latency_s: float | None,
                   calibration_steps: int) -> SimulatedResult:
-    """Calibrate T with a near-zero G, set G (= T unless given), then max_lag 0 vs 1."""
+    """Unless G is given: calibrate T with a near-zero G and set G = T. Then max_lag 0 vs 1."""
     import ray
 
     vocab_size = json.loads((assets / "model" / "config.json").read_text())["vocab_size"]
@@ -370,12 +372,15 @@ def run_simulated(assets: Path, work: Path, cfg: BenchConfig, latency_s: float |
     extra = ["--logprob_role", "none", "--loss.kl_coef", "0"]
     with LocalCluster(cluster_config) as cluster:
         engine = start_simulated_engine(vocab_size, SIM_CALIBRATION_LATENCY_S)
-        run_dir = work / "sim-calibration"
-        records = train_run(cluster, trainer_args(assets, run_dir, cfg, calibration_steps, 0, extra), run_dir,
-                            calibration_steps, cfg.trainer_timeout_s)
-        calibration = summarise(steady(records, min(cfg.skip_steps, calibration_steps - 2)))
+        calibration = None
+        if latency_s is None:
+            run_dir = work / "sim-calibration"
+            records = train_run(cluster, trainer_args(assets, run_dir, cfg, calibration_steps, 0, extra), run_dir,
+                                calibration_steps, cfg.trainer_timeout_s)
+            calibration = summarise(steady(records, min(cfg.skip_steps, calibration_steps - 2)))
+            logger.info("calibration: T = %.3f s per step", calibration.busy_s)
         chosen = latency_s if latency_s is not None else calibration.busy_s
-        logger.info("calibration: T = %.3f s per step; SIMULATED G = %.3f s", calibration.busy_s, chosen)
+        logger.info("SIMULATED G = %.3f s", chosen)
         ray.get(engine.set_latency.remote(chosen))
         times = run_schedule(cluster, assets, work, "sim", cfg, extra)
     return SimulatedResult(latency_s=chosen, calibration=calibration, times=times)
@@ -403,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     summary: dict[str, str] = {}
     load_before = _load_average()
     if "real" in args.modes:
-        real = run_real(assets, work, args.bench(args.max_tokens))
+        real = run_real(assets, work, args.bench(args.max_tokens), args.smoke)
         describe("real", real)
         print("real: vLLM generation, the logprob worker and both trainer ranks share "
               f"{os.cpu_count()} cores, so overlap can only fill time when the cores would otherwise idle")
@@ -411,9 +416,9 @@ def main(argv: list[str] | None = None) -> None:
     if "simulated" in args.modes:
         sim = run_simulated(assets, work, args.bench(args.sim_max_tokens), args.sim_latency_s,
                             args.calibration_steps)
-        print(f"SIMULATED generation engine: G = {sim.latency_s:.3f} s per request (fixed sleep; calibration "
-              f"T was {sim.calibration.busy_s:.3f} s); T = {sim.trainer_s:.3f} s trainer busy time per step "
-              f"(step - wait, max_lag=0 runs)")
+        calibrated = "given" if sim.calibration is None else f"calibration T was {sim.calibration.busy_s:.3f} s"
+        print(f"SIMULATED generation engine: G = {sim.latency_s:.3f} s per request (fixed sleep; {calibrated}); "
+              f"T = {sim.trainer_s:.3f} s trainer busy time per step (step - wait, max_lag=0 runs)")
         describe("simulated", sim.times)
         measured = sim.times[0].step_s / sim.times[1].step_s
         summary.update(simulated_speedup=f"{measured:.3f}", simulated_ideal=f"{sim.ideal:.3f}",

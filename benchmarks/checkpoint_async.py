@@ -34,9 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import apply_smoke, run_trainer, setup_logging, summarize_checkpoint_run, summary_line
+from benchmarks.harness import (
+    apply_smoke, run_engine, run_trainer, setup_logging, summarize_checkpoint_run, summary_line,
+)
 from arithmetic_data import write_arithmetic_dataset
-from local_cluster import LocalCluster, LocalClusterConfig, local_engine
+from local_cluster import LocalCluster, LocalClusterConfig
 from run_config import load_config
 from tiny_model import TinyModelConfig, write_tiny_model
 
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     weights_mb = (model / "model.safetensors").stat().st_size / 2**20
     cluster_config = LocalClusterConfig(
         model_path=str(model), log_dir=str(work / "logs"), generation_workers=1, logprob_workers=0,
-        engine=local_engine(kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN),
+        engine=run_engine(config.smoke, kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN),
     )
     runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
     with LocalCluster(cluster_config) as cluster:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from benchmarks.harness import (
     DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, apply_smoke, demo_assets, demo_trainer_flags, fresh_run_dir,
-    interrupt_on_sigterm, run_trainer, setup_logging, summary_line
+    interrupt_on_sigterm, run_engine, run_trainer, setup_logging, summary_line
 )
 from local_cluster import LocalCluster, LocalClusterConfig
 from run_config import load_config
@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, list[dict]] = {path: [] for path in PATHS}
-    cluster_config = LocalClusterConfig(model_path=str(assets.model), log_dir=str(out / "cluster-logs"))
+    cluster_config = LocalClusterConfig(model_path=str(assets.model), log_dir=str(out / "cluster-logs"),
+                                        engine=run_engine(config.smoke))
     with LocalCluster(cluster_config) as cluster:
         cluster.start_workers()
         for repeat in range(config.repeats):

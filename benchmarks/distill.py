@@ -38,7 +38,7 @@ from pathlib import Path
 
 from benchmarks.harness import (
     DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, demo_assets, demo_trainer_flags, fresh_run_dir, interrupt_on_sigterm,
-    reward_at, run_trainer, setup_logging, summary_line
+    reward_at, run_engine, run_trainer, setup_logging, summary_line
 )
 from local_cluster import LocalCluster, LocalClusterConfig
 from run_config import load_config
@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cluster_config = LocalClusterConfig(model_path=str(assets.model), log_dir=str(out / "cluster-logs"),
-                                        teacher_model_path=config.teacher_path, teacher_workers=1)
+                                        teacher_model_path=config.teacher_path, teacher_workers=1,
+                                        engine=run_engine(config.smoke))
     results: list[dict] = []
     with LocalCluster(cluster_config) as cluster:
         cluster.start_workers()

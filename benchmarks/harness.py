@@ -53,6 +53,28 @@ def apply_smoke(config: Any, sizes: dict[str, Any]) -> Any:
     return dataclasses.replace(config, **sizes) if config.smoke else config
 
 
+# A smoke run's vLLM engines start uncompiled (enforce_eager): a smoke checks that the command
+# works, and compiling is most of what eager skips at each engine start: the torch.compile warm-up
+# took 12 s of a 38 s worker start on 2 quiet cores (the demo, 2026-11-25), every time, because
+# vLLM 0.32's AOT compile cache fails to load here ("'function' object has no attribute
+# 'finalize_loading'") and it compiles afresh.
+SMOKE_ENGINE = {"enforce_eager": True}
+
+
+def run_engine(smoke: bool, **changes: Any) -> Any:
+    """The local cluster's engine (local_cluster.local_engine) with `changes`, uncompiled
+    (SMOKE_ENGINE) in smoke mode; for LocalClusterConfig(engine=...)."""
+    from local_cluster import local_engine
+
+    return local_engine(**changes, **(SMOKE_ENGINE if smoke else {}))
+
+
+def launcher_engine_flags(smoke: bool) -> list[str]:
+    """local_cluster.py flags for SMOKE_ENGINE in smoke mode (none otherwise), for scripts that run
+    local_cluster.py as a command."""
+    return [word for key, value in SMOKE_ENGINE.items() for word in (f"--{key}", str(value).lower())] if smoke else []
+
+
 def summary_line(name: str, figures: dict[str, Any]) -> str:
     """`name: key=value key=value ...`: a script's summary line, printed last (tests read it)."""
     return f"{name}: " + " ".join(f"{key}={value}" for key, value in figures.items())

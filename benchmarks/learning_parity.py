@@ -39,7 +39,7 @@ from typing import Literal
 
 import torch
 
-from benchmarks.harness import apply_smoke, REPO_ROOT, setup_logging
+from benchmarks.harness import apply_smoke, REPO_ROOT, launcher_engine_flags, setup_logging
 from dataset import load_prompts
 from distributed_sampler import InfiniteDistributedSampler
 from math_verifier import score_completion
@@ -340,9 +340,11 @@ def run_reference(config: TrainerConfig, model_dir: Path, seed: int, num_steps: 
 
 def run_system(args: LearningParityConfig, num_steps: int, trainer_args: list[str], seed: int,
                run_dir: Path) -> list[dict[str, float]]:
-    """The full system through local_cluster.py, as the demo runs it; trainer_args go last."""
+    """The full system through local_cluster.py, as the demo runs it (its engine uncompiled in smoke
+    mode); trainer_args go last."""
     command = [sys.executable, str(REPO_ROOT / "local_cluster.py"), "--model_path", str(args.model_dir),
-               "--run_dir", str(run_dir), "--nproc_per_node", str(args.world_size), "--",
+               "--run_dir", str(run_dir), "--nproc_per_node", str(args.world_size),
+               *launcher_engine_flags(args.smoke), "--",
                "--config", str(args.trainer_config), "--data.path", str(args.data), "--seed", str(seed),
                "--num_steps", str(num_steps), "--progress_bar", "false", "--tensorboard", "false",
                "--checkpoint_every", "0", *trainer_args]

@@ -77,7 +77,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.harness import apply_smoke, REPO_ROOT, interrupt_on_sigterm, setup_logging
+from benchmarks.harness import apply_smoke, REPO_ROOT, interrupt_on_sigterm, launcher_engine_flags, setup_logging
 from benchmarks.process_monitor import (
     GB, KB, LogWatcher, ProcessMonitor, RunFailed, count_lines, phase_of, print_failure, process_table, run_polled,
     tail,
@@ -176,7 +176,7 @@ def run(config: RealisticRunConfig, passthrough: list[str]) -> dict[str, Any]:
         "--kv_cache_memory_bytes", str(sizing.kv_cache_memory_bytes), "--max_model_len", str(sizing.max_model_len),
         "--max_num_seqs", str(sizing.max_num_seqs), "--max_tokens_per_forward", str(sizing.logprob_max_tokens),
         "--global_num_verifiers", str(config.global_num_verifiers),
-        "--worker_start_timeout_s", str(config.worker_start_timeout_s),
+        "--worker_start_timeout_s", str(config.worker_start_timeout_s), *launcher_engine_flags(config.smoke),
         "--", "--config", str(yaml_path), *passthrough,
     ]
     log = work_dir / "local_cluster.log"

@@ -63,7 +63,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import REPO_ROOT, DemoAssets, apply_smoke, interrupt_on_sigterm, setup_logging
+from benchmarks.harness import (
+    REPO_ROOT, DemoAssets, apply_smoke, interrupt_on_sigterm, launcher_engine_flags, setup_logging,
+)
 from benchmarks.process_monitor import (
     KB, LogWatcher, ProcessMonitor, RunFailed, count_lines, format_table, parse_status, phase_of, print_failure,
     run_polled,
@@ -307,7 +309,7 @@ def run(config: SoakConfig, passthrough: list[str]) -> dict[str, Any]:
     soak = SoakRun(config, work_dir, monitor)
     command = [sys.executable, str(REPO_ROOT / "local_cluster.py"), "--model_path", str(assets / "model"),
                "--run_dir", str(soak.run_dir), "--nproc_per_node", str(config.nproc_per_node),
-               "--", *trainer_args(config, assets, passthrough)]
+               *launcher_engine_flags(config.smoke), "--", *trainer_args(config, assets, passthrough)]
     logger.info("running: %s (log: %s)", " ".join(command[1:]), soak.log)
     failure = soak.run(command)
     records = read_metrics(soak.metrics_path) if soak.metrics_path.is_file() else []

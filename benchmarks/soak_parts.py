@@ -45,8 +45,8 @@ class SoakConfig:
     """Stop the run (and fail) after this long."""
 
     smoke: bool = False
-    """Smoke mode: 12 steps, snapshots at 4 and 12, a timeline every 4 (SMOKE); checks that the command still
-    runs, its figures mean nothing."""
+    """Smoke mode: 12 steps, snapshots at 4 and 12, a timeline every 4 (SMOKE), the engine uncompiled
+    (harness.SMOKE_ENGINE); checks that the command still runs, its figures mean nothing."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.early_step < self.num_steps:

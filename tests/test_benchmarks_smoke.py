@@ -6,7 +6,8 @@ run's numbers mean nothing.
     .venv/bin/python -m pytest tests/test_benchmarks_smoke.py -q --durations=0
 
 Each runs as `python -m benchmarks.NAME --smoke true` (the script's SMOKE sizes: a few steps, tiny
-shapes) plus where its inputs and outputs go. Already run elsewhere in smoke mode, not repeated
+shapes; a local cluster's vLLM engines uncompiled, harness.SMOKE_ENGINE) plus where its inputs and
+outputs go. Already run elsewhere in smoke mode, not repeated
 here: soak.py (tests/test_soak.py) and scale.py (tests/test_scale_benchmark.py).
 """
 

@@ -1,6 +1,6 @@
 """Multi-turn rollouts: the model and an environment (environments.py) take turns, with exact tokens.
 
-    generate = engine_generate(engine, sampling_params(sampling, prompt_id), request_id)  # vLLM AsyncLLM
+    generate = engine_generate(engine, sampling_params(sampling, prompt_id), request_id)  # over vLLM's AsyncLLM
     outcome = await run_rollout(sample, config.make(), generate, ChatRenderer(tokenizer), config,
                                 max_tokens_per_turn=sampling.max_tokens)
     outcome.sample.output_token_ids, outcome.sample.output_mask   # turn 1 | observation | turn 2 ...
@@ -34,6 +34,7 @@ from typing import Any, Awaitable, Callable, Literal, Sequence
 
 from environments import EnvPrompt, Environment, EnvironmentConfig, Message, Reset, StepResult, Turn
 from sample_processing_utils import Sample
+from sampling import SEED_BOUND, derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -285,11 +286,13 @@ async def run_rollouts(sample: Sample, n: int, config: EnvironmentConfig, genera
     return [outcome.sample for outcome in outcomes]
 
 
-def engine_generate(engine: Any, params: Any, request_id: str, version: Callable[[], int] = lambda: -1,
-                    lora_request: Any = None) -> GenerateFn:
-    """A GenerateFn over a vLLM AsyncLLM: each call is one request with the exact prompt token ids
-    (TokensPrompt), n = 1, `params` with max_tokens set per turn and, when seeded, the seed
-    advanced per turn (the same seed would replay the first turn's random draws)."""
+def engine_generate(engine: Any, params: Any, request_id: str, rollout_index: int = 0,
+                    version: Callable[[], int] = lambda: -1, lora_request: Any = None) -> GenerateFn:
+    """A GenerateFn over a vLLM AsyncLLM for rollout `rollout_index` of a prompt: each call is one
+    request with the exact prompt token ids (TokensPrompt), n = 1, `params` with max_tokens set
+    per turn and, when seeded, a seed derived from (params.seed, rollout_index, turn): one seed
+    for every turn would replay the first turn's random draws, and seed + i would give rollout
+    i's turn 1 the seed of rollout i + 1's turn 0. `version` is read as each turn starts."""
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
@@ -303,11 +306,11 @@ def engine_generate(engine: Any, params: Any, request_id: str, version: Callable
         turn_params.logprobs = 0
         turn_params.output_kind = RequestOutputKind.FINAL_ONLY
         if params.seed is not None:
-            turn_params.seed = params.seed + turn
+            turn_params.seed = derive_seed(params.seed, rollout_index, turn, bound=SEED_BOUND)
         weight_version = version()
         final = None
         async for output in engine.generate(TokensPrompt(prompt_token_ids=list(token_ids)), turn_params,
-                                            f"{request_id}-turn{turn}", lora_request=lora_request):
+                                            f"{request_id}-r{rollout_index}-t{turn}", lora_request=lora_request):
             final = output
         turn += 1
         if final is None or not final.outputs:

@@ -83,7 +83,7 @@ async def _run(config: RunEnvironmentConfig, model_path: str) -> None:
                         record={"question": config.question, "gt_answer": config.gt_answer})
         samples = await run_rollouts(
             sample, config.rollouts, config.environment,
-            lambda i: engine_generate(engine, sampling_params(sampling, prompt_id=i), f"example-{i}"),
+            lambda i: engine_generate(engine, sampling_params(sampling, prompt_id=0), "example", rollout_index=i),
             ChatRenderer(tokenizer), config.max_tokens_per_turn, stats)
     finally:
         engine.shutdown()

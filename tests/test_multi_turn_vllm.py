@@ -82,16 +82,16 @@ async def _rollouts(model_dir: Path, tokenizer) -> tuple[list[Sample], list[list
     try:
         sampling = SamplingConfig(n=1, max_tokens=TURN_MAX_TOKENS, seed=SEED)
         logs: list[list[tuple[list[int], Generation]]] = [[] for _ in range(NUM_ROLLOUTS)]
+        sample = Sample(input_token_ids=[1], gt_answer="42", prompt_id=0, record={"question": QUESTION})
 
         def generate_for(index: int) -> GenerateFn:
-            params = sampling_params(sampling, prompt_id=index)
-            return _recording(engine_generate(engine, params, f"rollout-{index}"), logs[index])
+            params = sampling_params(sampling, prompt_id=sample.prompt_id)
+            return _recording(engine_generate(engine, params, "prompt-0", rollout_index=index), logs[index])
 
         config = EnvironmentConfig(name=f"{TaggedTurns.__module__}:TaggedTurns", max_turns=MAX_TURNS,
                                    max_total_tokens=MAX_TOTAL_TOKENS, options={"tools": ["calculator"]})
         config.check()
         stats = MultiTurnStats()
-        sample = Sample(input_token_ids=[1], gt_answer="42", prompt_id=0, record={"question": QUESTION})
         samples = await run_rollouts(sample, NUM_ROLLOUTS, config, generate_for, ChatRenderer(tokenizer),
                                      TURN_MAX_TOKENS, stats)
         return samples, logs, stats

@@ -20,6 +20,12 @@ key=value pairs: `speedup` is the wider model's batched/sequential ratio at the 
 `cpu_speedup`/`tiny_cpu_speedup` the same ratios from this process's CPU time (steadier on a
 shared machine), and `attn` the attention implementation the workers ran.
 
+`--engine model` measures the same two modes without the worker (no Ray: the GPU machine has
+none): TokenLogprobModel.score on each sample alone, against packed forwards of <= budget tokens
+(samples in order, a new forward when the next would overflow), in the dtype the worker would
+use (bf16 on CUDA, fp32 on CPU), synchronised before each clock read. It isolates the model's
+side of the ratio (no queueing, no asyncio); its summary line carries `engine=model`.
+
 Workers use setup_model's default attention unless --attn_implementation names one: without
 flash-attn that is PACKED_SDPA, which attends within each packed sample, so attention work follows
 the sum of each sample's square. With plain "sdpa" a packed forward attends over its whole T x T
@@ -37,18 +43,19 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable
+from typing import TYPE_CHECKING, Awaitable
 
 import torch
 from transformers import AutoConfig
 
 from benchmarks.harness import apply_smoke, setup_logging
-from logprob_worker import LogprobWorker, LogprobWorkerConfig, resolve_device
-from worker_options import LogprobBatchingConfig
 from run_config import load_config
-from sample_processing_utils import Sample
-from setup_model import default_attn_implementation
+from sample_processing_utils import Sample, get_input_for_logprobs
+from setup_model import TokenLogprobModel, default_attn_implementation, load_causal_lm
 from tiny_model import TinyModelConfig, write_tiny_model
+
+if TYPE_CHECKING:  # the worker imports Ray; --engine model runs without it
+    from logprob_worker import LogprobWorker
 
 TINY_SHAPE = TinyModelConfig()
 WIDE_SHAPE = TinyModelConfig(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1408)
@@ -83,6 +90,8 @@ class BenchConfig:
     """Seed of the random samples."""
     attn_implementation: str | None = None
     """Workers' attn_implementation; None: setup_model.default_attn_implementation for the device."""
+    engine: str = "worker"
+    """'worker': real LogprobWorkers (needs Ray); 'model': TokenLogprobModel.score directly (no Ray)."""
 
     smoke: bool = False
     """Smoke mode: 4 short samples, one budget, 1 repeat (SMOKE); checks that the command still runs, its figures
@@ -98,6 +107,8 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.max_prompt {self.max_prompt} < min_prompt {self.min_prompt}")
         if self.max_output < self.min_output:
             raise ValueError(f"BenchConfig.max_output {self.max_output} < min_output {self.min_output}")
+        if self.engine not in ("worker", "model"):
+            raise ValueError(f"BenchConfig.engine must be 'worker' or 'model', got {self.engine!r}")
 
 
 @dataclass(slots=True)
@@ -156,6 +167,9 @@ def _max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 def _worker(label: str, model_dir: Path, budget: int, attn_implementation: str | None) -> LogprobWorker:
+    from logprob_worker import LogprobWorker, LogprobWorkerConfig
+    from worker_options import LogprobBatchingConfig
+
     # max_wait_ms=0: the sequential mode would otherwise wait for company on every request, and
     # the batched mode queues all its requests before the first batch forms anyway.
     config = LogprobWorkerConfig(
@@ -198,11 +212,64 @@ async def measure(label: str, model_dir: Path, samples: list[Sample], config: Be
     )
 
 
-def run_shape(label: str, shape: TinyModelConfig, config: BenchConfig, workdir: Path) -> ShapeResult:
+def _packs(samples: list[Sample], budget: int) -> list[list[Sample]]:
+    """Samples in order, a new pack when the next would take this one past `budget` tokens."""
+    packs: list[list[Sample]] = [[]]
+    for sample in samples:
+        if packs[-1] and sum(s.num_tokens for s in packs[-1]) + sample.num_tokens > budget:
+            packs.append([])
+        packs[-1].append(sample)
+    return packs
+
+
+def _score_packs(model: TokenLogprobModel, packs: list[list[Sample]], device: torch.device) -> list[list[float]]:
+    out: list[list[float]] = []
+    with torch.inference_mode():
+        for pack in packs:
+            inputs = get_input_for_logprobs(pack)
+            logprobs = model.score(inputs)[0].float().cpu()
+            out.extend(part.tolist() for part in torch.split(logprobs, inputs.output_lengths))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out
+
+
+def measure_model(model_dir: Path, samples: list[Sample], config: BenchConfig, device: torch.device) -> ShapeResult:
+    """--engine model: the two modes through TokenLogprobModel.score, alternating, best of repeats."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = TokenLogprobModel(load_causal_lm(model_dir, device=device, dtype=dtype,
+                                             attn_implementation=config.attn_implementation)).eval()
+    num_tokens = sum(s.num_tokens for s in samples)
+    modes = {0: [[s] for s in samples], **{b: _packs(samples, b) for b in config.budgets}}
+    for packs in modes.values():
+        _score_packs(model, packs[:WARMUP_SAMPLES], device)
+    wall = {mode: float("inf") for mode in modes}
+    cpu = dict(wall)
+    diff, reference = 0.0, None
+    for _ in range(config.repeats):
+        for mode, packs in modes.items():
+            started, cpu_started = time.perf_counter(), time.process_time()
+            results = _score_packs(model, packs, device)
+            wall[mode] = min(wall[mode], time.perf_counter() - started)
+            cpu[mode] = min(cpu[mode], time.process_time() - cpu_started)
+            reference = results if mode == 0 else reference
+            diff = max(diff, _max_abs_diff(results, reference))
+    return ShapeResult(
+        sequential_tok_s=num_tokens / wall[0], batched_tok_s={b: num_tokens / wall[b] for b in config.budgets},
+        sequential_cpu_s=cpu[0], batched_cpu_s={b: cpu[b] for b in config.budgets},
+        forwards={b: len(modes[b]) for b in config.budgets}, max_abs_diff=diff,
+    )
+
+
+def run_shape(label: str, shape: TinyModelConfig, config: BenchConfig, workdir: Path,
+              device: torch.device) -> ShapeResult:
     model_dir = write_tiny_model(workdir / label, shape)
     vocab_size = AutoConfig.from_pretrained(str(model_dir)).vocab_size
     samples = build_samples(config, vocab_size)
-    result = asyncio.run(measure(label, model_dir, samples, config))
+    if config.engine == "model":
+        result = measure_model(model_dir, samples, config, device)
+    else:
+        result = asyncio.run(measure(label, model_dir, samples, config))
     tokens = sum(s.num_tokens for s in samples)
     print(
         f"{label}: hidden={shape.hidden_size} layers={shape.num_layers} samples={len(samples)} tokens={tokens} "
@@ -224,12 +291,13 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(BenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
     config = apply_smoke(config, SMOKE)
     setup_logging(logging.WARNING)
-    device = resolve_device(LogprobWorkerConfig.device)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the worker's device "auto"
     attn = config.attn_implementation or default_attn_implementation(device)
-    print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads, attn {attn}", flush=True)
+    print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads, attn {attn}, "
+          f"engine {config.engine}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        tiny = run_shape("tiny", TINY_SHAPE, config, Path(tmp))
-        wide = run_shape("wide", WIDE_SHAPE, config, Path(tmp))
+        tiny = run_shape("tiny", TINY_SHAPE, config, Path(tmp), device)
+        wide = run_shape("wide", WIDE_SHAPE, config, Path(tmp), device)
     budget = config.budgets[0]
     by_budget = ",".join(f"{b}:{wide.speedup(b):.2f}" for b in sorted(config.budgets))
     print(
@@ -237,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         f"batched_tok_s={wide.batched_tok_s[budget]:.0f} sequential_tok_s={wide.sequential_tok_s:.0f} "
         f"tiny_batched_tok_s={tiny.batched_tok_s[budget]:.0f} tiny_sequential_tok_s={tiny.sequential_tok_s:.0f} "
         f"speedup_by_budget={by_budget} cpu_speedup={wide.cpu_speedup(budget):.2f} "
-        f"tiny_cpu_speedup={tiny.cpu_speedup(budget):.2f} attn={attn} device={device} "
+        f"tiny_cpu_speedup={tiny.cpu_speedup(budget):.2f} attn={attn} device={device} engine={config.engine} "
         f"num_samples={config.num_samples} max_abs_diff={max(tiny.max_abs_diff, wide.max_abs_diff):.1e}"
     )
 

@@ -71,13 +71,17 @@ from tiny_model import PRESETS, ShapeOverrides, model_shape, write_tiny_model
 
 logger = logging.getLogger("benchmarks.trainer_throughput")
 
-# Dense (not sparse) bf16 tensor-core peaks from NVIDIA's datasheets, in TFLOPS; the first name
-# contained in torch.cuda.get_device_name() wins, so the PCIe/NVL variants come before "H100".
+# Dense (not sparse) bf16 tensor-core peaks, in TFLOPS: half the "BF16 Tensor Core ... with
+# sparsity" figures of NVIDIA's spec tables (nvidia.com/en-us/data-center/h100/: SXM 1,979, PCIe
+# 1,513, NVL 1,671; nvidia.com/en-us/data-center/h200/: SXM 1,979, NVL 1,671; A100 datasheet:
+# 312 dense). The first name contained in torch.cuda.get_device_name() wins, so the PCIe/NVL
+# variants come before the bare "H100"/"H200" (SXM).
 GPU_PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756.0),
     ("H100 NVL", 835.0),
     ("H100", 989.0),  # SXM
-    ("H200", 989.0),
+    ("H200 NVL", 835.0),
+    ("H200", 989.0),  # SXM
     ("A100", 312.0),
 )
 LOSS_CONFIG = LossConfig(kl_coef=0.05)  # the demo's KL weight: the KL term runs as in a real step

@@ -60,6 +60,7 @@ SMOKES = (
     Smoke("reward", (), "", ("hostile_over_clean", "clean_samples_per_s", "hostile_samples_per_s")),
     Smoke("trackers", (), "", ("jsonl_log_ms", "tensorboard_log_ratio")),
     Smoke("trainer_throughput", (), "", ("tokens_per_s", "mfu", "step_s")),
+    Smoke("gpu_report", ("--out", f"{WORK}/gpu_report.md"), "gpu_report", ("rows", "skipped", "failed")),
     Smoke("generation_executor", (), "", ("cpu_ratio",), ("vllm",)),
     Smoke("lora_push_memory", ("--out", f"{WORK}/lora_push_memory.json"), "lora_push_memory",
           ("tree_slope_kib", "adapter_kib", "ratio"),

@@ -262,7 +262,8 @@ PACKED_VARLEN = "packed_varlen"
 (torch.nn.attention.varlen.varlen_attn, CUDA only) on a packed stream, registered by
 register_packed_varlen: flash-attention's cost without the flash-attn package (the GPU machine
 has torch but not flash-attn). It needs the samples' boundaries in the layer's kwargs
-(VARLEN_KWARGS, which TokenLogprobModel passes) and defers to PACKED_SDPA otherwise."""
+(VARLEN_KWARGS, which TokenLogprobModel passes) and defers to PACKED_SDPA otherwise (and on the
+CPU, where the kernel does not exist)."""
 
 
 def packed_varlen_attention(
@@ -284,7 +285,8 @@ def packed_varlen_attention(
 
     cu_seq_lens, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     plain = attention_mask is None and query.shape[2] == key.shape[2] and sliding_window is None and dropout == 0.0
-    if cu_seq_lens is None or longest is None or not plain or query.shape[0] != 1:
+    # varlen_attn has CUDA kernels only: elsewhere PACKED_SDPA computes the same attention.
+    if cu_seq_lens is None or longest is None or not plain or query.shape[0] != 1 or not query.is_cuda:
         return packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                      sliding_window=sliding_window, **kwargs)
     _, heads, length, head_dim = query.shape

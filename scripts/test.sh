@@ -21,6 +21,10 @@ if [[ "${1:-}" == "--gpu" ]]; then
     # gpu test modules are collected, as the others import Ray.
     python=.venv/bin/python
     [[ -x "$python" ]] || python=python3
+    if ! "$python" -c "import pytest, torch" 2>/dev/null; then
+        echo "scripts/test.sh --gpu: $python cannot import pytest and torch; install them there first" >&2
+        exit 1
+    fi
     rc=0
     "$python" -m pytest -m gpu -rs --durations=25 tests/test_gpu_*.py "${@:2}" || rc=$?
     if [[ $rc -eq 5 ]]; then  # nothing selected: no CUDA here (the line above says how many)

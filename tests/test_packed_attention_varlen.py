@@ -117,3 +117,17 @@ def test_forward_under_inference_mode(packed_model: TokenLogprobModel) -> None:
     with torch.inference_mode():
         got, _ = packed_model(*inputs)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_packed_varlen_defers_to_packed_sdpa_off_cuda(tiny_model_dir: Path, packed_model: TokenLogprobModel) -> None:
+    """PACKED_VARLEN's kernel is CUDA-only (tests/test_gpu_model.py runs it); on the CPU a model
+    loaded with it scores exactly as PACKED_SDPA, instead of failing in the first layer."""
+    from packed_attention import PACKED_VARLEN
+
+    varlen_model = TokenLogprobModel(load_causal_lm(tiny_model_dir, attn_implementation=PACKED_VARLEN)).eval()
+    assert varlen_model.attn_implementation() == PACKED_VARLEN
+    inputs = _inputs(packed_model.causal_lm.config.vocab_size)
+    with torch.no_grad():
+        expected, _ = packed_model(*inputs)
+        got, _ = varlen_model(*inputs)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -402,8 +402,7 @@ class LocalCluster:
                 self._dispatch(f"{kind}-{i}", self.dispatcher_args(kind))
         self._relay = DispatcherLogRelay([(label, log) for label, _, log in self._dispatchers])
         self._relay.start()
-        for label, process, log in self._dispatchers:
-            self._wait_registered(label, process, log)
+        self._wait_registered()
         for kind, count in counts.items():
             if count:
                 logger.info("to add a %s worker to this cluster, run:\n  %s", kind, self.add_worker_command(kind))
@@ -418,19 +417,27 @@ class LocalCluster:
         self._dispatchers.append((label, process, log))
         logger.info("dispatching %s worker (log: %s)", label, log)
 
-    def _wait_registered(self, label: str, process: subprocess.Popen, log: Path) -> None:
+    def _wait_registered(self) -> None:
+        """Until every dispatcher's worker has registered; a dispatcher that exits first fails the
+        start at once (not after the workers listed before it are up)."""
         deadline = time.monotonic() + self.config.worker_start_timeout_s
-        while time.monotonic() < deadline:
-            text = log.read_text(errors="replace")
-            if any(line.startswith("worker ") and line.rstrip().endswith(REGISTERED_MARKER) for line in text.splitlines()):
-                logger.info("%s worker registered", label)
-                return
-            if process.poll() is not None:
-                raise RuntimeError(f"{label} dispatcher exited with {process.returncode} before registering; "
-                                   f"last lines of {log}:\n{_tail(text)}")
-            time.sleep(_POLL_S)
-        raise TimeoutError(f"{label} worker did not register within {self.config.worker_start_timeout_s:.0f} s; "
-                           f"see {log}:\n{_tail(log.read_text(errors='replace'))}")
+        pending = list(self._dispatchers)
+        while pending and time.monotonic() < deadline:
+            for label, process, log in list(pending):
+                text = log.read_text(errors="replace")
+                if any(line.startswith("worker ") and line.rstrip().endswith(REGISTERED_MARKER)
+                       for line in text.splitlines()):
+                    logger.info("%s worker registered", label)
+                    pending.remove((label, process, log))
+                elif process.poll() is not None:
+                    raise RuntimeError(f"{label} dispatcher exited with {process.returncode} before registering; "
+                                       f"last lines of {log}:\n{_tail(text)}")
+            if pending:
+                time.sleep(_POLL_S)
+        if pending:
+            label, _, log = pending[0]
+            raise TimeoutError(f"{label} worker did not register within {self.config.worker_start_timeout_s:.0f} s; "
+                               f"see {log}:\n{_tail(log.read_text(errors='replace'))}")
 
     def run_trainer(self, trainer_args: list[str], nproc_per_node: int, timeout_s: float | None = None,
                     log_path: Path | None = None) -> int:

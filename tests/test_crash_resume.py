@@ -54,7 +54,9 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     config = LocalClusterConfig(
         model_path=str(tiny_model_dir), log_dir=str(tmp_path_factory.mktemp("worker-logs")),
         generation_workers=1, logprob_workers=0, num_cpus=8,
-        engine=local_engine(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64),
+        # Uncompiled (enforce_eager): the run's 4-token completions gain nothing from compiling, which
+        # costs ~12 s of each engine start on 2 cores (benchmarks/harness.py SMOKE_ENGINE).
+        engine=local_engine(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64, enforce_eager=True),
         global_num_verifiers=1,
     )
     with LocalCluster(config) as running:

@@ -46,7 +46,9 @@ def cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory):
     config = LocalClusterConfig(
         model_path=str(demo_assets / "model"), log_dir=str(tmp_path_factory.mktemp("worker-logs")),
         generation_workers=1, logprob_workers=1, num_cpus=8, global_num_verifiers=1,
-        engine=local_engine(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64),
+        # Uncompiled (enforce_eager): compiling costs ~12 s of the engine's start on 2 cores and
+        # buys little on runs of 4-token completions.
+        engine=local_engine(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64, enforce_eager=True),
     )
     with LocalCluster(config) as running:
         running.start_workers()

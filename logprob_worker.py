@@ -526,7 +526,7 @@ class LogprobWorker:
         if isinstance(self.model.causal_lm, PeftModel):
             self.model.causal_lm = self.model.causal_lm.unload()
             logger.warning("logprob worker %s served a LoRA adapter; removed it before loading full weights", self.name)
-        load_streamed_into(self.model.causal_lm, shapes, iter_assembled(shards))
+        load_streamed_into(self.model.causal_lm, shapes, iter_assembled(shards, views=True))
         self._holds_pushed_weights = True
 
     def _record_batch(self, batch: list[QueuedRequest], num_tokens: int) -> None:

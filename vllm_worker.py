@@ -639,7 +639,8 @@ class GenerationWorker:
                 raise ValueError(f"{self.worker_name}: a WeightUpdate travels through the object store, but this engine "
                                  f"takes weights by EngineConfig.weight_transfer {self.config.engine.weight_transfer!r}")
             began = time.perf_counter()
-            buckets = reload_buckets(iter_state_dict(update), self.config.weight_reload_bucket_bytes)
+            # views: a tensor that travelled whole is copied straight from the object store into its bucket.
+            buckets = reload_buckets(iter_state_dict(update, views=True), self.config.weight_reload_bucket_bytes)
             try:
                 num_buckets = await self._reload_paused(engine, buckets, update.version)
             except _WeightsUnreachable as exc:

@@ -205,15 +205,29 @@ def _assemble_tensor(name: str, blobs: list[TensorBlob]) -> torch.Tensor:
     return torch.from_numpy(out).view(dtype).reshape(global_shape)
 
 
-def iter_assembled(shards: Iterable[Mapping[str, TensorBlob]]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_assembled(shards: Iterable[Mapping[str, TensorBlob]], views: bool = False
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for every weight in the shards, assembled one at a time.
 
     Each tensor is a fresh, writable buffer built only when the iteration reaches it, so beyond
     the shards themselves a consumer that drops each tensor before taking the next holds one
     full tensor at a time. Errors as _assemble_tensor, raised when the bad weight is reached.
+    views: a tensor that travelled whole (a 'gather' update's) comes as a read-only view of its
+    blob instead, with no copy, for consumers that only copy it on (into a model, a bucket).
     """
     for name, blobs in _pieces_by_name(shards).items():
-        yield name, _assemble_tensor(name, blobs)
+        whole = views and len(blobs) == 1 and tuple(blobs[0].shape) == tuple(blobs[0].global_shape)
+        yield name, _read_only_view(blobs[0]) if whole else _assemble_tensor(name, blobs)
+
+
+def _read_only_view(blob: TensorBlob) -> torch.Tensor:
+    """_blob_tensor of a blob Ray mapped read-only from its store; torch warns that it cannot
+    protect such memory from writes, which views=True callers promise not to make."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return _blob_tensor(blob)
 
 
 def assemble_state_dict(shards: Iterable[Mapping[str, TensorBlob]]) -> dict[str, torch.Tensor]:
@@ -226,18 +240,18 @@ def fetch_state_dict(update: WeightUpdate) -> dict[str, torch.Tensor]:
     return dict(iter_state_dict(update))
 
 
-def iter_state_dict(update: WeightUpdate) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_state_dict(update: WeightUpdate, views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of every weight of an update, one tensor assembled at a time.
 
     Both modes: a 'gather' update's one shard holds whole tensors, a 'sharded' update's pieces
     are concatenated per tensor. The shards are fetched first (Ray maps them from its
     shared-memory object store without copying); only the tensor being yielded is built in this
     process, so a consumer that streams each one into a model (e.g. vLLM's reload_weights) and
-    drops it never holds a second full copy of the weights.
+    drops it never holds a second full copy of the weights. views: as iter_assembled's.
     """
     import ray  # imported here so the pure helpers above work without Ray installed
 
-    yield from iter_assembled(ray.get(list(update.shard_refs)))
+    yield from iter_assembled(ray.get(list(update.shard_refs)), views=views)
 
 
 def iter_checkpoint_tensors(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

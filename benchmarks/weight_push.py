@@ -38,6 +38,24 @@ breakdown is skipped.
 
 The LAST line is key=value pairs:
 `fraction_of_memcpy=<x> best_mode=<m> gather_s=... sharded_s=... gather_gbps=... sharded_gbps=... memcpy_gbps=... model_gb=...`
+
+Engine transport (`--target engine`): old against new push into one vLLM engine, in this process
+(no torchrun, no cluster: the trainer side is the same for both). The update (the model's own
+tensors, perturbed, as one 'gather' object in a private Ray store) is pushed alternately by
+
+- old: the generation worker's path before issue 23 (benchmarks/legacy_weight_reload.py): per
+  bucket a safetensors file in /dev/shm and `collective_rpc` of a reload method in the engine;
+- new: GenerationWorker.update_weights, vLLM's weight-transfer API with our object-store backend
+  (per bucket an anonymous memory file the engine maps; one layerwise reload per push).
+
+push_s is the median over `--repeats` pushes per path (after one warm-up each), paused
+generation, buckets and version label included; fraction_of_memcpy as above, for each path.
+
+    .venv/bin/python -m benchmarks.weight_push --target engine --repeats 7
+
+Its LAST line: `fraction_of_memcpy=<new> old_fraction_of_memcpy=<old> new_over_old=<speed-up>
+old_s=... new_s=... memcpy_gbps=... model_gb=...`; one `path=<p> fraction_of_memcpy=...` line
+per path comes before it.
 """
 
 from __future__ import annotations
@@ -74,6 +92,12 @@ LORA_MODES = ("gather", "sharded", "lora_files")
 GB = 1e9  # decimal gigabytes, for bytes and bytes per second alike
 PROBE_ACTOR_NAME = "weight-push-receiver-probe"  # the breakdown's receiver, next to the real ones
 MEMCPY_REPEATS = 5  # best of: the first copies also pay page faults of the allocator's fresh pages
+ENGINE_PATHS = ("old", "new")
+ENGINE_WORKER_NAME = "weight-push-bench-engine"
+# The engine only needs room for the canary: the model's bytes are what is measured.
+ENGINE_KV_CACHE_BYTES = 64 << 20
+ENGINE_MAX_MODEL_LEN = 256
+PERTURBATION = 1e-3  # relative noise per push, so every push really changes the weights
 # WeightPusher reads no data, but TrainerConfig requires a dataset section; nothing opens this path.
 UNUSED_DATA_PATH = "unused-by-weight-push.jsonl"
 TRAINER_TIMEOUT_S = 1200.0
@@ -107,6 +131,9 @@ class PushBenchConfig:
     """Timed WeightPusher.push calls per mode (after one warm-up each)."""
     breakdown_repeats: int = 3
     """Step-by-step timed pushes per mode (0: skip the breakdown)."""
+    target: Literal["logprob", "engine"] = "logprob"
+    """'logprob': pushes from a torchrun trainer to logprob workers (both push modes); 'engine':
+    old against new transport into one vLLM engine (see the module docstring)."""
     role: Literal["driver", "trainer"] = "driver"
     """'driver' runs the benchmark; 'trainer' is what it starts under torchrun."""
     work_dir: str | None = None
@@ -337,6 +364,118 @@ def drive(cfg: PushBenchConfig, work: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Engine target: old against new transport into one vLLM engine, in this process.
+# ---------------------------------------------------------------------------------------------
+
+
+class _CanaryVerifier:
+    """The worker's start-up canary verifies '2' against '2'; nothing else is scored here."""
+
+    async def score(self, completions: list[str], gt_answer: str) -> list[Any]:
+        from math_verifier import RewardResult
+
+        return [RewardResult(reward=float(c == gt_answer), failed=False, error="") for c in completions]
+
+
+def _perturbed_update(base: dict[str, torch.Tensor], version: int) -> Any:
+    """The model's own tensors with noise of their own, as one 'gather' object in the store."""
+    import ray
+
+    from weight_sync import WeightUpdate, state_dict_to_blobs
+
+    noise = torch.Generator().manual_seed(version)
+    state = {k: v + PERTURBATION * torch.randn(v.shape, generator=noise, dtype=v.dtype) for k, v in base.items()}
+    return WeightUpdate(version=version, shard_refs=[ray.put(state_dict_to_blobs(state))])
+
+
+async def _engine_pushes(model_dir: Path, repeats: int) -> dict[str, list[float]]:
+    """One engine (old RPC and new backend both registered), pushed alternately by both paths."""
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from benchmarks.legacy_weight_reload import LEGACY_EXTENSION, legacy_push
+    from vllm_worker import GenerationWorker, GenerationWorkerConfig, engine_args
+    from weight_files import reload_buckets
+    from weight_sync import iter_state_dict
+    from worker_options import EngineConfig
+
+    config = GenerationWorkerConfig(model_path=str(model_dir), engine=EngineConfig(
+        max_num_seqs=8, kv_cache_memory_bytes=ENGINE_KV_CACHE_BYTES, max_model_len=ENGINE_MAX_MODEL_LEN,
+        enforce_eager=True, dtype="float32"))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the in-process executor, as GenerationWorker.start sets it
+    args = {**engine_args(config, in_process=True), "worker_extension_cls": LEGACY_EXTENSION}
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+    await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+    # The worker's own update path over this engine (GenerationWorker.start would build one
+    # without the old RPC, which the baseline needs).
+    worker = GenerationWorker(ENGINE_WORKER_NAME, config, verifier=_CanaryVerifier())
+    worker._engine = engine
+    from safetensors.torch import load_file
+
+    base = load_file(str(next(model_dir.glob("*.safetensors"))))
+    timings: dict[str, list[float]] = {path: [] for path in ENGINE_PATHS}
+    version = 0
+    try:
+        for round_index in range(repeats + 1):
+            for path in ENGINE_PATHS:  # alternating, so load from other processes hits both alike
+                version += 1
+                # Made before the clock starts, one at a time: the store holds one update.
+                update = await asyncio.to_thread(_perturbed_update, base, version)
+                began = time.perf_counter()
+                if path == "old":
+                    buckets = reload_buckets(iter_state_dict(update), config.weight_reload_bucket_bytes)
+                    await legacy_push(engine, buckets, update.version)
+                else:
+                    await worker.update_weights(update)
+                if round_index:  # the first round is the warm-up
+                    timings[path].append(time.perf_counter() - began)
+        if await engine.get_weight_version() != str(update.version):
+            raise RuntimeError(f"engine serves {await engine.get_weight_version()}, expected v{update.version}")
+    finally:
+        engine.shutdown()
+    return timings
+
+
+def report_engine(timings: dict[str, list[float]], num_bytes: int, memcpy_by_threads: dict[int, float]) -> None:
+    model_gb = num_bytes / GB
+    copy_gbps = max(memcpy_by_threads.values())
+    copies = ", ".join(f"{t} thread(s) {g:.2f} GB/s" for t, g in memcpy_by_threads.items())
+    print(f"model {model_gb:.3f} GB fp32 ({num_bytes // 4 / 1e6:.0f}M params) into one vLLM engine (CPU, in-process); "
+          f"load average {_load_average()} on {os.cpu_count()} cores")
+    print(f"memcpy into a fresh buffer, best of {MEMCPY_REPEATS}: {copies}; reference {copy_gbps:.2f} GB/s")
+    fraction = {}
+    for path, values in timings.items():
+        push = _median(values)
+        fraction[path] = model_gb / push / copy_gbps
+        print(f"path={path} fraction_of_memcpy={fraction[path]:.3f} push_s={push:.3f} min_s={min(values):.3f} "
+              f"max_s={max(values):.3f} pushes={len(values)} gbps={model_gb / push:.3f}")
+    fields = {
+        "fraction_of_memcpy": f"{fraction['new']:.3f}", "old_fraction_of_memcpy": f"{fraction['old']:.3f}",
+        "new_over_old": f"{fraction['new'] / fraction['old']:.3f}",
+        **{f"{p}_s": f"{_median(timings[p]):.3f}" for p in ENGINE_PATHS},
+        "memcpy_gbps": f"{copy_gbps:.3f}", "model_gb": f"{model_gb:.3f}",
+    }
+    print(" ".join(f"{k}={v}" for k, v in fields.items()))
+
+
+def drive_engine(cfg: PushBenchConfig, work: Path) -> None:
+    import ray
+
+    from local_cluster import init_local_ray
+
+    model_dir = write_tiny_model(work / "model", cfg.model())
+    num_bytes = model_bytes(model_dir)
+    by_threads = {threads: memcpy_gbps(num_bytes, threads) for threads in sorted({1, torch.get_num_threads()})}
+    init_local_ray(num_cpus=2, namespace=RAY_NAMESPACE, log_to_driver=False)
+    try:
+        timings = asyncio.run(_engine_pushes(model_dir, cfg.repeats))
+    finally:
+        ray.shutdown()
+    report_engine(timings, num_bytes, by_threads)
+
+
+# ---------------------------------------------------------------------------------------------
 # Trainer role (under torchrun): FSDP2 model, WeightPusher in both modes, step-by-step pushes.
 # ---------------------------------------------------------------------------------------------
 
@@ -454,7 +593,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     work = Path(cfg.work_dir) if cfg.work_dir else Path(tempfile.mkdtemp(prefix="weight-push-"))
     work.mkdir(parents=True, exist_ok=True)
-    drive(cfg, work)
+    drive_engine(cfg, work) if cfg.target == "engine" else drive(cfg, work)
 
 
 if __name__ == "__main__":

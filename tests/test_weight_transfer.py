@@ -135,3 +135,15 @@ def test_streamed_load_of_a_sharded_update_equals_the_full_weights() -> None:
                for name in full} for rank, half in enumerate(halves)]
     load_streamed_into(model, update_shapes(shards), iter_assembled(shards))
     assert all(torch.equal(v, full[k]) for k, v in model.state_dict().items())
+
+
+def test_views_skip_the_copy_only_for_tensors_that_travelled_whole() -> None:
+    full = _Tiny().state_dict()
+    gathered = [state_dict_to_blobs(full)]
+    for name, tensor in iter_assembled(gathered, views=True):
+        assert tensor.data_ptr() == gathered[0][name].data.ctypes.data and torch.equal(tensor, full[name])
+    rows = full["embed.weight"].shape[0]
+    halves = [{"embed.weight": tensor_to_blob(full["embed.weight"][:2], global_shape=(rows, 4))},
+              {"embed.weight": tensor_to_blob(full["embed.weight"][2:], global_shape=(rows, 4), offset=2)}]
+    (name, joined), = iter_assembled(halves, views=True)
+    assert torch.equal(joined, full["embed.weight"])

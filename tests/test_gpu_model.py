@@ -5,8 +5,8 @@
 - One bf16 FSDP2 step (fsdp_setup.build_training_model on a one-rank NCCL group: bf16 compute,
   fp32 master weights and gradient reduction, the packed stream, chunked lm_head) against
   tests/test_step_parity.py's fp32 padded reference (plain HF model on the CPU, eager attention,
-  one right-padded batch, the loss from its definition): the logprobs, the loss and every
-  gradient agree within bf16's tolerance, and the decoder really computed in bf16.
+  one right-padded batch, the loss from its definition): the logprobs and every gradient agree
+  within bf16's tolerance, and the decoder really computed in bf16.
 - The varlen packed forward (PACKED_VARLEN: torch's flash-attention varlen kernel, and
   flash_attention_2 where flash-attn is installed) with the samples' boundaries computed once
   by TokenLogprobModel, against each sample run alone through plain sdpa; boundaries that merge
@@ -33,7 +33,6 @@ pytestmark = [
 BF16_GRAD_REL = 0.05
 # Logprobs of the tiny model's ~100-token vocabulary: bf16 logits round by ~1e-2 at their size.
 BF16_LOGPROB_ATOL = 0.05
-BF16_LOSS_REL = 0.02
 FIRST_TOKEN_ID = 2  # ids 0 and 1 are EOS and PAD in the tiny tokenizer
 
 
@@ -99,17 +98,9 @@ def test_bf16_fsdp2_step_matches_the_fp32_padded_reference(one_rank_group, tiny_
         relative = float((got - want).norm() / want.norm())
         worst = max(worst, relative)
         assert relative <= BF16_GRAD_REL, f"{name}: bf16 gradient off the fp32 reference by {relative:.3f} of its norm"
+    # The loss is not compared on its own: at the first pass ratio = 1 and the groups' advantages
+    # cancel, so it is the small KL term, whose bf16 error the logprob and gradient checks bound.
     print(f"bf16 FSDP2 step: largest gradient error {worst:.4f} of the tensor's norm; loss {float(loss):.5f}")
-    assert float(loss / len(samples)) == pytest.approx(_reference_loss(reference_model, padded, case),
-                                                       rel=BF16_LOSS_REL)
-
-
-def _reference_loss(model: torch.nn.Module, padded, case) -> float:
-    from test_step_parity import _step_loss, _token_logprobs
-
-    with torch.no_grad():
-        logp = _token_logprobs(model, padded)
-        return float(_step_loss(logp, logp, padded, case.loss))
 
 
 def _per_sample_logprobs(model_dir: Path, lengths: list[int], input_ids: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,9 @@ _TRAINER_BOUND_S = 900.0
 # is interpreter start-up and input loading, which on a busy 2-core machine took up to 35 s. This
 # bound only catches a process that hangs, as the old ones did.
 _BAD_INPUT_BOUND_S = _EXIT_BOUND_S
+# The bad-input processes run two at a time: each is mostly one interpreter starting (one core)
+# or waiting on a refused connection, so two fit the 2-core machine, and each still gets a core.
+_PARALLEL_JOINS = 2
 # A short run whose steps outlast the node removal: 2 ranks x 4 prompts x 4 rollouts per step.
 NUM_STEPS = 8
 REMOVE_AFTER_STEP = 2
@@ -186,21 +190,25 @@ def test_bad_cluster_input_gets_one_line_quickly(cluster: Cluster, demo_assets: 
     wrong_token.pop("RAY_AUTH_TOKEN_PATH")
     unreachable = {**cluster.env, "RAY_ADDRESS": f"127.0.0.1:{free_port()}"}
     malformed = {**cluster.env, "RAY_ADDRESS": "no-port-here"}
-    trainer = [sys.executable, str(REPO_ROOT / "trainer_core.py"), "--config", str(REPO_ROOT / "configs" / "demo.yaml"),
-               "--model.model_path", str(demo_assets / "model"), "--data.path", str(demo_assets / "arithmetic.jsonl"),
-               "--run_dir", str(tmp_path / "run"), "--eval.every", "0"]
+    def trainer(case: str) -> list[str]:  # a run folder per case: they run side by side
+        return [sys.executable, str(REPO_ROOT / "trainer_core.py"), "--config", str(REPO_ROOT / "configs" / "demo.yaml"),
+                "--model.model_path", str(demo_assets / "model"), "--data.path", str(demo_assets / "arithmetic.jsonl"),
+                "--run_dir", str(tmp_path / "run" / case.replace(" ", "_")), "--eval.every", "0"]
+
     status = [sys.executable, DISPATCHER, "status"]
     cases = {"no token": (no_token, "requires a Ray auth token and this process has none"),
              "wrong token": (wrong_token, "refused this process's Ray auth token"),
              "unreachable": (unreachable, "cannot reach the Ray head"),
              "malformed": (malformed, "is not host:port")}
-    for case, (env, expected) in cases.items():
-        for command, prefix in ((trainer, "trainer_core.py:"), (status, "worker_dispatcher.py:")):
-            code, stderr, took = _joins(command, env)
-            lines = _project_lines(stderr)
-            assert code != 0 and len(lines) == 1 and expected in lines[0] and lines[0].startswith(prefix), \
-                f"{case}, {prefix} exit {code}:\n{stderr[-3000:]}"
-            assert took < _BAD_INPUT_BOUND_S, f"{case}, {prefix}: {took:.1f} s"
+    jobs = [(case, env, expected, command, prefix) for case, (env, expected) in cases.items()
+            for command, prefix in ((trainer(case), "trainer_core.py:"), (status, "worker_dispatcher.py:"))]
+    with ThreadPoolExecutor(max_workers=_PARALLEL_JOINS) as pool:
+        results = list(pool.map(lambda job: _joins(job[3], job[1]), jobs))
+    for (case, _, expected, _, prefix), (code, stderr, took) in zip(jobs, results):
+        lines = _project_lines(stderr)
+        assert code != 0 and len(lines) == 1 and expected in lines[0] and lines[0].startswith(prefix), \
+            f"{case}, {prefix} exit {code}:\n{stderr[-3000:]}"
+        assert took < _BAD_INPUT_BOUND_S, f"{case}, {prefix}: {took:.1f} s"
     # A model folder missing on the dispatcher's node: one line, before it joins the cluster.
     code, stderr, _ = _joins([sys.executable, DISPATCHER, "--model_path", str(tmp_path / "absent"), "--mode",
                               "generation"], cluster.env)

@@ -195,7 +195,7 @@ def weights_file_dir() -> Path:
 
 
 def adapter_dir_path(worker_name: str, version: int) -> Path:
-    """A fresh folder for one pushed adapter, in shared memory, named like weight_file_path."""
+    """A fresh folder for one pushed adapter, in shared memory, named after its worker (remove_weight_files)."""
     return weights_file_dir() / f"{_ADAPTER_DIR_PREFIX}{worker_name}-v{version}-{uuid.uuid4().hex}"
 
 

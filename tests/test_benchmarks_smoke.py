@@ -65,6 +65,8 @@ SMOKES = (
     Smoke("lora_push_memory", ("--out", f"{WORK}/lora_push_memory.json"), "lora_push_memory",
           ("tree_slope_kib", "adapter_kib", "ratio"),
           ("vllm",)),
+    Smoke("inflight", ("--work_dir", WORK), "inflight",
+          ("speedup", "keep_token_staleness", "wait_token_staleness", "staleness_source"), ("vllm",)),
     # Local-cluster smokes last: they take minutes each.
     Smoke("weight_push", ("--work_dir", WORK), "", ("gather_gbps", "sharded_gbps", "fraction_of_memcpy"), CLUSTER),
     Smoke("checkpoint_async", ("--work_dir", WORK), "checkpoint_async",

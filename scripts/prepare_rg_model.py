@@ -9,7 +9,7 @@ the model learns the answer format but not arithmetic) on the prompts configs/rg
 configs' "{question}=" template). Why: the demo's model, warmed up on "a+b=", learns the sums in
 the reasoning-gym format about 3.5x slower even with the answers given (greedy accuracy after 200
 supervised steps 0.25, against 0.86 on its own format), while a model warmed up on the new format
-reached 0.88 after 150; no RL run learns faster than that bound (docs/rewards.md).
+reached 0.83 after 150; no RL run learns faster than that bound (docs/rewards.md).
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class Environment(Protocol):
 
 @dataclass(kw_only=True, frozen=True)
 class EnvironmentConfig:
-    """Which environment multi-turn rollouts run, and their limits (config key `environment`)."""
+    """Which environment multi-turn rollouts run, and their limits (the trainer's `sampling.environment`)."""
 
     name: str = ""
     """The environment class as "module:Class" (importable on the generation workers), e.g.
@@ -133,9 +133,9 @@ class EnvironmentConfig:
     """Tokens of a whole rollout at most (prompt, every turn and every observation): what it
     occupies in the engine's context and in a packed batch. Each turn may sample
     min(sampling.max_tokens, what is left); a rollout with nothing left ends truncated."""
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict, hash=False)  # a dict: SamplingConfig stays hashable
     """Keyword arguments of the class's constructor (JSON values), checked against its signature;
-    on the command line one JSON object (--environment.options '{"tools": ["calculator"]}')."""
+    on the command line one JSON object (--sampling.environment.options '{"tools": ["calculator"]}')."""
 
     def __post_init__(self) -> None:
         if isinstance(self.options, str):  # the command line gives the object as JSON text

@@ -35,6 +35,7 @@ from typing import Any, Awaitable, Callable, Literal, Sequence
 from environments import EnvPrompt, Environment, EnvironmentConfig, Message, Reset, StepResult, Turn
 from sample_processing_utils import Sample
 from sampling import SEED_BOUND, derive_seed
+from token_versions import spans_to_runs
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,10 @@ class Generation:
     text: str
     """The engine's text of token_ids."""
     weight_version: int = -1
-    """The engine's weight version when it sampled this turn."""
+    """The engine's weight version when it sampled this turn (its first token's)."""
+    version_runs: list[tuple[int, int]] | None = None
+    """Run-length versions of token_ids when a weight push landed inside the turn (the engine's
+    spans, token_versions.spans_to_runs); None: every token came from weight_version."""
 
 
 GenerateFn = Callable[[list[int], int], Awaitable[Generation]]
@@ -192,10 +196,11 @@ class _Stream:
         self.token_ids += generation.token_ids
         self.mask += [True] * n
         self.logprobs += generation.logprobs
-        if self.versions and self.versions[-1][0] == generation.weight_version:
-            self.versions[-1] = (generation.weight_version, self.versions[-1][1] + n)
-        else:
-            self.versions.append((generation.weight_version, n))
+        for version, count in generation.version_runs or [(generation.weight_version, n)]:
+            if self.versions and self.versions[-1][0] == version:
+                self.versions[-1] = (version, self.versions[-1][1] + count)
+            else:
+                self.versions.append((version, count))
 
     def add_observation(self, token_ids: list[int]) -> None:
         self.token_ids += token_ids
@@ -326,5 +331,12 @@ def generation_of(completion: Any, weight_version: int) -> Generation:
         raise RuntimeError("vLLM returned no logprobs although the request asked for them")
     token_ids = list(completion.token_ids)
     logprobs = [float(position[token].logprob) for token, position in zip(token_ids, completion.logprobs)]
+    # The engine labels each step's tokens with the weights that sampled them (token_versions):
+    # a push inside this turn (pause mode keep) splits it.
+    spans = getattr(completion, "weight_versions", None)
+    runs = spans_to_runs(spans, len(token_ids), "multi-turn turn") if spans else None
+    if runs:
+        weight_version = runs[0][0]
     return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=str(completion.finish_reason or ""),
-                      text=completion.text, weight_version=weight_version)
+                      text=completion.text, weight_version=weight_version,
+                      version_runs=runs if runs and len(runs) > 1 else None)

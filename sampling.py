@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from environments import EnvironmentConfig
 from rewards import RewardConfig
 
 # Every sampling seed stays below this: 31 bits fit any RNG API that takes a C int or an int32
@@ -85,6 +86,10 @@ class SamplingConfig:
     completion's last token (trained, like EOS)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward shaping after verification: an optional answer-format bonus or penalty."""
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """Multi-turn rollouts against an environment (docs/environments.md); its name "" (the
+    default) keeps rollouts single-turn. With an environment its rewards are the rollout's reward
+    (`reward` and the verifier are not used) and each turn samples at most max_tokens."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -111,6 +116,9 @@ class SamplingConfig:
         self._check_stops()
         if not isinstance(self.reward, RewardConfig):  # RewardConfig validates its own fields
             raise ValueError(f"SamplingConfig.reward must be a RewardConfig, got {type(self.reward).__name__}")
+        if not isinstance(self.environment, EnvironmentConfig):
+            raise ValueError(f"SamplingConfig.environment must be an EnvironmentConfig, "
+                             f"got {type(self.environment).__name__}")
 
     def _check_stops(self) -> None:
         """stop: non-empty strings; stop_token_ids: ints >= 0 (stored as tuples: the config is frozen)."""

@@ -57,6 +57,8 @@ from rewards import ShapedReward
 from rollout_scoring import RewardScorer, RolloutScorer, shaped_rewards
 from sample_processing_utils import Sample
 from sampling import SamplingConfig, request_seed
+from token_versions import CompletionVersions, TokenVersionTracker
+from multi_turn import ChatRenderer, MultiTurnStats, engine_generate, run_rollouts
 from vllm_registry import Bundle, serve_many
 from worker_lifecycle import WorkerHealth, WorkerLifecycle
 from run_config import flattened
@@ -259,8 +261,9 @@ def _token_logprobs(completion: CompletionOutput) -> list[float]:
     return [float(position[token].logprob) for token, position in zip(completion.token_ids, completion.logprobs)]
 
 
-def completed_sample(sample: Sample, completion: CompletionOutput, version: int) -> Sample:
-    """A copy of `sample` completed by one of vLLM's completions, generated at weight `version`."""
+def completed_sample(sample: Sample, completion: CompletionOutput, versions: CompletionVersions) -> Sample:
+    """A copy of `sample` completed by one of vLLM's completions, with the weight versions that
+    sampled its tokens (token_versions.TokenVersionTracker.finish)."""
     finish_reason = str(completion.finish_reason or "")
     return dataclasses.replace(
         sample,
@@ -270,7 +273,8 @@ def completed_sample(sample: Sample, completion: CompletionOutput, version: int)
         sampling_logprobs=_token_logprobs(completion),
         finish_reason=finish_reason,
         truncated=finish_reason == FINISH_LENGTH,
-        weight_version=version,
+        weight_version=versions.weight_version,
+        token_versions=versions.token_versions,
     )
 
 
@@ -294,6 +298,9 @@ class GenerationStats:
     """Of those, completions that matched it (got format_bonus; the others got -format_penalty)."""
     weight_updates: int = 0
     """Weight updates applied (full weights or LoRA adapters)."""
+    unattributed_versions: int = 0
+    """Completions whose tokens the engine gave no weight-version spans for although a push
+    landed while they ran: every token is attributed to the start version (the oldest)."""
     adapters_removed: int = 0
     """LoRA adapters unloaded from the engine after a newer one replaced them."""
     unstable_updates_refused: int = 0
@@ -465,6 +472,11 @@ class GenerationWorker:
         self._engine: AsyncLLM | None = None
         self._weight_version = -1
         self._inflight = 0
+        self._token_versions = TokenVersionTracker()
+        self._renderer: ChatRenderer | None = None
+        """The chat template that renders environments' observations (loaded on first use)."""
+        self.multi_turn = MultiTurnStats()
+        """Per in-flight full-weight request: its start version and the pushes that landed meanwhile."""
         self._request_counter = 0
         self._update_lock = asyncio.Lock()
         self._accepting = asyncio.Event()
@@ -574,31 +586,77 @@ class GenerationWorker:
         # The version and adapter are taken together: the request runs on this adapter to the
         # end, even if a newer one is loaded meanwhile.
         version, adapter = self._weight_version, self._adapters.acquire()
+        # A LoRA request keeps its adapter (one version) to the end, and adapter loads do not
+        # relabel the engine: only full-weight requests are tracked.
+        track_id = uuid.uuid4().hex
+        if adapter is None:
+            self._token_versions.begin(track_id, version)
         self._inflight += 1
         try:
             try:
-                completions = await self._run_engine(sample, sampling, adapter)
+                if sampling.environment.enabled:
+                    samples = await self._run_environment(sample, sampling, adapter)
+                else:
+                    completions = await self._run_engine(sample, sampling, adapter)
             except Exception as exc:
                 self.stats.generation_failures += 1
                 self._failed.record([(sample, f"generation failed: {type(exc).__name__}: {exc}")])
                 self._fail_if_engine_dead(exc)
                 self.life.request_failed()
                 raise
-            samples = [completed_sample(sample, c, version) for c in completions]
-            rewards = await self.scorer.verdicts(samples, sample.gt_answer, sampling)
-            shaped = shaped_rewards(samples, rewards, sampling)
-            # Advantages are the batcher's (algorithm.py): they may need the reference logprobs.
-            for s, result, final in zip(samples, rewards, shaped):
-                s.reward, s.reward_failed = final.reward, bool(result.failed)
+            if sampling.environment.enabled:
+                # The environment's rewards are the rollouts' rewards (multi_turn.run_rollout).
+                shaped = [ShapedReward(reward=s.reward, format_matched=None) for s in samples]
+                self._failed.record([(s, "environment raised") for s in samples if s.reward_failed])
+            else:
+                versions = self._completion_versions(track_id, completions, version, adapter is None)
+                samples = [completed_sample(sample, c, v) for c, v in zip(completions, versions)]
+                rewards = await self.scorer.verdicts(samples, sample.gt_answer, sampling)
+                shaped = shaped_rewards(samples, rewards, sampling)
+                # Advantages are the batcher's (algorithm.py): they may need the reference logprobs.
+                for s, result, final in zip(samples, rewards, shaped):
+                    s.reward, s.reward_failed = final.reward, bool(result.failed)
+                self._failed.record([(s, f"reward failed: {r.error}") for s, r in zip(samples, rewards) if r.failed])
+            for s in samples:
                 s.record = None  # scored: nothing downstream reads it, and n copies would travel
-            self._failed.record([(s, f"reward failed: {r.error}") for s, r in zip(samples, rewards) if r.failed])
             self.stats.count(samples, shaped)
             self.life.served()
             return samples
         finally:
+            self._token_versions.discard(track_id)
             self._inflight -= 1
             if adapter is not None:
                 await self._adapters.release(adapter.lora_int_id)
+
+    async def _run_environment(self, sample: Sample, sampling: SamplingConfig,
+                               adapter: LoRARequest | None) -> list[Sample]:
+        """The prompt's n multi-turn rollouts against sampling.environment: every turn is a
+        request with the exact token ids so far (no re-tokenization), observations are appended
+        as the environment gave them (multi_turn.run_rollouts)."""
+        engine = self._require_engine()
+        if self._renderer is None:
+            from setup_model import load_tokenizer
+
+            self._renderer = ChatRenderer(load_tokenizer(self.config.model_path))
+        self._request_counter += 1
+        request_id = f"{self.worker_name}-{self._request_counter}-{uuid.uuid4().hex[:8]}"
+        params = self._sampling_params(sampling, sample.prompt_id)
+        return await run_rollouts(
+            sample, sampling.n, sampling.environment,
+            lambda i: engine_generate(engine, params, request_id, rollout_index=i,
+                                      version=lambda: self._weight_version, lora_request=adapter),
+            self._renderer, sampling.max_tokens, self.multi_turn)
+
+    def _completion_versions(self, track_id: str, completions: list[CompletionOutput], version: int,
+                             tracked: bool) -> list[CompletionVersions]:
+        """Each completion's weight versions: the engine's spans (vLLM labels every step's tokens
+        with the weights that sampled them), checked against the pushes the request saw."""
+        if not tracked:
+            return [CompletionVersions(weight_version=version, token_versions=None) for _ in completions]
+        versions = self._token_versions.finish(
+            track_id, [(getattr(c, "weight_versions", None), len(c.token_ids)) for c in completions])
+        self.stats.unattributed_versions += sum(not v.attributed for v in versions)
+        return versions
 
     def _fail_if_engine_dead(self, exc: BaseException) -> None:
         """Engine death is worker death: enter FAILED and raise WorkerFailedError."""
@@ -749,6 +807,7 @@ class GenerationWorker:
         """The engine serves `version` from its next step on (scheduling is still paused): the
         one place a full-weight push switches versions."""
         self._weight_version = version
+        self._token_versions.pushed(version)
 
     def health(self) -> WorkerHealth:
         """Lifecycle state, liveness and load as the registry sees them. An engine found dead
@@ -760,7 +819,8 @@ class GenerationWorker:
             self.life, kind=GENERATION,
             node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else "",
             weight_version=self._weight_version, inflight_requests=self._inflight, problem=problem,
-            note=", ".join(f"{k}={int(v)}" for k, v in self.stats.as_metrics().items()),
+            note=", ".join(f"{k}={int(v)}" for k, v in {**self.stats.as_metrics(),
+                                                       **self.multi_turn.metrics()}.items()),
         )
 
     def _engine_problem(self) -> str:

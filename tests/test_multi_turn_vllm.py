@@ -30,7 +30,8 @@ from sampling import SamplingConfig
 from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
 from tiny_model import IM_END, TinyModelConfig, write_tiny_model
 from tool_environment import ToolEnvironment
-from vllm_worker import GenerationWorkerConfig, engine_args, sampling_params
+from verifier_pool import VerifierPool
+from vllm_worker import GenerationWorker, GenerationWorkerConfig, engine_args, sampling_params
 from worker_options import EngineConfig
 
 pytestmark = pytest.mark.vllm
@@ -59,11 +60,15 @@ def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-chat"), TinyModelConfig(tokenizer="bpe"))
 
 
-def _engine_args(model_dir: Path) -> dict:
+def _worker_config(model_dir: Path) -> GenerationWorkerConfig:
     engine = EngineConfig(max_num_seqs=8, gpu_memory_utilization=0.1, kv_cache_memory_bytes=64 << 20,
                           max_model_len=512, enforce_eager=True, dtype="float32")
-    config = GenerationWorkerConfig(model_path=str(model_dir), engine=engine, global_num_verifiers=1)
-    return engine_args(config, in_process=True)
+    return GenerationWorkerConfig(model_path=str(model_dir), engine=engine, global_num_verifiers=1)
+
+
+def _environment(max_turns: int = MAX_TURNS) -> EnvironmentConfig:
+    return EnvironmentConfig(name=f"{TaggedTurns.__module__}:TaggedTurns", max_turns=max_turns,
+                             max_total_tokens=MAX_TOTAL_TOKENS, options={"tools": ["calculator"]})
 
 
 def _recording(generate: GenerateFn, log: list[tuple[list[int], Generation]]) -> GenerateFn:
@@ -74,29 +79,35 @@ def _recording(generate: GenerateFn, log: list[tuple[list[int], Generation]]) ->
     return wrapped
 
 
-async def _rollouts(model_dir: Path, tokenizer) -> tuple[list[Sample], list[list[tuple[list[int], Generation]]], MultiTurnStats]:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
+WORKER_ROLLOUTS = 4  # GenerationWorker.generate with an environment: one prompt, n of them
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_args(model_dir)))
-    try:
-        sampling = SamplingConfig(n=1, max_tokens=TURN_MAX_TOKENS, seed=SEED)
-        logs: list[list[tuple[list[int], Generation]]] = [[] for _ in range(NUM_ROLLOUTS)]
-        sample = Sample(input_token_ids=[1], gt_answer="42", prompt_id=0, record={"question": QUESTION})
 
-        def generate_for(index: int) -> GenerateFn:
-            params = sampling_params(sampling, prompt_id=sample.prompt_id)
-            return _recording(engine_generate(engine, params, "prompt-0", rollout_index=index), logs[index])
+async def _rollouts(model_dir: Path, tokenizer):
+    """The engine-level rollouts (each turn recorded) and a GenerationWorker's own, on one engine."""
+    with VerifierPool(num_processes=1, timeout_s=30.0) as pool:  # the worker's start-up canary only
+        worker = GenerationWorker("multi-turn-test", _worker_config(model_dir), verifier=pool)
+        await worker.start()
+        try:
+            engine = worker._require_engine()
+            sampling = SamplingConfig(n=1, max_tokens=TURN_MAX_TOKENS, seed=SEED)
+            logs: list[list[tuple[list[int], Generation]]] = [[] for _ in range(NUM_ROLLOUTS)]
+            sample = Sample(input_token_ids=[1], gt_answer="42", prompt_id=0, record={"question": QUESTION})
 
-        config = EnvironmentConfig(name=f"{TaggedTurns.__module__}:TaggedTurns", max_turns=MAX_TURNS,
-                                   max_total_tokens=MAX_TOTAL_TOKENS, options={"tools": ["calculator"]})
-        config.check()
-        stats = MultiTurnStats()
-        samples = await run_rollouts(sample, NUM_ROLLOUTS, config, generate_for, ChatRenderer(tokenizer),
-                                     TURN_MAX_TOKENS, stats)
-        return samples, logs, stats
-    finally:
-        engine.shutdown()
+            def generate_for(index: int) -> GenerateFn:
+                params = sampling_params(sampling, prompt_id=sample.prompt_id)
+                return _recording(engine_generate(engine, params, "prompt-0", rollout_index=index), logs[index])
+
+            config = _environment()
+            config.check()
+            stats = MultiTurnStats()
+            samples = await run_rollouts(sample, NUM_ROLLOUTS, config, generate_for, ChatRenderer(tokenizer),
+                                         TURN_MAX_TOKENS, stats)
+            worker_sampling = SamplingConfig(n=WORKER_ROLLOUTS, max_tokens=TURN_MAX_TOKENS, seed=SEED + 1,
+                                             environment=config)
+            worker_samples = await worker.generate(sample, worker_sampling)
+            return samples, logs, stats, worker_samples, worker.multi_turn.metrics()
+        finally:
+            worker.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -107,13 +118,13 @@ def rollouts(chat_model_dir: Path):
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
-        samples, logs, stats = asyncio.run(asyncio.wait_for(_rollouts(chat_model_dir, tokenizer), HANG_GUARD_S))
+        outcome = asyncio.run(asyncio.wait_for(_rollouts(chat_model_dir, tokenizer), HANG_GUARD_S))
     finally:
         if previous is None:
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
-    return tokenizer, samples, logs, stats
+    return (tokenizer, *outcome)
 
 
 def _expected_observation(tokenizer, last_token: int, content: str) -> list[int]:
@@ -125,7 +136,7 @@ def _expected_observation(tokenizer, last_token: int, content: str) -> list[int]
 
 
 def test_the_stream_is_the_engines_tokens_plus_observations_verbatim(rollouts) -> None:
-    tokenizer, samples, logs, stats = rollouts
+    tokenizer, samples, logs, stats, _, _ = rollouts
     env = ToolEnvironment(tools=["calculator"])
     env.gt_answer = "42"
     prompt_text = (f"<|im_start|>system\n{env.system_prompt()}<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n"
@@ -167,7 +178,7 @@ def test_the_stream_is_the_engines_tokens_plus_observations_verbatim(rollouts) -
 def test_the_trainers_packed_logprobs_reproduce_the_engines(rollouts, chat_model_dir: Path) -> None:
     """The trainer's logprob pass over the packed, masked samples gives each sampled token the
     logprob the engine sampled it with: the context it scores is the engine's, token for token."""
-    _, samples, _, _ = rollouts
+    _, samples, _, _, _, _ = rollouts
     model = TokenLogprobModel(load_causal_lm(chat_model_dir)).eval()
     inputs = get_input_for_logprobs(samples)
     with torch.no_grad():
@@ -177,3 +188,26 @@ def test_the_trainers_packed_logprobs_reproduce_the_engines(rollouts, chat_model
     diff = (logprobs.float() - engine).abs().max().item()
     print(f"largest |trainer - engine| logprob over {engine.numel()} sampled tokens: {diff:.2e}")
     assert diff <= LOGPROB_ATOL
+
+
+def test_the_generation_worker_runs_the_configured_environment(rollouts) -> None:
+    """GenerationWorker.generate with sampling.environment set: n multi-turn rollouts of the
+    prompt, each a stream whose sampled tokens are the masked-in ones, with the environment's
+    reward, its record dropped after scoring, and the worker's multi_turn counters."""
+    tokenizer, _, _, _, worker_samples, metrics = rollouts
+    assert len(worker_samples) == WORKER_ROLLOUTS
+    env = ToolEnvironment(tools=["calculator"])
+    prompt_text = (f"<|im_start|>system\n{env.system_prompt()}<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n"
+                   "<|im_start|>assistant\n")
+    prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
+    for sample in worker_samples:
+        sample.validate_generated()
+        assert sample.input_token_ids == prompt
+        assert sample.output_mask is not None and len(sample.output_mask) == len(sample.output_token_ids)
+        assert len(sample.sampling_logprobs) == sample.num_sampled_tokens
+        assert sample.record is None and sample.reward in (0.0, 1.0)
+        assert sample.weight_version == -1  # no push: the loaded checkpoint
+    observation_tokens = sum(len(s.output_token_ids) - s.num_sampled_tokens for s in worker_samples)
+    assert metrics["multi_turn/rollouts"] == WORKER_ROLLOUTS
+    assert metrics["multi_turn/observation_tokens"] == observation_tokens > 0
+    assert metrics["multi_turn/sampled_tokens"] == sum(s.num_sampled_tokens for s in worker_samples)

@@ -46,6 +46,25 @@ def test_budget_must_hold_the_longest_sample() -> None:
     assert _config().oversized_sample_policy == "refuse"
 
 
+def test_a_multi_turn_rollout_must_fit_the_budget_and_its_environment_must_import(tmp_path: Path) -> None:
+    from environments import EnvironmentConfig
+    from trainer_core import InputError, load_run_inputs
+
+    def with_environment(name: str, max_total_tokens: int, max_tokens_per_gpu: int) -> TrainerConfig:
+        environment = EnvironmentConfig(name=name, max_total_tokens=max_total_tokens)
+        return _config(sampling=SamplingConfig(max_tokens=16, environment=environment),
+                       max_tokens_per_gpu=max_tokens_per_gpu)
+
+    # The whole stream (observations included) bounds a sample, not max_prompt_tokens + max_tokens.
+    assert with_environment("tool_environment:ToolEnvironment", 4096, 4096).max_tokens_per_gpu == 4096
+    with pytest.raises(ValueError, match=r"max_tokens_per_gpu=4095 is below sampling.environment.max_total_tokens=4096"):
+        with_environment("tool_environment:ToolEnvironment", 4096, 4095)
+    # A class that does not import stops the run before the model folder is even read.
+    config = with_environment("tool_environment:NoSuchEnvironment", 1024, 4096)
+    with pytest.raises(InputError, match="has no class 'NoSuchEnvironment'"):
+        load_run_inputs(config, with_evaluator=False)
+
+
 def test_the_rule_is_checked_at_load_time_and_the_demo_satisfies_it() -> None:
     required = ["--model.model_path", "m", "--data.path", "d.jsonl", "--eval.every", "0"]
     demo = load_config(TrainerConfig, ["--config", str(REPO_ROOT / "configs" / "demo.yaml"), *required])

@@ -98,8 +98,9 @@ class TrainerConfig:
     so the budget bounds every minibatch. train_alone: accept it; a sample over the budget is
     trained alone in its own minibatch, over the bound (counts/oversized_samples per step)."""
     max_lag: int = 1
-    """Most optimizer steps a rollout's weights may lag the step that trains on it (step -
-    weight_version; 0 = synchronous, on-policy). A step's prompts are submitted as soon as weights
+    """Most optimizer steps a rollout's weights may lag the step that trains on it (step - the
+    version of its oldest token: a rollout that straddles a push counts from the weights it
+    started on; 0 = synchronous, on-policy). A step's prompts are submitted as soon as weights
     recent enough for it are published (version >= step - max_lag), so generation runs up to
     max_lag steps ahead of training; rollouts staler than this (e.g. from a worker that missed a
     push) are dropped and counted. Must be >= push_every - 1 (see push_every)."""
@@ -170,7 +171,9 @@ class TrainerConfig:
     message_timeout_s: float = 1800.0
     """Longest wait for the next minibatch before the trainer gives up with an error."""
     dist_timeout_s: float = 1800.0
-    """torch.distributed collective timeout: a dead rank stops the others with an error."""
+    """torch.distributed collective timeout: a dead rank stops the others with an error. The
+    rank-0 data path waits 0.9 of it, so a dead or hung rank 0 is reported as Rank0DataPathError
+    before NCCL's watchdog aborts the process."""
     ray_address: str = "auto"
     """Ray cluster to join (started with `ray start`) when RAY_ADDRESS is unset; 'auto': the last
     one `ray start` started on this machine."""

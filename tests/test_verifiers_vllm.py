@@ -1,0 +1,198 @@
+"""verifiers' token client against our loopback endpoint on a real vLLM engine (the tiny chat model).
+
+    .venv/bin/python -m pytest tests/test_verifiers_vllm.py -q      # ~1-2 min (engine start)
+
+One engine (a GenerationWorker's, started with its verifier canary), openai_endpoint.Endpoint on
+127.0.0.1 over it, an AsyncOpenAI client pointed there, and verifiers_rollouts.VerifiersRollouts
+driving conversations through renderers.client.generate (verifiers 0.4.0's train-client call,
+unmodified): a single-turn environment and a multi-turn one (a user turn after each answer).
+Checked per rollout: the Sample's stream is exactly the ids the endpoint returned for each turn
+plus the observation ids, which are the hand-written ChatML text of the user turn, encoded; masks
+and logprob counts follow; the trainer's packed logprob pass reproduces the engine's sampling
+logprobs (a drifted token anywhere would change them). The chat-completions route returns the
+hand-written ChatML prompt's ids and the sampled ids with their logprobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from openai_endpoint import Endpoint, EndpointConfig, engine_backend
+from sample_processing_utils import Sample, get_input_for_logprobs
+from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
+from tiny_model import IM_END, TinyModelConfig, write_tiny_model
+from verifier_pool import VerifierPool
+from verifiers_rollouts import VerifiersRolloutConfig, VerifiersRollouts
+from vllm_worker import GenerationWorker, GenerationWorkerConfig
+from worker_options import EngineConfig
+
+pytestmark = pytest.mark.vllm
+
+LOGPROB_ATOL = 1e-4  # as tests/test_multi_turn_vllm.py: float32 vLLM CPU against the HF model
+HANG_GUARD_S = 300.0
+ROLLOUTS_PER_ENV = 2
+MAX_TURNS = 3
+TURN_MAX_TOKENS = 12
+SEED = 4321
+SYSTEM = "Answer with a number."
+QUESTION = "What is 2 + 2?"
+NUDGE = "Try again."
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-chat"), TinyModelConfig(tokenizer="bpe"))
+
+
+def _worker_config(model_dir: Path) -> GenerationWorkerConfig:
+    engine = EngineConfig(max_num_seqs=8, gpu_memory_utilization=0.1, kv_cache_memory_bytes=64 << 20,
+                          max_model_len=512, enforce_eager=True, dtype="float32")
+    return GenerationWorkerConfig(model_path=str(model_dir), engine=engine, global_num_verifiers=1)
+
+
+def _messages() -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+
+
+async def _single_turn_reward(messages: list[dict]) -> float:
+    return 1.0 if "4" in messages[-1]["content"] else 0.0
+
+
+async def _no_response(messages: list[dict]) -> None:
+    return None
+
+
+async def _nudge(messages: list[dict]) -> list[dict]:
+    return [{"role": "user", "content": NUDGE}]
+
+
+async def _turns_reward(messages: list[dict]) -> float:
+    return float(sum(m["role"] == "assistant" for m in messages))
+
+
+async def _run(model_dir: Path, tokenizer):
+    from openai import AsyncOpenAI
+
+    with VerifierPool(num_processes=1, timeout_s=30.0) as pool:  # the worker's start-up canary only
+        worker = GenerationWorker("verifiers-test", _worker_config(model_dir), verifier=pool)
+        await worker.start()
+        endpoint = Endpoint(EndpointConfig(), tokenizer, engine_backend(worker._require_engine()))
+        await endpoint.start()
+        try:
+            client = AsyncOpenAI(base_url=endpoint.base_url, api_key="loopback", max_retries=0)
+            runs = {}
+            for name, turns, respond, reward in (("single", 1, _no_response, _single_turn_reward),
+                                                 ("multi", MAX_TURNS, _nudge, _turns_reward)):
+                source = VerifiersRollouts(client=client, tokenizer=tokenizer, config=VerifiersRolloutConfig(
+                    max_turns=turns, turn_max_tokens=TURN_MAX_TOKENS, seed=SEED))
+                samples = []
+                for index in range(ROLLOUTS_PER_ENV):
+                    start = len(endpoint.exchanges)
+                    prompt = Sample(input_token_ids=[1], gt_answer="4", prompt_id=index)
+                    sample = await source.rollout(prompt, _messages(), respond, reward)
+                    samples.append((sample, endpoint.exchanges[start:]))
+                    source.config = VerifiersRolloutConfig(max_turns=turns, turn_max_tokens=TURN_MAX_TOKENS,
+                                                           seed=SEED + 100 * (index + 1))
+                runs[name] = (samples, source.stats.metrics())
+            chat = await client.chat.completions.create(model="policy", messages=_messages(),
+                                                        max_tokens=TURN_MAX_TOKENS, seed=SEED, temperature=1.0)
+            return runs, chat, endpoint.exchanges[-1]
+        finally:
+            await endpoint.close()
+            worker.shutdown()
+
+
+@pytest.fixture(scope="module")
+def outcome(chat_model_dir: Path):
+    tokenizer = load_tokenizer(chat_model_dir)
+    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as GenerationWorker.start sets it; restored below
+    try:
+        result = asyncio.run(asyncio.wait_for(_run(chat_model_dir, tokenizer), HANG_GUARD_S))
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+    return (tokenizer, *result)
+
+
+def _prompt_ids(tokenizer) -> list[int]:
+    text = (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _observation_ids(tokenizer, last_token: int) -> list[int]:
+    """The ChatML text of the nudge after an assistant turn, written out by hand: the turn's
+    <|im_end|> unless the model sampled it, then the user turn and the next assistant opener."""
+    closer = "" if last_token == tokenizer.convert_tokens_to_ids(IM_END) else IM_END
+    text = f"{closer}\n<|im_start|>user\n{NUDGE}<|im_end|>\n<|im_start|>assistant\n"
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("env", ["single", "multi"])
+def test_the_stream_is_the_endpoints_ids_plus_observations_verbatim(outcome, env: str) -> None:
+    tokenizer, runs, _, _ = outcome
+    samples, metrics = runs[env]
+    multi_turn_seen = False
+    for sample, exchanges in samples:
+        assert sample.input_token_ids == _prompt_ids(tokenizer) == exchanges[0].prompt_token_ids
+        expected_ids: list[int] = []
+        expected_mask: list[bool] = []
+        expected_logprobs: list[float] = []
+        for turn, exchange in enumerate(exchanges):
+            assert exchange.route == "generate"  # verifiers' token route, not chat re-rendering
+            assert exchange.prompt_token_ids == sample.input_token_ids + expected_ids
+            generation = exchange.generation
+            expected_ids += generation.token_ids
+            expected_mask += [True] * len(generation.token_ids)
+            expected_logprobs += generation.logprobs
+            if turn + 1 < len(exchanges):
+                observation = _observation_ids(tokenizer, generation.token_ids[-1])
+                expected_ids += observation
+                expected_mask += [False] * len(observation)
+        assert sample.output_token_ids == expected_ids
+        assert (sample.output_mask or [True] * len(expected_ids)) == expected_mask
+        assert sample.sampling_logprobs == expected_logprobs
+        assert len(sample.sampling_logprobs) == sample.num_sampled_tokens
+        sample.validate_generated()
+        if env == "single":
+            assert len(exchanges) == 1 and sample.output_mask is None
+            assert sample.reward == (1.0 if "4" in tokenizer.decode(expected_ids, skip_special_tokens=True) else 0.0)
+        else:
+            assert sample.reward == float(len(exchanges))
+        multi_turn_seen |= len(exchanges) > 1
+    assert multi_turn_seen == (env == "multi")
+    assert metrics["verifiers/rollouts"] == ROLLOUTS_PER_ENV and metrics["verifiers/drifted"] == 0
+    assert metrics["verifiers/sampled_tokens"] == sum(s.num_sampled_tokens for s, _ in samples)
+
+
+def test_the_trainers_packed_logprobs_reproduce_the_engines(outcome, chat_model_dir: Path) -> None:
+    _, runs, _, _ = outcome
+    samples = [s for env in ("single", "multi") for s, _ in runs[env][0]]
+    model = TokenLogprobModel(load_causal_lm(chat_model_dir)).eval()
+    with torch.no_grad():
+        logprobs, _ = model.score(get_input_for_logprobs(samples))
+    engine = torch.tensor([x for s in samples for x in s.sampling_logprobs])
+    assert logprobs.shape == engine.shape
+    diff = (logprobs.float() - engine).abs().max().item()
+    print(f"largest |trainer - engine| logprob over {engine.numel()} sampled tokens: {diff:.2e}")
+    assert diff <= LOGPROB_ATOL
+
+
+def test_chat_completions_return_the_exact_ids_and_logprobs(outcome) -> None:
+    tokenizer, _, chat, exchange = outcome
+    extra = chat.model_extra or {}
+    assert extra["prompt_token_ids"] == _prompt_ids(tokenizer) == exchange.prompt_token_ids
+    choice = chat.choices[0]
+    assert (choice.model_extra or {})["token_ids"] == exchange.generation.token_ids
+    assert [c.token for c in choice.logprobs.content] == [f"token_id:{t}" for t in exchange.generation.token_ids]
+    assert [c.logprob for c in choice.logprobs.content] == exchange.generation.logprobs
+    assert choice.message.content == tokenizer.decode(exchange.generation.token_ids, skip_special_tokens=True)
+    assert chat.usage.completion_tokens == len(exchange.generation.token_ids)

@@ -34,7 +34,8 @@ FORBIDDEN_IN_PURE = ("ray", "vllm", "torch.distributed")
 WORKER_SIDE = ("batch_calls", "logprob_worker", "rollout_fetcher", "rollout_scoring", "verifier_cluster",
                "verifier_pool", "verifier_process", "vllm_experience_batcher", "vllm_registry", "vllm_worker",
                "weight_files", "weight_reload", "weight_transfer_engine", "worker_dispatcher",
-               "worker_lifecycle", "multi_turn", "tool_environment")
+               "worker_lifecycle", "multi_turn", "tool_environment", "openai_endpoint",
+               "verifiers_rollouts")
 TRAINER_ONLY = ("checkpoint", "data_path", "evaluation", "fsdp_setup", "metrics", "optimizer", "trainer_core")
 WORKER_MODULES = ("logprob_worker", "rollout_scoring", "verifier_cluster", "verifier_pool", "verifier_process",
                   "vllm_worker", "weight_files", "weight_reload", "weight_transfer_engine",

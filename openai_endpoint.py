@@ -12,8 +12,13 @@ Two routes, both JSON in and out (never pickle), bound to 127.0.0.1 only:
   "token_id:N", "logprob"}]}, "finish_reason"}]}`` out.
 
 The trainer then trains on exactly the sampled tokens: each answer carries the ids the engine
-sampled and their sampling logprobs, and every exchange is kept in ``Endpoint.exchanges`` for
-the rollout source (verifiers_rollouts.py) to rebuild the stream from.
+sampled and their sampling logprobs, and per choice (our extension) ``weight_version`` (the
+weights that sampled its first token) and ``token_versions`` (run-length (version, count) pairs
+when a weight push landed inside it, else null). The last ``EndpointConfig.max_kept_exchanges``
+exchanges are kept in ``Endpoint.exchanges`` (and by request id, ``Endpoint.exchange``) for the
+rollout source (verifiers_rollouts.py) to rebuild the stream and its versions from.
+
+A generation worker serves it when ``--openai_endpoint_port`` is set (vllm_worker.py).
 
 Bad input (not JSON, over the size limit, a missing or mistyped field) gets one 400 line.
 """
@@ -78,6 +83,9 @@ class EndpointConfig:
     """Largest max_tokens a request may ask for."""
     default_max_tokens: int = 256
     """max_tokens when a chat request names none."""
+    max_kept_exchanges: int = 10_000
+    """Most recent exchanges kept in Endpoint.exchanges (older ones are dropped: a worker serves
+    for a whole run)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -86,6 +94,8 @@ class EndpointConfig:
             raise ValueError("model_name must be non-empty")
         if self.max_request_bytes <= 0:
             raise ValueError(f"max_request_bytes must be > 0, got {self.max_request_bytes}")
+        if self.max_kept_exchanges < 1:
+            raise ValueError(f"max_kept_exchanges must be >= 1, got {self.max_kept_exchanges}")
         if not 0 < self.default_max_tokens <= self.max_tokens_cap:
             raise ValueError(f"default_max_tokens must be in (0, max_tokens_cap={self.max_tokens_cap}], "
                              f"got {self.default_max_tokens}")
@@ -99,23 +109,30 @@ class Exchange:
     prompt_token_ids: list[int]
     generation: Generation
     messages: list[dict[str, Any]] | None = None
+    request_id: str = ""
 
 
 class BadRequest(ValueError):
     """A request the endpoint refuses with 400 (its message is the reason)."""
 
 
-def engine_backend(engine: Any) -> Backend:
-    """A Backend over a vLLM AsyncLLM (e.g. GenerationWorker._require_engine()): one request
-    per call, n = 1, through multi_turn.engine_generate (exact TokensPrompt, logprobs of the
-    sampled tokens)."""
+def vllm_params(sampling: SamplingRequest) -> Any:
+    """vLLM SamplingParams of one endpoint request (n = 1, the sampled token's logprob)."""
     from vllm.sampling_params import SamplingParams
 
+    return SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+                          max_tokens=sampling.max_tokens, seed=sampling.seed,
+                          stop_token_ids=list(sampling.stop_token_ids), logprobs=0)
+
+
+def engine_backend(engine: Any, version: Callable[[], int] = lambda: -1, lora_request: Any = None) -> Backend:
+    """A Backend over a vLLM AsyncLLM: one request per call, n = 1, through
+    multi_turn.engine_generate (exact TokensPrompt, logprobs of the sampled tokens; `version` is
+    the weight version served, read as the request starts). A generation worker serves the
+    endpoint through its own backend instead (GenerationWorker.start: pause, stats, adapters)."""
     async def generate(prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> Generation:
-        params = SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
-                                max_tokens=sampling.max_tokens, seed=sampling.seed,
-                                stop_token_ids=list(sampling.stop_token_ids), logprobs=0)
-        return await engine_generate(engine, params, request_id)(prompt_ids, sampling.max_tokens)
+        return await engine_generate(engine, vllm_params(sampling), request_id, version=version,
+                                     lora_request=lora_request)(prompt_ids, sampling.max_tokens)
     return generate
 
 
@@ -155,6 +172,12 @@ def _logprobs_wire(generation: Generation) -> dict[str, Any]:
                         for t, lp in zip(generation.token_ids, generation.logprobs)]}
 
 
+def _versions_wire(generation: Generation) -> dict[str, Any]:
+    runs = generation.version_runs
+    return {"weight_version": generation.weight_version,
+            "token_versions": [list(run) for run in runs] if runs else None}
+
+
 class Endpoint:
     """The aiohttp app and its runner; start() binds 127.0.0.1, close() stops it."""
 
@@ -165,11 +188,16 @@ class Endpoint:
         self.tokenizer = tokenizer
         self.backend = backend
         self.exchanges: list[Exchange] = []
+        self._by_id: dict[str, Exchange] = {}
         self.rejected = 0
         """Requests answered 400/413 (counted: refused input is a metric, not a silence)."""
         self._ids = itertools.count()
         self._runner: web.AppRunner | None = None
         self.port = config.port
+
+    def exchange(self, request_id: str) -> Exchange | None:
+        """The kept exchange answered with `request_id` (None once dropped or never served)."""
+        return self._by_id.get(request_id)
 
     @property
     def base_url(self) -> str:
@@ -264,8 +292,15 @@ class Endpoint:
                    messages: list[dict[str, Any]] | None) -> tuple[str, Generation]:
         request_id = f"oai-{next(self._ids)}"
         generation = await self.backend(prompt_ids, sampling, request_id)
-        self.exchanges.append(Exchange(route=route, prompt_token_ids=list(prompt_ids), generation=generation,
-                                       messages=messages))
+        exchange = Exchange(route=route, prompt_token_ids=list(prompt_ids), generation=generation,
+                            messages=messages, request_id=request_id)
+        self.exchanges.append(exchange)
+        self._by_id[request_id] = exchange
+        excess = len(self.exchanges) - self.config.max_kept_exchanges
+        if excess > 0:
+            for old in self.exchanges[:excess]:
+                self._by_id.pop(old.request_id, None)
+            del self.exchanges[:excess]
         return request_id, generation
 
     async def _chat_body(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -276,7 +311,7 @@ class Endpoint:
         text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
                   "finish_reason": generation.finish_reason, "token_ids": generation.token_ids,
-                  "logprobs": _logprobs_wire(generation)}
+                  "logprobs": _logprobs_wire(generation), **_versions_wire(generation)}
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.config.model_name, "choices": [choice], "prompt_token_ids": prompt_ids,
                 "usage": _usage(prompt_ids, generation)}
@@ -289,7 +324,7 @@ class Endpoint:
         sampling = self._sampling(params, self.config.default_max_tokens)
         request_id, generation = await self._run("generate", prompt_ids, sampling, None)
         choice = {"index": 0, "token_ids": generation.token_ids, "finish_reason": generation.finish_reason,
-                  "logprobs": _logprobs_wire(generation)}
+                  "logprobs": _logprobs_wire(generation), **_versions_wire(generation)}
         return {"request_id": request_id, "prompt_token_ids": prompt_ids, "choices": [choice],
                 "usage": _usage(prompt_ids, generation)}
 

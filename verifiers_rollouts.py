@@ -20,6 +20,12 @@ Next prompts are built the way verifiers' train client builds them: the renderer
 previous prompt and completion plus multi_turn.ChatRenderer's observation delta, so no earlier
 token is ever re-tokenised.
 
+Weight versions: renderers.client.generate passes only the request id through, not the
+endpoint's per-choice ``weight_version`` / ``token_versions``; given the in-process Endpoint
+(``VerifiersRollouts.endpoint``, e.g. ``GenerationWorker.endpoint``), each turn's versions are
+read from its exchange by request id and the Sample carries them (``weight_version`` = turn 0's,
+``token_versions`` when they differ). Without it the Sample's weight_version stays -1.
+
 The environment is two callables: ``respond`` (the messages after an assistant turn, or None when
 the episode is over) and ``reward`` (the episode's reward from the final messages).
 """
@@ -81,6 +87,10 @@ class Turn:
     completion_logprobs: list[float]
     finish_reason: str
     content: str
+    weight_version: int = -1
+    """The weights that sampled this turn's first token (-1: unknown)."""
+    version_runs: list[tuple[int, int]] | None = None
+    """Run-length versions of completion_ids when a push landed inside the turn; None: all weight_version."""
 
 
 @dataclass
@@ -129,11 +139,14 @@ def sample_from_turns(prompt: Sample, turns: list[Turn], reward: float, stats: V
         output += turn.completion_ids
         mask += [True] * len(turn.completion_ids)
         logprobs += turn.completion_logprobs
+    runs = _merged_runs([run for turn in turns
+                         for run in (turn.version_runs or [(turn.weight_version, len(turn.completion_ids))])])
     sample = Sample(input_token_ids=list(head), gt_answer=prompt.gt_answer, prompt_id=prompt.prompt_id,
                     group_id=prompt.group_id, run_id=prompt.run_id, output_token_ids=output,
                     output_mask=None if all(mask) else mask, output_text=turns[-1].content,
                     sampling_logprobs=logprobs, finish_reason=turns[-1].finish_reason,
-                    truncated=turns[-1].finish_reason == "length", reward=reward)
+                    truncated=turns[-1].finish_reason == "length", reward=reward,
+                    weight_version=turns[0].weight_version, token_versions=runs if len(runs) > 1 else None)
     sample.validate_generated()
     if stats is not None:
         stats.rollouts += 1
@@ -141,6 +154,19 @@ def sample_from_turns(prompt: Sample, turns: list[Turn], reward: float, stats: V
         stats.sampled_tokens += sum(mask)
         stats.observation_tokens += len(mask) - sum(mask)
     return sample
+
+
+def _merged_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(version, count) runs with empty runs dropped and equal neighbours merged."""
+    merged: list[tuple[int, int]] = []
+    for version, count in runs:
+        if count == 0:
+            continue
+        if merged and merged[-1][0] == version:
+            merged[-1] = (version, merged[-1][1] + count)
+        else:
+            merged.append((version, count))
+    return merged or [(runs[0][0] if runs else -1, 0)]
 
 
 @dataclass
@@ -153,6 +179,9 @@ class VerifiersRollouts:
     """The policy's tokenizer (with its chat template)."""
     config: VerifiersRolloutConfig
     stats: VerifiersStats = field(default_factory=VerifiersStats)
+    endpoint: Any = None
+    """The in-process openai_endpoint.Endpoint behind `client` (e.g. GenerationWorker.endpoint),
+    whose exchanges give each turn's weight versions; None: versions unknown (-1)."""
 
     def __post_init__(self) -> None:
         from renderers import DefaultRenderer
@@ -168,9 +197,15 @@ class VerifiersRollouts:
             sampling["seed"] = self.config.seed + turn
         result = await generate(client=self.client, renderer=self.renderer, messages=messages,
                                 model=self.config.model_name, prompt_ids=prompt_ids, sampling_params=sampling)
-        return Turn(prompt_token_ids=list(result["prompt_ids"]), completion_ids=list(result["completion_ids"]),
-                    completion_logprobs=list(result["completion_logprobs"]),
-                    finish_reason=str(result.get("finish_reason") or ""), content=str(result.get("content") or ""))
+        turn_result = Turn(prompt_token_ids=list(result["prompt_ids"]), completion_ids=list(result["completion_ids"]),
+                           completion_logprobs=list(result["completion_logprobs"]),
+                           finish_reason=str(result.get("finish_reason") or ""),
+                           content=str(result.get("content") or ""))
+        exchange = self.endpoint.exchange(str(result.get("request_id") or "")) if self.endpoint else None
+        if exchange is not None and exchange.generation.token_ids == turn_result.completion_ids:
+            turn_result.weight_version = exchange.generation.weight_version
+            turn_result.version_runs = exchange.generation.version_runs
+        return turn_result
 
     def _next_prompt(self, turn: Turn, new_messages: list[Message]) -> list[int]:
         bridged = self.renderer.bridge_to_next_turn(turn.prompt_token_ids, turn.completion_ids, new_messages)

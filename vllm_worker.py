@@ -305,6 +305,8 @@ class GenerationStats:
     """LoRA adapters unloaded from the engine after a newer one replaced them."""
     unstable_updates_refused: int = 0
     """LoRA updates refused because the STABLE marker did not name them."""
+    endpoint_requests: int = 0
+    """Requests answered through the worker's OpenAI-compatible endpoint (EngineConfig.openai_endpoint_port)."""
     base_restores: int = 0
     """Times the checkpoint's weights were reloaded from model_path before a LoRA adapter, because
     the engine held full weights pushed earlier (e.g. by a previous full fine-tuning run)."""
@@ -487,6 +489,10 @@ class GenerationWorker:
         self._holds_pushed_weights = False
         """True once a full-weight push replaced the checkpoint's weights: an adapter trained on
         the checkpoint must not be applied on top of them (_load_adapter restores them first)."""
+        self.endpoint: Any = None
+        """The openai_endpoint.Endpoint this worker serves (EngineConfig.openai_endpoint_port), once started."""
+        self._closing: asyncio.Task | None = None
+        """shutdown()'s close of an endpoint still open (kept: a task nobody references may be collected)."""
 
     @property
     def weight_version(self) -> int:
@@ -528,6 +534,64 @@ class GenerationWorker:
             # Ours needs no rendezvous; vLLM's CUDA engines are initialised by the trainer's side.
             await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
         await self._self_check()
+        await self._start_endpoint()
+
+    async def _start_endpoint(self) -> None:
+        """Serve the OpenAI-compatible endpoint over this engine on 127.0.0.1 when asked (after
+        the self-check: nothing is served by an engine that failed it)."""
+        port = self.config.engine.openai_endpoint_port
+        if port is None or self.endpoint is not None:
+            return
+        from openai_endpoint import Endpoint, EndpointConfig
+        from setup_model import load_tokenizer
+
+        endpoint = Endpoint(EndpointConfig(port=port), load_tokenizer(self.config.model_path), self._endpoint_generate)
+        try:
+            await endpoint.start()
+        except OSError as exc:
+            raise self.life.fail(f"OpenAI-compatible endpoint could not bind 127.0.0.1:{port}: {exc}") from exc
+        self.endpoint = endpoint
+        logger.info("%s: OpenAI-compatible endpoint on %s", self.worker_name, endpoint.base_url)
+
+    def endpoint_url(self) -> str | None:
+        """The endpoint's base URL (http://127.0.0.1:PORT/v1); None when it is off or not started."""
+        return self.endpoint.base_url if self.endpoint is not None else None
+
+    async def _endpoint_generate(self, prompt_ids: list[int], sampling: Any, request_id: str) -> Any:
+        """One endpoint request (openai_endpoint.Backend) on this engine as generate() runs its
+        own: refused once FAILED, queued during a weight push, counted in flight and served, on
+        the adapter served now, labelled with the weight version."""
+        from openai_endpoint import vllm_params
+
+        self.life.require_alive()
+        await self._accepting.wait()
+        version, adapter = self._weight_version, self._adapters.acquire()
+        # A LoRA request keeps its adapter's version; full weights are read as the turn starts.
+        current = (lambda: version) if adapter is not None else (lambda: self._weight_version)
+        self._inflight += 1
+        try:
+            generation = await engine_generate(self._require_engine(), vllm_params(sampling),
+                                               f"{self.worker_name}-{request_id}-{uuid.uuid4().hex[:8]}",
+                                               version=current, lora_request=adapter)(prompt_ids, sampling.max_tokens)
+        except Exception as exc:
+            self.stats.generation_failures += 1
+            self._fail_if_engine_dead(exc)
+            self.life.request_failed()
+            raise
+        finally:
+            self._inflight -= 1
+            if adapter is not None:
+                await self._adapters.release(adapter.lora_int_id)
+        self.stats.endpoint_requests += 1
+        self.life.served()
+        return generation
+
+    async def close_endpoint(self) -> None:
+        """Stop serving the endpoint (before shutdown(); the actor's shutdown does both)."""
+        if self.endpoint is not None:
+            endpoint, self.endpoint = self.endpoint, None
+            await endpoint.close()
+            logger.info("%s: OpenAI-compatible endpoint closed", self.worker_name)
 
     async def _self_check(self) -> None:
         """The canary before READY: one greedy token from the engine, one verification from the
@@ -815,12 +879,13 @@ class GenerationWorker:
         problem = self._engine_problem()
         if problem == _ENGINE_DEAD:
             self.life.fail("vLLM engine died (engine-core process gone)")
+        note = ", ".join(f"{k}={int(v)}" for k, v in {**self.stats.as_metrics(), **self.multi_turn.metrics()}.items())
+        if self.endpoint is not None:
+            note += f", endpoint={self.endpoint.base_url}"
         return WorkerHealth.of(
             self.life, kind=GENERATION,
             node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else "",
-            weight_version=self._weight_version, inflight_requests=self._inflight, problem=problem,
-            note=", ".join(f"{k}={int(v)}" for k, v in {**self.stats.as_metrics(),
-                                                       **self.multi_turn.metrics()}.items()),
+            weight_version=self._weight_version, inflight_requests=self._inflight, problem=problem, note=note,
         )
 
     def _engine_problem(self) -> str:
@@ -831,8 +896,13 @@ class GenerationWorker:
         return ""
 
     def shutdown(self) -> None:
-        """Stop the engine-core process."""
+        """Stop the engine-core process. An endpoint still open (close_endpoint not awaited) is
+        closed on the running event loop, if any: its requests then fail, the engine being gone."""
         self.life.finish()
+        if self.endpoint is not None:
+            endpoint, self.endpoint = self.endpoint, None
+            with contextlib.suppress(RuntimeError):  # no running loop: the loop that served it is gone
+                self._closing = asyncio.get_running_loop().create_task(endpoint.close())
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
@@ -866,5 +936,9 @@ class GenerationWorkerActor:
     async def health(self) -> WorkerHealth:
         return self._worker.health()
 
+    async def endpoint_url(self) -> str | None:
+        return self._worker.endpoint_url()
+
     async def shutdown(self) -> None:
+        await self._worker.close_endpoint()
         self._worker.shutdown()

@@ -86,6 +86,12 @@ class EngineConfig:
     only, one of vLLM's engines: 'nccl' (trainer rank 0 broadcasts the gathered weights),
     'nccl_m2n' (every trainer rank sends its own FSDP shards), 'ipc' (CUDA IPC handles, trainer
     and engine on the same GPUs). LoRA adapters always load as vLLM adapters."""
+    openai_endpoint_port: int | None = None
+    """Serve an OpenAI-compatible endpoint over this engine (openai_endpoint.py: /v1/chat/completions,
+    /inference/v1/generate, /v1/models, with exact token ids, logprobs and weight versions) on
+    127.0.0.1 only, e.g. for verifiers environments' train client. None: off; 0: a free port
+    (the worker logs it and its health detail names it; use 0 when several workers share a node);
+    else that port. Requests count in the worker's stats and wait out weight pushes."""
 
     def __post_init__(self) -> None:
         if self.weight_transfer not in WEIGHT_TRANSFER_BACKENDS:
@@ -106,6 +112,9 @@ class EngineConfig:
             raise ValueError("EngineConfig.dtype must be a dtype name or 'auto', got ''")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"EngineConfig.logprobs_mode unknown: {self.logprobs_mode!r}")
+        if self.openai_endpoint_port is not None and not 0 <= self.openai_endpoint_port < 65536:
+            raise ValueError(f"EngineConfig.openai_endpoint_port must be None (off) or in [0, 65536), "
+                             f"got {self.openai_endpoint_port}")
         if self.max_lora_rank and self.max_lora_rank not in VLLM_LORA_RANKS:
             raise ValueError(f"EngineConfig.max_lora_rank must be 0 (off) or one of {VLLM_LORA_RANKS}, "
                              f"got {self.max_lora_rank}")

@@ -3,8 +3,9 @@
     .venv/bin/python -m pytest tests/test_openai_endpoint.py -q
 
 The engine behind the endpoint here is a recording backend that answers fixed ids: these tests
-pin the HTTP layer (what a client reads, what is refused and counted); tests/test_verifiers_vllm.py
-runs the same endpoint over a real vLLM engine.
+pin the HTTP layer (what a client reads, what is refused and counted, the weight versions each
+answer carries); tests/test_verifiers_vllm.py runs the same endpoint served by a real generation
+worker.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from openai_endpoint import Endpoint, EndpointConfig, SamplingRequest
 from sample_processing_utils import Sample
 from setup_model import load_tokenizer
 from tiny_model import TinyModelConfig, write_tiny_model
-from verifiers_rollouts import PrefixDriftError, Turn, VerifiersStats, sample_from_turns
+from verifiers_rollouts import (
+    PrefixDriftError, Turn, VerifiersRolloutConfig, VerifiersRollouts, VerifiersStats, sample_from_turns,
+)
+from worker_options import EngineConfig
 
 ANSWER_IDS = [5, 6, 7]
 ANSWER_LOGPROBS = [-0.5, -1.25, -2.0]
@@ -43,18 +47,20 @@ def _openai_platform_probed() -> None:
 
 
 class Recorder:
-    def __init__(self) -> None:
+    def __init__(self, version: int = -1, runs: list[tuple[int, int]] | None = None) -> None:
         self.calls: list[tuple[list[int], SamplingRequest]] = []
+        self.version, self.runs = version, runs
 
     async def __call__(self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> Generation:
         self.calls.append((list(prompt_ids), sampling))
         return Generation(token_ids=list(ANSWER_IDS), logprobs=list(ANSWER_LOGPROBS), finish_reason="length",
-                          text="")
+                          text="", weight_version=self.version, version_runs=self.runs)
 
 
-async def _with_endpoint(tokenizer, body):
-    recorder = Recorder()
-    endpoint = Endpoint(EndpointConfig(max_request_bytes=4096, max_tokens_cap=32, default_max_tokens=16), tokenizer, recorder)
+async def _with_endpoint(tokenizer, body, recorder: Recorder | None = None, max_kept_exchanges: int = 10_000):
+    recorder = recorder or Recorder()
+    endpoint = Endpoint(EndpointConfig(max_request_bytes=4096, max_tokens_cap=32, default_max_tokens=16,
+                                       max_kept_exchanges=max_kept_exchanges), tokenizer, recorder)
     await endpoint.start()
     try:
         return await body(endpoint), endpoint, recorder
@@ -99,6 +105,68 @@ def test_verifiers_token_client_reads_the_generate_route(tokenizer) -> None:
     assert result["prompt_ids"] == prompt == endpoint.exchanges[0].prompt_token_ids
     assert result["completion_ids"] == ANSWER_IDS and result["completion_logprobs"] == ANSWER_LOGPROBS
     assert sampling.stop_token_ids == (tokenizer.eos_token_id,)  # the renderer's stop ids reach the engine
+
+
+def test_weight_versions_reach_the_wire_and_the_sample(tokenizer) -> None:
+    """A turn sampled across a push (version 4 for two tokens, 5 for the last): the wire names
+    both, and the rollout source reads them back by request id into the Sample."""
+    recorder = Recorder(version=4, runs=[(4, 2), (5, 1)])
+
+    async def body(endpoint: Endpoint):
+        from openai import AsyncOpenAI
+
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"http://127.0.0.1:{endpoint.port}/inference/v1/generate",
+                                    json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 3}}) as response:
+                wire = await response.json()
+        client = AsyncOpenAI(base_url=endpoint.base_url, api_key="loopback", max_retries=0)
+        source = VerifiersRollouts(client=client, tokenizer=tokenizer, endpoint=endpoint,
+                                   config=VerifiersRolloutConfig(turn_max_tokens=3))
+        blind = VerifiersRollouts(client=client, tokenizer=tokenizer, config=VerifiersRolloutConfig(turn_max_tokens=3))
+        messages = [{"role": "user", "content": "hi"}]
+
+        async def reward(_: list) -> float:
+            return 1.0
+        sample = await source.rollout(Sample(input_token_ids=[1], gt_answer=""), messages, _none, reward)
+        unknown = await blind.rollout(Sample(input_token_ids=[1], gt_answer=""), messages, _none, reward)
+        return wire, sample, unknown
+
+    (wire, sample, unknown), endpoint, _ = asyncio.run(_with_endpoint(tokenizer, body, recorder))
+    choice = wire["choices"][0]
+    assert choice["weight_version"] == 4 and choice["token_versions"] == [[4, 2], [5, 1]]
+    assert endpoint.exchange(wire["request_id"]) is endpoint.exchanges[0]
+    assert sample.weight_version == 4 and sample.token_versions == [(4, 2), (5, 1)]
+    sample.validate_generated()
+    assert unknown.weight_version == -1 and unknown.token_versions is None  # no endpoint given: unknown
+
+
+async def _none(_: list) -> None:
+    return None
+
+
+def test_kept_exchanges_are_bounded(tokenizer) -> None:
+    async def body(endpoint: Endpoint):
+        ids = []
+        async with aiohttp.ClientSession() as session:
+            for _ in range(3):
+                async with session.post(f"http://127.0.0.1:{endpoint.port}/inference/v1/generate",
+                                        json={"token_ids": [1], "sampling_params": {"max_tokens": 3}}) as response:
+                    ids.append((await response.json())["request_id"])
+        return ids
+
+    ids, endpoint, _ = asyncio.run(_with_endpoint(tokenizer, body, max_kept_exchanges=2))
+    assert [e.request_id for e in endpoint.exchanges] == ids[1:]
+    assert endpoint.exchange(ids[0]) is None and endpoint.exchange(ids[2]) is endpoint.exchanges[-1]
+
+
+def test_versions_of_turns_merge_into_one_run_list() -> None:
+    first, second = _turn([1, 2], [3, 4]), _turn([1, 2, 3, 4, 9], [5, 6])
+    first.weight_version = second.weight_version = 7
+    same = sample_from_turns(Sample(input_token_ids=[0], gt_answer=""), [first, second], 0.0)
+    assert same.weight_version == 7 and same.token_versions is None
+    second.weight_version, second.version_runs = 7, [(7, 1), (8, 1)]
+    split = sample_from_turns(Sample(input_token_ids=[0], gt_answer=""), [first, second], 0.0)
+    assert split.weight_version == 7 and split.token_versions == [(7, 3), (8, 1)]
 
 
 BAD_REQUESTS = [
@@ -169,3 +237,7 @@ def test_sampling_request_names_the_bad_field() -> None:
         EndpointConfig(default_max_tokens=10, max_tokens_cap=5)
     with pytest.raises(ValueError, match="chat template"):
         Endpoint(EndpointConfig(), object(), Recorder())
+    with pytest.raises(ValueError, match="max_kept_exchanges"):
+        EndpointConfig(max_kept_exchanges=0)
+    with pytest.raises(ValueError, match="EngineConfig.openai_endpoint_port"):
+        EngineConfig(openai_endpoint_port=70000)

@@ -2,15 +2,19 @@
 
     .venv/bin/python -m pytest tests/test_verifiers_vllm.py -q      # ~1-2 min (engine start)
 
-One engine (a GenerationWorker's, started with its verifier canary), openai_endpoint.Endpoint on
-127.0.0.1 over it, an AsyncOpenAI client pointed there, and verifiers_rollouts.VerifiersRollouts
+One engine: a GenerationWorker started with its verifier canary and --openai_endpoint_port 0, so
+the worker itself serves openai_endpoint.Endpoint on 127.0.0.1 (the path users get), an
+AsyncOpenAI client pointed at the worker's endpoint_url(), and verifiers_rollouts.VerifiersRollouts
 driving conversations through renderers.client.generate (verifiers 0.4.0's train-client call,
 unmodified): a single-turn environment and a multi-turn one (a user turn after each answer).
 Checked per rollout: the Sample's stream is exactly the ids the endpoint returned for each turn
 plus the observation ids, which are the hand-written ChatML text of the user turn, encoded; masks
 and logprob counts follow; the trainer's packed logprob pass reproduces the engine's sampling
 logprobs (a drifted token anywhere would change them). The chat-completions route returns the
-hand-written ChatML prompt's ids and the sampled ids with their logprobs.
+hand-written ChatML prompt's ids and the sampled ids with their logprobs. The checkpoint's own
+weights are pushed as version PUSHED_VERSION first (a real update_weights through Ray's object
+store): every Sample and answer carries that version, and the endpoint's requests count in the
+worker's stats.
 """
 
 from __future__ import annotations
@@ -22,13 +26,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from openai_endpoint import Endpoint, EndpointConfig, engine_backend
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
 from tiny_model import IM_END, TinyModelConfig, write_tiny_model
 from verifier_pool import VerifierPool
 from verifiers_rollouts import VerifiersRolloutConfig, VerifiersRollouts
 from vllm_worker import GenerationWorker, GenerationWorkerConfig
+from weight_sync import WeightUpdate, state_dict_to_blobs
 from worker_options import EngineConfig
 
 pytestmark = pytest.mark.vllm
@@ -42,6 +46,9 @@ SEED = 4321
 SYSTEM = "Answer with a number."
 QUESTION = "What is 2 + 2?"
 NUDGE = "Try again."
+# The checkpoint's own weights pushed as this version before any rollout: the logprobs still
+# match the checkpoint, and a Sample left at the default -1 could not pass for the served version.
+PUSHED_VERSION = 5
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +58,7 @@ def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _worker_config(model_dir: Path) -> GenerationWorkerConfig:
     engine = EngineConfig(max_num_seqs=8, gpu_memory_utilization=0.1, kv_cache_memory_bytes=64 << 20,
-                          max_model_len=512, enforce_eager=True, dtype="float32")
+                          max_model_len=512, enforce_eager=True, dtype="float32", openai_endpoint_port=0)
     return GenerationWorkerConfig(model_path=str(model_dir), engine=engine, global_num_verifiers=1)
 
 
@@ -75,21 +82,27 @@ async def _turns_reward(messages: list[dict]) -> float:
     return float(sum(m["role"] == "assistant" for m in messages))
 
 
-async def _run(model_dir: Path, tokenizer):
+async def _run(model_dir: Path, tokenizer, ray):
     from openai import AsyncOpenAI
 
     with VerifierPool(num_processes=1, timeout_s=30.0) as pool:  # the worker's start-up canary only
         worker = GenerationWorker("verifiers-test", _worker_config(model_dir), verifier=pool)
         await worker.start()
-        endpoint = Endpoint(EndpointConfig(), tokenizer, engine_backend(worker._require_engine()))
-        await endpoint.start()
+        endpoint = worker.endpoint
         try:
-            client = AsyncOpenAI(base_url=endpoint.base_url, api_key="loopback", max_retries=0)
+            weights = state_dict_to_blobs(dict(load_causal_lm(model_dir).state_dict()))
+            assert await worker.update_weights(WeightUpdate(version=PUSHED_VERSION,
+                                                            shard_refs=[ray.put(weights)])) == PUSHED_VERSION
+            url = worker.endpoint_url()
+            assert url is not None and url.startswith("http://127.0.0.1:")
+            assert f"endpoint={url}" in worker.health().detail
+            client = AsyncOpenAI(base_url=url, api_key="loopback", max_retries=0)
             runs = {}
             for name, turns, respond, reward in (("single", 1, _no_response, _single_turn_reward),
                                                  ("multi", MAX_TURNS, _nudge, _turns_reward)):
-                source = VerifiersRollouts(client=client, tokenizer=tokenizer, config=VerifiersRolloutConfig(
-                    max_turns=turns, turn_max_tokens=TURN_MAX_TOKENS, seed=SEED))
+                source = VerifiersRollouts(client=client, tokenizer=tokenizer, endpoint=endpoint,
+                                           config=VerifiersRolloutConfig(max_turns=turns,
+                                                                         turn_max_tokens=TURN_MAX_TOKENS, seed=SEED))
                 samples = []
                 for index in range(ROLLOUTS_PER_ENV):
                     start = len(endpoint.exchanges)
@@ -101,19 +114,21 @@ async def _run(model_dir: Path, tokenizer):
                 runs[name] = (samples, source.stats.metrics())
             chat = await client.chat.completions.create(model="policy", messages=_messages(),
                                                         max_tokens=TURN_MAX_TOKENS, seed=SEED, temperature=1.0)
-            return runs, chat, endpoint.exchanges[-1]
+            served = {"version": worker.weight_version, "requests": worker.stats.endpoint_requests,
+                      "exchanges": len(endpoint.exchanges), "inflight": worker.health().inflight_requests}
+            return runs, chat, endpoint.exchanges[-1], served
         finally:
-            await endpoint.close()
+            await worker.close_endpoint()
             worker.shutdown()
 
 
 @pytest.fixture(scope="module")
-def outcome(chat_model_dir: Path):
+def outcome(ray_local, chat_model_dir: Path):
     tokenizer = load_tokenizer(chat_model_dir)
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as GenerationWorker.start sets it; restored below
     try:
-        result = asyncio.run(asyncio.wait_for(_run(chat_model_dir, tokenizer), HANG_GUARD_S))
+        result = asyncio.run(asyncio.wait_for(_run(chat_model_dir, tokenizer, ray_local), HANG_GUARD_S))
     finally:
         if previous is None:
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
@@ -138,7 +153,7 @@ def _observation_ids(tokenizer, last_token: int) -> list[int]:
 
 @pytest.mark.parametrize("env", ["single", "multi"])
 def test_the_stream_is_the_endpoints_ids_plus_observations_verbatim(outcome, env: str) -> None:
-    tokenizer, runs, _, _ = outcome
+    tokenizer, runs, _, _, _ = outcome
     samples, metrics = runs[env]
     multi_turn_seen = False
     for sample, exchanges in samples:
@@ -174,7 +189,7 @@ def test_the_stream_is_the_endpoints_ids_plus_observations_verbatim(outcome, env
 
 
 def test_the_trainers_packed_logprobs_reproduce_the_engines(outcome, chat_model_dir: Path) -> None:
-    _, runs, _, _ = outcome
+    _, runs, _, _, _ = outcome
     samples = [s for env in ("single", "multi") for s, _ in runs[env][0]]
     model = TokenLogprobModel(load_causal_lm(chat_model_dir)).eval()
     with torch.no_grad():
@@ -187,7 +202,7 @@ def test_the_trainers_packed_logprobs_reproduce_the_engines(outcome, chat_model_
 
 
 def test_chat_completions_return_the_exact_ids_and_logprobs(outcome) -> None:
-    tokenizer, _, chat, exchange = outcome
+    tokenizer, _, chat, exchange, served = outcome
     extra = chat.model_extra or {}
     assert extra["prompt_token_ids"] == _prompt_ids(tokenizer) == exchange.prompt_token_ids
     choice = chat.choices[0]
@@ -196,3 +211,15 @@ def test_chat_completions_return_the_exact_ids_and_logprobs(outcome) -> None:
     assert [c.logprob for c in choice.logprobs.content] == exchange.generation.logprobs
     assert choice.message.content == tokenizer.decode(exchange.generation.token_ids, skip_special_tokens=True)
     assert chat.usage.completion_tokens == len(exchange.generation.token_ids)
+    assert (choice.model_extra or {})["weight_version"] == served["version"] == exchange.generation.weight_version
+
+
+def test_samples_carry_the_workers_weight_version_and_count_in_its_stats(outcome) -> None:
+    _, runs, _, _, served = outcome
+    samples = [s for env in ("single", "multi") for s, _ in runs[env][0]]
+    # The push landed before any rollout: every token came from the version the worker serves.
+    assert served["version"] == PUSHED_VERSION
+    assert all(s.weight_version == served["version"] and s.token_versions is None for s in samples)
+    assert all(e.generation.weight_version == served["version"] for env in runs for _, ex in runs[env][0] for e in ex)
+    assert served["requests"] == served["exchanges"] > 0
+    assert served["inflight"] == 0

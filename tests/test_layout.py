@@ -35,11 +35,11 @@ WORKER_SIDE = ("batch_calls", "logprob_worker", "rollout_fetcher", "rollout_scor
                "verifier_pool", "verifier_process", "vllm_experience_batcher", "vllm_registry", "vllm_worker",
                "weight_files", "weight_reload", "weight_transfer_engine", "worker_dispatcher",
                "worker_lifecycle", "multi_turn", "tool_environment", "openai_endpoint",
-               "verifiers_rollouts")
+               "verifiers_rollouts", "served_adapters")
 TRAINER_ONLY = ("checkpoint", "data_path", "evaluation", "fsdp_setup", "metrics", "optimizer", "trainer_core")
 WORKER_MODULES = ("logprob_worker", "rollout_scoring", "verifier_cluster", "verifier_pool", "verifier_process",
                   "vllm_worker", "weight_files", "weight_reload", "weight_transfer_engine",
-                  "worker_dispatcher")
+                  "worker_dispatcher", "served_adapters")
 
 
 @cache

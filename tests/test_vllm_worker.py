@@ -32,7 +32,8 @@ from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
 from weight_sync import WeightUpdate, state_dict_to_blobs
 from rewards import RewardConfig
 from sampling import SamplingConfig
-from vllm_worker import AdapterBook, FailedSampleLog, GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig
+from served_adapters import AdapterBook
+from vllm_worker import FailedSampleLog, GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig
 from weight_files import reload_buckets
 from weight_reload import with_tied_lm_head
 from worker_options import EngineConfig

@@ -13,6 +13,7 @@ sync) in each layer, and PACKED_SDPA reads its samples from them too.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -266,6 +267,17 @@ has torch but not flash-attn). It needs the samples' boundaries in the layer's k
 CPU, where the kernel does not exist)."""
 
 
+@functools.cache
+def _varlen_causal_kwargs() -> dict[str, Any]:
+    """How this torch's varlen_attn is told to be causal: torch 2.13 takes a window (-1, 0),
+    earlier releases is_causal. Read once: the attention runs in every layer of every forward."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return {"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters else {"window_size": (-1, 0)}
+
+
 def packed_varlen_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -279,8 +291,6 @@ def packed_varlen_attention(
 ) -> tuple[torch.Tensor, None]:
     """AttentionInterface entry for PACKED_VARLEN: one causal varlen_attn call over the packed
     stream. Shapes as packed_sdpa_attention; key/value heads are repeated to the query's (GQA)."""
-    import inspect
-
     from torch.nn.attention.varlen import varlen_attn
 
     cu_seq_lens, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
@@ -294,11 +304,8 @@ def packed_varlen_attention(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    # torch 2.13 takes causality as a window (-1, 0); earlier releases as is_causal.
-    causal = ({"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters
-              else {"window_size": (-1, 0)})
     out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens, cu_seq_lens, longest, longest,
-                      scale=scaling, **causal)
+                      scale=scaling, **_varlen_causal_kwargs())
     return out.view(1, length, heads, head_dim), None
 
 

@@ -23,6 +23,7 @@ import torch
 from sample_processing_utils import Sample, get_input_for_logprobs
 from sampling import SamplingConfig
 from setup_model import TokenLogprobModel, load_causal_lm
+from test_vllm_worker import _perturbed_copy
 from token_versions import version_runs
 from vllm_worker import GenerationWorkerActor, GenerationWorkerConfig
 from weight_sync import WeightUpdate, state_dict_to_blobs
@@ -34,9 +35,9 @@ pytestmark = [pytest.mark.vllm]
 
 # float32 engine vs float32 HF on the same tokens: observed max |diff| ~3e-6 (tests/test_vllm_worker.py).
 LOGPROB_ATOL = 1e-4
-# The two versions are seeded perturbations of this size (moves the tiny model's logprobs by ~1
-# nat); a 0.1 gap proves a segment matches its own version and not the other one.
-PERTURBATION_SCALE = 0.1
+# The two versions are seeded perturbations (test_vllm_worker._perturbed_copy: noise of scale 0.1
+# moves the tiny model's logprobs by ~1 nat); a 0.1 gap proves a segment matches its own version
+# and not the other one.
 MIN_OTHER_VERSION_GAP = 0.1
 # One token's logprob may move less than the gap; over this many the largest move is well above it.
 MIN_GAP_TOKENS = 4
@@ -46,16 +47,6 @@ COMPLETIONS = 4
 # (or after all finished), no completion straddles it and the request is tried again.
 ATTEMPTS = 5
 HEALTH_POLLS = 10_000  # health calls while waiting for the request to be in flight (bound, not timing)
-
-
-def _perturbed(model_dir: Path, out_dir: Path, seed: int) -> dict[str, torch.Tensor]:
-    model = load_causal_lm(model_dir)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(PERTURBATION_SCALE * torch.randn(param.shape, generator=generator))
-    model.save_pretrained(out_dir)
-    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
 def _hf_logprobs(model_dir: Path, prompt: list[int], output: list[int]) -> torch.Tensor:
@@ -91,7 +82,7 @@ def test_a_rollout_straddling_a_push_has_per_token_versions_and_logprobs(ray_loc
                                                                           tmp_path: Path) -> None:
     ray = ray_local
     dirs = {0: tmp_path / "even", 1: tmp_path / "odd"}
-    blobs = {parity: ray.put(state_dict_to_blobs(_perturbed(tiny_model_dir, d, seed=11 + parity)))
+    blobs = {parity: ray.put(state_dict_to_blobs(_perturbed_copy(tiny_model_dir, d, seed=11 + parity)))
              for parity, d in dirs.items()}
     actor = GenerationWorkerActor.options(name="generation-worker-test-token-versions").remote(
         "generation-worker-test-token-versions", _config(tiny_model_dir))

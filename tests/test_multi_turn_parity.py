@@ -22,7 +22,6 @@ pass's gradient norm and the weights, to test_step_parity's tolerances.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -31,10 +30,10 @@ import torch
 from grpo_loss import LossConfig
 from sample_processing_utils import Sample
 from test_step_parity import (CLIP_HIGH, CLIP_LOW, CLIPPING_MAX_NORM, GRAD_NORM_RTOL, GSPO_CLIP, KL_COEF,
-                              LOGPROB_CHUNK_SIZE, MAX_OUTPUT_TOKENS, MAX_TOKENS_PER_GPU, MIN_MINIBATCHES_PER_RANK,
-                              NO_CLIP, PARAM_ATOL, PROMPT_LEN_RANGE, REORDER_WINDOW, WORLD_SIZE, Case, PaddedBatch,
+                              MAX_OUTPUT_TOKENS, MIN_MINIBATCHES_PER_RANK,
+                              NO_CLIP, PARAM_ATOL, PROMPT_LEN_RANGE, WORLD_SIZE, Case, PaddedBatch,
                               ReferenceStep, _adamw, _assert_grads_close, _clipped_fraction, _group_advantages,
-                              _load_reference_model, _max_diff, _optim, _step_loss, _token_logprobs, launch_worker)
+                              _load_reference_model, _max_diff, _optim, _step_loss, _token_logprobs, run_cases)
 
 NUM_PROMPTS = 6
 GROUP_SIZE = 4
@@ -149,20 +148,7 @@ def samples(tiny_model_dir: Path) -> list[Sample]:
 
 @pytest.fixture(scope="module")
 def system_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, samples: list[Sample]) -> Path:
-    out_dir = tmp_path_factory.mktemp("multi-turn-parity")
-    spec = {
-        "model_path": str(tiny_model_dir),
-        "model": {"logprob_chunk_size": LOGPROB_CHUNK_SIZE},
-        "samples": [asdict(s) for s in samples],
-        "max_tokens_per_gpu": MAX_TOKENS_PER_GPU,
-        "max_prompt_tokens": PROMPT_LEN_RANGE[1] - 1,
-        "max_output_tokens": MAX_OUTPUT_TOKENS,
-        "reorder_window": REORDER_WINDOW,
-        "cases": {name: {"epochs_per_step": c.epochs_per_step, "loss": asdict(c.loss), "optim": asdict(c.optim),
-                         "data_path": c.data_path} for name, c in CASES.items()},
-    }
-    launch_worker(spec, out_dir)
-    return out_dir
+    return run_cases(tmp_path_factory.mktemp("multi-turn-parity"), tiny_model_dir, samples, CASES)
 
 
 def test_the_samples_are_multi_turn_and_fit_the_budgets(samples: list[Sample]) -> None:

@@ -332,9 +332,13 @@ def samples(tiny_model_dir: Path) -> list[Sample]:
 @pytest.fixture(scope="module")
 def system_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, samples: list[Sample]) -> Path:
     """One torchrun launch that runs every case in turn; returns its output folder."""
-    out_dir = tmp_path_factory.mktemp("step-parity")
+    return run_cases(tmp_path_factory.mktemp("step-parity"), tiny_model_dir, samples, CASES)
+
+
+def run_cases(out_dir: Path, model_dir: Path, samples: list[Sample], cases: dict[str, Case]) -> Path:
+    """One torchrun launch of the worker over `samples`, every case in turn; returns out_dir."""
     spec = {
-        "model_path": str(tiny_model_dir),
+        "model_path": str(model_dir),
         "model": {"logprob_chunk_size": LOGPROB_CHUNK_SIZE},
         "samples": [asdict(s) for s in samples],
         "max_tokens_per_gpu": MAX_TOKENS_PER_GPU,
@@ -343,7 +347,7 @@ def system_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, s
         "max_output_tokens": MAX_OUTPUT_TOKENS,
         "reorder_window": REORDER_WINDOW,
         "cases": {name: {"epochs_per_step": c.epochs_per_step, "loss": asdict(c.loss), "optim": asdict(c.optim),
-                         "data_path": c.data_path} for name, c in CASES.items()},
+                         "data_path": c.data_path} for name, c in cases.items()},
     }
     launch_worker(spec, out_dir)
     return out_dir

@@ -465,6 +465,19 @@ def export_hf_checkpoint(model: nn.Module, out_dir: str | Path, source_model_pat
     return out
 
 
+def _check_names_and_shapes(where: str, targets: Mapping[str, torch.Tensor],
+                            shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """KeyError naming missing and unexpected names, ValueError on a shape that differs from the
+    model's: checked before anything is copied."""
+    missing = sorted(targets.keys() - shapes.keys())
+    unexpected = sorted(shapes.keys() - targets.keys())
+    if missing or unexpected:
+        raise KeyError(f"{where}: missing keys {missing}, unexpected keys {unexpected}")
+    for name, target in targets.items():
+        if tuple(shapes[name]) != tuple(target.shape):
+            raise ValueError(f"{where}: {name} has shape {tuple(shapes[name])}, model expects {tuple(target.shape)}")
+
+
 def load_state_dict_into(causal_lm: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Copy full HF-named tensors into a plain HF model, in place (strict).
 
@@ -473,16 +486,8 @@ def load_state_dict_into(causal_lm: nn.Module, state_dict: Mapping[str, torch.Te
     missing and unexpected keys, ValueError on a shape mismatch; nothing is copied on error.
     """
     targets = _hf_tensors(causal_lm)
-    missing = sorted(targets.keys() - state_dict.keys())
-    unexpected = sorted(state_dict.keys() - targets.keys())
-    if missing or unexpected:
-        raise KeyError(f"load_state_dict_into: missing keys {missing}, unexpected keys {unexpected}")
-    for name, target in targets.items():
-        if tuple(state_dict[name].shape) != tuple(target.shape):
-            raise ValueError(
-                f"load_state_dict_into: {name} has shape {tuple(state_dict[name].shape)}, "
-                f"model expects {tuple(target.shape)}"
-            )
+    _check_names_and_shapes("load_state_dict_into", targets,
+                            {name: tuple(tensor.shape) for name, tensor in state_dict.items()})
     with torch.no_grad():
         for name, target in targets.items():
             target.copy_(state_dict[name])
@@ -504,14 +509,7 @@ def load_streamed_into(causal_lm: nn.Module, shapes: Mapping[str, tuple[int, ...
     stream that then disagrees with `shapes` raises ValueError part-way (the model holds a mix).
     """
     targets = _hf_tensors(causal_lm)
-    missing = sorted(targets.keys() - shapes.keys())
-    unexpected = sorted(shapes.keys() - targets.keys())
-    if missing or unexpected:
-        raise KeyError(f"load_streamed_into: missing keys {missing}, unexpected keys {unexpected}")
-    for name, target in targets.items():
-        if tuple(shapes[name]) != tuple(target.shape):
-            raise ValueError(f"load_streamed_into: {name} has shape {tuple(shapes[name])}, model expects "
-                             f"{tuple(target.shape)}")
+    _check_names_and_shapes("load_streamed_into", targets, shapes)
     copied = set()
     with torch.no_grad():
         for name, tensor in named_tensors:

@@ -54,7 +54,8 @@ from vllm_experience_batcher import (
     BatcherConfig, EndOfStep, Minibatch, PromptRequest, RayRegistryClient, get_or_create_batcher,
 )
 from versions import TRAINER_REQUIREMENTS, VersionError, check_versions
-from weight_sync import WeightPusher, resolve_push_dtype, weights_dir
+from weight_pusher import WeightPusher, resolve_push_dtype
+from weight_sync import weights_dir
 
 logger = logging.getLogger(__name__)
 
@@ -278,7 +279,7 @@ def _registry(kind: str) -> ActorHandle:
 
 
 class Publisher(Protocol):
-    """What run_step needs from a weight pusher (weight_sync.WeightPusher; tests pass stand-ins)."""
+    """What run_step needs from a weight pusher (weight_pusher.WeightPusher; tests pass stand-ins)."""
 
     def push(self, model: torch.nn.Module, version: int, initial: bool = False) -> float: ...
 

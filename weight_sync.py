@@ -1,16 +1,16 @@
-"""How trainer weights reach inference workers and disk: every step of weight publishing.
+"""How trainer weights reach inference workers and disk: the records and tensors of weight publishing.
 
 Out of the trainer: `gather_full_state_dict` (rank 0 gets full tensors), `local_shard_blobs`
 (each FSDP rank its own rows) and `export_hf_checkpoint` (a Hugging Face folder on disk).
-`WeightPusher` runs one push per weight version; both publishing modes produce the same
-`WeightUpdate` record, so workers have one loading path:
+`weight_pusher.WeightPusher` runs one push per weight version; both publishing modes produce the
+same `WeightUpdate` record, so workers have one loading path:
 
 - "gather": rank 0 gathers the full (unsharded) state dict and `ray.put`s it as one shard.
 - "sharded": every FSDP rank `ray.put`s its own dim-0 shards (no gather on rank 0); a worker
   fetches all ranks' objects and concatenates each tensor's pieces in dim-0 offset order
   (a fan-in: no rank holds the whole model, for full weights).
 
-Pushes carry the serving dtype (`resolve_push_dtype`: bf16 when the trainer computes in bf16,
+Pushes carry the serving dtype (`weight_pusher.resolve_push_dtype`: bf16 when the trainer computes in bf16,
 else fp32), cast on each rank before anything leaves it; checkpoints keep the fp32 weights.
 
 A LoRA policy (model.lora) pushes only its adapter, under PEFT names, in the same two modes or
@@ -33,19 +33,17 @@ from __future__ import annotations
 import copy
 import logging
 import shutil
-import time
 from dataclasses import dataclass, field
 import contextlib
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ray_env import ON_HEAD_NODE, RAY_NAMESPACE, SHARD_STAGER_NAME
-from setup_model import LORA_ADAPTER_NAME, MODEL_DTYPES, TokenLogprobModel, training_compute_dtype
+from setup_model import LORA_ADAPTER_NAME, MODEL_DTYPES, TokenLogprobModel
 
 logger = logging.getLogger(__name__)
 
@@ -311,7 +309,7 @@ def _hf_name(name: str) -> str:
     return name.removeprefix(_WRAPPER_PREFIX)
 
 
-def _hf_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def hf_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers under HF names, each tied tensor once.
 
     state_dict lists a tied tensor under every name; only the first is kept, which for a causal
@@ -333,7 +331,7 @@ def _is_main_process() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor: all-gathers a DTensor (collective), returns a plain tensor as is."""
     from torch.distributed.tensor import DTensor
 
@@ -352,7 +350,7 @@ def gather_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
     memory is one full tensor). dtype casts the floating-point copies (e.g. bf16 for inference;
     integer buffers keep theirs); None keeps them.
     """
-    return _gather_to_main(_hf_tensors(model), dtype)
+    return _gather_to_main(hf_tensors(model), dtype)
 
 
 def _gather_to_main(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor] | None:
@@ -362,7 +360,7 @@ def _gather_to_main(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, tensor in named.items():
-            full = _full_tensor(tensor.detach())
+            full = full_tensor(tensor.detach())
             if main:
                 out[name] = full.to(device="cpu", dtype=_cast_dtype(full, dtype), copy=True)
     return out if main else None
@@ -413,7 +411,7 @@ def local_shard_blobs(model: nn.Module, *, dtype: torch.dtype | None = None) -> 
     main = _is_main_process()
     blobs: dict[str, TensorBlob] = {}
     with torch.no_grad():
-        for name, tensor in _hf_tensors(model).items():
+        for name, tensor in hf_tensors(model).items():
             if not main and not isinstance(tensor, DTensor):
                 continue
             local, dim, offset = local_piece(name, tensor.detach())
@@ -422,7 +420,7 @@ def local_shard_blobs(model: nn.Module, *, dtype: torch.dtype | None = None) -> 
     return blobs
 
 
-def _unwrap_causal_lm(model: nn.Module) -> nn.Module:
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     """The HF causal LM inside a TokenLogprobModel (or the model itself)."""
     return model.causal_lm if isinstance(model, TokenLogprobModel) else model
 
@@ -430,7 +428,7 @@ def _unwrap_causal_lm(model: nn.Module) -> nn.Module:
 def inference_config(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Any:
     """A copy of the model's HF config as a saved folder stores it: KV cache on (training turned
     it off; inference engines want it back) and the dtype of the saved tensors."""
-    config = copy.deepcopy(_unwrap_causal_lm(model).config)
+    config = copy.deepcopy(unwrap_causal_lm(model).config)
     config.use_cache = True
     config.dtype = next(iter(weights.values())).dtype
     return config
@@ -485,7 +483,7 @@ def load_state_dict_into(causal_lm: nn.Module, state_dict: Mapping[str, torch.Te
     an extra 'lm_head.weight' for a tied model is reported as unexpected. Raises KeyError naming
     missing and unexpected keys, ValueError on a shape mismatch; nothing is copied on error.
     """
-    targets = _hf_tensors(causal_lm)
+    targets = hf_tensors(causal_lm)
     _check_names_and_shapes("load_state_dict_into", targets,
                             {name: tuple(tensor.shape) for name, tensor in state_dict.items()})
     with torch.no_grad():
@@ -508,7 +506,7 @@ def load_streamed_into(causal_lm: nn.Module, shapes: Mapping[str, tuple[int, ...
     or unexpected names raise KeyError, a shape mismatch ValueError, and nothing is copied. A
     stream that then disagrees with `shapes` raises ValueError part-way (the model holds a mix).
     """
-    targets = _hf_tensors(causal_lm)
+    targets = hf_tensors(causal_lm)
     _check_names_and_shapes("load_streamed_into", targets, shapes)
     copied = set()
     with torch.no_grad():
@@ -520,55 +518,6 @@ def load_streamed_into(causal_lm: nn.Module, shapes: Mapping[str, tuple[int, ...
     if copied != targets.keys():
         raise ValueError(f"load_streamed_into: the stream lacked {sorted(targets.keys() - copied)[:3]}")
     return len(copied)
-
-
-class ShardStager:
-    """Collects every trainer rank's shard ref for a version so rank 0 can announce one update.
-
-    Refs travel inside lists, so Ray passes them as references (each rank stays the owner of its
-    own shard; workers fetch it straight from that rank's object store). Plain asyncio class,
-    wrapped by a Ray actor in `get_or_create_shard_stager`.
-    """
-
-    def __init__(self) -> None:
-        import asyncio
-
-        self._refs: dict[int, dict[int, Any]] = {}
-        self._changed = asyncio.Condition()
-
-    async def stage(self, version: int, rank: int, refs: list[Any]) -> None:
-        """Record rank's shard ref (refs is a one-element list) for a version."""
-        async with self._changed:
-            self._refs.setdefault(version, {})[rank] = refs[0]
-            self._changed.notify_all()
-
-    async def collect(self, version: int, world_size: int, timeout_s: float) -> list[Any]:
-        """Wait until all world_size ranks staged `version`; return their refs in rank order."""
-        import asyncio
-
-        async def all_staged() -> None:
-            async with self._changed:
-                await self._changed.wait_for(lambda: len(self._refs.get(version, {})) >= world_size)
-
-        try:
-            await asyncio.wait_for(all_staged(), timeout_s)
-        except asyncio.TimeoutError:
-            have = sorted(self._refs.get(version, {}))
-            raise TimeoutError(
-                f"{SHARD_STAGER_NAME}: version {version} has shards from ranks {have} of {world_size} "
-                f"after {timeout_s:.0f} s"
-            ) from None
-        by_rank = self._refs.pop(version)
-        return [by_rank[r] for r in range(world_size)]
-
-
-def get_or_create_shard_stager() -> Any:
-    """The named shard-staging actor of this run (created by the first rank that asks)."""
-    import ray
-
-    actor_cls = ray.remote(num_cpus=0, max_concurrency=64)(ShardStager)
-    return actor_cls.options(name=SHARD_STAGER_NAME, namespace=RAY_NAMESPACE, get_if_exists=True,
-                             resources=ON_HEAD_NODE).remote()
 
 
 # --------------------------------------------------------------------------------------------
@@ -588,7 +537,7 @@ def _peft_model(model: nn.Module) -> Any:
     """The PeftModel inside a TokenLogprobModel (or the model itself); TypeError if not one."""
     from peft import PeftModel
 
-    inner = _unwrap_causal_lm(model)
+    inner = unwrap_causal_lm(model)
     if not isinstance(inner, PeftModel):
         raise TypeError(f"expected a LoRA (PEFT) policy, got {type(inner).__name__}: is model.lora.r set?")
     return inner
@@ -598,7 +547,7 @@ def is_lora_model(model: nn.Module) -> bool:
     """True when the policy carries PEFT adapters (fsdp_setup wrapped it under model.lora)."""
     from peft import PeftModel
 
-    return isinstance(_unwrap_causal_lm(model), PeftModel)
+    return isinstance(unwrap_causal_lm(model), PeftModel)
 
 
 def adapter_named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -729,154 +678,3 @@ def check_stable(update: WeightUpdate) -> None:
             f"adapter update v{update.version}: STABLE marker {update.marker_path} names v{marker.version} "
             f"({marker.mode}, {len(marker.shards)} parts), not this update"
         )
-
-
-AUTO_PUSH_DTYPE = "auto"
-
-
-def resolve_push_dtype(name: str, device: torch.device, mixed_precision: bool) -> torch.dtype:
-    """The dtype weight pushes carry: 'auto' -> bfloat16 when the trainer computes in bf16 (on
-    CUDA with ModelConfig.mixed_precision, see fsdp_setup.build_training_model), else float32;
-    any other name of setup_model.MODEL_DTYPES as given."""
-    if name == AUTO_PUSH_DTYPE:
-        return training_compute_dtype(device, mixed_precision)
-    if name not in MODEL_DTYPES:
-        raise ValueError(f"weight push dtype must be one of {(AUTO_PUSH_DTYPE, *MODEL_DTYPES)}, got {name!r}")
-    return MODEL_DTYPES[name]
-
-
-PUSH_MODES = ("gather", "sharded", "lora_files")
-# lora_files folders kept on disk: the version being loaded and the one before it (a worker
-# loads each version before the next push returns, so older folders are never read again).
-_KEEP_ADAPTER_DIRS = 2
-
-
-class WeightPusher:
-    """Publishes the trainer's weights to every inference worker, one version at a time.
-
-    Collective: every trainer rank builds one and calls `push` together. Rank 0 holds the
-    registries of the kinds that serve the policy and announces each `WeightUpdate` to them; in
-    "sharded" mode every rank stages its own shard ref with the shard stager first. Tensors are
-    cast to `dtype` on the rank that holds them, before they are put into Ray's object store.
-
-    A LoRA policy (fsdp_setup under model.lora) pushes only its adapter, under PEFT names, and
-    every push is made visible by the STABLE marker (<weights_root>/STABLE) before it is
-    announced: rank 0 writes it, atomically, once every rank's shard is staged (or, in
-    lora_files mode, once the adapter folder <weights_root>/step_N is complete).
-    """
-
-    def __init__(self, mode: Literal["gather", "sharded", "lora_files"], rank: int, world_size: int,
-                 registries: Sequence[Any], timeout_s: float, *, dtype: torch.dtype = torch.float32,
-                 weights_root: Path | None = None) -> None:
-        """registries: Ray handles of the registries to publish to (rank 0; [] elsewhere);
-        dtype: what the pushed tensors carry (resolve_push_dtype; the model's own fp32 by default);
-        weights_root: <run_dir>/weights, where LoRA pushes keep their STABLE marker (and their
-        folders in lora_files mode); required for LoRA policies."""
-        if mode not in PUSH_MODES:
-            raise ValueError(f"WeightPusher mode must be one of {PUSH_MODES}, got {mode!r}")
-        if dtype not in MODEL_DTYPES.values():
-            raise ValueError(f"WeightPusher dtype must be one of {tuple(MODEL_DTYPES.values())}, got {dtype}")
-        self._mode = mode
-        self.dtype = dtype
-        self._rank = rank
-        self._world_size = world_size
-        self._timeout_s = timeout_s
-        self._registries = list(registries)
-        self._weights_root = Path(weights_root) if weights_root is not None else None
-        self._stager = get_or_create_shard_stager() if mode == "sharded" else None
-
-    def push(self, model: nn.Module, version: int, initial: bool = False) -> float:
-        """Collective: every rank calls it. Returns seconds spent."""
-        start = time.perf_counter()
-        if is_lora_model(model):
-            self._push_adapter(model, version, initial)
-        elif self._mode == "lora_files":
-            raise ValueError("weight_push_mode lora_files pushes LoRA adapters: the policy has none (model.lora.r is 0)")
-        else:
-            self._push_weights(model, version, initial)
-        return time.perf_counter() - start
-
-    def _push_weights(self, model: nn.Module, version: int, initial: bool) -> None:
-        """Full weights: gathered on rank 0, or every rank's own shards."""
-        import ray
-
-        if self._mode == "gather":
-            state = gather_full_state_dict(model, dtype=self.dtype)
-            own_ref = ray.put(state_dict_to_blobs(state)) if self._rank == 0 else None
-            refs = [own_ref]
-        else:
-            own_ref = ray.put(local_shard_blobs(model, dtype=self.dtype))
-            refs = self._staged_refs(version, own_ref)
-        if self._rank == 0:
-            self._announce(WeightUpdate(version=version, shard_refs=refs, mode=self._mode, initial=initial))
-        # Workers fetch shards from every rank's object store: keep own_ref alive until all are done.
-        # The registries hold the update (borrowing its refs) until the next publish, so these
-        # objects stay in this rank's store until then: a worker joining meanwhile loads them.
-        dist.barrier()
-        del own_ref
-
-    def _push_adapter(self, model: nn.Module, version: int, initial: bool) -> None:
-        """LoRA: the adapter (gathered, per-rank shards, or a folder), STABLE, then the announcement."""
-        import ray
-
-        if self._weights_root is None:
-            raise ValueError("WeightPusher: a LoRA policy needs weights_root (<run_dir>/weights) for its STABLE marker")
-        own_ref, refs, folder = None, [], None
-        if self._mode == "sharded":
-            own_ref = ray.put(local_adapter_blobs(model, dtype=self.dtype))
-            refs = self._staged_refs(version, own_ref)
-        else:
-            tensors = gather_adapter(model, dtype=self.dtype)
-            if self._rank == 0 and self._mode == "gather":
-                own_ref = ray.put(state_dict_to_blobs(tensors))
-                refs = [own_ref]
-            elif self._rank == 0:
-                folder = str(self._write_adapter_dir(tensors, adapter_config_json(model), version))
-            del tensors
-        if self._rank == 0:
-            update = WeightUpdate(version=version, shard_refs=refs, mode=self._mode, initial=initial,
-                                  adapter_config=adapter_config_json(model), adapter_path=folder,
-                                  marker_path=str(self._weights_root / STABLE_MARKER_FILE))
-            # Only now is every part of the version in place: the marker makes it loadable.
-            write_stable_marker(Path(update.marker_path),
-                                StableMarker(version=version, mode=self._mode, shards=update_parts(update)))
-            self._announce(update)
-            if self._mode == "lora_files":
-                self._prune_adapter_dirs()
-        dist.barrier()
-        del own_ref
-
-    def _staged_refs(self, version: int, own_ref: Any) -> list[Any]:
-        """Stage this rank's shard ref; rank 0 gets every rank's refs in rank order ([] elsewhere)."""
-        import ray
-
-        ray.get(self._stager.stage.remote(version, self._rank, [own_ref]))
-        if self._rank != 0:
-            return []
-        return ray.get(self._stager.collect.remote(version, self._world_size, self._timeout_s))
-
-    def _announce(self, update: WeightUpdate) -> None:
-        """Rank 0: publish the update through every registry (each returns once its workers loaded it)."""
-        import ray
-
-        results = ray.get([reg.publish.remote(update) for reg in self._registries])
-        logger.info("pushed %s v%d (%s, %s) to %d workers", "adapter" if update.is_adapter else "weights",
-                    update.version, self._mode, self.dtype, sum(len(r) for r in results))
-
-    def _write_adapter_dir(self, tensors: Mapping[str, torch.Tensor], config_json: str, version: int) -> Path:
-        """Rank 0, lora_files: the version's PEFT folder, written under a temp name and renamed,
-        so a folder under its final name is always complete."""
-        final = adapter_step_dir(self._weights_root, version)
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        write_adapter_folder(tensors, config_json, tmp)
-        if final.exists():  # a resumed run pushes its first version again
-            shutil.rmtree(final)
-        tmp.rename(final)
-        return final
-
-    def _prune_adapter_dirs(self) -> None:
-        """Rank 0, lora_files: keep the newest _KEEP_ADAPTER_DIRS version folders."""
-        folders = sorted(p for p in self._weights_root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in folders[:-_KEEP_ADAPTER_DIRS]:
-            shutil.rmtree(old, ignore_errors=True)

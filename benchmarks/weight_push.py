@@ -491,7 +491,8 @@ class TrainerRole:
         from ray_cluster import join_cluster
         from setup_model import LoraConfig, ModelConfig
         from trainer_core import TrainerConfig, make_weight_pusher
-        from weight_sync import adapter_named_tensors, get_or_create_shard_stager
+        from weight_pusher import get_or_create_shard_stager
+        from weight_sync import adapter_named_tensors
 
         self.dist = init_distributed()
         join_cluster(os.environ["RAY_ADDRESS"], namespace=RAY_NAMESPACE, timeout_s=30.0, log_to_driver=False)

@@ -5,7 +5,7 @@
 
 Every rank joins the test's Ray cluster and the gloo group, builds the FSDP2 LoRA policy from
 the base and the starting adapter (build_training_model, as a resumed trainer does) and pushes
-it with weight_sync.WeightPusher in each mode, twice per mode. Rank 0 hands the pushers a
+it with weight_pusher.WeightPusher in each mode, twice per mode. Rank 0 hands the pushers a
 recorder actor in place of the registries; its `publish` reads the update as a worker would:
 the STABLE marker must name it (check_stable), then the adapter is fetched (every rank's
 shards reassembled, or the lora_files folder read). OUT/weights is the pushers' weights_root.
@@ -30,7 +30,8 @@ from fsdp_setup import build_training_model, init_distributed  # noqa: E402
 from ray_cluster import join_cluster
 from ray_env import actor_runtime_env  # noqa: E402
 from setup_model import LoraConfig, ModelConfig  # noqa: E402
-from weight_sync import WeightPusher, WeightUpdate  # noqa: E402
+from weight_pusher import WeightPusher  # noqa: E402
+from weight_sync import WeightUpdate  # noqa: E402
 
 DIST_TIMEOUT_S = 120.0  # a crashed peer turns into an error well inside the test's own timeout
 PUSH_TIMEOUT_S = 120.0  # the shard stager's wait for every rank's shard

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from weight_pusher import WeightPusher, resolve_push_dtype
 from weight_sync import (
-    WeightPusher,
     WeightUpdate,
     assemble_state_dict,
     fetch_state_dict,
@@ -16,7 +16,6 @@ from weight_sync import (
     iter_assembled,
     iter_state_dict,
     local_shard_blobs,
-    resolve_push_dtype,
     tensor_to_blob,
 )
 

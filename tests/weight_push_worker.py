@@ -5,7 +5,7 @@
 
 Each rank joins the test's Ray cluster and the gloo group, builds the FSDP2 model of every
 --model_path (build_training_model, as the trainer does), and pushes it with
-weight_sync.WeightPusher in each mode ("gather", "sharded") and each dtype (float32, bfloat16).
+weight_pusher.WeightPusher in each mode ("gather", "sharded") and each dtype (float32, bfloat16).
 Rank 0 hands the pushers a recorder actor in place of the registries: its `publish` receives
 the WeightUpdate exactly as a registry would and reads it the two ways a worker can
 (`fetch_state_dict`, and `iter_state_dict`, one tensor at a time).
@@ -30,7 +30,8 @@ from fsdp_setup import build_training_model, init_distributed  # noqa: E402
 from ray_cluster import join_cluster
 from ray_env import actor_runtime_env  # noqa: E402
 from setup_model import ModelConfig  # noqa: E402
-from weight_sync import WeightPusher, WeightUpdate  # noqa: E402
+from weight_pusher import WeightPusher  # noqa: E402
+from weight_sync import WeightUpdate  # noqa: E402
 
 DIST_TIMEOUT_S = 120.0  # a crashed peer turns into an error well inside the test's own timeout
 PUSH_TIMEOUT_S = 120.0  # the shard stager's wait for every rank's shard

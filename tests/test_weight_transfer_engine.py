@@ -1,0 +1,120 @@
+"""The generation worker's end of vLLM's CUDA weight transfers (weight_transfer_engine.
+EngineTransferReceiver) against a recording stand-in of AsyncLLM: which of the engine's calls
+each pass-through makes, in which order, with which arguments, and what it refuses before the
+engine sees it. The real engines need CUDA; the object-store backend's engine path runs in
+tests/test_vllm_worker.py. `.venv/bin/python -m pytest tests/test_weight_transfer_engine.py -q`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+from weight_transfer_engine import EngineTransferReceiver, TransferOrderError
+
+
+class RecordingEngine:
+    """AsyncLLM's weight-transfer and pause calls, recorded as (name, argument) pairs."""
+
+    def __init__(self, world_size: int = 2) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=world_size))
+
+    async def init_weight_transfer_engine(self, request: WeightTransferInitRequest) -> None:
+        self.calls.append(("init_weight_transfer_engine", request.init_info))
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        self.calls.append(("shutdown_weight_transfer_engine", None))
+
+    async def pause_generation(self, *, mode: str, clear_cache: bool) -> None:
+        self.calls.append(("pause_generation", (mode, clear_cache)))
+
+    async def start_weight_update(self) -> None:
+        self.calls.append(("start_weight_update", None))
+
+    async def update_weights(self, request: WeightTransferUpdateRequest) -> None:
+        self.calls.append(("update_weights", request.update_info))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(("finish_weight_update", weight_version))
+
+    async def resume_generation(self) -> None:
+        self.calls.append(("resume_generation", None))
+
+
+INIT = {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 3, "world_size": 5, "packed": True}
+UPDATE = {"names": ["model.embed_tokens.weight"], "dtype_names": ["bfloat16"], "shapes": [[8, 4]]}
+
+
+def _receiver(engine: RecordingEngine) -> EngineTransferReceiver:
+    return EngineTransferReceiver(engine, backend="nccl", pause_mode="keep")
+
+
+def test_two_pushes_make_vllms_calls_in_order() -> None:
+    engine = RecordingEngine()
+    receiver = _receiver(engine)
+
+    async def two_pushes() -> None:
+        await receiver.init("nccl", INIT)
+        for version in (4, 5):
+            await receiver.start()
+            await receiver.update(UPDATE)
+            await receiver.update([UPDATE])  # vLLM's payload may be a list of chunks: passed on as is
+            await receiver.finish(version)
+
+    asyncio.run(two_pushes())
+    push = lambda version: [("pause_generation", ("keep", True)), ("start_weight_update", None),  # noqa: E731
+                            ("update_weights", UPDATE), ("update_weights", [UPDATE]),
+                            ("finish_weight_update", str(version)), ("resume_generation", None)]
+    assert engine.calls == [("init_weight_transfer_engine", INIT), *push(4), *push(5)]
+    assert not receiver.in_session
+    assert receiver.describe() == {"backend": "nccl", "ranks": 2}
+
+
+def test_a_rebuilt_group_leaves_the_old_one_first() -> None:
+    engine = RecordingEngine()
+    receiver = _receiver(engine)
+    rebuilt = {**INIT, "master_port": 29556}
+
+    async def join_twice() -> None:
+        await receiver.init("nccl", INIT)
+        await receiver.init("nccl", rebuilt)
+
+    asyncio.run(join_twice())
+    assert engine.calls == [("init_weight_transfer_engine", INIT), ("shutdown_weight_transfer_engine", None),
+                            ("init_weight_transfer_engine", rebuilt)]
+
+
+@pytest.mark.parametrize("calls, message", [
+    (["start"], "start before init"),
+    (["init", "update"], "update outside a weight update"),
+    (["init", "finish"], "finish outside a weight update"),
+    (["init", "start", "start"], "start during a weight update"),
+    (["init", "start", "init"], "init during a weight update"),
+])
+def test_calls_out_of_order_are_refused_before_vllm_sees_them(calls: list[str], message: str) -> None:
+    engine = RecordingEngine()
+    receiver = _receiver(engine)
+    steps = {"init": lambda: receiver.init("nccl", INIT), "start": receiver.start,
+             "update": lambda: receiver.update(UPDATE), "finish": lambda: receiver.finish(1)}
+
+    async def run() -> None:
+        for name in calls[:-1]:
+            await steps[name]()
+        seen = list(engine.calls)
+        with pytest.raises(TransferOrderError, match=message):
+            await steps[calls[-1]]()
+        assert engine.calls == seen  # nothing reached the engine
+
+    asyncio.run(run())
+
+
+def test_a_trainer_sending_by_another_backend_is_refused_naming_both() -> None:
+    engine = RecordingEngine()
+    with pytest.raises(ValueError, match=r"sends weights by 'ipc'.*weight_transfer backend 'nccl'"):
+        asyncio.run(_receiver(engine).init("ipc", {"packed": False}))
+    assert engine.calls == []

@@ -189,6 +189,8 @@ class Endpoint:
         self.backend = backend
         self.exchanges: list[Exchange] = []
         self._by_id: dict[str, Exchange] = {}
+        self._by_tokens: dict[int, list[Exchange]] = {}
+        """Kept exchanges by _token_key of (prompt ids, sampled ids), for find()."""
         self.rejected = 0
         """Requests answered 400/413 (counted: refused input is a metric, not a silence)."""
         self._ids = itertools.count()
@@ -198,6 +200,15 @@ class Endpoint:
     def exchange(self, request_id: str) -> Exchange | None:
         """The kept exchange answered with `request_id` (None once dropped or never served)."""
         return self._by_id.get(request_id)
+
+    def find(self, prompt_ids: list[int], token_ids: list[int]) -> Exchange | None:
+        """The kept exchange that sampled exactly `token_ids` after exactly `prompt_ids` (None: this
+        endpoint did not serve that, or the exchange was dropped). How a rollout source proves a
+        conversation's sampled spans are the engine's own, whatever client drove it."""
+        for exchange in self._by_tokens.get(_token_key(prompt_ids, token_ids), ()):
+            if exchange.prompt_token_ids == prompt_ids and exchange.generation.token_ids == token_ids:
+                return exchange
+        return None
 
     @property
     def base_url(self) -> str:
@@ -296,12 +307,22 @@ class Endpoint:
                             messages=messages, request_id=request_id)
         self.exchanges.append(exchange)
         self._by_id[request_id] = exchange
+        self._by_tokens.setdefault(_token_key(prompt_ids, generation.token_ids), []).append(exchange)
         excess = len(self.exchanges) - self.config.max_kept_exchanges
         if excess > 0:
             for old in self.exchanges[:excess]:
                 self._by_id.pop(old.request_id, None)
+                self._forget_tokens(old)
             del self.exchanges[:excess]
         return request_id, generation
+
+    def _forget_tokens(self, exchange: Exchange) -> None:
+        key = _token_key(exchange.prompt_token_ids, exchange.generation.token_ids)
+        kept = [e for e in self._by_tokens.get(key, ()) if e is not exchange]
+        if kept:
+            self._by_tokens[key] = kept
+        else:
+            self._by_tokens.pop(key, None)
 
     async def _chat_body(self, body: dict[str, Any]) -> dict[str, Any]:
         messages = _messages(body.get("messages"))
@@ -327,6 +348,11 @@ class Endpoint:
                   "logprobs": _logprobs_wire(generation), **_versions_wire(generation)}
         return {"request_id": request_id, "prompt_token_ids": prompt_ids, "choices": [choice],
                 "usage": _usage(prompt_ids, generation)}
+
+
+def _token_key(prompt_ids: list[int], token_ids: list[int]) -> int:
+    # A hash, not the ids: the exchange keeps the ids already; find() compares them in full.
+    return hash((len(prompt_ids), tuple(prompt_ids), tuple(token_ids)))
 
 
 def _usage(prompt_ids: list[int], generation: Generation) -> dict[str, int]:

@@ -24,17 +24,114 @@ whole: those trailing characters are trained but were not seen by the reward.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from environments import EnvironmentConfig
 from rewards import RewardConfig
 
+# A verifiers seat's harness and runtime when VerifiersEnvConfig.options pins none: verifiers'
+# own tool-less chat program ("null") as a local process, which needs no container, network or uv
+# (verifiers_env.prepare_chat_program registers this interpreter for it).
+DEFAULT_SEAT: dict[str, Any] = {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}
+
+# VerifiersEnvConfig.check's error is one line: pydantic's multi-line reports are joined and cut here.
+_CHECK_LINE_CHARS = 400
+
 # Every sampling seed stays below this: 31 bits fit any RNG API that takes a C int or an int32
 # (vLLM passes request seeds to torch.Generator.manual_seed, other engines may be narrower).
 SEED_BOUND = 2**31
+
+
+@dataclass(kw_only=True, frozen=True)
+class VerifiersEnvConfig:
+    """A `verifiers` (0.4.0, verifiers.v1) environment as the rollout source (the trainer's
+    `sampling.verifiers`; docs/environments.md "verifiers environments"): each generation worker
+    runs the environment in-process with verifiers' own rollout code against its own loopback
+    OpenAI-compatible endpoint (verifiers_env.py), and the environment's rubric gives the reward."""
+
+    taskset: str = ""
+    """The verifiers taskset id: an importable module exporting one `vf.Taskset` subclass in
+    `__all__` (e.g. "verifiers_arith"), importable on the generation workers. "": off."""
+    env: str = ""
+    """The verifiers Env id: "" for the taskset's own (else verifiers' SingleAgentEnv, one agent,
+    single- or multi-turn as its harness plays it), or a shipped/installed one such as "user-sim"
+    (a modelled user converses with the trained assistant: multi-turn)."""
+    max_turns: int | None = None
+    """Model turns per agent run at most (each seat's AgentConfig.max_turns unless `options` pins
+    it); None: the environment's own limit."""
+    max_total_tokens: int = 1024
+    """Tokens of one trained conversation at most (prompt, every turn and every observation): the
+    seats' AgentConfig.max_total_tokens unless `options` pins it, and what the trainer's token
+    budget check reads."""
+    options: dict[str, Any] = field(default_factory=dict, hash=False)  # a dict: SamplingConfig stays hashable
+    """More of the verifiers [env] config (JSON values), merged over the defaults, e.g.
+    {"user": {"max_turns": 3}}; on the command line one JSON object. Seats whose harness or
+    runtime it leaves unset play the in-process chat program ("null" harness, "subprocess" runtime)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.options, str):  # the command line gives the object as JSON text
+            try:
+                object.__setattr__(self, "options", json.loads(self.options))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"VerifiersEnvConfig.options must be a JSON object, got {self.options!r} ({exc})") from None
+        if not isinstance(self.options, dict) or not all(isinstance(k, str) for k in self.options):
+            raise ValueError(f"VerifiersEnvConfig.options must be a dict with str keys, got {self.options!r}")
+        for name in ("taskset", "env"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"VerifiersEnvConfig.{name} must be a string, got {getattr(self, name)!r}")
+        if self.env and not self.taskset:
+            raise ValueError(f"VerifiersEnvConfig.env {self.env!r} needs a taskset (VerifiersEnvConfig.taskset)")
+        if self.max_turns is not None and (isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int)
+                                           or self.max_turns < 1):
+            raise ValueError(f"VerifiersEnvConfig.max_turns must be an int >= 1 or None, got {self.max_turns!r}")
+        if isinstance(self.max_total_tokens, bool) or not isinstance(self.max_total_tokens, int) \
+                or self.max_total_tokens < 1:
+            raise ValueError(f"VerifiersEnvConfig.max_total_tokens must be an int >= 1, got {self.max_total_tokens!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.taskset)
+
+    def resolve(self) -> Any:
+        """The verifiers EnvConfig this names (imports verifiers.v1 and the taskset): the env and
+        taskset ids, `options`, and for each seat `options` leaves unset the in-process chat
+        program (DEFAULT_SEAT) and this config's turn and token limits."""
+        import verifiers.v1 as vf
+        from verifiers.v1.configs.agent import agent_config_fields
+
+        data: dict[str, Any] = {"id": self.env, "taskset": {"id": self.taskset}, **self.options}
+        data["taskset"] = {**data.get("taskset", {}), "id": self.taskset}
+        for role in agent_config_fields(vf.resolve_env_config(dict(data))):
+            seat = dict(data.get(role) or {})
+            for key, value in (*DEFAULT_SEAT.items(), ("max_turns", self.max_turns),
+                               ("max_total_tokens", self.max_total_tokens)):
+                if value is not None:
+                    seat.setdefault(key, value)
+            data[role] = seat
+        return vf.resolve_env_config(data)
+
+    def check(self) -> str:
+        """Import verifiers, the taskset and the Env class and validate the env config before any
+        worker starts: the Env class's name, or ValueError in one line naming what is wrong."""
+        try:
+            import verifiers.v1 as vf
+            from verifiers.v1.utils.loaders import taskset_class
+
+            config = self.resolve()
+            taskset_class(config.taskset.id)
+            env_class = vf.environment_class(config.taskset.id, config.id)
+        except ImportError as exc:
+            raise ValueError(f"sampling.verifiers (taskset {self.taskset!r}, env {self.env!r}): cannot import: "
+                             f"{exc}") from None
+        except Exception as exc:  # pydantic's validation errors and verifiers' own refusals, as one line
+            line = " ".join(str(exc).split())[:_CHECK_LINE_CHARS] or type(exc).__name__
+            raise ValueError(f"sampling.verifiers (taskset {self.taskset!r}, env {self.env!r}): {line}") from None
+        return env_class.__name__
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -90,6 +187,11 @@ class SamplingConfig:
     """Multi-turn rollouts against an environment (docs/environments.md); its name "" (the
     default) keeps rollouts single-turn. With an environment its rewards are the rollout's reward
     (`reward` and the verifier are not used) and each turn samples at most max_tokens."""
+    verifiers: VerifiersEnvConfig = field(default_factory=VerifiersEnvConfig)
+    """Rollouts through a `verifiers` environment (its taskset "" off, the default): the worker
+    serves its loopback endpoint and runs the environment against it; the environment's rubric
+    is the reward (`reward` and the verifier are not used) and each turn samples at most max_tokens.
+    Excludes `environment`."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -119,6 +221,11 @@ class SamplingConfig:
         if not isinstance(self.environment, EnvironmentConfig):
             raise ValueError(f"SamplingConfig.environment must be an EnvironmentConfig, "
                              f"got {type(self.environment).__name__}")
+        if not isinstance(self.verifiers, VerifiersEnvConfig):
+            raise ValueError(f"SamplingConfig.verifiers must be a VerifiersEnvConfig, got {type(self.verifiers).__name__}")
+        if self.verifiers.enabled and self.environment.enabled:
+            raise ValueError("SamplingConfig.verifiers and SamplingConfig.environment are two rollout sources; "
+                             "set one of them")
 
     def _check_stops(self) -> None:
         """stop: non-empty strings; stop_token_ids: ints >= 0 (stored as tuples: the config is frozen)."""

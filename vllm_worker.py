@@ -411,6 +411,10 @@ class GenerationWorker:
         """The openai_endpoint.Endpoint this worker serves (EngineConfig.openai_endpoint_port), once started."""
         self._closing: asyncio.Task | None = None
         """shutdown()'s close of an endpoint still open (kept: a task nobody references may be collected)."""
+        from verifiers_env import VerifiersSource
+
+        self.verifiers = VerifiersSource(config.model_path, self._served_endpoint)
+        """Rollouts through a verifiers environment (sampling.verifiers), started by the first such request."""
 
     @property
     def weight_version(self) -> int:
@@ -454,10 +458,15 @@ class GenerationWorker:
         await self._self_check()
         await self._start_endpoint()
 
-    async def _start_endpoint(self) -> None:
+    async def _served_endpoint(self) -> Any:
+        """The endpoint, started on a free port if --openai_endpoint_port did not start one."""
+        await self._start_endpoint(0 if self.config.engine.openai_endpoint_port is None else None)
+        return self.endpoint
+
+    async def _start_endpoint(self, port: int | None = None) -> None:
         """Serve the OpenAI-compatible endpoint over this engine on 127.0.0.1 when asked (after
-        the self-check: nothing is served by an engine that failed it)."""
-        port = self.config.engine.openai_endpoint_port
+        the self-check: nothing is served by an engine that failed it); `port` overrides the config's."""
+        port = self.config.engine.openai_endpoint_port if port is None else port
         if port is None or self.endpoint is not None:
             return
         from openai_endpoint import Endpoint, EndpointConfig
@@ -505,7 +514,9 @@ class GenerationWorker:
         return generation
 
     async def close_endpoint(self) -> None:
-        """Stop serving the endpoint (before shutdown(); the actor's shutdown does both)."""
+        """Stop serving the endpoint and the verifiers environment on it (before shutdown(); the
+        actor's shutdown does both)."""
+        await self.verifiers.close()
         if self.endpoint is not None:
             endpoint, self.endpoint = self.endpoint, None
             await endpoint.close()
@@ -576,7 +587,9 @@ class GenerationWorker:
         self._inflight += 1
         try:
             try:
-                if sampling.environment.enabled:
+                if sampling.verifiers.enabled:  # over the endpoint, which serves the adapter itself
+                    samples = await self.verifiers.rollouts(sample, sampling)
+                elif sampling.environment.enabled:
                     samples = await self._run_environment(sample, sampling, adapter)
                 else:
                     completions = await self._run_engine(sample, sampling, adapter)
@@ -586,8 +599,8 @@ class GenerationWorker:
                 self._fail_if_engine_dead(exc)
                 self.life.request_failed()
                 raise
-            if sampling.environment.enabled:
-                # The environment's rewards are the rollouts' rewards (multi_turn.run_rollout).
+            if sampling.environment.enabled or sampling.verifiers.enabled:
+                # The environment's rewards are the rollouts' rewards (multi_turn.run_rollout, the rubric).
                 shaped = [ShapedReward(reward=s.reward, format_matched=None) for s in samples]
                 self._failed.record([(s, "environment raised") for s in samples if s.reward_failed])
             else:
@@ -797,7 +810,8 @@ class GenerationWorker:
         problem = self._engine_problem()
         if problem == _ENGINE_DEAD:
             self.life.fail("vLLM engine died (engine-core process gone)")
-        note = ", ".join(f"{k}={int(v)}" for k, v in {**self.stats.as_metrics(), **self.multi_turn.metrics()}.items())
+        note = ", ".join(f"{k}={int(v)}" for k, v in {**self.stats.as_metrics(), **self.multi_turn.metrics(),
+                                                     **self.verifiers.metrics()}.items())
         if self.endpoint is not None:
             note += f", endpoint={self.endpoint.base_url}"
         return WorkerHealth.of(

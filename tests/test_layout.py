@@ -35,7 +35,7 @@ WORKER_SIDE = ("batch_calls", "logprob_worker", "rollout_fetcher", "rollout_scor
                "verifier_pool", "verifier_process", "vllm_experience_batcher", "vllm_registry", "vllm_worker",
                "weight_files", "weight_reload", "weight_transfer_engine", "worker_dispatcher",
                "worker_lifecycle", "multi_turn", "tool_environment", "openai_endpoint",
-               "verifiers_rollouts", "served_adapters")
+               "verifiers_rollouts", "verifiers_env", "verifiers_arith", "served_adapters")
 TRAINER_ONLY = ("checkpoint", "data_path", "evaluation", "fsdp_setup", "metrics", "optimizer", "trainer_core",
                 "weight_pusher", "weight_transfer_trainer")
 WORKER_MODULES = ("logprob_worker", "rollout_scoring", "verifier_cluster", "verifier_pool", "verifier_process",

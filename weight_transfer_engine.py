@@ -136,8 +136,9 @@ class EngineTransferReceiver:
     """
 
     def __init__(self, engine: Any, backend: str, pause_mode: str) -> None:
-        """engine: the worker's AsyncLLM; backend: vLLM's name of the engine's transfer backend
-        (worker_options.WEIGHT_TRANSFER_BACKENDS); pause_mode: vLLM's pause_generation mode."""
+        """engine: the worker's AsyncLLM; backend: its EngineConfig.weight_transfer (one of vLLM's
+        CUDA engines, which vLLM knows by the same names); pause_mode: vLLM's pause_generation
+        mode (GenerationWorkerConfig.weight_update_pause_mode)."""
         self._engine = engine
         self.backend = backend
         self._pause_mode = pause_mode

@@ -48,9 +48,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from worker_options import OBJECT_STORE_TRANSFER, WEIGHT_TRANSFER_BACKENDS
+
 logger = logging.getLogger(__name__)
 
-CUDA_TRANSFERS = ("nccl", "nccl_m2n", "ipc")
+CUDA_TRANSFERS = tuple(name for name in WEIGHT_TRANSFER_BACKENDS if name != OBJECT_STORE_TRANSFER)
 """EngineConfig.weight_transfer values that are vLLM's CUDA engines (the trainer drives them)."""
 TRANSFER_PUSH_MODE = {"nccl": "gather", "nccl_m2n": "sharded", "ipc": "gather"}
 """The weight_push_mode each CUDA transfer needs: what every trainer rank must hold to send."""
@@ -83,7 +85,7 @@ def check_transfer_pairing(weight_transfer: str, push_mode: str, *, has_cuda: bo
     with `push_mode`: a CUDA transfer on a machine without CUDA, or the wrong push mode for it.
     LoRA policies push adapters through the object store whatever the transfer, so only the
     device is checked for them. Call it before anything expensive starts."""
-    if weight_transfer == "object_store":
+    if weight_transfer == OBJECT_STORE_TRANSFER:
         return
     if weight_transfer not in CUDA_TRANSFERS:
         raise ValueError(f"weight_transfer must be 'object_store' or one of {CUDA_TRANSFERS}, got {weight_transfer!r}")
@@ -121,7 +123,7 @@ class TrainerTransferConfig:
     transfers) rather than one by one."""
 
     def __post_init__(self) -> None:
-        if self.weight_transfer != "object_store" and self.weight_transfer not in CUDA_TRANSFERS:
+        if self.weight_transfer not in WEIGHT_TRANSFER_BACKENDS:
             raise ValueError(f"TrainerTransferConfig.weight_transfer must be 'object_store' or one of "
                              f"{CUDA_TRANSFERS}, got {self.weight_transfer!r}")
         if not self.rendezvous_address:

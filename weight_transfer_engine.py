@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,12 +187,15 @@ class EngineTransferReceiver:
 
         await self._engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
 
-    async def finish(self, version: int) -> None:
-        """Finish the update, label the engine's weights `version` and resume scheduling."""
+    async def finish(self, version: int, on_finished: Callable[[], None] | None = None) -> None:
+        """Finish the update, label the engine's weights `version`, call `on_finished` (scheduling
+        still paused: the worker switches its version labels there) and resume scheduling."""
         if not self.in_session:
             raise TransferOrderError("finish outside a weight update: start was not called")
         await self._engine.finish_weight_update(str(version))
         self.in_session = False
+        if on_finished is not None:
+            on_finished()
         await self._engine.resume_generation()
 
 

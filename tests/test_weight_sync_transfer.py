@@ -19,7 +19,7 @@ import torch
 import vllm.distributed.weight_transfer.nccl_engine as vllm_nccl
 
 from setup_model import TokenLogprobModel, load_causal_lm
-from test_weight_transfer_engine import RecordingEngine
+from test_weight_transfer_engine import INIT, UPDATE, RecordingEngine
 from weight_pusher import WeightPusher
 from weight_sync import gather_full_state_dict
 from weight_transfer_engine import EngineTransferReceiver
@@ -314,3 +314,63 @@ def test_a_pusher_with_an_engine_transfer_sends_full_weights_through_it_only(tin
 def test_group_plan_is_a_record() -> None:
     plan = plan_group("nccl", 1, ENGINES)
     assert isinstance(plan, GroupPlan) and plan.engines == tuple(ENGINES)
+
+
+# ---------------------------------------------------------------- the generation worker's pass-through
+
+
+def _generation_worker(backend: str, engine: RecordingEngine) -> Any:
+    from vllm_worker import GenerationWorker, GenerationWorkerConfig
+    from worker_options import EngineConfig
+
+    worker = GenerationWorker("generation-worker-0", GenerationWorkerConfig(
+        model_path="unused", engine=EngineConfig(weight_transfer=backend)), verifier=object())
+    worker._engine = engine  # started: what start() leaves behind
+    return worker
+
+
+_WORKER_HAS_PASS_THROUGH = hasattr(__import__("vllm_worker").GenerationWorker, "transfer_start")
+
+
+@pytest.mark.skipif(not _WORKER_HAS_PASS_THROUGH, reason="vllm_worker.GenerationWorker has no transfer_* methods yet")
+def test_the_generation_workers_pass_through_labels_the_version(tiny_model_dir: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    wire = StubWire(monkeypatch)
+    engine = RecordingEngine(world_size=1)
+    worker = _generation_worker("nccl", engine)
+
+    class WorkerCalls(ReceiverCalls):
+        async def _dispatch(self, name: str, method: str, args: tuple) -> Any:
+            result = getattr(worker, method)(*args)
+            return await result if asyncio.iscoroutine(result) else result
+
+    calls = WorkerCalls([worker.worker_name])
+    outcome = _sender(calls).send(_policy(tiny_model_dir), 9)
+    assert outcome.served == {worker.worker_name: 9} and len(wire.sent) == 1
+    assert worker.weight_version == 9 and worker.stats.weight_updates == 1 and worker._accepting.is_set()
+    assert [c for c, _ in engine.calls] == ["init_weight_transfer_engine", "pause_generation", "start_weight_update",
+                                            "update_weights", "finish_weight_update", "resume_generation"]
+
+
+@pytest.mark.skipif(not _WORKER_HAS_PASS_THROUGH, reason="vllm_worker.GenerationWorker has no transfer_* methods yet")
+def test_the_pass_through_refuses_without_harm_or_fails_the_worker_mid_update() -> None:
+    from worker_lifecycle import WorkerFailedError, WorkerState
+
+    object_store = _generation_worker("object_store", RecordingEngine())
+    with pytest.raises(ValueError, match="takes full weights from the object store"):
+        object_store.transfer_describe()
+    engine = RecordingEngine()
+    worker = _generation_worker("nccl", engine)
+    with pytest.raises(Exception, match="start before init"):  # nothing changed: the worker stays healthy
+        asyncio.run(worker.transfer_start())
+    assert worker._accepting.is_set() and worker.life.state != WorkerState.FAILED
+
+    async def broken_update(request: Any) -> None:
+        raise RuntimeError("NCCL error: remote process exited")
+
+    engine.update_weights = broken_update
+    asyncio.run(worker.transfer_init("nccl", INIT))
+    asyncio.run(worker.transfer_start())
+    with pytest.raises(WorkerFailedError, match="weight transfer update failed: RuntimeError: NCCL error"):
+        asyncio.run(worker.transfer_update(UPDATE))
+    assert worker.life.state == WorkerState.FAILED  # a mix of versions: its dispatcher replaces it

@@ -64,12 +64,14 @@ def test_two_pushes_make_vllms_calls_in_order() -> None:
             await receiver.start()
             await receiver.update(UPDATE)
             await receiver.update([UPDATE])  # vLLM's payload may be a list of chunks: passed on as is
-            await receiver.finish(version)
+            await receiver.finish(version, on_finished=lambda: engine.calls.append(("on_finished", version)))
 
     asyncio.run(two_pushes())
+    # The worker relabels its versions between finish and resume (scheduling still paused).
     push = lambda version: [("pause_generation", ("keep", True)), ("start_weight_update", None),  # noqa: E731
                             ("update_weights", UPDATE), ("update_weights", [UPDATE]),
-                            ("finish_weight_update", str(version)), ("resume_generation", None)]
+                            ("finish_weight_update", str(version)), ("on_finished", version),
+                            ("resume_generation", None)]
     assert engine.calls == [("init_weight_transfer_engine", INIT), *push(4), *push(5)]
     assert not receiver.in_session
     assert receiver.describe() == {"backend": "nccl", "ranks": 2}

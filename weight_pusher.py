@@ -164,6 +164,11 @@ class WeightPusher:
             self._push_weights(model, version, initial)
         return time.perf_counter() - start
 
+    def close(self) -> None:
+        """Release what outlives a push (the engine transfer's group) at the end of training."""
+        if self._engine_transfer is not None:
+            self._engine_transfer.shutdown()
+
     def _push_weights(self, model: nn.Module, version: int, initial: bool) -> None:
         """Full weights: through the engine transfer, and/or through the object store."""
         if self._engine_transfer is not None:

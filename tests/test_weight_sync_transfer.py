@@ -130,6 +130,22 @@ def test_the_source_sends_the_object_stores_names_in_the_push_dtype(
         assert tensor.is_contiguous()
 
 
+def test_the_m2n_source_sends_hf_names_in_the_push_dtype(tiny_model_dir: Path) -> None:
+    """nccl_m2n's source (vLLM's DTensorModuleSource over the HF model): HF names, the push dtype
+    announced and sent; an unsharded model is one replicated piece per tensor."""
+    from weight_transfer_trainer import shard_source
+
+    policy = _policy(tiny_model_dir)
+    source = shard_source(policy, torch.bfloat16, trainer_ranks=1)
+    metas = source.metadata()
+    reference = gather_full_state_dict(policy, dtype=torch.bfloat16)
+    assert [m.name for m in metas] == list(reference)
+    assert all(m.dtype == torch.bfloat16 and m.placements is None for m in metas)
+    assert source.mesh().dims == (1, 1)
+    for name, shard in source:
+        assert shard.dtype == torch.bfloat16 and torch.equal(shard, reference[name]), name
+
+
 # ---------------------------------------------------------------- a whole push, CPU
 
 
@@ -304,11 +320,15 @@ def test_a_pusher_with_an_engine_transfer_sends_full_weights_through_it_only(tin
         def owns(self, registry: Any) -> bool:
             return True
 
+        def shutdown(self) -> None:
+            self.sent.append(-1)
+
     sender = RecordingSender()
     # No object-store publish: no Ray put, no barrier (no process group exists here).
-    WeightPusher("gather", 0, 1, [], 1.0, engine_transfer=sender, object_store_weights=False).push(
-        _policy(tiny_model_dir), 6)
-    assert sender.sent == [6]
+    pusher = WeightPusher("gather", 0, 1, [], 1.0, engine_transfer=sender, object_store_weights=False)
+    pusher.push(_policy(tiny_model_dir), 6)
+    pusher.close()  # the group is released at the end of training
+    assert sender.sent == [6, -1]
 
 
 def test_group_plan_is_a_record() -> None:

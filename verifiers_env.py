@@ -304,35 +304,37 @@ class VerifiersEnvRunner:
 
 
 class VerifiersSource:
-    """A generation worker's verifiers rollouts: the first request with `sampling.verifiers` set
-    starts the worker's endpoint (if it serves none yet) and the environment; later requests must
-    name the same environment (a worker runs one)."""
+    """A generation worker's verifiers rollouts: the first request naming an environment
+    (`sampling.verifiers`) starts the worker's endpoint (if it serves none yet) and that
+    environment, which then serves every later request naming it (e.g. a training and an
+    evaluation environment side by side)."""
 
     def __init__(self, model_path: str, start_endpoint: Callable[[], Awaitable[Any]]) -> None:
         self.model_path = model_path
         self._start_endpoint = start_endpoint
         self._lock = asyncio.Lock()
-        self.runner: VerifiersEnvRunner | None = None
+        self.runners: dict[VerifiersEnvConfig, VerifiersEnvRunner] = {}
 
     async def _runner(self, config: VerifiersEnvConfig) -> VerifiersEnvRunner:
         async with self._lock:  # concurrent first requests start one environment
-            if self.runner is None:
+            if config not in self.runners:
                 runner = VerifiersEnvRunner(config, await self._start_endpoint(), self.model_path)
                 await runner.start()
-                self.runner = runner
-            elif self.runner.config != config:
-                raise ValueError(f"this worker runs verifiers taskset {self.runner.config.taskset!r} "
-                                 f"(env {self.runner.config.env!r}); a request asked for {config.taskset!r} "
-                                 f"(env {config.env!r})")
-            return self.runner
+                self.runners[config] = runner
+            return self.runners[config]
 
     async def rollouts(self, prompt: Sample, sampling: SamplingConfig) -> list[Sample]:
         return await (await self._runner(sampling.verifiers)).rollouts(prompt, sampling)
 
     def metrics(self) -> dict[str, float]:
-        return self.runner.stats.metrics() if self.runner is not None else {}
+        """verifiers/* counters summed over the environments this worker runs."""
+        total: dict[str, float] = {}
+        for runner in self.runners.values():
+            for key, value in runner.stats.metrics().items():
+                total[key] = total.get(key, 0.0) + value
+        return total
 
     async def close(self) -> None:
-        if self.runner is not None:
-            runner, self.runner = self.runner, None
+        runners, self.runners = list(self.runners.values()), {}
+        for runner in runners:
             await runner.close()

@@ -20,6 +20,7 @@ last reply's decoded ids with a regex written here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import re
 from pathlib import Path
@@ -101,10 +102,12 @@ def _chatml(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+@functools.cache
 def _task_answer(index: int) -> str:
-    import verifiers.v1 as vf
+    """The answer of the task a prompt id picks (verifiers_arith's tasks, as the worker lists them)."""
+    from verifiers.v1.utils.loaders import load_taskset
 
-    tasks = list(vf.load_environment(VerifiersEnvConfig(taskset="verifiers_arith").resolve()).taskset)
+    tasks = list(load_taskset(VerifiersEnvConfig(taskset="verifiers_arith").resolve().taskset))
     return tasks[index % len(tasks)].data.answer
 
 

@@ -92,11 +92,14 @@ class Turn:
 @dataclass(slots=True, frozen=True)
 class StepResult:
     """An environment's answer to one model turn. The observation is at most one of messages /
-    token_ids; neither appends nothing (the next turn continues right after the model's)."""
+    text / token_ids; none appends nothing (the next turn continues right after the model's)."""
 
     messages: list[Message] | None = None
     """New messages (e.g. tool results); their tokens are the chat template's rendering of just
     these messages plus the opener of the assistant's next turn (multi_turn.ChatRenderer)."""
+    text: str | None = None
+    """Observation text appended as it is: the tokenizer's encoding of just this text, no chat
+    template (for models without one, or environments that write their own turn markers)."""
     token_ids: list[int] | None = None
     """Observation tokens appended verbatim (the environment then writes any turn opener itself)."""
     reward: float = 0.0
@@ -105,8 +108,9 @@ class StepResult:
     """The rollout ends after this step (no observation is appended then)."""
 
     def __post_init__(self) -> None:
-        if self.messages is not None and self.token_ids is not None:
-            raise ValueError("StepResult: give messages or token_ids, not both")
+        given = [name for name in ("messages", "text", "token_ids") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"StepResult: give at most one of messages / text / token_ids, got {' and '.join(given)}")
         if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
             raise ValueError(f"StepResult.reward must be a finite number, got {self.reward!r}")
 

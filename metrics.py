@@ -61,7 +61,7 @@ _SUM_KEYS = (
     "staleness_sum", "loss_sum", "output_tokens", "kl_sum", "clip_sum", "entropy_sum",
     "first_entropy_sum", "ratio_sum", "wait_s", "train_s", "later_clip_sum", "later_ratio_sum", "later_tokens",
     "zero_advantage", "mismatch_kl_sum", "mismatch_weight_sum", "mismatch_masked_sum", "ray_bytes", "scatter_bytes",
-    "token_staleness_sum", "sampled_tokens",
+    "token_staleness_sum", "sampled_tokens", "observation_tokens", "observed",
 )
 # grpo_loss's per-minibatch token means, logged per step as token means: (metric, its sum key).
 _TOKEN_MEANS = (
@@ -103,7 +103,10 @@ class StepAccumulator:
         s["reward_sum"] += sum(x.reward for x in samples)
         # The verdict's solved, never a format bonus (rewards.counts_as_solved).
         s["correct"] += sum(1 for x in samples if counts_as_solved(x.solved, x.reward))
-        s["response_tokens"] += sum(len(x.output_token_ids) for x in samples)
+        # What the model wrote; a multi-turn rollout's observation tokens are counted apart.
+        s["response_tokens"] += sum(x.num_sampled_tokens for x in samples)
+        s["observation_tokens"] += sum(len(x.output_token_ids) - x.num_sampled_tokens for x in samples)
+        s["observed"] += sum(1 for x in samples if len(x.output_token_ids) > x.num_sampled_tokens)
         s["tokens"] += batch.num_tokens
         s["truncated"] += sum(1 for x in samples if x.truncated)
         s["reward_failed"] += sum(1 for x in samples if x.reward_failed)
@@ -156,6 +159,9 @@ class StepAccumulator:
             "reward/mean": s["reward_sum"] / n,
             "reward/accuracy": s["correct"] / n,
             "response/length_mean": s["response_tokens"] / n,
+            "response/observation_tokens_mean": s["observation_tokens"] / n,
+            # Share of rollouts that got an observation (in the tool demo: that called the tool).
+            "multi_turn/observed_frac": s["observed"] / n,
             "response/truncated_frac": s["truncated"] / n,
             "loss/total": s["loss_sum"] / n,
             **{metric: s[key] / out_tokens for metric, key in _TOKEN_MEANS},

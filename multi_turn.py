@@ -78,17 +78,26 @@ class ChatRenderer:
     """Token ids of a first conversation and of observation deltas, from the tokenizer's chat template."""
 
     def __init__(self, tokenizer: Any) -> None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("multi-turn rollouts render messages with a chat template; the tokenizer has none")
         self.tokenizer = tokenizer
         self._special_ids = frozenset(tokenizer.all_special_ids)
-        base = self._render(list(_BASE_CONVERSATION), generation_prompt=False)
-        if _SENTINEL not in base:
-            raise ValueError("the chat template drops the assistant's content; cannot render observation deltas")
-        self._base_prefix = base[: base.index(_SENTINEL) + len(_SENTINEL)]
+        # Checked when messages are first rendered, not here: an environment that speaks in
+        # tokens or plain text (StepResult.text) needs no template, e.g. the tool demo's char model.
+        self._base_prefix: str | None = None
 
     def _render(self, messages: list[Message], generation_prompt: bool) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the environment returned messages, which are rendered with the chat template, and "
+                             "the tokenizer has none: return StepResult(text=...) / Reset(token_ids=...) instead")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _base(self) -> str:
+        """The rendered fixed conversation up to the end of its assistant content."""
+        if self._base_prefix is None:
+            base = self._render(list(_BASE_CONVERSATION), generation_prompt=False)
+            if _SENTINEL not in base:
+                raise ValueError("the chat template drops the assistant's content; cannot render observation deltas")
+            self._base_prefix = base[: base.index(_SENTINEL) + len(_SENTINEL)]
+        return self._base_prefix
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text (its special tokens as the template wrote them)."""
@@ -101,11 +110,12 @@ class ChatRenderer:
     def observation(self, messages: list[Message], last_turn: Sequence[int]) -> list[int]:
         """Tokens of `messages` rendered after an assistant turn that ended with `last_turn`,
         plus the opener of the assistant's next turn."""
+        base = self._base()
         full = self._render([*_BASE_CONVERSATION, *messages], generation_prompt=True)
-        if not full.startswith(self._base_prefix):
+        if not full.startswith(base):
             raise ValueError("the chat template renders earlier messages differently once new ones follow; "
                              "observation tokens cannot be appended exactly")
-        delta = full[len(self._base_prefix):]
+        delta = full[len(base):]
         # The model's own stop token (e.g. <|im_end|>) is already in the stream; the delta must
         # not repeat it. A plain-text last token is never taken for the template's closer.
         if last_turn and last_turn[-1] in self._special_ids:
@@ -175,6 +185,8 @@ def _prompt_ids(reset: Any, sample: Sample, renderer: ChatRenderer, name: str) -
 def _observation_ids(result: StepResult, renderer: ChatRenderer, last_turn: Sequence[int]) -> list[int]:
     if result.token_ids is not None:
         return list(result.token_ids)
+    if result.text is not None:
+        return renderer.encode(result.text)
     if result.messages is not None:
         return renderer.observation(result.messages, last_turn)
     return []

@@ -9,8 +9,14 @@ Tool calls use Qwen's format (its chat template's tool-use section), anywhere in
     {"name": "calculator", "arguments": {"expression": "123 * 456"}}
     </tool_call>
 
-Each call's answer comes back as one `tool` message. A turn with no call is the final answer,
-scored 1.0 when its answer (the last \\boxed{...}, else the last number) equals the record's gold
+Each call's answer comes back as one `tool` message (format "chat", rendered with the model's chat
+template after a system prompt listing the tools), or with format "text" (for a model without a
+chat template, e.g. the tool demo's char model: scripts/demo_tools.sh) as the text
+`<tool_response>ANSWER</tool_response>` appended after the turn, the dataset's prompt kept as it is.
+`tools: []` refuses every call ("no tools are available here"): the same task without the tool,
+the demo's baseline.
+
+A turn with no call is the final answer, scored 1.0 when its answer (the last \\boxed{...}, else the last number) equals the record's gold
 answer as a number, else 0.0; the rollout ends there. A malformed call (no closing tag, bad JSON,
 an unknown tool, wrong arguments) is answered with a tool message saying what is wrong, never an
 exception: the model learns from it like from any other observation.
@@ -45,6 +51,9 @@ from sandbox import SandboxConfig, run_python
 logger = logging.getLogger(__name__)
 
 TOOL_NAMES = ("calculator", "python")
+FORMATS = ("chat", "text")
+# Qwen's chat template wraps a tool message in these; the text format writes them itself.
+_RESPONSE_OPEN, _RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN_TAG = "<tool_call>"
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -146,6 +155,16 @@ class ToolCall:
     """Non-empty: the call is malformed and this says why."""
 
 
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """A call as a model writes it in Qwen's format (compact JSON, no newlines inside the tags)."""
+    return f"{_OPEN_TAG}{json.dumps({'name': name, 'arguments': arguments}, separators=(',', ':'))}</tool_call>"
+
+
+def tool_response_text(answer: str) -> str:
+    """A tool's answer as format "text" appends it after the model's turn."""
+    return f"{_RESPONSE_OPEN}{answer}{_RESPONSE_CLOSE}"
+
+
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """Every <tool_call>{json}</tool_call> in `text`, in order; malformed ones carry an error."""
     calls = []
@@ -191,13 +210,16 @@ class ToolEnvironment:
 
     def __init__(self, tools: list[str] | tuple[str, ...] = TOOL_NAMES, question_field: str = "",
                  python_timeout_s: float = 5.0, python_memory_bytes: int = 256 * 1024 * 1024,
-                 max_output_chars: int = 2000, max_calls_per_turn: int = 4) -> None:
+                 max_output_chars: int = 2000, max_calls_per_turn: int = 4, format: str = "chat") -> None:
         unknown = sorted(set(tools) - set(TOOL_NAMES))
-        if not tools or unknown:
-            raise ValueError(f"ToolEnvironment.tools must be a non-empty subset of {list(TOOL_NAMES)}, got {list(tools)}")
+        if unknown:
+            raise ValueError(f"ToolEnvironment.tools must be a subset of {list(TOOL_NAMES)}, got {list(tools)}")
         if max_output_chars < 1 or max_calls_per_turn < 1:
             raise ValueError("ToolEnvironment.max_output_chars and max_calls_per_turn must be >= 1")
+        if format not in FORMATS:
+            raise ValueError(f"ToolEnvironment.format must be one of {list(FORMATS)}, got {format!r}")
         self.tools = tuple(tools)
+        self.format = format
         self.question_field = question_field
         self.max_output_chars = max_output_chars
         self.max_calls_per_turn = max_calls_per_turn
@@ -212,6 +234,8 @@ class ToolEnvironment:
 
     def reset(self, prompt: EnvPrompt) -> Reset:
         self.gt_answer = prompt.gt_answer
+        if self.format == "text":
+            return Reset()  # the dataset's prompt tokens as they are
         question = self._question(prompt.record or {})
         return Reset(messages=[{"role": "system", "content": self.system_prompt()},
                                {"role": "user", "content": question}])
@@ -231,12 +255,16 @@ class ToolEnvironment:
         answers = [self._answer(call) for call in calls[: self.max_calls_per_turn]]
         if len(calls) > self.max_calls_per_turn:
             answers.append(f"error: at most {self.max_calls_per_turn} tool calls per turn; the rest were not run")
+        if self.format == "text":
+            return StepResult(text="".join(tool_response_text(a) for a in answers))
         return StepResult(messages=[_tool_message(a) for a in answers])
 
     def _answer(self, call: ToolCall) -> str:
         if call.error:
             return f"error: {call.error}"
         try:
+            if not self.tools:
+                raise ToolCallError("no tools are available here; answer without one")
             if call.name not in self.tools:
                 raise ToolCallError(f"unknown tool {call.name!r}; the tools are {list(self.tools)}")
             if call.name == "calculator":

@@ -41,7 +41,7 @@ def test_config_rejects_bad_fields(fields: dict, field: str) -> None:
 
 
 def test_records_refuse_two_observations_and_bad_rewards() -> None:
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="at most one of messages / text / token_ids"):
         StepResult(messages=[{"role": "tool", "content": "x"}], token_ids=[1])
     with pytest.raises(ValueError, match="finite"):
         StepResult(reward=float("nan"))

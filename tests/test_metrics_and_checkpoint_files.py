@@ -90,6 +90,24 @@ def test_step_record_counts_equal_reward_groups_and_samples() -> None:
     assert record["staleness/max"] == 1.0 and record["counts/tokens"] == 4 * 2 + 10
 
 
+def test_multi_turn_samples_count_written_and_observation_tokens_apart() -> None:
+    # Sample 0: 3 sampled + 2 observation + 1 sampled tokens; sample 1: single-turn, 2 tokens.
+    samples = [Sample(input_token_ids=[5], output_token_ids=[7, 7, 7, 8, 8, 7], gt_answer="1", prompt_id=0,
+                      output_mask=[True, True, True, False, False, True], sampling_logprobs=[-0.5] * 4,
+                      reward=1.0, advantage=0.5, weight_version=0),
+               Sample(input_token_ids=[5], output_token_ids=[7, 7], gt_answer="1", prompt_id=0,
+                      sampling_logprobs=[-0.5] * 2, reward=0.0, advantage=-0.5, weight_version=0)]
+    batch = post_process_batch(samples)
+    acc = StepAccumulator(step=0)
+    acc.add_minibatch(samples, batch, torch.zeros(batch.advantages.numel()), 0.5, {})
+    end = SimpleNamespace(dropped_stale=0, timed_out_prompts=0, oversized_samples=0, num_minibatches=1)
+    dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    record = acc.finalize(dist=dist, end=end, grad_norm=1.0, lr=1e-3, push_s=0.0, step_s=2.0, batcher_stats={})
+    assert record["response/length_mean"] == (4 + 2) / 2
+    assert record["response/observation_tokens_mean"] == (2 + 0) / 2
+    assert record["multi_turn/observed_frac"] == 1 / 2
+
+
 def _step_record(reward: float) -> dict[str, float]:
     """The keys MetricsLogger's summary line reads, as every training step has them."""
     return {"reward/mean": reward, "reward/accuracy": reward, "loss/kl": 0.0, "response/length_mean": 2.0,

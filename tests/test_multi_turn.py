@@ -197,3 +197,53 @@ def test_the_engine_serves_other_rollouts_while_one_waits_on_its_environment(tok
                                            HANG_GUARD_S))
     assert [s.reward for s in samples] == [1.0, 1.0] and not any(s.reward_failed for s in samples)
     assert stats.metrics()["multi_turn/stop/done"] == 2.0 and stats.rollouts == 2
+
+
+def test_text_observations_need_no_chat_template_and_are_appended_as_encoded() -> None:
+    """The tool demo's path: a char tokenizer without a chat template, the dataset's prompt kept
+    (Reset()), the tool's answer appended as plain text (ToolEnvironment format "text")."""
+    from tiny_model import build_tiny_tokenizer
+
+    char = build_tiny_tokenizer()
+    assert not getattr(char, "chat_template", None)
+    renderer = ChatRenderer(char)  # no template needed until messages are rendered
+    eos = char.eos_token_id
+
+    class CharEngine(ScriptedEngine):
+        async def __call__(self, token_ids, max_tokens):
+            i = len(self.prompts)
+            self.prompts.append(list(token_ids))
+            ids = char.encode(self.turns[i], add_special_tokens=False) + [eos]
+            self.returned.append(ids)
+            return Generation(token_ids=ids, logprobs=[-0.1] * len(ids), finish_reason="stop", text=self.turns[i])
+
+    call = '<tool_call>{"name":"calculator","arguments":{"expression":"347+285"}}</tool_call>'
+    engine = CharEngine(char, [call, "632"])
+    prompt = char.encode("347+285=", add_special_tokens=False)
+    sample = Sample(input_token_ids=prompt, gt_answer="632", prompt_id=1, record={"prompt": "347+285="})
+    env = ToolEnvironment(tools=["calculator"], format="text")
+    outcome = _run(sample, env, engine, renderer, _config(options={"tools": ["calculator"], "format": "text"}))
+    s = outcome.sample
+    turn1, turn2 = engine.returned
+    observation = [char.convert_tokens_to_ids(c) for c in "<tool_response>632</tool_response>"]
+    assert s.input_token_ids == prompt
+    assert s.output_token_ids == turn1 + observation + turn2
+    assert s.output_mask == [True] * len(turn1) + [False] * len(observation) + [True] * len(turn2)
+    assert engine.prompts == [prompt, prompt + turn1 + observation]
+    assert (outcome.stop, s.reward) == ("done", 1.0)
+
+
+def test_messages_without_a_chat_template_fail_the_rollout_with_a_clear_error() -> None:
+    from tiny_model import build_tiny_tokenizer
+
+    renderer = ChatRenderer(build_tiny_tokenizer())
+    with pytest.raises(ValueError, match="StepResult\\(text=...\\)"):
+        renderer.prompt([{"role": "user", "content": "hi"}])
+
+
+def test_step_result_takes_one_observation_form() -> None:
+    assert StepResult(text="ok").text == "ok"
+    with pytest.raises(ValueError, match="messages and text"):
+        StepResult(messages=[{"role": "tool", "content": "1"}], text="1")
+    with pytest.raises(ValueError, match="text and token_ids"):
+        StepResult(text="1", token_ids=[1])

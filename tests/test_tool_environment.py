@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from environments import EnvPrompt, Turn
-from tool_environment import ToolCallError, ToolEnvironment, calculate, final_answer_matches, parse_tool_calls
+from environments import EnvPrompt, Reset, Turn
+from tool_environment import (ToolCallError, ToolEnvironment, calculate, final_answer_matches, parse_tool_calls,
+                              tool_call_text)
 
 
 @pytest.mark.parametrize(("expression", "value"), [
@@ -91,6 +92,28 @@ def test_step_answers_each_call_and_scores_the_final_answer() -> None:
     final = env.step(_turn("The answer is \\boxed{4}."))
     assert final.done and final.reward == 1.0 and final.messages is None
     assert env.step(_turn("\\boxed{5}")).reward == 0.0
+
+
+def test_text_format_keeps_the_prompt_and_answers_in_tool_response_tags() -> None:
+    env = ToolEnvironment(tools=["calculator"], format="text")
+    assert env.reset(EnvPrompt(record={"prompt": "2+2="}, gt_answer="4", prompt_token_ids=[7, 8])) == Reset()
+    result = env.step(_turn('<tool_call>{"name":"calculator","arguments":{"expression":"347+285"}}</tool_call>'))
+    assert result.text == "<tool_response>632</tool_response>" and result.messages is None and not result.done
+    assert tool_call_text("calculator", {"expression": "347+285"}) == (
+        '<tool_call>{"name":"calculator","arguments":{"expression":"347+285"}}</tool_call>')
+    assert parse_tool_calls(tool_call_text("python", {"code": "print(1)"}))[0].arguments == {"code": "print(1)"}
+    assert env.step(_turn("4")).reward == 1.0
+
+
+def test_no_tools_refuses_every_call_and_still_scores_the_answer() -> None:
+    env = _env(tools=[])
+    (message,) = env.step(_turn(_call("calculator", expression="2+2"))).messages
+    assert message["content"] == "error: no tools are available here; answer without one"
+    assert env.step(_turn("\\boxed{4}")).reward == 1.0
+    with pytest.raises(ValueError, match="format must be one of"):
+        ToolEnvironment(format="xml")
+    with pytest.raises(ValueError, match="subset of"):
+        ToolEnvironment(tools=["shell"])
 
 
 def test_reset_needs_the_question_field() -> None:

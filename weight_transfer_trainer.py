@@ -390,7 +390,6 @@ class _Group:
     """vLLM's TrainerWeightTransferEngine."""
     client: EngineWorkersClient | None = None
     """Rank 0's client (None elsewhere)."""
-    calls: WorkerCalls | None = None
 
 
 @dataclass(slots=True)
@@ -450,6 +449,8 @@ class EngineWeightSender:
                 self._teardown()
                 self._group = self._build(epoch, members, calls, world_size, port, engines, plan_numbers[4], model)
                 outcome.rebuilt = True
+            else:  # the group outlives a push; the weights are whatever `model` holds now
+                self._group.engine.source = self._source(model)
             self._send_once(version)
         except WorkerCallError as err:
             self._after_failure(err, outcome, version, members, calls)
@@ -494,7 +495,7 @@ class EngineWeightSender:
         logger.info("rank %d: weight transfer group %d (%s) ready: world size %d, %d engine(s); this rank sends "
                     "%d tensors, %.1f MiB, per push", self._rank, epoch, self.config.weight_transfer, world_size,
                     engines, len(sends), sum(n for _, n in sends) / 2**20)
-        return _Group(epoch=epoch, members=tuple(members), engine=engine, client=client, calls=calls)
+        return _Group(epoch=epoch, members=tuple(members), engine=engine, client=client)
 
     def _trainer_init_info(self, world_size: int, port: int, dst_mesh_dims: tuple[int, int]) -> Any:
         backend = self.config.weight_transfer

@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields
@@ -68,7 +69,7 @@ def prepare_chat_program() -> str:
     path = Path(SubprocessRuntime.scripts_dir) / f"{hashlib.sha256(data).hexdigest()}.py"
     if not path.exists() or path.read_bytes() != data:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{id(data)}.tmp")
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
         temporary.write_bytes(data)
         temporary.replace(path)  # atomic: a concurrent reader never sees half a script
     SubprocessRuntime._interpreters[str(path)] = sys.executable
@@ -133,7 +134,7 @@ class VerifiersEnvStats:
     """Episodes verifiers marked not ok (an error in the harness, the env or the rubric): their
     sample, if any token was sampled, is trained with reward 0 flagged reward_failed."""
     empty_episodes: int = 0
-    """Episodes with no sampled token (the request fails, as an engine failure would)."""
+    """Episodes with no sampled token (the request fails, counted in generation/generation_failures)."""
     drifted: int = 0
     """Samples refused because a sampled span was not what the engine sampled after that exact
     prompt (flagged reward_failed, reward 0): never trained as if it were."""

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from environments import EnvironmentConfig
 from multi_turn import Generation
 from openai_endpoint import Endpoint, EndpointConfig
 from sample_processing_utils import Sample
@@ -217,4 +218,4 @@ def test_the_config_names_the_source_and_checks_it_in_one_line() -> None:
             VerifiersEnvConfig(**bad)
     with pytest.raises(ValueError, match="one of them"):
         SamplingConfig(verifiers=VerifiersEnvConfig(taskset="verifiers_arith"),
-                       environment=__import__("environments").EnvironmentConfig(name="tool_environment:ToolEnvironment"))
+                       environment=EnvironmentConfig(name="tool_environment:ToolEnvironment"))

@@ -55,6 +55,8 @@ from vllm_experience_batcher import (
 )
 from versions import TRAINER_REQUIREMENTS, VersionError, check_versions
 from weight_pusher import WeightPusher, resolve_push_dtype
+from weight_transfer_trainer import EngineWeightSender, TrainerTransferConfig, check_transfer_pairing
+from worker_options import OBJECT_STORE_TRANSFER
 from weight_sync import weights_dir
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,11 @@ class TrainerConfig:
     only): rank 0 writes the adapter to <run_dir>/weights/step_N/ and workers load it from there
     (a filesystem every worker reads). LoRA pushes are made loadable by <run_dir>/weights/STABLE,
     which workers must be able to read in every mode."""
+    transfer: TrainerTransferConfig = field(default_factory=TrainerTransferConfig)
+    """How full weights reach the generation engines: weight_transfer 'object_store' (the
+    WeightUpdate path), or on CUDA one of vLLM's engines driven from the trainer's GPUs ('nccl'
+    with weight_push_mode gather, 'nccl_m2n' with sharded, 'ipc' with gather on the engines'
+    GPUs); must equal the generation workers' EngineConfig.weight_transfer."""
     weight_push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of the weights pushed to the inference workers (cast on each rank before they leave
     it; checkpoints stay fp32). auto: bfloat16 when the trainer computes in bf16 (on CUDA with
@@ -308,12 +315,22 @@ class StepParts:
 
 def make_weight_pusher(config: TrainerConfig, dist: DistInfo) -> WeightPusher:
     """The pusher of this rank: rank 0 broadcasts to the registries of every kind that serves
-    the policy (generation; logprob too when it computes old-policy logprobs)."""
-    kinds = [GENERATION] + ([LOGPROB] if config.logprob_role == "old_policy" else [])
+    the policy (generation; logprob too when it computes old-policy logprobs). With a CUDA
+    transfer (config.transfer) full weights reach the generation engines through it."""
+    old_policy = config.logprob_role == "old_policy"
+    kinds = [GENERATION] + ([LOGPROB] if old_policy else [])
     registries = [_registry(kind) for kind in kinds] if dist.is_main else []
     dtype = resolve_push_dtype(config.weight_push_dtype, dist.device, config.model.mixed_precision)
+    sender = None
+    if config.transfer.weight_transfer != OBJECT_STORE_TRANSFER and not config.model.lora.enabled:
+        # The update deadline is the generation registry's (rank 0 is the only rank that waits on workers).
+        timeout_s = (ray.get(registries[0].get_config.remote()).weight_update_timeout_s if dist.is_main
+                     else config.message_timeout_s)
+        sender = EngineWeightSender(config.transfer, dist.rank, dist.world_size, registries[:1], timeout_s,
+                                    dtype=dtype, device=dist.device)
     return WeightPusher(config.weight_push_mode, dist.rank, dist.world_size, registries, config.message_timeout_s,
-                        dtype=dtype, weights_root=weights_dir(config.run_dir))
+                        dtype=dtype, weights_root=weights_dir(config.run_dir), engine_transfer=sender,
+                        object_store_weights=old_policy)
 
 
 def last_step_to_submit(published_version: int, config: TrainerConfig) -> int:
@@ -585,6 +602,7 @@ def train(config: TrainerConfig) -> None:
             if due:  # visible only now, after the records of every step it covers
                 checkpoints.commit()
         checkpoints.close()  # the last background save is on disk before the ranks exit
+        pusher.close()
     except BaseException:
         _close_after_error(checkpoints)
         raise
@@ -768,11 +786,14 @@ def load_trainer_config(argv: list[str]) -> TrainerConfig:
         raise SystemExit(CONFIG_ERROR_EXIT) from None
 
 
-def check_environment() -> None:
-    """Installed versions and this node's GPU layout, before any input is read: one line each."""
+def check_environment(config: TrainerConfig) -> None:
+    """Installed versions, this node's GPU layout and the weight transfer it can drive, before any
+    input is read: one line each."""
     check_versions(TRAINER_REQUIREMENTS)
     try:
         check_trainer_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count(), host_gpu_count())
+        check_transfer_pairing(config.transfer.weight_transfer, config.weight_push_mode,
+                               has_cuda=torch.cuda.is_available(), lora=config.model.lora.enabled)
     except ValueError as error:
         raise InputError(str(error)) from None
 
@@ -781,7 +802,7 @@ def main(argv: list[str] | None = None) -> None:
     config = load_trainer_config(sys.argv[1:] if argv is None else argv)
     setup_logging(config, int(os.environ.get("RANK", "0")))  # torchrun's rank; init_distributed reads it too
     try:
-        check_environment()
+        check_environment(config)
         train(config)
     except InputError as error:  # each rank finds it; one line per node, no traceback
         if os.environ.get("LOCAL_RANK", "0") == "0":

@@ -242,13 +242,14 @@ class TrainerConfig:
     def _check_sample_budget(self) -> None:
         """Refuse (unless oversized_sample_policy allows it) a budget one sample could exceed."""
         longest = self.data.max_prompt_tokens + self.sampling.max_tokens
-        environment = self.sampling.environment
+        environment = self.sampling.environment if self.sampling.environment.enabled else self.sampling.verifiers
         if environment.enabled:  # a multi-turn rollout's whole stream, observations included
             longest = environment.max_total_tokens
             if self.oversized_sample_policy == "refuse" and longest > self.max_tokens_per_gpu:
                 raise ValueError(
                     f"TrainerConfig.max_tokens_per_gpu={self.max_tokens_per_gpu} is below "
-                    f"sampling.environment.max_total_tokens={longest}: one multi-turn rollout could exceed the "
+                    f"sampling.{'environment' if environment is self.sampling.environment else 'verifiers'}"
+                    f".max_total_tokens={longest}: one multi-turn rollout could exceed the "
                     f"minibatch budget; raise max_tokens_per_gpu or lower max_total_tokens")
         if self.oversized_sample_policy == "refuse" and longest > self.max_tokens_per_gpu:
             raise ValueError(
@@ -528,6 +529,8 @@ def load_run_inputs(config: TrainerConfig, *, with_evaluator: bool) -> RunInputs
         load_prepare_fn(config.algorithm)  # a user's prepare function imports now, or the run stops here
         if config.sampling.environment.enabled:  # the environment class imports and takes its options
             config.sampling.environment.check()
+        if config.sampling.verifiers.enabled:  # verifiers, the taskset and the Env class import now
+            config.sampling.verifiers.check()
         check_model_dir(config.model.model_path)  # config and weights too, not only the tokenizer
         tokenizer = load_tokenizer(config.model.model_path)
         prompts = load_prompts(config.data, tokenizer)

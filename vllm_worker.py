@@ -411,6 +411,8 @@ class GenerationWorker:
         """The openai_endpoint.Endpoint this worker serves (EngineConfig.openai_endpoint_port), once started."""
         self._closing: asyncio.Task | None = None
         """shutdown()'s close of an endpoint still open (kept: a task nobody references may be collected)."""
+        self._transfer: Any = None
+        """The engine's end of a CUDA weight transfer (weight_transfer_engine.EngineTransferReceiver), once used."""
         from verifiers_env import VerifiersSource
 
         self.verifiers = VerifiersSource(config.model_path, self._served_endpoint)
@@ -798,6 +800,68 @@ class GenerationWorker:
         finally:
             self._accepting.set()
 
+    # ---- vLLM's CUDA weight transfers (EngineConfig.weight_transfer nccl / nccl_m2n / ipc): the
+    # trainer drives them (weight_transfer_trainer.EngineWeightSender); these pass its calls on.
+
+    def _transfer_receiver(self) -> Any:
+        """The engine's end of the trainer's CUDA weight transfer (built on first use)."""
+        backend = self.config.engine.weight_transfer
+        if backend == OBJECT_STORE_TRANSFER:
+            raise ValueError(f"{self.worker_name}: this engine takes full weights from the object store "
+                             "(EngineConfig.weight_transfer 'object_store'), not from the trainer's GPUs")
+        if self._transfer is None:
+            from weight_transfer_engine import EngineTransferReceiver
+
+            self._transfer = EngineTransferReceiver(self._require_engine(), backend,
+                                                    self.config.weight_update_pause_mode)
+        return self._transfer
+
+    def _transfer_failed(self, phase: str, exc: Exception) -> Exception:
+        """A failure inside a transfer session leaves a mix of versions: the worker fails (and is
+        replaced). One refused before the session opened changed nothing: raised as it is."""
+        receiver = self._transfer
+        if receiver is None or not receiver.in_session:
+            self._accepting.set()
+            return exc
+        return self.life.fail(f"weight transfer {phase} failed: {type(exc).__name__}: {exc}")
+
+    def transfer_describe(self) -> dict[str, Any]:
+        self.life.require_alive()
+        return self._transfer_receiver().describe()
+
+    async def transfer_init(self, backend: str, init_info: dict[str, Any]) -> None:
+        self.life.require_alive()
+        await self._transfer_receiver().init(backend, init_info)
+
+    async def transfer_start(self) -> None:
+        self.life.require_alive()
+        receiver = self._transfer_receiver()
+        self._accepting.clear()  # requests arriving meanwhile wait: they record the version they run on
+        try:
+            await receiver.start()
+        except Exception as exc:
+            raise self._transfer_failed("start", exc) from exc
+
+    async def transfer_update(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self.life.require_alive()
+        try:
+            await self._transfer_receiver().update(update_info)
+        except Exception as exc:
+            raise self._transfer_failed("update", exc) from exc
+
+    async def transfer_finish(self, version: int) -> int:
+        self.life.require_alive()
+        try:
+            await self._transfer_receiver().finish(version, on_finished=lambda: self._versions_changed(version))
+        except Exception as exc:
+            raise self._transfer_failed("finish", exc) from exc
+        self._accepting.set()
+        self.stats.weight_updates += 1
+        self._holds_pushed_weights = True
+        await self._adapters.replace()  # full weights from a run without LoRA: serve them as they are
+        logger.info("%s: weights v%d loaded by %s", self.worker_name, version, self.config.engine.weight_transfer)
+        return self._weight_version
+
     def _versions_changed(self, version: int) -> None:
         """The engine serves `version` from its next step on (scheduling is still paused): the
         one place a full-weight push switches versions."""
@@ -864,6 +928,21 @@ class GenerationWorkerActor:
 
     async def update_weights(self, update: WeightUpdate) -> int:
         return await self._worker.update_weights(update)
+
+    async def transfer_describe(self) -> dict[str, Any]:
+        return self._worker.transfer_describe()
+
+    async def transfer_init(self, backend: str, init_info: dict[str, Any]) -> None:
+        await self._worker.transfer_init(backend, init_info)
+
+    async def transfer_start(self) -> None:
+        await self._worker.transfer_start()
+
+    async def transfer_update(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        await self._worker.transfer_update(update_info)
+
+    async def transfer_finish(self, version: int) -> int:
+        return await self._worker.transfer_finish(version)
 
     async def health(self) -> WorkerHealth:
         return self._worker.health()

@@ -27,6 +27,7 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -72,22 +73,32 @@ def format_warmup_samples(tokenizer, batch_size: int, rng: random.Random) -> lis
     return samples
 
 
-def warm_up_format(model_dir: Path, steps: int, batch_size: int, lr: float, seed: int) -> None:
-    """Supervised steps on random answers; saves the result over model_dir."""
+def supervised_warm_up(model_dir: Path, make_batch: Callable[[Any, random.Random], list[Sample]], steps: int,
+                       lr: float, seed: int, *, log_every: int = 50, what: str = "format warm-up",
+                       loss_name: str = "answer-token NLL") -> None:
+    """AdamW steps on the mean negative logprob of each batch's sampled tokens (the trainer's packed
+    path), make_batch(tokenizer, rng) drawing each batch from one random.Random(seed); saves the
+    model over model_dir. The tool demo's and the reasoning-gym model's warm-ups run it too."""
     tokenizer = load_tokenizer(model_dir)
     causal_lm = load_causal_lm(model_dir)
     model = TokenLogprobModel(causal_lm).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed)
     for step in range(steps):
-        logprobs, _ = model.score(get_input_for_logprobs(format_warmup_samples(tokenizer, batch_size, rng)))
+        logprobs, _ = model.score(get_input_for_logprobs(make_batch(tokenizer, rng)))
         loss = -logprobs.mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if step % 50 == 0 or step == steps - 1:
-            logger.info("format warm-up step %d/%d: answer-token NLL %.3f", step, steps, loss.item())
+        if step % log_every == 0 or step == steps - 1:
+            logger.info("%s step %d/%d: %s %.3f", what, step, steps, loss_name, loss.item())
     causal_lm.save_pretrained(model_dir, safe_serialization=True)
+
+
+def warm_up_format(model_dir: Path, steps: int, batch_size: int, lr: float, seed: int) -> None:
+    """Supervised steps on random answers; saves the result over model_dir."""
+    supervised_warm_up(model_dir, lambda tokenizer, rng: format_warmup_samples(tokenizer, batch_size, rng),
+                       steps, lr, seed)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # prepare_demo, also when loaded by path
 
+from prepare_demo import supervised_warm_up  # noqa: E402
 from reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records  # noqa: E402
 from run_config import load_config  # noqa: E402
-from sample_processing_utils import Sample, get_input_for_logprobs  # noqa: E402
-from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer  # noqa: E402
+from sample_processing_utils import Sample  # noqa: E402
 from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
 
 logger = logging.getLogger("prepare_rg_model")
@@ -76,24 +77,13 @@ def warmup_prompts(args: PrepareRgModelConfig) -> list[str]:
 
 def warm_up(model_dir: Path, prompts: list[str], args: PrepareRgModelConfig) -> None:
     """Supervised steps on uniformly random answers (0..MAX_ANSWER, then EOS); saves over model_dir."""
-    tokenizer = load_tokenizer(model_dir)
-    causal_lm = load_causal_lm(model_dir)
-    model = TokenLogprobModel(causal_lm).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr)
-    rng = random.Random(args.seed)
-    for step in range(args.warmup_steps):
-        samples = [Sample(input_token_ids=tokenizer(rng.choice(prompts))["input_ids"], gt_answer="",
-                          output_token_ids=tokenizer(str(rng.randint(0, MAX_ANSWER)))["input_ids"]
-                          + [tokenizer.eos_token_id])
-                   for _ in range(args.warmup_batch_size)]
-        logprobs, _ = model.score(get_input_for_logprobs(samples))
-        loss = -logprobs.mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if step % 25 == 0 or step == args.warmup_steps - 1:
-            logger.info("format warm-up step %d/%d: answer-token NLL %.3f", step, args.warmup_steps, loss.item())
-    causal_lm.save_pretrained(model_dir, safe_serialization=True)
+    def batch(tokenizer, rng: random.Random) -> list[Sample]:
+        return [Sample(input_token_ids=tokenizer(rng.choice(prompts))["input_ids"], gt_answer="",
+                       output_token_ids=tokenizer(str(rng.randint(0, MAX_ANSWER)))["input_ids"]
+                       + [tokenizer.eos_token_id])
+                for _ in range(args.warmup_batch_size)]
+
+    supervised_warm_up(model_dir, batch, args.warmup_steps, args.warmup_lr, args.seed, log_every=25)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,11 +36,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # prepare_demo, also when loaded by path
 
 from arithmetic_data import write_arithmetic_dataset  # noqa: E402
+from prepare_demo import supervised_warm_up  # noqa: E402
 from run_config import load_config  # noqa: E402
-from sample_processing_utils import Sample, get_input_for_logprobs  # noqa: E402
-from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer  # noqa: E402
+from sample_processing_utils import Sample  # noqa: E402
 from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
 from tool_environment import tool_call_text, tool_response_text  # noqa: E402
 
@@ -121,21 +122,8 @@ def warmup_batch(tokenizer, args: PrepareToolDemoConfig, rng: random.Random) -> 
 
 def warm_up(model_dir: Path, args: PrepareToolDemoConfig) -> None:
     """Supervised steps on the mixture; saves the result over model_dir."""
-    tokenizer = load_tokenizer(model_dir)
-    causal_lm = load_causal_lm(model_dir)
-    model = TokenLogprobModel(causal_lm).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr)
-    rng = random.Random(args.seed)
-    for step in range(args.warmup_steps):
-        batch = warmup_batch(tokenizer, args, rng)
-        logprobs, _ = model.score(get_input_for_logprobs(batch))
-        loss = -logprobs.mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if step % 50 == 0 or step == args.warmup_steps - 1:
-            logger.info("tool warm-up step %d/%d: sampled-token NLL %.3f", step, args.warmup_steps, loss.item())
-    causal_lm.save_pretrained(model_dir, safe_serialization=True)
+    supervised_warm_up(model_dir, lambda tokenizer, rng: warmup_batch(tokenizer, args, rng), args.warmup_steps,
+                       args.warmup_lr, args.seed, what="tool warm-up", loss_name="sampled-token NLL")
 
 
 def _ids(tokenizer, text: str) -> list[int]:

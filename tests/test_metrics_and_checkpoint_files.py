@@ -70,6 +70,13 @@ def test_moving_average_and_reward_summary_by_hand() -> None:
     assert summarize_reward(records, window=3, target=0.95).endswith("never reached 0.95")
 
 
+def _finalized(acc: StepAccumulator) -> dict[str, float]:
+    """The step record of one rank alone (world size 1, one minibatch, nothing dropped)."""
+    end = SimpleNamespace(dropped_stale=0, timed_out_prompts=0, oversized_samples=0, num_minibatches=1)
+    dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    return acc.finalize(dist=dist, end=end, grad_norm=1.0, lr=1e-3, push_s=0.0, step_s=2.0, batcher_stats={})
+
+
 def test_step_record_counts_equal_reward_groups_and_samples() -> None:
     # Two groups as the batcher's grpo estimator scores them: one all-wrong (advantage 0),
     # one mixed. Only the mixed group carries a policy-gradient signal.
@@ -80,9 +87,7 @@ def test_step_record_counts_equal_reward_groups_and_samples() -> None:
     batch = post_process_batch(samples)
     acc = StepAccumulator(step=1)
     acc.add_minibatch(samples, batch, torch.zeros(batch.advantages.numel()), 0.5, {})
-    end = SimpleNamespace(dropped_stale=0, timed_out_prompts=0, oversized_samples=0, num_minibatches=1)
-    dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    record = acc.finalize(dist=dist, end=end, grad_norm=1.0, lr=1e-3, push_s=0.0, step_s=2.0, batcher_stats={})
+    record = _finalized(acc)
     assert record["counts/samples"] == 4
     assert record["counts/zero_advantage_samples"] == 2
     assert record["reward/mean"] == 0.25 and record["reward/accuracy"] == 0.25
@@ -100,9 +105,7 @@ def test_multi_turn_samples_count_written_and_observation_tokens_apart() -> None
     batch = post_process_batch(samples)
     acc = StepAccumulator(step=0)
     acc.add_minibatch(samples, batch, torch.zeros(batch.advantages.numel()), 0.5, {})
-    end = SimpleNamespace(dropped_stale=0, timed_out_prompts=0, oversized_samples=0, num_minibatches=1)
-    dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    record = acc.finalize(dist=dist, end=end, grad_norm=1.0, lr=1e-3, push_s=0.0, step_s=2.0, batcher_stats={})
+    record = _finalized(acc)
     assert record["response/length_mean"] == (4 + 2) / 2
     assert record["response/observation_tokens_mean"] == (2 + 0) / 2
     assert record["multi_turn/observed_frac"] == 1 / 2

@@ -31,7 +31,7 @@ import inspect
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 logger = logging.getLogger(__name__)
@@ -142,19 +142,10 @@ class EnvironmentConfig:
     on the command line one JSON object (--sampling.environment.options '{"tools": ["calculator"]}')."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.options, str):  # the command line gives the object as JSON text
-            try:
-                object.__setattr__(self, "options", json.loads(self.options))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"EnvironmentConfig.options must be a JSON object, got {self.options!r} ({exc})") from None
+        check_options_object(self)
         if not isinstance(self.name, str) or (self.name and self.name.count(":") != 1):
             raise ValueError(f"EnvironmentConfig.name must be 'module:Class' or '', got {self.name!r}")
-        for name in ("max_turns", "max_total_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"EnvironmentConfig.{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.options, dict) or not all(isinstance(k, str) for k in self.options):
-            raise ValueError(f"EnvironmentConfig.options must be a dict with str keys, got {self.options!r}")
+        check_episode_limits(self)
 
     @property
     def enabled(self) -> bool:
@@ -173,6 +164,34 @@ class EnvironmentConfig:
     def make(self) -> Environment:
         """A fresh environment for one rollout."""
         return load_environment_class(self.name)(**self.options)
+
+
+def check_options_object(config: Any) -> None:
+    """Parse config.options when the command line gave it as JSON text, then check it is a dict
+    with str keys; ValueError naming the config class otherwise. Shared by the environment configs
+    (EnvironmentConfig here, sampling.VerifiersEnvConfig)."""
+    owner = type(config).__name__
+    if isinstance(config.options, str):
+        try:
+            object.__setattr__(config, "options", json.loads(config.options))  # frozen dataclasses
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{owner}.options must be a JSON object, got {config.options!r} ({exc})") from None
+    if not isinstance(config.options, dict) or not all(isinstance(k, str) for k in config.options):
+        raise ValueError(f"{owner}.options must be a dict with str keys, got {config.options!r}")
+
+
+def check_episode_limits(config: Any) -> None:
+    """config.max_turns (None allowed where the field's default is None) and
+    config.max_total_tokens must be ints >= 1 (bool refused); ValueError naming the field."""
+    owner = type(config).__name__
+    optional = {f.name for f in fields(config) if f.default is None}
+    for name in ("max_turns", "max_total_tokens"):
+        value = getattr(config, name)
+        if value is None and name in optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            allowed = " or None" if name in optional else ""
+            raise ValueError(f"{owner}.{name} must be an int >= 1{allowed}, got {value!r}")
 
 
 def load_environment_class(name: str) -> type:

@@ -24,14 +24,13 @@ whole: those trailing characters are trained but were not seen by the reward.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from environments import EnvironmentConfig
+from environments import EnvironmentConfig, check_episode_limits, check_options_object
 from rewards import RewardConfig
 
 # A verifiers seat's harness and runtime when VerifiersEnvConfig.options pins none: verifiers'
@@ -74,24 +73,13 @@ class VerifiersEnvConfig:
     runtime it leaves unset play the in-process chat program ("null" harness, "subprocess" runtime)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.options, str):  # the command line gives the object as JSON text
-            try:
-                object.__setattr__(self, "options", json.loads(self.options))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"VerifiersEnvConfig.options must be a JSON object, got {self.options!r} ({exc})") from None
-        if not isinstance(self.options, dict) or not all(isinstance(k, str) for k in self.options):
-            raise ValueError(f"VerifiersEnvConfig.options must be a dict with str keys, got {self.options!r}")
+        check_options_object(self)
         for name in ("taskset", "env"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"VerifiersEnvConfig.{name} must be a string, got {getattr(self, name)!r}")
         if self.env and not self.taskset:
             raise ValueError(f"VerifiersEnvConfig.env {self.env!r} needs a taskset (VerifiersEnvConfig.taskset)")
-        if self.max_turns is not None and (isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int)
-                                           or self.max_turns < 1):
-            raise ValueError(f"VerifiersEnvConfig.max_turns must be an int >= 1 or None, got {self.max_turns!r}")
-        if isinstance(self.max_total_tokens, bool) or not isinstance(self.max_total_tokens, int) \
-                or self.max_total_tokens < 1:
-            raise ValueError(f"VerifiersEnvConfig.max_total_tokens must be an int >= 1, got {self.max_total_tokens!r}")
+        check_episode_limits(self)
 
     @property
     def enabled(self) -> bool:

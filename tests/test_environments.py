@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from environments import EnvironmentConfig, Reset, StepResult
+from sampling import VerifiersEnvConfig
 from tool_environment import ToolEnvironment
 
 
@@ -57,3 +58,26 @@ def test_options_from_the_command_line_are_one_json_object() -> None:
     assert config.options == {"tools": ["python"]}
     with pytest.raises(ValueError, match="EnvironmentConfig.options must be a JSON object"):
         EnvironmentConfig(options="{tools")
+
+
+@pytest.mark.parametrize("config_class", [EnvironmentConfig, VerifiersEnvConfig])
+@pytest.mark.parametrize("field, value, message", [
+    ("options", "{tools", "options must be a JSON object"),
+    ("options", "[1, 2]", "options must be a dict with str keys"),
+    ("options", {1: 2}, "options must be a dict with str keys"),
+    ("max_turns", 0, "max_turns must be an int >= 1"),
+    ("max_turns", True, "max_turns must be an int >= 1"),
+    ("max_turns", 2.0, "max_turns must be an int >= 1"),
+    ("max_total_tokens", 0, "max_total_tokens must be an int >= 1, got 0"),
+    ("max_total_tokens", None, "max_total_tokens must be an int >= 1, got None"),
+])
+def test_both_environment_configs_name_the_class_and_field(config_class: type, field: str, value: object,
+                                                           message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{config_class.__name__}.{message}"):
+        config_class(**{field: value})
+
+
+def test_max_turns_none_means_the_environments_own_limit_only_for_verifiers() -> None:
+    assert VerifiersEnvConfig(max_turns=None).max_turns is None  # the verifiers env keeps its own limit
+    with pytest.raises(ValueError, match="EnvironmentConfig.max_turns must be an int >= 1, got None"):
+        EnvironmentConfig(max_turns=None)

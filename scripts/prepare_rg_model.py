@@ -10,6 +10,15 @@ configs' "{question}=" template). Why: the demo's model, warmed up on "a+b=", le
 the reasoning-gym format about 3.5x slower even with the answers given (greedy accuracy after 200
 supervised steps 0.25, against 0.86 on its own format), while a model warmed up on the new format
 reached 0.83 after 150; no RL run learns faster than that bound (docs/rewards.md).
+
+That format warm-up alone still left GRPO flat at chance on most seeds: the model must first learn
+to *read* the two operands out of 17 characters, and at 5% correct rollouts the reward barely
+signals it. `--read_fraction 0.5 --warmup_steps 300` (configs/rg_basic_arithmetic_read.yaml's
+model) mixes in reading examples, "Calculate 4 + 1.?" -> "4,1": the model learns to pick out the
+operands (greedy 100% on all 121 questions) while its sums stay at chance (5.4% sampled), and GRPO
+then learns the sums as fast as the demo learns its own format. The sum itself is never shown.
+
+    python scripts/prepare_rg_model.py --out_dir runs/rg-read-assets --read_fraction 0.5 --warmup_steps 300
 """
 
 from __future__ import annotations
@@ -56,6 +65,13 @@ class PrepareRgModelConfig:
     """Prompts per warm-up step."""
     warmup_lr: float = 1e-3
     """AdamW learning rate of the warm-up."""
+    read_fraction: float = 0.0
+    """Share of warm-up examples that teach *reading* the operands instead of answering: the
+    question with `read_marker` in place of the template's "=", answered with the operands
+    themselves ("Calculate 4 + 1.?" -> "4,1"). The sum is never shown (the "=" prompts keep their
+    random answers); see docs/rewards.md for why reading is the step GRPO finds hard here."""
+    read_marker: str = "?"
+    """Last character of a reading prompt (must differ from the template's last character)."""
     seed: int = 0
     """Seed of the model's initialisation, the warm-up prompts and their random answers."""
 
@@ -65,23 +81,48 @@ class PrepareRgModelConfig:
         for name in ("warmup_steps", "warmup_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PrepareRgModelConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        if not 0.0 <= self.read_fraction <= 1.0:
+            raise ValueError(f"PrepareRgModelConfig.read_fraction must be in [0, 1], got {self.read_fraction!r}")
+        if len(self.read_marker) != 1 or self.prompt_template.endswith(self.read_marker):
+            raise ValueError(f"PrepareRgModelConfig.read_marker must be one character other than the prompt "
+                             f"template's last, got {self.read_marker!r}")
         if not self.warmup_lr > 0:
             raise ValueError(f"PrepareRgModelConfig.warmup_lr must be > 0, got {self.warmup_lr!r}")
 
 
-def warmup_prompts(args: PrepareRgModelConfig) -> list[str]:
-    """The prompt texts the warm-up draws from (generated with a seed of their own)."""
+def warmup_records(args: PrepareRgModelConfig) -> list[dict]:
+    """The records the warm-up draws from (generated with a seed of their own)."""
     config = ReasoningGymConfig(tasks=("basic_arithmetic",), size=1000, seed=args.seed + 1000, options=args.options)
-    return [args.prompt_template.format(question=r["question"]) for r in reasoning_gym_records(config)]
+    return reasoning_gym_records(config)
 
 
-def warm_up(model_dir: Path, prompts: list[str], args: PrepareRgModelConfig) -> None:
-    """Supervised steps on uniformly random answers (0..MAX_ANSWER, then EOS); saves over model_dir."""
+def warmup_prompts(args: PrepareRgModelConfig) -> list[str]:
+    """The prompt texts the warm-up answers at random."""
+    return [args.prompt_template.format(question=r["question"]) for r in warmup_records(args)]
+
+
+def reading_example(record: dict, marker: str) -> tuple[str, str]:
+    """("Calculate 4 + 1.?", "4,1"): the question with `marker`, answered with its operands."""
+    operands = [term for term in record["metadata"]["expression"].split() if term.lstrip("-").isdigit()]
+    return record["question"] + marker, ",".join(operands)
+
+
+def warm_up(model_dir: Path, records: list[dict], args: PrepareRgModelConfig) -> None:
+    """Supervised steps on uniformly random answers (0..MAX_ANSWER, then EOS), mixed with reading
+    examples at read_fraction; saves over model_dir."""
+    prompts = [args.prompt_template.format(question=r["question"]) for r in records]
+
+    def example(tokenizer, rng: random.Random) -> Sample:
+        # With read_fraction 0 no extra draw is made, so the default model is the one saved before.
+        if args.read_fraction > 0 and rng.random() < args.read_fraction:
+            prompt, completion = reading_example(rng.choice(records), args.read_marker)
+        else:
+            prompt, completion = rng.choice(prompts), str(rng.randint(0, MAX_ANSWER))
+        return Sample(input_token_ids=tokenizer(prompt)["input_ids"], gt_answer="",
+                      output_token_ids=tokenizer(completion)["input_ids"] + [tokenizer.eos_token_id])
+
     def batch(tokenizer, rng: random.Random) -> list[Sample]:
-        return [Sample(input_token_ids=tokenizer(rng.choice(prompts))["input_ids"], gt_answer="",
-                       output_token_ids=tokenizer(str(rng.randint(0, MAX_ANSWER)))["input_ids"]
-                       + [tokenizer.eos_token_id])
-                for _ in range(args.warmup_batch_size)]
+        return [example(tokenizer, rng) for _ in range(args.warmup_batch_size)]
 
     supervised_warm_up(model_dir, batch, args.warmup_steps, args.warmup_lr, args.seed, log_every=25)
 
@@ -91,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
     model_dir = write_tiny_model(Path(args.out_dir) / "model", TinyModelConfig(seed=args.seed))
-    warm_up(model_dir, warmup_prompts(args), args)
+    warm_up(model_dir, warmup_records(args), args)
     print(f"model: {model_dir}")
 
 

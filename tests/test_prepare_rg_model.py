@@ -5,6 +5,8 @@ random initialisation."""
 from __future__ import annotations
 
 import importlib.util
+import random
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records
-from setup_model import load_causal_lm
+from setup_model import load_causal_lm, load_tokenizer
 from tiny_model import TinyModelConfig, write_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +34,9 @@ def script() -> Iterator[ModuleType]:
 
 
 @pytest.mark.parametrize("field, value", [("prompt_template", "{q}="), ("warmup_steps", 0),
-                                          ("warmup_batch_size", 0), ("warmup_lr", 0.0)])
+                                          ("warmup_batch_size", 0), ("warmup_lr", 0.0),
+                                          ("read_fraction", 1.5), ("read_fraction", -0.1),
+                                          ("read_marker", "="), ("read_marker", "??")])
 def test_bad_config_names_the_field(script: ModuleType, field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"PrepareRgModelConfig.{field}"):
         script.PrepareRgModelConfig(out_dir="x", **{field: value})
@@ -74,3 +78,45 @@ def test_tiny_warmup_writes_a_loadable_changed_model(script: ModuleType, tmp_pat
     script.main(["--out_dir", str(tmp_path / "b"), "--warmup_steps", "2", "--warmup_batch_size", "4"])
     again = load_file(tmp_path / "b" / "model" / "model.safetensors")
     assert all(torch.equal(saved[k], again[k]) for k in saved)
+
+
+def test_reading_examples_give_the_operands_never_the_sum(script: ModuleType) -> None:
+    """Reading examples are the question with the marker, answered with the operands as the
+    question writes them (parsed here from the question text, not from the metadata the script
+    reads), and never with the sum (the skill GRPO must find)."""
+    args = script.PrepareRgModelConfig(out_dir="x", read_fraction=0.5)
+    records = script.warmup_records(args)
+    assert len(records) == 1000
+    for record in records:
+        prompt, completion = script.reading_example(record, "?")
+        match = re.fullmatch(r"Calculate (\d+) \+ (\d+)\.", record["question"])
+        assert match, record["question"]
+        assert prompt == record["question"] + "?"
+        assert completion == f"{match.group(1)},{match.group(2)}"
+        assert completion != record["answer"]
+
+
+def test_read_fraction_mixes_reading_examples_into_each_batch(script: ModuleType, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up's batches hold reading prompts ("?") at about read_fraction, the rest "=" prompts
+    answered with a number in 0..MAX_ANSWER; read_fraction 0 gives no reading prompt."""
+    seen: dict[float, list[tuple[str, str]]] = {}
+
+    def record_batches(model_dir, make_batch, steps, lr, seed, **kwargs) -> None:
+        tokenizer = load_tokenizer(tiny_dir)
+        rng = random.Random(seed)
+        seen[fraction] = [(tokenizer.decode(s.input_token_ids), tokenizer.decode(s.output_token_ids[:-1]))
+                          for _ in range(steps) for s in make_batch(tokenizer, rng)]
+
+    tiny_dir = write_tiny_model(tmp_path / "m", TinyModelConfig(seed=0))
+    monkeypatch.setattr(script, "supervised_warm_up", record_batches)
+    for fraction in (0.0, 0.5):
+        args = script.PrepareRgModelConfig(out_dir="x", read_fraction=fraction, warmup_steps=20)
+        script.warm_up(tiny_dir, script.warmup_records(args), args)
+    assert not any(prompt.endswith("?") for prompt, _ in seen[0.0])
+    reading = [(p, c) for p, c in seen[0.5] if p.endswith("?")]
+    answering = [(p, c) for p, c in seen[0.5] if p.endswith("=")]
+    assert len(reading) + len(answering) == 20 * 64
+    assert 0.4 < len(reading) / (20 * 64) < 0.6
+    assert all(re.fullmatch(r"\d+,\d+", c) for _, c in reading)
+    assert all(0 <= int(c) <= script.MAX_ANSWER for _, c in answering)

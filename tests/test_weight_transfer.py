@@ -51,6 +51,29 @@ def test_a_bucket_reads_back_bit_exact_with_aligned_offsets() -> None:
         assert torch.equal(got[name], tensor), name
 
 
+def test_a_bucket_written_in_short_writes_reads_back_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pwrite may write fewer bytes than asked (a signal, or Linux's ~2 GiB cap per call on a
+    large tensor): the writer goes on from where the kernel stopped."""
+    import os
+
+    real_pwrite, calls = os.pwrite, []
+
+    def short_pwrite(fd: int, data: bytes, offset: int) -> int:
+        calls.append(len(data))
+        return real_pwrite(fd, memoryview(data)[:7], offset)  # at most 7 bytes per call
+
+    monkeypatch.setattr(os, "pwrite", short_pwrite)
+    bucket = _bucket()
+    buffer = BucketBuffer("transfer-test", bucket)
+    try:
+        got = read_bucket(buffer.update_info)
+    finally:
+        buffer.close()
+    assert len(calls) > len(bucket)  # the short writes really happened
+    for name, tensor in bucket.items():
+        assert torch.equal(got[name], tensor), name
+
+
 def test_the_engine_reads_a_private_copy() -> None:
     bucket = {"w": torch.ones(16)}
     buffer = BucketBuffer("transfer-test", bucket)

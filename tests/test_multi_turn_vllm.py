@@ -21,22 +21,20 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
+from chat_engine import assert_trainer_logprobs_match_engine, chat_worker_config, tiny_chat_model
 from environments import EnvironmentConfig, StepResult, Turn
 from multi_turn import ChatRenderer, Generation, GenerateFn, MultiTurnStats, engine_generate, run_rollouts
-from sample_processing_utils import Sample, get_input_for_logprobs
+from sample_processing_utils import Sample
 from sampling import SamplingConfig
-from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
-from tiny_model import IM_END, TinyModelConfig, write_tiny_model
+from setup_model import load_tokenizer
+from tiny_model import IM_END
 from tool_environment import ToolEnvironment
 from verifier_pool import VerifierPool
-from vllm_worker import GenerationWorker, GenerationWorkerConfig, engine_args, sampling_params
-from worker_options import EngineConfig
+from vllm_worker import GenerationWorker, sampling_params
 
 pytestmark = pytest.mark.vllm
 
-LOGPROB_ATOL = 1e-4  # as tests/test_vllm_worker.py: float32 vLLM CPU against the HF model
 HANG_GUARD_S = 300.0
 NUM_ROLLOUTS = 3
 MAX_TURNS = 3
@@ -57,13 +55,7 @@ class TaggedTurns(ToolEnvironment):
 
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-chat"), TinyModelConfig(tokenizer="bpe"))
-
-
-def _worker_config(model_dir: Path) -> GenerationWorkerConfig:
-    engine = EngineConfig(max_num_seqs=8, gpu_memory_utilization=0.1, kv_cache_memory_bytes=64 << 20,
-                          max_model_len=512, enforce_eager=True, dtype="float32")
-    return GenerationWorkerConfig(model_path=str(model_dir), engine=engine, global_num_verifiers=1)
+    return tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
 def _environment(max_turns: int = MAX_TURNS) -> EnvironmentConfig:
@@ -85,7 +77,7 @@ WORKER_ROLLOUTS = 4  # GenerationWorker.generate with an environment: one prompt
 async def _rollouts(model_dir: Path, tokenizer):
     """The engine-level rollouts (each turn recorded) and a GenerationWorker's own, on one engine."""
     with VerifierPool(num_processes=1, timeout_s=30.0) as pool:  # the worker's start-up canary only
-        worker = GenerationWorker("multi-turn-test", _worker_config(model_dir), verifier=pool)
+        worker = GenerationWorker("multi-turn-test", chat_worker_config(model_dir), verifier=pool)
         await worker.start()
         try:
             engine = worker._require_engine()
@@ -179,15 +171,7 @@ def test_the_trainers_packed_logprobs_reproduce_the_engines(rollouts, chat_model
     """The trainer's logprob pass over the packed, masked samples gives each sampled token the
     logprob the engine sampled it with: the context it scores is the engine's, token for token."""
     _, samples, _, _, _, _ = rollouts
-    model = TokenLogprobModel(load_causal_lm(chat_model_dir)).eval()
-    inputs = get_input_for_logprobs(samples)
-    with torch.no_grad():
-        logprobs, _ = model.score(inputs)
-    engine = torch.tensor([x for s in samples for x in s.sampling_logprobs])
-    assert logprobs.shape == engine.shape
-    diff = (logprobs.float() - engine).abs().max().item()
-    print(f"largest |trainer - engine| logprob over {engine.numel()} sampled tokens: {diff:.2e}")
-    assert diff <= LOGPROB_ATOL
+    assert_trainer_logprobs_match_engine(chat_model_dir, samples)
 
 
 def test_the_generation_worker_runs_the_configured_environment(rollouts) -> None:

@@ -23,21 +23,19 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
-from sample_processing_utils import Sample, get_input_for_logprobs
+from chat_engine import assert_trainer_logprobs_match_engine, chat_worker_config, tiny_chat_model
+from sample_processing_utils import Sample
 from sampling import SamplingConfig, VerifiersEnvConfig
-from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
+from setup_model import load_causal_lm, load_tokenizer
 from test_verifiers_env import PERSONA_START, expected_reward, _assistant_exchanges, _chatml, _task_answer
-from tiny_model import IM_END, TinyModelConfig, write_tiny_model
+from tiny_model import IM_END
 from verifier_pool import VerifierPool
-from vllm_worker import GenerationWorker, GenerationWorkerConfig
+from vllm_worker import GenerationWorker
 from weight_sync import WeightUpdate, state_dict_to_blobs
-from worker_options import EngineConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.system]  # the engine, and verifiers' chat program processes
 
-LOGPROB_ATOL = 1e-4  # as tests/test_verifiers_vllm.py: float32 vLLM CPU against the HF model
 HANG_GUARD_S = 540.0
 N = 2
 MAX_TOKENS = 12
@@ -52,18 +50,12 @@ ENVS = {"single": VerifiersEnvConfig(taskset="verifiers_arith", max_total_tokens
 
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-chat"), TinyModelConfig(tokenizer="bpe"))
-
-
-def _worker_config(model_dir: Path) -> GenerationWorkerConfig:
-    engine = EngineConfig(max_num_seqs=8, gpu_memory_utilization=0.1, kv_cache_memory_bytes=64 << 20,
-                          max_model_len=1024, enforce_eager=True, dtype="float32")
-    return GenerationWorkerConfig(model_path=str(model_dir), engine=engine, global_num_verifiers=1)
+    return tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
 async def _run(model_dir: Path, ray) -> dict:
     with VerifierPool(num_processes=1, timeout_s=30.0) as pool:  # the worker's start-up canary only
-        worker = GenerationWorker("verifiers-env-test", _worker_config(model_dir), verifier=pool)
+        worker = GenerationWorker("verifiers-env-test", chat_worker_config(model_dir, max_model_len=1024), verifier=pool)
         await worker.start()
         try:
             assert worker.endpoint_url() is None  # not asked for: the verifiers source starts it
@@ -135,14 +127,7 @@ def test_streams_are_the_engines_ids_plus_chatml_observations_and_rewards_the_ru
 
 def test_the_trainers_packed_logprobs_reproduce_the_engines(outcome: dict, chat_model_dir: Path) -> None:
     samples = [s for name in ENVS for s in outcome["samples"][name]]
-    model = TokenLogprobModel(load_causal_lm(chat_model_dir)).eval()
-    with torch.no_grad():
-        logprobs, _ = model.score(get_input_for_logprobs(samples))
-    engine = torch.tensor([x for s in samples for x in s.sampling_logprobs])
-    assert logprobs.shape == engine.shape
-    diff = (logprobs.float() - engine).abs().max().item()
-    print(f"largest |trainer - engine| logprob over {engine.numel()} sampled tokens: {diff:.2e}")
-    assert diff <= LOGPROB_ATOL
+    assert_trainer_logprobs_match_engine(chat_model_dir, samples)
 
 
 def test_versions_counters_and_the_endpoint_the_worker_started(outcome: dict) -> None:

@@ -24,20 +24,18 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
-from sample_processing_utils import Sample, get_input_for_logprobs
-from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
-from tiny_model import IM_END, TinyModelConfig, write_tiny_model
+from chat_engine import assert_trainer_logprobs_match_engine, chat_worker_config, tiny_chat_model
+from sample_processing_utils import Sample
+from setup_model import load_causal_lm, load_tokenizer
+from tiny_model import IM_END
 from verifier_pool import VerifierPool
 from verifiers_rollouts import VerifiersRolloutConfig, VerifiersRollouts
-from vllm_worker import GenerationWorker, GenerationWorkerConfig
+from vllm_worker import GenerationWorker
 from weight_sync import WeightUpdate, state_dict_to_blobs
-from worker_options import EngineConfig
 
 pytestmark = pytest.mark.vllm
 
-LOGPROB_ATOL = 1e-4  # as tests/test_multi_turn_vllm.py: float32 vLLM CPU against the HF model
 HANG_GUARD_S = 300.0
 ROLLOUTS_PER_ENV = 2
 MAX_TURNS = 3
@@ -53,13 +51,7 @@ PUSHED_VERSION = 5
 
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-chat"), TinyModelConfig(tokenizer="bpe"))
-
-
-def _worker_config(model_dir: Path) -> GenerationWorkerConfig:
-    engine = EngineConfig(max_num_seqs=8, gpu_memory_utilization=0.1, kv_cache_memory_bytes=64 << 20,
-                          max_model_len=512, enforce_eager=True, dtype="float32", openai_endpoint_port=0)
-    return GenerationWorkerConfig(model_path=str(model_dir), engine=engine, global_num_verifiers=1)
+    return tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
 def _messages() -> list[dict]:
@@ -86,7 +78,7 @@ async def _run(model_dir: Path, tokenizer, ray):
     from openai import AsyncOpenAI
 
     with VerifierPool(num_processes=1, timeout_s=30.0) as pool:  # the worker's start-up canary only
-        worker = GenerationWorker("verifiers-test", _worker_config(model_dir), verifier=pool)
+        worker = GenerationWorker("verifiers-test", chat_worker_config(model_dir, openai_endpoint_port=0), verifier=pool)
         await worker.start()
         endpoint = worker.endpoint
         try:
@@ -191,14 +183,7 @@ def test_the_stream_is_the_endpoints_ids_plus_observations_verbatim(outcome, env
 def test_the_trainers_packed_logprobs_reproduce_the_engines(outcome, chat_model_dir: Path) -> None:
     _, runs, _, _, _ = outcome
     samples = [s for env in ("single", "multi") for s, _ in runs[env][0]]
-    model = TokenLogprobModel(load_causal_lm(chat_model_dir)).eval()
-    with torch.no_grad():
-        logprobs, _ = model.score(get_input_for_logprobs(samples))
-    engine = torch.tensor([x for s in samples for x in s.sampling_logprobs])
-    assert logprobs.shape == engine.shape
-    diff = (logprobs.float() - engine).abs().max().item()
-    print(f"largest |trainer - engine| logprob over {engine.numel()} sampled tokens: {diff:.2e}")
-    assert diff <= LOGPROB_ATOL
+    assert_trainer_logprobs_match_engine(chat_model_dir, samples)
 
 
 def test_chat_completions_return_the_exact_ids_and_logprobs(outcome) -> None:

@@ -37,6 +37,8 @@ BUCKET_DTYPES = ("float32", "bfloat16", "float16", "int64", "int32")
 # Each tensor of a bucket starts on a cache-line boundary, so the engine's views of it are
 # aligned for every dtype.
 _TENSOR_ALIGN = 64
+# madvise(2) advice value (Linux >= 5.14) that Python's mmap module does not name.
+_MADV_POPULATE_READ = 22
 
 
 def _reload_group(name: str) -> str:
@@ -135,12 +137,24 @@ def read_bucket(update_info: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         mapping = mmap.mmap(handle, update_info["nbytes"], access=mmap.ACCESS_COPY)
     finally:
         os.close(handle)
+    _populate_read(mapping)
     flat = torch.frombuffer(mapping, dtype=torch.uint8)
     tensors = {}
     for name, dtype, shape, offset in layout:
         nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
         tensors[name] = flat[offset:offset + nbytes].view(dtype).reshape(shape)
     return tensors
+
+
+def _populate_read(mapping: mmap.mmap) -> None:
+    """Map every page of the bucket in one call (MADV_POPULATE_READ) instead of one page fault
+    per few pages as vLLM's loaders first read them (~20% of reading a 0.5 GB bucket here).
+    Read-only population keeps the mapping private: a later write still copies the page.
+    Kernels before 5.14 refuse the advice; their page faults do the same work, so it is skipped."""
+    try:
+        mapping.madvise(_MADV_POPULATE_READ)
+    except OSError:
+        pass
 
 
 def _bucket_layout(bucket: dict[str, torch.Tensor]) -> tuple[list[tuple[str, int, int]], int]:

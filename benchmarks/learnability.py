@@ -66,10 +66,10 @@ def encode(tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
 
 
 @torch.no_grad()
-def complete(model, tokenizer, prompt: list[int], sample: bool) -> str | None:
-    """The answer text if the completion ends with EOS within MAX_NEW_TOKENS, else None."""
+def complete(model, tokenizer, prompt: list[int], sample: bool, max_new_tokens: int = MAX_NEW_TOKENS) -> str | None:
+    """The answer text if the completion ends with EOS within max_new_tokens, else None."""
     ids = list(prompt)
-    for _ in range(MAX_NEW_TOKENS):
+    for _ in range(max_new_tokens):
         logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
         token = int(torch.multinomial(torch.softmax(logits, -1), 1)) if sample else int(logits.argmax())
         if token == tokenizer.eos_token_id:

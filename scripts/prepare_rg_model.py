@@ -15,8 +15,9 @@ That format warm-up alone still left GRPO flat at chance on most seeds: the mode
 to *read* the two operands out of 17 characters, and at 5% correct rollouts the reward barely
 signals it. `--read_fraction 0.5 --warmup_steps 300` (configs/rg_basic_arithmetic_read.yaml's
 model) mixes in reading examples, "Calculate 4 + 1.?" -> "4,1": the model learns to pick out the
-operands (greedy 100% on all 121 questions) while its sums stay at chance (5.4% sampled), and GRPO
-then learns the sums as fast as the demo learns its own format. The sum itself is never shown.
+operands (greedy 100% on all 121 questions) while its sums stay at chance (4.9% sampled; the script
+prints both), and GRPO then learns the sums as fast as the demo learns its own format. The sum
+itself is never shown.
 
     python scripts/prepare_rg_model.py --out_dir runs/rg-read-assets --read_fraction 0.5 --warmup_steps 300
 """
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # prepare_demo, also w
 from prepare_demo import supervised_warm_up  # noqa: E402
 from reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records  # noqa: E402
 from run_config import load_config  # noqa: E402
+from setup_model import load_causal_lm, load_tokenizer  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
 from tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
 
@@ -72,12 +74,16 @@ class PrepareRgModelConfig:
     random answers); see docs/rewards.md for why reading is the step GRPO finds hard here."""
     read_marker: str = "?"
     """Last character of a reading prompt (must differ from the template's last character)."""
+    report_samples: int = 8
+    """Sampled answers per question in the closing report of how the model starts (0: no report)."""
     seed: int = 0
     """Seed of the model's initialisation, the warm-up prompts and their random answers."""
 
     def __post_init__(self) -> None:
         if "{question}" not in self.prompt_template:
             raise ValueError(f"PrepareRgModelConfig.prompt_template must contain {{question}}, got {self.prompt_template!r}")
+        if self.report_samples < 0:
+            raise ValueError(f"PrepareRgModelConfig.report_samples must be >= 0, got {self.report_samples!r}")
         for name in ("warmup_steps", "warmup_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PrepareRgModelConfig.{name} must be >= 1, got {getattr(self, name)!r}")
@@ -127,12 +133,43 @@ def warm_up(model_dir: Path, records: list[dict], args: PrepareRgModelConfig) ->
     supervised_warm_up(model_dir, batch, args.warmup_steps, args.warmup_lr, args.seed, log_every=25)
 
 
+def starting_accuracy(model_dir: Path, records: list[dict], args: PrepareRgModelConfig) -> dict[str, float]:
+    """How the saved model starts, on each distinct question of the records: the share whose
+    operands it reads back greedily ("?" prompts), and the share of sums it gets right greedily and
+    when sampled at temperature 1 within the configs' 4 tokens (the training prompts, "="): the sums
+    should stay at chance."""
+    from benchmarks.learnability import complete  # the supervised bound's own decoding loop
+
+    tokenizer, model = load_tokenizer(model_dir), load_causal_lm(model_dir).eval()
+    questions = {r["question"]: r for r in records}
+    torch.manual_seed(args.seed)
+    read = greedy = sampled = 0
+    with torch.no_grad():
+        for question, record in questions.items():
+            prompt, operands = reading_example(record, args.read_marker)
+            read += complete(model, tokenizer, tokenizer(prompt)["input_ids"], sample=False,
+                             max_new_tokens=len(operands) + 1) == operands
+            answer_ids = tokenizer(args.prompt_template.format(question=question))["input_ids"]
+            greedy += complete(model, tokenizer, answer_ids, sample=False) == record["answer"]
+            sampled += sum(complete(model, tokenizer, answer_ids, sample=True) == record["answer"]
+                           for _ in range(args.report_samples))
+    n = len(questions)
+    return {"questions": n, "reads_operands": read / n, "sum_greedy": greedy / n,
+            "sum_sampled": sampled / (n * args.report_samples)}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = load_config(PrepareRgModelConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
     model_dir = write_tiny_model(Path(args.out_dir) / "model", TinyModelConfig(seed=args.seed))
-    warm_up(model_dir, warmup_records(args), args)
+    records = warmup_records(args)
+    warm_up(model_dir, records, args)
+    if args.report_samples:
+        start = starting_accuracy(model_dir, records, args)
+        print(f"starting model on the {start['questions']} distinct questions: reads the operands "
+              f"{start['reads_operands']:.3f} (greedy), sums {start['sum_greedy']:.3f} greedy / "
+              f"{start['sum_sampled']:.3f} sampled (chance {1 / (MAX_ANSWER + 1):.3f})")
     print(f"model: {model_dir}")
 
 

@@ -35,7 +35,7 @@ def script() -> Iterator[ModuleType]:
 
 @pytest.mark.parametrize("field, value", [("prompt_template", "{q}="), ("warmup_steps", 0),
                                           ("warmup_batch_size", 0), ("warmup_lr", 0.0),
-                                          ("read_fraction", 1.5), ("read_fraction", -0.1),
+                                          ("read_fraction", 1.5), ("read_fraction", -0.1), ("report_samples", -1),
                                           ("read_marker", "="), ("read_marker", "??")])
 def test_bad_config_names_the_field(script: ModuleType, field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"PrepareRgModelConfig.{field}"):
@@ -63,7 +63,7 @@ def test_random_answers_cover_exactly_the_tasks_answer_range(script: ModuleType)
 
 
 def test_tiny_warmup_writes_a_loadable_changed_model(script: ModuleType, tmp_path: Path) -> None:
-    argv = ["--out_dir", str(tmp_path / "a"), "--warmup_steps", "2", "--warmup_batch_size", "4"]
+    argv = ["--out_dir", str(tmp_path / "a"), "--warmup_steps", "2", "--warmup_batch_size", "4", "--report_samples", "0"]
     script.main(argv)
     model_dir = tmp_path / "a" / "model"
     assert (model_dir / "model.safetensors").is_file()
@@ -75,7 +75,8 @@ def test_tiny_warmup_writes_a_loadable_changed_model(script: ModuleType, tmp_pat
     loaded = dict(warmed.state_dict())
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
     # Seeded: the same command writes the same weights.
-    script.main(["--out_dir", str(tmp_path / "b"), "--warmup_steps", "2", "--warmup_batch_size", "4"])
+    script.main(["--out_dir", str(tmp_path / "b"), "--warmup_steps", "2", "--warmup_batch_size", "4",
+                 "--report_samples", "0"])
     again = load_file(tmp_path / "b" / "model" / "model.safetensors")
     assert all(torch.equal(saved[k], again[k]) for k in saved)
 
@@ -120,3 +121,28 @@ def test_read_fraction_mixes_reading_examples_into_each_batch(script: ModuleType
     assert 0.4 < len(reading) / (20 * 64) < 0.6
     assert all(re.fullmatch(r"\d+,\d+", c) for _, c in reading)
     assert all(0 <= int(c) <= script.MAX_ANSWER for _, c in answering)
+
+
+def test_starting_accuracy_counts_each_distinct_question_once(script: ModuleType, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a scripted decoder (reads the operands back only when the first is even; answers every
+    sum right greedily and wrong when sampled, except for sums of 0 + b), the report's shares are the
+    counts worked out here from the questions themselves."""
+    import benchmarks.learnability as learnability
+
+    model_dir = write_tiny_model(tmp_path / "m", TinyModelConfig(seed=0))
+    def scripted(model, tok, prompt: list[int], sample: bool, max_new_tokens: int = 4) -> str:
+        a, b = map(int, re.findall(r"\d+", tok.decode(prompt)))
+        if tok.decode(prompt).endswith("?"):
+            return f"{a},{b}" if a % 2 == 0 else "x"
+        return str(a + b) if not sample or a == 0 else "-1"
+
+    monkeypatch.setattr(learnability, "complete", scripted)
+    args = script.PrepareRgModelConfig(out_dir="x", report_samples=3)
+    records = script.warmup_records(args)
+    pairs = {tuple(map(int, re.findall(r"\d+", r["question"]))) for r in records}
+    report = script.starting_accuracy(model_dir, records, args)
+    assert report["questions"] == len(pairs) == 121  # every sum of two numbers 0-10 occurs
+    assert report["reads_operands"] == sum(a % 2 == 0 for a, _ in pairs) / len(pairs)
+    assert report["sum_greedy"] == 1.0
+    assert report["sum_sampled"] == sum(a == 0 for a, _ in pairs) / len(pairs)

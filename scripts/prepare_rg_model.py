@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,12 +134,14 @@ def warm_up(model_dir: Path, records: list[dict], args: PrepareRgModelConfig) ->
     supervised_warm_up(model_dir, batch, args.warmup_steps, args.warmup_lr, args.seed, log_every=25)
 
 
-def starting_accuracy(model_dir: Path, records: list[dict], args: PrepareRgModelConfig) -> dict[str, float]:
+def starting_accuracy(model_dir: Path, records: list[dict], args: PrepareRgModelConfig,
+                      complete: Callable[..., str | None] | None = None) -> dict[str, float]:
     """How the saved model starts, on each distinct question of the records: the share whose
     operands it reads back greedily ("?" prompts), and the share of sums it gets right greedily and
     when sampled at temperature 1 within the configs' 4 tokens (the training prompts, "="): the sums
     should stay at chance."""
-    from benchmarks.learnability import complete  # the supervised bound's own decoding loop
+    if complete is None:
+        from benchmarks.learnability import complete  # the supervised bound's own decoding loop
 
     tokenizer, model = load_tokenizer(model_dir), load_causal_lm(model_dir).eval()
     questions = {r["question"]: r for r in records}

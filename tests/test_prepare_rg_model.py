@@ -123,13 +123,10 @@ def test_read_fraction_mixes_reading_examples_into_each_batch(script: ModuleType
     assert all(0 <= int(c) <= script.MAX_ANSWER for _, c in answering)
 
 
-def test_starting_accuracy_counts_each_distinct_question_once(script: ModuleType, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_starting_accuracy_counts_each_distinct_question_once(script: ModuleType, tmp_path: Path) -> None:
     """With a scripted decoder (reads the operands back only when the first is even; answers every
     sum right greedily and wrong when sampled, except for sums of 0 + b), the report's shares are the
     counts worked out here from the questions themselves."""
-    import benchmarks.learnability as learnability
-
     model_dir = write_tiny_model(tmp_path / "m", TinyModelConfig(seed=0))
     def scripted(model, tok, prompt: list[int], sample: bool, max_new_tokens: int = 4) -> str:
         a, b = map(int, re.findall(r"\d+", tok.decode(prompt)))
@@ -137,11 +134,10 @@ def test_starting_accuracy_counts_each_distinct_question_once(script: ModuleType
             return f"{a},{b}" if a % 2 == 0 else "x"
         return str(a + b) if not sample or a == 0 else "-1"
 
-    monkeypatch.setattr(learnability, "complete", scripted)
     args = script.PrepareRgModelConfig(out_dir="x", report_samples=3)
     records = script.warmup_records(args)
     pairs = {tuple(map(int, re.findall(r"\d+", r["question"]))) for r in records}
-    report = script.starting_accuracy(model_dir, records, args)
+    report = script.starting_accuracy(model_dir, records, args, complete=scripted)
     assert report["questions"] == len(pairs) == 121  # every sum of two numbers 0-10 occurs
     assert report["reads_operands"] == sum(a % 2 == 0 for a, _ in pairs) / len(pairs)
     assert report["sum_greedy"] == 1.0

@@ -554,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer_args = ["--run_dir", config.run_dir, "--model.model_path", config.model_path, *trainer_args]
     check_environment(config)
     trainer_config = load_trainer_config(trainer_args)  # prints its one line and exits 2 itself
+    config = with_trainer_transfer(config, trainer_config.transfer.weight_transfer)
     setup_logging(config, trainer_config)
     from console import CONSOLE, LOG_FILE
     check_trainer_inputs(trainer_config, max_lora_rank=config.engine.max_lora_rank)
@@ -576,6 +577,24 @@ def load_trainer_config(trainer_args: list[str]) -> TrainerConfig:
     from trainer_core import load_trainer_config as load
 
     return load(trainer_args)
+
+
+def with_trainer_transfer(config: LocalClusterConfig, weight_transfer: str) -> LocalClusterConfig:
+    """`config` with the generation engines' weight_transfer set to the trainer's
+    transfer.weight_transfer: both ends must name the same backend, so a user sets the trainer's
+    and the launcher hands it to the workers. Exit 2 with one line when the launcher's own
+    --weight_transfer was set to another backend."""
+    from trainer_core import CONFIG_ERROR_EXIT
+
+    own = config.engine.weight_transfer
+    if own == weight_transfer:
+        return config
+    if own != LOCAL_ENGINE.weight_transfer:
+        print(f"local_cluster.py: --weight_transfer {own!r} (the generation engines) differs from the trainer's "
+              f"--transfer.weight_transfer {weight_transfer!r}: set the trainer's alone, the launcher passes it on",
+              file=sys.stderr, flush=True)
+        raise SystemExit(CONFIG_ERROR_EXIT)
+    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, weight_transfer=weight_transfer))
 
 
 def setup_logging(config: LocalClusterConfig, trainer_config: TrainerConfig) -> None:

@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import psutil
 
@@ -584,16 +584,13 @@ def with_trainer_transfer(config: LocalClusterConfig, weight_transfer: str) -> L
     transfer.weight_transfer: both ends must name the same backend, so a user sets the trainer's
     and the launcher hands it to the workers. Exit 2 with one line when the launcher's own
     --weight_transfer was set to another backend."""
-    from trainer_core import CONFIG_ERROR_EXIT
-
     own = config.engine.weight_transfer
     if own == weight_transfer:
         return config
     if own != LOCAL_ENGINE.weight_transfer:
-        print(f"local_cluster.py: --weight_transfer {own!r} (the generation engines) differs from the trainer's "
-              f"--transfer.weight_transfer {weight_transfer!r}: set the trainer's alone, the launcher passes it on",
-              file=sys.stderr, flush=True)
-        raise SystemExit(CONFIG_ERROR_EXIT)
+        exit_config_error(f"--weight_transfer {own!r} (the generation engines) differs from the trainer's "
+                          f"--transfer.weight_transfer {weight_transfer!r}: set the trainer's alone, the launcher "
+                          "passes it on")
     return dataclasses.replace(config, engine=dataclasses.replace(config.engine, weight_transfer=weight_transfer))
 
 
@@ -617,6 +614,15 @@ def _workers_text(config: LocalClusterConfig) -> str:
     return f"{config.total_workers} worker{'s' if config.total_workers != 1 else ''} ({kinds})"
 
 
+def exit_config_error(message: str) -> NoReturn:
+    """Print one line naming the launcher and exit with the trainer's config-error status (2),
+    before Ray or any worker starts."""
+    from trainer_core import CONFIG_ERROR_EXIT
+
+    print(f"local_cluster.py: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(CONFIG_ERROR_EXIT)
+
+
 def check_environment(config: LocalClusterConfig) -> None:
     """Installed versions and the GPU split, before Ray or any worker starts; exit 2 with one line."""
     from fsdp_setup import host_gpu_count
@@ -626,26 +632,22 @@ def check_environment(config: LocalClusterConfig) -> None:
         check_versions(WORKER_REQUIREMENTS)
         plan_gpus(host_gpu_count(), config.total_workers, config.nproc_per_node)
     except (VersionError, ValueError) as error:
-        print(f"local_cluster.py: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        exit_config_error(str(error))
 
 
 def check_teacher_model(teacher_path: str, student_path: str) -> None:
     """The teacher folder loads and shares the student's tokenizer (what the trainer checks again
     against the running teacher workers); exit 2 with one line naming both models otherwise."""
     from setup_model import ModelPathError, check_model_dir, load_tokenizer, tokenizer_fingerprint
-    from trainer_core import CONFIG_ERROR_EXIT
 
     try:
         check_model_dir(teacher_path)
         same = tokenizer_fingerprint(load_tokenizer(teacher_path)) == tokenizer_fingerprint(load_tokenizer(student_path))
     except ModelPathError as error:
-        print(f"local_cluster.py: teacher: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(CONFIG_ERROR_EXIT) from None
+        exit_config_error(f"teacher: {error}")
     if not same:
-        print(f"local_cluster.py: the teacher ({teacher_path}) and the student ({student_path}) have different "
-              "tokenizers; distillation needs one tokenizer for both", file=sys.stderr, flush=True)
-        raise SystemExit(CONFIG_ERROR_EXIT)
+        exit_config_error(f"the teacher ({teacher_path}) and the student ({student_path}) have different "
+                          "tokenizers; distillation needs one tokenizer for both")
 
 
 def check_trainer_inputs(trainer_config: TrainerConfig, max_lora_rank: int = 0) -> None:
@@ -653,19 +655,17 @@ def check_trainer_inputs(trainer_config: TrainerConfig, max_lora_rank: int = 0) 
     Ray or any worker starts; exit 2 with one line on the first problem (also when the trainer
     trains LoRA adapters the generation workers, max_lora_rank, could not serve)."""
     from setup_model import vllm_lora_rank
-    from trainer_core import CONFIG_ERROR_EXIT, InputError, load_run_inputs
+    from trainer_core import InputError, load_run_inputs
 
     started = time.monotonic()
     lora_r = trainer_config.model.lora.r
     if lora_r > max_lora_rank:
-        print(f"local_cluster.py: the trainer's model.lora.r={lora_r} needs generation workers that serve LoRA "
-              f"adapters: pass --max_lora_rank {vllm_lora_rank(lora_r)}", file=sys.stderr, flush=True)
-        raise SystemExit(CONFIG_ERROR_EXIT)
+        exit_config_error(f"the trainer's model.lora.r={lora_r} needs generation workers that serve LoRA "
+                          f"adapters: pass --max_lora_rank {vllm_lora_rank(lora_r)}")
     try:
         inputs = load_run_inputs(trainer_config, with_evaluator=True)
     except InputError as error:
-        print(f"local_cluster.py: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(CONFIG_ERROR_EXIT) from None
+        exit_config_error(str(error))
     logger.info("trainer inputs checked in %.1f s: %d prompts", time.monotonic() - started, len(inputs.prompts))
 
 

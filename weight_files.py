@@ -99,7 +99,7 @@ class BucketBuffer:
         try:
             if nbytes:
                 os.ftruncate(self._fd, nbytes)  # the alignment gaps stay holes: they read as zeros
-                for (name, offset, size), tensor in zip(layout, bucket.values()):
+                for (_, offset, _), tensor in zip(layout, bucket.values()):
                     _write_at(self._fd, _tensor_bytes(tensor), offset)
         except BaseException:
             os.close(self._fd)

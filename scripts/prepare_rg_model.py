@@ -103,9 +103,14 @@ def warmup_records(args: PrepareRgModelConfig) -> list[dict]:
     return reasoning_gym_records(config)
 
 
+def answer_prompt(record: dict, args: PrepareRgModelConfig) -> str:
+    """The training prompt of a record ("Calculate 4 + 1.=" with the configs' template)."""
+    return args.prompt_template.format(question=record["question"])
+
+
 def warmup_prompts(args: PrepareRgModelConfig) -> list[str]:
     """The prompt texts the warm-up answers at random."""
-    return [args.prompt_template.format(question=r["question"]) for r in warmup_records(args)]
+    return [answer_prompt(r, args) for r in warmup_records(args)]
 
 
 def reading_example(record: dict, marker: str) -> tuple[str, str]:
@@ -117,7 +122,7 @@ def reading_example(record: dict, marker: str) -> tuple[str, str]:
 def warm_up(model_dir: Path, records: list[dict], args: PrepareRgModelConfig) -> None:
     """Supervised steps on uniformly random answers (0..MAX_ANSWER, then EOS), mixed with reading
     examples at read_fraction; saves over model_dir."""
-    prompts = [args.prompt_template.format(question=r["question"]) for r in records]
+    prompts = [answer_prompt(r, args) for r in records]
 
     def example(tokenizer, rng: random.Random) -> Sample:
         # With read_fraction 0 no extra draw is made, so the default model is the one saved before.
@@ -148,11 +153,11 @@ def starting_accuracy(model_dir: Path, records: list[dict], args: PrepareRgModel
     torch.manual_seed(args.seed)
     read = greedy = sampled = 0
     with torch.no_grad():
-        for question, record in questions.items():
+        for record in questions.values():
             prompt, operands = reading_example(record, args.read_marker)
             read += complete(model, tokenizer, tokenizer(prompt)["input_ids"], sample=False,
                              max_new_tokens=len(operands) + 1) == operands
-            answer_ids = tokenizer(args.prompt_template.format(question=question))["input_ids"]
+            answer_ids = tokenizer(answer_prompt(record, args))["input_ids"]
             greedy += complete(model, tokenizer, answer_ids, sample=False) == record["answer"]
             sampled += sum(complete(model, tokenizer, answer_ids, sample=True) == record["answer"]
                            for _ in range(args.report_samples))

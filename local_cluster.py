@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import psutil
 
-from ray_env import LOOPBACK_ONLY_ENV, RAY_NAMESPACE, REPO_ROOT, actor_runtime_env, repo_pythonpath, use_loopback_only_ray
-from run_config import config_to_flags, flattened, load_config, split_passthrough
-from worker_options import EngineConfig, LogprobBatchingConfig
+from async_grpo.launch.ray_env import LOOPBACK_ONLY_ENV, RAY_NAMESPACE, REPO_ROOT, actor_runtime_env, repo_pythonpath, use_loopback_only_ray
+from async_grpo.config.run_config import config_to_flags, flattened, load_config, split_passthrough
+from async_grpo.config.worker_options import EngineConfig, LogprobBatchingConfig
 
 if TYPE_CHECKING:
     from trainer_core import TrainerConfig
@@ -350,7 +350,7 @@ class LocalCluster:
         return self
 
     def _plan_gpus(self) -> GpuPlan:
-        from fsdp_setup import host_gpu_count
+        from async_grpo.trainer.fsdp_setup import host_gpu_count
 
         plan = plan_gpus(host_gpu_count(), self.config.total_workers, self.config.nproc_per_node)
         if plan.worker_gpus:
@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer_config = load_trainer_config(trainer_args)  # prints its one line and exits 2 itself
     config = with_trainer_transfer(config, trainer_config.transfer.weight_transfer)
     setup_logging(config, trainer_config)
-    from console import CONSOLE, LOG_FILE
+    from async_grpo.telemetry.console import CONSOLE, LOG_FILE
     check_trainer_inputs(trainer_config, max_lora_rank=config.engine.max_lora_rank)
     if config.teacher_workers:
         check_teacher_model(config.teacher_model_path, config.model_path)
@@ -599,7 +599,7 @@ def setup_logging(config: LocalClusterConfig, trainer_config: TrainerConfig) -> 
     run.log, beside rank 0's."""
     import importlib
 
-    from console import LOG_FILE, configure_logging
+    from async_grpo.telemetry.console import LOG_FILE, configure_logging
 
     importlib.import_module("ray")  # Ray installs its own log handler when imported: import it first
 
@@ -625,8 +625,8 @@ def exit_config_error(message: str) -> NoReturn:
 
 def check_environment(config: LocalClusterConfig) -> None:
     """Installed versions and the GPU split, before Ray or any worker starts; exit 2 with one line."""
-    from fsdp_setup import host_gpu_count
-    from versions import WORKER_REQUIREMENTS, VersionError, check_versions
+    from async_grpo.trainer.fsdp_setup import host_gpu_count
+    from async_grpo.config.versions import WORKER_REQUIREMENTS, VersionError, check_versions
 
     try:
         check_versions(WORKER_REQUIREMENTS)

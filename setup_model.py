@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from grpo_loss import chunked_token_logprobs
-from packed_attention import PACKED_SDPA, PACKED_VARLEN, register_packed_sdpa, register_packed_varlen, varlen_kwargs
+from async_grpo.model.packed_attention import PACKED_SDPA, PACKED_VARLEN, register_packed_sdpa, register_packed_varlen, varlen_kwargs
 from sample_processing_utils import LogprobInput
 
 if TYPE_CHECKING:

@@ -50,22 +50,22 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Literal
 
 import ray
 
-from math_verifier import RewardResult
-from verifier_cluster import connect_verifier_pool
-from ray_env import GENERATION
-from rewards import ShapedReward
-from rollout_scoring import RewardScorer, RolloutScorer, shaped_rewards
+from async_grpo.rewards.math_verifier import RewardResult
+from async_grpo.rewards.verifier_cluster import connect_verifier_pool
+from async_grpo.launch.ray_env import GENERATION
+from async_grpo.rewards.rewards import ShapedReward
+from async_grpo.rollouts.rollout_scoring import RewardScorer, RolloutScorer, shaped_rewards
 from sample_processing_utils import Sample
-from sampling import SamplingConfig, request_seed
-from token_versions import CompletionVersions, TokenVersionTracker
-from multi_turn import ChatRenderer, MultiTurnStats, engine_generate, run_rollouts
-from served_adapters import AdapterBook, adapter_folder, check_adapter_rank
+from async_grpo.rollouts.sampling import SamplingConfig, request_seed
+from async_grpo.rollouts.token_versions import CompletionVersions, TokenVersionTracker
+from async_grpo.rollouts.multi_turn import ChatRenderer, MultiTurnStats, engine_generate, run_rollouts
+from async_grpo.inference.served_adapters import AdapterBook, adapter_folder, check_adapter_rank
 from vllm_registry import Bundle, serve_many
-from worker_lifecycle import WorkerHealth, WorkerLifecycle
-from run_config import flattened
-from worker_options import OBJECT_STORE_TRANSFER, WEIGHT_TRANSFER_BACKENDS, EngineConfig, check_weight_transfer_device
-from weight_files import BucketBuffer, reload_buckets
-from weight_sync import (
+from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
+from async_grpo.config.run_config import flattened
+from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, WEIGHT_TRANSFER_BACKENDS, EngineConfig, check_weight_transfer_device
+from async_grpo.inference.weight_files import BucketBuffer, reload_buckets
+from async_grpo.weights.weight_sync import (
     UnstableVersionError, WeightUpdate, check_stable, iter_checkpoint_tensors, iter_state_dict,
 )
 
@@ -96,7 +96,7 @@ _STDERR_TAIL_BYTES = 256 * 1024  # enough for vLLM's start-up tracebacks, small 
 # vLLM's worker_extension_cls: a class with no methods whose module's import registers our
 # weight-transfer backend in the engine-core process (named as a string: importing it here
 # would import vLLM into every process that imports this module).
-_WEIGHT_TRANSFER_REGISTRATION = "weight_transfer_engine.WeightTransferRegistration"
+_WEIGHT_TRANSFER_REGISTRATION = "async_grpo.inference.weight_transfer_engine.WeightTransferRegistration"
 
 
 def root_cause_line(log_text: str) -> str | None:
@@ -413,7 +413,7 @@ class GenerationWorker:
         """shutdown()'s close of an endpoint still open (kept: a task nobody references may be collected)."""
         self._transfer: Any = None
         """The engine's end of a CUDA weight transfer (weight_transfer_engine.EngineTransferReceiver), once used."""
-        from verifiers_env import VerifiersSource
+        from async_grpo.rollouts.verifiers_env import VerifiersSource
 
         self.verifiers = VerifiersSource(config.model_path, self._served_endpoint)
         """Rollouts through a verifiers environment (sampling.verifiers), started by the first such request."""
@@ -471,7 +471,7 @@ class GenerationWorker:
         port = self.config.engine.openai_endpoint_port if port is None else port
         if port is None or self.endpoint is not None:
             return
-        from openai_endpoint import Endpoint, EndpointConfig
+        from async_grpo.inference.openai_endpoint import Endpoint, EndpointConfig
         from setup_model import load_tokenizer
 
         endpoint = Endpoint(EndpointConfig(port=port), load_tokenizer(self.config.model_path), self._endpoint_generate)
@@ -490,7 +490,7 @@ class GenerationWorker:
         """One endpoint request (openai_endpoint.Backend) on this engine as generate() runs its
         own: refused once FAILED, queued during a weight push, counted in flight and served, on
         the adapter served now, labelled with the weight version."""
-        from openai_endpoint import vllm_params
+        from async_grpo.inference.openai_endpoint import vllm_params
 
         self.life.require_alive()
         await self._accepting.wait()
@@ -810,7 +810,7 @@ class GenerationWorker:
             raise ValueError(f"{self.worker_name}: this engine takes full weights from the object store "
                              "(EngineConfig.weight_transfer 'object_store'), not from the trainer's GPUs")
         if self._transfer is None:
-            from weight_transfer_engine import EngineTransferReceiver
+            from async_grpo.inference.weight_transfer_engine import EngineTransferReceiver
 
             self._transfer = EngineTransferReceiver(self._require_engine(), backend,
                                                     self.config.weight_update_pause_mode)

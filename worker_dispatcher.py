@@ -51,16 +51,16 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_env import (
+from async_grpo.launch.ray_env import (
     GENERATION, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name,
     worker_actor_name,
 )
-from ray_cluster import ClusterJoinError, join_cluster
-from run_config import ConfigError, flattened, load_config
+from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
+from async_grpo.config.run_config import ConfigError, flattened, load_config
 from setup_model import ModelPathError, check_model_dir
-from versions import LOGPROB_WORKER_REQUIREMENTS, RAY, WORKER_REQUIREMENTS, VersionError, check_versions
+from async_grpo.config.versions import LOGPROB_WORKER_REQUIREMENTS, RAY, WORKER_REQUIREMENTS, VersionError, check_versions
 from vllm_registry import RegistryConfig, WorkerState, WorkerStatus, get_or_create_registry
-from worker_options import EngineConfig, LogprobBatchingConfig
+from async_grpo.config.worker_options import EngineConfig, LogprobBatchingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -438,7 +438,7 @@ def teardown(kind: str, actor: ActorHandle, name: str, worker_died: bool) -> Non
         _best_effort(f"shutting down {name}", actor.shutdown.remote())
         ray.kill(actor)
     if kind == GENERATION:
-        from weight_files import remove_weight_files
+        from async_grpo.inference.weight_files import remove_weight_files
 
         for path in remove_weight_files(name):
             logger.warning("removed %s, left by %s", path, name)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from benchmarks.harness import apply_smoke
-from run_config import load_config
+from async_grpo.config.run_config import load_config
 from sample_processing_utils import Sample
 from vllm_experience_batcher import PADDING_LOSS_WEIGHT, BatcherConfig, Minibatch, MinibatchPacker
 

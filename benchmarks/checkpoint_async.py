@@ -37,10 +37,10 @@ from typing import Any
 from benchmarks.harness import (
     apply_smoke, run_engine, run_trainer, setup_logging, summarize_checkpoint_run, summary_line,
 )
-from arithmetic_data import write_arithmetic_dataset
+from async_grpo.data.arithmetic_data import write_arithmetic_dataset
 from local_cluster import LocalCluster, LocalClusterConfig
-from run_config import load_config
-from tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.config.run_config import load_config
+from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 
 logger = logging.getLogger(__name__)
 

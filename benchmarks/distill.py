@@ -41,7 +41,7 @@ from benchmarks.harness import (
     reward_at, run_engine, run_trainer, setup_logging, summary_line
 )
 from local_cluster import LocalCluster, LocalClusterConfig
-from run_config import load_config
+from async_grpo.config.run_config import load_config
 
 logger = logging.getLogger(__name__)
 

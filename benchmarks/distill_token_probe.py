@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from benchmarks.harness import REPO_ROOT
-from dataset import DatasetConfig, load_prompts
-from run_config import load_config
+from async_grpo.data.dataset import DatasetConfig, load_prompts
+from async_grpo.config.run_config import load_config
 
 
 SMOKE = {"num_prompts": 2, "samples": 2}

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Literal
 
 from benchmarks.harness import REPO_ROOT, apply_smoke
-from run_config import load_config
+from async_grpo.config.run_config import load_config
 
 
 SMOKE = {"prompts": 2, "n": 2, "repeats": 1}
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result))
         return
 
-    from tiny_model import write_tiny_model
+    from async_grpo.model.tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(write_tiny_model(Path(tmp) / "model"))

@@ -195,7 +195,7 @@ def run_trainer(cluster: Any, args: list[str], run_dir: Path, *, nproc_per_node:
     """`torchrun trainer_core.py args` on a started LocalCluster; its metrics read back. A failed run
     is logged with its log's tail (the caller decides whether that fails the benchmark, or calls
     TrainerRun.require). The log defaults to <run_dir>/trainer.log."""
-    from metrics import read_metrics
+    from async_grpo.telemetry.metrics import read_metrics
 
     log = log or run_dir / "trainer.log"
     started = time.monotonic()

@@ -49,10 +49,10 @@ from typing import Any, Literal
 import torch
 
 from benchmarks.harness import SMOKE_ENGINE, apply_smoke, setup_logging, summary_line
-from run_config import load_config
+from async_grpo.config.run_config import load_config
 from sample_processing_utils import Sample
-from sampling import SamplingConfig
-from token_versions import token_staleness
+from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.rollouts.token_versions import token_staleness
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class RunResult:
 def write_models(work: Path) -> tuple[Path, list[dict[str, torch.Tensor]]]:
     """The bundled tiny Qwen2 and the two state dicts the pushes alternate between."""
     from setup_model import load_causal_lm
-    from tiny_model import write_tiny_model
+    from async_grpo.model.tiny_model import write_tiny_model
 
     model_dir = write_tiny_model(work / "model")
     model = load_causal_lm(model_dir)
@@ -142,7 +142,7 @@ def prompts(step: int, cfg: InflightConfig, vocab_size: int, seed: int) -> list[
 async def run_job(worker: Any, refs: list[Any], mode: PauseMode, cfg: InflightConfig, vocab_size: int,
                   seed: int) -> RunResult:
     """The trainer's loop at max_lag 1 without the trainer (module docstring)."""
-    from weight_sync import WeightUpdate
+    from async_grpo.weights.weight_sync import WeightUpdate
 
     worker.config = dataclasses.replace(worker.config, weight_update_pause_mode=mode)
     sampling = SamplingConfig(n=cfg.n, temperature=1.0, max_tokens=cfg.max_tokens, seed=seed)
@@ -184,10 +184,10 @@ def _load() -> str:
 async def run_all(cfg: InflightConfig, work: Path) -> list[RunResult]:
     import ray
 
-    from verifier_pool import VerifierPool
+    from async_grpo.rewards.verifier_pool import VerifierPool
     from vllm_worker import GenerationWorker, GenerationWorkerConfig
-    from weight_sync import WeightUpdate, state_dict_to_blobs
-    from worker_options import EngineConfig
+    from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
+    from async_grpo.config.worker_options import EngineConfig
 
     model_dir, state_dicts = write_models(work)
     vocab_size = int(state_dicts[0]["model.embed_tokens.weight"].shape[0])

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import apply_smoke, load_prepare_demo
-from run_config import load_config
+from async_grpo.config.run_config import load_config
 from setup_model import load_causal_lm, load_tokenizer
-from tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 
 PROBLEMS = [(a, b) for a in range(10) for b in range(10)]
 SFT_LR = 1e-3

@@ -40,11 +40,11 @@ from typing import Literal
 import torch
 
 from benchmarks.harness import apply_smoke, REPO_ROOT, launcher_engine_flags, setup_logging
-from dataset import load_prompts
-from distributed_sampler import InfiniteDistributedSampler
-from math_verifier import score_completion
-from metrics import first_reached, moving_average, read_metrics
-from run_config import load_config, split_passthrough
+from async_grpo.data.dataset import load_prompts
+from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
+from async_grpo.rewards.math_verifier import score_completion
+from async_grpo.telemetry.metrics import first_reached, moving_average, read_metrics
+from async_grpo.config.run_config import load_config, split_passthrough
 from sample_processing_utils import Sample
 from trainer_core import TrainerConfig
 

@@ -15,10 +15,10 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from weight_files import weights_file_dir
-from weight_reload import install_reload_warning_filter, with_tied_lm_head
-from weight_sync import write_safetensors
-from weight_transfer_engine import WeightTransferRegistration
+from async_grpo.inference.weight_files import weights_file_dir
+from async_grpo.inference.weight_reload import install_reload_warning_filter, with_tied_lm_head
+from async_grpo.weights.weight_sync import write_safetensors
+from async_grpo.inference.weight_transfer_engine import WeightTransferRegistration
 
 if TYPE_CHECKING:
     import torch

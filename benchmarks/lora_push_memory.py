@@ -38,16 +38,16 @@ import torch
 
 from benchmarks.harness import apply_smoke
 from local_cluster import init_local_ray
-from tiny_model import write_random_adapter as write_adapter
-from math_verifier import RewardResult
-from run_config import load_config
+from async_grpo.model.tiny_model import write_random_adapter as write_adapter
+from async_grpo.rewards.math_verifier import RewardResult
+from async_grpo.config.run_config import load_config
 from sample_processing_utils import Sample
-from sampling import SamplingConfig
-from tiny_model import write_tiny_model
+from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.model.tiny_model import write_tiny_model
 from vllm_worker import GenerationWorker, GenerationWorkerConfig
-from weight_files import weights_file_dir
-from worker_options import EngineConfig
-from weight_sync import StableMarker, WeightUpdate, tensor_to_blob, update_parts, write_stable_marker
+from async_grpo.inference.weight_files import weights_file_dir
+from async_grpo.config.worker_options import EngineConfig
+from async_grpo.weights.weight_sync import StableMarker, WeightUpdate, tensor_to_blob, update_parts, write_stable_marker
 
 WORKER_NAME = "lora-memory-probe"
 FIELDS = ("VmRSS", "RssAnon", "RssShmem", "RssFile")

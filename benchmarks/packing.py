@@ -43,11 +43,11 @@ import torch
 
 from benchmarks.harness import apply_smoke, setup_logging
 from grpo_loss import LossConfig, grpo_loss
-from packed_attention import PACKED_SDPA
-from run_config import load_config
+from async_grpo.model.packed_attention import PACKED_SDPA
+from async_grpo.config.run_config import load_config
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from setup_model import TokenLogprobModel, load_causal_lm
-from tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 
 logger = logging.getLogger("benchmarks.packing")
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from benchmarks.harness import REPO_ROOT
 from benchmarks.process_monitor import format_table
-from tiny_model import PRESETS, ShapeOverrides
+from async_grpo.model.tiny_model import PRESETS, ShapeOverrides
 
 KV_CACHE_MARGIN = 1.25  # vLLM rounds each sequence up to whole blocks and keeps some slack
 MIN_KV_CACHE_BYTES = 64 * 2**20
@@ -191,7 +191,7 @@ def model_dir_name(spec: dict[str, Any]) -> str:
 
 
 def model_writer_command(spec: dict[str, Any], out_dir: Path) -> list[str]:
-    command = [sys.executable, str(REPO_ROOT / "tiny_model.py"), "--out_dir", str(out_dir),
+    command = [sys.executable, "-m", "async_grpo.model.tiny_model", "--out_dir", str(out_dir),
                "--preset", spec["preset"], "--dtype", spec["dtype"]]
     for key, value in spec["overrides"].items():
         command += [f"--model.{key}", str(value).lower() if isinstance(value, bool) else str(value)]

@@ -86,8 +86,8 @@ from benchmarks.realistic_parts import (
     MODEL_SPEC_FILE, SMOKE, RealisticRunConfig, cluster_sizing, final_line, median_row, model_dir_name, model_spec,
     model_writer_command, parameter_count, stage_times, step_rows, steps_table, trainer_yaml, write_gsm8k,
 )
-from metrics import read_metrics
-from run_config import ConfigError, config_to_dict, load_config, split_passthrough
+from async_grpo.telemetry.metrics import read_metrics
+from async_grpo.config.run_config import ConfigError, config_to_dict, load_config, split_passthrough
 
 logger = logging.getLogger(__name__)
 OWN_LABEL = "realistic_run.py (this benchmark)"
@@ -107,7 +107,7 @@ def prepare_model(config: RealisticRunConfig, work_dir: Path, monitor: ProcessMo
     log = work_dir / "model_writer.log"
     rc = run_polled(command, log, monitor, timeout_s=config.timeout_s, phase=lambda: "prepare", poll_s=config.poll_s)
     if rc != 0:
-        raise RunFailed(f"tiny_model.py exited with {rc}; last lines of {log}:\n{tail(log)}")
+        raise RunFailed(f"async_grpo.model.tiny_model exited with {rc}; last lines of {log}:\n{tail(log)}")
     spec_path.write_text(json.dumps(spec, indent=1))
     return model_dir, False
 
@@ -127,7 +127,7 @@ def resolve_trainer(config: RealisticRunConfig, yaml_path: Path, run_dir: Path, 
 
 def prompt_lengths(trainer: Any) -> list[int]:
     """Token counts of the training prompts, loaded exactly as the trainer loads them."""
-    from dataset import load_prompts
+    from async_grpo.data.dataset import load_prompts
     from setup_model import load_tokenizer
 
     tokenizer = load_tokenizer(trainer.model.model_path)

@@ -27,7 +27,7 @@ mostly distinct, so the figure is the cost of verification itself. Pass a size t
 
 `--reward` picks the scoring path (each on the same pool, processes and deadline rules):
     math            math-verify through VerifierPool.score (the default reward), as above;
-    math_function   math-verify as a plug-in reward function (math_verifier:math_verify_reward)
+    math_function   math-verify as a plug-in reward function (async_grpo.rewards.math_verifier:math_verify_reward)
                     through VerifierPool.score_function, same completions, no cache or fast path
                     in the parent (the function's own pre-checks and fast path run in the process);
     function        a trivial Python function (`trivial` below: the completion equals the gold);
@@ -35,7 +35,7 @@ mostly distinct, so the figure is the cost of verification itself. Pass a size t
                     strings), or with --function_hostile misbehaving, inputs that make the
                     function raise, return NaN or a string, hang (killed at
                     --function_timeout_s) or kill its own process;
-    code            code_reward:run_tests on tiny programs (one stdin/stdout test each, half
+    code            async_grpo.rewards.code_reward:run_tests on tiny programs (one stdin/stdout test each, half
                     wrong) in the sandbox; hostile programs loop forever, fork-bomb, allocate
                     8 GB, print 100 MB, write outside their directory or open a socket
                     (--sandbox_timeout_s per program).
@@ -66,10 +66,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from benchmarks.harness import apply_smoke, setup_logging
-from math_verifier import RewardResult
-from verifier_pool import VerifierPool
-from reward_functions import FunctionScore
-from run_config import load_config
+from async_grpo.rewards.math_verifier import RewardResult
+from async_grpo.rewards.verifier_pool import VerifierPool
+from async_grpo.rewards.reward_functions import FunctionScore
+from async_grpo.config.run_config import load_config
 
 # Target length of a long reasoning completion: ~1k tokens, a typical math rollout.
 _LONG_COMPLETION_CHARS = 4000
@@ -96,8 +96,8 @@ _HOSTILE_PROGRAMS = (
     "import socket\nsocket.create_connection(('127.0.0.1', 22))",
 )
 TRIVIAL = "benchmarks.reward:trivial"  # the pool's processes import it from the repository root
-CODE = "code_reward:run_tests"
-MATH_FUNCTION = "math_verifier:math_verify_reward"
+CODE = "async_grpo.rewards.code_reward:run_tests"
+MATH_FUNCTION = "async_grpo.rewards.math_verifier:math_verify_reward"
 
 
 def trivial(prompt: dict, completion: str, token_ids: list[int], metadata: dict) -> float:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from local_cluster import use_loopback_only_ray
-from run_config import load_config
+from async_grpo.config.run_config import load_config
 
 _TARGET_ROUTED_PER_S = 20_000  # issue 21: routing must not limit a 64-GPU job
 _PROMPT_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]  # a short prompt: payload size is not what is measured
@@ -112,7 +112,7 @@ def _stand_in_worker_class() -> Any:
     use_loopback_only_ray)."""
     import ray
 
-    from ray_env import GENERATION
+    from async_grpo.launch.ray_env import GENERATION
     from vllm_registry import Bundle, WorkerHealth, WorkerState, serve_many
 
     @ray.remote(num_cpus=0, max_concurrency=10_000)
@@ -227,7 +227,7 @@ class Bench:
 
     def start_pool(self, count: int) -> tuple[Any, list[Any]]:
         """A fresh generation registry with `count` stand-in workers registered, dealt over the nodes."""
-        from ray_env import GENERATION, RAY_NAMESPACE
+        from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE
         from vllm_registry import RegistryConfig, get_or_create_registry
 
         ray = self._ray
@@ -249,7 +249,7 @@ class Bench:
         for worker in workers:
             ray.kill(worker)
         ray.kill(registry)
-        from ray_env import GENERATION, RAY_NAMESPACE, registry_name
+        from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, registry_name
 
         deadline = time.monotonic() + 60.0
         while time.monotonic() < deadline:  # the name is released asynchronously
@@ -267,7 +267,7 @@ class Bench:
         """One routing run of `count` requests (default: the config's for the path); routed_per_s
         and the registry's CPU microseconds per request."""
         from sample_processing_utils import Sample
-        from sampling import SamplingConfig
+        from async_grpo.rollouts.sampling import SamplingConfig
         from vllm_experience_batcher import BatchedRegistryClient
 
         ray = self._ray
@@ -302,7 +302,7 @@ class Bench:
 
     def batcher(self, registry: Any, batched: bool) -> dict[str, float]:
         """One batcher run; batcher_samples_per_s."""
-        from sampling import SamplingConfig
+        from async_grpo.rollouts.sampling import SamplingConfig
         from vllm_experience_batcher import BatcherConfig
 
         config = self.config
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from ray_env import RAY_NAMESPACE, actor_runtime_env
+    from async_grpo.launch.ray_env import RAY_NAMESPACE, actor_runtime_env
 
     node_args = {"num_cpus": 1, "include_dashboard": False,
                  "_system_config": {"enable_metrics_collection": False, "task_events_report_interval_ms": 0}}

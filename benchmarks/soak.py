@@ -73,8 +73,8 @@ from benchmarks.process_monitor import (
 from benchmarks.soak_parts import (
     SMOKE, TARGET_GROWTH, SoakConfig, compare, process_timelines, read_memory, rss_growth, trainer_args,
 )
-from metrics import read_metrics
-from run_config import config_to_dict, load_config, split_passthrough
+from async_grpo.telemetry.metrics import read_metrics
+from async_grpo.config.run_config import config_to_dict, load_config, split_passthrough
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def run_object_store_probe(address: str, out_path: str, interval_s: float) -> No
     Runs in its own process (probe_command), so the benchmark itself never joins the cluster."""
     import ray
 
-    from ray_cluster import join_cluster
+    from async_grpo.launch.ray_cluster import join_cluster
 
     parent = os.getppid()
     join_cluster(address, namespace="soak-probe", timeout_s=30.0, log_to_driver=False)

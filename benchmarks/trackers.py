@@ -41,7 +41,7 @@ def _record(step: int) -> dict[str, float]:
 
 
 def _one(setting: str, steps: int, gap_s: float, root: Path) -> tuple[float, float, float]:
-    from metrics import MetricsConfig, MetricsLogger
+    from async_grpo.telemetry.metrics import MetricsConfig, MetricsLogger
 
     run_dir = root / f"{setting}-{time.monotonic_ns()}"
     run_dir.mkdir()

@@ -79,9 +79,9 @@ import torch
 
 from benchmarks.harness import apply_smoke, REPO_ROOT
 from local_cluster import LocalCluster, LocalClusterConfig, free_port
-from run_config import load_config
-from tiny_model import TinyModelConfig, write_tiny_model
-from ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, worker_actor_name
+from async_grpo.config.run_config import load_config
+from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.launch.ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, worker_actor_name
 from vllm_registry import get_or_create_registry
 
 logger = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ class ReceiverProbe:
         self.causal_lm = load_causal_lm(model_path)
 
     async def receive(self, update: Any) -> dict[str, float]:
-        from weight_sync import assemble_state_dict
+        from async_grpo.weights.weight_sync import assemble_state_dict
 
         began = time.perf_counter()
         shards = await asyncio.gather(*update.shard_refs)
@@ -248,7 +248,7 @@ class ReceiverProbe:
         return {"fetch_s": fetched - began, "assemble_s": assembled - fetched, "load_s": loaded - assembled}
 
     def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
-        from weight_sync import load_state_dict_into
+        from async_grpo.weights.weight_sync import load_state_dict_into
 
         with torch.no_grad():
             load_state_dict_into(self.causal_lm, state_dict)
@@ -372,7 +372,7 @@ class _CanaryVerifier:
     """The worker's start-up canary verifies '2' against '2'; nothing else is scored here."""
 
     async def score(self, completions: list[str], gt_answer: str) -> list[Any]:
-        from math_verifier import RewardResult
+        from async_grpo.rewards.math_verifier import RewardResult
 
         return [RewardResult(reward=float(c == gt_answer), failed=False, error="") for c in completions]
 
@@ -381,7 +381,7 @@ def _perturbed_update(base: dict[str, torch.Tensor], version: int) -> Any:
     """The model's own tensors with noise of their own, as one 'gather' object in the store."""
     import ray
 
-    from weight_sync import WeightUpdate, state_dict_to_blobs
+    from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
 
     noise = torch.Generator().manual_seed(version)
     state = {k: v + PERTURBATION * torch.randn(v.shape, generator=noise, dtype=v.dtype) for k, v in base.items()}
@@ -396,9 +396,9 @@ async def _engine_pushes(model_dir: Path, repeats: int) -> dict[str, list[float]
 
     from benchmarks.legacy_weight_reload import LEGACY_EXTENSION, legacy_push
     from vllm_worker import GenerationWorker, GenerationWorkerConfig, engine_args
-    from weight_files import reload_buckets
-    from weight_sync import iter_state_dict
-    from worker_options import EngineConfig
+    from async_grpo.inference.weight_files import reload_buckets
+    from async_grpo.weights.weight_sync import iter_state_dict
+    from async_grpo.config.worker_options import EngineConfig
 
     config = GenerationWorkerConfig(model_path=str(model_dir), engine=EngineConfig(
         max_num_seqs=8, kv_cache_memory_bytes=ENGINE_KV_CACHE_BYTES, max_model_len=ENGINE_MAX_MODEL_LEN,
@@ -486,13 +486,13 @@ class TrainerRole:
     def __init__(self, model_dir: Path, with_probe: bool, lora_r: int, run_dir: Path) -> None:
         import ray
 
-        from dataset import DatasetConfig
-        from fsdp_setup import build_training_model, init_distributed
-        from ray_cluster import join_cluster
+        from async_grpo.data.dataset import DatasetConfig
+        from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed
+        from async_grpo.launch.ray_cluster import join_cluster
         from setup_model import LoraConfig, ModelConfig
         from trainer_core import TrainerConfig, make_weight_pusher
-        from weight_pusher import get_or_create_shard_stager
-        from weight_sync import adapter_named_tensors
+        from async_grpo.trainer.weight_pusher import get_or_create_shard_stager
+        from async_grpo.weights.weight_sync import adapter_named_tensors
 
         self.dist = init_distributed()
         join_cluster(os.environ["RAY_ADDRESS"], namespace=RAY_NAMESPACE, timeout_s=30.0, log_to_driver=False)
@@ -532,8 +532,8 @@ class TrainerRole:
         import ray
         import torch.distributed as torch_dist
 
-        from weight_sync import gather_full_state_dict, local_shard_blobs
-        from weight_sync import WeightUpdate, state_dict_to_blobs
+        from async_grpo.weights.weight_sync import gather_full_state_dict, local_shard_blobs
+        from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
 
         version = self.next_version()
         began = time.perf_counter()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from environments import EnvPrompt, Reset, StepResult, Turn
+from async_grpo.rollouts.environments import EnvPrompt, Reset, StepResult, Turn
 
 _NUMBER = re.compile(r"-?\d+")
 

@@ -1,7 +1,7 @@
 """Run an environment's rollouts against a real vLLM engine and print them, turn by turn.
 
     .venv/bin/python -m examples.run_environment --environment.name examples.guess_environment:GuessNumber
-    .venv/bin/python -m examples.run_environment --environment.name tool_environment:ToolEnvironment \\
+    .venv/bin/python -m examples.run_environment --environment.name async_grpo.rollouts.tool_environment:ToolEnvironment \\
         --environment.options '{"tools": ["calculator", "python"]}' --environment.max_total_tokens 512
 
 The rollouts are exactly what a generation worker trains on (multi_turn.run_rollouts over vLLM's
@@ -19,10 +19,10 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from environments import EnvironmentConfig
-from multi_turn import ChatRenderer, MultiTurnStats, engine_generate, run_rollouts
+from async_grpo.rollouts.environments import EnvironmentConfig
+from async_grpo.rollouts.multi_turn import ChatRenderer, MultiTurnStats, engine_generate, run_rollouts
 from sample_processing_utils import Sample
-from sampling import SamplingConfig
+from async_grpo.rollouts.sampling import SamplingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def _engine(model_path: str, max_model_len: int):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from vllm_worker import GenerationWorkerConfig, engine_args
-    from worker_options import EngineConfig
+    from async_grpo.config.worker_options import EngineConfig
 
     # The in-process executor, as GenerationWorker.start selects it on CPU.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -107,7 +107,7 @@ def _segments(sample: Sample, tokenizer) -> list[tuple[bool, str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from run_config import load_config
+    from async_grpo.config.run_config import load_config
 
     config = load_config(RunEnvironmentConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
     config.environment.check()
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="tiny-chat-") as scratch:
         model_path = config.model_path
         if not model_path:
-            from tiny_model import TinyModelConfig, write_tiny_model
+            from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 
             model_path = str(write_tiny_model(scratch, TinyModelConfig(tokenizer="bpe")))
         asyncio.run(_run(config, model_path))

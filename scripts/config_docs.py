@@ -34,7 +34,7 @@ def render() -> str:
     from local_cluster import LocalClusterConfig
     from trainer_core import TrainerConfig
     from worker_dispatcher import DispatcherConfig, StatusConfig
-    from run_config import config_reference
+    from async_grpo.config.run_config import config_reference
 
     entry_points = [
         ("`torchrun trainer_core.py` (and everything after `--` of `local_cluster.py`)", TrainerConfig),

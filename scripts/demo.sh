@@ -39,6 +39,6 @@ $PY local_cluster.py --model_path "$ASSETS/model" --run_dir "$RUN_DIR" --nproc_p
   --eval.data.path "$ASSETS/arithmetic_eval.jsonl" "$@"
 COMMAND_FINISHED_AT=$(date +%s.%N)
 echo "$COMMAND_FINISHED_AT" > "$RUN_DIR/command_finished_at"
-$PY metrics.py plot --run_dir "$RUN_DIR" --out "$RUN_DIR/reward.png" --title "demo: tiny Qwen2, single-digit addition, 2 CPU cores" > /dev/null
+$PY -m async_grpo.telemetry.metrics plot --run_dir "$RUN_DIR" --out "$RUN_DIR/reward.png" --title "demo: tiny Qwen2, single-digit addition, 2 CPU cores" > /dev/null
 awk -v s="$COMMAND_STARTED_AT" -v e="$COMMAND_FINISHED_AT" -v d="$RUN_DIR" \
   'BEGIN { printf "[demo] whole command %.1f min; reward curve in %s/reward.png\n", (e - s) / 60, d }'

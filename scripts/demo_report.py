@@ -8,7 +8,7 @@ Each run directory holds the trainer's metrics.jsonl and, written by scripts/dem
 `command_started_at` file (unix time when the demo command started), so times are reported from
 the command's start: Ray, worker and trainer start-up included. Every figure printed here is
 computed from those files; nothing is typed in by hand. The table and the figure are
-run_report.py's, which `python metrics.py compare` prints and draws for any runs.
+run_report.py's, which `python -m async_grpo.telemetry.metrics compare` prints and draws for any runs.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from run_config import load_config  # noqa: E402
-from run_report import command_times, markdown_table, plot_runs, summarize_run, summary_line, timing_line  # noqa: E402
+from async_grpo.config.run_config import load_config  # noqa: E402
+from async_grpo.telemetry.run_report import command_times, markdown_table, plot_runs, summarize_run, summary_line, timing_line  # noqa: E402
 
 DEMO_TITLE = "demo: tiny Qwen2, single-digit addition, 2 CPU cores (scripts/demo_seeds.sh)"
 

@@ -31,8 +31,8 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from run_config import load_config  # noqa: E402
-from run_report import STARTED_FILE, WINDOW, moving_average, plot_runs, read_metrics, record_minutes  # noqa: E402
+from async_grpo.config.run_config import load_config  # noqa: E402
+from async_grpo.telemetry.run_report import STARTED_FILE, WINDOW, moving_average, plot_runs, read_metrics, record_minutes  # noqa: E402
 
 TOOL_RATE = "multi_turn/observed_frac"
 

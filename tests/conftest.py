@@ -99,7 +99,7 @@ def _fast_tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bundled tiny Qwen2 (untied embeddings), written once and loaded via from_pretrained."""
-    from tiny_model import write_tiny_model
+    from async_grpo.model.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
 
@@ -107,7 +107,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2 with tied input/output embeddings (as Qwen2.5 0.5B/1.5B)."""
-    from tiny_model import TinyModelConfig, write_tiny_model
+    from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-tied"), TinyModelConfig(tie_word_embeddings=True))
 

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from ray_env import repo_pythonpath
+from async_grpo.launch.ray_env import repo_pythonpath
 from torchrun_launch import free_port
 
 WORKER = Path(__file__).resolve().parent / "data_path_worker.py"

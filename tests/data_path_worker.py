@@ -41,9 +41,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batcher_messages import EndOfStep, Minibatch, PromptRequest  # noqa: E402
-from data_path import Rank0DataPath, Rank0DataPathError, encode_message  # noqa: E402
-from fsdp_setup import init_distributed  # noqa: E402
+from async_grpo.batching.batcher_messages import EndOfStep, Minibatch, PromptRequest  # noqa: E402
+from async_grpo.trainer.data_path import Rank0DataPath, Rank0DataPathError, encode_message  # noqa: E402
+from async_grpo.trainer.fsdp_setup import init_distributed  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
 
 FAILED_EXIT = 3
@@ -137,7 +137,7 @@ def _read_step(path: Rank0DataPath, step: int, rank: int, slow: bool, prompts_of
 
 def _batcher(world_size: int, scenario: str) -> Any:
     """A real ExperienceBatcher over the in-process stand-ins (imported here: they need Ray)."""
-    from sampling import SamplingConfig
+    from async_grpo.rollouts.sampling import SamplingConfig
     from test_experience_batcher import FakeGeneration, FakeLogprob, _config
     from vllm_experience_batcher import ExperienceBatcher
 

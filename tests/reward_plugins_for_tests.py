@@ -7,7 +7,7 @@ import asyncio
 import os
 import time
 
-from reward_functions import batched
+from async_grpo.rewards.reward_functions import batched
 
 
 def exact(prompt, completion, token_ids, metadata):

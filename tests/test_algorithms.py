@@ -21,16 +21,16 @@ from typing import Any, Callable
 
 import pytest
 
-from advantages import batch_normalised_advantages, estimate, group_advantages, leave_one_out_advantages
-from algorithm import (
+from async_grpo.algo.advantages import batch_normalised_advantages, estimate, group_advantages, leave_one_out_advantages
+from async_grpo.algo.algorithm import (
     AlgorithmConfig, AlgorithmContext, DistillConfig, KLController, KLSchedule, PreparedSamples,
     builtin_prepare,
     check_prepared, load_prepare_fn,
 )
-from distributed_sampler import InfiniteDistributedSampler
+from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from grpo_loss import LossConfig, step_divisor
 from sample_processing_utils import Sample, TokenLogprobs, post_process_batch
-from sampling import SamplingConfig
+from async_grpo.rollouts.sampling import SamplingConfig
 from vllm_experience_batcher import BatcherConfig, EndOfStep, ExperienceBatcher, Minibatch, PromptRequest
 
 _WAIT_BOUND_S = 60.0  # a broken batcher fails the test instead of hanging it; never what decides a pass
@@ -161,7 +161,7 @@ def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """A user's algorithm module on the import path: a median baseline with per-token credit."""
     (tmp_path / "my_algos.py").write_text(textwrap.dedent('''
         import statistics
-        from algorithm import PreparedSamples
+        from async_grpo.algo.algorithm import PreparedSamples
 
         def median_baseline(samples, ctx):
             median = statistics.median(s.reward for s in samples)
@@ -502,7 +502,7 @@ def test_sampler_resume_passes_over_extras_already_trained() -> None:
 
 
 def test_dataset_records_may_carry_group_and_run_ids(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from dataset import DatasetConfig, DatasetError, load_prompts
+    from async_grpo.data.dataset import DatasetConfig, DatasetError, load_prompts
     from setup_model import load_tokenizer
 
     path = tmp_path / "variants.jsonl"

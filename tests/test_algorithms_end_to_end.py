@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from local_cluster import LocalCluster, LocalClusterConfig, local_engine
-from metrics import read_metrics
+from async_grpo.telemetry.metrics import read_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 

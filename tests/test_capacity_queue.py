@@ -17,8 +17,8 @@ from typing import Any, Awaitable, Callable
 
 import pytest
 
-from capacity_queue import CapacityQueue, WorkerLoad, WorkerPoolError
-from lease_book import DIED, FAILED, SERVED, BatchOutcome, LeaseBook
+from async_grpo.routing.capacity_queue import CapacityQueue, WorkerLoad, WorkerPoolError
+from async_grpo.routing.lease_book import DIED, FAILED, SERVED, BatchOutcome, LeaseBook
 
 _NAME = "generation-registry"
 # Upper bound on how long a test waits for something that should happen at once; it keeps a

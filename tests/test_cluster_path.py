@@ -41,8 +41,8 @@ from pathlib import Path
 
 import pytest
 
-from metrics import read_metrics
-from ray_env import LOOPBACK_ONLY_ENV, PROMPT_STOP_ENV, repo_pythonpath
+from async_grpo.telemetry.metrics import read_metrics
+from async_grpo.launch.ray_env import LOOPBACK_ONLY_ENV, PROMPT_STOP_ENV, repo_pythonpath
 from process_output import OutputLog
 from torchrun_launch import free_port
 

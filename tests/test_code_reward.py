@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-import code_reward
-from verifier_pool import VerifierPool
+from async_grpo.rewards import code_reward
+from async_grpo.rewards.verifier_pool import VerifierPool
 
 SQUARE_TESTS = [{"input": "3\n", "output": "9\n"}, {"input": "12\n", "output": "144\n"},
                 {"input": "-2\n", "output": "4"}]
@@ -60,7 +60,7 @@ def test_through_the_pool_hostile_programs_score_zero_in_bounded_time():
     deadline = 2 * code_reward.DEFAULT_SANDBOX.timeout_s + 5
     with VerifierPool(num_processes=2, timeout_s=deadline) as pool:
         start = time.monotonic()
-        scores = pool.score_function_sync("code_reward:run_tests", [_call(_fenced(p), one_test) for p in programs])
+        scores = pool.score_function_sync("async_grpo.rewards.code_reward:run_tests", [_call(_fenced(p), one_test) for p in programs])
         elapsed = time.monotonic() - start
         assert [(s.reward, s.solved, s.failed) for s in scores] == [(1.0, True, False)] + [(0.0, False, False)] * 5
         assert elapsed < len(programs) * deadline + SLACK_S

@@ -1,4 +1,4 @@
-"""`python metrics.py compare`: the table and the figure of run_report.py, checked against values
+"""`python -m async_grpo.telemetry.metrics compare`: the table and the figure of run_report.py, checked against values
 worked out by hand on synthetic metrics.jsonl files (binary-exact rewards, so means compare
 exactly); the same code is the demo's report (scripts/demo_report.py)."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pytest
 
-from metrics import main as metrics_main
-from run_report import COMMAND_TIME, TRAINER_TIME, compare_runs, runs_figure, summarize_run
+from async_grpo.telemetry.metrics import main as metrics_main
+from async_grpo.telemetry.run_report import COMMAND_TIME, TRAINER_TIME, compare_runs, runs_figure, summarize_run
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Run "fast": rewards 0, .25, .75, .75, 1 at 10 s a step; 2-step means 0, .125, .5, .75, .875.
@@ -94,7 +94,7 @@ def test_compare_command_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     printed = capsys.readouterr().out
     assert "| fast | 7 | 5 | step 2 (0.5 min) | 0.875 | 0.750 | 3.00 | - |" in printed
     assert f"wrote {out}" in printed and out.is_file()
-    missing = subprocess.run([sys.executable, "metrics.py", "compare", str(fast), str(tmp_path / "nope")],
+    missing = subprocess.run([sys.executable, "-m", "async_grpo.telemetry.metrics", "compare", str(fast), str(tmp_path / "nope")],
                              cwd=REPO_ROOT, capture_output=True, text=True)
     assert missing.returncode == 2
     expected = f"metrics.py compare: {tmp_path / 'nope'}: no metrics.jsonl (is it a run directory?)"

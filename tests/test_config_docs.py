@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from run_config import _flags, config_reference
+from async_grpo.config.run_config import _flags, config_reference
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from local_cluster import DispatcherLogRelay, relayed
-from console import (
+from async_grpo.telemetry.console import (
     CONSOLE, LOG_FILE, ConsoleFilter, ConsoleProgress, DropWarnings, configure_logging, eval_line, progress_text,
 )
-from metrics import MetricsLogger, read_metrics
-from run_report import drop_counts, drops_text, run_summary, timing_line
+from async_grpo.telemetry.metrics import MetricsLogger, read_metrics
+from async_grpo.telemetry.run_report import drop_counts, drops_text, run_summary, timing_line
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,9 +49,9 @@ def restore_logging():
 
 
 def _log_the_kinds() -> None:
-    logging.getLogger("weight_sync").info("pushed weights v1")
-    logging.getLogger("evaluation").info("an evaluation line", extra=CONSOLE)
-    logging.getLogger("metrics").warning("a drop warning")
+    logging.getLogger("async_grpo.weights.weight_sync").info("pushed weights v1")
+    logging.getLogger("async_grpo.trainer.evaluation").info("an evaluation line", extra=CONSOLE)
+    logging.getLogger("async_grpo.telemetry.metrics").warning("a drop warning")
     logging.getLogger("ray._private.worker").info("Started a local Ray instance.")
     logging.getLogger("ray._private.authentication").warning("Token authentication is enabled")
     logging.getLogger("ray.actor").error("an actor died")
@@ -70,8 +70,8 @@ def test_the_default_console_shows_marked_lines_and_warnings_the_file_every_info
     assert all(line[2] == line[5] == ":" for line in console)
     in_file = [line.split(" ", 2)[2] for line in log_file.read_text().splitlines()]  # without the date and time
     assert in_file == [
-        "[rank0] INFO weight_sync: pushed weights v1", "[rank0] INFO evaluation: an evaluation line",
-        "[rank0] WARNING metrics: a drop warning", "[rank0] INFO ray._private.worker: Started a local Ray instance.",
+        "[rank0] INFO async_grpo.weights.weight_sync: pushed weights v1", "[rank0] INFO async_grpo.trainer.evaluation: an evaluation line",
+        "[rank0] WARNING async_grpo.telemetry.metrics: a drop warning", "[rank0] INFO ray._private.worker: Started a local Ray instance.",
         "[rank0] WARNING ray._private.authentication: Token authentication is enabled",
         "[rank0] ERROR ray.actor: an actor died", "[rank0] WARNING vllm.engine: Triton is not installed"]
 
@@ -90,10 +90,10 @@ def test_the_run_log_waits_for_its_folder(tmp_path: Path, restore_logging) -> No
     """A run that fails its input checks leaves no run directory: run.log starts once it exists."""
     run_dir = tmp_path / "run"
     configure_logging("warning", log_file=run_dir / LOG_FILE)
-    logging.getLogger("dataset").info("loaded 4 prompts")
+    logging.getLogger("async_grpo.data.dataset").info("loaded 4 prompts")
     assert not run_dir.exists()
     run_dir.mkdir()
-    logging.getLogger("weight_sync").info("pushed weights v0")
+    logging.getLogger("async_grpo.weights.weight_sync").info("pushed weights v0")
     assert [line.split(": ", 1)[1] for line in (run_dir / LOG_FILE).read_text().splitlines()] == [
         "loaded 4 prompts", "pushed weights v0"]
 
@@ -143,7 +143,7 @@ def _record(reward: float, step_s: float = 1.0, **extra: float) -> dict[str, flo
 
 def test_plain_progress_prints_a_line_every_tenth_of_the_run(caplog: pytest.LogCaptureFixture) -> None:
     progress = ConsoleProgress(25, initial=5, interactive=False)  # a resumed run: 20 steps left, a line every 2
-    with caplog.at_level(logging.INFO, logger="console"):
+    with caplog.at_level(logging.INFO, logger="async_grpo.telemetry.console"):
         for step in range(5, 25):
             extra = {"eval/accuracy": 0.5} if step == 10 else {}
             progress.update(step, _record(step / 100, **extra))
@@ -225,7 +225,7 @@ def test_run_summary_by_hand(tmp_path: Path) -> None:
 def test_metrics_logger_prints_evaluations_and_drops(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     sink = MetricsLogger(tmp_path, tensorboard=False, progress_total=3, progress_bar=False)
     base = {"reward/accuracy": 0.5, "loss/kl": 0.0, "response/length_mean": 3.0, "entropy/first_token": 1.0}
-    with caplog.at_level(logging.INFO, logger="metrics"):
+    with caplog.at_level(logging.INFO, logger="async_grpo.telemetry.metrics"):
         sink.log(0, {**_record(0.5), **base, "counts/dropped_stale": 1.0})
         sink.log(1, {**_record(0.5), **base, "eval/accuracy": 0.25})
         sink.log(2, {**_record(0.5), **base, "counts/timed_out_prompts": 2.0})
@@ -287,7 +287,7 @@ _INFO_RECORD = re.compile(r"\bINFO ([\w.]+: |[\w.]+\.py:\d+ |\d\d-\d\d )")
 @pytest.mark.distributed
 @pytest.mark.system
 def test_a_real_run_prints_progress_evaluations_and_the_summary_only(demo_assets: Path, tmp_path: Path) -> None:
-    from arithmetic_data import write_arithmetic_table
+    from async_grpo.data.arithmetic_data import write_arithmetic_table
 
     table = write_arithmetic_table(tmp_path / "eval.jsonl", max_operand=2)  # 9 held-out prompts
     run = tmp_path / "run"
@@ -314,7 +314,7 @@ def test_a_real_run_prints_progress_evaluations_and_the_summary_only(demo_assets
     for absent in ("pushed weights", "metrics: step", "Started a local Ray instance", "Connecting to",
                    "Token authentication", "OMP_NUM_THREADS", "Loading weights", "EngineCore", "[rank1]"):
         assert absent not in console, f"{absent!r} on the console:\n{console[-4000:]}"
-    # An INFO record in our format (`INFO metrics: `), Ray's (`INFO worker.py:1841 -- `) or vLLM's (`INFO 11-25 `).
+    # An INFO record in our format (`INFO async_grpo.telemetry.metrics: `), Ray's (`INFO worker.py:1841 -- `) or vLLM's (`INFO 11-25 `).
     assert not _INFO_RECORD.search(console), console[-4000:]
     shown = [line[9:] for line in console.splitlines() if _CLOCK.match(line)]
     assert len(shown) == len(console.strip().splitlines()), console  # every line is one of ours
@@ -359,8 +359,8 @@ def test_a_real_run_prints_progress_evaluations_and_the_summary_only(demo_assets
     # run.log holds every INFO line: the per-step ones, the pushes, Ray's start-up.
     run_log = (run / LOG_FILE).read_text()
     for step, reward in enumerate(rewards):
-        assert f"[rank0] INFO metrics: step {step} reward {reward:.3f} " in run_log
-    assert f"[rank0] INFO weight_pusher: pushed weights v{STEPS} " in run_log
+        assert f"[rank0] INFO async_grpo.telemetry.metrics: step {step} reward {reward:.3f} " in run_log
+    assert f"[rank0] INFO async_grpo.trainer.weight_pusher: pushed weights v{STEPS} " in run_log
     for line in ("[launcher] INFO ray._private.worker: Started a local Ray instance.",
                  "[rank0] INFO ray._private.worker: Connected to Ray cluster.",
                  "[launcher] INFO __main__: generation-0 worker registered"):

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 
-import data_path
-from data_path import Rank0DataPath, Rank0DataPathError, decode_message, encode_message, payload_nbytes
-from fsdp_setup import DistInfo
+from async_grpo.trainer import data_path
+from async_grpo.trainer.data_path import Rank0DataPath, Rank0DataPathError, decode_message, encode_message, payload_nbytes
+from async_grpo.trainer.fsdp_setup import DistInfo
 from sample_processing_utils import Sample
 from data_path_launch import DIST_TIMEOUT_S, check_rank0_gone, launch_pair
 from test_experience_batcher import FakeGeneration, FakeLogprob, _config, _fake_logprobs, _prompts

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from arithmetic_data import write_arithmetic_dataset, write_arithmetic_table
-from dataset import DatasetConfig, DatasetError, load_prompt_file, load_prompts
+from async_grpo.data.arithmetic_data import write_arithmetic_dataset, write_arithmetic_table
+from async_grpo.data.dataset import DatasetConfig, DatasetError, load_prompt_file, load_prompts
 from setup_model import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -203,7 +203,7 @@ def test_arithmetic_table_holds_every_problem_exactly_once(tmp_path: Path, token
 def test_arithmetic_cli_writes_the_same_file(tmp_path: Path) -> None:
     out = tmp_path / "cli.jsonl"
     subprocess.run(
-        [sys.executable, "dataset.py", "write-arithmetic", "--out", str(out), "--num_samples", "20", "--seed", "7"],
+        [sys.executable, "-m", "async_grpo.data.dataset", "write-arithmetic", "--out", str(out), "--num_samples", "20", "--seed", "7"],
         check=True, cwd=REPO_ROOT, capture_output=True, timeout=120,
     )
     assert out.read_bytes() == write_arithmetic_dataset(tmp_path / "api.jsonl", num_samples=20, seed=7).read_bytes()
@@ -300,7 +300,7 @@ def test_auto_detects_the_format_from_the_first_record_and_logs_it(
     tmp_path: Path, tokenizer, caplog: pytest.LogCaptureFixture, records: list[dict], expected_format: str
 ) -> None:
     path = _write_jsonl(tmp_path / "data.jsonl", records)
-    with caplog.at_level(logging.INFO, logger="dataset"):
+    with caplog.at_level(logging.INFO, logger="async_grpo.data.dataset"):
         auto = load_prompt_file(DatasetConfig(path=str(path)), tokenizer)
     explicit = load_prompt_file(DatasetConfig(path=str(path), format=expected_format), tokenizer)
     assert auto.stats.format == expected_format
@@ -389,7 +389,7 @@ def test_missing_answer_skip_counts_and_logs_the_skipped_records(
     with pytest.raises(DatasetError, match=re.escape(f"{path}:4: field 'solution' is empty")):
         load_prompts(DatasetConfig(path=str(path), format="math", missing_answer="skip"), tokenizer)
     path = _write_jsonl(tmp_path / "math.jsonl", records[:3])
-    with caplog.at_level(logging.INFO, logger="dataset"):
+    with caplog.at_level(logging.INFO, logger="async_grpo.data.dataset"):
         loaded = load_prompt_file(DatasetConfig(path=str(path), format="math", missing_answer="skip"), tokenizer)
     assert _sample_fields(loaded.samples) == [
         (_tiny_ids("What is $\\frac{1}{2}+\\frac{1}{4}$?"), "\\frac{3}{4}", 0), (_tiny_ids("Which set?"), "\\{1, 2\\}", 1),
@@ -580,7 +580,7 @@ def test_a_failing_chat_template_names_the_record_and_the_model(tmp_path: Path, 
 def test_check_command_reports_a_gsm8k_parquet_file_with_a_chat_template(tmp_path: Path, chat_model_dir: Path) -> None:
     path = _write_parquet(tmp_path / "gsm8k.parquet", [{"question": "1+1=", "answer": "#### 2"}, GSM8K_RECORDS[1]])
     done = subprocess.run(
-        [sys.executable, "dataset.py", "check", "--path", str(path), "--model_path", str(chat_model_dir),
+        [sys.executable, "-m", "async_grpo.data.dataset", "check", "--path", str(path), "--model_path", str(chat_model_dir),
          "--format", "gsm8k", "--chat_template", "--system_prompt", "Be brief.", "--show", "1"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
     )
@@ -590,7 +590,7 @@ def test_check_command_reports_a_gsm8k_parquet_file_with_a_chat_template(tmp_pat
     assert f"prompt 0 (42 tokens): {expected_prompt!r}\n  gt_answer: '2'\n" in done.stdout
     assert "ok: PromptFileStats(format='gsm8k', prompts=2" in done.stdout
     bad = subprocess.run(
-        [sys.executable, "dataset.py", "check", "--path", str(path), "--model_path", str(chat_model_dir),
+        [sys.executable, "-m", "async_grpo.data.dataset", "check", "--path", str(path), "--model_path", str(chat_model_dir),
          "--format", "math"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
     )
@@ -609,7 +609,7 @@ def test_example_data_configs_load_into_the_trainer_config_and_read_their_format
     tmp_path: Path, chat_tokenizer, config_file: str, records: list[dict], question: str, answer: str,
     expected_text: str,
 ) -> None:
-    from run_config import load_config
+    from async_grpo.config.run_config import load_config
     from trainer_core import TrainerConfig
 
     path = _write_parquet(tmp_path / "data.parquet", records)

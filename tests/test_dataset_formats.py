@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dataset import DatasetConfig, DatasetError, load_prompt_file, load_prompts
-from evaluation import EvalConfig, EvalDataConfig, load_eval_prompts
-from rewards import RewardConfig
+from async_grpo.data.dataset import DatasetConfig, DatasetError, load_prompt_file, load_prompts
+from async_grpo.trainer.evaluation import EvalConfig, EvalDataConfig, load_eval_prompts
+from async_grpo.rewards.rewards import RewardConfig
 from setup_model import load_tokenizer
 from test_dataset import CHATML_TEMPLATE, IM_END, IM_START
 
@@ -91,14 +91,14 @@ def test_verl_needs_a_chat_template(tmp_path: Path, tiny_model_dir: Path) -> Non
 
 
 def test_data_source_picks_the_reward_function() -> None:
-    config = RewardConfig(by_data_source=("codecontests=code_reward:run_tests",
-                                          "openai/gsm8k=math_verifier:math_verify_reward"))
-    assert config.functions_for(VERL_RECORDS[1]) == (("code_reward:run_tests",), (1.0,))
-    assert config.functions_for(VERL_RECORDS[0]) == (("math_verifier:math_verify_reward",), (1.0,))
+    config = RewardConfig(by_data_source=("codecontests=async_grpo.rewards.code_reward:run_tests",
+                                          "openai/gsm8k=async_grpo.rewards.math_verifier:math_verify_reward"))
+    assert config.functions_for(VERL_RECORDS[1]) == (("async_grpo.rewards.code_reward:run_tests",), (1.0,))
+    assert config.functions_for(VERL_RECORDS[0]) == (("async_grpo.rewards.math_verifier:math_verify_reward",), (1.0,))
     assert config.functions_for({"data_source": "other"}) == ((), ())  # math-verify, the default
     assert config.functions_for(None) == ((), ())
     with pytest.raises(ValueError, match="'data_source=module:function'"):
-        RewardConfig(by_data_source=("code_reward:run_tests",))
+        RewardConfig(by_data_source=("async_grpo.rewards.code_reward:run_tests",))
     with pytest.raises(ValueError, match="RewardConfig.by_data_source: reward function 'no_such_module_24:f'"):
         RewardConfig(by_data_source=("x=no_such_module_24:f",))
 

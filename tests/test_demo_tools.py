@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 import demo_tools_report  # noqa: E402
 import prepare_tool_demo  # noqa: E402
-from environments import EnvPrompt, Turn  # noqa: E402
-from tiny_model import build_tiny_tokenizer  # noqa: E402
-from tool_environment import ToolEnvironment  # noqa: E402
+from async_grpo.rollouts.environments import EnvPrompt, Turn  # noqa: E402
+from async_grpo.model.tiny_model import build_tiny_tokenizer  # noqa: E402
+from async_grpo.rollouts.tool_environment import ToolEnvironment  # noqa: E402
 
 
 @pytest.fixture(scope="module")

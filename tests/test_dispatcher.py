@@ -22,11 +22,11 @@ import pytest
 
 from local_cluster import LOOPBACK_ONLY_ENV
 from process_output import OutputLog
-from ray_env import GENERATION, LOGPROB, PROMPT_STOP_ENV, registry_name, repo_pythonpath, worker_actor_name
-from run_config import load_config
+from async_grpo.launch.ray_env import GENERATION, LOGPROB, PROMPT_STOP_ENV, registry_name, repo_pythonpath, worker_actor_name
+from async_grpo.config.run_config import load_config
 from torchrun_launch import free_port
 from worker_dispatcher import REGISTERED_LINE, DispatcherConfig, format_status
-from worker_options import EngineConfig, LogprobBatchingConfig
+from async_grpo.config.worker_options import EngineConfig, LogprobBatchingConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DISPATCHER = str(REPO_ROOT / "worker_dispatcher.py")
@@ -74,7 +74,7 @@ def ray_head() -> Iterator[dict[str, str]]:
 # Run in a child process: joining a cluster switches Ray's auth mode for the whole process.
 # Token auth on (a token exists) before `ray` is imported, as the dispatcher does for itself.
 _LIST_NAMED_ACTORS = """
-import ray_env; ray_env.use_ray_token_auth_if_available()
+from async_grpo.launch import ray_env; ray_env.use_ray_token_auth_if_available()
 import json, worker_dispatcher, ray
 worker_dispatcher.connect("auto", log_to_driver=False)
 print(json.dumps(sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -83,7 +83,7 @@ print(json.dumps(sorted(a["name"] for a in ray.util.list_named_actors(all_namesp
 
 
 _KILL_ACTOR = """
-import ray_env; ray_env.use_ray_token_auth_if_available()
+from async_grpo.launch import ray_env; ray_env.use_ray_token_auth_if_available()
 import sys, worker_dispatcher, ray
 worker_dispatcher.connect("auto", log_to_driver=False)
 ray.kill(ray.get_actor(sys.argv[1], namespace=worker_dispatcher.RAY_NAMESPACE))
@@ -108,7 +108,7 @@ def _named_actors(env: dict[str, str]) -> list[str]:
 
 
 def test_token_auth_turns_on_only_when_a_token_exists_and_the_mode_is_unset(tmp_path):
-    from ray_env import ray_auth_token_exists, use_ray_token_auth_if_available
+    from async_grpo.launch.ray_env import ray_auth_token_exists, use_ray_token_auth_if_available
 
     home = tmp_path / "home"
     home.mkdir()
@@ -233,7 +233,7 @@ def test_dispatcher_registers_reports_and_stops_cleanly(ray_head, tiny_model_dir
 
 @pytest.mark.vllm
 def test_dispatcher_replaces_a_dead_worker_cleans_its_files_then_gives_up(ray_head, tiny_model_dir):
-    from weight_files import weights_file_dir
+    from async_grpo.inference.weight_files import weights_file_dir
 
     command = [
         sys.executable, DISPATCHER, "--model_path", str(tiny_model_dir), "--mode", GENERATION,

@@ -7,7 +7,7 @@ from itertools import islice
 
 import pytest
 
-from distributed_sampler import InfiniteDistributedSampler
+from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 
 
 def test_sampler_ranks_are_disjoint_within_each_epoch() -> None:

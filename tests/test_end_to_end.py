@@ -22,13 +22,13 @@ import pytest
 import torch
 import yaml
 
-from checkpoint import latest_checkpoint
-from distributed_sampler import InfiniteDistributedSampler
+from async_grpo.trainer.checkpoint import latest_checkpoint
+from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from local_cluster import LocalCluster, LocalClusterConfig, local_engine
-from metrics import moving_average, read_metrics
-from ray_env import GENERATION, RAY_NAMESPACE, registry_name
+from async_grpo.telemetry.metrics import moving_average, read_metrics
+from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, registry_name
 from tracker_readers import trackio_run, wandb_offline_runs
-from trackers import flatten_config, mlflow_key
+from async_grpo.telemetry.trackers import flatten_config, mlflow_key
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
@@ -118,7 +118,7 @@ def _finished(cluster: LocalCluster, demo_assets: Path, run_dir: Path, *extra: s
 
 @pytest.fixture(scope="module")
 def eval_table(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from arithmetic_data import write_arithmetic_table
+    from async_grpo.data.arithmetic_data import write_arithmetic_table
 
     return write_arithmetic_table(tmp_path_factory.mktemp("eval") / "eval.jsonl", max_operand=2)  # 9 prompts
 
@@ -141,7 +141,7 @@ def tracked_run(cluster: LocalCluster, demo_assets: Path, eval_table: Path,
         env.setenv("TRACKIO_DIR", str(root / "trackio"))  # trackio's database, not ~/.cache
         return _finished(cluster, demo_assets, root / "trackers", *THREE_STEPS, "--max_lag", "1",
                          "--eval.data.path", str(eval_table),
-                         "--sampling.reward.functions", "math_verifier:math_verify_reward", "code_reward:run_tests",
+                         "--sampling.reward.functions", "async_grpo.rewards.math_verifier:math_verify_reward", "async_grpo.rewards.code_reward:run_tests",
                          "--tensorboard", "true",
                          "--metrics.report_to", "jsonl", "tensorboard", "wandb", "mlflow", "trackio")
 
@@ -230,9 +230,9 @@ def _seeded_tokens(demo_assets: Path, seed: int | None) -> list[list[list[int]]]
     """The generation worker's completions of the first three demo prompts, sampled with `seed`."""
     import ray
 
-    from dataset import DatasetConfig, load_prompts
+    from async_grpo.data.dataset import DatasetConfig, load_prompts
     from setup_model import load_tokenizer
-    from sampling import SamplingConfig
+    from async_grpo.rollouts.sampling import SamplingConfig
 
     prompts = load_prompts(DatasetConfig(path=str(demo_assets / "arithmetic.jsonl"), max_prompt_tokens=16),
                            load_tokenizer(demo_assets / "model"))[:3]
@@ -245,7 +245,7 @@ def _seeded_tokens(demo_assets: Path, seed: int | None) -> list[list[list[int]]]
 def test_seeded_requests_repeat_exactly_and_steps_differ(cluster: LocalCluster, demo_assets: Path) -> None:
     """The real engine: one request seed gives the same completions again; the seed the batcher
     derives for another step gives other ones (8 samples of a 0-18 answer rarely repeat)."""
-    from sampling import derive_seed
+    from async_grpo.rollouts.sampling import derive_seed
 
     step0, step1 = derive_seed(0, 0), derive_seed(0, 1)
     first = _seeded_tokens(demo_assets, step0)
@@ -375,7 +375,7 @@ LEARNING_MARGIN = 0.10
 
 
 def test_reward_rises_on_the_easiest_setting(cluster: LocalCluster, demo_assets: Path, tmp_path: Path) -> None:
-    from arithmetic_data import write_arithmetic_dataset
+    from async_grpo.data.arithmetic_data import write_arithmetic_dataset
 
     easy = write_arithmetic_dataset(tmp_path / "easy.jsonl", num_samples=300, seed=1, max_operand=2)
     records = _train(cluster, demo_assets, tmp_path / "run", "--num_steps", str(LEARNING_STEPS),
@@ -436,12 +436,12 @@ def _reached(records: list[dict], threshold: float) -> str:
 
 
 def test_compare_the_two_runs(tracked_run: FinishedRun, plain_run: FinishedRun, tmp_path: Path) -> None:
-    """`python metrics.py compare` and the demo's report on two finished runs, checked against the
+    """`python -m async_grpo.telemetry.metrics compare` and the demo's report on two finished runs, checked against the
     same figures computed here from their metrics.jsonl files."""
     two_runs = (tracked_run.run_dir, plain_run.run_dir)
     out = tmp_path / "compare.png"
     # 0.0: reached by the first full window; 1.01: above any reward.
-    command = [sys.executable, "metrics.py", "compare", *map(str, two_runs), "--out", str(out),
+    command = [sys.executable, "-m", "async_grpo.telemetry.metrics", "compare", *map(str, two_runs), "--out", str(out),
                "--window", str(COMPARE_WINDOW), "--thresholds", "0.0", "1.01"]
     printed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
     rows = {line.split(" | ")[0].removeprefix("| "): line for line in printed.splitlines() if line.startswith("| ")}
@@ -460,7 +460,7 @@ def test_compare_the_two_runs(tracked_run: FinishedRun, plain_run: FinishedRun, 
     report = tmp_path / "report.md"
     subprocess.run([sys.executable, "scripts/demo_report.py", "--runs", *map(str, two_runs), "--out_md", str(report)],
                    cwd=REPO_ROOT, check=True, capture_output=True)
-    default = subprocess.run([sys.executable, "metrics.py", "compare", *map(str, two_runs), "--out", str(out)],
+    default = subprocess.run([sys.executable, "-m", "async_grpo.telemetry.metrics", "compare", *map(str, two_runs), "--out", str(out)],
                              cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
     table = [line for line in default.splitlines() if line.startswith("|")]
     assert table and all(line in report.read_text().splitlines() for line in table)

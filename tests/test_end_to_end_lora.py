@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import latest_checkpoint
+from async_grpo.trainer.checkpoint import latest_checkpoint
 from local_cluster import LocalCluster, LocalClusterConfig, local_engine
 from test_end_to_end import _generation_versions, _train
-from weight_sync import read_stable_marker
+from async_grpo.weights.weight_sync import read_stable_marker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 

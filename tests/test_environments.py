@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from environments import EnvironmentConfig, Reset, StepResult
-from sampling import VerifiersEnvConfig
-from tool_environment import ToolEnvironment
+from async_grpo.rollouts.environments import EnvironmentConfig, Reset, StepResult
+from async_grpo.rollouts.sampling import VerifiersEnvConfig
+from async_grpo.rollouts.tool_environment import ToolEnvironment
 
 
 def test_a_named_environment_is_imported_and_its_options_bound() -> None:
-    config = EnvironmentConfig(name="tool_environment:ToolEnvironment", options={"tools": ["calculator"]})
+    config = EnvironmentConfig(name="async_grpo.rollouts.tool_environment:ToolEnvironment", options={"tools": ["calculator"]})
     assert config.check() is ToolEnvironment
     env = config.make()
     assert isinstance(env, ToolEnvironment) and env.tools == ("calculator",)
@@ -22,9 +22,9 @@ def test_a_named_environment_is_imported_and_its_options_bound() -> None:
 
 @pytest.mark.parametrize(("name", "options", "message"), [
     ("no_such_module_xyz:Env", {}, "cannot import module 'no_such_module_xyz'"),
-    ("tool_environment:NoSuchClass", {}, "has no class 'NoSuchClass'"),
-    ("environments:EnvPrompt", {}, "has no reset or step method"),
-    ("tool_environment:ToolEnvironment", {"tool": ["calculator"]}, r"options \['tool'\] do not fit"),
+    ("async_grpo.rollouts.tool_environment:NoSuchClass", {}, "has no class 'NoSuchClass'"),
+    ("async_grpo.rollouts.environments:EnvPrompt", {}, "has no reset or step method"),
+    ("async_grpo.rollouts.tool_environment:ToolEnvironment", {"tool": ["calculator"]}, r"options \['tool'\] do not fit"),
 ])
 def test_a_bad_environment_fails_in_one_line(name: str, options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message) as info:
@@ -51,9 +51,9 @@ def test_records_refuse_two_observations_and_bad_rewards() -> None:
 
 
 def test_options_from_the_command_line_are_one_json_object() -> None:
-    from run_config import load_config
+    from async_grpo.config.run_config import load_config
 
-    config = load_config(EnvironmentConfig, ["--name", "tool_environment:ToolEnvironment",
+    config = load_config(EnvironmentConfig, ["--name", "async_grpo.rollouts.tool_environment:ToolEnvironment",
                                              "--options", '{"tools": ["python"]}'])
     assert config.options == {"tools": ["python"]}
     with pytest.raises(ValueError, match="EnvironmentConfig.options must be a JSON object"):

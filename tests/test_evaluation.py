@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from arithmetic_data import write_arithmetic_table
-from dataset import DatasetConfig, DatasetError
-from evaluation import (
+from async_grpo.data.arithmetic_data import write_arithmetic_table
+from async_grpo.data.dataset import DatasetConfig, DatasetError
+from async_grpo.trainer.evaluation import (
     EvalConfig,
     EvalDataConfig,
     EvaluationError,
@@ -29,7 +29,7 @@ from evaluation import (
     pass_at_k,
 )
 from sample_processing_utils import Sample
-from sampling import SamplingConfig
+from async_grpo.rollouts.sampling import SamplingConfig
 
 # The training sampling the evaluator derives its requests from: its reward policy for truncated
 # completions (-0.5, to tell it from a wrong answer) and max_tokens carry over.
@@ -187,7 +187,7 @@ def test_eval_config_defaults_are_off_and_schedule_includes_the_last_step() -> N
 
 
 def test_eval_config_loads_from_flags() -> None:
-    from run_config import load_config
+    from async_grpo.config.run_config import load_config
 
     config = load_config(EvalConfig, ["--data.path", "eval.jsonl", "--every", "50", "--pass_k", "4",
                                       "--num_samples", "8", "--max_tokens", "none"])
@@ -312,7 +312,7 @@ def test_evaluator_through_a_real_registry_and_worker(ray_local, tiny_model_dir:
     from test_vllm_worker import _config, _expected_reward, _write_answering_model
 
     from vllm_experience_batcher import RayRegistryClient
-    from ray_env import GENERATION, RAY_NAMESPACE, actor_runtime_env
+    from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, actor_runtime_env
     from vllm_registry import RegistryConfig, get_or_create_registry
     from vllm_worker import GenerationWorkerActor
     from setup_model import load_tokenizer

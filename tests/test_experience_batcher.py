@@ -21,12 +21,12 @@ import pytest
 import ray
 
 from sample_processing_utils import Sample, TokenLogprobs
-from ray_env import BATCHER_ACTOR_NAME
-from batcher_messages import LOSS_WEIGHT, PADDING_LOSS_WEIGHT, EndOfStep, ExperienceBatcherError, Minibatch
+from async_grpo.launch.ray_env import BATCHER_ACTOR_NAME
+from async_grpo.batching.batcher_messages import LOSS_WEIGHT, PADDING_LOSS_WEIGHT, EndOfStep, ExperienceBatcherError, Minibatch
 from vllm_experience_batcher import BatcherConfig, ExperienceBatcher, MinibatchPacker, get_or_create_batcher
-from ray_env import GENERATION, RAY_NAMESPACE
+from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE
 from vllm_registry import Bundle, RegistryActor, RegistryConfig, serve_many
-from sampling import SamplingConfig
+from async_grpo.rollouts.sampling import SamplingConfig
 
 # Ray workers cannot import this test module (tests/ is not on their path): ship the stand-in
 # actors and the builders they call by value.

@@ -47,7 +47,7 @@ def one_rank_group():
     """A one-process NCCL group (init_distributed without torchrun), destroyed afterwards."""
     import torch.distributed as dist
 
-    from fsdp_setup import init_distributed
+    from async_grpo.trainer.fsdp_setup import init_distributed
 
     info = init_distributed(timeout_s=120.0)
     yield info
@@ -58,7 +58,7 @@ def test_bf16_fsdp2_step_matches_the_fp32_padded_reference(one_rank_group, tiny_
     from grpo_loss import LossConfig, grpo_loss
     from sample_processing_utils import post_process_batch
     from setup_model import ModelConfig, training_compute_dtype
-    from fsdp_setup import build_training_model
+    from async_grpo.trainer.fsdp_setup import build_training_model
     from test_step_parity import (CLIP_HIGH, CLIP_LOW, KL_COEF, LOGPROB_CHUNK_SIZE, NO_CLIP, Case, _optim,
                                   _padded_batch, _token_logprobs, build_samples, reference_step, _load_reference_model)
 
@@ -120,7 +120,7 @@ def _per_sample_logprobs(model_dir: Path, lengths: list[int], input_ids: torch.T
 
 @pytest.mark.parametrize("attn", _varlen_implementations())
 def test_varlen_packed_forward_matches_per_sample_sdpa(tiny_model_dir: Path, attn: str) -> None:
-    from packed_attention import varlen_kwargs
+    from async_grpo.model.packed_attention import varlen_kwargs
     from setup_model import TokenLogprobModel, load_causal_lm
 
     lengths = [37, 5, 64, 1, 20]

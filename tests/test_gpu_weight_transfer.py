@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from ipc_codec import decode, encode
-from weight_transfer_trainer import (
+from async_grpo.trainer.weight_transfer_trainer import (
     DESCRIBE_METHOD, FINISH_METHOD, INIT_METHOD, START_METHOD, UPDATE_METHOD, EngineWeightSender, HFWeightSource,
     TrainerTransferConfig, WorkerCallError, engines_from_answers, send_plan,
 )

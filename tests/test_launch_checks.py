@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_setup import check_trainer_gpus, host_gpu_count
+from async_grpo.trainer.fsdp_setup import check_trainer_gpus, host_gpu_count
 from local_cluster import GpuPlan, plan_gpus
-from versions import Requirement, VersionError, check_versions
+from async_grpo.config.versions import Requirement, VersionError, check_versions
 from vllm_worker import root_cause_line
-from weight_reload import UninformativeReloadWarnings
+from async_grpo.inference.weight_reload import UninformativeReloadWarnings
 from worker_dispatcher import cpu_kv_cache_bytes, gpus_per_worker
 
 GiB = 2**30
@@ -39,7 +39,7 @@ def test_version_errors_name_package_installed_needed_and_why() -> None:
 
 
 def test_this_install_passes_every_entry_points_check() -> None:
-    from versions import LOGPROB_WORKER_REQUIREMENTS, TRAINER_REQUIREMENTS, WORKER_REQUIREMENTS
+    from async_grpo.config.versions import LOGPROB_WORKER_REQUIREMENTS, TRAINER_REQUIREMENTS, WORKER_REQUIREMENTS
 
     for requirements in (TRAINER_REQUIREMENTS, WORKER_REQUIREMENTS, LOGPROB_WORKER_REQUIREMENTS):
         check_versions(requirements)

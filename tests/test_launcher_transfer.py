@@ -14,7 +14,7 @@ import pytest
 
 import local_cluster
 from local_cluster import LocalCluster, LocalClusterConfig, with_trainer_transfer
-from run_config import load_config
+from async_grpo.config.run_config import load_config
 from worker_dispatcher import DispatcherConfig, generation_worker_config, logprob_worker_config
 
 

@@ -24,14 +24,14 @@ from logprob_worker import (
     resolve_dtype,
     resolve_model_settings,
 )
-from packed_attention import PACKED_SDPA
+from async_grpo.model.packed_attention import PACKED_SDPA
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, default_attn_implementation, load_causal_lm
-from tiny_model import TinyModelConfig, write_tiny_model
-from ray_env import LOGPROB
+from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.launch.ray_env import LOGPROB
 from vllm_registry import WorkerHealth
-from weight_sync import WeightUpdate, state_dict_to_blobs, tensor_to_blob
-from worker_options import LogprobBatchingConfig
+from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs, tensor_to_blob
+from async_grpo.config.worker_options import LogprobBatchingConfig
 
 FP32_TOLERANCE = 1e-5  # packed vs per-sample fp32 attention differed by ~3e-7 on this machine
 DIFFERENT_WEIGHTS_GAP = 1e-2  # two random inits give logprobs far further apart than this
@@ -441,7 +441,7 @@ def test_full_weights_and_a_lora_adapter_in_either_order(
 
     from test_lora_vllm import _files_update, _hf_peft, _mark_stable
     from test_lora_vllm import _hf_logprobs as _hf_model_logprobs
-    from tiny_model import write_random_adapter as _write_adapter
+    from async_grpo.model.tiny_model import write_random_adapter as _write_adapter
 
     samples = _build_samples(5, _vocab_size(tiny_model_dir), seed=11)
     adapter = _write_adapter(tiny_model_dir, tmp_path / "a1", 8, seed=1)

@@ -19,7 +19,7 @@ import torch
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel
 from torchrun_launch import run_worker
-from weight_sync import TensorBlob, iter_assembled, tensor_to_blob
+from async_grpo.weights.weight_sync import TensorBlob, iter_assembled, tensor_to_blob
 
 WORKER = Path(__file__).resolve().parent / "lora_fsdp_worker.py"
 WORLD_SIZE = 2

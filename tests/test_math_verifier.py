@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from math_verifier import (
+from async_grpo.rewards.math_verifier import (
     DEFAULT_LIMITS,
     AnswerLimits,
     RewardResult,
@@ -32,16 +32,16 @@ from math_verifier import (
     score_completion,
     verify_with_math_verify,
 )
-from ray_env import VERIFIER_POOL_ACTOR_NAME
-from reward_failure import FailureKind
-from verifier_cluster import (
+from async_grpo.launch.ray_env import VERIFIER_POOL_ACTOR_NAME
+from async_grpo.rewards.reward_failure import FailureKind
+from async_grpo.rewards.verifier_cluster import (
     VerifierPoolActor,
     connect_verifier_pool,
     get_or_create_verifier_pool,
     plan_verifier_shards,
     shutdown_verifier_pool,
 )
-from verifier_pool import VerifierPool, VerifierPoolConfig, default_num_processes
+from async_grpo.rewards.verifier_pool import VerifierPool, VerifierPoolConfig, default_num_processes
 
 # Deadline of the pools that only see well-behaved completions: far above math-verify's ~2 ms per
 # sample, so a loaded shared machine never turns a normal sample into a timeout.
@@ -530,7 +530,7 @@ def test_processes_are_dealt_over_the_nodes_with_slots(node_slots, num_processes
 
 def test_without_verification_slots_the_pool_runs_in_its_actor_and_says_so(ray_local, caplog) -> None:
     """The fixture's cluster offers no verification_slot: today's behaviour, logged as unaccounted."""
-    with caplog.at_level(logging.WARNING, logger="verifier_cluster"):
+    with caplog.at_level(logging.WARNING, logger="async_grpo.rewards.verifier_cluster"):
         actor = VerifierPoolActor(num_processes=1, timeout_s=NORMAL_TIMEOUT_S)  # the plain class, in process
     try:
         warnings = [r.getMessage() for r in caplog.records if r.name == "verifier_cluster"]
@@ -544,7 +544,7 @@ def test_without_verification_slots_the_pool_runs_in_its_actor_and_says_so(ray_l
 
 
 def test_ray_actor_is_shared_and_sized_by_first_caller(ray_local) -> None:
-    from ray_env import RAY_NAMESPACE
+    from async_grpo.launch.ray_env import RAY_NAMESPACE
 
     # The pool is detached and the Ray fixture session-wide: a generation worker started by an
     # earlier test may have created it. Remove it, so this test's call is really the first.

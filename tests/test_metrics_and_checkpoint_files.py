@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from checkpoint import latest_checkpoint
-from metrics import (
+from async_grpo.trainer.checkpoint import latest_checkpoint
+from async_grpo.telemetry.metrics import (
     MetricsLogger,
     StepAccumulator,
     StepDataLog,
@@ -25,7 +25,7 @@ from metrics import (
     truncate_step_records,
 )
 from sample_processing_utils import Sample, post_process_batch
-from fsdp_setup import DistInfo
+from async_grpo.trainer.fsdp_setup import DistInfo
 
 
 def _complete(root: Path, step: int) -> Path:

@@ -14,11 +14,11 @@ import threading
 
 import pytest
 
-from environments import EnvironmentConfig, EnvPrompt, Reset, StepResult, Turn
-from multi_turn import ENVIRONMENT_FAILURE, ChatRenderer, Generation, MultiTurnStats, run_rollout, run_rollouts
+from async_grpo.rollouts.environments import EnvironmentConfig, EnvPrompt, Reset, StepResult, Turn
+from async_grpo.rollouts.multi_turn import ENVIRONMENT_FAILURE, ChatRenderer, Generation, MultiTurnStats, run_rollout, run_rollouts
 from sample_processing_utils import Sample, get_input_for_logprobs
-from tiny_model import IM_END, build_chat_tokenizer
-from tool_environment import ToolEnvironment
+from async_grpo.model.tiny_model import IM_END, build_chat_tokenizer
+from async_grpo.rollouts.tool_environment import ToolEnvironment
 
 HANG_GUARD_S = 60.0  # a deadlocked loop fails the test instead of hanging it
 QUESTION = "What is 123 + 456?"
@@ -62,7 +62,7 @@ def _sample() -> Sample:
 
 
 def _config(**overrides) -> EnvironmentConfig:
-    fields = dict(name="tool_environment:ToolEnvironment", max_turns=4, max_total_tokens=1024,
+    fields = dict(name="async_grpo.rollouts.tool_environment:ToolEnvironment", max_turns=4, max_total_tokens=1024,
                   options={"tools": ["calculator"]})
     return EnvironmentConfig(**{**fields, **overrides})
 
@@ -202,7 +202,7 @@ def test_the_engine_serves_other_rollouts_while_one_waits_on_its_environment(tok
 def test_text_observations_need_no_chat_template_and_are_appended_as_encoded() -> None:
     """The tool demo's path: a char tokenizer without a chat template, the dataset's prompt kept
     (Reset()), the tool's answer appended as plain text (ToolEnvironment format "text")."""
-    from tiny_model import build_tiny_tokenizer
+    from async_grpo.model.tiny_model import build_tiny_tokenizer
 
     char = build_tiny_tokenizer()
     assert not getattr(char, "chat_template", None)
@@ -234,7 +234,7 @@ def test_text_observations_need_no_chat_template_and_are_appended_as_encoded() -
 
 
 def test_messages_without_a_chat_template_fail_the_rollout_with_a_clear_error() -> None:
-    from tiny_model import build_tiny_tokenizer
+    from async_grpo.model.tiny_model import build_tiny_tokenizer
 
     renderer = ChatRenderer(build_tiny_tokenizer())
     with pytest.raises(ValueError, match="StepResult\\(text=...\\)"):

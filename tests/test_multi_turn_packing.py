@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from algorithm import PreparedSamples, check_prepared
-from math_verifier import RewardResult
-from rollout_scoring import shaped_rewards
+from async_grpo.algo.algorithm import PreparedSamples, check_prepared
+from async_grpo.rewards.math_verifier import RewardResult
+from async_grpo.rollouts.rollout_scoring import shaped_rewards
 from sample_processing_utils import (IGNORE_INDEX, Sample, get_input_for_logprobs, post_process_batch,
                                      split_per_sample)
-from sampling import SamplingConfig
+from async_grpo.rollouts.sampling import SamplingConfig
 
 X = IGNORE_INDEX
 

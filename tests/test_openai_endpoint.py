@@ -1,4 +1,4 @@
-"""openai_endpoint.Endpoint's wire format and input checks, and verifiers_rollouts' drift refusal.
+"""async_grpo.inference.openai_endpoint.Endpoint's wire format and input checks, and verifiers_rollouts' drift refusal.
 
     .venv/bin/python -m pytest tests/test_openai_endpoint.py -q
 
@@ -17,15 +17,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from multi_turn import Generation
-from openai_endpoint import Endpoint, EndpointConfig, SamplingRequest
+from async_grpo.rollouts.multi_turn import Generation
+from async_grpo.inference.openai_endpoint import Endpoint, EndpointConfig, SamplingRequest
 from sample_processing_utils import Sample
 from setup_model import load_tokenizer
-from tiny_model import TinyModelConfig, write_tiny_model
-from verifiers_rollouts import (
+from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.rollouts.verifiers_rollouts import (
     PrefixDriftError, Turn, VerifiersRolloutConfig, VerifiersRollouts, VerifiersStats, sample_from_turns,
 )
-from worker_options import EngineConfig
+from async_grpo.config.worker_options import EngineConfig
 
 ANSWER_IDS = [5, 6, 7]
 ANSWER_LOGPROBS = [-0.5, -1.25, -2.0]

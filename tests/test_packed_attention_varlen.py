@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import setup_model
-from packed_attention import PACKED_SDPA, VARLEN_KWARGS, packed_sdpa_attention, varlen_kwargs
+from async_grpo.model.packed_attention import PACKED_SDPA, VARLEN_KWARGS, packed_sdpa_attention, varlen_kwargs
 from setup_model import TokenLogprobModel, load_causal_lm
 
 # Three samples of lengths 3, 2 and 4, positions restarting at 0.
@@ -122,7 +122,7 @@ def test_forward_under_inference_mode(packed_model: TokenLogprobModel) -> None:
 def test_packed_varlen_defers_to_packed_sdpa_off_cuda(tiny_model_dir: Path, packed_model: TokenLogprobModel) -> None:
     """PACKED_VARLEN's kernel is CUDA-only (tests/test_gpu_model.py runs it); on the CPU a model
     loaded with it scores exactly as PACKED_SDPA, instead of failing in the first layer."""
-    from packed_attention import PACKED_VARLEN
+    from async_grpo.model.packed_attention import PACKED_VARLEN
 
     varlen_model = TokenLogprobModel(load_causal_lm(tiny_model_dir, attn_implementation=PACKED_VARLEN)).eval()
     assert varlen_model.attn_implementation() == PACKED_VARLEN

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prompt_record import extract_boxed_answer, extract_gsm8k_answer
+from async_grpo.data.prompt_record import extract_boxed_answer, extract_gsm8k_answer
 
 
 @pytest.mark.parametrize(("solution", "expected"), [

@@ -15,10 +15,10 @@ import yaml
 
 from benchmarks import process_monitor as pm
 from benchmarks import realistic_parts as rr
-from dataset import DatasetConfig, load_prompts
-from prompt_record import extract_gsm8k_answer
-from run_config import load_config
-from tiny_model import PRESETS, build_chat_tokenizer, build_model, hf_config
+from async_grpo.data.dataset import DatasetConfig, load_prompts
+from async_grpo.data.prompt_record import extract_gsm8k_answer
+from async_grpo.config.run_config import load_config
+from async_grpo.model.tiny_model import PRESETS, build_chat_tokenizer, build_model, hf_config
 from trainer_core import TrainerConfig
 
 
@@ -177,7 +177,7 @@ def test_log_watcher_events_and_phases(tmp_path: Path) -> None:
     log.write_text("2026-11-23 20:20:29,493 INFO __main__: Ray head at 127.0.0.1:1 (127.0.0.1 only)\n"
                    "2026-11-23 20:22:14,700 INFO __main__: generation-0 worker registered\n"
                    "2026-11-23 20:22:14,704 INFO __main__: starting trainer: torch.distributed.run ...\n"
-                   "2026-11-23 20:22:30,855 [rank0] INFO fsdp_setup: FSDP2 model from /m: 1 parameters\n")
+                   "2026-11-23 20:22:30,855 [rank0] INFO async_grpo.trainer.fsdp_setup: FSDP2 model from /m: 1 parameters\n")
     (tmp_path / "logprob-0_worker.log").write_text("loading\nworker logprob-worker-0 registered\n")
     watcher = pm.LogWatcher(log, (tmp_path, "*_worker.log"))
     watcher.poll()
@@ -186,7 +186,7 @@ def test_log_watcher_events_and_phases(tmp_path: Path) -> None:
     assert "worker_log_registered:logprob-worker-0" in events
     assert pm.phase_of(watcher, 0, 3, cluster_running=True) == "trainer start-up (first push)"
     with log.open("a") as f:
-        f.write("2026-11-23 20:22:36,192 [rank0] INFO weight_sync: pushed weights v0 (gather, torch.float32) to 1 workers\n")
+        f.write("2026-11-23 20:22:36,192 [rank0] INFO async_grpo.weights.weight_sync: pushed weights v0 (gather, torch.float32) to 1 workers\n")
     watcher.poll()
     assert pm.phase_of(watcher, 0, 3, cluster_running=True) == "step 0"
     assert pm.phase_of(watcher, 2, 3, cluster_running=True) == "step 2"

@@ -12,11 +12,11 @@ pytest.importorskip("reasoning_gym")
 
 import reasoning_gym  # noqa: E402
 
-from dataset import DatasetConfig, DatasetError, load_prompt_file  # noqa: E402
-from reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records  # noqa: E402
-from verifier_pool import VerifierPool  # noqa: E402
-from reasoning_gym_reward import FUNCTION, extract_answer, score  # noqa: E402
-from rewards import RewardConfig  # noqa: E402
+from async_grpo.data.dataset import DatasetConfig, DatasetError, load_prompt_file  # noqa: E402
+from async_grpo.data.reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records  # noqa: E402
+from async_grpo.rewards.verifier_pool import VerifierPool  # noqa: E402
+from async_grpo.rewards.reasoning_gym_reward import FUNCTION, extract_answer, score  # noqa: E402
+from async_grpo.rewards.rewards import RewardConfig  # noqa: E402
 from setup_model import load_tokenizer  # noqa: E402
 
 TASKS = ("basic_arithmetic", "leg_counting")
@@ -55,8 +55,8 @@ def test_config_errors_name_the_field():
 def test_the_tasks_own_scorer_is_the_default_reward():
     (record,) = reasoning_gym_records(ReasoningGymConfig(tasks=("basic_arithmetic",), size=1, seed=0))
     assert RewardConfig().functions_for(record) == ((FUNCTION,), (1.0,))
-    assert RewardConfig(functions=("math_verifier:math_verify_reward",)).functions_for(record)[0] == (
-        "math_verifier:math_verify_reward",)
+    assert RewardConfig(functions=("async_grpo.rewards.math_verifier:math_verify_reward",)).functions_for(record)[0] == (
+        "async_grpo.rewards.math_verifier:math_verify_reward",)
     right = score(record, f"<answer>{record['answer']}</answer>", [], {})
     assert right == {"score": 1.0, "solved": 1.0}
     assert score(record, record["answer"] + "1", [], {})["solved"] == 0.0

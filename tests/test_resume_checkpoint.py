@@ -1,4 +1,4 @@
-"""checkpoint.save_checkpoint / load_checkpoint round trip in one process (no Ray, no torchrun):
+"""async_grpo.trainer.checkpoint.save_checkpoint / load_checkpoint round trip in one process (no Ray, no torchrun):
 weights, AdamW state, lr schedule, torch RNG and trainer state come back, and the next step of
 the restored trainer equals the next step of the one that never stopped. Background saves
 (BackgroundCheckpointWriter) write the same files as synchronous ones while training
@@ -21,8 +21,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-import weight_sync
-from checkpoint import (
+from async_grpo.weights import weight_sync
+from async_grpo.trainer.checkpoint import (
     BackgroundCheckpointWriter,
     TrainerState,
     checkpoints_root,
@@ -31,8 +31,8 @@ from checkpoint import (
     save_checkpoint,
 )
 from sample_processing_utils import Sample, post_process_batch
-from fsdp_setup import build_training_model, init_distributed
-from optimizer import OptimConfig, build_optimizer, build_scheduler
+from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed
+from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler
 from setup_model import ModelConfig
 
 LR = 1e-2

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-import reward_functions
-from verifier_pool import VerifierPool
-from reward_functions import FunctionScore, RewardFunctionError, check_function, to_score
-from rewards import RewardConfig, combine_scores, counts_as_solved
+from async_grpo.rewards import reward_functions
+from async_grpo.rewards.verifier_pool import VerifierPool
+from async_grpo.rewards.reward_functions import FunctionScore, RewardFunctionError, check_function, to_score
+from async_grpo.rewards.rewards import RewardConfig, combine_scores, counts_as_solved
 
 PLUGINS = "reward_plugins_for_tests"
 DEADLINE_S = 1.0
@@ -110,7 +110,7 @@ def test_the_pool_runs_plain_async_batched_and_dict_functions(pool):
 
 def test_math_verify_is_one_such_function(pool):
     calls = [_call("so \\boxed{7}"), _call("\\boxed{\\frac{14}{2}}"), _call("\\boxed{8}")]
-    scores = pool.score_function_sync("math_verifier:math_verify_reward", calls)
+    scores = pool.score_function_sync("async_grpo.rewards.math_verifier:math_verify_reward", calls)
     assert [s.reward for s in scores] == [1.0, 1.0, 0.0]
     assert scores == [s for s in scores if not s.failed]
 
@@ -169,7 +169,7 @@ def _generate(pool, texts: list[str], reward: RewardConfig, record: dict | None 
     import asyncio
 
     from sample_processing_utils import Sample
-    from sampling import SamplingConfig
+    from async_grpo.rollouts.sampling import SamplingConfig
     from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
     finishes = finishes or ["stop"] * len(texts)
@@ -264,7 +264,7 @@ def _step_metrics(pool, texts_of: dict[int, list[str]], reward: RewardConfig) ->
     import asyncio
 
     from sample_processing_utils import Sample
-    from sampling import SamplingConfig
+    from async_grpo.rollouts.sampling import SamplingConfig
     from vllm_experience_batcher import BatcherConfig, EndOfStep, ExperienceBatcher
 
     config = BatcherConfig(world_size=1, max_tokens_per_gpu=64, prompt_deadline_s=120.0,

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import pytest
 import yaml
 
-from rewards import RewardConfig, ShapedReward, format_matches, shape_reward
-from run_config import ConfigError, config_to_dict, load_config
-from sampling import SamplingConfig
+from async_grpo.rewards.rewards import RewardConfig, ShapedReward, format_matches, shape_reward
+from async_grpo.config.run_config import ConfigError, config_to_dict, load_config
+from async_grpo.rollouts.sampling import SamplingConfig
 
 BOXED = r"\\boxed\{.+\}"
 BOXED_FORMAT = RewardConfig(format_pattern=BOXED, format_bonus=0.1, format_penalty=0.2)

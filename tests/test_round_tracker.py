@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from batcher_messages import ExperienceBatcherError, PromptRequest
-from round_tracker import RoundTracker
+from async_grpo.batching.batcher_messages import ExperienceBatcherError, PromptRequest
+from async_grpo.batching.round_tracker import RoundTracker
 
 
 def test_rounds_open_in_order_each_after_the_previous_ack() -> None:

@@ -1,4 +1,4 @@
-"""sandbox.run_python against hostile programs: each attack is contained (the outcome says which
+"""async_grpo.rewards.sandbox.run_python against hostile programs: each attack is contained (the outcome says which
 limit stopped it, nothing escapes) and the run ends within its deadline plus a generous slack.
 
 The kernel-layer tests run with the Python audit hook off (python_guards=False), so they show the
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-import sandbox
-from sandbox import SandboxConfig, run_python
+from async_grpo.rewards import sandbox
+from async_grpo.rewards.sandbox import SandboxConfig, run_python
 
 # Interpreter start and the kill/reap path on a loaded 2-core machine; a contained attack ends
 # within deadline + this, an uncontained one (a stalled read, a leaked tree) would not end at all.

@@ -57,7 +57,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_loss import LossConfig
 from sample_processing_utils import Sample
-from optimizer import OptimConfig
+from async_grpo.trainer.optimizer import OptimConfig
 from torchrun_launch import run_worker
 
 WORKER = Path(__file__).resolve().parent / "step_parity_worker.py"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from batcher_messages import EndOfStep
+from async_grpo.batching.batcher_messages import EndOfStep
 from sample_processing_utils import Sample
-from step_stats import StepCounts, StepStats
+from async_grpo.batching.step_stats import StepCounts, StepStats
 
 
 def _distinct_counts() -> StepStats:

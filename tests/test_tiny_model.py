@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import tiny_model
+from async_grpo.model import tiny_model
 from setup_model import load_causal_lm, load_tokenizer
-from tiny_model import (
+from async_grpo.model.tiny_model import (
     CHATML_TEMPLATE, ENDOFTEXT, IM_END, IM_START, PRESETS, ShapeOverrides, TinyModelConfig, build_chat_tokenizer,
     build_model, model_shape, write_tiny_model,
 )

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from token_budget_queue import TokenBudgetQueue, fail_requests, select_batch
+from async_grpo.inference.token_budget_queue import TokenBudgetQueue, fail_requests, select_batch
 
 # A wait no test reaches: batches that must form without it prove the budget triggered them.
 NEVER_S = 3600.0

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from environments import EnvPrompt, Reset, Turn
-from tool_environment import (ToolCallError, ToolEnvironment, calculate, final_answer_matches, parse_tool_calls,
+from async_grpo.rollouts.environments import EnvPrompt, Reset, Turn
+from async_grpo.rollouts.tool_environment import (ToolCallError, ToolEnvironment, calculate, final_answer_matches, parse_tool_calls,
                               tool_call_text)
 
 

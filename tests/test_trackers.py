@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from metrics import MetricsConfig, open_metrics_sink, read_metrics
-from run_config import ConfigError, load_config
-from trackers import TensorBoardTracker, flatten_config, mlflow_key
+from async_grpo.telemetry.metrics import MetricsConfig, open_metrics_sink, read_metrics
+from async_grpo.config.run_config import ConfigError, load_config
+from async_grpo.telemetry.trackers import TensorBoardTracker, flatten_config, mlflow_key
 from tracker_readers import trackio_run, wandb_offline_runs
 
 STEPS = 4

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataset import DatasetConfig
+from async_grpo.data.dataset import DatasetConfig
 from grpo_loss import LossConfig
-from fsdp_setup import DistInfo
-from run_config import load_config
-from sampling import SamplingConfig
+from async_grpo.trainer.fsdp_setup import DistInfo
+from async_grpo.config.run_config import load_config
+from async_grpo.rollouts.sampling import SamplingConfig
 from setup_model import ModelConfig
 from trainer_core import CONFIG_ERROR_EXIT, TrainerConfig, make_batcher_config, make_weight_pusher
 
@@ -47,7 +47,7 @@ def test_budget_must_hold_the_longest_sample() -> None:
 
 
 def test_a_multi_turn_rollout_must_fit_the_budget_and_its_environment_must_import(tmp_path: Path) -> None:
-    from environments import EnvironmentConfig
+    from async_grpo.rollouts.environments import EnvironmentConfig
     from trainer_core import InputError, load_run_inputs
 
     def with_environment(name: str, max_total_tokens: int, max_tokens_per_gpu: int) -> TrainerConfig:
@@ -56,11 +56,11 @@ def test_a_multi_turn_rollout_must_fit_the_budget_and_its_environment_must_impor
                        max_tokens_per_gpu=max_tokens_per_gpu)
 
     # The whole stream (observations included) bounds a sample, not max_prompt_tokens + max_tokens.
-    assert with_environment("tool_environment:ToolEnvironment", 4096, 4096).max_tokens_per_gpu == 4096
+    assert with_environment("async_grpo.rollouts.tool_environment:ToolEnvironment", 4096, 4096).max_tokens_per_gpu == 4096
     with pytest.raises(ValueError, match=r"max_tokens_per_gpu=4095 is below sampling.environment.max_total_tokens=4096"):
-        with_environment("tool_environment:ToolEnvironment", 4096, 4095)
+        with_environment("async_grpo.rollouts.tool_environment:ToolEnvironment", 4096, 4095)
     # A class that does not import stops the run before the model folder is even read.
-    config = with_environment("tool_environment:NoSuchEnvironment", 1024, 4096)
+    config = with_environment("async_grpo.rollouts.tool_environment:NoSuchEnvironment", 1024, 4096)
     with pytest.raises(InputError, match="has no class 'NoSuchEnvironment'"):
         load_run_inputs(config, with_evaluator=False)
 

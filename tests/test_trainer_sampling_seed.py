@@ -15,12 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from dataset import DatasetConfig
-from run_config import load_config, save_config
+from async_grpo.data.dataset import DatasetConfig
+from async_grpo.config.run_config import load_config, save_config
 from sample_processing_utils import Sample
 from trainer_core import TrainerConfig
 from vllm_experience_batcher import BatcherConfig, ExperienceBatcher, Minibatch
-from sampling import SEED_BOUND, SamplingConfig, derive_seed
+from async_grpo.rollouts.sampling import SEED_BOUND, SamplingConfig, derive_seed
 from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
 N = 4  # completions per request
@@ -44,7 +44,7 @@ def test_trainer_seeds_sampling_from_the_run_seed_unless_told_otherwise() -> Non
 
 def test_resolved_seed_is_what_config_yaml_records(tmp_path: Path) -> None:
     """A rerun from the saved config.yaml samples with the same seed."""
-    from dataset import DatasetConfig
+    from async_grpo.data.dataset import DatasetConfig
     from setup_model import ModelConfig
 
     config = TrainerConfig(model=ModelConfig(model_path="m"), data=DatasetConfig(path="d.jsonl"), seed=3)

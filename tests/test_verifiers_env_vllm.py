@@ -26,13 +26,13 @@ import pytest
 
 from chat_engine import assert_trainer_logprobs_match_engine, chat_worker_config, tiny_chat_model
 from sample_processing_utils import Sample
-from sampling import SamplingConfig, VerifiersEnvConfig
+from async_grpo.rollouts.sampling import SamplingConfig, VerifiersEnvConfig
 from setup_model import load_causal_lm, load_tokenizer
 from test_verifiers_env import PERSONA_START, expected_reward, _assistant_exchanges, _chatml, _task_answer
-from tiny_model import IM_END
-from verifier_pool import VerifierPool
+from async_grpo.model.tiny_model import IM_END
+from async_grpo.rewards.verifier_pool import VerifierPool
 from vllm_worker import GenerationWorker
-from weight_sync import WeightUpdate, state_dict_to_blobs
+from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.system]  # the engine, and verifiers' chat program processes
 
@@ -43,8 +43,8 @@ USER_TURNS = 2
 SEED = 2024
 PROMPT_IDS = (3, 8)
 PUSHED_VERSION = 4
-ENVS = {"single": VerifiersEnvConfig(taskset="verifiers_arith", max_total_tokens=256),
-        "multi": VerifiersEnvConfig(taskset="verifiers_arith", env="user-sim", max_total_tokens=512,
+ENVS = {"single": VerifiersEnvConfig(taskset="async_grpo.rollouts.verifiers_arith", max_total_tokens=256),
+        "multi": VerifiersEnvConfig(taskset="async_grpo.rollouts.verifiers_arith", env="user-sim", max_total_tokens=512,
                                     options={"user": {"max_turns": USER_TURNS}})}
 
 

@@ -28,11 +28,11 @@ import pytest
 from chat_engine import assert_trainer_logprobs_match_engine, chat_worker_config, tiny_chat_model
 from sample_processing_utils import Sample
 from setup_model import load_causal_lm, load_tokenizer
-from tiny_model import IM_END
-from verifier_pool import VerifierPool
-from verifiers_rollouts import VerifiersRolloutConfig, VerifiersRollouts
+from async_grpo.model.tiny_model import IM_END
+from async_grpo.rewards.verifier_pool import VerifierPool
+from async_grpo.rollouts.verifiers_rollouts import VerifiersRolloutConfig, VerifiersRollouts
 from vllm_worker import GenerationWorker
-from weight_sync import WeightUpdate, state_dict_to_blobs
+from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
 
 pytestmark = pytest.mark.vllm
 

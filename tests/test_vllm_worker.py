@@ -25,18 +25,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from math_verifier import RewardResult
-from reward_failure import FailureKind
+from async_grpo.rewards.math_verifier import RewardResult
+from async_grpo.rewards.reward_failure import FailureKind
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
-from weight_sync import WeightUpdate, state_dict_to_blobs
-from rewards import RewardConfig
-from sampling import SamplingConfig
-from served_adapters import AdapterBook
+from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
+from async_grpo.rewards.rewards import RewardConfig
+from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.inference.served_adapters import AdapterBook
 from vllm_worker import FailedSampleLog, GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig
-from weight_files import reload_buckets
-from weight_reload import with_tied_lm_head
-from worker_options import EngineConfig
+from async_grpo.inference.weight_files import reload_buckets
+from async_grpo.inference.weight_reload import with_tied_lm_head
+from async_grpo.config.worker_options import EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from setup_model import load_causal_lm
-from tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from torchrun_launch import run_worker
 
 WORKER = Path(__file__).resolve().parent / "weight_push_worker.py"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weight_pusher import WeightPusher, resolve_push_dtype
-from weight_sync import (
+from async_grpo.trainer.weight_pusher import WeightPusher, resolve_push_dtype
+from async_grpo.weights.weight_sync import (
     WeightUpdate,
     assemble_state_dict,
     fetch_state_dict,
@@ -178,7 +178,7 @@ def test_push_dtype_errors() -> None:
 
 def test_replicated_tensors_are_published_by_rank_0_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unsharded tensors (persistent buffers under FSDP) are whole on every rank: one copy only."""
-    import weight_sync
+    from async_grpo.weights import weight_sync
 
     model = _WithBuffer()
     assert local_shard_blobs(model).keys() == {"weight", "position_ids"}

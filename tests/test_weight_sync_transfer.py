@@ -20,10 +20,10 @@ import vllm.distributed.weight_transfer.nccl_engine as vllm_nccl
 
 from setup_model import TokenLogprobModel, load_causal_lm
 from test_weight_transfer_engine import INIT, UPDATE, RecordingEngine
-from weight_pusher import WeightPusher
-from weight_sync import gather_full_state_dict
-from weight_transfer_engine import EngineTransferReceiver
-from weight_transfer_trainer import (
+from async_grpo.trainer.weight_pusher import WeightPusher
+from async_grpo.weights.weight_sync import gather_full_state_dict
+from async_grpo.inference.weight_transfer_engine import EngineTransferReceiver
+from async_grpo.trainer.weight_transfer_trainer import (
     DESCRIBE_METHOD, FINISH_METHOD, INIT_METHOD, START_METHOD, UPDATE_METHOD, EngineRanks, EngineWeightSender,
     EngineWorkersClient, GroupPlan, HFWeightSource, TrainerTransferConfig, WireMeta, WorkerCallError,
     check_transfer_pairing, engines_from_answers, init_payloads, plan_group, send_plan,
@@ -133,7 +133,7 @@ def test_the_source_sends_the_object_stores_names_in_the_push_dtype(
 def test_the_m2n_source_sends_hf_names_in_the_push_dtype(tiny_model_dir: Path) -> None:
     """nccl_m2n's source (vLLM's DTensorModuleSource over the HF model): HF names, the push dtype
     announced and sent; an unsharded model is one replicated piece per tensor."""
-    from weight_transfer_trainer import shard_source
+    from async_grpo.trainer.weight_transfer_trainer import shard_source
 
     policy = _policy(tiny_model_dir)
     source = shard_source(policy, torch.bfloat16, trainer_ranks=1)
@@ -341,7 +341,7 @@ def test_group_plan_is_a_record() -> None:
 
 def _generation_worker(backend: str, engine: RecordingEngine) -> Any:
     from vllm_worker import GenerationWorker, GenerationWorkerConfig
-    from worker_options import EngineConfig
+    from async_grpo.config.worker_options import EngineConfig
 
     worker = GenerationWorker("generation-worker-0", GenerationWorkerConfig(
         model_path="unused", engine=EngineConfig(weight_transfer=backend)), verifier=object())
@@ -374,7 +374,7 @@ def test_the_generation_workers_pass_through_labels_the_version(tiny_model_dir: 
 
 @pytest.mark.skipif(not _WORKER_HAS_PASS_THROUGH, reason="vllm_worker.GenerationWorker has no transfer_* methods yet")
 def test_the_pass_through_refuses_without_harm_or_fails_the_worker_mid_update() -> None:
-    from worker_lifecycle import WorkerFailedError, WorkerState
+    from async_grpo.routing.worker_lifecycle import WorkerFailedError, WorkerState
 
     object_store = _generation_worker("object_store", RecordingEngine())
     with pytest.raises(ValueError, match="takes full weights from the object store"):

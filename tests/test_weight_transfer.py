@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from weight_files import BucketBuffer, SharedMemoryFullError, check_free_space, read_bucket
-from weight_sync import iter_assembled, load_streamed_into, state_dict_to_blobs, tensor_to_blob, update_shapes
-from worker_options import WEIGHT_TRANSFER_BACKENDS, EngineConfig, check_weight_transfer_device
+from async_grpo.inference.weight_files import BucketBuffer, SharedMemoryFullError, check_free_space, read_bucket
+from async_grpo.weights.weight_sync import iter_assembled, load_streamed_into, state_dict_to_blobs, tensor_to_blob, update_shapes
+from async_grpo.config.worker_options import WEIGHT_TRANSFER_BACKENDS, EngineConfig, check_weight_transfer_device
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,7 +118,7 @@ def test_engine_args_name_our_backend_and_its_registration(monkeypatch: pytest.M
         assert args["weight_transfer_config"] == {"backend": backend}
     module, cls = args["worker_extension_cls"].rsplit(".", 1)
     # Read from the source: importing it imports vLLM, as the engine-core process does.
-    tree = ast.parse((REPO_ROOT / f"{module}.py").read_text())
+    tree = ast.parse((REPO_ROOT / f"{module.replace('.', '/')}.py").read_text())
     assigned = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
                 for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)}
     assert cls in {n.name for n in tree.body if isinstance(n, ast.ClassDef)}

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
-from weight_transfer_engine import EngineTransferReceiver, TransferOrderError
+from async_grpo.inference.weight_transfer_engine import EngineTransferReceiver, TransferOrderError
 
 
 class RecordingEngine:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ray_env import repo_pythonpath
+from async_grpo.launch.ray_env import repo_pythonpath
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

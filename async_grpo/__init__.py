@@ -1,0 +1,30 @@
+"""async-grpo's package: every module except the system's spine, one folder per subsystem.
+
+The spine (trainer_core, worker_dispatcher, vllm_worker, logprob_worker, vllm_registry,
+vllm_experience_batcher, grpo_loss, sample_processing_utils, setup_model, local_cluster) lives
+at the repository root and imports from here; nothing here imports the spine's services or
+launchers. `LAYERS` below orders the folders: a folder imports only folders before it (and
+the spine's shared files: grpo_loss, sample_processing_utils, setup_model). tests/test_layout.py
+enforces these rules; the README's "How the code is laid out" says what each folder holds.
+"""
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("config",),
+    ("launch", "algo", "routing", "model", "data"),
+    ("weights",),
+    ("rewards",),
+    ("rollouts",),
+    ("batching", "inference", "telemetry"),
+    ("trainer",),
+)
+"""The package's folders, lowest first; a folder may import its own layer's folders only
+through its own modules (no sideways import between folders of one layer)."""
+
+PURE: tuple[str, ...] = ("config", "algo", "data", "model")
+"""Folders that reach no Ray, vLLM or torch.distributed, at any depth: records, maths, config
+loading, prompt data, model helpers. They run and test in any process."""
+WORKER_SIDE: tuple[str, ...] = ("inference",)
+"""Folders that run inside the inference workers and their engines: never reach the trainer side."""
+TRAINER_SIDE: tuple[str, ...] = ("trainer", "telemetry")
+"""Folders that run in the trainer ranks: never reach the worker side (the trainer talks to
+workers only through the batcher and registries, by name)."""

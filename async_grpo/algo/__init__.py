@@ -1,0 +1,3 @@
+"""Pure policy-gradient maths beside the loss: advantage estimators and the batcher's prepare hook
+(KL in the reward, its controller, user functions).
+"""

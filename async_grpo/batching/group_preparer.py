@@ -1,0 +1,52 @@
+"""The experience batcher's prepare hook: released rollout groups -> samples with advantages.
+
+`GroupPreparer.prepare` runs the algorithm's prepare function (algorithm.py: a built-in advantage
+estimator, or algorithm.prepare_batch) on released samples, counts what it and the sampling
+options keep out of the loss, and returns the samples to pack.
+"""
+
+from __future__ import annotations
+
+from async_grpo.algo.algorithm import (
+    AlgorithmConfig, AlgorithmContext, DistillConfig, KLSettings, PrepareFn, check_prepared, load_prepare_fn,
+    sequence_kl,
+)
+from sample_processing_utils import Sample
+from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.batching.step_stats import StepStats
+
+
+class GroupPreparer:
+    """Prepares released groups for one run's algorithm, sampling and KL/distillation settings."""
+
+    def __init__(self, *, algorithm: AlgorithmConfig, sampling: SamplingConfig,
+                 kl_in_reward: KLSettings | None, distill: DistillConfig) -> None:
+        self._algorithm = algorithm
+        self._sampling = sampling
+        self._kl_policy = kl_in_reward.kl_policy_logprobs if kl_in_reward else "sampler"
+        self._distill = distill if distill.teacher else None
+        self._prepare: PrepareFn = load_prepare_fn(algorithm)
+        self._prepare_name = algorithm.prepare_batch or f"built-in {algorithm.estimator}"
+
+    def prepare(self, samples: list[Sample], step: int, kl_beta: float | None, stats: StepStats) -> list[Sample]:
+        """Run the prepare function on released samples; the ones to pack (a prepare function's
+        error propagates, naming it)."""
+        sampling = self._sampling
+        if sampling.overlong_buffer:
+            limit = sampling.max_tokens - sampling.overlong_buffer
+            stats.overlong_penalised += sum(1 for s in samples if s.num_sampled_tokens > limit)
+        ctx = AlgorithmContext(step=step, config=self._algorithm, kl_beta=kl_beta,
+                               kl_policy_logprobs=self._kl_policy, distill=self._distill)
+        if kl_beta is not None:
+            stats.kl_sum += sum(sequence_kl(s, self._kl_policy) for s in samples)
+            stats.kl_samples += len(samples)
+        prepared = check_prepared(self._prepare(samples, ctx), samples, self._prepare_name)
+        stats.prepare_dropped += len(samples) - len(prepared.samples)
+        stats.add_algorithm_metrics(prepared.metrics, len(samples))
+        kept = []
+        for sample in prepared.samples:
+            if sampling.mask_truncated and sample.truncated:
+                stats.masked_truncated += 1
+                continue
+            kept.append(sample)
+        return kept

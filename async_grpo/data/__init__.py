@@ -1,0 +1,3 @@
+"""Prompt data: record formats, JSONL/Parquet files, the demo's arithmetic prompts, reasoning-gym
+tasks.
+"""

@@ -1,0 +1,150 @@
+"""Scoring a generation worker's completed rollouts: verdicts, reward shaping, the verifier pool.
+
+A group's completions get math-verify's verdict (the cluster's verifier pool) or the reward
+functions of `SamplingConfig.reward`, run in the same pool's processes; completions cut off at
+max_tokens may get `truncated_reward` instead; the format bonus or penalty and the soft overlong
+punishment shape the final reward (rewards.py). No engine here: GenerationWorker hands its
+completed samples to a RolloutScorer, which tests can build with any RewardScorer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any, Callable, Protocol
+
+from async_grpo.rewards.math_verifier import RewardResult
+from async_grpo.rewards.reward_failure import FailureKind
+from async_grpo.rewards.reward_functions import FunctionScore, failure, function_name
+from async_grpo.rewards.rewards import (CORRECT_VERDICT, DEFAULT_REWARD_NAME, CombinedScore, ShapedReward, combine_scores,
+                     overlong_penalty, shape_reward)
+from sample_processing_utils import Sample
+from async_grpo.rollouts.sampling import SamplingConfig
+
+logger = logging.getLogger(__name__)
+
+
+class RewardScorer(Protocol):
+    """What the worker needs from a verifier: verifier_pool.VerifierPool or verifier_cluster.VerifierPoolClient."""
+
+    async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]: ...
+
+    async def score_function(self, ref: str, calls: list[dict[str, Any]],
+                             timeout_s: float | None = None) -> list[FunctionScore]: ...
+
+
+def reward_call(sample: Sample) -> dict[str, Any]:
+    """The arguments of a reward function for one completed sample (reward_functions.ARGUMENTS)."""
+    return {
+        "prompt": {**(sample.record or {}), "gt_answer": sample.gt_answer},
+        "completion": sample.output_text,
+        "token_ids": list(sample.output_token_ids),
+        "metadata": {"prompt_id": sample.prompt_id, "group_id": sample.group_id, "run_id": sample.run_id,
+                     "finish_reason": sample.finish_reason, "truncated": sample.truncated,
+                     "weight_version": sample.weight_version},
+    }
+
+
+def shaped_rewards(samples: list[Sample], results: list[RewardResult], sampling: SamplingConfig) -> list[ShapedReward]:
+    """Final rewards of one group: the verifier's verdicts plus the format bonus or penalty
+    (rewards.shape_reward; completions given truncated_reward keep it unshaped), minus the soft
+    overlong punishment (rewards.overlong_penalty) when sampling.overlong_buffer is set."""
+    fixed = sampling.truncated_reward is not None
+    shaped = []
+    for s, r in zip(samples, results):
+        final = shape_reward(r.reward, s.output_text, verified=not (s.truncated and fixed), config=sampling.reward)
+        cut = overlong_penalty(s.num_sampled_tokens, sampling.max_tokens, sampling.overlong_buffer,
+                               sampling.overlong_penalty)
+        shaped.append(dataclasses.replace(final, reward=final.reward - cut) if cut else final)
+    return shaped
+
+
+class RolloutScorer:
+    """The rewards of one worker's groups, from its verifier (connected on first use)."""
+
+    def __init__(self, worker_name: str, connect: Callable[[], RewardScorer], verifier: RewardScorer | None = None
+                 ) -> None:
+        self.worker_name = worker_name
+        self._connect = connect
+        self._verifier = verifier
+
+    def _verifier_client(self) -> RewardScorer:
+        if self._verifier is None:
+            self._verifier = self._connect()
+        return self._verifier
+
+    async def verdicts(self, samples: list[Sample], gt_answer: str, sampling: SamplingConfig) -> list[RewardResult]:
+        """Each completion's verdict: math-verify (score_completions), or the reward functions of
+        sampling.reward; sets each sample's `solved` (the verdict's, before any shaping) and, with
+        functions, its `reward_parts`. Completions given truncated_reward are unsolved."""
+        fixed = [s.truncated and sampling.truncated_reward is not None for s in samples]
+        functions, weights = sampling.reward.functions_for(samples[0].record if samples else None)
+        if not functions:
+            results = await self.score_completions(
+                [s.output_text for s in samples], [s.truncated for s in samples], gt_answer, sampling.truncated_reward)
+            for s, result, cut in zip(samples, results, fixed):
+                s.solved = not cut and not result.failed and result.reward >= CORRECT_VERDICT
+                if result.failed:
+                    s.reward_failure_reasons = [f"{DEFAULT_REWARD_NAME}/{result.kind}"]
+            return results
+        results = [RewardResult(reward=float(sampling.truncated_reward), failed=False, error="") if cut else None
+                   for cut in fixed]
+        pending = [i for i, cut in enumerate(fixed) if not cut]
+        combined = await self._score_functions([samples[i] for i in pending], functions, weights,
+                                               sampling.reward.function_timeout_s)
+        for i, verdict in zip(pending, combined):
+            samples[i].reward_parts = verdict.parts
+            samples[i].reward_failure_reasons = list(verdict.failure_reasons) or None
+            results[i] = RewardResult(reward=verdict.reward, failed=bool(verdict.errors), error="; ".join(verdict.errors))
+        for s, verdict in zip((samples[i] for i in pending), combined):
+            s.solved = verdict.solved
+        for i in set(range(len(samples))) - set(pending):
+            samples[i].solved = False
+        return [r for r in results if r is not None]
+
+    async def _score_functions(self, samples: list[Sample], functions: tuple[str, ...], weights: tuple[float, ...],
+                               timeout_s: float | None) -> list[CombinedScore]:
+        """The reward functions' combined verdicts on samples, from the verifier pool's processes."""
+        if not samples:
+            return []
+        calls = [reward_call(s) for s in samples]
+        try:
+            per_function = await asyncio.gather(*(
+                self._verifier_client().score_function(ref, calls, timeout_s) for ref in functions))
+        except Exception as exc:
+            logger.exception("%s: verifier pool call failed", self.worker_name)
+            lost = failure("crash", f"verifier pool failed: {type(exc).__name__}: {exc}")
+            per_function = [[lost] * len(calls) for _ in functions]
+        names = [function_name(ref) for ref in functions]
+        return [combine_scores(names, weights, [scores[j] for scores in per_function]) for j in range(len(calls))]
+
+    async def score_completions(
+        self, completions: list[str], truncated: list[bool], gt_answer: str, truncated_reward: float | None
+    ) -> list[RewardResult]:
+        """Rewards of one group: truncated completions get truncated_reward (unless None), the
+        rest go to the verifier pool. A verifier-pool failure fails every reward of the call."""
+        if len(completions) != len(truncated):
+            raise ValueError(f"{len(completions)} completions but {len(truncated)} truncated flags")
+        results: list[RewardResult | None] = [
+            RewardResult(reward=float(truncated_reward), failed=False, error="")
+            if cut and truncated_reward is not None
+            else None
+            for cut in truncated
+        ]
+        pending = [i for i, r in enumerate(results) if r is None]
+        if pending:
+            for i, result in zip(pending, await self.verify([completions[i] for i in pending], gt_answer)):
+                results[i] = result
+        return [r for r in results if r is not None]
+
+    async def verify(self, completions: list[str], gt_answer: str) -> list[RewardResult]:
+        try:
+            results = await self._verifier_client().score(completions, gt_answer)
+        except Exception as exc:
+            logger.exception("%s: verifier pool call failed", self.worker_name)
+            error = f"verifier pool failed: {type(exc).__name__}: {exc}"
+            return [RewardResult(reward=0.0, failed=True, error=error, kind=FailureKind.CRASH) for _ in completions]
+        if len(results) != len(completions):
+            raise RuntimeError(f"verifier returned {len(results)} results for {len(completions)} completions")
+        return list(results)

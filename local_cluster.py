@@ -39,9 +39,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import psutil
 
-from async_grpo.launch.ray_env import LOOPBACK_ONLY_ENV, RAY_NAMESPACE, REPO_ROOT, actor_runtime_env, repo_pythonpath, use_loopback_only_ray
 from async_grpo.config.run_config import config_to_flags, flattened, load_config, split_passthrough
 from async_grpo.config.worker_options import EngineConfig, LogprobBatchingConfig
+from async_grpo.launch.ray_env import (
+    LOOPBACK_ONLY_ENV, RAY_NAMESPACE, REPO_ROOT, actor_runtime_env, repo_pythonpath, use_loopback_only_ray,
+)
 
 if TYPE_CHECKING:
     from trainer_core import TrainerConfig
@@ -625,8 +627,8 @@ def exit_config_error(message: str) -> NoReturn:
 
 def check_environment(config: LocalClusterConfig) -> None:
     """Installed versions and the GPU split, before Ray or any worker starts; exit 2 with one line."""
-    from async_grpo.trainer.fsdp_setup import host_gpu_count
     from async_grpo.config.versions import WORKER_REQUIREMENTS, VersionError, check_versions
+    from async_grpo.trainer.fsdp_setup import host_gpu_count
 
     try:
         check_versions(WORKER_REQUIREMENTS)

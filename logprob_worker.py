@@ -32,31 +32,24 @@ from typing import AsyncIterator, Sequence
 import ray
 import torch
 
-from async_grpo.model.packed_attention import PACKED_SDPA
-from sample_processing_utils import (
-    INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs, get_input_for_logprobs, split_per_sample,
-)
-from async_grpo.launch.ray_env import FROZEN_KINDS, LOGPROB, LOGPROB_SERVICE_KINDS
-from setup_model import (
-    FLASH_ATTENTION_2,
-    LORA_ADAPTER_NAME,
-    MODEL_DTYPES,
-    TokenLogprobModel,
-    check_attn_dtype,
-    default_attn_implementation,
-    load_causal_lm,
-    training_compute_dtype,
-)
 from async_grpo.config.run_config import flattened
+from async_grpo.config.worker_options import LogprobBatchingConfig
 from async_grpo.inference.token_budget_queue import QueuedRequest, TokenBudgetQueue, fail_requests
-from vllm_registry import Bundle, serve_many
+from async_grpo.launch.ray_env import FROZEN_KINDS, LOGPROB, LOGPROB_SERVICE_KINDS
+from async_grpo.model.packed_attention import PACKED_SDPA
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
 from async_grpo.weights.weight_sync import (
     ADAPTER_WEIGHTS_FILE, TensorBlob, WeightUpdate, assemble_state_dict, check_stable, iter_assembled,
     iter_checkpoint_tensors, load_state_dict_into, load_streamed_into, update_shapes,
 )
-
-from async_grpo.config.worker_options import LogprobBatchingConfig
+from sample_processing_utils import (
+    INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs, get_input_for_logprobs, split_per_sample,
+)
+from setup_model import (
+    FLASH_ATTENTION_2, LORA_ADAPTER_NAME, MODEL_DTYPES, TokenLogprobModel, check_attn_dtype,
+    default_attn_implementation, load_causal_lm, training_compute_dtype,
+)
+from vllm_registry import Bundle, serve_many
 
 logger = logging.getLogger(__name__)
 

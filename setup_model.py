@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from async_grpo.model.packed_attention import (
+    PACKED_SDPA, PACKED_VARLEN, register_packed_sdpa, register_packed_varlen, varlen_kwargs,
+)
 from grpo_loss import chunked_token_logprobs
-from async_grpo.model.packed_attention import PACKED_SDPA, PACKED_VARLEN, register_packed_sdpa, register_packed_varlen, varlen_kwargs
 from sample_processing_utils import LogprobInput
 
 if TYPE_CHECKING:

@@ -31,33 +31,39 @@ from ray.actor import ActorHandle
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
-from async_grpo.algo.algorithm import AlgorithmConfig, DistillConfig, LogprobRole, check_logprob_sources, load_prepare_fn
-from async_grpo.trainer.data_path import PerRankDataPath, Rank0DataPath, make_data_path
-from async_grpo.trainer.checkpoint import BackgroundCheckpointWriter, CheckpointWriter, TrainerState, latest_checkpoint, load_checkpoint
+from async_grpo.algo.algorithm import (
+    AlgorithmConfig, DistillConfig, LogprobRole, check_logprob_sources, load_prepare_fn,
+)
+from async_grpo.config.run_config import ConfigError, load_config, save_config
+from async_grpo.config.versions import TRAINER_REQUIREMENTS, VersionError, check_versions
+from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER
 from async_grpo.data.dataset import DatasetConfig, DatasetError, load_prompts
-from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
-from async_grpo.trainer.evaluation import EvalConfig, Evaluator
-from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, check_trainer_gpus, host_gpu_count, init_distributed
-from grpo_loss import LossConfig, grpo_loss, step_divisor
-from async_grpo.telemetry.console import CONSOLE, LOG_FILE, LogLevel, configure_logging, log_run_summary
-from async_grpo.telemetry.metrics import MetricsConfig, StepAccumulator, StepDataLog, open_metrics_sink
-from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler
+from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
 from async_grpo.launch.ray_env import (
     GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name,
 )
-from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
-from async_grpo.config.run_config import ConfigError, load_config, save_config
-from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from async_grpo.rollouts.sampling import SEED_BOUND, SamplingConfig
+from async_grpo.telemetry.console import CONSOLE, LOG_FILE, LogLevel, configure_logging, log_run_summary
+from async_grpo.telemetry.metrics import MetricsConfig, StepAccumulator, StepDataLog, open_metrics_sink
+from async_grpo.trainer.checkpoint import (
+    BackgroundCheckpointWriter, CheckpointWriter, TrainerState, latest_checkpoint, load_checkpoint,
+)
+from async_grpo.trainer.data_path import PerRankDataPath, Rank0DataPath, make_data_path
+from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
+from async_grpo.trainer.evaluation import EvalConfig, Evaluator
+from async_grpo.trainer.fsdp_setup import (
+    DistInfo, build_training_model, check_trainer_gpus, host_gpu_count, init_distributed,
+)
+from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler
+from async_grpo.trainer.weight_pusher import WeightPusher, resolve_push_dtype
+from async_grpo.trainer.weight_transfer_trainer import EngineWeightSender, TrainerTransferConfig, check_transfer_pairing
+from async_grpo.weights.weight_sync import weights_dir
+from grpo_loss import LossConfig, grpo_loss, step_divisor
+from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from setup_model import ModelConfig, ModelPathError, TokenLogprobModel, check_model_dir, load_tokenizer
 from vllm_experience_batcher import (
     BatcherConfig, EndOfStep, Minibatch, PromptRequest, RayRegistryClient, get_or_create_batcher,
 )
-from async_grpo.config.versions import TRAINER_REQUIREMENTS, VersionError, check_versions
-from async_grpo.trainer.weight_pusher import WeightPusher, resolve_push_dtype
-from async_grpo.trainer.weight_transfer_trainer import EngineWeightSender, TrainerTransferConfig, check_transfer_pairing
-from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER
-from async_grpo.weights.weight_sync import weights_dir
 
 logger = logging.getLogger(__name__)
 

@@ -36,21 +36,25 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from async_grpo.algo.algorithm import AlgorithmConfig, DistillConfig, KLSchedule, KLSettings, LogprobRole, check_logprob_sources
+from async_grpo.algo.algorithm import (
+    AlgorithmConfig, DistillConfig, KLSchedule, KLSettings, LogprobRole, check_logprob_sources,
+)
 from async_grpo.batching.batcher_messages import (
     LOSS_WEIGHT, PADDING_LOSS_WEIGHT, BatcherMessage, EndOfStep, ExperienceBatcherError, Minibatch, PromptRequest,
     RankMailboxes,
 )
 from async_grpo.batching.group_preparer import GroupPreparer
+# RayRegistryClient is not used here: trainer_core and benchmarks/scale.py import it from this module.
+from async_grpo.batching.rollout_fetcher import (  # noqa: F401
+    LogprobField, PromptRollouts, RayRegistryClient, RequestClient, RolloutFetcher,
+)
+from async_grpo.batching.round_tracker import RoundTracker
+from async_grpo.batching.step_stats import StepStats, mean
 from async_grpo.launch.ray_env import (
     BATCHER_ACTOR_NAME, GENERATION, LOGPROB, ON_HEAD_NODE, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env,
 )
-# RayRegistryClient is not used here: trainer_core and benchmarks/scale.py import it from this module.
-from async_grpo.batching.rollout_fetcher import LogprobField, PromptRollouts, RayRegistryClient, RequestClient, RolloutFetcher  # noqa: F401
-from async_grpo.batching.round_tracker import RoundTracker
-from sample_processing_utils import Sample
 from async_grpo.rollouts.sampling import SamplingConfig, derive_seed
-from async_grpo.batching.step_stats import StepStats, mean
+from sample_processing_utils import Sample
 from vllm_registry import BatchedRegistryClient, get_or_create_registry
 
 logger = logging.getLogger(__name__)

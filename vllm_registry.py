@@ -40,10 +40,10 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
+from async_grpo.launch.ray_env import ON_HEAD_NODE, RAY_NAMESPACE, actor_runtime_env, check_kind, registry_name
 from async_grpo.routing.batch_calls import BatchedRegistryClient, Bundle, WorkerFailedError, is_worker_death, serve_many
 from async_grpo.routing.capacity_queue import CapacityQueue, WorkerLoad, WorkerPoolError, short_error
 from async_grpo.routing.lease_book import BatchOutcome, LeaseBook, LeaseReport
-from async_grpo.launch.ray_env import ON_HEAD_NODE, RAY_NAMESPACE, actor_runtime_env, check_kind, registry_name
 from async_grpo.routing.worker_lifecycle import SERVING_STATES, WorkerHealth, WorkerLifecycle, WorkerState
 
 # Workers, the batcher and tests import these from here; the lifecycle names and the last five are

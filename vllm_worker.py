@@ -50,24 +50,26 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Literal
 
 import ray
 
-from async_grpo.rewards.math_verifier import RewardResult
-from async_grpo.rewards.verifier_cluster import connect_verifier_pool
+from async_grpo.config.run_config import flattened
+from async_grpo.config.worker_options import (
+    OBJECT_STORE_TRANSFER, WEIGHT_TRANSFER_BACKENDS, EngineConfig, check_weight_transfer_device,
+)
+from async_grpo.inference.served_adapters import AdapterBook, adapter_folder, check_adapter_rank
+from async_grpo.inference.weight_files import BucketBuffer, reload_buckets
 from async_grpo.launch.ray_env import GENERATION
+from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rewards.rewards import ShapedReward
+from async_grpo.rewards.verifier_cluster import connect_verifier_pool
+from async_grpo.rollouts.multi_turn import ChatRenderer, MultiTurnStats, engine_generate, run_rollouts
 from async_grpo.rollouts.rollout_scoring import RewardScorer, RolloutScorer, shaped_rewards
-from sample_processing_utils import Sample
 from async_grpo.rollouts.sampling import SamplingConfig, request_seed
 from async_grpo.rollouts.token_versions import CompletionVersions, TokenVersionTracker
-from async_grpo.rollouts.multi_turn import ChatRenderer, MultiTurnStats, engine_generate, run_rollouts
-from async_grpo.inference.served_adapters import AdapterBook, adapter_folder, check_adapter_rank
-from vllm_registry import Bundle, serve_many
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
-from async_grpo.config.run_config import flattened
-from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, WEIGHT_TRANSFER_BACKENDS, EngineConfig, check_weight_transfer_device
-from async_grpo.inference.weight_files import BucketBuffer, reload_buckets
 from async_grpo.weights.weight_sync import (
     UnstableVersionError, WeightUpdate, check_stable, iter_checkpoint_tensors, iter_state_dict,
 )
+from sample_processing_utils import Sample
+from vllm_registry import Bundle, serve_many
 
 if TYPE_CHECKING:
     import torch

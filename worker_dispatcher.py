@@ -51,16 +51,17 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from async_grpo.launch.ray_env import (
-    GENERATION, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name,
-    worker_actor_name,
-)
-from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
 from async_grpo.config.run_config import ConfigError, flattened, load_config
-from setup_model import ModelPathError, check_model_dir
-from async_grpo.config.versions import LOGPROB_WORKER_REQUIREMENTS, RAY, WORKER_REQUIREMENTS, VersionError, check_versions
-from vllm_registry import RegistryConfig, WorkerState, WorkerStatus, get_or_create_registry
+from async_grpo.config.versions import (
+    LOGPROB_WORKER_REQUIREMENTS, RAY, WORKER_REQUIREMENTS, VersionError, check_versions,
+)
 from async_grpo.config.worker_options import EngineConfig, LogprobBatchingConfig
+from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
+from async_grpo.launch.ray_env import (
+    GENERATION, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, worker_actor_name,
+)
+from setup_model import ModelPathError, check_model_dir
+from vllm_registry import RegistryConfig, WorkerState, WorkerStatus, get_or_create_registry
 
 logger = logging.getLogger(__name__)
 

@@ -27,12 +27,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from async_grpo.config.run_config import load_config
 from benchmarks.harness import (
     DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, apply_smoke, demo_assets, demo_trainer_flags, fresh_run_dir,
-    interrupt_on_sigterm, reward_at, run_engine, run_trainer, setup_logging, summary_line
+    interrupt_on_sigterm, reward_at, run_engine, run_trainer, setup_logging, summary_line,
 )
 from local_cluster import LocalCluster, LocalClusterConfig
-from async_grpo.config.run_config import load_config
 
 logger = logging.getLogger(__name__)
 

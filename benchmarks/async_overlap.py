@@ -52,18 +52,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Literal
 
+from async_grpo.algo.advantages import group_advantages  # the batcher's default, grpo
+from async_grpo.config.run_config import load_config
+from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, worker_actor_name
+from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.routing.batch_calls import Bundle, serve_many
+from async_grpo.weights.weight_sync import WeightUpdate, assemble_state_dict
 from benchmarks.harness import (
     DEMO_CONFIG, DemoAssets, apply_smoke, demo_assets, run_engine, run_trainer, setup_logging, summary_line,
 )
 from local_cluster import LocalCluster, LocalClusterConfig
-from async_grpo.config.run_config import load_config
 from sample_processing_utils import Sample
-from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, worker_actor_name
-from async_grpo.routing.batch_calls import Bundle, serve_many
 from vllm_registry import RegistryConfig, WorkerHealth, get_or_create_registry
-from async_grpo.algo.advantages import group_advantages  # the batcher's default, grpo
-from async_grpo.rollouts.sampling import SamplingConfig
-from async_grpo.weights.weight_sync import WeightUpdate, assemble_state_dict
 
 logger = logging.getLogger(__name__)
 

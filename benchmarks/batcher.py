@@ -29,8 +29,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
-from benchmarks.harness import apply_smoke
 from async_grpo.config.run_config import load_config
+from benchmarks.harness import apply_smoke
 from sample_processing_utils import Sample
 from vllm_experience_batcher import PADDING_LOSS_WEIGHT, BatcherConfig, Minibatch, MinibatchPacker
 

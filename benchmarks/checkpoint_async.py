@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from async_grpo.config.run_config import load_config
+from async_grpo.data.arithmetic_data import write_arithmetic_dataset
+from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from benchmarks.harness import (
     apply_smoke, run_engine, run_trainer, setup_logging, summarize_checkpoint_run, summary_line,
 )
-from async_grpo.data.arithmetic_data import write_arithmetic_dataset
 from local_cluster import LocalCluster, LocalClusterConfig
-from async_grpo.config.run_config import load_config
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from benchmarks.harness import REPO_ROOT
-from async_grpo.data.dataset import DatasetConfig, load_prompts
 from async_grpo.config.run_config import load_config
-
+from async_grpo.data.dataset import DatasetConfig, load_prompts
+from benchmarks.harness import REPO_ROOT
 
 SMOKE = {"num_prompts": 2, "samples": 2}
 """Sizes of the smoke mode."""

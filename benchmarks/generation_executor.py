@@ -34,9 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from benchmarks.harness import REPO_ROOT, apply_smoke
 from async_grpo.config.run_config import load_config
-
+from benchmarks.harness import REPO_ROOT, apply_smoke
 
 SMOKE = {"prompts": 2, "n": 2, "repeats": 1}
 """Sizes of the smoke mode."""

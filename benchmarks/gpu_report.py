@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import REPO_ROOT, apply_smoke, parse_summary_line, setup_logging, summary_line
 from async_grpo.config.run_config import load_config
 from async_grpo.model.tiny_model import PRESETS
+from benchmarks.harness import REPO_ROOT, apply_smoke, parse_summary_line, setup_logging, summary_line
 
 logger = logging.getLogger("benchmarks.gpu_report")
 

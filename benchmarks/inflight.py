@@ -48,11 +48,11 @@ from typing import Any, Literal
 
 import torch
 
-from benchmarks.harness import SMOKE_ENGINE, apply_smoke, setup_logging, summary_line
 from async_grpo.config.run_config import load_config
-from sample_processing_utils import Sample
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.rollouts.token_versions import token_staleness
+from benchmarks.harness import SMOKE_ENGINE, apply_smoke, setup_logging, summary_line
+from sample_processing_utils import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +122,8 @@ class RunResult:
 
 def write_models(work: Path) -> tuple[Path, list[dict[str, torch.Tensor]]]:
     """The bundled tiny Qwen2 and the two state dicts the pushes alternate between."""
-    from setup_model import load_causal_lm
     from async_grpo.model.tiny_model import write_tiny_model
+    from setup_model import load_causal_lm
 
     model_dir = write_tiny_model(work / "model")
     model = load_causal_lm(model_dir)
@@ -184,10 +184,10 @@ def _load() -> str:
 async def run_all(cfg: InflightConfig, work: Path) -> list[RunResult]:
     import ray
 
-    from async_grpo.rewards.verifier_pool import VerifierPool
-    from vllm_worker import GenerationWorker, GenerationWorkerConfig
-    from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
     from async_grpo.config.worker_options import EngineConfig
+    from async_grpo.rewards.verifier_pool import VerifierPool
+    from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
+    from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
     model_dir, state_dicts = write_models(work)
     vocab_size = int(state_dicts[0]["model.embed_tokens.weight"].shape[0])

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import apply_smoke, load_prepare_demo
 from async_grpo.config.run_config import load_config
-from setup_model import load_causal_lm, load_tokenizer
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from benchmarks.harness import apply_smoke, load_prepare_demo
+from setup_model import load_causal_lm, load_tokenizer
 
 PROBLEMS = [(a, b) for a in range(10) for b in range(10)]
 SFT_LR = 1e-3

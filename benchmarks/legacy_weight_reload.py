@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Iterator
 
 from async_grpo.inference.weight_files import weights_file_dir
 from async_grpo.inference.weight_reload import install_reload_warning_filter, with_tied_lm_head
-from async_grpo.weights.weight_sync import write_safetensors
 from async_grpo.inference.weight_transfer_engine import WeightTransferRegistration
+from async_grpo.weights.weight_sync import write_safetensors
 
 if TYPE_CHECKING:
     import torch

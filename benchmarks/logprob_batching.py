@@ -48,11 +48,11 @@ from typing import TYPE_CHECKING, Awaitable
 import torch
 from transformers import AutoConfig
 
-from benchmarks.harness import apply_smoke, setup_logging
 from async_grpo.config.run_config import load_config
+from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from benchmarks.harness import apply_smoke, setup_logging
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, default_attn_implementation, load_causal_lm
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 
 if TYPE_CHECKING:  # the worker imports Ray; --engine model runs without it
     from logprob_worker import LogprobWorker
@@ -167,8 +167,8 @@ def _max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 def _worker(label: str, model_dir: Path, budget: int, attn_implementation: str | None) -> LogprobWorker:
-    from logprob_worker import LogprobWorker, LogprobWorkerConfig
     from async_grpo.config.worker_options import LogprobBatchingConfig
+    from logprob_worker import LogprobWorker, LogprobWorkerConfig
 
     # max_wait_ms=0: the sequential mode would otherwise wait for company on every request, and
     # the batched mode queues all its requests before the first batch forms anyway.

@@ -36,18 +36,18 @@ from pathlib import Path
 import psutil
 import torch
 
+from async_grpo.config.run_config import load_config
+from async_grpo.config.worker_options import EngineConfig
+from async_grpo.inference.weight_files import weights_file_dir
+from async_grpo.model.tiny_model import write_random_adapter as write_adapter
+from async_grpo.model.tiny_model import write_tiny_model
+from async_grpo.rewards.math_verifier import RewardResult
+from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.weights.weight_sync import StableMarker, WeightUpdate, tensor_to_blob, update_parts, write_stable_marker
 from benchmarks.harness import apply_smoke
 from local_cluster import init_local_ray
-from async_grpo.model.tiny_model import write_random_adapter as write_adapter
-from async_grpo.rewards.math_verifier import RewardResult
-from async_grpo.config.run_config import load_config
 from sample_processing_utils import Sample
-from async_grpo.rollouts.sampling import SamplingConfig
-from async_grpo.model.tiny_model import write_tiny_model
 from vllm_worker import GenerationWorker, GenerationWorkerConfig
-from async_grpo.inference.weight_files import weights_file_dir
-from async_grpo.config.worker_options import EngineConfig
-from async_grpo.weights.weight_sync import StableMarker, WeightUpdate, tensor_to_blob, update_parts, write_stable_marker
 
 WORKER_NAME = "lora-memory-probe"
 FIELDS = ("VmRSS", "RssAnon", "RssShmem", "RssFile")

@@ -61,16 +61,15 @@ from typing import Callable, Literal
 
 import torch
 
+from async_grpo.config.run_config import load_config
+from async_grpo.model.tiny_model import (
+    PRESETS, ShapeOverrides, TinyModelConfig, build_chat_tokenizer, build_tiny_tokenizer, model_shape, write_tiny_model,
+)
 from benchmarks.harness import apply_smoke, setup_logging
 from benchmarks.packed_samples import draw_packed_samples, full_logit_logprobs
 from grpo_loss import LossConfig, chunked_token_logprobs, grpo_loss
-from async_grpo.config.run_config import load_config
 from sample_processing_utils import PackedBatch, post_process_batch
 from setup_model import TokenLogprobModel, load_causal_lm
-from async_grpo.model.tiny_model import (
-    PRESETS, ShapeOverrides, TinyModelConfig, build_chat_tokenizer, build_tiny_tokenizer, model_shape,
-    write_tiny_model,
-)
 
 logger = logging.getLogger("benchmarks.memory")
 

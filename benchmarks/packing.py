@@ -41,13 +41,13 @@ from typing import Callable
 
 import torch
 
+from async_grpo.config.run_config import load_config
+from async_grpo.model.packed_attention import PACKED_SDPA
+from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from benchmarks.harness import apply_smoke, setup_logging
 from grpo_loss import LossConfig, grpo_loss
-from async_grpo.model.packed_attention import PACKED_SDPA
-from async_grpo.config.run_config import load_config
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from setup_model import TokenLogprobModel, load_causal_lm
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 
 logger = logging.getLogger("benchmarks.packing")
 

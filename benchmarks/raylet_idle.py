@@ -19,11 +19,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from async_grpo.config.run_config import load_config
+from async_grpo.launch.ray_env import actor_runtime_env
 from benchmarks.harness import apply_smoke
 from local_cluster import use_loopback_only_ray
-from async_grpo.launch.ray_env import actor_runtime_env
-from async_grpo.config.run_config import load_config
-
 
 SMOKE = {"duration_s": 5.0, "every_s": 1.0}
 """Sizes of the smoke mode."""

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from async_grpo.model.tiny_model import PRESETS, ShapeOverrides
 from benchmarks.harness import REPO_ROOT
 from benchmarks.process_monitor import format_table
-from async_grpo.model.tiny_model import PRESETS, ShapeOverrides
 
 KV_CACHE_MARGIN = 1.25  # vLLM rounds each sequence up to whole blocks and keeps some slack
 MIN_KV_CACHE_BYTES = 64 * 2**20

@@ -77,7 +77,9 @@ from typing import Any
 
 import yaml
 
-from benchmarks.harness import apply_smoke, REPO_ROOT, interrupt_on_sigterm, launcher_engine_flags, setup_logging
+from async_grpo.config.run_config import ConfigError, config_to_dict, load_config, split_passthrough
+from async_grpo.telemetry.metrics import read_metrics
+from benchmarks.harness import REPO_ROOT, apply_smoke, interrupt_on_sigterm, launcher_engine_flags, setup_logging
 from benchmarks.process_monitor import (
     GB, KB, LogWatcher, ProcessMonitor, RunFailed, count_lines, phase_of, print_failure, process_table, run_polled,
     tail,
@@ -86,8 +88,6 @@ from benchmarks.realistic_parts import (
     MODEL_SPEC_FILE, SMOKE, RealisticRunConfig, cluster_sizing, final_line, median_row, model_dir_name, model_spec,
     model_writer_command, parameter_count, stage_times, step_rows, steps_table, trainer_yaml, write_gsm8k,
 )
-from async_grpo.telemetry.metrics import read_metrics
-from async_grpo.config.run_config import ConfigError, config_to_dict, load_config, split_passthrough
 
 logger = logging.getLogger(__name__)
 OWN_LABEL = "realistic_run.py (this benchmark)"

@@ -61,15 +61,13 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-
-
 from typing import Literal
 
-from benchmarks.harness import apply_smoke, setup_logging
-from async_grpo.rewards.math_verifier import RewardResult
-from async_grpo.rewards.verifier_pool import VerifierPool
-from async_grpo.rewards.reward_functions import FunctionScore
 from async_grpo.config.run_config import load_config
+from async_grpo.rewards.math_verifier import RewardResult
+from async_grpo.rewards.reward_functions import FunctionScore
+from async_grpo.rewards.verifier_pool import VerifierPool
+from benchmarks.harness import apply_smoke, setup_logging
 
 # Target length of a long reasoning completion: ~1k tokens, a typical math rollout.
 _LONG_COMPLETION_CHARS = 4000

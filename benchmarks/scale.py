@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from local_cluster import use_loopback_only_ray
 from async_grpo.config.run_config import load_config
+from local_cluster import use_loopback_only_ray
 
 _TARGET_ROUTED_PER_S = 20_000  # issue 21: routing must not limit a 64-GPU job
 _PROMPT_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]  # a short prompt: payload size is not what is measured
@@ -266,8 +266,8 @@ class Bench:
     def route(self, registry: Any, batched: bool, count: int | None = None) -> dict[str, float]:
         """One routing run of `count` requests (default: the config's for the path); routed_per_s
         and the registry's CPU microseconds per request."""
-        from sample_processing_utils import Sample
         from async_grpo.rollouts.sampling import SamplingConfig
+        from sample_processing_utils import Sample
         from vllm_experience_batcher import BatchedRegistryClient
 
         ray = self._ray

@@ -63,6 +63,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from async_grpo.config.run_config import config_to_dict, load_config, split_passthrough
+from async_grpo.telemetry.metrics import read_metrics
 from benchmarks.harness import (
     REPO_ROOT, DemoAssets, apply_smoke, interrupt_on_sigterm, launcher_engine_flags, setup_logging,
 )
@@ -73,8 +75,6 @@ from benchmarks.process_monitor import (
 from benchmarks.soak_parts import (
     SMOKE, TARGET_GROWTH, SoakConfig, compare, process_timelines, read_memory, rss_growth, trainer_args,
 )
-from async_grpo.telemetry.metrics import read_metrics
-from async_grpo.config.run_config import config_to_dict, load_config, split_passthrough
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 SETTINGS = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")
 # Keys of one trainer step (metrics.StepAccumulator.finalize and the batcher's, ~60).
 STEP_KEYS = 60

@@ -59,15 +59,15 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 
+from async_grpo.config.run_config import load_config
+from async_grpo.model.tiny_model import PRESETS, ShapeOverrides, model_shape, write_tiny_model
+from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, init_distributed
+from async_grpo.trainer.optimizer import OptimConfig, build_optimizer
 from benchmarks.harness import apply_smoke, setup_logging
 from benchmarks.packed_samples import draw_packed_samples, training_flops
-from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, init_distributed
 from grpo_loss import LossConfig, grpo_loss
-from async_grpo.trainer.optimizer import OptimConfig, build_optimizer
-from async_grpo.config.run_config import load_config
 from sample_processing_utils import Sample, post_process_batch
 from setup_model import ModelConfig, TokenLogprobModel
-from async_grpo.model.tiny_model import PRESETS, ShapeOverrides, model_shape, write_tiny_model
 
 logger = logging.getLogger("benchmarks.trainer_throughput")
 

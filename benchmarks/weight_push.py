@@ -77,11 +77,11 @@ from typing import Any, Literal
 
 import torch
 
-from benchmarks.harness import apply_smoke, REPO_ROOT
-from local_cluster import LocalCluster, LocalClusterConfig, free_port
 from async_grpo.config.run_config import load_config
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from async_grpo.launch.ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, worker_actor_name
+from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from benchmarks.harness import REPO_ROOT, apply_smoke
+from local_cluster import LocalCluster, LocalClusterConfig, free_port
 from vllm_registry import get_or_create_registry
 
 logger = logging.getLogger(__name__)
@@ -394,11 +394,11 @@ async def _engine_pushes(model_dir: Path, repeats: int) -> dict[str, list[float]
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from benchmarks.legacy_weight_reload import LEGACY_EXTENSION, legacy_push
-    from vllm_worker import GenerationWorker, GenerationWorkerConfig, engine_args
+    from async_grpo.config.worker_options import EngineConfig
     from async_grpo.inference.weight_files import reload_buckets
     from async_grpo.weights.weight_sync import iter_state_dict
-    from async_grpo.config.worker_options import EngineConfig
+    from benchmarks.legacy_weight_reload import LEGACY_EXTENSION, legacy_push
+    from vllm_worker import GenerationWorker, GenerationWorkerConfig, engine_args
 
     config = GenerationWorkerConfig(model_path=str(model_dir), engine=EngineConfig(
         max_num_seqs=8, kv_cache_memory_bytes=ENGINE_KV_CACHE_BYTES, max_model_len=ENGINE_MAX_MODEL_LEN,
@@ -487,12 +487,12 @@ class TrainerRole:
         import ray
 
         from async_grpo.data.dataset import DatasetConfig
-        from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed
         from async_grpo.launch.ray_cluster import join_cluster
-        from setup_model import LoraConfig, ModelConfig
-        from trainer_core import TrainerConfig, make_weight_pusher
+        from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed
         from async_grpo.trainer.weight_pusher import get_or_create_shard_stager
         from async_grpo.weights.weight_sync import adapter_named_tensors
+        from setup_model import LoraConfig, ModelConfig
+        from trainer_core import TrainerConfig, make_weight_pusher
 
         self.dist = init_distributed()
         join_cluster(os.environ["RAY_ADDRESS"], namespace=RAY_NAMESPACE, timeout_s=30.0, log_to_driver=False)
@@ -532,8 +532,9 @@ class TrainerRole:
         import ray
         import torch.distributed as torch_dist
 
-        from async_grpo.weights.weight_sync import gather_full_state_dict, local_shard_blobs
-        from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
+        from async_grpo.weights.weight_sync import (
+            WeightUpdate, gather_full_state_dict, local_shard_blobs, state_dict_to_blobs,
+        )
 
         version = self.next_version()
         began = time.perf_counter()

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from async_grpo.rollouts.environments import EnvironmentConfig
 from async_grpo.rollouts.multi_turn import ChatRenderer, MultiTurnStats, engine_generate, run_rollouts
-from sample_processing_utils import Sample
 from async_grpo.rollouts.sampling import SamplingConfig
+from sample_processing_utils import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,8 @@ def _engine(model_path: str, max_model_len: int):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vllm_worker import GenerationWorkerConfig, engine_args
     from async_grpo.config.worker_options import EngineConfig
+    from vllm_worker import GenerationWorkerConfig, engine_args
 
     # The in-process executor, as GenerationWorker.start selects it on CPU.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

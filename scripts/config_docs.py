@@ -31,10 +31,10 @@ when the run starts. How to pass them: `run_config.py`'s docstring.
 
 
 def render() -> str:
+    from async_grpo.config.run_config import config_reference
     from local_cluster import LocalClusterConfig
     from trainer_core import TrainerConfig
     from worker_dispatcher import DispatcherConfig, StatusConfig
-    from async_grpo.config.run_config import config_reference
 
     entry_points = [
         ("`torchrun trainer_core.py` (and everything after `--` of `local_cluster.py`)", TrainerConfig),

@@ -23,7 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from async_grpo.config.run_config import load_config  # noqa: E402
-from async_grpo.telemetry.run_report import command_times, markdown_table, plot_runs, summarize_run, summary_line, timing_line  # noqa: E402
+from async_grpo.telemetry.run_report import (  # noqa: E402
+    command_times, markdown_table, plot_runs, summarize_run, summary_line, timing_line,
+)
 
 DEMO_TITLE = "demo: tiny Qwen2, single-digit addition, 2 CPU cores (scripts/demo_seeds.sh)"
 

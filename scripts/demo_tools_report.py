@@ -32,7 +32,9 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from async_grpo.config.run_config import load_config  # noqa: E402
-from async_grpo.telemetry.run_report import STARTED_FILE, WINDOW, moving_average, plot_runs, read_metrics, record_minutes  # noqa: E402
+from async_grpo.telemetry.run_report import (  # noqa: E402
+    STARTED_FILE, WINDOW, moving_average, plot_runs, read_metrics, record_minutes,
+)
 
 TOOL_RATE = "multi_turn/observed_frac"
 

@@ -37,11 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # prepare_demo, also when loaded by path
 
 from prepare_demo import supervised_warm_up  # noqa: E402
-from async_grpo.data.reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records  # noqa: E402
+
 from async_grpo.config.run_config import load_config  # noqa: E402
-from setup_model import load_causal_lm, load_tokenizer  # noqa: E402
-from sample_processing_utils import Sample  # noqa: E402
+from async_grpo.data.reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records  # noqa: E402
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
+from sample_processing_utils import Sample  # noqa: E402
+from setup_model import load_causal_lm, load_tokenizer  # noqa: E402
 
 logger = logging.getLogger("prepare_rg_model")
 

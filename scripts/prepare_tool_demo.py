@@ -38,12 +38,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # prepare_demo, also when loaded by path
 
-from async_grpo.data.arithmetic_data import write_arithmetic_dataset  # noqa: E402
 from prepare_demo import supervised_warm_up  # noqa: E402
+
 from async_grpo.config.run_config import load_config  # noqa: E402
-from sample_processing_utils import Sample  # noqa: E402
+from async_grpo.data.arithmetic_data import write_arithmetic_dataset  # noqa: E402
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
 from async_grpo.rollouts.tool_environment import tool_call_text, tool_response_text  # noqa: E402
+from sample_processing_utils import Sample  # noqa: E402
 
 logger = logging.getLogger("prepare_tool_demo")
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
+from async_grpo.config.worker_options import EngineConfig
+from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, load_causal_lm
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from vllm_worker import GenerationWorkerConfig
-from async_grpo.config.worker_options import EngineConfig
 
 LOGPROB_ATOL = 1e-4  # float32 vLLM CPU against the HF model (as tests/test_vllm_worker.py)
 

@@ -10,8 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from async_grpo.launch.ray_env import repo_pythonpath
 from torchrun_launch import free_port
+
+from async_grpo.launch.ray_env import repo_pythonpath
 
 WORKER = Path(__file__).resolve().parent / "data_path_worker.py"
 REPO_ROOT = WORKER.parent.parent

@@ -32,8 +32,7 @@ class Receiver:
 
     def init(self, payload: dict) -> None:
         from vllm.distributed.weight_transfer.nccl_common import (
-            NCCLWeightTransferInitInfo,
-            stateless_init_process_group,
+            NCCLWeightTransferInitInfo, stateless_init_process_group,
         )
 
         self.init_info = NCCLWeightTransferInitInfo(**payload)

@@ -26,12 +26,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed  # noqa: E402
 from async_grpo.launch.ray_cluster import join_cluster
 from async_grpo.launch.ray_env import actor_runtime_env  # noqa: E402
-from setup_model import LoraConfig, ModelConfig  # noqa: E402
+from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed  # noqa: E402
 from async_grpo.trainer.weight_pusher import WeightPusher  # noqa: E402
 from async_grpo.weights.weight_sync import WeightUpdate  # noqa: E402
+from setup_model import LoraConfig, ModelConfig  # noqa: E402
 
 DIST_TIMEOUT_S = 120.0  # a crashed peer turns into an error well inside the test's own timeout
 PUSH_TIMEOUT_S = 120.0  # the shard stager's wait for every rank's shard
@@ -49,7 +49,9 @@ class Recorder:
     def publish(self, update: WeightUpdate) -> dict[str, int]:
         from safetensors.torch import load_file
 
-        from async_grpo.weights.weight_sync import ADAPTER_WEIGHTS_FILE, check_stable, fetch_state_dict, read_stable_marker
+        from async_grpo.weights.weight_sync import (
+            ADAPTER_WEIGHTS_FILE, check_stable, fetch_state_dict, read_stable_marker,
+        )
 
         check_stable(update)
         if update.mode == "lora_files":

@@ -23,14 +23,13 @@ import pytest
 
 from async_grpo.algo.advantages import batch_normalised_advantages, estimate, group_advantages, leave_one_out_advantages
 from async_grpo.algo.algorithm import (
-    AlgorithmConfig, AlgorithmContext, DistillConfig, KLController, KLSchedule, PreparedSamples,
-    builtin_prepare,
+    AlgorithmConfig, AlgorithmContext, DistillConfig, KLController, KLSchedule, PreparedSamples, builtin_prepare,
     check_prepared, load_prepare_fn,
 )
+from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from grpo_loss import LossConfig, step_divisor
 from sample_processing_utils import Sample, TokenLogprobs, post_process_batch
-from async_grpo.rollouts.sampling import SamplingConfig
 from vllm_experience_batcher import BatcherConfig, EndOfStep, ExperienceBatcher, Minibatch, PromptRequest
 
 _WAIT_BOUND_S = 60.0  # a broken batcher fails the test instead of hanging it; never what decides a pass

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from local_cluster import LocalCluster, LocalClusterConfig, local_engine
 from async_grpo.telemetry.metrics import read_metrics
+from local_cluster import LocalCluster, LocalClusterConfig, local_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 

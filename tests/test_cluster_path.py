@@ -40,11 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-from async_grpo.telemetry.metrics import read_metrics
-from async_grpo.launch.ray_env import LOOPBACK_ONLY_ENV, PROMPT_STOP_ENV, repo_pythonpath
 from process_output import OutputLog
 from torchrun_launch import free_port
+
+from async_grpo.launch.ray_env import LOOPBACK_ONLY_ENV, PROMPT_STOP_ENV, repo_pythonpath
+from async_grpo.telemetry.metrics import read_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 

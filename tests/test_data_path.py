@@ -28,14 +28,16 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-
-from async_grpo.trainer import data_path
-from async_grpo.trainer.data_path import Rank0DataPath, Rank0DataPathError, decode_message, encode_message, payload_nbytes
-from async_grpo.trainer.fsdp_setup import DistInfo
-from sample_processing_utils import Sample
 from data_path_launch import DIST_TIMEOUT_S, check_rank0_gone, launch_pair
 from test_experience_batcher import FakeGeneration, FakeLogprob, _config, _fake_logprobs, _prompts
 from torchrun_launch import run_worker
+
+from async_grpo.trainer import data_path
+from async_grpo.trainer.data_path import (
+    Rank0DataPath, Rank0DataPathError, decode_message, encode_message, payload_nbytes,
+)
+from async_grpo.trainer.fsdp_setup import DistInfo
+from sample_processing_utils import Sample
 from vllm_experience_batcher import EndOfStep, ExperienceBatcher, ExperienceBatcherError, Minibatch, PromptRequest
 
 WORKER = Path(__file__).resolve().parent / "data_path_worker.py"

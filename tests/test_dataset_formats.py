@@ -9,12 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from test_dataset import CHATML_TEMPLATE, IM_END, IM_START
 
 from async_grpo.data.dataset import DatasetConfig, DatasetError, load_prompt_file, load_prompts
-from async_grpo.trainer.evaluation import EvalConfig, EvalDataConfig, load_eval_prompts
 from async_grpo.rewards.rewards import RewardConfig
+from async_grpo.trainer.evaluation import EvalConfig, EvalDataConfig, load_eval_prompts
 from setup_model import load_tokenizer
-from test_dataset import CHATML_TEMPLATE, IM_END, IM_START
 
 CODE_TESTS = [{"input": "3\n", "output": "9\n"}]
 VERL_RECORDS = [

@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from tracker_readers import trackio_run, wandb_offline_runs
 
+from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, registry_name
+from async_grpo.telemetry.metrics import moving_average, read_metrics
+from async_grpo.telemetry.trackers import flatten_config, mlflow_key
 from async_grpo.trainer.checkpoint import latest_checkpoint
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from local_cluster import LocalCluster, LocalClusterConfig, local_engine
-from async_grpo.telemetry.metrics import moving_average, read_metrics
-from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, registry_name
-from tracker_readers import trackio_run, wandb_offline_runs
-from async_grpo.telemetry.trackers import flatten_config, mlflow_key
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
@@ -231,8 +231,8 @@ def _seeded_tokens(demo_assets: Path, seed: int | None) -> list[list[list[int]]]
     import ray
 
     from async_grpo.data.dataset import DatasetConfig, load_prompts
-    from setup_model import load_tokenizer
     from async_grpo.rollouts.sampling import SamplingConfig
+    from setup_model import load_tokenizer
 
     prompts = load_prompts(DatasetConfig(path=str(demo_assets / "arithmetic.jsonl"), max_prompt_tokens=16),
                            load_tokenizer(demo_assets / "model"))[:3]

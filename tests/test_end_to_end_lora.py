@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_end_to_end import _generation_versions, _train
 
 from async_grpo.trainer.checkpoint import latest_checkpoint
-from local_cluster import LocalCluster, LocalClusterConfig, local_engine
-from test_end_to_end import _generation_versions, _train
 from async_grpo.weights.weight_sync import read_stable_marker
+from local_cluster import LocalCluster, LocalClusterConfig, local_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 

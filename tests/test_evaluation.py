@@ -19,17 +19,11 @@ import pytest
 
 from async_grpo.data.arithmetic_data import write_arithmetic_table
 from async_grpo.data.dataset import DatasetConfig, DatasetError
+from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.trainer.evaluation import (
-    EvalConfig,
-    EvalDataConfig,
-    EvaluationError,
-    Evaluator,
-    evaluation_metrics,
-    load_eval_prompts,
-    pass_at_k,
+    EvalConfig, EvalDataConfig, EvaluationError, Evaluator, evaluation_metrics, load_eval_prompts, pass_at_k,
 )
 from sample_processing_utils import Sample
-from async_grpo.rollouts.sampling import SamplingConfig
 
 # The training sampling the evaluator derives its requests from: its reward policy for truncated
 # completions (-0.5, to tell it from a wrong answer) and max_tokens carry over.
@@ -311,11 +305,11 @@ def test_evaluator_through_a_real_registry_and_worker(ray_local, tiny_model_dir:
     # The answering model and the worker settings of the generation-worker tests, reused as is.
     from test_vllm_worker import _config, _expected_reward, _write_answering_model
 
-    from vllm_experience_batcher import RayRegistryClient
     from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, actor_runtime_env
+    from setup_model import load_tokenizer
+    from vllm_experience_batcher import RayRegistryClient
     from vllm_registry import RegistryConfig, get_or_create_registry
     from vllm_worker import GenerationWorkerActor
-    from setup_model import load_tokenizer
 
     model_dir = _write_answering_model(tiny_model_dir, tmp_path / "answering")
     gold = ["7", "3", "7", "3", "7", "3"]

@@ -55,12 +55,15 @@ def one_rank_group():
 
 
 def test_bf16_fsdp2_step_matches_the_fp32_padded_reference(one_rank_group, tiny_model_dir: Path) -> None:
+    from test_step_parity import (
+        CLIP_HIGH, CLIP_LOW, KL_COEF, LOGPROB_CHUNK_SIZE, NO_CLIP, Case, _load_reference_model, _optim, _padded_batch,
+        _token_logprobs, build_samples, reference_step,
+    )
+
+    from async_grpo.trainer.fsdp_setup import build_training_model
     from grpo_loss import LossConfig, grpo_loss
     from sample_processing_utils import post_process_batch
     from setup_model import ModelConfig, training_compute_dtype
-    from async_grpo.trainer.fsdp_setup import build_training_model
-    from test_step_parity import (CLIP_HIGH, CLIP_LOW, KL_COEF, LOGPROB_CHUNK_SIZE, NO_CLIP, Case, _optim,
-                                  _padded_batch, _token_logprobs, build_samples, reference_step, _load_reference_model)
 
     info = one_rank_group
     assert (info.backend, info.device.type) == ("nccl", "cuda")

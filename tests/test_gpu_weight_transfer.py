@@ -30,8 +30,8 @@ from typing import Any, Mapping, Sequence
 
 import pytest
 import torch
-
 from ipc_codec import decode, encode
+
 from async_grpo.trainer.weight_transfer_trainer import (
     DESCRIBE_METHOD, FINISH_METHOD, INIT_METHOD, START_METHOD, UPDATE_METHOD, EngineWeightSender, HFWeightSource,
     TrainerTransferConfig, WorkerCallError, engines_from_answers, send_plan,
@@ -68,9 +68,8 @@ def test_ipc_codec_round_trips_reduce_tensors_arguments() -> None:
 
 @pytest.mark.gpu
 def test_the_source_shares_its_tensors_over_cuda_ipc_without_vllm(tiny_model_dir: Path) -> None:
-    from torch.multiprocessing.reductions import reduce_tensor
-
     from gpu_ipc_receiver import tensor_sha256
+    from torch.multiprocessing.reductions import reduce_tensor
 
     vllm_loaded_before = "vllm" in sys.modules
     torch.cuda.set_device(0)

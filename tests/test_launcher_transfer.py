@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import local_cluster
-from local_cluster import LocalCluster, LocalClusterConfig, with_trainer_transfer
 from async_grpo.config.run_config import load_config
+from local_cluster import LocalCluster, LocalClusterConfig, with_trainer_transfer
 from worker_dispatcher import DispatcherConfig, generation_worker_config, logprob_worker_config
 
 

@@ -103,8 +103,8 @@ def test_stopping_a_finished_group_is_a_no_op() -> None:
 def test_the_add_worker_command_joins_this_cluster_on_loopback_and_parses(tmp_path) -> None:
     import shlex
 
-    from local_cluster import LocalCluster, LocalClusterConfig
     from async_grpo.config.run_config import load_config
+    from local_cluster import LocalCluster, LocalClusterConfig
     from worker_dispatcher import DispatcherConfig
 
     cluster = LocalCluster(LocalClusterConfig(model_path=str(tmp_path / "model"), run_dir=str(tmp_path / "run")))
@@ -120,10 +120,10 @@ def test_the_add_worker_command_joins_this_cluster_on_loopback_and_parses(tmp_pa
 
 
 def test_dispatchers_get_the_launchers_engine_and_batching_sections(tmp_path) -> None:
-    from local_cluster import LOCAL_ENGINE, LocalCluster, LocalClusterConfig, local_engine
     from async_grpo.config.run_config import load_config
-    from worker_dispatcher import DispatcherConfig, generation_worker_config, logprob_worker_config
     from async_grpo.config.worker_options import EngineConfig, LogprobBatchingConfig
+    from local_cluster import LOCAL_ENGINE, LocalCluster, LocalClusterConfig, local_engine
+    from worker_dispatcher import DispatcherConfig, generation_worker_config, logprob_worker_config
 
     engine = local_engine(max_num_seqs=64, enforce_eager=True, max_lora_rank=8)
     config = LocalClusterConfig(model_path="m", run_dir=str(tmp_path), engine=engine, global_num_verifiers=1,

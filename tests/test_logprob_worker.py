@@ -17,21 +17,15 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import logprob_worker
-from logprob_worker import (
-    LogprobWorker,
-    LogprobWorkerActor,
-    LogprobWorkerConfig,
-    resolve_dtype,
-    resolve_model_settings,
-)
+from async_grpo.config.worker_options import LogprobBatchingConfig
+from async_grpo.launch.ray_env import LOGPROB
 from async_grpo.model.packed_attention import PACKED_SDPA
+from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs, tensor_to_blob
+from logprob_worker import LogprobWorker, LogprobWorkerActor, LogprobWorkerConfig, resolve_dtype, resolve_model_settings
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, default_attn_implementation, load_causal_lm
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
-from async_grpo.launch.ray_env import LOGPROB
 from vllm_registry import WorkerHealth
-from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs, tensor_to_blob
-from async_grpo.config.worker_options import LogprobBatchingConfig
 
 FP32_TOLERANCE = 1e-5  # packed vs per-sample fp32 attention differed by ~3e-7 on this machine
 DIFFERENT_WEIGHTS_GAP = 1e-2  # two random inits give logprobs far further apart than this
@@ -438,9 +432,10 @@ def test_full_weights_and_a_lora_adapter_in_either_order(
     """One worker serves a LoRA run (its adapter wraps the model with PEFT) and a full-weights run
     (streamed, sharded), in either order: each time it scores as HF does with those weights."""
     from peft import PeftModel
-
-    from test_lora_vllm import _files_update, _hf_peft, _mark_stable
+    from test_lora_vllm import _files_update
     from test_lora_vllm import _hf_logprobs as _hf_model_logprobs
+    from test_lora_vllm import _hf_peft, _mark_stable
+
     from async_grpo.model.tiny_model import write_random_adapter as _write_adapter
 
     samples = _build_samples(5, _vocab_size(tiny_model_dir), seed=11)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from benchmarks.packed_samples import draw_packed_samples, full_logit_logprobs, training_flops
 from grpo_loss import LossConfig, chunked_token_logprobs, grpo_loss
 from sample_processing_utils import Sample, post_process_batch
 from setup_model import TokenLogprobModel, load_causal_lm
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 
 LENGTHS = dict(min_prompt=64, max_prompt=512, output_median=1024.0, output_sigma=0.75, max_output=4096)
 FP32_TOLERANCE = 1e-5

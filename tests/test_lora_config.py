@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from async_grpo.data.dataset import DatasetConfig
 from async_grpo.config.run_config import ConfigError, load_config
+from async_grpo.config.worker_options import EngineConfig
+from async_grpo.data.dataset import DatasetConfig
 from setup_model import DEFAULT_LORA_TARGETS, LoraConfig, ModelConfig, vllm_lora_rank
 from trainer_core import TrainerConfig
 from vllm_worker import GenerationWorkerConfig
-from async_grpo.config.worker_options import EngineConfig
 
 REQUIRED = ["--model.model_path", "m", "--data.path", "d.jsonl"]
 

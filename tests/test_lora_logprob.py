@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_lora_vllm import _files_update, _hf_logprobs, _hf_peft, _mark_stable, _write_adapter
 
-from logprob_worker import LogprobWorker, LogprobWorkerConfig
 from async_grpo.config.worker_options import LogprobBatchingConfig
+from async_grpo.weights.weight_sync import UnstableVersionError, WeightUpdate, state_dict_to_blobs
+from logprob_worker import LogprobWorker, LogprobWorkerConfig
 from sample_processing_utils import Sample
 from setup_model import load_causal_lm
-from test_lora_vllm import _files_update, _hf_logprobs, _hf_peft, _mark_stable, _write_adapter
-from async_grpo.weights.weight_sync import UnstableVersionError, WeightUpdate, state_dict_to_blobs
 
 # Same weights and kernels family (packed sdpa vs eager), one process each: float rounding only.
 LOGPROB_ATOL = 1e-5

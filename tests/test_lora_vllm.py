@@ -23,18 +23,18 @@ import psutil
 import pytest
 import torch
 
-from async_grpo.rewards.math_verifier import RewardResult
-from sample_processing_utils import Sample
-from async_grpo.rollouts.sampling import SamplingConfig
-from setup_model import load_causal_lm
-from async_grpo.model.tiny_model import write_random_adapter as _write_adapter
-from vllm_worker import GenerationWorker, GenerationWorkerConfig
-from async_grpo.inference.weight_files import weights_file_dir
 from async_grpo.config.worker_options import EngineConfig
+from async_grpo.inference.weight_files import weights_file_dir
+from async_grpo.model.tiny_model import write_random_adapter as _write_adapter
+from async_grpo.rewards.math_verifier import RewardResult
+from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.weights.weight_sync import (
     StableMarker, UnstableVersionError, WeightUpdate, adapter_step_dir, state_dict_to_blobs, tensor_to_blob,
     update_parts, write_stable_marker,
 )
+from sample_processing_utils import Sample
+from setup_model import load_causal_lm
+from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM

@@ -18,28 +18,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from async_grpo.rewards.math_verifier import (
-    DEFAULT_LIMITS,
-    AnswerLimits,
-    RewardResult,
-    exponent_tower_height,
-    last_boxed,
-    nesting_depth,
-    numeric_power_digits,
-    plain_number_verdict,
-    precheck,
-    quick_verdict,
-    score_completion,
-    verify_with_math_verify,
-)
 from async_grpo.launch.ray_env import VERIFIER_POOL_ACTOR_NAME
+from async_grpo.rewards.math_verifier import (
+    DEFAULT_LIMITS, AnswerLimits, RewardResult, exponent_tower_height, last_boxed, nesting_depth, numeric_power_digits,
+    plain_number_verdict, precheck, quick_verdict, score_completion, verify_with_math_verify,
+)
 from async_grpo.rewards.reward_failure import FailureKind
 from async_grpo.rewards.verifier_cluster import (
-    VerifierPoolActor,
-    connect_verifier_pool,
-    get_or_create_verifier_pool,
-    plan_verifier_shards,
-    shutdown_verifier_pool,
+    VerifierPoolActor, connect_verifier_pool, get_or_create_verifier_pool, plan_verifier_shards, shutdown_verifier_pool,
 )
 from async_grpo.rewards.verifier_pool import VerifierPool, VerifierPoolConfig, default_num_processes
 

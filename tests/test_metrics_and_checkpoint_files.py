@@ -5,27 +5,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from async_grpo.trainer.checkpoint import latest_checkpoint
 from async_grpo.telemetry.metrics import (
-    MetricsLogger,
-    StepAccumulator,
-    StepDataLog,
-    eval_series,
-    moving_average,
-    plot_eval_points,
-    plot_reward_curve,
-    read_metrics,
-    summarize_reward,
-    truncate_step_records,
+    MetricsLogger, StepAccumulator, StepDataLog, eval_series, moving_average, plot_eval_points, plot_reward_curve,
+    read_metrics, summarize_reward, truncate_step_records,
 )
-from sample_processing_utils import Sample, post_process_batch
+from async_grpo.trainer.checkpoint import latest_checkpoint
 from async_grpo.trainer.fsdp_setup import DistInfo
+from sample_processing_utils import Sample, post_process_batch
 
 
 def _complete(root: Path, step: int) -> Path:

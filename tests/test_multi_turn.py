@@ -14,11 +14,13 @@ import threading
 
 import pytest
 
-from async_grpo.rollouts.environments import EnvironmentConfig, EnvPrompt, Reset, StepResult, Turn
-from async_grpo.rollouts.multi_turn import ENVIRONMENT_FAILURE, ChatRenderer, Generation, MultiTurnStats, run_rollout, run_rollouts
-from sample_processing_utils import Sample, get_input_for_logprobs
 from async_grpo.model.tiny_model import IM_END, build_chat_tokenizer
+from async_grpo.rollouts.environments import EnvironmentConfig, EnvPrompt, Reset, StepResult, Turn
+from async_grpo.rollouts.multi_turn import (
+    ENVIRONMENT_FAILURE, ChatRenderer, Generation, MultiTurnStats, run_rollout, run_rollouts,
+)
 from async_grpo.rollouts.tool_environment import ToolEnvironment
+from sample_processing_utils import Sample, get_input_for_logprobs
 
 HANG_GUARD_S = 60.0  # a deadlocked loop fails the test instead of hanging it
 QUESTION = "What is 123 + 456?"

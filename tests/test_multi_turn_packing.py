@@ -14,9 +14,8 @@ import torch
 from async_grpo.algo.algorithm import PreparedSamples, check_prepared
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rollouts.rollout_scoring import shaped_rewards
-from sample_processing_utils import (IGNORE_INDEX, Sample, get_input_for_logprobs, post_process_batch,
-                                     split_per_sample)
 from async_grpo.rollouts.sampling import SamplingConfig
+from sample_processing_utils import IGNORE_INDEX, Sample, get_input_for_logprobs, post_process_batch, split_per_sample
 
 X = IGNORE_INDEX
 

@@ -26,14 +26,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_step_parity import (
+    CLIP_HIGH, CLIP_LOW, CLIPPING_MAX_NORM, GRAD_NORM_RTOL, GSPO_CLIP, KL_COEF, MAX_OUTPUT_TOKENS,
+    MIN_MINIBATCHES_PER_RANK, NO_CLIP, PARAM_ATOL, PROMPT_LEN_RANGE, WORLD_SIZE, Case, PaddedBatch, ReferenceStep,
+    _adamw, _assert_grads_close, _clipped_fraction, _group_advantages, _load_reference_model, _max_diff, _optim,
+    _step_loss, _token_logprobs, run_cases,
+)
 
 from grpo_loss import LossConfig
 from sample_processing_utils import Sample
-from test_step_parity import (CLIP_HIGH, CLIP_LOW, CLIPPING_MAX_NORM, GRAD_NORM_RTOL, GSPO_CLIP, KL_COEF,
-                              MAX_OUTPUT_TOKENS, MIN_MINIBATCHES_PER_RANK,
-                              NO_CLIP, PARAM_ATOL, PROMPT_LEN_RANGE, WORLD_SIZE, Case, PaddedBatch,
-                              ReferenceStep, _adamw, _assert_grads_close, _clipped_fraction, _group_advantages,
-                              _load_reference_model, _max_diff, _optim, _step_loss, _token_logprobs, run_cases)
 
 NUM_PROMPTS = 6
 GROUP_SIZE = 4

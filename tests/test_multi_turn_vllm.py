@@ -21,16 +21,18 @@ import os
 from pathlib import Path
 
 import pytest
-
 from chat_engine import assert_trainer_logprobs_match_engine, chat_worker_config, tiny_chat_model
-from async_grpo.rollouts.environments import EnvironmentConfig, StepResult, Turn
-from async_grpo.rollouts.multi_turn import ChatRenderer, Generation, GenerateFn, MultiTurnStats, engine_generate, run_rollouts
-from sample_processing_utils import Sample
-from async_grpo.rollouts.sampling import SamplingConfig
-from setup_model import load_tokenizer
+
 from async_grpo.model.tiny_model import IM_END
-from async_grpo.rollouts.tool_environment import ToolEnvironment
 from async_grpo.rewards.verifier_pool import VerifierPool
+from async_grpo.rollouts.environments import EnvironmentConfig, StepResult, Turn
+from async_grpo.rollouts.multi_turn import (
+    ChatRenderer, GenerateFn, Generation, MultiTurnStats, engine_generate, run_rollouts,
+)
+from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.rollouts.tool_environment import ToolEnvironment
+from sample_processing_utils import Sample
+from setup_model import load_tokenizer
 from vllm_worker import GenerationWorker, sampling_params
 
 pytestmark = pytest.mark.vllm

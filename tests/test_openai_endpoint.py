@@ -17,15 +17,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from async_grpo.rollouts.multi_turn import Generation
+from async_grpo.config.worker_options import EngineConfig
 from async_grpo.inference.openai_endpoint import Endpoint, EndpointConfig, SamplingRequest
-from sample_processing_utils import Sample
-from setup_model import load_tokenizer
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.rollouts.multi_turn import Generation
 from async_grpo.rollouts.verifiers_rollouts import (
     PrefixDriftError, Turn, VerifiersRolloutConfig, VerifiersRollouts, VerifiersStats, sample_from_turns,
 )
-from async_grpo.config.worker_options import EngineConfig
+from sample_processing_utils import Sample
+from setup_model import load_tokenizer
 
 ANSWER_IDS = [5, 6, 7]
 ANSWER_LOGPROBS = [-0.5, -1.25, -2.0]

@@ -21,11 +21,11 @@ from typing import Iterator
 import pytest
 import torch
 
+from async_grpo.model.packed_attention import PACKED_SDPA, PackedSegments, packed_segments
+from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from grpo_loss import LossConfig, chunked_token_logprobs, grpo_loss
 from sample_processing_utils import IGNORE_INDEX, Sample, get_input_for_logprobs, post_process_batch
-from async_grpo.model.packed_attention import PACKED_SDPA, PackedSegments, packed_segments
 from setup_model import TokenLogprobModel, load_causal_lm
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 
 # fp32 on CPU: packing changes attention's matrix shapes (and so summation order), not the maths.
 LOGPROB_ATOL = 1e-5

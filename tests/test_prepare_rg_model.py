@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from async_grpo.data.reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records
-from setup_model import load_causal_lm, load_tokenizer
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from setup_model import load_causal_lm, load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

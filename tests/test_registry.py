@@ -22,12 +22,12 @@ import pytest
 import ray
 
 from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, registry_name, worker_actor_name
+from async_grpo.weights.weight_sync import WeightUpdate
 from vllm_experience_batcher import BatchedRegistryClient
 from vllm_registry import (
     Bundle, RegistryConfig, WorkerFailedError, WorkerHealth, WorkerPoolError, WorkerState, get_or_create_registry,
     serve_many,
 )
-from async_grpo.weights.weight_sync import WeightUpdate
 
 # Upper bound on how long a test waits for something that should happen at once; it keeps a
 # broken registry from hanging the suite and is never what decides a pass.
@@ -617,9 +617,9 @@ _MAX_TOKENS = 200
 @pytest.fixture(scope="module")
 def real_workers(ray_local, tiny_model_dir):
     """Two GenerationWorkerActors on the tiny model, started together (~1 min each on 2 cores)."""
+    from async_grpo.config.worker_options import EngineConfig
     from async_grpo.launch.ray_env import actor_runtime_env
     from vllm_worker import GenerationWorkerActor, GenerationWorkerConfig
-    from async_grpo.config.worker_options import EngineConfig
 
     config = GenerationWorkerConfig(
         model_path=str(tiny_model_dir), engine=EngineConfig(
@@ -664,9 +664,9 @@ def test_a_real_worker_joining_a_running_job_serves_the_published_weights(make_r
     Now registration loads the published version first, so its very first rollouts carry it."""
     from safetensors.torch import load_file
 
-    from sample_processing_utils import Sample
     from async_grpo.rollouts.sampling import SamplingConfig
     from async_grpo.weights.weight_sync import state_dict_to_blobs
+    from sample_processing_utils import Sample
 
     registry = make_registry()
     (first, _), (joiner, joiner_worker) = real_workers.items()
@@ -687,9 +687,9 @@ def test_a_real_worker_joining_a_running_job_serves_the_published_weights(make_r
 
 @pytest.mark.vllm
 def test_real_workers_spread_fail_over_and_report_a_dead_pool(make_registry, real_workers, tiny_model_dir):
+    from async_grpo.rollouts.sampling import SamplingConfig
     from sample_processing_utils import Sample
     from setup_model import load_tokenizer
-    from async_grpo.rollouts.sampling import SamplingConfig
 
     timeout_s = 5.0
     registry = make_registry(no_worker_timeout_s=timeout_s)

@@ -21,18 +21,13 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from async_grpo.weights import weight_sync
 from async_grpo.trainer.checkpoint import (
-    BackgroundCheckpointWriter,
-    TrainerState,
-    checkpoints_root,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
+    BackgroundCheckpointWriter, TrainerState, checkpoints_root, latest_checkpoint, load_checkpoint, save_checkpoint,
 )
-from sample_processing_utils import Sample, post_process_batch
 from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler
+from async_grpo.weights import weight_sync
+from sample_processing_utils import Sample, post_process_batch
 from setup_model import ModelConfig
 
 LR = 1e-2

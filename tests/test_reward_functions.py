@@ -11,9 +11,9 @@ import time
 import pytest
 
 from async_grpo.rewards import reward_functions
-from async_grpo.rewards.verifier_pool import VerifierPool
 from async_grpo.rewards.reward_functions import FunctionScore, RewardFunctionError, check_function, to_score
 from async_grpo.rewards.rewards import RewardConfig, combine_scores, counts_as_solved
+from async_grpo.rewards.verifier_pool import VerifierPool
 
 PLUGINS = "reward_plugins_for_tests"
 DEADLINE_S = 1.0
@@ -168,8 +168,8 @@ def _generate(pool, texts: list[str], reward: RewardConfig, record: dict | None 
     """GenerationWorker.generate on fixed completions (no engine), scored by the real pool."""
     import asyncio
 
-    from sample_processing_utils import Sample
     from async_grpo.rollouts.sampling import SamplingConfig
+    from sample_processing_utils import Sample
     from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
     finishes = finishes or ["stop"] * len(texts)
@@ -263,8 +263,8 @@ def _step_metrics(pool, texts_of: dict[int, list[str]], reward: RewardConfig) ->
     """One batcher step over prompts texts_of's keys (n = 4 completions each); its metrics."""
     import asyncio
 
-    from sample_processing_utils import Sample
     from async_grpo.rollouts.sampling import SamplingConfig
+    from sample_processing_utils import Sample
     from vllm_experience_batcher import BatcherConfig, EndOfStep, ExperienceBatcher
 
     config = BatcherConfig(world_size=1, max_tokens_per_gpu=64, prompt_deadline_s=120.0,

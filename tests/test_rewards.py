@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import pytest
 import yaml
 
-from async_grpo.rewards.rewards import RewardConfig, ShapedReward, format_matches, shape_reward
 from async_grpo.config.run_config import ConfigError, config_to_dict, load_config
+from async_grpo.rewards.rewards import RewardConfig, ShapedReward, format_matches, shape_reward
 from async_grpo.rollouts.sampling import SamplingConfig
 
 BOXED = r"\\boxed\{.+\}"

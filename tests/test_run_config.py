@@ -8,7 +8,10 @@ from typing import Literal
 
 import pytest
 
-from async_grpo.config.run_config import ConfigError, config_reference, config_to_dict, config_to_flags, flattened, load_config, save_config, split_passthrough
+from async_grpo.config.run_config import (
+    ConfigError, config_reference, config_to_dict, config_to_flags, flattened, load_config, save_config,
+    split_passthrough,
+)
 
 
 @dataclass(kw_only=True, frozen=True)

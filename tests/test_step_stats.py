@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import fields
 
 from async_grpo.batching.batcher_messages import EndOfStep
-from sample_processing_utils import Sample
 from async_grpo.batching.step_stats import StepCounts, StepStats
+from sample_processing_utils import Sample
 
 
 def _distinct_counts() -> StepStats:

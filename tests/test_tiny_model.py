@@ -18,11 +18,11 @@ import torch
 from safetensors import safe_open
 
 from async_grpo.model import tiny_model
-from setup_model import load_causal_lm, load_tokenizer
 from async_grpo.model.tiny_model import (
     CHATML_TEMPLATE, ENDOFTEXT, IM_END, IM_START, PRESETS, ShapeOverrides, TinyModelConfig, build_chat_tokenizer,
     build_model, model_shape, write_tiny_model,
 )
+from setup_model import load_causal_lm, load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # One narrow layer with Qwen2.5's vocabulary and tied embeddings: 151,936 x 64 embedding rows.

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from sample_processing_utils import INITIAL_WEIGHT_VERSION, Sample
 from async_grpo.rollouts.token_versions import (
     CompletionVersions, TokenVersionError, TokenVersionTracker, engine_label, label_version, newest_version,
     oldest_version, spans_to_runs, token_staleness, version_runs,
 )
+from sample_processing_utils import INITIAL_WEIGHT_VERSION, Sample
 
 
 @dataclass

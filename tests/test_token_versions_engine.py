@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from sample_processing_utils import Sample, get_input_for_logprobs
-from async_grpo.rollouts.sampling import SamplingConfig
-from setup_model import TokenLogprobModel, load_causal_lm
 from test_vllm_worker import _perturbed_copy
-from async_grpo.rollouts.token_versions import version_runs
-from vllm_worker import GenerationWorkerActor, GenerationWorkerConfig
-from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
+
 from async_grpo.config.worker_options import EngineConfig
+from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.rollouts.token_versions import version_runs
+from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
+from sample_processing_utils import Sample, get_input_for_logprobs
+from setup_model import TokenLogprobModel, load_causal_lm
+from vllm_worker import GenerationWorkerActor, GenerationWorkerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import torch
 
-from async_grpo.trainer.fsdp_setup import DistInfo
 from async_grpo.telemetry.metrics import StepAccumulator
+from async_grpo.trainer.fsdp_setup import DistInfo
 from sample_processing_utils import Sample, post_process_batch
 
 

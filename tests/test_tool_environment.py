@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from async_grpo.rollouts.environments import EnvPrompt, Reset, Turn
-from async_grpo.rollouts.tool_environment import (ToolCallError, ToolEnvironment, calculate, final_answer_matches, parse_tool_calls,
-                              tool_call_text)
+from async_grpo.rollouts.tool_environment import (
+    ToolCallError, ToolEnvironment, calculate, final_answer_matches, parse_tool_calls, tool_call_text,
+)
 
 
 @pytest.mark.parametrize(("expression", "value"), [

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from async_grpo.telemetry.metrics import MetricsConfig, open_metrics_sink, read_metrics
-from async_grpo.config.run_config import ConfigError, load_config
-from async_grpo.telemetry.trackers import TensorBoardTracker, flatten_config, mlflow_key
 from tracker_readers import trackio_run, wandb_offline_runs
+
+from async_grpo.config.run_config import ConfigError, load_config
+from async_grpo.telemetry.metrics import MetricsConfig, open_metrics_sink, read_metrics
+from async_grpo.telemetry.trackers import TensorBoardTracker, flatten_config, mlflow_key
 
 STEPS = 4
 EVALS = {1: {"eval/accuracy": 0.25, "eval/pass@4": 0.5}, 3: {"eval/accuracy": 0.75, "eval/pass@4": 0.875}}

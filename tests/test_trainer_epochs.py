@@ -19,13 +19,13 @@ import pytest
 import torch
 
 import trainer_core
-from async_grpo.trainer.data_path import PerRankDataPath, RayBatcherClient
 from async_grpo.data.dataset import DatasetConfig
-from grpo_loss import LossConfig
 from async_grpo.telemetry.metrics import StepAccumulator
-from sample_processing_utils import Sample
+from async_grpo.trainer.data_path import PerRankDataPath, RayBatcherClient
 from async_grpo.trainer.fsdp_setup import DistInfo
 from async_grpo.trainer.optimizer import OptimConfig, build_scheduler
+from grpo_loss import LossConfig
+from sample_processing_utils import Sample
 from setup_model import TokenLogprobModel, load_causal_lm
 from trainer_core import KeptMinibatch, train_on_step, update_for_step
 from vllm_experience_batcher import EndOfStep, Minibatch

@@ -19,13 +19,13 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from async_grpo.trainer.data_path import PerRankDataPath, RayBatcherClient
 from async_grpo.data.dataset import DatasetConfig
+from async_grpo.trainer.data_path import PerRankDataPath, RayBatcherClient
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
-from grpo_loss import LossConfig
-from sample_processing_utils import Sample
 from async_grpo.trainer.fsdp_setup import DistInfo
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler
+from grpo_loss import LossConfig
+from sample_processing_utils import Sample
 from setup_model import TokenLogprobModel, load_causal_lm
 from trainer_core import PromptFeeder, StepParts, TrainerConfig, run_step, start_generation
 from vllm_experience_batcher import EndOfStep, Minibatch

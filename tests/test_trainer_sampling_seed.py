@@ -15,12 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from async_grpo.data.dataset import DatasetConfig
 from async_grpo.config.run_config import load_config, save_config
+from async_grpo.data.dataset import DatasetConfig
+from async_grpo.rollouts.sampling import SEED_BOUND, SamplingConfig, derive_seed
 from sample_processing_utils import Sample
 from trainer_core import TrainerConfig
 from vllm_experience_batcher import BatcherConfig, ExperienceBatcher, Minibatch
-from async_grpo.rollouts.sampling import SEED_BOUND, SamplingConfig, derive_seed
 from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
 N = 4  # completions per request

@@ -48,13 +48,10 @@ def _run_cluster_scenario() -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from async_grpo.rewards.verifier_cluster import (
-        VERIFICATION_SLOT,
-        connect_verifier_pool,
-        get_or_create_verifier_pool,
-        shutdown_verifier_pool,
-    )
     from async_grpo.launch.ray_env import actor_runtime_env
+    from async_grpo.rewards.verifier_cluster import (
+        VERIFICATION_SLOT, connect_verifier_pool, get_or_create_verifier_pool, shutdown_verifier_pool,
+    )
 
     node_args = {"num_cpus": 1, "include_dashboard": False, "_system_config": {"enable_metrics_collection": False}}
     cluster = Cluster(initialize_head=True, head_node_args={**node_args, "resources": {VERIFICATION_SLOT: HEAD_SLOTS}})

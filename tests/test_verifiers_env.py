@@ -27,14 +27,14 @@ from pathlib import Path
 
 import pytest
 
+from async_grpo.inference.openai_endpoint import Endpoint, EndpointConfig
+from async_grpo.model.tiny_model import IM_END, TinyModelConfig, write_tiny_model
 from async_grpo.rollouts.environments import EnvironmentConfig
 from async_grpo.rollouts.multi_turn import Generation
-from async_grpo.inference.openai_endpoint import Endpoint, EndpointConfig
-from sample_processing_utils import Sample
 from async_grpo.rollouts.sampling import SamplingConfig, VerifiersEnvConfig
-from setup_model import load_tokenizer
-from async_grpo.model.tiny_model import IM_END, TinyModelConfig, write_tiny_model
 from async_grpo.rollouts.verifiers_env import VerifiersEnvRunner, VerifiersEnvStats, sample_from_episode
+from sample_processing_utils import Sample
+from setup_model import load_tokenizer
 
 VERSION = 7
 SEED = 11

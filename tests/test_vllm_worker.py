@@ -19,24 +19,24 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
-from async_grpo.rewards.math_verifier import RewardResult
-from async_grpo.rewards.reward_failure import FailureKind
-from sample_processing_utils import Sample, get_input_for_logprobs
-from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
-from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
-from async_grpo.rewards.rewards import RewardConfig
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.worker_options import EngineConfig
 from async_grpo.inference.served_adapters import AdapterBook
-from vllm_worker import FailedSampleLog, GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig
 from async_grpo.inference.weight_files import reload_buckets
 from async_grpo.inference.weight_reload import with_tied_lm_head
-from async_grpo.config.worker_options import EngineConfig
+from async_grpo.rewards.math_verifier import RewardResult
+from async_grpo.rewards.reward_failure import FailureKind
+from async_grpo.rewards.rewards import RewardConfig
+from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
+from sample_processing_utils import Sample, get_input_for_logprobs
+from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
+from vllm_worker import FailedSampleLog, GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig
 
 logger = logging.getLogger(__name__)
 

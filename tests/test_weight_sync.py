@@ -8,15 +8,8 @@ import torch
 
 from async_grpo.trainer.weight_pusher import WeightPusher, resolve_push_dtype
 from async_grpo.weights.weight_sync import (
-    WeightUpdate,
-    assemble_state_dict,
-    fetch_state_dict,
-    fsdp_shard_extent,
-    gather_full_state_dict,
-    iter_assembled,
-    iter_state_dict,
-    local_shard_blobs,
-    tensor_to_blob,
+    WeightUpdate, assemble_state_dict, fetch_state_dict, fsdp_shard_extent, gather_full_state_dict, iter_assembled,
+    iter_state_dict, local_shard_blobs, tensor_to_blob,
 )
 
 

@@ -17,18 +17,17 @@ from typing import Any
 import pytest
 import torch
 import vllm.distributed.weight_transfer.nccl_engine as vllm_nccl
-
-from setup_model import TokenLogprobModel, load_causal_lm
 from test_weight_transfer_engine import INIT, UPDATE, RecordingEngine
-from async_grpo.trainer.weight_pusher import WeightPusher
-from async_grpo.weights.weight_sync import gather_full_state_dict
+
 from async_grpo.inference.weight_transfer_engine import EngineTransferReceiver
+from async_grpo.trainer.weight_pusher import WeightPusher
 from async_grpo.trainer.weight_transfer_trainer import (
     DESCRIBE_METHOD, FINISH_METHOD, INIT_METHOD, START_METHOD, UPDATE_METHOD, EngineRanks, EngineWeightSender,
     EngineWorkersClient, GroupPlan, HFWeightSource, TrainerTransferConfig, WireMeta, WorkerCallError,
     check_transfer_pairing, engines_from_answers, init_payloads, plan_group, send_plan,
 )
-
+from async_grpo.weights.weight_sync import gather_full_state_dict
+from setup_model import TokenLogprobModel, load_causal_lm
 
 # ---------------------------------------------------------------- pairing and plan
 
@@ -340,8 +339,8 @@ def test_group_plan_is_a_record() -> None:
 
 
 def _generation_worker(backend: str, engine: RecordingEngine) -> Any:
-    from vllm_worker import GenerationWorker, GenerationWorkerConfig
     from async_grpo.config.worker_options import EngineConfig
+    from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
     worker = GenerationWorker("generation-worker-0", GenerationWorkerConfig(
         model_path="unused", engine=EngineConfig(weight_transfer=backend)), verifier=object())

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from sample_processing_utils import Sample
 from async_grpo.batching.step_stats import StepCounts
+from sample_processing_utils import Sample
 
 LOSS_WEIGHT = 1.0
 """loss_weight of a minibatch whose samples carry loss."""

@@ -11,9 +11,9 @@ from async_grpo.algo.algorithm import (
     AlgorithmConfig, AlgorithmContext, DistillConfig, KLSettings, PrepareFn, check_prepared, load_prepare_fn,
     sequence_kl,
 )
-from sample_processing_utils import Sample
-from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.batching.step_stats import StepStats
+from async_grpo.rollouts.sampling import SamplingConfig
+from sample_processing_utils import Sample
 
 
 class GroupPreparer:

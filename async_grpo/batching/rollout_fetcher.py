@@ -16,9 +16,9 @@ from typing import Any, Awaitable, Literal, Protocol
 import ray
 from ray.actor import ActorHandle
 
-from sample_processing_utils import INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.rollouts.token_versions import newest_version, oldest_version
+from sample_processing_utils import INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 

@@ -64,26 +64,14 @@ from typing import Any, Iterator, Protocol
 
 import numpy as np
 
+from async_grpo.config.run_config import load_config
 from async_grpo.data.arithmetic_data import WriteArithmeticConfig, write_arithmetic_dataset
 from async_grpo.data.prompt_record import (
-    DATA_FORMATS,
-    FORMAT_FIELDS,
-    GROUPING_FIELDS,
-    MISSING_ANSWER_POLICIES,
-    TOKEN_IDS_FIELD,
-    DataFormat,
-    DatasetError,
-    MissingAnswerPolicy,
-    RecordSchema,
-    chat_messages,
-    detect_format,
-    gold_answer,
-    no_answer_problem,
-    quote,
+    DATA_FORMATS, FORMAT_FIELDS, GROUPING_FIELDS, MISSING_ANSWER_POLICIES, TOKEN_IDS_FIELD, DataFormat, DatasetError,
+    MissingAnswerPolicy, RecordSchema, chat_messages, detect_format, gold_answer, no_answer_problem, quote,
     string_field,
 )
 from async_grpo.data.reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records
-from async_grpo.config.run_config import load_config
 from sample_processing_utils import Sample
 
 logger = logging.getLogger(__name__)

@@ -30,9 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from async_grpo.inference.weight_files import BUCKET_DTYPES, read_bucket

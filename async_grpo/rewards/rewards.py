@@ -42,8 +42,8 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from async_grpo.rewards import reward_functions
 from async_grpo.data.reasoning_gym_tasks import REASONING_GYM_SOURCE_PREFIX
+from async_grpo.rewards import reward_functions
 from async_grpo.rewards.reward_functions import FunctionScore
 
 # The verifier's reward for a correct answer; `reward/accuracy` and `eval/accuracy` count a

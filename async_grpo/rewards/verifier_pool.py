@@ -47,11 +47,7 @@ from async_grpo.rewards.math_verifier import DEFAULT_LIMITS, AnswerLimits, Rewar
 from async_grpo.rewards.reward_failure import FailureKind
 from async_grpo.rewards.reward_functions import FunctionScore
 from async_grpo.rewards.verifier_process import (
-    FORKSERVER_PRELOAD,
-    MAX_FUNCTION_REPLY_BYTES,
-    WorkerSlot,
-    WorkerStartError,
-    decode_result,
+    FORKSERVER_PRELOAD, MAX_FUNCTION_REPLY_BYTES, WorkerSlot, WorkerStartError, decode_result,
 )
 
 logger = logging.getLogger(__name__)

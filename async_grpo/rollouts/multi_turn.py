@@ -32,10 +32,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Literal, Sequence
 
-from async_grpo.rollouts.environments import EnvPrompt, Environment, EnvironmentConfig, Message, Reset, StepResult, Turn
-from sample_processing_utils import Sample
+from async_grpo.rollouts.environments import Environment, EnvironmentConfig, EnvPrompt, Message, Reset, StepResult, Turn
 from async_grpo.rollouts.sampling import SEED_BOUND, derive_seed
 from async_grpo.rollouts.token_versions import spans_to_runs
+from sample_processing_utils import Sample
 
 logger = logging.getLogger(__name__)
 

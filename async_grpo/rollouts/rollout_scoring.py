@@ -17,10 +17,11 @@ from typing import Any, Callable, Protocol
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rewards.reward_failure import FailureKind
 from async_grpo.rewards.reward_functions import FunctionScore, failure, function_name
-from async_grpo.rewards.rewards import (CORRECT_VERDICT, DEFAULT_REWARD_NAME, CombinedScore, ShapedReward, combine_scores,
-                     overlong_penalty, shape_reward)
-from sample_processing_utils import Sample
+from async_grpo.rewards.rewards import (
+    CORRECT_VERDICT, DEFAULT_REWARD_NAME, CombinedScore, ShapedReward, combine_scores, overlong_penalty, shape_reward,
+)
 from async_grpo.rollouts.sampling import SamplingConfig
+from sample_processing_utils import Sample
 
 logger = logging.getLogger(__name__)
 

@@ -45,8 +45,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from async_grpo.rollouts.environments import TOOL_ROLE, EnvPrompt, Message, Reset, StepResult, Turn
 from async_grpo.rewards.sandbox import SandboxConfig, run_python
+from async_grpo.rollouts.environments import TOOL_ROLE, EnvPrompt, Message, Reset, StepResult, Turn
 
 logger = logging.getLogger(__name__)
 

@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from async_grpo.rollouts.multi_turn import ChatRenderer
-from sample_processing_utils import Sample
 from async_grpo.rollouts.sampling import SEED_BOUND, SamplingConfig, VerifiersEnvConfig, derive_seed
 from async_grpo.rollouts.verifiers_rollouts import _merged_runs
+from sample_processing_utils import Sample
 
 logger = logging.getLogger(__name__)
 

@@ -42,13 +42,13 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 
 from async_grpo.rewards.rewards import counts_as_solved
-from sample_processing_utils import PackedBatch, Sample
 from async_grpo.rollouts.token_versions import oldest_version, token_staleness
 from async_grpo.telemetry.console import CONSOLE, ConsoleProgress, DropWarnings, eval_line
 from async_grpo.telemetry.run_report import (  # noqa: F401 (read_metrics, first_reached: re-exported)
     EVAL_ACCURACY, eval_series, first_reached, moving_average, read_metrics,
 )
 from async_grpo.telemetry.trackers import Tracker, one_line, start_tracker
+from sample_processing_utils import PackedBatch, Sample
 
 logger = logging.getLogger(__name__)
 

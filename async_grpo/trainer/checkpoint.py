@@ -40,22 +40,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as torch_dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
 from async_grpo.trainer.fsdp_setup import DistInfo
 from async_grpo.weights.weight_sync import (
-    adapter_config_json,
-    gather_adapter,
-    gather_full_state_dict,
-    inference_config,
-    is_lora_model,
-    write_adapter_folder,
+    adapter_config_json, gather_adapter, gather_full_state_dict, inference_config, is_lora_model, write_adapter_folder,
     write_hf_folder,
 )
 

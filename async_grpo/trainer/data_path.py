@@ -47,9 +47,9 @@ import torch.distributed as torch_dist
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
+from async_grpo.batching.batcher_messages import EndOfStep, Minibatch, PromptRequest
 from async_grpo.trainer.fsdp_setup import DistInfo
 from sample_processing_utils import Sample
-from async_grpo.batching.batcher_messages import EndOfStep, Minibatch, PromptRequest
 
 logger = logging.getLogger(__name__)
 

@@ -19,17 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from setup_model import (
-    ModelConfig,
-    TokenLogprobModel,
-    apply_lora,
-    check_attn_dtype,
-    default_attn_implementation,
-    load_causal_lm,
-    meta_causal_lm,
-    training_compute_dtype,
-)
 from async_grpo.weights.weight_sync import ADAPTER_WEIGHTS_FILE, local_piece
+from setup_model import (
+    ModelConfig, TokenLogprobModel, apply_lora, check_attn_dtype, default_attn_implementation, load_causal_lm,
+    meta_causal_lm, training_compute_dtype,
+)
 
 logger = logging.getLogger(__name__)
 

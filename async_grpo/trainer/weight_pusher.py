@@ -22,13 +22,13 @@ import torch.distributed as dist
 from torch import nn
 
 from async_grpo.launch.ray_env import ON_HEAD_NODE, RAY_NAMESPACE, SHARD_STAGER_NAME
-from setup_model import MODEL_DTYPES, training_compute_dtype
+from async_grpo.trainer.weight_transfer_trainer import TRANSFER_PUSH_MODE, EngineWeightSender
 from async_grpo.weights.weight_sync import (
     STABLE_MARKER_FILE, StableMarker, WeightUpdate, adapter_config_json, adapter_step_dir, gather_adapter,
-    gather_full_state_dict, is_lora_model, local_adapter_blobs, local_shard_blobs, state_dict_to_blobs,
-    update_parts, write_adapter_folder, write_stable_marker,
+    gather_full_state_dict, is_lora_model, local_adapter_blobs, local_shard_blobs, state_dict_to_blobs, update_parts,
+    write_adapter_folder, write_stable_marker,
 )
-from async_grpo.trainer.weight_transfer_trainer import TRANSFER_PUSH_MODE, EngineWeightSender
+from setup_model import MODEL_DTYPES, training_compute_dtype
 
 logger = logging.getLogger(__name__)
 

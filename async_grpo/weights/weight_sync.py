@@ -30,11 +30,11 @@ its own; Ray's serialisation carries the object refs."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import shutil
 from dataclasses import dataclass, field
-import contextlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 

@@ -40,7 +40,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import psutil
 
 from async_grpo.config.run_config import config_to_flags, flattened, load_config, split_passthrough
-from async_grpo.config.worker_options import EngineConfig, LogprobBatchingConfig
+from async_grpo.config.worker_options import (
+    EngineConfig, HealthCheckConfig, LogprobBatchingConfig, RestartConfig, VerificationConfig,
+)
 from async_grpo.launch.ray_env import (
     LOOPBACK_ONLY_ENV, RAY_NAMESPACE, REPO_ROOT, actor_runtime_env, repo_pythonpath, use_loopback_only_ray,
 )
@@ -109,19 +111,16 @@ class LocalClusterConfig:
     engine: EngineConfig = flattened(LOCAL_ENGINE)
     """The generation engines' options (worker_options.EngineConfig), with this machine's
     defaults (LOCAL_ENGINE); their dtype is the logprob workers' too."""
-    global_num_verifiers: int | None = None
-    """Verifier processes shared by all generation workers; None: one per usable core (2 to 32,
-    verifier_pool.VerifierPoolConfig), so a few slow verifications cannot hold up the rest."""
+    verification: VerificationConfig = flattened(VerificationConfig())
+    """The generation workers' math-verify pool (worker_options.VerificationConfig)."""
     batching: LogprobBatchingConfig = flattened(LOCAL_BATCHING)
     """How the logprob workers pack requests (worker_options.LogprobBatchingConfig)."""
     worker_start_timeout_s: float = 600.0
     """Give up if a worker has not registered by then (vLLM on CPU takes ~1 min)."""
-    health_check_interval_s: float | None = None
-    """How often each dispatcher checks its worker (its --health_check_interval_s); None: the
-    dispatcher's default."""
-    restart_backoff_s: float | None = None
-    """How long a dispatcher waits before replacing a dead worker (its --restart_backoff_s);
-    None: the dispatcher's default."""
+    health: HealthCheckConfig = flattened(HealthCheckConfig())
+    """How each dispatcher probes its worker (worker_options.HealthCheckConfig)."""
+    restart: RestartConfig = flattened(RestartConfig())
+    """How each dispatcher replaces a worker that failed (worker_options.RestartConfig)."""
 
     @property
     def total_workers(self) -> int:
@@ -142,11 +141,6 @@ class LocalClusterConfig:
                 raise ValueError(f"LocalClusterConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.teacher_workers and not self.teacher_model_path:
             raise ValueError("LocalClusterConfig.teacher_workers needs teacher_model_path (--teacher_model_path)")
-        if self.health_check_interval_s is not None and not self.health_check_interval_s > 0:
-            raise ValueError(f"LocalClusterConfig.health_check_interval_s must be > 0, got "
-                             f"{self.health_check_interval_s}")
-        if self.restart_backoff_s is not None and self.restart_backoff_s < 0:
-            raise ValueError(f"LocalClusterConfig.restart_backoff_s must be >= 0, got {self.restart_backoff_s}")
 
 
 
@@ -374,13 +368,10 @@ class LocalCluster:
         the sections this config shares with the dispatcher, as flags (run_config.config_to_flags),
         where they differ from the dispatcher's defaults."""
         c = self.config
-        common = ["--mode", kind, "--model_path", c.teacher_model_path if kind == "teacher" else c.model_path]
-        for flag in ("health_check_interval_s", "restart_backoff_s"):
-            if getattr(c, flag) is not None:
-                common += [f"--{flag}", str(getattr(c, flag))]
+        common = ["--mode", kind, "--model_path", c.teacher_model_path if kind == "teacher" else c.model_path,
+                  *config_to_flags(c.health), *config_to_flags(c.restart)]
         if kind == "generation":
-            verifiers = [] if c.global_num_verifiers is None else ["--global_num_verifiers", str(c.global_num_verifiers)]
-            return common + verifiers + config_to_flags(c.engine)
+            return common + config_to_flags(c.verification) + config_to_flags(c.engine)
         if kind in ("logprob", "reference", "teacher"):
             return common + ["--dtype", c.engine.dtype] + config_to_flags(c.batching)
         raise ValueError(f"unknown worker kind {kind!r}")

@@ -34,9 +34,9 @@ from torch.optim.lr_scheduler import LRScheduler
 from async_grpo.algo.algorithm import (
     AlgorithmConfig, DistillConfig, LogprobRole, check_logprob_sources, load_prepare_fn,
 )
-from async_grpo.config.run_config import ConfigError, load_config, save_config
+from async_grpo.config.run_config import ConfigError, flattened, load_config, save_config
 from async_grpo.config.versions import TRAINER_REQUIREMENTS, VersionError, check_versions
-from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER
+from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, RayConnectionConfig
 from async_grpo.data.dataset import DatasetConfig, DatasetError, load_prompts
 from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
 from async_grpo.launch.ray_env import (
@@ -188,12 +188,9 @@ class TrainerConfig:
     """torch.distributed collective timeout: a dead rank stops the others with an error. The
     rank-0 data path waits 0.9 of it, so a dead or hung rank 0 is reported as Rank0DataPathError
     before NCCL's watchdog aborts the process."""
-    ray_address: str = "auto"
-    """Ray cluster to join (started with `ray start`) when RAY_ADDRESS is unset; 'auto': the last
-    one `ray start` started on this machine."""
-    connect_timeout_s: float = 30.0
-    """Give up (exit 1, one line) if the Ray head does not accept this process by then: no
-    cluster, an unreachable head, a missing or wrong auth token."""
+    connection: RayConnectionConfig = flattened(RayConnectionConfig())
+    """Which Ray cluster to join (started with `ray start`) and how long to try
+    (worker_options.RayConnectionConfig)."""
     tensorboard: bool = True
     """Also write metrics to run_dir/tensorboard (false: off, whatever metrics.report_to says)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -215,8 +212,6 @@ class TrainerConfig:
                 raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_lag < 0:
             raise ValueError(f"TrainerConfig.max_lag must be >= 0, got {self.max_lag}")
-        if not self.connect_timeout_s > 0:
-            raise ValueError(f"TrainerConfig.connect_timeout_s must be > 0, got {self.connect_timeout_s}")
         if self.max_lag < self.push_every - 1:
             raise ValueError(
                 f"TrainerConfig.max_lag={self.max_lag} is below push_every - 1 = {self.push_every - 1}: with "
@@ -277,7 +272,7 @@ def setup_logging(config: TrainerConfig, rank: int) -> None:
 
 def _connect_ray(config: TrainerConfig) -> None:
     """Join the cluster the workers run in (token auth and loopback handled by ray_env.join_cluster)."""
-    join_cluster(config.ray_address, namespace=RAY_NAMESPACE, timeout_s=config.connect_timeout_s,
+    join_cluster(config.connection.ray_address, namespace=RAY_NAMESPACE, timeout_s=config.connection.connect_timeout_s,
                  log_to_driver=False, runtime_env=actor_runtime_env())
 
 

@@ -34,12 +34,13 @@ import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.actor import ActorHandle
 
+from async_grpo.config.worker_options import HealthCheckConfig
 from async_grpo.launch.ray_env import ON_HEAD_NODE, RAY_NAMESPACE, actor_runtime_env, check_kind, registry_name
 from async_grpo.routing.batch_calls import BatchedRegistryClient, Bundle, WorkerFailedError, is_worker_death, serve_many
 from async_grpo.routing.capacity_queue import CapacityQueue, WorkerLoad, WorkerPoolError, short_error
@@ -98,6 +99,11 @@ class WorkerStatus:
     """The worker's CUDA_VISIBLE_DEVICES: the GPUs Ray granted it ('' on CPU)."""
 
 
+# A registry routes requests: a worker that cannot answer health() within 10 s is dropped from
+# routing (its dispatcher, which only logs a slow answer, waits 60 s by default).
+REGISTRY_HEALTH_CHECK = HealthCheckConfig(health_timeout_s=10.0)
+
+
 @dataclass(kw_only=True, frozen=True)
 class RegistryConfig:
     """Routing, waiting and health-check limits of one registry."""
@@ -108,10 +114,8 @@ class RegistryConfig:
     request costlier than the cap is still sent to an idle worker, so it can never wait forever."""
     no_worker_timeout_s: float = 60.0
     """How long `submit` waits for a worker to register when none is alive before it raises."""
-    health_check_interval_s: float = 10.0
-    """Seconds between background health checks that drop dead workers."""
-    health_timeout_s: float = 10.0
-    """How long a worker's `health()` may take before it is reported unhealthy."""
+    health: HealthCheckConfig = field(default_factory=lambda: REGISTRY_HEALTH_CHECK)
+    """Background health checks that drop dead workers (worker_options.HealthCheckConfig)."""
     max_retries_per_request: int = 3
     """How many times one request is re-sent after the worker serving it died."""
     weight_update_timeout_s: float = 600.0
@@ -124,7 +128,7 @@ class RegistryConfig:
             raise ValueError(
                 f"RegistryConfig.max_inflight_cost_per_worker must be >= 1, got {self.max_inflight_cost_per_worker}"
             )
-        for name in ("no_worker_timeout_s", "health_check_interval_s", "health_timeout_s", "weight_update_timeout_s"):
+        for name in ("no_worker_timeout_s", "weight_update_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RegistryConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_retries_per_request < 0:
@@ -205,7 +209,7 @@ class Registry:
         health = await self._health_for_registration(worker_name, handle)
         version = await self._catch_up(worker_name, handle, health.weight_version)
         try:
-            await asyncio.wait_for(_await_ref(handle.mark_ready.remote()), self.config.health_timeout_s)
+            await asyncio.wait_for(_await_ref(handle.mark_ready.remote()), self.config.health.health_timeout_s)
         except (asyncio.TimeoutError, ray.exceptions.RayError) as err:
             raise WorkerPoolError(f"{self.name}: cannot register {worker_name}: mark_ready failed: {short_error(err)}") from err
         if self._latest_update is not None and version < self._latest_update.version:
@@ -220,7 +224,7 @@ class Registry:
 
     async def _health_for_registration(self, worker_name: str, handle: Any) -> WorkerHealth:
         try:
-            health = await asyncio.wait_for(_await_ref(handle.health.remote()), self.config.health_timeout_s)
+            health = await asyncio.wait_for(_await_ref(handle.health.remote()), self.config.health.health_timeout_s)
         except (asyncio.TimeoutError, ray.exceptions.RayError) as err:
             raise WorkerPoolError(f"{self.name}: cannot register {worker_name}: health() failed: {short_error(err)}") from err
         if health.kind != self.kind or health.state not in (WorkerState.INIT, *SERVING_STATES):
@@ -357,7 +361,7 @@ class Registry:
             self._queue.touch(slot)  # its health decides its place in the routing order
 
     async def _probe_health(self, slot: _WorkerSlot) -> None:
-        timeout = self.config.health_timeout_s
+        timeout = self.config.health.health_timeout_s
         try:
             health: WorkerHealth = await asyncio.wait_for(_await_ref(slot.handle.health.remote()), timeout)
         except asyncio.TimeoutError:
@@ -402,7 +406,7 @@ class Registry:
     async def run_health_checks(self) -> None:
         """Forever: probe all workers every `health_check_interval_s`, dropping dead ones."""
         while True:
-            await asyncio.sleep(self.config.health_check_interval_s)
+            await asyncio.sleep(self.config.health.health_check_interval_s)
             await asyncio.gather(*(self._probe(s) for s in list(self._workers.values())))
 
 

@@ -52,7 +52,8 @@ import ray
 
 from async_grpo.config.run_config import flattened
 from async_grpo.config.worker_options import (
-    OBJECT_STORE_TRANSFER, WEIGHT_TRANSFER_BACKENDS, EngineConfig, check_weight_transfer_device,
+    OBJECT_STORE_TRANSFER, WEIGHT_TRANSFER_BACKENDS, EngineConfig, FailedSamplesConfig, VerificationConfig,
+    check_weight_transfer_device,
 )
 from async_grpo.inference.served_adapters import AdapterBook, adapter_folder, check_adapter_rank
 from async_grpo.inference.weight_files import BucketBuffer, reload_buckets
@@ -153,18 +154,11 @@ class GenerationWorkerConfig:
     """How an update treats rollouts in flight: 'keep' freezes them, swaps weights and finishes
     them with the new weights (no stall; their tokens mix versions), 'wait' lets them finish on
     the old weights first while new requests queue (each rollout on one version)."""
-    global_num_verifiers: int | None = None
-    """Processes of the cluster-wide math-verify pool (created by the first worker to ask), spread
-    over the nodes that advertise the `verification_slot` resource, one slot each (capped at the
-    slots offered); without such nodes, all in one process outside Ray's accounting (see
-    verifier_cluster.VerifierPoolActor). None: verifier_pool.VerifierPoolConfig's rule (one per
-    usable core, 2 to 32)."""
-    verifier_timeout_s: float | None = None
-    """Hard deadline per verification; a verifier that passes it is killed and the reward is 0.
-    None: verifier_pool.VerifierPoolConfig's default (1 s, from the measured clean p99)."""
-    failed_samples_path: str | None = None
-    """JSONL file that receives every sample whose generation or scoring failed, with the
-    error; None turns this off."""
+    verification: VerificationConfig = flattened(VerificationConfig())
+    """The cluster-wide math-verify pool this worker scores with (worker_options.VerificationConfig)."""
+    failed_samples: FailedSamplesConfig = flattened(FailedSamplesConfig())
+    """Where samples whose generation or scoring failed go (worker_options.FailedSamplesConfig;
+    off by default)."""
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -173,12 +167,6 @@ class GenerationWorkerConfig:
             raise ValueError(
                 f"GenerationWorkerConfig.weight_update_pause_mode unknown: {self.weight_update_pause_mode!r}"
             )
-        if self.global_num_verifiers is not None and self.global_num_verifiers < 1:
-            raise ValueError(f"GenerationWorkerConfig.global_num_verifiers must be >= 1 or None, got "
-                             f"{self.global_num_verifiers}")
-        if self.verifier_timeout_s is not None and self.verifier_timeout_s <= 0:
-            raise ValueError(f"GenerationWorkerConfig.verifier_timeout_s must be > 0 or None, got "
-                             f"{self.verifier_timeout_s}")
         if self.weight_reload_bucket_bytes < 1:
             raise ValueError(
                 f"GenerationWorkerConfig.weight_reload_bucket_bytes must be >= 1, got {self.weight_reload_bucket_bytes}"
@@ -388,9 +376,10 @@ class GenerationWorker:
         self.worker_name = worker_name
         self.config = config
         self.stats = GenerationStats()
-        connect = functools.partial(connect_verifier_pool, config.global_num_verifiers, config.verifier_timeout_s)
+        connect = functools.partial(connect_verifier_pool, config.verification.global_num_verifiers,
+                                    config.verification.verifier_timeout_s)
         self.scorer = RolloutScorer(worker_name, connect, verifier)
-        self._failed = FailedSampleLog(config.failed_samples_path, worker_name)
+        self._failed = FailedSampleLog(config.failed_samples.path, worker_name)
         self._engine: AsyncLLM | None = None
         self._weight_version = -1
         self._inflight = 0

@@ -55,7 +55,10 @@ from async_grpo.config.run_config import ConfigError, flattened, load_config
 from async_grpo.config.versions import (
     LOGPROB_WORKER_REQUIREMENTS, RAY, WORKER_REQUIREMENTS, VersionError, check_versions,
 )
-from async_grpo.config.worker_options import EngineConfig, LogprobBatchingConfig
+from async_grpo.config.worker_options import (
+    EngineConfig, FailedSamplesConfig, HealthCheckConfig, LogprobBatchingConfig, RayConnectionConfig, RestartConfig,
+    VerificationConfig,
+)
 from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
 from async_grpo.launch.ray_env import (
     GENERATION, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, worker_actor_name,
@@ -69,7 +72,6 @@ REGISTERED_LINE = "worker {name} registered"  # launch scripts wait for this exa
 RESTARTING_LINE = "worker {name} restarting ({restart} of {max_restarts}): {reason}"
 _MAX_BACKOFF_S = 60.0
 STATUS_COMMAND = "status"
-DEFAULT_FAILED_SAMPLES_PATH = "failed_generation_samples.jsonl"
 # A worker holds a request's cost while it also scores the finished group, so a cap of twice
 # the engine's batch keeps the engine fed while earlier groups are being verified.
 _GENERATION_CAP_PER_SEQ_SLOT = 2
@@ -101,38 +103,24 @@ class DispatcherConfig:
     """Generation: the vLLM engine's options (its dtype also serves logprob workers)."""
     batching: LogprobBatchingConfig = flattened(LogprobBatchingConfig())
     """Logprob: how requests are packed into forwards."""
-    global_num_verifiers: int | None = None
-    """Generation: processes of the cluster-wide math-verify pool (one CPU each)."""
-    verifier_timeout_s: float | None = None
-    """Generation: hard deadline of one verification."""
-    write_failed_generation_samples: bool = False
-    """Generation: append samples whose generation or scoring failed to failed_samples_path."""
-    failed_samples_path: str = DEFAULT_FAILED_SAMPLES_PATH
-    """Generation: JSONL file for failed samples (relative paths resolve against the cwd)."""
+    verification: VerificationConfig = flattened(VerificationConfig())
+    """Generation: the cluster-wide math-verify pool (worker_options.VerificationConfig)."""
+    failed_samples: FailedSamplesConfig = flattened(FailedSamplesConfig())
+    """Generation: where samples whose generation or scoring failed go (worker_options.FailedSamplesConfig)."""
     num_cpus: float = 1.0
     """CPUs the worker actor reserves in Ray's accounting."""
-    ray_address: str = "auto"
-    """Cluster to join when RAY_ADDRESS is unset ('auto': the one started on this machine)."""
+    connection: RayConnectionConfig = flattened(RayConnectionConfig())
+    """Which cluster to join and how long to try (worker_options.RayConnectionConfig)."""
     ray_temp_dir: str = ""
     """The Ray node to run on, by its temp folder (`ray start --temp-dir`), when several Ray nodes
     share this machine's address; '': Ray's choice (the head node, where there is one)."""
-    connect_timeout_s: float = 30.0
-    """Give up (exit 1, one line) if the Ray head does not accept this process by then: no
-    cluster, an unreachable head, a missing or wrong auth token."""
     start_timeout_s: float = 1800.0
     """Give up (exit 1) if the worker is not started by then (no free GPU on this node, stuck
     loading)."""
-    health_check_interval_s: float = 10.0
-    """Seconds between checks that the worker is alive and still registered."""
-    health_timeout_s: float = 60.0
-    """How long one health() call may take before it is logged as unresponsive."""
-    max_restarts: int = 3
-    """How many times the worker is replaced after it died or FAILED while serving, before the
-    dispatcher gives up and exits 1 (0: exit on the first failure). A worker that fails to start
-    or register is not replaced: such failures (a bad flag, too little memory, a model that does
-    not load) repeat, so the dispatcher reports the cause once and exits 1."""
-    restart_backoff_s: float = 5.0
-    """Wait before the first restart; it doubles on each further one, up to 60 s."""
+    health: HealthCheckConfig = flattened(HealthCheckConfig())
+    """How often the dispatcher probes its worker (worker_options.HealthCheckConfig)."""
+    restart: RestartConfig = flattened(RestartConfig())
+    """How the dispatcher replaces a worker that failed while serving (worker_options.RestartConfig)."""
 
     def __post_init__(self) -> None:
         if self.mode not in WORKER_KINDS:
@@ -143,12 +131,8 @@ class DispatcherConfig:
             raise ValueError(f"DispatcherConfig.tensor_parallel_size must be 1 in {self.mode} mode (one device per worker)")
         if self.num_cpus < 0:
             raise ValueError(f"DispatcherConfig.num_cpus must be >= 0, got {self.num_cpus}")
-        if self.max_restarts < 0 or self.restart_backoff_s < 0:
-            raise ValueError(f"DispatcherConfig.max_restarts and restart_backoff_s must be >= 0, got "
-                             f"{self.max_restarts} and {self.restart_backoff_s}")
-        for name in ("connect_timeout_s", "start_timeout_s", "health_check_interval_s", "health_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"DispatcherConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"DispatcherConfig.start_timeout_s must be > 0, got {self.start_timeout_s}")
 
 
 # KV cache of a generation worker on a CPU node when the operator sets no size: vLLM's CPU backend
@@ -182,7 +166,7 @@ def generation_worker_config(cfg: DispatcherConfig, cuda: bool = True) -> Any:
     """
     from vllm_worker import GenerationWorkerConfig
 
-    failed = str(Path(cfg.failed_samples_path).resolve()) if cfg.write_failed_generation_samples else None
+    failed = dataclasses.replace(cfg.failed_samples, failed_samples_path=str(Path(cfg.failed_samples.failed_samples_path).resolve()))
     engine = cfg.engine
     if not cuda and engine.kv_cache_memory_bytes is None and engine.gpu_memory_utilization is None:
         import psutil
@@ -194,8 +178,8 @@ def generation_worker_config(cfg: DispatcherConfig, cuda: bool = True) -> Any:
                     engine.kv_cache_memory_bytes / 2**30, available / 2**30, _CPU_KV_CACHE_MIN_BYTES / 2**30,
                     _CPU_KV_CACHE_MAX_BYTES / 2**30)
     return GenerationWorkerConfig(
-        model_path=str(Path(cfg.model_path).resolve()), engine=engine, failed_samples_path=failed,
-        global_num_verifiers=cfg.global_num_verifiers, verifier_timeout_s=cfg.verifier_timeout_s,
+        model_path=str(Path(cfg.model_path).resolve()), engine=engine, failed_samples=failed,
+        verification=cfg.verification,
     )
 
 
@@ -401,11 +385,11 @@ def keep_alive(
 ) -> None:
     """Watch the worker until a stop signal; raise WorkerDiedError if it dies, NodeLostError if
     the whole node (`node_id`) left the cluster."""
-    while not stop.wait(cfg.health_check_interval_s):
+    while not stop.wait(cfg.health.health_check_interval_s):
         try:
-            health = ray.get(actor.health.remote(), timeout=cfg.health_timeout_s)
+            health = ray.get(actor.health.remote(), timeout=cfg.health.health_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            logger.warning("worker %s did not answer health() within %.0f s", name, cfg.health_timeout_s)
+            logger.warning("worker %s did not answer health() within %.0f s", name, cfg.health.health_timeout_s)
             continue
         except ray.exceptions.RayError as err:
             if node_id and not node_alive(node_id):
@@ -446,13 +430,13 @@ def teardown(kind: str, actor: ActorHandle, name: str, worker_died: bool) -> Non
     print(f"worker {name} deregistered{'' if worker_died else ' and stopped'}", flush=True)
 
 
-def connect(address: str, log_to_driver: bool, timeout_s: float = DispatcherConfig.connect_timeout_s,
-            temp_dir: str = "") -> None:
-    """Join the running cluster (RAY_ADDRESS wins over `address`, as in Ray itself), with token
-    auth on when a token exists; ClusterJoinError (one line) when it cannot (ray_env.join_cluster).
-    `temp_dir` picks this machine's Ray node by its temp folder when several share its address."""
-    join_cluster(address, namespace=RAY_NAMESPACE, timeout_s=timeout_s, log_to_driver=log_to_driver,
-                 temp_dir=temp_dir)
+def connect(connection: RayConnectionConfig, log_to_driver: bool, temp_dir: str = "") -> None:
+    """Join the running cluster (RAY_ADDRESS wins over connection.ray_address, as in Ray itself),
+    with token auth on when a token exists; ClusterJoinError (one line) when it cannot
+    (ray_cluster.join_cluster). `temp_dir` picks this machine's Ray node by its temp folder when
+    several share its address."""
+    join_cluster(connection.ray_address, namespace=RAY_NAMESPACE, timeout_s=connection.connect_timeout_s,
+                 log_to_driver=log_to_driver, temp_dir=temp_dir)
 
 
 @dataclass(frozen=True)
@@ -472,7 +456,7 @@ NOT_RESTARTING_LINE = ("{failure}; not restarting it: a failure before READY (ba
 def serve(cfg: DispatcherConfig) -> int:
     """Start, register and supervise the worker, replacing it when it fails after READY; the exit code."""
     # Worker logs show up in this process's output.
-    connect(cfg.ray_address, log_to_driver=True, timeout_s=cfg.connect_timeout_s, temp_dir=cfg.ray_temp_dir)
+    connect(cfg.connection, log_to_driver=True, temp_dir=cfg.ray_temp_dir)
     stop = StopFlag()
     stop.install()  # after ray.init, so these handlers are the ones in force
     node_id = ray.get_runtime_context().get_node_id()
@@ -503,13 +487,13 @@ def serve(cfg: DispatcherConfig) -> int:
         if not life.was_ready:
             print(NOT_RESTARTING_LINE.format(failure=life.failure), file=sys.stderr, flush=True)
             return 1
-        if restarts >= cfg.max_restarts:
-            print(f"{life.failure}; giving up after {restarts} restart(s) (--max_restarts {cfg.max_restarts})",
+        if restarts >= cfg.restart.max_restarts:
+            print(f"{life.failure}; giving up after {restarts} restart(s) (--max_restarts {cfg.restart.max_restarts})",
                   file=sys.stderr, flush=True)
             return 1
         restarts += 1
-        delay = min(cfg.restart_backoff_s * 2 ** (restarts - 1), _MAX_BACKOFF_S)
-        print(RESTARTING_LINE.format(name=life.name, restart=restarts, max_restarts=cfg.max_restarts,
+        delay = min(cfg.restart.restart_backoff_s * 2 ** (restarts - 1), _MAX_BACKOFF_S)
+        print(RESTARTING_LINE.format(name=life.name, restart=restarts, max_restarts=cfg.restart.max_restarts,
                                      reason=life.failure), flush=True)
         logger.warning("starting a replacement for %s in %.0f s", life.name, delay)
         if stop.wait(delay):
@@ -606,9 +590,9 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def print_status(ray_address: str, connect_timeout_s: float = DispatcherConfig.connect_timeout_s) -> int:
+def print_status(connection: RayConnectionConfig) -> int:
     """Print every existing registry's workers (creates no registry); 0 if any registry exists."""
-    connect(ray_address, log_to_driver=False, timeout_s=connect_timeout_s)
+    connect(connection, log_to_driver=False)
     rows: list[WorkerStatus] = []
     notes: list[str] = []
     found = 0
@@ -637,10 +621,8 @@ def print_status(ray_address: str, connect_timeout_s: float = DispatcherConfig.c
 class StatusConfig:
     """`python worker_dispatcher.py status`: print every pool's workers."""
 
-    ray_address: str = DispatcherConfig.ray_address
-    """Cluster to join when RAY_ADDRESS is unset ('auto': the one started on this machine)."""
-    connect_timeout_s: float = DispatcherConfig.connect_timeout_s
-    """Give up (exit 1, one line) if the Ray head does not accept this process by then."""
+    connection: RayConnectionConfig = flattened(RayConnectionConfig())
+    """Which cluster to join and how long to try (worker_options.RayConnectionConfig)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -652,7 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command == STATUS_COMMAND:
             check_versions((RAY,))
             status = load_config(StatusConfig, args, description=StatusConfig.__doc__)
-            return print_status(status.ray_address, status.connect_timeout_s)
+            return print_status(status.connection)
         try:
             cfg = load_config(DispatcherConfig, args, description=__doc__)
             check_versions(WORKER_REQUIREMENTS if cfg.mode == GENERATION else LOGPROB_WORKER_REQUIREMENTS)

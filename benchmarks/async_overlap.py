@@ -54,6 +54,7 @@ from typing import Any, AsyncIterator, Literal
 
 from async_grpo.algo.advantages import group_advantages  # the batcher's default, grpo
 from async_grpo.config.run_config import load_config
+from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, worker_actor_name
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.routing.batch_calls import Bundle, serve_many
@@ -321,7 +322,7 @@ def run_real(assets: Path, work: Path, cfg: BenchConfig, smoke: bool) -> dict[in
     cluster_config = LocalClusterConfig(
         model_path=str(assets / "model"), log_dir=str(work / "real-workers"), generation_workers=1,
         logprob_workers=1, engine=run_engine(smoke, kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN),
-        global_num_verifiers=1,
+        verification=VerificationConfig(global_num_verifiers=1),
     )
     with LocalCluster(cluster_config) as cluster:
         cluster.start_workers()

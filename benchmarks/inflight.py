@@ -49,6 +49,7 @@ from typing import Any, Literal
 import torch
 
 from async_grpo.config.run_config import load_config
+from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.rollouts.token_versions import token_staleness
 from benchmarks.harness import SMOKE_ENGINE, apply_smoke, setup_logging, summary_line
@@ -195,7 +196,7 @@ async def run_all(cfg: InflightConfig, work: Path) -> list[RunResult]:
     engine = EngineConfig(max_num_seqs=(MAX_LAG + 1) * cfg.prompts_per_step * cfg.n, kv_cache_memory_bytes=KV_CACHE_BYTES,
                           max_model_len=PROMPT_TOKENS + cfg.max_tokens, dtype="float32",
                           **(SMOKE_ENGINE if cfg.smoke else {}))
-    config = GenerationWorkerConfig(model_path=str(model_dir), engine=engine, global_num_verifiers=1)
+    config = GenerationWorkerConfig(model_path=str(model_dir), engine=engine, verification=VerificationConfig(global_num_verifiers=1))
     pool = VerifierPool(num_processes=1)
     worker = GenerationWorker("inflight-generation", config, verifier=pool)
     results: list[RunResult] = []

@@ -19,6 +19,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.rollouts.environments import EnvironmentConfig
 from async_grpo.rollouts.multi_turn import ChatRenderer, MultiTurnStats, engine_generate, run_rollouts
 from async_grpo.rollouts.sampling import SamplingConfig
@@ -66,7 +67,7 @@ def _engine(model_path: str, max_model_len: int):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     engine = EngineConfig(max_num_seqs=8, kv_cache_memory_bytes=64 << 20, max_model_len=max_model_len,
                           enforce_eager=True, dtype="float32")
-    config = GenerationWorkerConfig(model_path=model_path, engine=engine, global_num_verifiers=1)
+    config = GenerationWorkerConfig(model_path=model_path, engine=engine, verification=VerificationConfig(global_num_verifiers=1))
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(config, in_process=True)))
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from async_grpo.config.worker_options import EngineConfig
+from async_grpo.config.worker_options import EngineConfig, VerificationConfig
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, load_causal_lm
@@ -28,7 +28,7 @@ def chat_worker_config(model_dir: Path, *, max_model_len: int = 512, **engine: A
     """A generation worker on a small eager float32 engine (64 MiB of KV cache, 8 sequences)."""
     engine_config = EngineConfig(max_num_seqs=8, gpu_memory_utilization=0.1, kv_cache_memory_bytes=64 << 20,
                                  max_model_len=max_model_len, enforce_eager=True, dtype="float32", **engine)
-    return GenerationWorkerConfig(model_path=str(model_dir), engine=engine_config, global_num_verifiers=1)
+    return GenerationWorkerConfig(model_path=str(model_dir), engine=engine_config, verification=VerificationConfig(global_num_verifiers=1))
 
 
 def assert_trainer_logprobs_match_engine(model_dir: Path, samples: list[Sample]) -> None:

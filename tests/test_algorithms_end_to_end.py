@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.telemetry.metrics import read_metrics
 from local_cluster import LocalCluster, LocalClusterConfig, local_engine
 
@@ -44,7 +45,7 @@ def cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory):
         model_path=model, log_dir=str(tmp_path_factory.mktemp("worker-logs")), generation_workers=1,
         logprob_workers=1, reference_workers=1, teacher_workers=1, teacher_model_path=model, num_cpus=8,
         engine=local_engine(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64, enforce_eager=True),
-        global_num_verifiers=1,
+        verification=VerificationConfig(global_num_verifiers=1),
     )
     with LocalCluster(config) as running:
         running.start_workers()

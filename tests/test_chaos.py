@@ -35,6 +35,7 @@ from typing import Any
 import psutil
 import pytest
 
+from async_grpo.config.worker_options import HealthCheckConfig, RestartConfig, VerificationConfig
 from async_grpo.data.arithmetic_data import write_arithmetic_dataset
 from async_grpo.inference.weight_files import weights_file_dir
 from async_grpo.launch.ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
@@ -142,10 +143,11 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
     log_dir = tmp_path / "logs"
     config = LocalClusterConfig(
         model_path=str(tiny_model_dir), log_dir=str(log_dir), generation_workers=2, logprob_workers=2,
-        num_cpus=8, global_num_verifiers=1, health_check_interval_s=HEALTH_CHECK_INTERVAL_S,
+        num_cpus=8, verification=VerificationConfig(verification=VerificationConfig(global_num_verifiers=1)),
+        health=HealthCheckConfig(health_check_interval_s=HEALTH_CHECK_INTERVAL_S),
         engine=local_engine(kv_cache_memory_bytes=64 * 2**20, max_num_seqs=64, max_model_len=64, dtype="float32",
                             enforce_eager=True),
-        restart_backoff_s=RESTART_BACKOFF_S,
+        restart=RestartConfig(restart_backoff_s=RESTART_BACKOFF_S),
     )
     killed: dict[str, int] = {}
     victim_pids: set[int] = set()

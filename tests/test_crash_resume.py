@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.data.arithmetic_data import write_arithmetic_dataset
 from async_grpo.launch.ray_env import BATCHER_ACTOR_NAME, RAY_NAMESPACE
 from async_grpo.trainer.checkpoint import checkpoints_root, latest_checkpoint
@@ -57,7 +58,7 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         # Uncompiled (enforce_eager): the run's 4-token completions gain nothing from compiling, which
         # costs ~12 s of each engine start on 2 cores (benchmarks/harness.py SMOKE_ENGINE).
         engine=local_engine(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64, enforce_eager=True),
-        global_num_verifiers=1,
+        verification=VerificationConfig(global_num_verifiers=1),
     )
     with LocalCluster(config) as running:
         running.start_workers()

@@ -23,6 +23,7 @@ import torch
 import yaml
 from tracker_readers import trackio_run, wandb_offline_runs
 
+from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, registry_name
 from async_grpo.telemetry.metrics import moving_average, read_metrics
 from async_grpo.telemetry.trackers import flatten_config, mlflow_key
@@ -45,7 +46,7 @@ TRAINER_TIMEOUT_S = 600
 def cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory):
     config = LocalClusterConfig(
         model_path=str(demo_assets / "model"), log_dir=str(tmp_path_factory.mktemp("worker-logs")),
-        generation_workers=1, logprob_workers=1, num_cpus=8, global_num_verifiers=1,
+        generation_workers=1, logprob_workers=1, num_cpus=8, verification=VerificationConfig(global_num_verifiers=1),
         # Uncompiled (enforce_eager): compiling costs ~12 s of the engine's start on 2 cores and
         # buys little on runs of 4-token completions.
         engine=local_engine(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64, enforce_eager=True),

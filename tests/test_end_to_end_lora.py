@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_end_to_end import _generation_versions, _train
 
+from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.trainer.checkpoint import latest_checkpoint
 from async_grpo.weights.weight_sync import read_stable_marker
 from local_cluster import LocalCluster, LocalClusterConfig, local_engine
@@ -34,7 +35,7 @@ KL_AT_START_ATOL = 1e-5
 def lora_cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: F811
     config = LocalClusterConfig(
         model_path=str(demo_assets / "model"), log_dir=str(tmp_path_factory.mktemp("lora-worker-logs")),
-        generation_workers=1, logprob_workers=1, num_cpus=8, global_num_verifiers=1,
+        generation_workers=1, logprob_workers=1, num_cpus=8, verification=VerificationConfig(global_num_verifiers=1),
         engine=local_engine(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64,
                             max_lora_rank=LORA_RANK, enforce_eager=True),  # uncompiled: ~12 s sooner up
     )

@@ -112,3 +112,22 @@ def test_dispatcher_reports_a_folder_that_is_not_a_model_before_joining_ray(tmp_
                           "--ray_address", UNREACHABLE_RAY, cwd=tmp_path))
     assert line == (f"worker_dispatcher.py: model path '{folder}' has no config.json, so it is not a Hugging Face "
                     f"model folder (save one with save_pretrained, or point at the folder holding it)")
+
+
+@pytest.mark.parametrize("flag, value, field", [
+    ("--global_num_verifiers", "0", "VerificationConfig.global_num_verifiers must be >= 1 or None, got 0"),
+    ("--verifier_timeout_s", "-1", "VerificationConfig.verifier_timeout_s must be > 0 or None, got -1.0"),
+    ("--health_timeout_s", "0", "HealthCheckConfig.health_timeout_s must be > 0, got 0.0"),
+    ("--restart_backoff_s", "-2", "RestartConfig.restart_backoff_s must be >= 0, got -2.0"),
+    ("--connect_timeout_s", "0", "RayConnectionConfig.connect_timeout_s must be > 0, got 0.0"),
+])
+def test_dispatcher_checks_every_section_it_hands_the_worker_before_joining_ray(
+        flag: str, value: str, field: str, tiny_model_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    """In process, in the fast tier: a Ray start here would fail the test (tests/conftest.py)."""
+    from worker_dispatcher import main
+
+    rc = main(["--mode", "generation", "--model_path", str(tiny_model_dir), flag, value,
+               "--ray_address", UNREACHABLE_RAY])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == CONFIG_ERROR_EXIT and len(err) == 1, err
+    assert err[0].startswith("worker_dispatcher.py: ") and field in err[0], err

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from async_grpo.config.worker_options import VerificationConfig
 from local_cluster import stop_process_group
 
 # Leader: start a child that sleeps (optionally ignoring SIGTERM), print its pid, sleep.
@@ -126,12 +127,12 @@ def test_dispatchers_get_the_launchers_engine_and_batching_sections(tmp_path) ->
     from worker_dispatcher import DispatcherConfig, generation_worker_config, logprob_worker_config
 
     engine = local_engine(max_num_seqs=64, enforce_eager=True, max_lora_rank=8)
-    config = LocalClusterConfig(model_path="m", run_dir=str(tmp_path), engine=engine, global_num_verifiers=1,
+    config = LocalClusterConfig(model_path="m", run_dir=str(tmp_path), engine=engine, verification=VerificationConfig(global_num_verifiers=1),
                                 batching=LogprobBatchingConfig(max_tokens_per_forward=4096))
     cluster = LocalCluster(config)
     generation = load_config(DispatcherConfig, cluster.dispatcher_args("generation"))
     assert generation.engine == generation_worker_config(generation).engine == engine
-    assert generation.global_num_verifiers == 1
+    assert generation.verification.global_num_verifiers == 1
     for kind in ("logprob", "reference"):
         worker = logprob_worker_config(load_config(DispatcherConfig, cluster.dispatcher_args(kind)))
         assert worker.batching == LogprobBatchingConfig(max_tokens_per_forward=4096) and worker.dtype == "float32"

@@ -21,6 +21,7 @@ from typing import Any, Awaitable, Callable
 import pytest
 import ray
 
+from async_grpo.config.worker_options import HealthCheckConfig, VerificationConfig
 from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, registry_name, worker_actor_name
 from async_grpo.weights.weight_sync import WeightUpdate
 from vllm_experience_batcher import BatchedRegistryClient
@@ -299,7 +300,7 @@ def test_broadcast_reaches_every_live_worker_and_drops_dead_ones(make_registry):
 
 
 def test_status_marks_an_unresponsive_worker_unhealthy(make_registry):
-    registry = make_registry(health_timeout_s=1.0, health_check_interval_s=3600.0)
+    registry = make_registry(health=HealthCheckConfig(health_timeout_s=1.0, health_check_interval_s=3600.0))
     (fast, _), (slow, slow_worker) = _start_worker("fast"), _start_worker("slow")
     _register(registry, fast, slow)
     ray.get(slow_worker.set_health_delay.remote(3600.0))
@@ -311,7 +312,7 @@ def test_status_marks_an_unresponsive_worker_unhealthy(make_registry):
 
 
 def test_periodic_health_check_drops_a_dead_idle_worker(make_registry):
-    registry = make_registry(health_check_interval_s=0.2)
+    registry = make_registry(health=HealthCheckConfig(health_check_interval_s=0.2, health_timeout_s=10.0))
     (a, worker_a), (b, _) = _start_worker("a"), _start_worker("b")
     _register(registry, a, b)
     ray.kill(worker_a)
@@ -416,7 +417,7 @@ def test_a_failed_worker_is_failed_over_like_a_dead_one_and_counted(make_registr
 
 
 def test_health_checks_drop_a_worker_that_reports_failed_and_registration_refuses_it(make_registry):
-    registry = make_registry(health_check_interval_s=0.2)
+    registry = make_registry(health=HealthCheckConfig(health_check_interval_s=0.2, health_timeout_s=10.0))
     (a, worker_a), (b, _) = _start_worker("a"), _start_worker("b")
     _register(registry, a, b)
     ray.get(worker_a.fail_with.remote("self-check failed: canary"))
@@ -625,7 +626,7 @@ def real_workers(ray_local, tiny_model_dir):
         model_path=str(tiny_model_dir), engine=EngineConfig(
             max_num_seqs=16, gpu_memory_utilization=0.08, kv_cache_memory_bytes=_ENGINE_KV_CACHE_BYTES,
             max_model_len=_ENGINE_MAX_MODEL_LEN, enforce_eager=True, dtype="float32"),
-        global_num_verifiers=1,
+        verification=VerificationConfig(global_num_verifiers=1),
     )
     workers = {}
     for index in range(2):

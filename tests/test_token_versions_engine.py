@@ -21,7 +21,7 @@ import pytest
 import torch
 from test_vllm_worker import _perturbed_copy
 
-from async_grpo.config.worker_options import EngineConfig
+from async_grpo.config.worker_options import EngineConfig, VerificationConfig
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.rollouts.token_versions import version_runs
 from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
@@ -60,7 +60,7 @@ def _hf_logprobs(model_dir: Path, prompt: list[int], output: list[int]) -> torch
 def _config(model_dir: Path) -> GenerationWorkerConfig:
     engine = EngineConfig(max_num_seqs=16, gpu_memory_utilization=0.1, kv_cache_memory_bytes=64 << 20,
                           max_model_len=256, enforce_eager=True, dtype="float32")
-    return GenerationWorkerConfig(model_path=str(model_dir), engine=engine, global_num_verifiers=1,
+    return GenerationWorkerConfig(model_path=str(model_dir), engine=engine, verification=VerificationConfig(global_num_verifiers=1),
                                   weight_update_pause_mode="keep")
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from async_grpo.config.worker_options import EngineConfig
+from async_grpo.config.worker_options import EngineConfig, FailedSamplesConfig, VerificationConfig
 from async_grpo.inference.served_adapters import AdapterBook
 from async_grpo.inference.weight_files import reload_buckets
 from async_grpo.inference.weight_reload import with_tied_lm_head
@@ -93,9 +93,9 @@ def _config(model_dir: Path, failed_samples_path: Path | None = None, engine: di
     fields: dict[str, Any] = dict(
         model_path=str(model_dir),
         engine=EngineConfig(**{**engine_fields, **(engine or {})}),
-        global_num_verifiers=1,
-        verifier_timeout_s=TEST_VERIFIER_TIMEOUT_S,
-        failed_samples_path=None if failed_samples_path is None else str(failed_samples_path),
+        verification=VerificationConfig(verification=VerificationConfig(global_num_verifiers=1), verifier_timeout_s=TEST_VERIFIER_TIMEOUT_S),
+        failed_samples=FailedSamplesConfig() if failed_samples_path is None else FailedSamplesConfig(
+            write_failed_generation_samples=True, failed_samples_path=str(failed_samples_path)),
     )
     return GenerationWorkerConfig(**{**fields, **overrides})
 
@@ -202,14 +202,16 @@ def test_sampling_config_rejects_bad_values(kwargs: dict, field: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"model_path": ""}, "model_path"),
-        ({"weight_update_pause_mode": "abort"}, "weight_update_pause_mode"),
-        ({"verifier_timeout_s": 0.0}, "verifier_timeout_s"),
+        ({"model_path": ""}, "GenerationWorkerConfig.model_path"),
+        ({"weight_update_pause_mode": "abort"}, "GenerationWorkerConfig.weight_update_pause_mode"),
+        ({"verification": {"verifier_timeout_s": 0.0}}, "VerificationConfig.verifier_timeout_s"),
     ],
 )
 def test_worker_config_rejects_bad_values(kwargs: dict, field: str) -> None:
-    with pytest.raises(ValueError, match=f"GenerationWorkerConfig.{field}"):
-        GenerationWorkerConfig(**{"model_path": "m", **kwargs})
+    sections = {"verification": VerificationConfig}
+    with pytest.raises(ValueError, match=field):
+        GenerationWorkerConfig(**{"model_path": "m", **{k: sections[k](**v) if k in sections else v
+                                                        for k, v in kwargs.items()}})
 
 
 @pytest.mark.parametrize(

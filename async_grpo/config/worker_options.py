@@ -1,12 +1,15 @@
-"""Option sections that the workers, their dispatcher and the local launcher share.
+"""Option sections that more than one entry point takes: the workers, their dispatcher, the
+local launcher, the trainer.
 
-Each section is declared once, here: its fields, types, docstrings and validation. The worker
+Each option is declared once, here: its field, type, docstring and validation. The worker
 configs (vllm_worker.GenerationWorkerConfig, logprob_worker.LogprobWorkerConfig), the dispatcher
-(worker_dispatcher.DispatcherConfig) and the local launcher (local_cluster.LocalClusterConfig)
-embed them with `run_config.flattened`, so their fields stay top-level flags (`--max_num_seqs`,
-`--max_tokens_per_forward`), a launcher may give them defaults of its own, and the dispatcher
-hands its sections to the worker as they are. A new vLLM option is one field in EngineConfig
-plus the line in GenerationWorker.start that passes it to vLLM.
+(worker_dispatcher.DispatcherConfig), the local launcher (local_cluster.LocalClusterConfig) and
+the trainer (TrainerConfig: RayConnectionConfig) embed them with `run_config.flattened`, so their
+fields stay top-level flags (`--max_num_seqs`, `--global_num_verifiers`), an embedder may give
+a section defaults of its own (a default instance), and the dispatcher hands its sections to the
+worker as they are. Because the dispatcher loads every section before it joins Ray, a bad value
+is one line and exit 2 there, not a traceback in the worker. A new vLLM option is one field in
+EngineConfig plus the line in GenerationWorker.start that passes it to vLLM.
 """
 
 from __future__ import annotations
@@ -147,3 +150,103 @@ class LogprobBatchingConfig:
                 f"LogprobBatchingConfig.max_tokens_per_forward must be >= 1, got {self.max_tokens_per_forward}")
         if self.max_wait_ms < 0:
             raise ValueError(f"LogprobBatchingConfig.max_wait_ms must be >= 0, got {self.max_wait_ms}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class VerificationConfig:
+    """The cluster-wide math-verify pool that generation workers score with (created by the first
+    worker to ask; later workers join it as it is)."""
+
+    global_num_verifiers: int | None = None
+    """Processes of the pool, spread over the nodes that advertise the `verification_slot`
+    resource, one slot each (capped at the slots offered); without such nodes, all in one process
+    outside Ray's accounting (see verifier_cluster.VerifierPoolActor). None: one per usable core,
+    2 to 32 (verifier_pool.VerifierPoolConfig), so a few slow verifications cannot hold up the rest."""
+    verifier_timeout_s: float | None = None
+    """Hard deadline per verification; a verifier that passes it is killed and the reward is 0.
+    None: verifier_pool.VerifierPoolConfig's default (1 s, from the measured clean p99)."""
+
+    def __post_init__(self) -> None:
+        if self.global_num_verifiers is not None and self.global_num_verifiers < 1:
+            raise ValueError(f"VerificationConfig.global_num_verifiers must be >= 1 or None, got "
+                             f"{self.global_num_verifiers}")
+        if self.verifier_timeout_s is not None and not self.verifier_timeout_s > 0:
+            raise ValueError(f"VerificationConfig.verifier_timeout_s must be > 0 or None, got "
+                             f"{self.verifier_timeout_s}")
+
+
+DEFAULT_FAILED_SAMPLES_PATH = "failed_generation_samples.jsonl"
+
+
+@dataclass(kw_only=True, frozen=True)
+class FailedSamplesConfig:
+    """Where a generation worker writes the samples whose generation or scoring failed."""
+
+    write_failed_generation_samples: bool = False
+    """Append every sample whose generation or scoring failed, with its error, to
+    failed_samples_path (JSONL)."""
+    failed_samples_path: str = DEFAULT_FAILED_SAMPLES_PATH
+    """The JSONL file; a relative path resolves against the dispatcher's working directory."""
+
+    def __post_init__(self) -> None:
+        if not self.failed_samples_path:
+            raise ValueError("FailedSamplesConfig.failed_samples_path must be a file path, got ''")
+
+    @property
+    def path(self) -> str | None:
+        """The file to write, or None when writing is off."""
+        return self.failed_samples_path if self.write_failed_generation_samples else None
+
+
+@dataclass(kw_only=True, frozen=True)
+class HealthCheckConfig:
+    """How a watcher (a dispatcher over its worker, a registry over its pool) probes a worker's
+    health()."""
+
+    health_check_interval_s: float = 10.0
+    """Seconds between health() probes of a worker."""
+    health_timeout_s: float = 60.0
+    """How long one health() call may take before the watcher counts it unanswered (a dispatcher
+    logs the worker as unresponsive; a registry drops it, with a stricter default of its own)."""
+
+    def __post_init__(self) -> None:
+        for name in ("health_check_interval_s", "health_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"HealthCheckConfig.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RestartConfig:
+    """How a dispatcher replaces its worker after it died or reported FAILED while serving."""
+
+    max_restarts: int = 3
+    """How many times the worker is replaced before the dispatcher gives up and exits 1 (0: exit
+    on the first failure). A worker that fails to start or register is not replaced: such
+    failures (a bad flag, too little memory, a model that does not load) repeat, so the
+    dispatcher reports the cause once and exits 1."""
+    restart_backoff_s: float = 5.0
+    """Wait before the first restart; it doubles on each further one, up to 60 s."""
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"RestartConfig.max_restarts must be >= 0, got {self.max_restarts}")
+        if self.restart_backoff_s < 0:
+            raise ValueError(f"RestartConfig.restart_backoff_s must be >= 0, got {self.restart_backoff_s}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RayConnectionConfig:
+    """How a process joins a running Ray cluster (the trainer, a dispatcher, `status`)."""
+
+    ray_address: str = "auto"
+    """Cluster to join when RAY_ADDRESS is unset; 'auto': the last one `ray start` started on this
+    machine."""
+    connect_timeout_s: float = 30.0
+    """Give up (exit 1, one line) if the Ray head does not accept this process by then: no
+    cluster, an unreachable head, a missing or wrong auth token."""
+
+    def __post_init__(self) -> None:
+        if not self.ray_address:
+            raise ValueError("RayConnectionConfig.ray_address must be 'auto' or host:port, got ''")
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"RayConnectionConfig.connect_timeout_s must be > 0, got {self.connect_timeout_s}")

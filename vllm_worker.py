@@ -55,6 +55,9 @@ from async_grpo.config.worker_options import (
     OBJECT_STORE_TRANSFER, WEIGHT_TRANSFER_BACKENDS, EngineConfig, FailedSamplesConfig, VerificationConfig,
     check_weight_transfer_device,
 )
+from async_grpo.inference.engine_dtype import (
+    cpu_flags, cpu_half_precision_failure, dtype_choice_line, resolve_engine_dtype,
+)
 from async_grpo.inference.served_adapters import AdapterBook, adapter_folder, check_adapter_rank
 from async_grpo.inference.weight_files import BucketBuffer, reload_buckets
 from async_grpo.launch.ray_env import GENERATION
@@ -200,7 +203,7 @@ def engine_args(config: GenerationWorkerConfig, in_process: bool) -> dict[str, A
         # the budget to at least max_model_len, so every prompt fits one step.
         enable_chunked_prefill=False if _on_cpu_platform() else None,
         enforce_eager=cfg.enforce_eager,
-        dtype=cfg.dtype,
+        dtype=resolve_engine_dtype(cfg.dtype, _on_cpu_platform()),
         seed=cfg.engine_seed,
         logprobs_mode=cfg.logprobs_mode,
         worker_extension_cls=_WEIGHT_TRANSFER_REGISTRATION,
@@ -429,7 +432,10 @@ class GenerationWorker:
             # process either way.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         check_weight_transfer_device(cfg.weight_transfer, has_cuda=not _on_cpu_platform())
-        args = AsyncEngineArgs(**engine_args(self.config, in_process))
+        engine_kwargs = engine_args(self.config, in_process)
+        logger.info("%s: %s", self.worker_name,
+                    dtype_choice_line(cfg.dtype, engine_kwargs["dtype"], _on_cpu_platform()))
+        args = AsyncEngineArgs(**engine_kwargs)
         began = time.perf_counter()
         stderr = StderrTail()
         try:
@@ -437,7 +443,8 @@ class GenerationWorker:
         except Exception as exc:
             sys.stderr.flush()
             cause = root_cause_line(stderr.read())
-            self._start_error = f"{type(exc).__name__}: {exc}" + (f" (root cause: {cause})" if cause else "")
+            self._start_error = (self._dtype_failure(engine_kwargs["dtype"]) or f"{type(exc).__name__}: {exc}"
+                                 + (f" (root cause: {cause})" if cause else ""))
             raise self.life.fail(f"engine did not start: {self._start_error}") from exc
         logger.info(
             "%s: engine for %s started in %.1f s (%s executor)", self.worker_name, self.config.model_path,
@@ -515,6 +522,11 @@ class GenerationWorker:
             await endpoint.close()
             logger.info("%s: OpenAI-compatible endpoint closed", self.worker_name)
 
+    @staticmethod
+    def _dtype_failure(dtype: str) -> str | None:
+        """The one line for an engine that died serving a half dtype on CPU (engine_dtype.py)."""
+        return cpu_half_precision_failure(dtype, _on_cpu_platform(), cpu_flags())
+
     async def _self_check(self) -> None:
         """The canary before READY: one greedy token from the engine, one verification from the
         pool (plain numbers, so it checks the pool answers, not math-verify's parsing)."""
@@ -528,7 +540,9 @@ class GenerationWorker:
                 raise RuntimeError(f"canary verification of '2' against '2' gave reward {result.reward} "
                                    f"({result.error or 'no error'})")
         except Exception as exc:
-            raise self.life.fail(f"self-check failed: {type(exc).__name__}: {exc}") from exc
+            reason = (self._dtype_failure(resolve_engine_dtype(self.config.engine.dtype, _on_cpu_platform()))
+                      or f"{type(exc).__name__}: {exc}")
+            raise self.life.fail(f"self-check failed: {reason}") from exc
         self.life.passed_self_check()
         logger.info("%s: self-check passed (canary generation and verification)", self.worker_name)
 

@@ -250,6 +250,9 @@ def test_dispatcher_replaces_a_dead_worker_cleans_its_files_then_gives_up(ray_he
     files: list[Path] = []
     try:
         first = log.wait_for_match(registered, dispatcher, _REGISTER_BOUND_S).group(1)
+        # No --dtype: the engine's 'auto' serves float32 on a CPU node, so this start works on every
+        # CPU kind (vLLM's CPU bf16 killed the worker on AMX CPUs: issue 34).
+        assert any("engine dtype auto -> float32" in line for line in log.lines), log.tail()
         # What a SIGKILL during update_weights leaves behind, and a neighbour's file that must stay.
         leftover = weights_file_dir() / f"grpo-weights-{first}-v7-0123abcd.safetensors"
         neighbour = weights_file_dir() / f"grpo-weights-{first}9-v7-0123abcd.safetensors"

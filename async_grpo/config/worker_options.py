@@ -61,10 +61,12 @@ class EngineConfig:
     engine' step, 2 cores: 8.7 s compiled on the demo's tiny model, 0.04-0.2 s eager on the
     tests' tiny model)."""
     dtype: str = "auto"
-    """Dtype the engine serves the model in ('auto' follows the checkpoint, except that vLLM's CPU
-    backend serves an fp32 checkpoint in bf16). worker_dispatcher.py and local_cluster.py give
-    the same value to logprob workers, whose 'auto' is the trainer's compute dtype (bfloat16 on
-    a GPU node, float32 on CPU) and which accept 'auto', 'float32', 'bfloat16' or 'float16'."""
+    """Dtype the engine serves the model in. 'auto': float32 on a CPU engine (what the CPU trainer
+    computes in; vLLM's own 'auto' would pick bf16, which crashes vLLM 0.32's CPU build on AMX
+    CPUs: inference/engine_dtype.py), the checkpoint's dtype on GPU. worker_dispatcher.py and
+    local_cluster.py give the same value to logprob workers, whose 'auto' is the trainer's compute
+    dtype (bfloat16 on a GPU node, float32 on CPU) and which accept 'auto', 'float32', 'bfloat16'
+    or 'float16'."""
     engine_seed: int = 0
     """Seed of the engine's own random state (unseeded requests draw from it)."""
     cpu_in_process_executor: bool = True

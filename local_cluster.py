@@ -17,35 +17,27 @@ output (Ray's and vLLM's start-up included) to <log_dir>/<kind>-<i>_worker.log. 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import getpass
 import logging
 import os
-import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
-
-import psutil
 
 from async_grpo.config.run_config import config_to_flags, flattened, load_config, split_passthrough
 from async_grpo.config.worker_options import (
     EngineConfig, HealthCheckConfig, LogprobBatchingConfig, RestartConfig, VerificationConfig,
 )
-from async_grpo.launch.ray_env import (
-    LOOPBACK_ONLY_ENV, RAY_NAMESPACE, REPO_ROOT, actor_runtime_env, repo_pythonpath, use_loopback_only_ray,
-)
+from async_grpo.launch.dispatcher_logs import DispatcherLogRelay
+from async_grpo.launch.local_processes import environ, free_port, make_run_temp_dir, run_environment, stop_process_group
+from async_grpo.launch.ray_cluster import init_local_ray
+from async_grpo.launch.ray_env import LOOPBACK_ONLY_ENV, RAY_NAMESPACE, REPO_ROOT, repo_pythonpath
 
 if TYPE_CHECKING:
     from trainer_core import TrainerConfig
@@ -54,13 +46,6 @@ logger = logging.getLogger(__name__)
 
 REGISTERED_MARKER = "registered"  # worker_dispatcher prints `worker <name> registered` when ready
 _POLL_S = 0.5  # how often the launcher looks at dispatcher logs while waiting
-_STOP_GRACE_S = 30.0  # how long a stopped trainer gets to exit before SIGKILL
-# Dispatcher log lines the launcher repeats on its console as warnings: the dispatcher's own
-# warnings and errors (a failed health check, a replacement starting) and its restart and give-up
-# lines (worker_dispatcher's RESTARTING_LINE and final failure lines). vLLM's and Ray's lines in
-# the same file, warnings included, stay there. Group 1: the dispatcher's message.
-_RELAYED_LINE = re.compile(r"^\S+ \S+ (?:WARNING|ERROR|CRITICAL) __main__: (.*)$"
-                           r"|^(worker \S+ restarting \(.*|.*; giving up after .*|.*; not restarting it: .*)$")
 
 
 # The engine on one CPU machine shared with the trainer:
@@ -145,66 +130,6 @@ class LocalClusterConfig:
 
 
 
-# A LocalCluster's processes (its Ray head's GCS, raylet and workers, the dispatchers, torchrun and
-# the ranks) keep their temporary files in a folder the cluster removes when it stops. What they
-# left in the system temp folder otherwise, on every clean stop (benchmarks/soak.py, RESULTS.md):
-# each vLLM engine's three IPC sockets (vLLM binds them itself and never unlinks them), the
-# verifier pool's multiprocessing folder (pymp-*: Ray ends the actor without its exit handlers)
-# and torchrun's torchelastic_* log folder; and a worker killed mid-run leaves whatever it held.
-# The folder is named after the launcher's pid, so that the next LocalCluster removes the folders
-# of launchers that died without stopping (SIGKILL).
-RUN_TEMP_PREFIX = "grpo-local-"
-
-
-def _make_run_temp_dir() -> str:
-    """A new temp folder `grpo-local-<this pid>-*`, after removing those whose launcher is gone."""
-    for folder in Path(tempfile.gettempdir()).glob(f"{RUN_TEMP_PREFIX}*-*"):
-        owner = folder.name[len(RUN_TEMP_PREFIX):].split("-", 1)[0]
-        if owner.isdigit() and not psutil.pid_exists(int(owner)):
-            logger.info("removing %s, left by a local cluster that did not stop (pid %s)", folder, owner)
-            shutil.rmtree(folder, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{RUN_TEMP_PREFIX}{os.getpid()}-")
-
-# glibc malloc settings for every process of a local run (an operator's own values win): a fixed
-# 256 KiB mmap threshold and trim threshold, as benchmarks/realistic_run.py sets. By default glibc
-# raises its mmap threshold each time a large mmapped block is freed (up to 32 MiB), so later
-# blocks of that size come from the heap, whose freed pages stay resident: over steps 50-300 of
-# the soak the vLLM engine core's heap ([heap] in smaps) grew 548 -> 705 MiB and its RSS 1.09-1.14x;
-# with these, 217 -> 249 MiB and 1.03x (benchmarks/soak.py, RESULTS.md). Ray's GCS and raylet
-# run on jemalloc and ignore them.
-GLIBC_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 1024), "MALLOC_TRIM_THRESHOLD_": str(256 * 1024)}
-
-
-def run_environment(temp_dir: str) -> dict[str, str]:
-    """Variables set for every process a LocalCluster starts: GLIBC_MALLOC_ENV, and
-    TMPDIR=temp_dir with the two caches that live under the temp folder kept where they are: Ray's
-    session folder (its logs; RAY_TMPDIR wins over TMPDIR in Ray) and torch inductor's compile
-    cache (TORCHINDUCTOR_CACHE_DIR; torch's default path, which vLLM's CPU engine uses)."""
-    system_temp = tempfile.gettempdir()
-    return {
-        **{name: os.environ.get(name, value) for name, value in GLIBC_MALLOC_ENV.items()},
-        "TMPDIR": temp_dir,
-        "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", system_temp),
-        "TORCHINDUCTOR_CACHE_DIR": os.environ.get(
-            "TORCHINDUCTOR_CACHE_DIR", os.path.join(system_temp, f"torchinductor_{getpass.getuser()}")),
-    }
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """os.environ updated with `values` inside the block, restored after."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 @dataclass(frozen=True)
 class GpuPlan:
     """Which of this machine's GPUs a LocalCluster gives Ray (its workers) and which the trainer:
@@ -228,92 +153,6 @@ def plan_gpus(host_gpus: int, workers: int, trainer_ranks: int) -> GpuPlan:
     return GpuPlan(worker_gpus=",".join(ids[:workers]), trainer_gpus=",".join(ids[workers:]))
 
 
-def init_local_ray(*, num_cpus: int, namespace: str, log_to_driver: bool, num_gpus: int = 0) -> str:
-    """Start a private Ray head owned by this process; returns its GCS address.
-
-    Loopback only (use_loopback_only_ray), dashboard off, this repository importable in every
-    worker, and Ray's own metrics off: nothing reads them here, and their OpenTelemetry collector
-    thread once segfaulted a fresh actor process during start-up (Ray 2.60, a demo run on
-    2026-11-21). Task events off (`task_events_report_interval_ms: 0`, "0 disables the task
-    event recording and reporting" in Ray's config): only the dashboard's task list and the
-    state API read them, both off here, and the system makes ~145 actor calls per demo step;
-    keeping Ray's last 100,000 grew the GCS from 57 to 190 MB over 300 steps, keeping the last
-    10,000 still 58 -> 68 MB, and with none 30.1 -> 30.3 MB (benchmarks/soak.py,
-    RESULTS.md). LocalCluster and the tests' Ray fixture both start their heads here.
-    """
-    import ray
-
-    use_loopback_only_ray()
-    ray.init(
-        # 'local': always a new head. With no address Ray joins RAY_ADDRESS, or else any Ray
-        # cluster running on the machine (it looks for GCS processes), and then refuses num_cpus.
-        address="local",
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        namespace=namespace,
-        runtime_env=actor_runtime_env(),
-        _system_config={"enable_metrics_collection": False, "task_events_report_interval_ms": 0},
-        log_to_driver=log_to_driver,
-    )
-    return ray.get_runtime_context().gcs_address
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for torchrun's rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def relayed(line: str) -> str | None:
-    """The part of a dispatcher log line that the launcher repeats as a warning (None: not one)."""
-    match = _RELAYED_LINE.match(line.rstrip("\n"))
-    return None if match is None else match.group(1) or match.group(2)
-
-
-class DispatcherLogRelay:
-    """Follows the dispatcher logs and logs their `relayed` lines as warnings of this process, so
-    that a failing or replaced worker shows on the launcher's console (its log stays in the file)."""
-
-    def __init__(self, logs: list[tuple[str, Path]]) -> None:
-        self._logs = logs
-        self._offsets = {path: 0 for _, path in logs}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._follow, name="dispatcher-log-relay", daemon=True)
-
-    def poll(self) -> None:
-        """Relay the complete lines written since the last poll."""
-        for label, path in self._logs:
-            try:
-                with path.open("rb") as f:
-                    f.seek(self._offsets[path])
-                    chunk = f.read()
-            except OSError:  # not created yet, or removed with the run
-                continue
-            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next poll
-            self._offsets[path] += len(complete)
-            for line in complete.decode(errors="replace").splitlines():
-                message = relayed(line)
-                if message is not None:
-                    logger.warning("%s worker: %s", label, message)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Relay what is left, then stop following."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-        self.poll()
-
-    def _follow(self) -> None:
-        while not self._stop.wait(_POLL_S):
-            self.poll()
-
-
 class LocalCluster:
     """Context manager owning a Ray head and the dispatcher processes started into it."""
 
@@ -329,12 +168,12 @@ class LocalCluster:
         Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
         # tempfile also fixes this process's own temp folder (it caches it) before TMPDIR changes.
         self.gpus = self._plan_gpus()
-        self.temp_dir = _make_run_temp_dir()
+        self.temp_dir = make_run_temp_dir()
         head_env = run_environment(self.temp_dir)
         if self.gpus.worker_gpus:  # Ray reads the head's CUDA_VISIBLE_DEVICES to know which GPUs it owns
             head_env["CUDA_VISIBLE_DEVICES"] = self.gpus.worker_gpus
         try:
-            with _environ(head_env):  # the head's processes inherit it when they start
+            with environ(head_env):  # the head's processes inherit it when they start
                 self.address = init_local_ray(num_cpus=self.config.num_cpus, namespace=RAY_NAMESPACE,
                                               log_to_driver=False,
                                               num_gpus=len(self.gpus.worker_gpus.split(",")) if self.gpus.worker_gpus else 0)
@@ -482,48 +321,6 @@ class LocalCluster:
         finally:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
         logger.info("local cluster stopped")
-
-
-def _descendants(pid: int) -> set[int]:
-    try:
-        return {child.pid for child in psutil.Process(pid).children(recursive=True)}
-    except psutil.NoSuchProcess:
-        return set()
-
-
-def _signal_pids(pids: set[int], signum: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
-
-
-def stop_process_group(process: subprocess.Popen, grace_s: float = _STOP_GRACE_S) -> None:
-    """SIGTERM the process group `process` leads and every descendant, SIGKILL whatever is left
-    after grace_s.
-
-    Descendants are signalled by pid as well: torch 2.13's torchrun starts each rank in a session
-    of its own, outside the leader's group, and once torchrun exits they are no longer its
-    children; so they are collected before the first signal and again before the last.
-    """
-    tree = _descendants(process.pid)
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    _signal_pids(tree, signal.SIGTERM)
-    try:
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        logger.warning("trainer did not stop within %.0f s of SIGTERM; killing it", grace_s)
-    tree |= _descendants(process.pid)
-    try:  # the leader may be gone while ranks linger: the group still exists then
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    _signal_pids({pid for pid in tree if psutil.pid_exists(pid)}, signal.SIGKILL)
-    process.wait()
 
 
 def _interrupt_on_sigterm() -> None:

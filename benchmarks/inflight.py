@@ -244,7 +244,7 @@ def summarise(results: list[RunResult]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> None:
     cfg = apply_smoke(load_config(InflightConfig, sys.argv[1:] if argv is None else argv, description=__doc__), SMOKE)
     setup_logging()
-    from local_cluster import init_local_ray
+    from async_grpo.launch.ray_cluster import init_local_ray
 
     work = Path(cfg.work_dir) if cfg.work_dir else Path(tempfile.mkdtemp(prefix="inflight-"))
     work.mkdir(parents=True, exist_ok=True)

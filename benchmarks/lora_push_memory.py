@@ -39,13 +39,13 @@ import torch
 from async_grpo.config.run_config import load_config
 from async_grpo.config.worker_options import EngineConfig
 from async_grpo.inference.weight_files import weights_file_dir
+from async_grpo.launch.ray_cluster import init_local_ray
 from async_grpo.model.tiny_model import write_random_adapter as write_adapter
 from async_grpo.model.tiny_model import write_tiny_model
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.weights.weight_sync import StableMarker, WeightUpdate, tensor_to_blob, update_parts, write_stable_marker
 from benchmarks.harness import apply_smoke
-from local_cluster import init_local_ray
 from sample_processing_utils import Sample
 from vllm_worker import GenerationWorker, GenerationWorkerConfig
 

@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.raylet_idle --duration_s 900
     .venv/bin/python -m benchmarks.raylet_idle --duration_s 900 --system_config '{"event_stats": false}'
 
-Starts a private Ray head as local_cluster.init_local_ray does (loopback only, dashboard, metrics
+Starts a private Ray head as async_grpo.launch.ray_cluster.init_local_ray does (loopback only, dashboard, metrics
 and task events off) with the extra `_system_config` entries given as JSON, creates one idle
 actor, and prints the raylet's anonymous RSS (`RssAnon` in /proc/<pid>/status) every
 `--every_s` seconds, then `raylet_idle: start_mb=<> end_mb=<> growth=<end/start>`. Issue 11's
@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from async_grpo.config.run_config import load_config
-from async_grpo.launch.ray_env import actor_runtime_env
+from async_grpo.launch.ray_env import actor_runtime_env, use_loopback_only_ray
 from benchmarks.harness import apply_smoke
-from local_cluster import use_loopback_only_ray
 
 SMOKE = {"duration_s": 5.0, "every_s": 1.0}
 """Sizes of the smoke mode."""

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from async_grpo.config.run_config import load_config
-from local_cluster import use_loopback_only_ray
+from async_grpo.launch.ray_env import use_loopback_only_ray
 
 _TARGET_ROUTED_PER_S = 20_000  # issue 21: routing must not limit a 64-GPU job
 _PROMPT_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]  # a short prompt: payload size is not what is measured

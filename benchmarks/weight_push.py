@@ -78,10 +78,11 @@ from typing import Any, Literal
 import torch
 
 from async_grpo.config.run_config import load_config
+from async_grpo.launch.local_processes import free_port
 from async_grpo.launch.ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, worker_actor_name
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from benchmarks.harness import REPO_ROOT, apply_smoke
-from local_cluster import LocalCluster, LocalClusterConfig, free_port
+from local_cluster import LocalCluster, LocalClusterConfig
 from vllm_registry import get_or_create_registry
 
 logger = logging.getLogger(__name__)
@@ -462,7 +463,7 @@ def report_engine(timings: dict[str, list[float]], num_bytes: int, memcpy_by_thr
 def drive_engine(cfg: PushBenchConfig, work: Path) -> None:
     import ray
 
-    from local_cluster import init_local_ray
+    from async_grpo.launch.ray_cluster import init_local_ray
 
     model_dir = write_tiny_model(work / "model", cfg.model())
     num_bytes = model_bytes(model_dir)

@@ -124,7 +124,7 @@ def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _start_session_ray() -> None:
-    from local_cluster import init_local_ray
+    from async_grpo.launch.ray_cluster import init_local_ray
 
     init_local_ray(num_cpus=max(4, os.cpu_count() or 1), namespace=TEST_NAMESPACE, log_to_driver=True)
 

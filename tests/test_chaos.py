@@ -38,9 +38,10 @@ import pytest
 from async_grpo.config.worker_options import HealthCheckConfig, RestartConfig, VerificationConfig
 from async_grpo.data.arithmetic_data import write_arithmetic_dataset
 from async_grpo.inference.weight_files import weights_file_dir
+from async_grpo.launch.local_processes import RUN_TEMP_PREFIX
 from async_grpo.launch.ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
 from async_grpo.telemetry.metrics import read_metrics
-from local_cluster import RUN_TEMP_PREFIX, LocalCluster, LocalClusterConfig, local_engine
+from local_cluster import LocalCluster, LocalClusterConfig, local_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 

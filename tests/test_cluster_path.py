@@ -350,7 +350,7 @@ def test_the_lost_nodes_dispatcher_exits_with_a_clear_reason(run: Run) -> None:
 def test_a_local_cluster_starts_its_own_head_beside_a_running_cluster(cluster: Cluster) -> None:
     """local_cluster.py (the demo, the tests) next to a `ray start` cluster, even with RAY_ADDRESS
     pointing at it: it must start a private head, not join (or fail to join) the running one."""
-    probe = ("from local_cluster import init_local_ray\n"
+    probe = ("from async_grpo.launch.ray_cluster import init_local_ray\n"
              "print('HEAD', init_local_ray(num_cpus=1, namespace='local-probe', log_to_driver=False))\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=cluster.env,
                           cwd=REPO_ROOT, timeout=_EXIT_BOUND_S)

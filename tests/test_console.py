@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 
+from async_grpo.launch.dispatcher_logs import DispatcherLogRelay, relayed
 from async_grpo.telemetry.console import (
     CONSOLE, LOG_FILE, ConsoleFilter, ConsoleProgress, DropWarnings, configure_logging, eval_line, progress_text,
 )
 from async_grpo.telemetry.metrics import MetricsLogger, read_metrics
 from async_grpo.telemetry.run_report import drop_counts, drops_text, run_summary, timing_line
-from local_cluster import DispatcherLogRelay, relayed
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

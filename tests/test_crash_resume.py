@@ -26,10 +26,11 @@ import pytest
 
 from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.data.arithmetic_data import write_arithmetic_dataset
+from async_grpo.launch.local_processes import free_port
 from async_grpo.launch.ray_env import BATCHER_ACTOR_NAME, RAY_NAMESPACE
 from async_grpo.trainer.checkpoint import checkpoints_root, latest_checkpoint
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
-from local_cluster import LocalCluster, LocalClusterConfig, free_port, local_engine
+from local_cluster import LocalCluster, LocalClusterConfig, local_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 

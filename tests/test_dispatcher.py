@@ -25,9 +25,8 @@ from torchrun_launch import free_port
 from async_grpo.config.run_config import load_config
 from async_grpo.config.worker_options import EngineConfig, LogprobBatchingConfig
 from async_grpo.launch.ray_env import (
-    GENERATION, LOGPROB, PROMPT_STOP_ENV, registry_name, repo_pythonpath, worker_actor_name,
+    GENERATION, LOGPROB, LOOPBACK_ONLY_ENV, PROMPT_STOP_ENV, registry_name, repo_pythonpath, worker_actor_name,
 )
-from local_cluster import LOOPBACK_ONLY_ENV
 from worker_dispatcher import REGISTERED_LINE, DispatcherConfig, format_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

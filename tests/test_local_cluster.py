@@ -16,7 +16,7 @@ import time
 import pytest
 
 from async_grpo.config.worker_options import VerificationConfig
-from local_cluster import stop_process_group
+from async_grpo.launch.local_processes import stop_process_group
 
 # Leader: start a child that sleeps (optionally ignoring SIGTERM), print its pid, sleep.
 _TREE = """

@@ -42,7 +42,7 @@ def _run_cluster_scenario() -> dict:
     import asyncio
     import time
 
-    from local_cluster import use_loopback_only_ray
+    from async_grpo.launch.ray_env import use_loopback_only_ray
 
     use_loopback_only_ray()
     import ray

@@ -25,7 +25,9 @@ import ray
 from ray._raylet import Config, GcsClient
 from ray.exceptions import AuthenticationError
 
-from async_grpo.launch.ray_env import RAY_AUTH_MODE_VAR, use_loopback_only_ray, use_ray_token_auth_if_available
+from async_grpo.launch.ray_env import (
+    RAY_AUTH_MODE_VAR, actor_runtime_env, use_loopback_only_ray, use_ray_token_auth_if_available,
+)
 
 
 class ClusterJoinError(RuntimeError):
@@ -148,3 +150,33 @@ def join_cluster(address: str, *, namespace: str, timeout_s: float, log_to_drive
     ray.init(address=gcs_address, namespace=namespace, log_to_driver=log_to_driver, runtime_env=runtime_env,
              _temp_dir=temp_dir or None)
     return gcs_address
+
+
+def init_local_ray(*, num_cpus: int, namespace: str, log_to_driver: bool, num_gpus: int = 0) -> str:
+    """Start a private Ray head owned by this process; returns its GCS address.
+
+    Loopback only (use_loopback_only_ray), dashboard off, this repository importable in every
+    worker, and Ray's own metrics off: nothing reads them here, and their OpenTelemetry collector
+    thread once segfaulted a fresh actor process during start-up (Ray 2.60, a demo run on
+    2026-11-21). Task events off (`task_events_report_interval_ms: 0`, "0 disables the task
+    event recording and reporting" in Ray's config): only the dashboard's task list and the
+    state API read them, both off here, and the system makes ~145 actor calls per demo step;
+    keeping Ray's last 100,000 grew the GCS from 57 to 190 MB over 300 steps, keeping the last
+    10,000 still 58 -> 68 MB, and with none 30.1 -> 30.3 MB (benchmarks/soak.py,
+    RESULTS.md). LocalCluster and the tests' Ray fixture both start their heads here.
+    """
+    use_loopback_only_ray()
+    ray.init(
+        # 'local': always a new head. With no address Ray joins RAY_ADDRESS, or else any Ray
+        # cluster running on the machine (it looks for GCS processes), and then refuses num_cpus.
+        address="local",
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        namespace=namespace,
+        runtime_env=actor_runtime_env(),
+        _system_config={"enable_metrics_collection": False, "task_events_report_interval_ms": 0},
+        log_to_driver=log_to_driver,
+    )
+    return ray.get_runtime_context().gcs_address

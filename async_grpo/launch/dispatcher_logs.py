@@ -1,0 +1,70 @@
+"""Relaying a dispatcher's own warnings from its log file to the local launcher's console.
+
+A LocalCluster writes each dispatcher's output (Ray's and vLLM's start-up included) to a file;
+DispatcherLogRelay follows those files and repeats the dispatcher's warnings, errors and
+restart lines as warnings of the launcher, so a failing or replaced worker shows on the console.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.5  # how often the relay looks at the dispatcher logs
+# Dispatcher log lines the launcher repeats on its console as warnings: the dispatcher's own
+# warnings and errors (a failed health check, a replacement starting) and its restart and give-up
+# lines (worker_dispatcher's RESTARTING_LINE and final failure lines). vLLM's and Ray's lines in
+# the same file, warnings included, stay there. Group 1: the dispatcher's message.
+_RELAYED_LINE = re.compile(r"^\S+ \S+ (?:WARNING|ERROR|CRITICAL) __main__: (.*)$"
+                           r"|^(worker \S+ restarting \(.*|.*; giving up after .*|.*; not restarting it: .*)$")
+
+
+def relayed(line: str) -> str | None:
+    """The part of a dispatcher log line that the launcher repeats as a warning (None: not one)."""
+    match = _RELAYED_LINE.match(line.rstrip("\n"))
+    return None if match is None else match.group(1) or match.group(2)
+
+
+class DispatcherLogRelay:
+    """Follows the dispatcher logs and logs their `relayed` lines as warnings of this process, so
+    that a failing or replaced worker shows on the launcher's console (its log stays in the file)."""
+
+    def __init__(self, logs: list[tuple[str, Path]]) -> None:
+        self._logs = logs
+        self._offsets = {path: 0 for _, path in logs}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="dispatcher-log-relay", daemon=True)
+
+    def poll(self) -> None:
+        """Relay the complete lines written since the last poll."""
+        for label, path in self._logs:
+            try:
+                with path.open("rb") as f:
+                    f.seek(self._offsets[path])
+                    chunk = f.read()
+            except OSError:  # not created yet, or removed with the run
+                continue
+            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+            self._offsets[path] += len(complete)
+            for line in complete.decode(errors="replace").splitlines():
+                message = relayed(line)
+                if message is not None:
+                    logger.warning("%s worker: %s", label, message)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Relay what is left, then stop following."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.poll()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            self.poll()

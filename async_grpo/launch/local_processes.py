@@ -1,0 +1,134 @@
+"""The local launcher's processes: the temp folder and environment every child gets, a free
+port, and stopping a process tree (torchrun and its ranks) for good.
+
+local_cluster.LocalCluster uses these; tests and benchmarks that start their own children reuse
+them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 30.0  # how long a stopped trainer gets to exit before SIGKILL
+
+# A LocalCluster's processes (its Ray head's GCS, raylet and workers, the dispatchers, torchrun and
+# the ranks) keep their temporary files in a folder the cluster removes when it stops. What they
+# left in the system temp folder otherwise, on every clean stop (benchmarks/soak.py, RESULTS.md):
+# each vLLM engine's three IPC sockets (vLLM binds them itself and never unlinks them), the
+# verifier pool's multiprocessing folder (pymp-*: Ray ends the actor without its exit handlers)
+# and torchrun's torchelastic_* log folder; and a worker killed mid-run leaves whatever it held.
+# The folder is named after the launcher's pid, so that the next LocalCluster removes the folders
+# of launchers that died without stopping (SIGKILL).
+RUN_TEMP_PREFIX = "grpo-local-"
+
+
+def make_run_temp_dir() -> str:
+    """A new temp folder `grpo-local-<this pid>-*`, after removing those whose launcher is gone."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{RUN_TEMP_PREFIX}*-*"):
+        owner = folder.name[len(RUN_TEMP_PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and not psutil.pid_exists(int(owner)):
+            logger.info("removing %s, left by a local cluster that did not stop (pid %s)", folder, owner)
+            shutil.rmtree(folder, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{RUN_TEMP_PREFIX}{os.getpid()}-")
+
+# glibc malloc settings for every process of a local run (an operator's own values win): a fixed
+# 256 KiB mmap threshold and trim threshold, as benchmarks/realistic_run.py sets. By default glibc
+# raises its mmap threshold each time a large mmapped block is freed (up to 32 MiB), so later
+# blocks of that size come from the heap, whose freed pages stay resident: over steps 50-300 of
+# the soak the vLLM engine core's heap ([heap] in smaps) grew 548 -> 705 MiB and its RSS 1.09-1.14x;
+# with these, 217 -> 249 MiB and 1.03x (benchmarks/soak.py, RESULTS.md). Ray's GCS and raylet
+# run on jemalloc and ignore them.
+GLIBC_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 1024), "MALLOC_TRIM_THRESHOLD_": str(256 * 1024)}
+
+
+def run_environment(temp_dir: str) -> dict[str, str]:
+    """Variables set for every process a LocalCluster starts: GLIBC_MALLOC_ENV, and
+    TMPDIR=temp_dir with the two caches that live under the temp folder kept where they are: Ray's
+    session folder (its logs; RAY_TMPDIR wins over TMPDIR in Ray) and torch inductor's compile
+    cache (TORCHINDUCTOR_CACHE_DIR; torch's default path, which vLLM's CPU engine uses)."""
+    system_temp = tempfile.gettempdir()
+    return {
+        **{name: os.environ.get(name, value) for name, value in GLIBC_MALLOC_ENV.items()},
+        "TMPDIR": temp_dir,
+        "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", system_temp),
+        "TORCHINDUCTOR_CACHE_DIR": os.environ.get(
+            "TORCHINDUCTOR_CACHE_DIR", os.path.join(system_temp, f"torchinductor_{getpass.getuser()}")),
+    }
+
+
+@contextlib.contextmanager
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """os.environ updated with `values` inside the block, restored after."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for torchrun's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _descendants(pid: int) -> set[int]:
+    try:
+        return {child.pid for child in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _signal_pids(pids: set[int], signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the process group `process` leads and every descendant, SIGKILL whatever is left
+    after grace_s.
+
+    Descendants are signalled by pid as well: torch 2.13's torchrun starts each rank in a session
+    of its own, outside the leader's group, and once torchrun exits they are no longer its
+    children; so they are collected before the first signal and again before the last.
+    """
+    tree = _descendants(process.pid)
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    _signal_pids(tree, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        logger.warning("trainer did not stop within %.0f s of SIGTERM; killing it", grace_s)
+    tree |= _descendants(process.pid)
+    try:  # the leader may be gone while ranks linger: the group still exists then
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    _signal_pids({pid for pid in tree if psutil.pid_exists(pid)}, signal.SIGKILL)
+    process.wait()

@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 COMMAND_STARTED_AT=$(date +%s.%N)
-bash scripts/install_cpu.sh
+bash scripts/install.sh
 PY=.venv/bin/python
 for arg in "$@"; do
   if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then

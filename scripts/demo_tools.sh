@@ -13,7 +13,7 @@
 # (e.g. "--enforce_eager true"); DEMO_TOOLS_ASSETS / DEMO_TOOLS_RUNS move its folders.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install_cpu.sh
+bash scripts/install.sh
 PY=.venv/bin/python
 ASSETS=${DEMO_TOOLS_ASSETS:-runs/tool-demo-assets}
 RUNS=${DEMO_TOOLS_RUNS:-runs}

@@ -1,38 +1,49 @@
 #!/usr/bin/env bash
-# The README's test command: install into ./.venv if needed, then run the suite on CPU, one
-# pytest process per tier (tests/conftest.py says what each tier holds), so no test depends on
-# which modules ran before it in the same process.
+# The README's test command: install into ./.venv if needed (the CUDA or the CPU builds, as this
+# machine needs), then run the suite, one pytest process per tier (tests/conftest.py says what
+# each tier holds), so no test depends on which modules ran before it in the same process.
 #
 #   bash scripts/test.sh                 # every tier (what CI runs)
 #   bash scripts/test.sh --fast          # the pure, single-process tier only (a few minutes)
 #   bash scripts/test.sh --gpu           # the gpu tier alone (tests/test_gpu_*.py), on a CUDA machine
+#                                        # (fails when CUDA is missing or no gpu test ran)
 #   bash scripts/test.sh tests/test_x.py -k name   # anything else: one pytest run with these arguments
 #
-# Exits non-zero on any failure (and on "no tests collected"), after running every tier.
-# On a machine without CUDA the gpu tier's tests are deselected and counted
-# ("N gpu tests deselected: no CUDA"), not failed.
+# Installs the builds this machine needs first (scripts/install.sh: CUDA builds on a machine with
+# an NVIDIA GPU, the CPU builds elsewhere). Exits non-zero on any failure (and on "no tests
+# collected"), after running every tier. On a machine without CUDA the gpu tier's tests are
+# deselected and counted ("N gpu tests deselected: no CUDA"), not failed; on a CUDA machine a gpu
+# tier that selects nothing fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 
 if [[ "${1:-}" == "--gpu" ]]; then
-    # No install: the GPU machine has torch and transformers but no network (and no Ray or
-    # vLLM), so the project venv is used where it exists, else the machine's python; only the
-    # gpu test modules are collected, as the others import Ray.
+    # The gpu tier alone (tests/test_gpu_*.py), with no install: the lent GPU machine has torch
+    # and transformers but no network (and no Ray or vLLM). The project venv is used where it
+    # exists, else the machine's python. It fails loudly when this python sees no CUDA device or
+    # when no gpu test ran: a green gpu tier that ran nothing would say nothing.
     python=.venv/bin/python
     [[ -x "$python" ]] || python=python3
     if ! "$python" -c "import pytest, torch" 2>/dev/null; then
         echo "scripts/test.sh --gpu: $python cannot import pytest and torch; install them there first" >&2
         exit 1
     fi
+    if ! "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+        echo "scripts/test.sh --gpu: $python's torch $("$python" -c 'import torch; print(torch.__version__)') sees no CUDA device: run it on a GPU machine (bash scripts/install.sh installs the CUDA builds there)" >&2
+        exit 1
+    fi
     rc=0
     "$python" -m pytest -m gpu -rs --durations=25 tests/test_gpu_*.py "${@:2}" || rc=$?
-    if [[ $rc -eq 5 ]]; then  # nothing selected: no CUDA here (the line above says how many)
-        exit 0
+    if [[ $rc -eq 5 ]]; then
+        echo "scripts/test.sh --gpu: no gpu test was collected" >&2
+        exit 1
     fi
     exit $rc
 fi
-bash scripts/install_cpu.sh
+bash scripts/install.sh
+source scripts/device.sh
+device=$(detect_device)
 
 if [[ $# -gt 0 && "$1" != "--fast" ]]; then
     exec .venv/bin/python -m pytest "$@"
@@ -61,8 +72,8 @@ for ((i = 0; i < ${#tiers[@]}; i += 2)); do
     tier_started=$SECONDS
     rc=0
     .venv/bin/python -m pytest -m "${expression}" --durations=25 || rc=$?
-    # 5: nothing selected (the gpu tier on a machine whose tests all carry other tiers).
-    if [[ $rc -ne 0 && !( $rc -eq 5 && "$name" == "gpu" ) ]]; then
+    # 5: nothing selected: expected for the gpu tier without CUDA (its tests are deselected).
+    if [[ $rc -ne 0 && !( $rc -eq 5 && "$name" == "gpu" && "$device" == "cpu" ) ]]; then
         failed+=("${name} (exit ${rc})")
     fi
     echo "=== tier ${name}: exit ${rc} in $((SECONDS - tier_started)) s"

@@ -78,8 +78,8 @@ def check_versions(requirements: tuple[Requirement, ...]) -> None:
         if version is None:
             raise VersionError(f"{requirement.package} is not installed; it needs "
                                f"{requirement.package}{requirement.wanted()} ({requirement.why}): "
-                               f"pip install -r requirements_base.txt (CPU: bash scripts/install_cpu.sh)")
+                               f"bash scripts/install.sh (the CUDA or the CPU builds, as this machine needs)")
         if not requirement.allows(version):
             raise VersionError(f"{requirement.package} {version} is installed; this code needs "
                                f"{requirement.package}{requirement.wanted()} ({requirement.why}): "
-                               f"pip install -r requirements_base.txt (CPU: bash scripts/install_cpu.sh)")
+                               f"bash scripts/install.sh (the CUDA or the CPU builds, as this machine needs)")

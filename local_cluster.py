@@ -18,6 +18,7 @@ output (Ray's and vLLM's start-up included) to <log_dir>/<kind>-<i>_worker.log. 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shlex
@@ -35,7 +36,12 @@ from async_grpo.config.worker_options import (
     EngineConfig, HealthCheckConfig, LogprobBatchingConfig, RestartConfig, VerificationConfig,
 )
 from async_grpo.launch.dispatcher_logs import DispatcherLogRelay
+from async_grpo.launch.engine_defaults import CPU_ENGINE, resolve_engine
 from async_grpo.launch.local_processes import environ, free_port, make_run_temp_dir, run_environment, stop_process_group
+from async_grpo.launch.placement import (
+    GiB, ModelShape, Placement, PlacementError, RunShape, check_transfer_placement, default_trainer_ranks,
+    plan_placement,
+)
 from async_grpo.launch.ray_cluster import init_local_ray
 from async_grpo.launch.ray_env import LOOPBACK_ONLY_ENV, RAY_NAMESPACE, REPO_ROOT, repo_pythonpath
 
@@ -48,24 +54,18 @@ REGISTERED_MARKER = "registered"  # worker_dispatcher prints `worker <name> regi
 _POLL_S = 0.5  # how often the launcher looks at dispatcher logs while waiting
 
 
-# The engine on one CPU machine shared with the trainer:
-# - dtype float32, as the CPU trainer computes: vLLM's 'auto' would serve an fp32 checkpoint in
-#   bf16, which CPUs without bf16 instructions emulate slowly, and whose sampling logprobs then
-#   differ from the trainer's (~6e-3 per token on the demo). The logprob workers get it too.
-# - a 256 MiB KV cache, set explicitly: the CPU build otherwise reserves a fraction of one NUMA
-#   node's RAM minus what the process already uses, which fails on a busy machine.
-# - max_model_len 512 and 256 sequences per step: the launcher's sizes for the tiny demo model
-#   since it was written (the demo's prompt + completion budget is far below 512 tokens); no
-#   measurement behind them is recorded.
-LOCAL_ENGINE = EngineConfig(dtype="float32", kv_cache_memory_bytes=256 * 2**20, max_model_len=512, max_num_seqs=256)
+# The launcher's engine default: 256 sequences per step; dtype, KV cache and max_model_len are
+# left unset and chosen per device when the cluster starts (resolve_engine), each choice logged.
+LOCAL_ENGINE = EngineConfig(max_num_seqs=256)
 # The launcher's logprob budget since it was written (half the worker's default; the demo's
 # minibatch budget, max_tokens_per_gpu, is 4096); no measurement behind it is recorded.
 LOCAL_BATCHING = LogprobBatchingConfig(max_tokens_per_forward=8192)
 
 
 def local_engine(**changes: Any) -> EngineConfig:
-    """LOCAL_ENGINE with `changes` (e.g. a test's smaller KV cache), for LocalClusterConfig(engine=...)."""
-    return dataclasses.replace(LOCAL_ENGINE, **changes)
+    """The launcher's CPU engine (LOCAL_ENGINE with CPU_ENGINE) with `changes` (e.g. a test's
+    smaller KV cache), for LocalClusterConfig(engine=...)."""
+    return dataclasses.replace(LOCAL_ENGINE, **{**CPU_ENGINE, **changes})
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -78,8 +78,9 @@ class LocalClusterConfig:
     """The trainer's run directory (its --run_dir), when this launcher starts the trainer."""
     log_dir: str = ""
     """Where dispatcher logs go; '' means run_dir."""
-    nproc_per_node: int = 2
-    """Trainer ranks (torchrun's --nproc_per_node)."""
+    nproc_per_node: int | None = None
+    """Trainer ranks (torchrun's --nproc_per_node). None: 2 on a CPU host; with GPUs, one per GPU
+    the workers leave, and 1 on one or two GPUs (the placement plan)."""
     generation_workers: int = 1
     """Generation workers (each its own vLLM engine)."""
     logprob_workers: int = 1
@@ -106,6 +107,16 @@ class LocalClusterConfig:
     """How each dispatcher probes its worker (worker_options.HealthCheckConfig)."""
     restart: RestartConfig = flattened(RestartConfig())
     """How each dispatcher replaces a worker that failed (worker_options.RestartConfig)."""
+    host_gpus: int | None = None
+    """Plan for this many GPUs instead of those the NVIDIA driver lists: for --dry_run of another
+    machine's plan, or, on a machine without CUDA, to run the plan on Ray's fake GPUs (how the
+    tests check placement on CPU). 0 forces the CPU plan."""
+    gpu_memory_gib: float | None = None
+    """Memory of one GPU that the plan assumes; None: what CUDA reports for GPU 0 (80 GiB when
+    host_gpus names GPUs this machine lacks)."""
+    dry_run: bool = False
+    """Print the placement plan and the engine settings it implies, then exit without starting
+    anything."""
 
     @property
     def total_workers(self) -> int:
@@ -117,8 +128,12 @@ class LocalClusterConfig:
             if not self.run_dir:
                 raise ValueError("LocalClusterConfig needs run_dir (--run_dir) or log_dir")
             object.__setattr__(self, "log_dir", self.run_dir)
-        if self.nproc_per_node < 1:
-            raise ValueError(f"LocalClusterConfig.nproc_per_node must be >= 1, got {self.nproc_per_node}")
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
+            raise ValueError(f"LocalClusterConfig.nproc_per_node must be >= 1 or None, got {self.nproc_per_node}")
+        if self.host_gpus is not None and self.host_gpus < 0:
+            raise ValueError(f"LocalClusterConfig.host_gpus must be >= 0 or None, got {self.host_gpus}")
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            raise ValueError(f"LocalClusterConfig.gpu_memory_gib must be > 0 or None, got {self.gpu_memory_gib}")
         if self.generation_workers < 1:
             raise ValueError(f"LocalClusterConfig.generation_workers must be >= 1, got {self.generation_workers}")
         for name in ("logprob_workers", "reference_workers", "teacher_workers"):
@@ -130,67 +145,103 @@ class LocalClusterConfig:
 
 
 
-@dataclass(frozen=True)
-class GpuPlan:
-    """Which of this machine's GPUs a LocalCluster gives Ray (its workers) and which the trainer:
-    disjoint, so no worker's vLLM engine lands on a trainer rank's GPU. Empty on a CPU machine."""
-
-    worker_gpus: str = ""
-    """CUDA_VISIBLE_DEVICES of the Ray head: the GPUs Ray hands out, one per worker."""
-    trainer_gpus: str = ""
-    """CUDA_VISIBLE_DEVICES of the trainer: one GPU per rank, none of them known to Ray."""
+# What a plan assumes of a GPU that this machine lacks (host_gpus given without CUDA here): the
+# memory of an 80 GB A100/H100, the most common training GPU.
+ASSUMED_GPU_MEMORY_BYTES = 80 * GiB
 
 
-def plan_gpus(host_gpus: int, workers: int, trainer_ranks: int) -> GpuPlan:
-    """Split `host_gpus` GPUs: the first `workers` for Ray, the next `trainer_ranks` for the
-    trainer. ValueError (one line) when there are too few; an empty plan on a CPU machine."""
-    if host_gpus == 0:
-        return GpuPlan()
-    if host_gpus < workers + trainer_ranks:
-        raise ValueError(f"this machine has {host_gpus} GPU(s); the local cluster needs one per worker ({workers}) "
-                         f"and one per trainer rank ({trainer_ranks}): start fewer workers or ranks")
-    ids = [str(i) for i in range(workers + trainer_ranks)]
-    return GpuPlan(worker_gpus=",".join(ids[:workers]), trainer_gpus=",".join(ids[workers:]))
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def host_gpus_and_memory(config: LocalClusterConfig) -> tuple[int, int]:
+    """(GPUs, bytes of one GPU's memory) that the plan is made for: the config's overrides, else
+    what the NVIDIA driver lists and CUDA reports."""
+    from async_grpo.trainer.fsdp_setup import host_gpu_count
+
+    gpus = config.host_gpus if config.host_gpus is not None else host_gpu_count()
+    if gpus == 0:
+        return 0, 0
+    if config.gpu_memory_gib is not None:
+        return gpus, int(config.gpu_memory_gib * GiB)
+    if cuda_available():
+        import torch
+
+        return gpus, torch.cuda.get_device_properties(0).total_memory
+    return gpus, ASSUMED_GPU_MEMORY_BYTES
+
+
+def plan_for(config: LocalClusterConfig, trainer_config: TrainerConfig | None = None) -> tuple[Placement, RunShape]:
+    """The placement of this run (PlacementError when it does not fit), and what it was planned for;
+    without the trainer's config, its defaults stand in for the token budget and model options."""
+    gpus, memory = host_gpus_and_memory(config)
+    model_options = trainer_config.model if trainer_config is not None else None
+    run = RunShape(
+        trainer_ranks=config.nproc_per_node or default_trainer_ranks(
+            gpus, config.generation_workers * config.engine.tensor_parallel_size + config.total_workers
+            - config.generation_workers),
+        max_tokens_per_gpu=trainer_config.max_tokens_per_gpu if trainer_config is not None else 8192,
+        logprob_chunk_size=model_options.logprob_chunk_size if model_options else 1024,
+        gradient_checkpointing=model_options.gradient_checkpointing if model_options else False,
+        generation_workers=config.generation_workers, tensor_parallel_size=config.engine.tensor_parallel_size,
+        logprob_workers=config.total_workers - config.generation_workers,
+        max_tokens_per_forward=config.batching.max_tokens_per_forward)
+    if gpus == 0:
+        return Placement(), run
+    shape = ModelShape.from_hf_config(json.loads((Path(config.model_path) / "config.json").read_text()))
+    return plan_placement(gpus, memory, shape, run), run
+
+
+def longest_sample(trainer_config: TrainerConfig) -> int:
+    """The longest sample the run can produce: a multi-turn episode's token limit, else the prompt
+    budget plus the response budget (what the engines' max_model_len must hold)."""
+    sampling = trainer_config.sampling
+    episodes = sampling.environment if sampling.environment.enabled else sampling.verifiers
+    if episodes.enabled:
+        return episodes.max_total_tokens
+    return trainer_config.data.max_prompt_tokens + sampling.max_tokens
 
 
 class LocalCluster:
     """Context manager owning a Ray head and the dispatcher processes started into it."""
 
-    def __init__(self, config: LocalClusterConfig) -> None:
+    def __init__(self, config: LocalClusterConfig, placement: Placement | None = None,
+                 longest_sample: int | None = None, cuda: bool | None = None) -> None:
+        """`placement`: where everything goes (main passes the plan it printed); None plans from
+        this host's GPUs and the config alone. `longest_sample`: the run's longest prompt + response,
+        the engines' max_model_len on CUDA. `cuda`: whether the engines run on CUDA (None: whether
+        this machine has it; a plan on Ray's fake GPUs runs CPU engines)."""
         self.config = config
+        self.placement = placement if placement is not None else plan_for(config)[0]
+        self.engine, self.engine_choices = resolve_engine(
+            config.engine, self.placement, cuda_available() if cuda is None else cuda, longest_sample)
         self.address = ""
         self.temp_dir = ""
-        self.gpus = GpuPlan()
         self._dispatchers: list[tuple[str, subprocess.Popen, Path]] = []
         self._relay: DispatcherLogRelay | None = None
 
     def __enter__(self) -> "LocalCluster":
         Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
+        for line in self.engine_choices:
+            logger.info("%s", line)
         # tempfile also fixes this process's own temp folder (it caches it) before TMPDIR changes.
-        self.gpus = self._plan_gpus()
         self.temp_dir = make_run_temp_dir()
         head_env = run_environment(self.temp_dir)
-        if self.gpus.worker_gpus:  # Ray reads the head's CUDA_VISIBLE_DEVICES to know which GPUs it owns
-            head_env["CUDA_VISIBLE_DEVICES"] = self.gpus.worker_gpus
+        worker_gpus = self.placement.worker_gpus
+        if worker_gpus:  # Ray reads the head's CUDA_VISIBLE_DEVICES to know which GPUs it owns
+            head_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, worker_gpus))
         try:
             with environ(head_env):  # the head's processes inherit it when they start
                 self.address = init_local_ray(num_cpus=self.config.num_cpus, namespace=RAY_NAMESPACE,
-                                              log_to_driver=False,
-                                              num_gpus=len(self.gpus.worker_gpus.split(",")) if self.gpus.worker_gpus else 0)
+                                              log_to_driver=False, num_gpus=len(worker_gpus))
         except BaseException:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             raise
         logger.info("Ray head at %s (127.0.0.1 only, no dashboard); temporary files in %s", self.address,
                     self.temp_dir)
         return self
-
-    def _plan_gpus(self) -> GpuPlan:
-        from async_grpo.trainer.fsdp_setup import host_gpu_count
-
-        plan = plan_gpus(host_gpu_count(), self.config.total_workers, self.config.nproc_per_node)
-        if plan.worker_gpus:
-            logger.info("GPUs: workers %s (through Ray), trainer %s", plan.worker_gpus, plan.trainer_gpus)
-        return plan
 
     def env(self) -> dict[str, str]:
         """Environment for child processes: join this cluster, import this repo."""
@@ -209,10 +260,12 @@ class LocalCluster:
         c = self.config
         common = ["--mode", kind, "--model_path", c.teacher_model_path if kind == "teacher" else c.model_path,
                   *config_to_flags(c.health), *config_to_flags(c.restart)]
+        if self.placement.on_gpu and self.placement.worker_gpu_share < 1:
+            common += ["--num_gpus", f"{self.placement.worker_gpu_share:g}"]
         if kind == "generation":
-            return common + config_to_flags(c.verification) + config_to_flags(c.engine)
+            return common + config_to_flags(c.verification) + config_to_flags(self.engine)
         if kind in ("logprob", "reference", "teacher"):
-            return common + ["--dtype", c.engine.dtype] + config_to_flags(c.batching)
+            return common + ["--dtype", self.engine.dtype] + config_to_flags(c.batching)
         raise ValueError(f"unknown worker kind {kind!r}")
 
     def add_worker_command(self, kind: str) -> str:
@@ -229,9 +282,14 @@ class LocalCluster:
         c = self.config
         counts = {"generation": c.generation_workers, "logprob": c.logprob_workers,
                   "reference": c.reference_workers, "teacher": c.teacher_workers}
+        # Workers sharing a GPU start one at a time: vLLM checks at start that its share of the
+        # GPU is free, and its memory profiling fails if another process frees memory meanwhile.
+        one_by_one = self.placement.on_gpu and self.placement.worker_gpu_share < 1
         for kind, count in counts.items():
             for i in range(count):
                 self._dispatch(f"{kind}-{i}", self.dispatcher_args(kind))
+                if one_by_one:
+                    self._wait_registered()
         self._relay = DispatcherLogRelay([(label, log) for label, _, log in self._dispatchers])
         self._relay.start()
         self._wait_registered()
@@ -285,8 +343,8 @@ class LocalCluster:
         # torchrun alone would orphan the ranks, which then wait on the batcher for up to
         # message_timeout_s.
         env = self.env()
-        if self.gpus.trainer_gpus:
-            env["CUDA_VISIBLE_DEVICES"] = self.gpus.trainer_gpus
+        if self.placement.trainer_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.placement.trainer_gpus))
         if nproc_per_node > 1:
             # The value torchrun sets itself for several ranks, given here so that torchrun does
             # not print its five-line banner about it on the console.
@@ -345,6 +403,14 @@ def main(argv: list[str] | None = None) -> int:
     check_environment(config)
     trainer_config = load_trainer_config(trainer_args)  # prints its one line and exits 2 itself
     config = with_trainer_transfer(config, trainer_config.transfer.weight_transfer)
+    placement, run = plan_or_exit(config, trainer_config)
+    # A dry run shows the plan of the machine it describes: a GPU plan gets the CUDA engine settings.
+    cuda = cuda_available() or (config.dry_run and placement.on_gpu)
+    cluster = LocalCluster(config, placement, longest_sample(trainer_config), cuda=cuda)
+    plan_lines = placement.lines(run) + cluster.engine_choices
+    if config.dry_run:
+        print("\n".join(plan_lines), flush=True)
+        return 0
     setup_logging(config, trainer_config)
     from async_grpo.telemetry.console import CONSOLE, LOG_FILE
     check_trainer_inputs(trainer_config, max_lora_rank=config.engine.max_lora_rank)
@@ -352,14 +418,26 @@ def main(argv: list[str] | None = None) -> int:
         check_teacher_model(config.teacher_model_path, config.model_path)
     Path(config.run_dir).mkdir(parents=True, exist_ok=True)  # the checks passed: run.log can start
     _interrupt_on_sigterm()
+    logger.info("%s", "\n".join(plan_lines), extra=CONSOLE)
     logger.info("starting Ray (127.0.0.1 only), %s, then the trainer (%d ranks); logs in %s", _workers_text(config),
-                config.nproc_per_node, config.log_dir, extra=CONSOLE)
-    with LocalCluster(config) as cluster:
+                run.trainer_ranks, config.log_dir, extra=CONSOLE)
+    with cluster:
         started = time.monotonic()
         cluster.start_workers()
         logger.info("workers ready after %.0f s; starting the trainer (every INFO line in %s)",
                     time.monotonic() - started, Path(config.run_dir) / LOG_FILE, extra=CONSOLE)
-        return cluster.run_trainer(trainer_args, config.nproc_per_node)
+        return cluster.run_trainer(trainer_args, run.trainer_ranks)
+
+
+def plan_or_exit(config: LocalClusterConfig, trainer_config: TrainerConfig) -> tuple[Placement, RunShape]:
+    """The placement plan, checked against the trainer's weight transfer; exit 2 with one line
+    when the run does not fit or the transfer cannot work on it."""
+    try:
+        placement, run = plan_for(config, trainer_config)
+        check_transfer_placement(trainer_config.transfer.weight_transfer, placement)
+    except (PlacementError, ValueError, OSError) as error:
+        exit_config_error(str(error))
+    return placement, run
 
 
 def load_trainer_config(trainer_args: list[str]) -> TrainerConfig:
@@ -414,14 +492,12 @@ def exit_config_error(message: str) -> NoReturn:
 
 
 def check_environment(config: LocalClusterConfig) -> None:
-    """Installed versions and the GPU split, before Ray or any worker starts; exit 2 with one line."""
+    """Installed versions, before Ray or any worker starts; exit 2 with one line."""
     from async_grpo.config.versions import WORKER_REQUIREMENTS, VersionError, check_versions
-    from async_grpo.trainer.fsdp_setup import host_gpu_count
 
     try:
         check_versions(WORKER_REQUIREMENTS)
-        plan_gpus(host_gpu_count(), config.total_workers, config.nproc_per_node)
-    except (VersionError, ValueError) as error:
+    except VersionError as error:
         exit_config_error(str(error))
 
 

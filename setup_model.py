@@ -221,14 +221,18 @@ def training_compute_dtype(device: torch.device, mixed_precision: bool) -> torch
 
 
 def check_attn_dtype(attn_implementation: str | None, compute_dtype: torch.dtype, where: str) -> None:
-    """Raise ValueError if flash_attention_2 is asked for with a dtype flash-attn cannot run.
+    """Raise ValueError if an attention implementation that runs flash-attention kernels
+    (flash_attention_2, or PACKED_VARLEN: torch's flash-attention varlen kernel) is asked for with
+    a dtype those kernels cannot run (float32).
 
     where: the config field that asked for it, named in the error.
     """
-    if attn_implementation == FLASH_ATTENTION_2 and compute_dtype not in _FLASH_DTYPES:
+    if attn_implementation in (FLASH_ATTENTION_2, PACKED_VARLEN) and compute_dtype not in _FLASH_DTYPES:
+        kernels = "flash-attn" if attn_implementation == FLASH_ATTENTION_2 else "torch's flash-attention varlen kernel"
         raise ValueError(
-            f"{where}='flash_attention_2' needs bf16 or fp16 compute, but the model computes in "
-            f"{str(compute_dtype).removeprefix('torch.')}: flash-attn does not run float32 models"
+            f"{where}={attn_implementation!r} needs bf16 or fp16 compute, but the model computes in "
+            f"{str(compute_dtype).removeprefix('torch.')}: {kernels} does not run float32 models "
+            f"(use {PACKED_SDPA!r}, or model.mixed_precision on a GPU)"
         )
 
 

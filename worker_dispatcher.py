@@ -56,8 +56,8 @@ from async_grpo.config.versions import (
     LOGPROB_WORKER_REQUIREMENTS, RAY, WORKER_REQUIREMENTS, VersionError, check_versions,
 )
 from async_grpo.config.worker_options import (
-    EngineConfig, FailedSamplesConfig, HealthCheckConfig, LogprobBatchingConfig, RayConnectionConfig, RestartConfig,
-    VerificationConfig,
+    VLLM_GPU_MEMORY_UTILIZATION, EngineConfig, FailedSamplesConfig, HealthCheckConfig, LogprobBatchingConfig,
+    RayConnectionConfig, RestartConfig, VerificationConfig,
 )
 from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
 from async_grpo.launch.ray_env import (
@@ -109,6 +109,12 @@ class DispatcherConfig:
     """Generation: where samples whose generation or scoring failed go (worker_options.FailedSamplesConfig)."""
     num_cpus: float = 1.0
     """CPUs the worker actor reserves in Ray's accounting."""
+    num_gpus: float | None = None
+    """GPUs the worker takes in Ray's accounting on a node with GPUs. None: whole GPUs (the
+    engine's tensor_parallel_size, else 1). A fraction below 1 lets workers share one GPU, as the
+    local launcher's plan does on one or two GPUs; a generation worker sharing a CUDA GPU then
+    needs --gpu_memory_utilization (or --kv_cache_memory_bytes) sized to fit beside the others,
+    since vLLM's default takes 0.92 of the GPU."""
     connection: RayConnectionConfig = flattened(RayConnectionConfig())
     """Which cluster to join and how long to try (worker_options.RayConnectionConfig)."""
     ray_temp_dir: str = ""
@@ -131,6 +137,11 @@ class DispatcherConfig:
             raise ValueError(f"DispatcherConfig.tensor_parallel_size must be 1 in {self.mode} mode (one device per worker)")
         if self.num_cpus < 0:
             raise ValueError(f"DispatcherConfig.num_cpus must be >= 0, got {self.num_cpus}")
+        if self.num_gpus is not None and not 0 < self.num_gpus:
+            raise ValueError(f"DispatcherConfig.num_gpus must be > 0 or None (whole GPUs), got {self.num_gpus}")
+        if self.num_gpus is not None and self.num_gpus < 1 and self.engine.tensor_parallel_size != 1:
+            raise ValueError(f"DispatcherConfig.num_gpus {self.num_gpus} shares a GPU, which an engine of "
+                             f"tensor_parallel_size {self.engine.tensor_parallel_size} cannot do")
         if not self.start_timeout_s > 0:
             raise ValueError(f"DispatcherConfig.start_timeout_s must be > 0, got {self.start_timeout_s}")
 
@@ -210,15 +221,28 @@ def node_gpu_count(node_id: str) -> int:
     raise RuntimeError(f"node {node_id} is not in the Ray cluster's node list")
 
 
-def gpus_per_worker(mode: str, tensor_parallel_size: int, node_gpus: int) -> int:
-    """GPUs one worker reserves on a node advertising `node_gpus`: none on a CPU node, else the
-    engine's tensor-parallel size (generation) or one. ValueError when the node has too few."""
+def gpus_per_worker(mode: str, tensor_parallel_size: int, node_gpus: int, requested: float | None = None) -> float:
+    """GPUs one worker reserves on a node advertising `node_gpus`: none on a CPU node, else
+    `requested` (a fraction shares a GPU) or whole GPUs: the engine's tensor-parallel size
+    (generation) or one. ValueError when the node has too few."""
     if node_gpus == 0:
         return 0
-    wanted = tensor_parallel_size if mode == GENERATION else 1
+    wanted = requested if requested is not None else (tensor_parallel_size if mode == GENERATION else 1)
     if wanted > node_gpus:
-        raise ValueError(f"a {mode} worker needs {wanted} GPU(s) and this Ray node advertises {node_gpus}")
+        raise ValueError(f"a {mode} worker needs {wanted:g} GPU(s) and this Ray node advertises {node_gpus}")
     return wanted
+
+
+def check_shared_gpu_memory(cfg: DispatcherConfig, cuda: bool) -> None:
+    """ValueError when a generation worker shares a CUDA GPU (--num_gpus below 1) with vLLM's
+    default memory share, which would claim 0.92 of the GPU and fail beside the other processes."""
+    engine = cfg.engine
+    sharing = cfg.num_gpus is not None and cfg.num_gpus < 1
+    if (cuda and sharing and cfg.mode == GENERATION and engine.gpu_memory_utilization is None
+            and engine.kv_cache_memory_bytes is None):
+        raise ValueError(f"--num_gpus {cfg.num_gpus:g} shares a GPU, and vLLM's default gpu_memory_utilization "
+                         f"({VLLM_GPU_MEMORY_UTILIZATION}) takes nearly all of it: set --gpu_memory_utilization to "
+                         f"this engine's share of the GPU's memory")
 
 
 def gpu_holders(node_id: str) -> list[str]:
@@ -249,7 +273,23 @@ def claim_worker_name(registry: ActorHandle, kind: str) -> str:
     raise RuntimeError(f"{registry_name(kind)}: no free worker name after {_MAX_NAME_ATTEMPTS} indices")
 
 
-def create_worker_actor(cfg: DispatcherConfig, name: str, worker_config: Any, node_id: str, gpus: int) -> ActorHandle:
+# vLLM's ipc weight transfer sends CUDA IPC handles (torch classes and dtypes) to the engine-core
+# process through its msgpack encoder, which refuses them unless this is set (vLLM 0.32's own
+# examples/rl/rlhf_ipc.py sets it on the engine's actor); the handles come from the trainer,
+# a process of the same run.
+IPC_TRANSFER_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def worker_runtime_env(cfg: DispatcherConfig) -> dict[str, Any]:
+    """The worker actor's runtime env: this repository importable, plus IPC_TRANSFER_ENV for a
+    generation worker whose engine receives weights over vLLM's ipc transfer."""
+    runtime_env = actor_runtime_env()
+    if cfg.mode == GENERATION and cfg.engine.weight_transfer == "ipc":
+        runtime_env["env_vars"] = {**runtime_env["env_vars"], **IPC_TRANSFER_ENV}
+    return runtime_env
+
+
+def create_worker_actor(cfg: DispatcherConfig, name: str, worker_config: Any, node_id: str, gpus: float) -> ActorHandle:
     """The worker actor, pinned to this node, importing this repository (vLLM's engine-core too)."""
     if cfg.mode == GENERATION:
         from vllm_worker import GenerationWorkerActor as actor_class
@@ -262,7 +302,7 @@ def create_worker_actor(cfg: DispatcherConfig, name: str, worker_config: Any, no
         num_gpus=gpus,
         max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-        runtime_env=actor_runtime_env(),
+        runtime_env=worker_runtime_env(cfg),
     ).remote(name, worker_config)
 
 
@@ -444,7 +484,7 @@ class WorkerSpec:
     """What every (re)start of this dispatcher's worker uses."""
 
     worker_config: Any
-    gpus: int
+    gpus: float
     node_id: str
     registry_config: RegistryConfig
 
@@ -461,7 +501,7 @@ def serve(cfg: DispatcherConfig) -> int:
     stop.install()  # after ray.init, so these handlers are the ones in force
     node_id = ray.get_runtime_context().get_node_id()
     try:
-        gpus = gpus_per_worker(cfg.mode, cfg.engine.tensor_parallel_size, node_gpu_count(node_id))
+        gpus = gpus_per_worker(cfg.mode, cfg.engine.tensor_parallel_size, node_gpu_count(node_id), cfg.num_gpus)
     except ValueError as err:
         print(f"worker_dispatcher.py: node {node_id[:_NODE_ID_CHARS]}: {err}", file=sys.stderr, flush=True)
         return 1
@@ -517,7 +557,7 @@ def run_worker(cfg: DispatcherConfig, spec: WorkerSpec, stop: StopFlag) -> Worke
     registry = get_or_create_registry(cfg.mode, spec.registry_config)
     name = claim_worker_name(registry, cfg.mode)
     local_rank = os.environ.get("LOCAL_RANK")
-    logger.info("starting %s on node %s (gpus=%d%s)", name, spec.node_id, spec.gpus,
+    logger.info("starting %s on node %s (gpus=%g%s)", name, spec.node_id, spec.gpus,
                 f", LOCAL_RANK={local_rank}" if local_rank else "")
     actor, died, ready, placed = None, False, False, False
     try:
@@ -639,7 +679,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = load_config(DispatcherConfig, args, description=__doc__)
             check_versions(WORKER_REQUIREMENTS if cfg.mode == GENERATION else LOGPROB_WORKER_REQUIREMENTS)
             check_model_dir(cfg.model_path)  # before joining the cluster or starting an engine
-        except (ConfigError, ModelPathError, VersionError) as err:
+            check_shared_gpu_memory(cfg, cuda=node_runs_cuda())
+        except (ConfigError, ModelPathError, VersionError, ValueError) as err:
             print(f"worker_dispatcher.py: {err}", file=sys.stderr)
             return 2
         return serve(cfg)

@@ -238,11 +238,16 @@ def run(cluster: Cluster, demo_assets: Path, tmp_path_factory: pytest.TempPathFa
     seen = Run()
     head_gen, head_gen_log = cluster.dispatcher(model, *_GENERATION_FLAGS)  # KV cache: the CPU default
     head_lp, head_lp_log = cluster.dispatcher(model, "--mode", "logprob", "--max_tokens_per_forward", "4096")
+    # The second node's one GPU is shared by hand (--num_gpus 0.5): its engine and a reference worker.
     second_gen, second_gen_log = cluster.dispatcher(model, *_GENERATION_FLAGS, "--kv_cache_memory_bytes",
-                                                    str(_KV_CACHE_BYTES), temp_dir=cluster.second_temp)
+                                                    str(_KV_CACHE_BYTES), "--num_gpus", "0.5",
+                                                    temp_dir=cluster.second_temp)
+    second_ref, second_ref_log = cluster.dispatcher(model, "--mode", "reference", "--num_gpus", "0.5",
+                                                    temp_dir=cluster.second_temp)
     # Ray's relayed worker output can land on the same line right after ours (seen once in CI).
     registered = r".*worker (\S+) registered(?:\x1b\[.*)?"
-    for process, log in ((head_gen, head_gen_log), (head_lp, head_lp_log), (second_gen, second_gen_log)):
+    for process, log in ((head_gen, head_gen_log), (head_lp, head_lp_log), (second_gen, second_gen_log),
+                         (second_ref, second_ref_log)):
         log.wait_for_match(registered, process, _REGISTER_BOUND_S)
     seen.kv_log = next(line for line in head_gen_log.lines if "CPU node: vLLM KV cache" in line)
 
@@ -285,6 +290,10 @@ def run(cluster: Cluster, demo_assets: Path, tmp_path_factory: pytest.TempPathFa
     except subprocess.TimeoutExpired:
         pass
     seen.second_dispatcher = (second_gen.poll(), second_gen_log.tail(30))
+    try:
+        second_ref.wait(timeout=_EXIT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        pass
     seen.survivors_alive = head_gen.poll() is None and head_lp.poll() is None
     for process in (head_gen, head_lp):
         _stop(process)
@@ -303,8 +312,8 @@ def test_cpu_node_gets_a_logged_kv_cache_default(run: Run) -> None:
 
 
 def test_ray_list_actors_and_status_show_every_worker(run: Run) -> None:
-    workers = ["generation-worker-0", "generation-worker-1", "logprob-worker-0"]
-    for name in [*workers, "generation-registry", "logprob-registry"]:
+    workers = ["generation-worker-0", "generation-worker-1", "logprob-worker-0", "reference-worker-0"]
+    for name in [*workers, "generation-registry", "logprob-registry", "reference-registry"]:
         assert name in run.cli_actors, run.cli_actors
     rows = {line.split()[1]: line.split() for line in run.status.splitlines()[1:] if line.split()[1:2]}
     assert set(workers) <= set(rows), run.status
@@ -314,13 +323,21 @@ def test_ray_list_actors_and_status_show_every_worker(run: Run) -> None:
 
 def test_worker_gpus_are_disjoint_and_not_the_trainers(run: Run) -> None:
     rows = [line.split() for line in run.status.splitlines()[1:] if "-worker-" in line]
-    held = [(row[2], gpu) for row in rows for gpu in row[3].split(",")]  # (node, GPU id) pairs
-    assert len(held) == len(set(held)) == 3, run.status
+    head_node = next(row[2] for row in rows if row[1] == "logprob-worker-0")
+    held = [(row[2], gpu) for row in rows if row[2] == head_node for gpu in row[3].split(",")]  # (node, GPU id)
+    assert len(held) == len(set(held)) == 2, run.status
     nodes = {row[2] for row in rows}
     assert len(nodes) == 2, f"workers should run on both nodes: {run.status}"
-    head_node = next(row[2] for row in rows if row[1] == "logprob-worker-0")
-    head_gpus = {gpu for node, gpu in held if node == head_node}
+    head_gpus = {gpu for _, gpu in held}
     assert head_gpus == set(HEAD_GPUS.split(",")) and not head_gpus & set(TRAINER_GPUS.split(",")), run.status
+
+
+def test_hand_started_workers_share_a_gpu_with_a_fraction(run: Run) -> None:
+    """--num_gpus 0.5 on the one-GPU second node: its engine and its reference worker both hold GPU 0."""
+    rows = [line.split() for line in run.status.splitlines()[1:] if "-worker-" in line]
+    head_node = next(row[2] for row in rows if row[1] == "logprob-worker-0")
+    second = sorted((row[1].rsplit("-", 2)[0], row[3]) for row in rows if row[2] != head_node)
+    assert second == [("generation", "0"), ("reference", "0")], run.status
 
 
 def test_a_worker_asking_for_a_held_gpu_fails_fast_and_says_why(run: Run) -> None:

@@ -12,7 +12,7 @@ import pytest
 from async_grpo.config.versions import Requirement, VersionError, check_versions
 from async_grpo.inference.weight_reload import UninformativeReloadWarnings
 from async_grpo.trainer.fsdp_setup import check_trainer_gpus, host_gpu_count
-from local_cluster import GpuPlan, plan_gpus
+from async_grpo.launch.placement import GiB, ModelShape, PlacementError, RunShape, plan_placement
 from vllm_worker import root_cause_line
 from worker_dispatcher import cpu_kv_cache_bytes, gpus_per_worker
 
@@ -64,12 +64,14 @@ def test_host_gpu_count_reads_the_driver_listing(tmp_path: Path) -> None:
 
 
 def test_local_cluster_gpu_plan_keeps_workers_and_trainer_apart() -> None:
-    assert plan_gpus(0, workers=2, trainer_ranks=2) == GpuPlan()
-    plan = plan_gpus(8, workers=6, trainer_ranks=2)
-    assert plan == GpuPlan(worker_gpus="0,1,2,3,4,5", trainer_gpus="6,7")
-    assert not set(plan.worker_gpus.split(",")) & set(plan.trainer_gpus.split(","))
-    with pytest.raises(ValueError, match="has 4 GPU\\(s\\); the local cluster needs one per worker \\(3\\)"):
-        plan_gpus(4, workers=3, trainer_ranks=2)
+    tiny = ModelShape(num_params=321_152, hidden_size=128, num_layers=2, vocab_size=101)
+    six_workers = RunShape(trainer_ranks=2, max_tokens_per_gpu=4096, generation_workers=1, logprob_workers=5)
+    assert not plan_placement(0, 0, tiny, six_workers).on_gpu
+    plan = plan_placement(8, 80 * GiB, tiny, six_workers)
+    assert plan.worker_gpus == (0, 1, 2, 3, 4, 5) and plan.trainer_gpus == (6, 7) and plan.worker_gpu_share == 1
+    assert not set(plan.worker_gpus) & set(plan.trainer_gpus)
+    with pytest.raises(PlacementError, match="4 GPU\\(s\\) cannot hold 4 trainer ranks"):
+        plan_placement(4, 80 * GiB, tiny, RunShape(trainer_ranks=4, max_tokens_per_gpu=4096))
 
 
 def test_gpus_per_worker() -> None:
@@ -78,6 +80,8 @@ def test_gpus_per_worker() -> None:
     assert gpus_per_worker("logprob", 1, node_gpus=8) == 1
     with pytest.raises(ValueError, match="needs 4 GPU\\(s\\) and this Ray node advertises 2"):
         gpus_per_worker("generation", 4, node_gpus=2)
+    assert gpus_per_worker("generation", 1, node_gpus=1, requested=0.5) == 0.5  # shares GPU 0
+    assert gpus_per_worker("logprob", 1, node_gpus=0, requested=0.5) == 0  # a CPU node takes none
 
 
 def test_cpu_kv_cache_default_is_an_eighth_of_free_memory_within_bounds() -> None:

@@ -62,8 +62,9 @@ class _RecordingCluster:
     """Stands in for LocalCluster in main(): records the config it was given, starts nothing."""
 
     configs: list[LocalClusterConfig] = []
+    engine_choices: list[str] = []
 
-    def __init__(self, config: LocalClusterConfig) -> None:
+    def __init__(self, config: LocalClusterConfig, placement: object = None, longest_sample: int | None = None) -> None:
         self.configs.append(config)
 
     def __enter__(self) -> "_RecordingCluster":

@@ -136,11 +136,13 @@ def test_dispatchers_get_the_launchers_engine_and_batching_sections(tmp_path) ->
     for kind in ("logprob", "reference"):
         worker = logprob_worker_config(load_config(DispatcherConfig, cluster.dispatcher_args(kind)))
         assert worker.batching == LogprobBatchingConfig(max_tokens_per_forward=4096) and worker.dtype == "float32"
-    # The launcher's CPU defaults, as the hand-written flags gave them before the sections existed.
-    assert LOCAL_ENGINE == EngineConfig(dtype="float32", kv_cache_memory_bytes=256 * 2**20, max_model_len=512,
-                                        max_num_seqs=256)
-    default_args = LocalCluster(LocalClusterConfig(model_path="m", run_dir=str(tmp_path))).dispatcher_args("logprob")
-    assert default_args[-2:] == ["--max_tokens_per_forward", "8192"]
+    # The launcher's CPU defaults, as the hand-written flags gave them before the sections existed:
+    # on a CPU host the default engine resolves to them (on CUDA to bf16 and the plan's share).
+    assert LOCAL_ENGINE == EngineConfig(max_num_seqs=256)
+    default_cluster = LocalCluster(LocalClusterConfig(model_path="m", run_dir=str(tmp_path)))
+    assert default_cluster.engine == EngineConfig(dtype="float32", kv_cache_memory_bytes=256 * 2**20,
+                                                  max_model_len=512, max_num_seqs=256)
+    assert default_cluster.dispatcher_args("logprob")[-4:] == ["--dtype", "float32", "--max_tokens_per_forward", "8192"]
     flags = load_config(LocalClusterConfig, ["--model_path", "m", "--run_dir", "r", "--max_num_seqs", "3",
                                              "--max_tokens_per_forward", "77"])
-    assert flags.engine == local_engine(max_num_seqs=3) and flags.batching.max_tokens_per_forward == 77
+    assert LocalCluster(flags).engine == local_engine(max_num_seqs=3) and flags.batching.max_tokens_per_forward == 77

@@ -534,3 +534,7 @@ def test_flash_attention_is_the_cuda_default_only_for_bf16_or_fp16_compute(monke
     check_attn_dtype("sdpa", torch.float32, "ModelConfig.attn_implementation")
     with pytest.raises(ValueError, match=r"ModelConfig.attn_implementation='flash_attention_2' needs bf16"):
         check_attn_dtype("flash_attention_2", torch.float32, "ModelConfig.attn_implementation")
+    check_attn_dtype("packed_varlen", torch.bfloat16, "ModelConfig.attn_implementation")
+    with pytest.raises(ValueError, match=r"'packed_varlen' needs bf16 or fp16 compute, but the model computes in "
+                                         r"float32: torch's flash-attention varlen kernel"):
+        check_attn_dtype("packed_varlen", torch.float32, "ModelConfig.attn_implementation")

@@ -19,9 +19,9 @@ from typing import Literal
 
 from setup_model import VLLM_LORA_RANKS
 
-# vLLM's own default share of accelerator memory (EngineArgs.gpu_memory_utilization), used when
-# EngineConfig.gpu_memory_utilization is None.
-VLLM_GPU_MEMORY_UTILIZATION = 0.9
+# vLLM's own default share of accelerator memory (vLLM 0.32's CacheConfig.gpu_memory_utilization,
+# vllm/config/cache.py), used when EngineConfig.gpu_memory_utilization is None.
+VLLM_GPU_MEMORY_UTILIZATION = 0.92
 
 
 # EngineConfig.weight_transfer -> the backend name vLLM's WeightTransferEngineFactory knows it
@@ -47,7 +47,7 @@ class EngineConfig:
     """Most sequences the engine schedules in one step (continuous-batching width)."""
     gpu_memory_utilization: float | None = None
     """Fraction of accelerator memory vLLM may use; on the CPU backend, the fraction of RAM
-    reserved for the KV cache. None: vLLM's default, 0.9, except that a dispatcher on a node
+    reserved for the KV cache. None: vLLM's default, 0.92, except that a dispatcher on a node
     without CUDA given neither this nor kv_cache_memory_bytes sizes the KV cache itself
     (worker_dispatcher.cpu_kv_cache_bytes)."""
     kv_cache_memory_bytes: int | None = None
@@ -63,10 +63,11 @@ class EngineConfig:
     dtype: str = "auto"
     """Dtype the engine serves the model in. 'auto': float32 on a CPU engine (what the CPU trainer
     computes in; vLLM's own 'auto' would pick bf16, which crashes vLLM 0.32's CPU build on AMX
-    CPUs: inference/engine_dtype.py), the checkpoint's dtype on GPU. worker_dispatcher.py and
-    local_cluster.py give the same value to logprob workers, whose 'auto' is the trainer's compute
-    dtype (bfloat16 on a GPU node, float32 on CPU) and which accept 'auto', 'float32', 'bfloat16'
-    or 'float16'."""
+    CPUs: inference/engine_dtype.py); on GPU vLLM's own 'auto', which serves an fp32 checkpoint
+    in bfloat16 (Ampere and newer) and others in their own dtype (the local launcher passes
+    bfloat16 on CUDA, the trainer's compute dtype). worker_dispatcher.py and local_cluster.py give
+    the same value to logprob workers, whose 'auto' is the trainer's compute dtype (bfloat16 on a
+    GPU node, float32 on CPU) and which accept 'auto', 'float32', 'bfloat16' or 'float16'."""
     engine_seed: int = 0
     """Seed of the engine's own random state (unseeded requests draw from it)."""
     cpu_in_process_executor: bool = True

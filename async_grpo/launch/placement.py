@@ -1,0 +1,308 @@
+"""Which process runs on which GPU, with how much of its memory: the local launcher's plan.
+
+One pure function, `plan_placement`, decides from the host's GPUs (count and memory) and the
+run (the model's shape, trainer ranks and token budget, the workers) where everything goes:
+
+- no GPU: everything on the CPU (the CPU engine settings apply; local_cluster.py);
+- one GPU: everything shares GPU 0. The trainer (one rank) takes what it needs (estimated
+  below), each logprob-type worker its bf16 weights and one forward's activations, and the
+  generation engines split the rest: vLLM's `gpu_memory_utilization` is computed from those
+  needs, not its fixed default. Ray gives each worker a fraction of the GPU, so all land on it.
+  All of them are sized to be resident at once: the trainer trains each minibatch as soon as it
+  fills, while the rest of the step is still being generated (even at max_lag 0), so the
+  engines' KV cache is in use while the trainer computes, and vLLM's sleep mode (which frees the
+  KV cache only between generation phases) would not lower the peak;
+- two GPUs: inference (every worker, sharing GPU 0) | trainer (one rank, GPU 1);
+- more: one GPU per trainer rank (the last ones), the rest to the workers, a whole GPU each
+  when there are enough (as before), else shared as on GPU 0 above.
+
+A plan that cannot fit raises PlacementError in one line that names the numbers. Memory figures
+are estimates from the model's config.json (parameters, width, depth, vocabulary); the plan's
+printed block says so. The launcher prints the plan before anything starts (`--dry_run`: only
+the plan); docs/real_models.md shows the plans for one, two and eight GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+GiB = 2**30
+FP32_BYTES = 4
+BF16_BYTES = 2
+# FSDP2 with fp32 master weights and AdamW: parameters, gradients and the two moments in fp32.
+TRAIN_STATE_BYTES_PER_PARAM = 4 * FP32_BYTES
+# Activations kept for backward per token and layer, in bytes, for a transformer layer computed in
+# bf16 with memory-efficient attention (no seq^2 term): Korthikanti et al. 2022's 34 * hidden.
+ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
+# With gradient checkpointing only each layer's bf16 input is kept (2 bytes per hidden unit), plus
+# one layer's full activations while it is recomputed.
+CHECKPOINTED_BYTES_PER_TOKEN_HIDDEN = 2
+# The logprob pass works on chunks of logits: the fp32 logits, their log-softmax and its gradient.
+LOGIT_COPIES = 3
+# A forward-only pass (logprob workers) keeps about one layer's activations at a time.
+FORWARD_ONLY_LAYERS = 2
+# CUDA context, cuBLAS workspaces and allocator slack per process on a GPU: measured contexts are
+# 0.3-0.6 GiB; 1 GiB leaves room for fragmentation.
+PROCESS_OVERHEAD_BYTES = 1 * GiB
+# Left unplanned on every shared GPU, so that estimates that run short do not crash a run.
+SAFETY_FRACTION = 0.05
+# An engine needs its bf16 weights plus a KV cache worth having; below this it is refused.
+MIN_KV_CACHE_BYTES = 1 * GiB
+# Below this share an engine is not worth starting; above vLLM's own default (0.92 in vLLM 0.32)
+# it would leave less room than vLLM itself leaves for everything outside its accounting.
+MIN_ENGINE_FRACTION = 0.05
+MAX_ENGINE_FRACTION = 0.92
+
+
+class PlacementError(ValueError):
+    """The run does not fit on this host's GPUs (one line, naming the numbers)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelShape:
+    """What the memory estimates read from a Hugging Face config.json."""
+
+    num_params: int
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
+        """Parameters counted from a decoder-only config (Qwen2/Llama shapes: attention with
+        grouped KV heads and biases on q/k/v, a gated MLP, two norms per layer, embeddings and an
+        lm_head unless tied)."""
+        hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+        vocab, inter = int(config["vocab_size"]), int(config["intermediate_size"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads", heads))
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        attention = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
+        attention += heads * head_dim + 2 * kv_heads * head_dim  # q/k/v biases (Qwen2)
+        per_layer = attention + 3 * hidden * inter + 2 * hidden
+        embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings", False) else 2)
+        return cls(num_params=layers * per_layer + embeddings + hidden, hidden_size=hidden, num_layers=layers,
+                   vocab_size=vocab)
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunShape:
+    """What the run asks of the host: its ranks, budgets and workers."""
+
+    trainer_ranks: int
+    max_tokens_per_gpu: int
+    logprob_chunk_size: int = 1024
+    gradient_checkpointing: bool = False
+    generation_workers: int = 1
+    tensor_parallel_size: int = 1
+    logprob_workers: int = 0
+    """Every worker that holds an HF model for logprobs: logprob, reference and teacher workers."""
+    max_tokens_per_forward: int = 16384
+
+    @property
+    def workers(self) -> int:
+        return self.generation_workers + self.logprob_workers
+
+
+def trainer_bytes(model: ModelShape, run: RunShape) -> int:
+    """Estimated peak memory of one trainer rank: sharded training state, the bf16 weights FSDP2
+    gathers for the layers in flight and the embeddings, activations of a full token budget, the
+    logit chunks, and the process overhead."""
+    state = TRAIN_STATE_BYTES_PER_PARAM * model.num_params // run.trainer_ranks
+    embedding = model.vocab_size * model.hidden_size
+    layer = (model.num_params - 2 * embedding) // model.num_layers
+    gathered = BF16_BYTES * (2 * embedding + 2 * max(layer, 0))
+    per_token_hidden = (CHECKPOINTED_BYTES_PER_TOKEN_HIDDEN if run.gradient_checkpointing
+                        else ACTIVATION_BYTES_PER_TOKEN_HIDDEN)
+    activations = run.max_tokens_per_gpu * model.hidden_size * model.num_layers * per_token_hidden
+    if run.gradient_checkpointing:
+        activations += run.max_tokens_per_gpu * model.hidden_size * ACTIVATION_BYTES_PER_TOKEN_HIDDEN
+    logits = min(run.logprob_chunk_size, run.max_tokens_per_gpu) * model.vocab_size * FP32_BYTES * LOGIT_COPIES
+    return state + gathered + activations + logits + PROCESS_OVERHEAD_BYTES
+
+
+def logprob_worker_bytes(model: ModelShape, run: RunShape) -> int:
+    """Estimated peak memory of one logprob-type worker: bf16 weights, a forward's activations over
+    its token budget for about FORWARD_ONLY_LAYERS layers, its logit chunks, the overhead."""
+    weights = BF16_BYTES * model.num_params
+    activations = (run.max_tokens_per_forward * model.hidden_size * FORWARD_ONLY_LAYERS
+                   * ACTIVATION_BYTES_PER_TOKEN_HIDDEN)
+    logits = min(run.logprob_chunk_size, run.max_tokens_per_forward) * model.vocab_size * FP32_BYTES * LOGIT_COPIES
+    return weights + activations + logits + PROCESS_OVERHEAD_BYTES
+
+
+def engine_min_bytes(model: ModelShape) -> int:
+    """The least an engine is given: its bf16 weights, a minimal KV cache and the overhead."""
+    return BF16_BYTES * model.num_params + MIN_KV_CACHE_BYTES + PROCESS_OVERHEAD_BYTES
+
+
+@dataclass(kw_only=True, frozen=True)
+class Placement:
+    """Where a local run's processes go (an empty plan on a CPU host)."""
+
+    host_gpus: int = 0
+    gpu_memory_bytes: int = 0
+    worker_gpus: tuple[int, ...] = ()
+    """The GPUs Ray hands out (the Ray head's CUDA_VISIBLE_DEVICES)."""
+    trainer_gpus: tuple[int, ...] = ()
+    """The trainer's CUDA_VISIBLE_DEVICES: one per rank, or GPU 0 shared with the workers."""
+    worker_gpu_share: float = 0.0
+    """Ray's num_gpus of each worker: 1 for a whole GPU, a fraction when workers share one."""
+    engine_memory_fraction: float | None = None
+    """Each generation engine's gpu_memory_utilization; None: vLLM's default (a whole GPU each)."""
+    estimates: dict[str, int] = field(default_factory=dict)
+    """Bytes per process kind that the plan assumed."""
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.host_gpus > 0
+
+    @property
+    def colocated(self) -> bool:
+        """Trainer and engines share a GPU (the one-GPU plan)."""
+        return bool(set(self.trainer_gpus) & set(self.worker_gpus))
+
+    def lines(self, run: RunShape) -> list[str]:
+        """The plan as the launcher prints it, one block."""
+        if not self.on_gpu:
+            return ["placement: CPU only (no GPU found): every process on the CPU"]
+        gib = self.gpu_memory_bytes / GiB
+        lines = [f"placement: {self.host_gpus} GPU(s) of {gib:.1f} GiB "
+                 f"({'colocated: trainer and workers share GPU 0' if self.colocated else 'trainer and workers apart'})"]
+        share = ("a whole GPU each" if self.worker_gpu_share >= 1
+                 else f"{self.worker_gpu_share:g} of a GPU each in Ray")
+        lines.append(f"  workers  GPU(s) {_ids(self.worker_gpus)}: {run.generation_workers} generation, "
+                     f"{run.logprob_workers} logprob-type; {share}")
+        if self.engine_memory_fraction is not None:
+            lines.append(f"  vLLM     gpu_memory_utilization {self.engine_memory_fraction:.3f} per engine "
+                         f"({self.engine_memory_fraction * gib:.1f} GiB: weights, activations, KV cache)")
+        lines.append(f"  trainer  GPU(s) {_ids(self.trainer_gpus)}: {run.trainer_ranks} rank(s)")
+        if self.estimates:
+            lines.append("  estimated peak memory: " + ", ".join(
+                f"{name} {value / GiB:.1f} GiB" for name, value in self.estimates.items()))
+        return lines
+
+
+def _ids(gpus: tuple[int, ...]) -> str:
+    return ",".join(str(g) for g in gpus)
+
+
+def plan_placement(host_gpus: int, gpu_memory_bytes: int, model: ModelShape, run: RunShape) -> Placement:
+    """The plan for this host and run (module docstring); PlacementError when it cannot fit."""
+    if host_gpus == 0:
+        return Placement()
+    if host_gpus < 0 or gpu_memory_bytes <= 0:
+        raise PlacementError(f"host_gpus must be >= 0 and GPU memory > 0, got {host_gpus} and {gpu_memory_bytes}")
+    if host_gpus <= 2 and run.trainer_ranks != 1:
+        raise PlacementError(f"{host_gpus} GPU(s): the trainer runs one rank (one GPU per rank, and the workers "
+                             f"need a GPU too), got --nproc_per_node {run.trainer_ranks}")
+    if host_gpus == 1:
+        return _colocated(gpu_memory_bytes, model, run)
+    inference = host_gpus - run.trainer_ranks
+    if inference < 1:
+        raise PlacementError(f"{host_gpus} GPU(s) cannot hold {run.trainer_ranks} trainer ranks (one GPU each) and "
+                             f"the workers: lower --nproc_per_node to {host_gpus - 1} or less")
+    trainer = tuple(range(inference, host_gpus))
+    estimates = {"trainer rank": trainer_bytes(model, run)}
+    if estimates["trainer rank"] > gpu_memory_bytes:
+        raise PlacementError(_too_big("a trainer rank", estimates["trainer rank"], gpu_memory_bytes))
+    whole_gpus_needed = run.generation_workers * run.tensor_parallel_size + run.logprob_workers
+    if inference >= whole_gpus_needed:
+        return Placement(host_gpus=host_gpus, gpu_memory_bytes=gpu_memory_bytes,
+                         worker_gpus=tuple(range(whole_gpus_needed)), trainer_gpus=trainer, worker_gpu_share=1.0,
+                         estimates=estimates)
+    return _shared_inference(host_gpus, gpu_memory_bytes, model, run, tuple(range(inference)), trainer, estimates)
+
+
+def _colocated(gpu_memory_bytes: int, model: ModelShape, run: RunShape) -> Placement:
+    """Everything on GPU 0: the trainer's and logprob workers' needs first, the engines the rest."""
+    if run.tensor_parallel_size != 1:
+        raise PlacementError(f"one GPU cannot hold a tensor_parallel_size {run.tensor_parallel_size} engine")
+    estimates = {"trainer rank": trainer_bytes(model, run)}
+    if run.logprob_workers:
+        estimates["logprob-type worker"] = logprob_worker_bytes(model, run)
+    others = estimates["trainer rank"] + run.logprob_workers * estimates.get("logprob-type worker", 0)
+    return _fit_engines(1, gpu_memory_bytes, model, run, (0,), (0,), others, estimates,
+                        where="GPU 0 (shared with the trainer)")
+
+
+def _shared_inference(host_gpus: int, gpu_memory_bytes: int, model: ModelShape, run: RunShape,
+                      inference: tuple[int, ...], trainer: tuple[int, ...], estimates: dict[str, int]) -> Placement:
+    """Workers share the inference GPUs: a fraction of a GPU each in Ray, packed GPU by GPU."""
+    if run.tensor_parallel_size != 1:
+        raise PlacementError(f"{len(inference)} inference GPU(s) are too few for {run.generation_workers} engines of "
+                             f"tensor_parallel_size {run.tensor_parallel_size} plus {run.logprob_workers} "
+                             f"logprob-type workers: start fewer workers or trainer ranks")
+    per_gpu = math.ceil(run.workers / len(inference))
+    # The worst-packed GPU holds per_gpu workers; Ray fills GPUs in turn, so the logprob-type
+    # workers may all land beside one engine: size for that GPU.
+    logprob_here = min(run.logprob_workers, per_gpu - 1) if run.generation_workers else min(run.logprob_workers, per_gpu)
+    engines_here = max(per_gpu - logprob_here, 1) if run.generation_workers else 0
+    if logprob_here:
+        estimates["logprob-type worker"] = logprob_worker_bytes(model, run)
+    others = logprob_here * estimates.get("logprob-type worker", 0)
+    plan = _fit_engines(engines_here, gpu_memory_bytes, model, run, inference, trainer, others, estimates,
+                        where=f"each inference GPU ({per_gpu} workers)", host_gpus=host_gpus)
+    return plan
+
+
+def _fit_engines(engines: int, gpu_memory_bytes: int, model: ModelShape, run: RunShape, worker_gpus: tuple[int, ...],
+                 trainer_gpus: tuple[int, ...], others: int, estimates: dict[str, int], where: str,
+                 host_gpus: int = 1) -> Placement:
+    """Split what `others` leave of one GPU (less the safety margin) among `engines` engines."""
+    usable = int(gpu_memory_bytes * (1 - SAFETY_FRACTION))
+    left = usable - others
+    per_engine = left // max(engines, 1)
+    need = engine_min_bytes(model)
+    if engines and per_engine < need:
+        parts = ", ".join(f"{name} {value / GiB:.1f} GiB" for name, value in estimates.items())
+        raise PlacementError(
+            f"the plan does not fit {where}: {gpu_memory_bytes / GiB:.1f} GiB, {usable / GiB:.1f} GiB usable; "
+            f"{parts} leave {max(per_engine, 0) / GiB:.1f} GiB per engine, below its bf16 weights + 1 GiB KV cache + "
+            f"overhead = {need / GiB:.1f} GiB (estimates: lower max_tokens_per_gpu or max_tokens_per_forward, "
+            f"turn on model.gradient_checkpointing, or use more GPUs)")
+    fraction = per_engine / gpu_memory_bytes if engines else None
+    if fraction is not None:
+        fraction = round(max(min(fraction, MAX_ENGINE_FRACTION), MIN_ENGINE_FRACTION), 3)
+        estimates["engine"] = int(fraction * gpu_memory_bytes)
+    workers_on_a_gpu = math.ceil(run.workers / len(worker_gpus))
+    return Placement(host_gpus=host_gpus, gpu_memory_bytes=gpu_memory_bytes, worker_gpus=worker_gpus,
+                     trainer_gpus=trainer_gpus, worker_gpu_share=_ray_share(workers_on_a_gpu),
+                     engine_memory_fraction=fraction, estimates=estimates)
+
+
+def _ray_share(workers_on_a_gpu: int) -> float:
+    """Ray's num_gpus per worker so that `workers_on_a_gpu` of them fit one GPU (rounded down to
+    1/1000, Ray's resolution for fractional GPUs is finer, but a share that sums to just over 1
+    would leave the last worker unplaced)."""
+    return math.floor(1000 / workers_on_a_gpu) / 1000
+
+
+def _too_big(what: str, need: int, have: int) -> str:
+    return (f"{what} needs about {need / GiB:.1f} GiB (estimate) and a GPU has {have / GiB:.1f} GiB: lower "
+            f"max_tokens_per_gpu, turn on model.gradient_checkpointing, or add trainer ranks to shard it further")
+
+
+def default_trainer_ranks(host_gpus: int, whole_gpu_workers: int) -> int:
+    """Trainer ranks when --nproc_per_node is not given: 2 on a CPU host; with GPUs, one per GPU
+    the workers leave when each takes a whole one, and 1 on one or two GPUs."""
+    if host_gpus == 0:
+        return 2
+    return 1 if host_gpus <= 2 else max(1, host_gpus - whole_gpu_workers)
+
+
+def check_transfer_placement(weight_transfer: str, placement: Placement) -> None:
+    """ValueError (one line) for a CUDA weight transfer the plan cannot carry: NCCL between the
+    trainer and an engine on one GPU, or CUDA IPC between processes on different GPUs."""
+    if not placement.on_gpu or weight_transfer == "object_store":
+        return
+    if weight_transfer in ("nccl", "nccl_m2n") and placement.colocated:
+        raise ValueError(f"weight_transfer {weight_transfer!r} runs NCCL between the trainer and the engines, and the "
+                         f"plan puts them on one GPU, where NCCL refuses two ranks ('Duplicate GPU detected'): "
+                         f"use 'ipc' or 'object_store' on one GPU")
+    if weight_transfer == "ipc" and not placement.colocated:
+        raise ValueError(f"weight_transfer 'ipc' shares CUDA memory between processes on one GPU, and the plan puts "
+                         f"the trainer on GPU(s) {','.join(map(str, placement.trainer_gpus))} and the engines on "
+                         f"GPU(s) {','.join(map(str, placement.worker_gpus))}: use 'nccl' or 'object_store'")

@@ -64,7 +64,8 @@ class _RecordingCluster:
     configs: list[LocalClusterConfig] = []
     engine_choices: list[str] = []
 
-    def __init__(self, config: LocalClusterConfig, placement: object = None, longest_sample: int | None = None) -> None:
+    def __init__(self, config: LocalClusterConfig, placement: object = None, longest_sample: int | None = None,
+                 cuda: bool | None = None) -> None:
         self.configs.append(config)
 
     def __enter__(self) -> "_RecordingCluster":

@@ -63,7 +63,7 @@ def _value(value: Any) -> str:
     """A default or constant as a reader would write it: a config instance by its non-default fields."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         changed = [f"{f.name}={_value(getattr(value, f.name))}" for f in dataclasses.fields(value)
-                   if f.init and not isinstance(_field_default(f), _Call) and _field_default(f) != getattr(value, f.name)]
+                   if f.init and _differs(_field_default(f), getattr(value, f.name))]
         return f"{type(value).__name__}({', '.join(changed)})"
     if isinstance(value, enum.Enum):
         return f"{type(value).__name__}.{value.name}"
@@ -84,6 +84,11 @@ class _Call:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Call) and other.text == self.text
+
+
+def _differs(default: Any, value: Any) -> bool:
+    """Whether a config instance's field is worth showing: not its default (a call's value unknown)."""
+    return not isinstance(default, _Call) and default != value
 
 
 def _field_default(f: dataclasses.Field) -> Any:
@@ -119,7 +124,8 @@ def _params(signature: inspect.Signature, defaults: dict[str, Any] | None = None
         if default is not p.empty and default is not dataclasses.MISSING:
             text += (" = " if p.annotation is not p.empty else "=") + _value(default)
         words.append(text)
-        if p.kind is kinds.POSITIONAL_ONLY and (i + 1 == len(params) or params[i + 1].kind is not kinds.POSITIONAL_ONLY):
+        last_positional_only = i + 1 == len(params) or params[i + 1].kind is not kinds.POSITIONAL_ONLY
+        if p.kind is kinds.POSITIONAL_ONLY and last_positional_only:
             words.append("/")
     return words
 

@@ -141,7 +141,7 @@ def test_a_name_the_module_does_not_define_fails_naming_where_it_is(fake_module:
     script = _script()
     with pytest.raises(script.DocError, match="fake_interfaces:missing, which fake_interfaces does not define"):
         script.render(_doc(f"{fake_module}: missing"))
-    with pytest.raises(script.DocError, match="fake_interfaces:borrowed, which is defined in dataclasses: name it there"):
+    with pytest.raises(script.DocError, match="fake_interfaces:borrowed, which is defined in dataclasses: name it"):
         script.render(_doc(f"{fake_module}: borrowed"))
     with pytest.raises(script.DocError, match="_Worker has no attribute 'stop'"):
         script.render(_doc(f"{fake_module}: _Worker.stop"))

@@ -300,7 +300,7 @@ def _positional_fields(cls: type, prefix: str = "") -> list[str]:
 
 
 def _positional_label(name: str, tp: Any) -> str:
-    """How --help and the reference show a positional field: `RUN_DIRS ...` for a list."""
+    """How the reference shows a positional field (argparse writes --help's): `RUN_DIRS ...` for a list."""
     return name.upper() + (" ..." if _is_list_type(tp) else "")
 
 

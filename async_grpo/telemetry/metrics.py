@@ -8,7 +8,7 @@ carry `eval/...` keys. Draw the reward curve of a run (with evaluation points, i
 
     python -m async_grpo.telemetry.metrics plot --run_dir runs/demo --out reward.png
     python -m async_grpo.telemetry.metrics compare runs/a runs/b --out compare.png   # run_report.py: a table + one figure
-    python -m async_grpo.telemetry.metrics compare --help                            # each command's flags (PlotConfig, CompareConfig)
+    python -m async_grpo.telemetry.metrics compare --help   # a command's flags (PlotConfig, CompareConfig)
 
 Both JSONL files hold one record per trained step, identified by its `step` field (the 0-based
 optimizer step, as in checkpoints/step_N: a checkpoint step_N was taken after step N - 1 and

@@ -17,9 +17,10 @@ PEFT's LoRA (the same r, alpha and target modules) and trains only the adapters.
 The *system* is `local_cluster.py` (Ray, a vLLM generation worker, a logprob worker, the
 ExperienceBatcher, 2 FSDP ranks, weight push) with the same config and seed.
 
-Printed per seed: the 10-step mean reward every `--print_every` steps for both, the step at
-which each first reached 0.5/0.6/0.9, samples/s, and `parity=<ratio>`, the system's mean
-reward over the last 100 steps divided by the reference's (1.0 = learns as much per step).
+Printed per seed: the trailing mean reward (over run_report.WINDOW steps) every `--print_every`
+steps for both, the step at which each first reached run_report.THRESHOLDS, samples/s, and
+`parity=<ratio>`, the system's mean reward over the last 100 steps divided by the reference's
+(1.0 = learns as much per step).
 The system's time per stage comes from its metrics.jsonl (`timing/*`).
 """
 
@@ -42,7 +43,7 @@ import torch
 from async_grpo.config.run_config import load_config, split_passthrough
 from async_grpo.data.dataset import load_prompts
 from async_grpo.rewards.math_verifier import score_completion
-from async_grpo.telemetry.metrics import first_reached, moving_average, read_metrics
+from async_grpo.telemetry.run_report import THRESHOLDS, WINDOW, first_reached, moving_average, read_metrics
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from benchmarks.harness import REPO_ROOT, apply_smoke, launcher_engine_flags, setup_logging
 from sample_processing_utils import Sample
@@ -50,8 +51,6 @@ from trainer_core import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
-WINDOW = 10  # steps in the trailing mean that the thresholds and the curves use
-THRESHOLDS = (0.5, 0.6, 0.9)
 PARITY_TAIL = 100  # parity compares mean reward over the last this-many steps
 _MAX_LOG_RATIO = 20.0  # the same guard any PPO loss needs so exp() stays finite
 

@@ -6,7 +6,8 @@
         --out_md docs/demo_tools.md --out_png docs/demo_tools_reward.png
 
 For each run (the trainer's metrics.jsonl; times from scripts/demo_tools.sh's command_started_at
-mark when present, else from the trainer's start):
+mark when present, else from the trainer's start), with means trailing over run_report.WINDOW
+steps (10, the reports' window):
 - curve: the 10-step mean sampled reward every `every` steps, and the share of rollouts that
   called the tool (multi_turn/observed_frac: rollouts that got an observation back), also as a
   10-step mean;
@@ -27,7 +28,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -48,7 +49,7 @@ class DemoToolsReportConfig:
     without_tool: list[str] = ()
     """Run directories of the same task without it (tools: [])."""
     target_rise: float = 0.3
-    """The rise of the 10-step mean reward the demo claims (issue 25: >= 0.3)."""
+    """The rise of the trailing mean reward (run_report.WINDOW steps) the demo claims (issue 25: >= 0.3)."""
     budget_min: float = 10.0
     """Within how many minutes of the command's start the rise must come."""
     every: int = 5
@@ -78,7 +79,7 @@ class ToolRun:
     """Minutes from the start until the rise first reached the target; None: never."""
     final_mean: float
     final_samples: int
-    """Rollouts behind final_mean (counts/samples over the last 10 steps)."""
+    """Rollouts behind final_mean (counts/samples over the last WINDOW steps)."""
     total_min: float
 
     @property

@@ -12,8 +12,12 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pytest
 
+from async_grpo.config.run_config import load_config
+from async_grpo.telemetry.metrics import CompareConfig
 from async_grpo.telemetry.metrics import main as metrics_main
-from async_grpo.telemetry.run_report import COMMAND_TIME, TRAINER_TIME, compare_runs, runs_figure, summarize_run
+from async_grpo.telemetry.run_report import (
+    COMMAND_TIME, THRESHOLDS, TRAINER_TIME, WINDOW, compare_runs, runs_figure, summarize_run,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Run "fast": rewards 0, .25, .75, .75, 1 at 10 s a step; 2-step means 0, .125, .5, .75, .875.
@@ -83,6 +87,20 @@ def test_runs_without_command_marks_use_the_trainer_clock(tmp_path: Path) -> Non
     text = compare_runs([fast, slow], None, window=2, thresholds=(0.5,))
     assert "| fast | 7 | 5 | step 2 (0.5 min) |" in text and "| slow | 7 | 5 | step 4 (2.5 min) |" in text
     assert TRAINER_TIME in text
+
+
+def test_command_lines_load_their_configs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    fast = _write_run(tmp_path / "fast", FAST, 10.0)
+    out = tmp_path / "reward.png"
+    metrics_main(["plot", "--run_dir", str(fast), "--out", str(out), "--title", "t"])
+    assert capsys.readouterr().out == f"wrote {out}\n" and out.read_bytes()[:4] == b"\x89PNG"
+    # The run directories are positional; window and levels default to the reports' own.
+    assert load_config(CompareConfig, [str(fast), "b"]) == CompareConfig(
+        run_dirs=[str(fast), "b"], out="compare.png", window=WINDOW, thresholds=list(THRESHOLDS))
+    with pytest.raises(SystemExit) as info:
+        metrics_main(["compare", str(fast), "--window", "0"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == "metrics.py compare: CompareConfig: CompareConfig.window must be >= 1, got 0\n"
 
 
 @pytest.mark.system

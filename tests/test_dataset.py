@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from async_grpo.config.run_config import ConfigError, config_to_flags, load_config
 from async_grpo.data.arithmetic_data import write_arithmetic_dataset, write_arithmetic_table
-from async_grpo.data.dataset import DatasetConfig, DatasetError, load_prompt_file, load_prompts
+from async_grpo.data.dataset import CheckConfig, DatasetConfig, DatasetError, load_prompt_file, load_prompts
 from setup_model import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -138,6 +139,18 @@ def test_dataset_config_validation_names_the_field() -> None:
         DatasetConfig(path="")
     with pytest.raises(ValueError, match="DatasetConfig.max_prompt_tokens"):
         DatasetConfig(path="x.jsonl", max_prompt_tokens=0)
+
+
+def test_check_command_takes_every_data_field_as_the_trainer_does() -> None:
+    data = DatasetConfig(path="d.parquet", format="gsm8k", prompt_field="q", answer_field="a", missing_answer="skip",
+                         prompt_template="Q: {question}", max_prompt_tokens=64, add_special_tokens=True,
+                         check_round_trip=False)
+    argv = [*config_to_flags(data), "--model_path", "m", "--show", "2"]
+    assert load_config(CheckConfig, argv) == CheckConfig(data=data, model_path="m", show=2)
+    with pytest.raises(ConfigError, match="DatasetConfig.add_special_tokens must be false with"):
+        load_config(CheckConfig, ["--path", "d.jsonl", "--model_path", "m", "--chat_template", "--add_special_tokens"])
+    with pytest.raises(ConfigError, match="missing 1 required keyword-only argument: 'model_path'"):
+        load_config(CheckConfig, ["--path", "d.jsonl"])
 
 
 def _parse_arithmetic(path: Path) -> list[tuple[int, str, int, str]]:

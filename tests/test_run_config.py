@@ -9,8 +9,8 @@ from typing import Literal
 import pytest
 
 from async_grpo.config.run_config import (
-    ConfigError, config_reference, config_to_dict, config_to_flags, flattened, load_config, save_config,
-    split_passthrough,
+    ConfigError, config_reference, config_to_dict, config_to_flags, flattened, load_command, load_config, positional,
+    save_config, split_passthrough,
 )
 
 
@@ -195,3 +195,100 @@ class _Clash:
 def test_a_flattened_key_that_repeats_another_is_refused() -> None:
     with pytest.raises(TypeError, match=r"repeat the key\(s\) \['seqs'\]"):
         load_config(_Clash, [])
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Compare:
+    """Compare runs."""
+
+    runs: list[str] = positional()
+    """Run directories."""
+    out: str = "x.png"
+    """The figure."""
+    levels: list[float] = field(default_factory=lambda: [0.5])
+    """Levels."""
+
+
+def test_a_positional_field_takes_the_words_without_a_flag_or_a_file_key(tmp_path: Path) -> None:
+    assert load_config(_Compare, ["a", "b", "--out", "y.png"]) == _Compare(runs=["a", "b"], out="y.png")
+    assert load_config(_Compare, ["--out", "y.png", "a"]).runs == ["a"]
+    # A list flag before the words would take them: they come first or after a single-value flag.
+    assert load_config(_Compare, ["a", "--levels", "0.1", "0.2"]) == _Compare(runs=["a"], levels=[0.1, 0.2])
+    file = _write(tmp_path / "c.yaml", "runs: [c, d]\n")
+    assert load_config(_Compare, ["--config", str(file)]).runs == ["c", "d"]
+    assert load_config(_Compare, ["--config", str(file), "e"]).runs == ["e"]  # the command line wins
+    with pytest.raises(ConfigError, match="missing 1 required keyword-only argument: 'runs'"):
+        load_config(_Compare, ["--out", "y.png"])
+    with pytest.raises(SystemExit):
+        load_config(_Compare, ["--runs", "a"])
+
+
+def test_a_positional_field_in_help_reference_and_flags(capsys) -> None:
+    with pytest.raises(SystemExit):
+        load_config(_Compare, ["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "[RUNS ...]" in out and "Run directories. (required)" in out
+    assert "| `RUNS ...` (positional) | `list[str]` | required | Run directories. |" in config_reference(_Compare)
+    config = _Compare(runs=["a", "b"], levels=[0.7])
+    assert config_to_flags(config) == ["a", "b", "--levels", "[0.7]"]
+    assert load_config(_Compare, config_to_flags(config)) == config
+
+
+@dataclass(kw_only=True, frozen=True)
+class _TwoPositionals:
+    first: str = positional()
+    second: str = positional()
+
+
+def test_two_positional_fields_are_refused() -> None:
+    with pytest.raises(TypeError, match="one positional field at most"):
+        load_config(_TwoPositionals, ["a", "b"])
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Data:
+    path: str
+    """Prompt file."""
+    rows: int = 4
+    """Rows to read."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("_Data.path must not be empty")
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Check:
+    data: _Data = flattened(_Data)
+    """The data section, every field a top-level flag."""
+    model: str
+    """Model folder."""
+
+
+def test_a_flattened_section_class_is_required_with_its_own_defaults(tmp_path: Path) -> None:
+    assert load_config(_Check, ["--path", "p", "--model", "m"]) == _Check(data=_Data(path="p"), model="m")
+    assert load_config(_Check, ["--path", "p", "--rows", "2", "--model", "m"]).data == _Data(path="p", rows=2)
+    with pytest.raises(ConfigError, match="missing 1 required keyword-only argument: 'path'"):
+        load_config(_Check, ["--model", "m"])
+    with pytest.raises(ConfigError, match="_Data.path must not be empty"):  # the section's own validation
+        load_config(_Check, ["--path", "", "--model", "m"])
+    assert "| `--path` | `str` | required | Prompt file. |" in config_reference(_Check)
+    assert "| `--rows` | `int` | `4` | Rows to read. |" in config_reference(_Check)
+    config = _Check(data=_Data(path="p", rows=3), model="m")
+    assert config_to_flags(config) == ["--path", "p", "--rows", "3", "--model", "m"]
+    save_config(config, tmp_path / "resolved.yaml")
+    assert load_config(_Check, ["--config", str(tmp_path / "resolved.yaml")]) == config
+
+
+def test_load_command_picks_the_config_by_the_first_word(capsys) -> None:
+    commands = {"compare": _Compare, "flags": _Flags}
+    assert load_command(commands, ["compare", "a"], "prog") == ("compare", _Compare(runs=["a"]))
+    assert load_command(commands, ["flags", "--enabled"], "prog") == ("flags", _Flags(enabled=True))
+    for argv in ([], ["plot"], ["--enabled"]):
+        with pytest.raises(SystemExit) as info:
+            load_command(commands, argv, "prog")
+        assert str(info.value).splitlines()[:2] == [
+            "usage: prog {compare,flags} [--flag value ...] (--help per command)", "  compare: Compare runs."]
+    with pytest.raises(SystemExit) as info:
+        load_command(commands, ["--help"], "prog")
+    assert info.value.code == 0 and "  compare: Compare runs." in capsys.readouterr().out

@@ -20,12 +20,21 @@ give it, for a launcher that starts a child with the same options:
 
     config_to_flags(EngineConfig(max_num_seqs=256))  # ['--max_num_seqs', '256']
 
+`flattened(SectionClass)` (the class, no instance) embeds a required section: its fields take
+the class's own defaults, and its required fields are required flags of the embedding config.
+
+A field declared with `positional()` is given on the command line without a flag (a list field:
+one or more words, `compare runs/a runs/b`), or under its name in a file; a config has at most
+one. A program of subcommands (`metrics.py plot ...`, `metrics.py compare ...`) names one config
+class per command and loads the one its first word picks with `load_command`.
+
 Every entry point of the project parses its command line this way, so defaults live in one
 place, the config class:
 
     cfg = load_config(TrainerConfig, ["--config", "demo.yaml", "--optim.lr", "3e-4"])
     save_config(cfg, run_dir / "config.yaml")
     own, rest = split_passthrough(sys.argv[1:])  # launchers: flags after `--` go to a child
+    command, cfg = load_command({"plot": PlotConfig, "compare": CompareConfig}, sys.argv[1:], prog)
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterator, Literal, TypeVar
+from typing import Any, Iterator, Literal, Mapping, TypeVar
 
 import yaml
 
@@ -53,18 +62,33 @@ class ConfigError(ValueError):
 
 
 _FLATTEN = "run_config.flatten"  # dataclass field metadata key marking a flattened section
+_POSITIONAL = "run_config.positional"  # dataclass field metadata key marking a positional field
 
 
 def flattened(default: Any) -> Any:
     """A dataclass field embedding the section `default` (a frozen config dataclass instance),
-    whose fields are top-level flags and file keys of the embedding config (module docstring)."""
-    if not dataclasses.is_dataclass(default) or isinstance(default, type):
-        raise TypeError(f"flattened() needs a config dataclass instance, got {default!r}")
+    whose fields are top-level flags and file keys of the embedding config (module docstring).
+    Given the section's class instead, the field is required and its fields take the class's
+    defaults (its required fields: required flags)."""
+    if not dataclasses.is_dataclass(default):
+        raise TypeError(f"flattened() needs a config dataclass instance or class, got {default!r}")
+    if isinstance(default, type):
+        return dataclasses.field(metadata={_FLATTEN: True})
     return dataclasses.field(default_factory=lambda: default, metadata={_FLATTEN: True})
+
+
+def positional() -> Any:
+    """A required dataclass field given on the command line without a flag: a list field takes
+    one or more words, any other field one. A config has at most one (module docstring)."""
+    return dataclasses.field(metadata={_POSITIONAL: True})
 
 
 def _is_flattened(f: dataclasses.Field) -> bool:
     return bool(f.metadata.get(_FLATTEN))
+
+
+def _is_positional(f: dataclasses.Field) -> bool:
+    return bool(f.metadata.get(_POSITIONAL))
 
 
 def _is_dataclass_type(tp: Any) -> bool:
@@ -156,8 +180,10 @@ def _build(cls: type[T], values: dict[str, Any], where: str, base: Any = None) -
     kwargs: dict[str, Any] = {}
     for name, (section_cls, default) in _flat_sections(cls).items():
         own = {key: values[key] for key in _keys(section_cls) if key in values}
-        if own:  # at the embedding's level: errors name the keys as the user wrote them
-            kwargs[name] = _build(section_cls, own, where, base=getattr(base, name) if base is not None else default)
+        section_base = getattr(base, name) if base is not None else default
+        required = section_base is dataclasses.MISSING
+        if own or required:  # at the embedding's level: errors name the keys as the user wrote them
+            kwargs[name] = _build(section_cls, own, where, base=None if required else section_base)
     for name, tp in types_by_name.items():
         if name not in values or name in kwargs:
             continue
@@ -232,8 +258,8 @@ def _leaves(cls: type, base: Any = None) -> Iterator[tuple[dataclasses.Field, An
         if not f.init:
             continue
         default = getattr(base, f.name) if base is not None else _field_default(f)
-        if _is_flattened(f):
-            yield from _leaves(types_by_name[f.name], default)
+        if _is_flattened(f):  # a required section (no default): its class's own defaults
+            yield from _leaves(types_by_name[f.name], None if default is dataclasses.MISSING else default)
         else:
             yield f, types_by_name[f.name], docs.get(f.name, ""), default
 
@@ -251,6 +277,31 @@ def _flags(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
         # argparse formats help with %: escape it so docs may mention percentages.
         flags.append((dotted, tp, f"{doc} ({shown})".strip().replace("%", "%%")))
     return flags
+
+
+def _positional_name(cls: type) -> str | None:
+    """The name of cls's positional field (flattened sections' included), or None; TypeError when
+    it has several (which words would go where is then unclear) or one inside a nested section."""
+    names = _positional_fields(cls)
+    if len(names) > 1 or any("." in name for name in names):
+        raise TypeError(f"{cls.__name__}: one positional field at most, at the top level; got {names}")
+    return names[0] if names else None
+
+
+def _positional_fields(cls: type, prefix: str = "") -> list[str]:
+    """Dotted names of every positional field of cls, nested sections' included."""
+    names = []
+    for f, tp, _, _ in _leaves(cls):
+        if _is_positional(f):
+            names.append(f"{prefix}{f.name}")
+        if _is_dataclass_type(tp):
+            names += _positional_fields(tp, f"{prefix}{f.name}.")
+    return names
+
+
+def _positional_label(name: str, tp: Any) -> str:
+    """How the reference shows a positional field (argparse writes --help's): `RUN_DIRS ...` for a list."""
+    return name.upper() + (" ..." if _is_list_type(tp) else "")
 
 
 def _is_list_type(tp: Any) -> bool:
@@ -272,8 +323,12 @@ def load_config(cls: type[T], argv: list[str], description: str = "") -> T:
     """Build `cls` from defaults, then `--config FILE` (YAML or TOML), then `--key value` flags."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, help="YAML or TOML file with config values")
+    positional = _positional_name(cls)
     for dotted, tp, help_text in _flags(cls):
-        if tp is bool:
+        if dotted == positional:  # absent from the command line: a file may give it
+            parser.add_argument(dotted, default=argparse.SUPPRESS, metavar=dotted.upper(),
+                                nargs="*" if _is_list_type(tp) else "?", help=help_text)
+        elif tp is bool:
             parser.add_argument(f"--{dotted}", dest=dotted, default=argparse.SUPPRESS, metavar="BOOL",
                                 nargs="?", const="true", help=help_text)
         elif _is_list_type(tp):
@@ -288,6 +343,25 @@ def load_config(cls: type[T], argv: list[str], description: str = "") -> T:
     for dotted, raw in args.items():
         _set_dotted(values, dotted, raw)
     return _build(cls, values, "")
+
+
+def _first_line(cls: type) -> str:
+    return (inspect.getdoc(cls) or "").split("\n", 1)[0]
+
+
+def load_command(commands: Mapping[str, type], argv: list[str], prog: str) -> tuple[str, Any]:
+    """(command, its config) for `prog COMMAND [flags]`: the first word of argv picks the config
+    class in `commands`, load_config builds it from the words after (--help: the class's
+    docstring, then its flags). No command, or one not in `commands`: SystemExit with the usage."""
+    if not argv or argv[0] not in commands:
+        lines = [f"usage: {prog} {{{','.join(commands)}}} [--flag value ...] (--help per command)"]
+        lines += [f"  {name}: {_first_line(cls)}" for name, cls in commands.items()]
+        if argv and argv[0] in ("-h", "--help"):
+            print("\n".join(lines))
+            raise SystemExit(0)
+        raise SystemExit("\n".join(lines))
+    command, rest = argv[0], list(argv[1:])
+    return command, load_config(commands[command], rest, description=inspect.getdoc(commands[command]) or "")
 
 
 def _as_dict(config: Any) -> dict[str, Any]:
@@ -326,13 +400,19 @@ def config_to_flags(config: Any, baseline: Any = None) -> list[str]:
     whose value differs from `baseline`'s (default: the class's own defaults; a field without a
     default always), in field order; a bool that is true as the bare flag. A nested section's
     flags are `--section.name`; a flattened section's are its fields' own."""
-    return _to_flags(config, baseline, "")
+    words = _to_flags(config, baseline, "")
+    positional = _positional_name(type(config))
+    if positional is None:
+        return words
+    # The positional field's words lead: argparse takes them before the first flag.
+    value = _as_dict(config)[positional]
+    return [str(v) for v in value] + words if isinstance(value, (list, tuple)) else [str(value)] + words
 
 
 def _to_flags(config: Any, baseline: Any, prefix: str) -> list[str]:
     words: list[str] = []
     for f in dataclasses.fields(config):
-        if not f.init:
+        if not f.init or _is_positional(f):
             continue
         value = getattr(config, f.name)
         default = getattr(baseline, f.name) if baseline is not None else _field_default(f)
@@ -386,7 +466,8 @@ def config_reference(cls: type, prefix: str = "") -> list[str]:
             lines.append(f"| `--{prefix}{f.name}.*` | section | | {_cell(doc)} (below) |")
             continue
         default = "required" if value is dataclasses.MISSING else f"`{value!r}`"
-        lines.append(f"| `--{prefix}{f.name}` | `{_cell(_type_name(tp))}` | {_cell(default)} | {_cell(doc)} |")
+        flag = f"`{_positional_label(f.name, tp)}` (positional)" if _is_positional(f) else f"`--{prefix}{f.name}`"
+        lines.append(f"| {flag} | `{_cell(_type_name(tp))}` | {_cell(default)} | {_cell(doc)} |")
     lines.append("")
     for section_prefix, section_cls in sections:
         lines += config_reference(section_cls, section_prefix)

@@ -100,7 +100,7 @@ def write_arithmetic_table(
 
 @dataclass(kw_only=True, frozen=True)
 class WriteArithmeticConfig:
-    """`python -m async_grpo.data.dataset write-arithmetic`: write the demo's addition prompts as JSONL."""
+    """Write the demo's addition prompts as JSONL (the `write-arithmetic` command of dataset.py)."""
 
     out: str = ""
     """File to write."""

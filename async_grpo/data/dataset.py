@@ -42,9 +42,10 @@ on a silently shortened dataset. Passed over, and counted (PromptFileStats, logg
 lines, and, only with `data.missing_answer: skip`, gsm8k/math records whose answer field holds no
 final answer.
 
-The record formats' fields, detection and gold answers are prompt_record.py's; the demo's
-arithmetic files are arithmetic_data.py's, the reasoning-gym records reasoning_gym_tasks.py's, and
-the trainer's sampler is distributed_sampler.py's. Write the demo's single-digit addition prompts,
+The record formats' fields, detection and gold answers are prompt_record.py's; reading the files
+(JSON Lines, Parquet) into records is record_files.py's; the demo's arithmetic files are
+arithmetic_data.py's, the reasoning-gym records reasoning_gym_tasks.py's, and the trainer's sampler
+is distributed_sampler.py's. Write the demo's single-digit addition prompts,
 or check a prompt file against a tokenizer:
 
     python -m async_grpo.data.dataset write-arithmetic --out data.jsonl --num_samples 1000 --seed 0
@@ -55,16 +56,15 @@ or check a prompt file against a tokenizer:
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from async_grpo.config.run_config import load_config
+from async_grpo.config.run_config import ConfigError, flattened, load_command
 from async_grpo.data.arithmetic_data import WriteArithmeticConfig, write_arithmetic_dataset
 from async_grpo.data.prompt_record import (
     DATA_FORMATS, FORMAT_FIELDS, GROUPING_FIELDS, MISSING_ANSWER_POLICIES, TOKEN_IDS_FIELD, DataFormat, DatasetError,
@@ -72,18 +72,15 @@ from async_grpo.data.prompt_record import (
     string_field,
 )
 from async_grpo.data.reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records
+from async_grpo.data.record_files import RecordFile
 from sample_processing_utils import Sample
 
 logger = logging.getLogger(__name__)
 
-JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-PARQUET_SUFFIX = ".parquet"
 # The one placeholder of data.prompt_template: the record's question text.
 PROMPT_TEMPLATE_FIELD = "question"
 # Record locations of skipped records kept for the log line; the count is always complete.
 _SKIPPED_EXAMPLES = 3
-# Parquet rows converted to Python per batch: bounds memory on multi-GB files.
-_PARQUET_BATCH_ROWS = 4096
 # Room for a long math problem with a chat template; the demo's prompts ("3+4=") need 4 tokens.
 DEFAULT_MAX_PROMPT_TOKENS = 1024
 
@@ -407,64 +404,6 @@ def _grouping_id(record: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def _decode_record(raw: bytes) -> dict[str, Any]:
-    """One line's JSON object; raises ValueError describing what is wrong with it."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"invalid JSON ({exc.msg} at column {exc.colno}): {quote(text.strip())}") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    return record
-
-
-def _jsonl_records(path: Path, stats: PromptFileStats) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(file:line, record) per non-blank line; blank lines are counted in stats."""
-    with path.open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                stats.blank_lines += 1
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                record = _decode_record(raw)
-            except ValueError as exc:
-                raise DatasetError(f"{where}: {exc}") from None
-            yield where, record
-
-
-def _parquet_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(file: row N, record) per row, N 0-based; a null value counts as a missing field."""
-    import pyarrow
-    import pyarrow.parquet
-
-    try:
-        parquet = pyarrow.parquet.ParquetFile(path)
-    except pyarrow.ArrowException as exc:
-        raise DatasetError(f"{path}: not a readable Parquet file: {exc}") from None
-    row = 0
-    for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
-        for record in batch.to_pylist():
-            yield f"{path}: row {row}", {name: value for name, value in record.items() if value is not None}
-            row += 1
-
-
-def _records(path: Path, stats: PromptFileStats) -> Iterator[tuple[str, dict[str, Any]]]:
-    suffix = path.suffix.lower()
-    if suffix == PARQUET_SUFFIX:
-        return _parquet_records(path)
-    if suffix in JSONL_SUFFIXES:
-        return _jsonl_records(path, stats)
-    raise DatasetError(
-        f"{path}: unknown prompt file type {suffix or '(no suffix)'!r}: expected JSON Lines "
-        f"({', '.join(JSONL_SUFFIXES)}) or Parquet ({PARQUET_SUFFIX})"
-    )
-
-
 def load_prompt_file(config: DatasetConfig, tokenizer: PromptTokenizer) -> PromptFile:
     """Read and validate every record of config.path; raise DatasetError at the first bad one.
 
@@ -479,7 +418,8 @@ def load_prompt_file(config: DatasetConfig, tokenizer: PromptTokenizer) -> Promp
     stats = PromptFileStats()
     schema: RecordSchema | None = None
     try:
-        for where, record in _records(path, stats):
+        records = RecordFile(path)
+        for where, record in records:
             try:
                 if schema is None:
                     schema = _resolved_and_logged(config, record, path, where)
@@ -493,6 +433,7 @@ def load_prompt_file(config: DatasetConfig, tokenizer: PromptTokenizer) -> Promp
                 samples.append(sample)
     except OSError as exc:
         raise DatasetError(f"{path}: cannot read prompt file: {exc.strerror or exc}") from None
+    stats.blank_lines = records.blank_lines
     if not samples:
         raise DatasetError(f"{path}: no prompts: {_why_empty(stats)}")
     stats.prompts = len(samples)
@@ -555,52 +496,28 @@ def load_prompts(config: DatasetConfig, tokenizer: PromptTokenizer) -> list[Samp
 
 @dataclass(kw_only=True, frozen=True)
 class CheckConfig:
-    """`python -m async_grpo.data.dataset check`: load a prompt file with a model's tokenizer, as the trainer would, and report."""
+    """Load a prompt file with a model's tokenizer, as the trainer would, and report (the `check` command)."""
 
-    path: str = ""
-    """Prompt file (JSON Lines or Parquet) to check."""
-    model_path: str = ""
+    data: DatasetConfig = flattened(DatasetConfig)
+    """The prompt file and how to read it: the trainer's data section, every field a top-level flag
+    (--path, --format, --chat_template, ...)."""
+    model_path: str
     """Model folder whose tokenizer (and chat template) encodes the prompts."""
-    format: DataFormat = "auto"
-    """Record layout: auto, generic, gsm8k or math (DatasetConfig.format)."""
-    prompt_field: str | None = None
-    """Field holding the prompt text, replacing the format's own (DatasetConfig.prompt_field)."""
-    answer_field: str | None = None
-    """Field holding the gold answer, replacing the format's own (DatasetConfig.answer_field)."""
-    missing_answer: MissingAnswerPolicy = "error"
-    """error or skip for gsm8k/math records without a final answer (DatasetConfig.missing_answer)."""
-    chat_template: bool = False
-    """Apply the tokenizer's chat template (DatasetConfig.chat_template)."""
-    system_prompt: str | None = None
-    """System message for the chat template (DatasetConfig.system_prompt)."""
-    prompt_template: str | None = None
-    """Format string around the question, `{question}` (DatasetConfig.prompt_template)."""
-    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
-    """Longest prompt allowed, in tokens."""
     show: int = 1
     """Print the first N prompts as the model will see them (decoded token ids) with their gold answers."""
 
     def __post_init__(self) -> None:
-        if not self.path or not self.model_path:
-            raise ValueError("CheckConfig needs --path and --model_path")
+        if not self.model_path:
+            raise ValueError("CheckConfig.model_path must name a model folder")
         if self.show < 0:
             raise ValueError(f"CheckConfig.show must be >= 0, got {self.show}")
-        self.dataset_config()  # the data fields' own validation, before any tokenizer loads
-
-    def dataset_config(self) -> DatasetConfig:
-        """The DatasetConfig these flags describe (what the trainer's data section would hold)."""
-        return DatasetConfig(
-            path=self.path, format=self.format, prompt_field=self.prompt_field, answer_field=self.answer_field,
-            missing_answer=self.missing_answer, chat_template=self.chat_template, system_prompt=self.system_prompt,
-            prompt_template=self.prompt_template, max_prompt_tokens=self.max_prompt_tokens,
-        )
 
 
 def _check_command(config: CheckConfig) -> None:
     from setup_model import load_tokenizer
 
     tokenizer = load_tokenizer(config.model_path)
-    loaded = load_prompt_file(config.dataset_config(), tokenizer)
+    loaded = load_prompt_file(config.data, tokenizer)
     for sample in loaded.samples[: config.show]:
         prompt = tokenizer.decode(sample.input_token_ids, clean_up_tokenization_spaces=False)
         print(f"prompt {sample.prompt_id} ({len(sample.input_token_ids)} tokens): {prompt!r}\n"
@@ -613,11 +530,11 @@ _COMMANDS = {"write-arithmetic": WriteArithmeticConfig, "check": CheckConfig}
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] not in _COMMANDS:
-        raise SystemExit(f"usage: python -m async_grpo.data.dataset {{{','.join(_COMMANDS)}}} [--flag value ...] (--help per command)")
-    command = args.pop(0)
-    config = load_config(_COMMANDS[command], args, description=_COMMANDS[command].__doc__)
+    try:
+        _, config = load_command(_COMMANDS, list(sys.argv[1:] if argv is None else argv),
+                                 "python -m async_grpo.data.dataset")
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if isinstance(config, WriteArithmeticConfig):
         out = write_arithmetic_dataset(

@@ -8,6 +8,7 @@ carry `eval/...` keys. Draw the reward curve of a run (with evaluation points, i
 
     python -m async_grpo.telemetry.metrics plot --run_dir runs/demo --out reward.png
     python -m async_grpo.telemetry.metrics compare runs/a runs/b --out compare.png   # run_report.py: a table + one figure
+    python -m async_grpo.telemetry.metrics compare --help   # a command's flags (PlotConfig, CompareConfig)
 
 Both JSONL files hold one record per trained step, identified by its `step` field (the 0-based
 optimizer step, as in checkpoints/step_N: a checkpoint step_N was taken after step N - 1 and
@@ -30,22 +31,23 @@ a line per evaluation, a warning when a step drops something.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, NoReturn, Sequence
 
 import torch
 
+from async_grpo.config.run_config import ConfigError, load_command, positional
 from async_grpo.rewards.rewards import counts_as_solved
 from async_grpo.rollouts.token_versions import oldest_version, token_staleness
 from async_grpo.telemetry.console import CONSOLE, ConsoleProgress, DropWarnings, eval_line
 from async_grpo.telemetry.run_report import (  # noqa: F401 (read_metrics, first_reached: re-exported)
-    EVAL_ACCURACY, eval_series, first_reached, moving_average, read_metrics,
+    EVAL_ACCURACY, THRESHOLDS, WINDOW, compare_runs, eval_series, first_reached, moving_average, read_metrics,
 )
 from async_grpo.telemetry.trackers import Tracker, one_line, start_tracker
 from sample_processing_utils import PackedBatch, Sample
@@ -426,7 +428,7 @@ def truncate_step_records(path: Path, first_removed_step: int) -> dict[str, Any]
     return last
 
 
-def summarize_reward(records: Sequence[dict[str, Any]], window: int = 10, target: float = 0.6) -> str:
+def summarize_reward(records: Sequence[dict[str, Any]], target: float, window: int = WINDOW) -> str:
     """One line: reward at the start and end (window-step means) and when the mean first reached target."""
     rewards = [r["reward/mean"] for r in records]
     smoothed = moving_average(rewards, window)
@@ -470,7 +472,7 @@ def plot_reward_curve(run_dir: Path, out: Path, title: str = "") -> Path:
     for ax, xs, label in ((axes[0], steps, "step"), (axes[1], minutes, "wall time (min)")):
         rewards = [r["reward/mean"] for r in records]
         ax.plot(xs, rewards, label="sampled reward (mean)", alpha=0.35, color="tab:blue")
-        ax.plot(xs, moving_average(rewards, 10), label="sampled reward, 10-step mean", color="tab:blue")
+        ax.plot(xs, moving_average(rewards, WINDOW), label=f"sampled reward, {WINDOW}-step mean", color="tab:blue")
         if "entropy/first_token" in records[0]:
             ax.plot(xs, [r["entropy/first_token"] for r in records], label="first-token entropy", alpha=0.6, color="tab:orange")
         plot_eval_points(ax, xs, records)
@@ -486,31 +488,66 @@ def plot_reward_curve(run_dir: Path, out: Path, title: str = "") -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    plot = sub.add_parser("plot", help="draw the reward curve of a run to PNG")
-    plot.add_argument("--run_dir", type=Path, required=True)
-    plot.add_argument("--out", type=Path, required=True)
-    plot.add_argument("--title", default="")
-    compare = sub.add_parser("compare", help="compare runs: a table of when each reached reward levels, its final "
-                                             "reward, eval accuracy and step time; all reward curves in one figure")
-    compare.add_argument("run_dirs", type=Path, nargs="+", help="run directories (each with a metrics.jsonl)")
-    compare.add_argument("--out", type=Path, default=Path("compare.png"), help="the figure (default: compare.png)")
-    compare.add_argument("--window", type=int, default=10, help="steps in the reward mean (default: 10)")
-    compare.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.6, 0.9],
-                         help="reward levels of the table (default: 0.5 0.6 0.9)")
-    args = parser.parse_args(argv)
-    if args.command == "plot":
-        print(f"wrote {plot_reward_curve(args.run_dir, args.out, args.title)}")
-        return
-    from async_grpo.telemetry.run_report import compare_runs
+@dataclass(kw_only=True, frozen=True)
+class PlotConfig:
+    """Draw a run's reward curve (and evaluation points) against step and wall time to a PNG."""
 
+    run_dir: str
+    """Run directory (with the trainer's metrics.jsonl)."""
+    out: str
+    """The PNG to write."""
+    title: str = ""
+    """The figure's title; "" names the run directory."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class CompareConfig:
+    """Compare runs: a table of when each reached reward levels, its final reward, eval accuracy and step
+    time; all reward curves in one figure (run_report.compare_runs)."""
+
+    run_dirs: list[str] = positional()
+    """Run directories (each with a metrics.jsonl), one or more."""
+    out: str = "compare.png"
+    """The figure."""
+    window: int = WINDOW
+    """Steps in the trailing mean reward that the levels are read on (run_report.WINDOW)."""
+    thresholds: list[float] = field(default_factory=lambda: list(THRESHOLDS))
+    """Reward levels of the table (run_report.THRESHOLDS)."""
+
+    def __post_init__(self) -> None:
+        if not self.run_dirs:
+            raise ValueError("CompareConfig.run_dirs needs at least one run directory")
+        if self.window < 1:
+            raise ValueError(f"CompareConfig.window must be >= 1, got {self.window}")
+        if not self.thresholds:
+            raise ValueError("CompareConfig.thresholds needs at least one level")
+
+
+_COMMANDS = {"plot": PlotConfig, "compare": CompareConfig}
+_PROG = "python -m async_grpo.telemetry.metrics"
+_USAGE_ERROR = 2  # the exit status of a command line or run directory that cannot be used, as argparse's
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        print(compare_runs(args.run_dirs, args.out, window=args.window, thresholds=args.thresholds))
-    except ValueError as err:  # not a run directory, no records, a bad window: one line
-        parser.exit(2, f"metrics.py compare: {err}\n")
-    print(f"wrote {args.out}")
+        command, config = load_command(_COMMANDS, args, _PROG)
+    except ConfigError as err:  # a bad value: one line
+        _exit_usage(args[0], err)
+    if isinstance(config, PlotConfig):
+        print(f"wrote {plot_reward_curve(Path(config.run_dir), Path(config.out), config.title)}")
+        return
+    try:
+        print(compare_runs([Path(run) for run in config.run_dirs], Path(config.out), window=config.window,
+                           thresholds=config.thresholds))
+    except ValueError as err:  # not a run directory, no records: one line
+        _exit_usage(command, err)
+    print(f"wrote {config.out}")
+
+
+def _exit_usage(command: str, err: Exception) -> NoReturn:
+    print(f"metrics.py {command}: {err}", file=sys.stderr)
+    raise SystemExit(_USAGE_ERROR)
 
 
 if __name__ == "__main__":

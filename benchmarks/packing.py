@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 
 from async_grpo.config.run_config import load_config
-from async_grpo.model.packed_attention import PACKED_SDPA
+from async_grpo.model.packed_attention import PACKED_SDPA, PACKED_VARLEN
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from benchmarks.harness import apply_smoke, setup_logging
 from grpo_loss import LossConfig, grpo_loss
@@ -53,6 +53,10 @@ logger = logging.getLogger("benchmarks.packing")
 
 # The two layouts sum the same fp32 terms in different orders; anything beyond this is a bug.
 LOSS_MATCH_RTOL = 1e-4
+# In bf16 the two layouts' matmuls round differently (8 bits of mantissa, ~4e-3 per value): a few
+# percent of the loss, still far below what a lost sample or a cross-sample leak gives.
+BF16_LOSS_MATCH_RTOL = 3e-2
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOSS_CONFIG = LossConfig(kl_coef=0.05, is_mode="tis", is_cap=2.0)
 PADDED_ATTN = "sdpa"  # the baseline: transformers' own sdpa with the padding mask
 
@@ -94,6 +98,11 @@ class BenchConfig:
     threads: int = 1
     """torch intra-op threads. One by default: on a shared machine a single thread's CPU time
     measures the work without OpenMP threads spinning while a sibling is descheduled."""
+    device: str = "cpu"
+    """'cpu' or 'cuda' (scripts/gpu_check.sh: packed against padded on the GPU)."""
+    dtype: str = "float32"
+    """Parameter dtype of both copies: 'float32' or 'bfloat16' (on CUDA, with --packed_attn
+    packed_varlen for the flash-attention varlen kernel)."""
 
     smoke: bool = False
     """Smoke mode: 4 samples, 1 layer, 1 repetition (SMOKE); checks that the command still runs, its figures mean
@@ -110,6 +119,10 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.threads must be >= 1, got {self.threads}")
         if self.reps < 1 or self.warmup < 0:
             raise ValueError(f"BenchConfig.reps must be >= 1 and warmup >= 0, got {self.reps}, {self.warmup}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"BenchConfig.device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"BenchConfig.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
 
 
 def draw_samples(config: BenchConfig, vocab: int) -> list[Sample]:
@@ -146,7 +159,7 @@ class PaddedInputs:
     """[O] the output tokens."""
 
 
-def pad_samples(samples: list[Sample]) -> PaddedInputs:
+def pad_samples(samples: list[Sample], device: torch.device = torch.device("cpu")) -> PaddedInputs:
     seqs = [s.input_token_ids + s.output_token_ids for s in samples]
     max_len = max(len(seq) for seq in seqs)
     input_ids = torch.zeros(len(seqs), max_len, dtype=torch.long)
@@ -159,7 +172,8 @@ def pad_samples(samples: list[Sample]) -> PaddedInputs:
         rows += [row] * output_len
         cols += range(prompt_len - 1, prompt_len - 1 + output_len)  # position before each output token
         targets += s.output_token_ids
-    return PaddedInputs(input_ids, attention_mask, torch.tensor(rows), torch.tensor(cols), torch.tensor(targets))
+    return PaddedInputs(*(t.to(device) for t in (input_ids, attention_mask, torch.tensor(rows), torch.tensor(cols),
+                                                  torch.tensor(targets))))
 
 
 def packed_step(model: TokenLogprobModel, batch: PackedBatch) -> float:
@@ -203,10 +217,15 @@ def interleaved_medians(
             model.zero_grad(set_to_none=True)
     wall: dict[str, list[float]] = {name: [] for name in steps}
     cpu: dict[str, list[float]] = {name: [] for name in steps}
+    cuda = config.device == "cuda"
     for _ in range(config.reps):
         for name, step in steps.items():
+            if cuda:
+                torch.cuda.synchronize()
             wall_start, cpu_start = time.perf_counter(), time.process_time()
             step()
+            if cuda:  # the step's kernels are queued: its time ends when they have run
+                torch.cuda.synchronize()
             wall[name].append(time.perf_counter() - wall_start)
             cpu[name].append(time.process_time() - cpu_start)
             model.zero_grad(set_to_none=True)
@@ -220,16 +239,18 @@ def run(config: BenchConfig, model_dir: Path) -> dict[str, float]:
         max_position_embeddings=config.max_prompt + config.max_output, seed=config.seed,
     ))
     # Two copies of the same checkpoint, so that each side runs its own attention implementation.
-    causal_lm = load_causal_lm(model_dir, attn_implementation=config.packed_attn).train()
-    padded_lm = load_causal_lm(model_dir, attn_implementation=PADDED_ATTN).train()
+    device, dtype = torch.device(config.device), DTYPES[config.dtype]
+    causal_lm = load_causal_lm(model_dir, device=device, dtype=dtype, attn_implementation=config.packed_attn).train()
+    padded_lm = load_causal_lm(model_dir, device=device, dtype=dtype, attn_implementation=PADDED_ATTN).train()
     model = TokenLogprobModel(causal_lm)
     both = torch.nn.ModuleList([model, padded_lm])
     samples = draw_samples(config, causal_lm.config.vocab_size)
-    batch, padded = post_process_batch(samples), pad_samples(samples)
+    batch, padded = post_process_batch(samples), pad_samples(samples, device)
 
     packed_loss, padded_loss = packed_step(model, batch), padded_step(padded_lm, padded, batch)
     both.zero_grad(set_to_none=True)
-    if abs(packed_loss - padded_loss) > LOSS_MATCH_RTOL * max(1.0, abs(padded_loss)):
+    rtol = LOSS_MATCH_RTOL if dtype == torch.float32 else BF16_LOSS_MATCH_RTOL
+    if abs(packed_loss - padded_loss) > rtol * max(1.0, abs(padded_loss)):
         raise RuntimeError(f"packed loss {packed_loss} != padded loss {padded_loss}: the layouts disagree")
 
     medians = interleaved_medians(
@@ -239,9 +260,10 @@ def run(config: BenchConfig, model_dir: Path) -> dict[str, float]:
     )
     packed_time, padded_time = medians["packed"], medians["padded"]
     real_tokens = batch.num_tokens
-    # PACKED_SDPA attends within each sample; the other implementations see one [T, T] square.
+    # The varlen implementations attend within each sample; plain 'sdpa' sees one [T, T] square.
     sample_lengths = [s.num_tokens for s in samples]
-    packed_pairs = sum(n * n for n in sample_lengths) if config.packed_attn == PACKED_SDPA else real_tokens**2
+    per_sample = config.packed_attn in (PACKED_SDPA, PACKED_VARLEN, "flash_attention_2")
+    packed_pairs = sum(n * n for n in sample_lengths) if per_sample else real_tokens**2
     return {
         "speedup": padded_time.wall_s / packed_time.wall_s,
         "cpu_speedup": padded_time.cpu_s / packed_time.cpu_s,
@@ -260,6 +282,8 @@ def run(config: BenchConfig, model_dir: Path) -> dict[str, float]:
         "params_m": sum(p.numel() for p in causal_lm.parameters()) / 1e6,
         "threads": torch.get_num_threads(),
         "packed_attn": config.packed_attn,
+        "device": config.device,
+        "dtype": config.dtype,
     }
 
 

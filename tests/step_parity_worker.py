@@ -49,6 +49,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import trainer_core  # noqa: E402
+from async_grpo.batching.minibatch_packer import MinibatchPacker  # noqa: E402
 from async_grpo.data.dataset import DatasetConfig  # noqa: E402
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.trainer.data_path import PerRankDataPath, Rank0DataPath, RayBatcherClient  # noqa: E402
@@ -58,7 +59,7 @@ from async_grpo.weights.weight_sync import gather_full_state_dict
 from grpo_loss import LossConfig  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
 from setup_model import ModelConfig
-from vllm_experience_batcher import EndOfStep, Minibatch, MinibatchPacker  # noqa: E402
+from vllm_experience_batcher import EndOfStep, Minibatch  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -23,10 +23,11 @@ import ray
 from async_grpo.batching.batcher_messages import (
     LOSS_WEIGHT, PADDING_LOSS_WEIGHT, EndOfStep, ExperienceBatcherError, Minibatch,
 )
+from async_grpo.batching.minibatch_packer import MinibatchPacker
 from async_grpo.launch.ray_env import BATCHER_ACTOR_NAME, GENERATION, RAY_NAMESPACE
 from async_grpo.rollouts.sampling import SamplingConfig
 from sample_processing_utils import Sample, TokenLogprobs
-from vllm_experience_batcher import BatcherConfig, ExperienceBatcher, MinibatchPacker, get_or_create_batcher
+from vllm_experience_batcher import BatcherConfig, ExperienceBatcher, get_or_create_batcher
 from vllm_registry import Bundle, RegistryActor, RegistryConfig, serve_many
 
 # Ray workers cannot import this test module (tests/ is not on their path): ship the stand-in

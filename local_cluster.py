@@ -48,7 +48,7 @@ from async_grpo.launch.ray_env import (
 )
 
 if TYPE_CHECKING:
-    from trainer_core import TrainerConfig
+    from async_grpo.trainer.config import TrainerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import ray
 import torch
@@ -31,234 +31,39 @@ from ray.actor import ActorHandle
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
-from async_grpo.algo.algorithm import (
-    AlgorithmConfig, DistillConfig, LogprobRole, check_logprob_sources, load_prepare_fn,
-)
-from async_grpo.config.run_config import ConfigError, flattened, load_config, save_config
+from async_grpo.algo.algorithm import load_prepare_fn
+from async_grpo.config.run_config import ConfigError, load_config, save_config
 from async_grpo.config.versions import TRAINER_REQUIREMENTS, VersionError, check_versions
-from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, RayConnectionConfig
-from async_grpo.data.dataset import DatasetConfig, DatasetError, load_prompts
+from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER
+from async_grpo.data.dataset import DatasetError, load_prompts
 from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
 from async_grpo.launch.ray_env import (
     GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name,
 )
-from async_grpo.rollouts.sampling import SEED_BOUND, SamplingConfig
-from async_grpo.telemetry.console import CONSOLE, LOG_FILE, LogLevel, configure_logging, log_run_summary
-from async_grpo.telemetry.metrics import MetricsConfig, StepAccumulator, StepDataLog, open_metrics_sink
+from async_grpo.telemetry.console import CONSOLE, LOG_FILE, configure_logging, log_run_summary
+from async_grpo.telemetry.metrics import StepAccumulator, StepDataLog, open_metrics_sink
 from async_grpo.trainer.checkpoint import (
     BackgroundCheckpointWriter, CheckpointWriter, TrainerState, latest_checkpoint, load_checkpoint,
 )
+from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.data_path import PerRankDataPath, Rank0DataPath, make_data_path
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
-from async_grpo.trainer.evaluation import EvalConfig, Evaluator
+from async_grpo.trainer.evaluation import Evaluator
 from async_grpo.trainer.fsdp_setup import (
     DistInfo, build_training_model, check_trainer_gpus, host_gpu_count, init_distributed,
 )
-from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler
+from async_grpo.trainer.optimizer import build_optimizer, build_scheduler
 from async_grpo.trainer.weight_pusher import WeightPusher, resolve_push_dtype
-from async_grpo.trainer.weight_transfer_trainer import EngineWeightSender, TrainerTransferConfig, check_transfer_pairing
+from async_grpo.trainer.weight_transfer_trainer import EngineWeightSender, check_transfer_pairing
 from async_grpo.weights.weight_sync import weights_dir
-from grpo_loss import LossConfig, grpo_loss, step_divisor
+from grpo_loss import grpo_loss, step_divisor
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
-from setup_model import ModelConfig, ModelPathError, TokenLogprobModel, check_model_dir, load_tokenizer
+from setup_model import ModelPathError, TokenLogprobModel, check_model_dir, load_tokenizer
 from vllm_experience_batcher import (
     BatcherConfig, EndOfStep, Minibatch, PromptRequest, RayRegistryClient, get_or_create_batcher,
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True, frozen=True)
-class TrainerConfig:
-    """Everything a run needs; saved as run_dir/config.yaml."""
-
-    run_dir: str = "runs/grpo"
-    """Where config, metrics, TensorBoard logs and checkpoints go."""
-    model: ModelConfig
-    """Policy model (path, chunk size, gradient checkpointing)."""
-    data: DatasetConfig
-    """Prompt dataset."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """AdamW, learning-rate schedule and gradient clipping."""
-    loss: LossConfig = field(default_factory=LossConfig)
-    """GRPO loss options (KL in the loss or the reward, clipping, aggregation, ratio level,
-    importance sampling)."""
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """Advantage estimator, or a user's prepare function (algorithm.prepare_batch)."""
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    """On-policy distillation from a teacher pool (`worker_dispatcher.py --mode teacher`)."""
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    """Rollout sampling (n per prompt, temperature, max_tokens, seed) and advantage options.
-    An unset sampling.seed is filled in from `seed` (see seed_sampling)."""
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    """Periodic greedy accuracy (and pass@k) on held-out prompts through the generation workers
-    (`eval.data.path`, `eval.every`; off by default). Rank 0 evaluates the weights just pushed."""
-    num_steps: int = 100
-    """Optimizer steps to train for (a resumed run continues up to this total)."""
-    prompts_per_rank: int = 8
-    """Prompts each rank submits per step (the step's batch is world_size x this x n samples)."""
-    max_tokens_per_gpu: int = 8192
-    """Token budget of one packed minibatch on one rank (prompt + output tokens). Must be at least
-    data.max_prompt_tokens + sampling.max_tokens, the longest sample a run can produce, so that no
-    minibatch exceeds it (see oversized_sample_policy)."""
-    oversized_sample_policy: Literal["refuse", "train_alone"] = "refuse"
-    """refuse: a config under which one sample could exceed max_tokens_per_gpu
-    (data.max_prompt_tokens + sampling.max_tokens > max_tokens_per_gpu) is an error at load time,
-    so the budget bounds every minibatch. train_alone: accept it; a sample over the budget is
-    trained alone in its own minibatch, over the bound (counts/oversized_samples per step)."""
-    max_lag: int = 1
-    """Most optimizer steps a rollout's weights may lag the step that trains on it (step - the
-    version of its oldest token: a rollout that straddles a push counts from the weights it
-    started on; 0 = synchronous, on-policy). A step's prompts are submitted as soon as weights
-    recent enough for it are published (version >= step - max_lag), so generation runs up to
-    max_lag steps ahead of training; rollouts staler than this (e.g. from a worker that missed a
-    push) are dropped and counted. Must be >= push_every - 1 (see push_every)."""
-    epochs_per_step: int = 1
-    """Passes over each step's samples, each ending in an optimizer step (PPO epochs; TRL's
-    num_iterations). Passes after the first take the first pass's logprobs as pi_old (unless
-    the samples carry old-policy logprobs), so the clipped ratio bounds how far one batch moves
-    the policy. Weights are pushed, and the lr schedule advances, once per step."""
-    weight_push_mode: Literal["gather", "sharded", "lora_files"] = "gather"
-    """gather: rank 0 publishes the full state (with model.lora: the adapter); sharded: every
-    rank publishes its own FSDP shards (of the adapter, with model.lora); lora_files (model.lora
-    only): rank 0 writes the adapter to <run_dir>/weights/step_N/ and workers load it from there
-    (a filesystem every worker reads). LoRA pushes are made loadable by <run_dir>/weights/STABLE,
-    which workers must be able to read in every mode."""
-    transfer: TrainerTransferConfig = field(default_factory=TrainerTransferConfig)
-    """How full weights reach the generation engines: weight_transfer 'object_store' (the
-    WeightUpdate path), or on CUDA one of vLLM's engines driven from the trainer's GPUs ('nccl'
-    with weight_push_mode gather, 'nccl_m2n' with sharded, 'ipc' with gather on the engines'
-    GPUs); must equal the generation workers' EngineConfig.weight_transfer."""
-    weight_push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Dtype of the weights pushed to the inference workers (cast on each rank before they leave
-    it; checkpoints stay fp32). auto: bfloat16 when the trainer computes in bf16 (on CUDA with
-    model.mixed_precision), else float32, so workers receive what the trainer computed with and
-    a push moves half the bytes of fp32 on GPU."""
-    push_every: int = 1
-    """Publish weights to the inference workers after every this many steps (and after the last
-    step), i.e. only versions that are multiples of push_every (plus the start). The staleness
-    bound stays max_lag steps, counted against the published versions: step s's prompts wait for
-    a published version >= s - max_lag. That needs max_lag >= push_every - 1 (step
-    push_every - 1 can only use version 0). With max_lag == push_every - 1 the prompts of the step
-    right after a push are generated only after that push, while nothing trains; from max_lag >=
-    push_every on, generation overlaps training at every step."""
-    data_path: Literal["per_rank", "rank0"] = "per_rank"
-    """How ranks exchange prompts and minibatches with the batcher (data_path.py). per_rank: each
-    rank submits its prompts and pulls its minibatches over Ray. rank0: only rank 0 talks to the
-    batcher; it reads every rank's minibatches, acknowledges them, and scatters each rank its
-    share over the trainer's process group (gloo/NCCL), so the other ranks never receive data
-    over Ray. Both give every rank the same minibatches."""
-    logprob_role: LogprobRole = "reference"
-    """What the logprob workers compute: reference logprobs (fixed weights, for the KL term),
-    old-policy logprobs (they receive weight pushes), or nothing (no logprob workers needed)."""
-    reference_pool: bool = False
-    """With logprob_role old_policy: also take reference logprobs (for a KL term in the loss or the
-    reward) from the reference pool, logprob workers on the frozen starting model started with
-    `worker_dispatcher.py --mode reference`."""
-    checkpoint_every: int = 0
-    """Checkpoint every N steps (0: only at the end of the run, see checkpoint_at_end)."""
-    checkpoint_at_end: bool = True
-    """Checkpoint after the last step. A checkpoint gathers the full optimizer state on rank 0
-    (for AdamW, twice the fp32 weights): turn it off for throwaway runs where host memory is short."""
-    keep_checkpoints: int = 2
-    """Complete checkpoints kept on disk (older ones are deleted)."""
-    checkpoint_async: bool = False
-    """Write checkpoints on a background thread of rank 0 while training goes on. The loop then
-    blocks only for the snapshot (weights and optimizer state gathered into CPU copies) and, when
-    the previous save is still writing, for that one: one save at a time. Rank 0 holds the copies
-    (for AdamW about 3x the fp32 weights of host memory) until they are written. Still atomic (a
-    tmp directory renamed into place); the trainer waits for the last save before it exits.
-    `timing/checkpoint_s` is the time the loop was blocked by checkpointing, in either mode."""
-    resume: bool = False
-    """Continue from the latest complete checkpoint in run_dir."""
-    seed: int = 0
-    """Seed of the data order, the torch RNG and (see seed_sampling) rollout sampling."""
-    seed_sampling: bool = True
-    """Seed rollout sampling with `seed` when sampling.seed is unset, so a rerun or a resumed run
-    samples the same rollouts (within float-level kernel differences); each step still gets its
-    own seed (vllm_experience_batcher.step_sampling). False samples unseeded, and then
-    sampling.seed must stay unset: vLLM draws a seeded request's noise from its own generator, one
-    request at a time in every decoding step (a loop vLLM marks as slow), which can cost
-    throughput on large batches."""
-    prompt_deadline_s: float = 600.0
-    """A prompt not finished (generation + logprobs) within this is reported and counted."""
-    message_timeout_s: float = 1800.0
-    """Longest wait for the next minibatch before the trainer gives up with an error."""
-    dist_timeout_s: float = 1800.0
-    """torch.distributed collective timeout: a dead rank stops the others with an error. The
-    rank-0 data path waits 0.9 of it, so a dead or hung rank 0 is reported as Rank0DataPathError
-    before NCCL's watchdog aborts the process."""
-    connection: RayConnectionConfig = flattened(RayConnectionConfig())
-    """Which Ray cluster to join (started with `ray start`) and how long to try
-    (worker_options.RayConnectionConfig)."""
-    tensorboard: bool = True
-    """Also write metrics to run_dir/tensorboard (false: off, whatever metrics.report_to says)."""
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    """Where rank 0 reports metrics besides metrics.jsonl: TensorBoard, W&B, MLflow, trackio (docs/trackers.md)."""
-    progress_bar: bool = True
-    """Rank 0's progress on the console: a bar (reward, its 10-step mean, the last evaluation's
-    accuracy, step time) on a terminal, a line every tenth of the run elsewhere (docs/console.md)."""
-    log_level: LogLevel = "warning"
-    """What rank 0's console shows besides the progress, evaluation lines and the end-of-run
-    summary. warning: warnings and errors only; every INFO line (per step: metrics, weight push)
-    goes to run_dir/run.log. info: the INFO lines on the console too, as well as Ray's start-up
-    lines; debug: DEBUG lines as well, in both. local_cluster.py's console follows it too. Other
-    ranks show warnings only."""
-
-    def __post_init__(self) -> None:
-        for name in ("num_steps", "prompts_per_rank", "max_tokens_per_gpu", "push_every", "keep_checkpoints",
-                     "epochs_per_step"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_lag < 0:
-            raise ValueError(f"TrainerConfig.max_lag must be >= 0, got {self.max_lag}")
-        if self.max_lag < self.push_every - 1:
-            raise ValueError(
-                f"TrainerConfig.max_lag={self.max_lag} is below push_every - 1 = {self.push_every - 1}: with "
-                f"push_every={self.push_every} step {self.push_every - 1} can only sample from weights published "
-                f"{self.push_every - 1} steps earlier, and all its rollouts would be dropped as stale; raise "
-                f"max_lag to at least {self.push_every - 1} (to {self.push_every} for full overlap) or lower push_every"
-            )
-        self._check_sample_budget()
-        if self.weight_push_mode == "lora_files" and not self.model.lora.enabled:
-            raise ValueError("TrainerConfig.weight_push_mode lora_files pushes LoRA adapters: set model.lora.r > 0, "
-                             "or use gather/sharded for full weights")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"TrainerConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        self._check_logprob_sources()
-        if not self.seed_sampling and self.sampling.seed is not None:
-            raise ValueError(
-                f"TrainerConfig.seed_sampling is false but sampling.seed is {self.sampling.seed}: unset one of them"
-            )
-        if self.seed_sampling and self.sampling.seed is None:
-            if not 0 <= self.seed < SEED_BOUND:
-                raise ValueError(f"TrainerConfig.seed seeds sampling and must be in [0, 2**31), got {self.seed}")
-            # The resolved seed is what config.yaml records and what the batcher sends.
-            object.__setattr__(self, "sampling", replace(self.sampling, seed=self.seed))
-
-    def _check_logprob_sources(self) -> None:
-        """Every logprob the loss and the reward need has a service that computes it."""
-        check_logprob_sources("TrainerConfig", self.logprob_role, self.reference_pool, self.loss)
-
-    def _check_sample_budget(self) -> None:
-        """Refuse (unless oversized_sample_policy allows it) a budget one sample could exceed."""
-        longest = self.data.max_prompt_tokens + self.sampling.max_tokens
-        environment = self.sampling.environment if self.sampling.environment.enabled else self.sampling.verifiers
-        if environment.enabled:  # a multi-turn rollout's whole stream, observations included
-            longest = environment.max_total_tokens
-            if self.oversized_sample_policy == "refuse" and longest > self.max_tokens_per_gpu:
-                raise ValueError(
-                    f"TrainerConfig.max_tokens_per_gpu={self.max_tokens_per_gpu} is below "
-                    f"sampling.{'environment' if environment is self.sampling.environment else 'verifiers'}"
-                    f".max_total_tokens={longest}: one multi-turn rollout could exceed the "
-                    f"minibatch budget; raise max_tokens_per_gpu or lower max_total_tokens")
-        if self.oversized_sample_policy == "refuse" and longest > self.max_tokens_per_gpu:
-            raise ValueError(
-                f"TrainerConfig.max_tokens_per_gpu={self.max_tokens_per_gpu} is below data.max_prompt_tokens + "
-                f"sampling.max_tokens = {self.data.max_prompt_tokens} + {self.sampling.max_tokens} = {longest}: "
-                f"one sample could exceed the minibatch budget; raise max_tokens_per_gpu to at least {longest}, "
-                f"lower data.max_prompt_tokens or sampling.max_tokens, or set oversized_sample_policy: train_alone"
-            )
 
 
 def setup_logging(config: TrainerConfig, rank: int) -> None:

@@ -43,10 +43,10 @@ from async_grpo.config.run_config import load_config, split_passthrough
 from async_grpo.data.dataset import load_prompts
 from async_grpo.rewards.math_verifier import score_completion
 from async_grpo.telemetry.metrics import first_reached, moving_average, read_metrics
+from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from benchmarks.harness import REPO_ROOT, apply_smoke, launcher_engine_flags, setup_logging
 from sample_processing_utils import Sample
-from trainer_core import TrainerConfig
 
 logger = logging.getLogger(__name__)
 

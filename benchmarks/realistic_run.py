@@ -116,7 +116,7 @@ def resolve_trainer(config: RealisticRunConfig, yaml_path: Path, run_dir: Path, 
                     passthrough: list[str]) -> Any:
     """The TrainerConfig the trainer will build from the same arguments (validated here, before any
     worker starts)."""
-    from trainer_core import TrainerConfig
+    from async_grpo.trainer.config import TrainerConfig
 
     argv = ["--config", str(yaml_path), "--run_dir", str(run_dir), "--model.model_path", str(model_dir), *passthrough]
     try:

@@ -488,11 +488,12 @@ class TrainerRole:
 
         from async_grpo.data.dataset import DatasetConfig
         from async_grpo.launch.ray_cluster import join_cluster
+        from async_grpo.trainer.config import TrainerConfig
         from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed
         from async_grpo.trainer.weight_pusher import get_or_create_shard_stager
         from async_grpo.weights.weight_sync import adapter_named_tensors
         from setup_model import LoraConfig, ModelConfig
-        from trainer_core import TrainerConfig, make_weight_pusher
+        from trainer_core import make_weight_pusher
 
         self.dist = init_distributed()
         join_cluster(os.environ["RAY_ADDRESS"], namespace=RAY_NAMESPACE, timeout_s=30.0, log_to_driver=False)

@@ -52,6 +52,7 @@ import trainer_core  # noqa: E402
 from async_grpo.batching.minibatch_packer import MinibatchPacker  # noqa: E402
 from async_grpo.data.dataset import DatasetConfig  # noqa: E402
 from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.trainer.config import TrainerConfig  # noqa: E402
 from async_grpo.trainer.data_path import PerRankDataPath, Rank0DataPath, RayBatcherClient  # noqa: E402
 from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, init_distributed
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler
@@ -175,9 +176,9 @@ def record_grads_before_each_step(model: torch.nn.Module,
     return recorded
 
 
-def trainer_config(spec: dict, case: dict) -> trainer_core.TrainerConfig:
+def trainer_config(spec: dict, case: dict) -> TrainerConfig:
     """A one-step, synchronous run's config (JSON turned OptimConfig.betas into a list)."""
-    return trainer_core.TrainerConfig(
+    return TrainerConfig(
         model=ModelConfig(model_path=spec["model_path"], **spec["model"]),
         data=DatasetConfig(path=UNUSED_DATA_PATH, max_prompt_tokens=spec["max_prompt_tokens"]),
         sampling=SamplingConfig(max_tokens=spec["max_output_tokens"]),

@@ -17,9 +17,9 @@ from async_grpo.config.run_config import load_config
 from async_grpo.data.dataset import DatasetConfig, load_prompts
 from async_grpo.data.prompt_record import extract_gsm8k_answer
 from async_grpo.model.tiny_model import PRESETS, build_chat_tokenizer, build_model, hf_config
+from async_grpo.trainer.config import TrainerConfig
 from benchmarks import process_monitor as pm
 from benchmarks import realistic_parts as rr
-from trainer_core import TrainerConfig
 
 
 def test_gsm8k_records_are_deterministic_well_formed_and_correct() -> None:

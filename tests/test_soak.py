@@ -66,7 +66,7 @@ def test_config_needs_the_early_step_before_the_last() -> None:
 
 def test_trainer_args_keep_the_demo_config_and_turn_off_checkpoints_and_eval(tmp_path: Path) -> None:
     from async_grpo.config.run_config import load_config
-    from trainer_core import TrainerConfig
+    from async_grpo.trainer.config import TrainerConfig
 
     args = soak.trainer_args(soak.SoakConfig(num_steps=300), tmp_path, ["--seed", "3"])
     trainer = load_config(TrainerConfig, [*args, "--model.model_path", "m"])

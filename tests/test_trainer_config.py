@@ -14,10 +14,11 @@ import torch
 from async_grpo.config.run_config import load_config
 from async_grpo.data.dataset import DatasetConfig
 from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.fsdp_setup import DistInfo
 from grpo_loss import LossConfig
 from setup_model import ModelConfig
-from trainer_core import CONFIG_ERROR_EXIT, TrainerConfig, make_batcher_config, make_weight_pusher
+from trainer_core import CONFIG_ERROR_EXIT, make_batcher_config, make_weight_pusher
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAINER = REPO_ROOT / "trainer_core.py"

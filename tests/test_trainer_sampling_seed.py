@@ -18,8 +18,8 @@ import pytest
 from async_grpo.config.run_config import load_config, save_config
 from async_grpo.data.dataset import DatasetConfig
 from async_grpo.rollouts.sampling import SEED_BOUND, SamplingConfig, derive_seed
+from async_grpo.trainer.config import TrainerConfig
 from sample_processing_utils import Sample
-from trainer_core import TrainerConfig
 from vllm_experience_batcher import BatcherConfig, ExperienceBatcher, Minibatch
 from vllm_worker import GenerationWorker, GenerationWorkerConfig
 

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
 from async_grpo.algo.algorithm import load_prepare_fn
+from async_grpo.batching.batcher_config import BatcherConfig
 from async_grpo.config.run_config import ConfigError, load_config, save_config
 from async_grpo.config.versions import TRAINER_REQUIREMENTS, VersionError, check_versions
 from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER
@@ -59,9 +60,7 @@ from async_grpo.weights.weight_sync import weights_dir
 from grpo_loss import grpo_loss, step_divisor
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from setup_model import ModelPathError, TokenLogprobModel, check_model_dir, load_tokenizer
-from vllm_experience_batcher import (
-    BatcherConfig, EndOfStep, Minibatch, PromptRequest, RayRegistryClient, get_or_create_batcher,
-)
+from vllm_experience_batcher import EndOfStep, Minibatch, PromptRequest, RayRegistryClient, get_or_create_batcher
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +123,7 @@ def make_weight_pusher(config: TrainerConfig, dist: DistInfo) -> WeightPusher:
     """The pusher of this rank: rank 0 broadcasts to the registries of every kind that serves
     the policy (generation; logprob too when it computes old-policy logprobs). With a CUDA
     transfer (config.transfer) full weights reach the generation engines through it."""
-    old_policy = config.logprob_role == "old_policy"
+    old_policy = config.experience.logprob_role == "old_policy"
     kinds = [GENERATION] + ([LOGPROB] if old_policy else [])
     registries = [_registry(kind) for kind in kinds] if dist.is_main else []
     dtype = resolve_push_dtype(config.weight_push_dtype, dist.device, config.model.mixed_precision)
@@ -143,7 +142,7 @@ def make_weight_pusher(config: TrainerConfig, dist: DistInfo) -> WeightPusher:
 def last_step_to_submit(published_version: int, config: TrainerConfig) -> int:
     """The last step whose prompts may be generated once weights `published_version` are
     published: step s needs a version >= s - max_lag (capped at the run's last step)."""
-    return min(published_version + config.max_lag, config.num_steps - 1)
+    return min(published_version + config.experience.max_lag, config.num_steps - 1)
 
 
 class PromptFeeder:
@@ -293,7 +292,8 @@ def gradient_divisor(end: EndOfStep, config: TrainerConfig) -> float:
     """The step's loss divisor under loss.aggregation (grpo_loss.step_divisor)."""
     if config.loss.aggregation == "token_mean" and end.num_samples > 0 and end.num_output_tokens <= 0:
         raise RuntimeError(f"step {end.step}: EndOfStep carries no output-token count for aggregation token_mean")
-    return step_divisor(config.loss.aggregation, end.num_samples, end.num_output_tokens, config.sampling.max_tokens)
+    max_tokens = config.experience.sampling.max_tokens
+    return step_divisor(config.loss.aggregation, end.num_samples, end.num_output_tokens, max_tokens)
 
 
 def _restore(config: TrainerConfig, dist: DistInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -332,15 +332,15 @@ def load_run_inputs(config: TrainerConfig, *, with_evaluator: bool) -> RunInputs
     once instead of after minutes of start-up. Raises InputError with the cause's message.
     """
     try:
-        load_prepare_fn(config.algorithm)  # a user's prepare function imports now, or the run stops here
-        if config.sampling.environment.enabled:  # the environment class imports and takes its options
-            config.sampling.environment.check()
-        if config.sampling.verifiers.enabled:  # verifiers, the taskset and the Env class import now
-            config.sampling.verifiers.check()
+        load_prepare_fn(config.experience.algorithm)  # a user's prepare function imports now, or the run stops here
+        if config.experience.sampling.environment.enabled:  # the environment class imports and takes its options
+            config.experience.sampling.environment.check()
+        if config.experience.sampling.verifiers.enabled:  # verifiers, the taskset and the Env class import now
+            config.experience.sampling.verifiers.check()
         check_model_dir(config.model.model_path)  # config and weights too, not only the tokenizer
         tokenizer = load_tokenizer(config.model.model_path)
         prompts = load_prompts(config.data, tokenizer)
-        evaluator = (Evaluator.load(config.eval, config.data, config.sampling, tokenizer)
+        evaluator = (Evaluator.load(config.eval, config.data, config.experience.sampling, tokenizer)
                      if with_evaluator and config.eval.enabled else None)
     except (ModelPathError, DatasetError, ValueError) as err:
         raise InputError(str(err)) from err
@@ -351,7 +351,8 @@ def train(config: TrainerConfig) -> None:
     """Run the GRPO loop: get batch, loss, step, push weights, log, checkpoint."""
     rank = int(os.environ.get("RANK", "0"))  # torchrun's; init_distributed reads the same variable
     inputs = load_run_inputs(config, with_evaluator=rank == 0)
-    if config.loss.kl_in_reward and config.algorithm.estimator == "grpo" and config.algorithm.prepare_batch is None:
+    algorithm = config.experience.algorithm
+    if config.loss.kl_in_reward and algorithm.estimator == "grpo" and algorithm.prepare_batch is None:
         logger.warning("loss.kl_in_reward with the grpo estimator: the std division scales the KL differences "
                        "inside equal-reward groups up to unit advantages, which can swamp the reward signal "
                        "(benchmarks/RESULTS.md, 'Algorithm variants'); dr_grpo or reinforce_pp keep them small")
@@ -493,19 +494,9 @@ def check_teacher_tokenizer(teacher_registry: ActorHandle, student_model_path: s
 
 
 def make_batcher_config(config: TrainerConfig, world_size: int) -> BatcherConfig:
-    """The batcher's settings, from the trainer's (its logprob role, KL-in-reward and budgets)."""
-    return BatcherConfig(
-        world_size=world_size,
-        max_tokens_per_gpu=config.max_tokens_per_gpu,
-        prompt_deadline_s=config.prompt_deadline_s,
-        logprob_role=config.logprob_role,
-        max_lag=config.max_lag,
-        sampling=config.sampling,
-        algorithm=config.algorithm,
-        kl_in_reward=config.loss if config.loss.kl_in_reward else None,
-        reference_pool=config.reference_pool,
-        distill=config.distill,
-    )
+    """The batcher's settings: the trainer's experience section, its KL-in-reward and rank count."""
+    return BatcherConfig(world_size=world_size, experience=config.experience,
+                         kl_in_reward=config.loss if config.loss.kl_in_reward else None)
 
 
 def _make_batcher(config: TrainerConfig, dist: DistInfo,
@@ -515,11 +506,11 @@ def _make_batcher(config: TrainerConfig, dist: DistInfo,
     batcher_config = make_batcher_config(config, dist.world_size)
     if dist.is_main:
         _registry(GENERATION)
-        if config.logprob_role != "none":
+        if config.experience.logprob_role != "none":
             _registry(LOGPROB)
-        if config.reference_pool:
+        if config.experience.reference_pool:
             _registry(REFERENCE)
-        if config.distill.teacher:
+        if config.experience.distill.teacher:
             check_teacher_tokenizer(_registry(TEACHER), config.model.model_path)
         batcher = get_or_create_batcher(batcher_config)
         ray.get(batcher.stats.remote())  # wait until it is up

@@ -37,9 +37,8 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from async_grpo.algo.algorithm import (
-    AlgorithmConfig, DistillConfig, KLSchedule, KLSettings, LogprobRole, check_logprob_sources,
-)
+from async_grpo.algo.algorithm import KLSchedule
+from async_grpo.batching.batcher_config import BatcherConfig
 from async_grpo.batching.batcher_messages import (
     BatcherMessage, EndOfStep, ExperienceBatcherError, Minibatch, PromptRequest, RankMailboxes,
 )
@@ -68,65 +67,6 @@ _STATS_HISTORY_STEPS = 256
 
 # The Sample field each logprob role's results fill ('none' sends no logprob requests).
 _LOGPROB_FIELDS: dict[str, LogprobField] = {"reference": "ref_logprobs", "old_policy": "old_logprobs"}
-
-
-@dataclass(kw_only=True, frozen=True)
-class BatcherConfig:
-    """How the batcher requests experience and cuts it into minibatches."""
-
-    world_size: int
-    """Number of trainer ranks that submit prompts and receive minibatches."""
-    max_tokens_per_gpu: int
-    """Token budget of one minibatch (prompt + output tokens of all its samples)."""
-    prompt_deadline_s: float
-    """A prompt not finished (generation and logprobs) this long after its rank submitted it is
-    cancelled and counted in `timed_out_prompts`. Queueing behind earlier steps counts too, so
-    leave room for max_lag steps of generation."""
-    sampling: SamplingConfig
-    """Sampling settings sent with every generate request; `sampling.n` rollouts per prompt. A
-    seeded config is sent with each step's own seed (`step_sampling`)."""
-    logprob_role: LogprobRole = "reference"
-    """What the logprob workers compute (the trainer's logprob_role): 'reference' fills
-    ref_logprobs, 'old_policy' old_logprobs; 'none' sends no logprob requests."""
-    max_lag: int = 1
-    """Most weight versions a rollout may lag the step that trains on it (step - the version of
-    its oldest token, token_versions.oldest_version: a rollout that straddles a push counts from
-    the weights it started on); staler rollouts are dropped from the loss and counted in `dropped_stale`. The batcher starts
-    a step's prompts as soon as they are submitted: the submitter must wait until weights of
-    version >= step - max_lag are served (the trainer submits after publishing them), or every
-    rollout of the step is dropped."""
-    reorder_window: int = 16
-    """Rollouts the packer holds back to choose a best fit for the open minibatch (0: place each
-    rollout on arrival). Raises minibatch fill; see benchmarks/batcher.py for the figures."""
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """How each finished group's rewards become advantages (algorithm.py)."""
-    kl_in_reward: KLSettings | None = None
-    """The trainer's loss config when its KL goes into the reward (loss.kl_in_reward): reward -
-    beta * KL(sample) before advantages, beta per step from a KLSchedule; needs reference logprobs
-    (logprob_role 'reference', or reference_pool). None: the reward has no KL."""
-    reference_pool: bool = False
-    """Also fill ref_logprobs from the reference registry (frozen workers of kind 'reference'),
-    concurrently with the old-policy logprobs of logprob_role 'old_policy'."""
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    """With distill.teacher, fill teacher_logprobs from the teacher registry (concurrently with the
-    other logprobs) and add the distillation term to every token's advantage."""
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"BatcherConfig.world_size must be >= 1, got {self.world_size}")
-        if self.max_tokens_per_gpu < 1:
-            raise ValueError(f"BatcherConfig.max_tokens_per_gpu must be >= 1, got {self.max_tokens_per_gpu}")
-        if not self.prompt_deadline_s > 0:
-            raise ValueError(f"BatcherConfig.prompt_deadline_s must be > 0, got {self.prompt_deadline_s}")
-        if not isinstance(self.sampling, SamplingConfig):  # SamplingConfig validates its own fields
-            raise ValueError(f"BatcherConfig.sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
-        if self.max_lag < 0:
-            raise ValueError(f"BatcherConfig.max_lag must be >= 0, got {self.max_lag}")
-        if self.reorder_window < 0:
-            raise ValueError(f"BatcherConfig.reorder_window must be >= 0, got {self.reorder_window}")
-        if self.kl_in_reward is not None and not self.kl_in_reward.kl_in_reward:
-            raise ValueError("BatcherConfig.kl_in_reward must be a loss config with kl_in_reward true, or None")
-        check_logprob_sources("BatcherConfig", self.logprob_role, self.reference_pool, self.kl_in_reward)
 
 
 def step_sampling(sampling: SamplingConfig, step: int) -> SamplingConfig:
@@ -224,24 +164,26 @@ class ExperienceBatcher:
 
     def __init__(self, config: BatcherConfig, generation: RequestClient, logprob: RequestClient | None,
                  reference: RequestClient | None = None, teacher: RequestClient | None = None) -> None:
-        if (config.logprob_role == "none") != (logprob is None):
+        experience = config.experience
+        if (experience.logprob_role == "none") != (logprob is None):
             raise ValueError(
-                f"ExperienceBatcher: logprob_role={config.logprob_role!r} needs a logprob client exactly "
+                f"ExperienceBatcher: logprob_role={experience.logprob_role!r} needs a logprob client exactly "
                 "when it is not 'none'"
             )
-        if config.reference_pool != (reference is not None):
+        if experience.reference_pool != (reference is not None):
             raise ValueError("ExperienceBatcher: reference_pool needs a reference client exactly when it is set")
-        if config.distill.teacher != (teacher is not None):
+        if experience.distill.teacher != (teacher is not None):
             raise ValueError("ExperienceBatcher: distill.teacher needs a teacher client exactly when it is set")
         self.config = config
+        self._experience = experience
         self._fetcher = RolloutFetcher(
-            generation=generation, max_lag=config.max_lag, logprob=logprob,
-            logprob_field=_LOGPROB_FIELDS.get(config.logprob_role),
+            generation=generation, max_lag=experience.max_lag, logprob=logprob,
+            logprob_field=_LOGPROB_FIELDS.get(experience.logprob_role),
             reference=reference, teacher=teacher,
         )
-        self._preparer = GroupPreparer(algorithm=config.algorithm, sampling=config.sampling,
-                                       kl_in_reward=config.kl_in_reward, distill=config.distill)
-        self._kl_schedule = KLSchedule(config.kl_in_reward, config.max_lag) if config.kl_in_reward else None
+        self._preparer = GroupPreparer(algorithm=experience.algorithm, sampling=experience.sampling,
+                                       kl_in_reward=config.kl_in_reward, distill=experience.distill)
+        self._kl_schedule = KLSchedule(config.kl_in_reward, experience.max_lag) if config.kl_in_reward else None
         self._steps: dict[int, _StepState] = {}
         self._retired_steps: set[int] = set()
         self._stats: dict[int, StepStats] = {}
@@ -252,7 +194,7 @@ class ExperienceBatcher:
         resampling round, with the round a PromptRequest named)."""
         state = self._state(rank, step)
         state.record_submit(rank, len(samples), round_index, self.config.world_size)
-        deadline = asyncio.get_running_loop().time() + self.config.prompt_deadline_s
+        deadline = asyncio.get_running_loop().time() + self._experience.prompt_deadline_s
         for sample in samples:
             key = sample.group_key
             state.pending_by_key[key] = state.pending_by_key.get(key, 0) + 1
@@ -330,7 +272,7 @@ class ExperienceBatcher:
             stats = self._stats[step]
         else:
             return {}
-        return {"batcher/step": float(stats.step), **stats.as_metrics(self.config.max_tokens_per_gpu)}
+        return {"batcher/step": float(stats.step), **stats.as_metrics(self._experience.max_tokens_per_gpu)}
 
     def _state(self, rank: int, step: int) -> _StepState:
         """The step's state, created on first use; raises if the step cannot be used."""
@@ -351,13 +293,13 @@ class ExperienceBatcher:
         packer = MinibatchPacker(
             step=step,
             world_size=self.config.world_size,
-            max_tokens_per_gpu=self.config.max_tokens_per_gpu,
+            max_tokens_per_gpu=self._experience.max_tokens_per_gpu,
             reorder_window=self.config.reorder_window,
         )
         beta = self._kl_schedule.beta_for(step) if self._kl_schedule is not None else None
         state = _StepState(
             packer=packer,
-            sampling=step_sampling(self.config.sampling, step),
+            sampling=step_sampling(self._experience.sampling, step),
             mailboxes=RankMailboxes(self.config.world_size),
             stats=StepStats(step=step, kl_beta=beta),
             kl_beta=beta,
@@ -408,7 +350,7 @@ class ExperienceBatcher:
             stats.missing_rollouts += result.missing
             logger.warning(
                 "step %d: generate returned %d rollouts short of n=%d for a prompt",
-                state.packer.step, result.missing, self.config.sampling.n,
+                state.packer.step, result.missing, self._experience.sampling.n,
             )
         state.groups.setdefault(key, []).extend(result.fresh)
 
@@ -423,11 +365,11 @@ class ExperienceBatcher:
         if not samples:  # every rollout stale, missing or timed out: counted where that happened
             return
         state.stats.record_released(samples)
-        if self.config.sampling.drop_zero_variance_groups and len({s.reward for s in samples}) == 1:
+        if self._experience.sampling.drop_zero_variance_groups and len({s.reward for s in samples}) == 1:
             state.stats.dropped_zero_variance_groups += 1
             return
         state.informative_prompts += prompts
-        if self.config.algorithm.scope == "step":
+        if self._experience.algorithm.scope == "step":
             state.held.extend(samples)
         else:
             self._prepare_and_pack(state, samples)
@@ -446,7 +388,7 @@ class ExperienceBatcher:
         state.stats.timed_out_prompts += 1
         logger.warning(
             "step %d: prompt_id=%d not finished within prompt_deadline_s=%.1f; cancelled, its rollouts are dropped",
-            state.packer.step, sample.prompt_id, self.config.prompt_deadline_s,
+            state.packer.step, sample.prompt_id, self._experience.prompt_deadline_s,
         )
 
     def _fail(self, state: _StepState, sample: Sample, cause: BaseException) -> None:
@@ -498,7 +440,7 @@ class ExperienceBatcher:
             return
         if not state.all_submitted(self.config.world_size):
             return
-        if state.needs_more_prompts(self.config.sampling):
+        if state.needs_more_prompts(self._experience.sampling):
             self._request_prompts(state)
             return
         if state.held:
@@ -540,17 +482,17 @@ class ExperienceBatcherActor:
         if generation_registry is None:
             generation_registry = get_or_create_registry(GENERATION)
         logprob_client: RequestClient | None = None
-        if config.logprob_role != "none":
+        if config.experience.logprob_role != "none":
             if logprob_registry is None:
                 logprob_registry = get_or_create_registry(LOGPROB)
             logprob_client = BatchedRegistryClient(logprob_registry)
         reference_client: RequestClient | None = None
-        if config.reference_pool:
+        if config.experience.reference_pool:
             if reference_registry is None:
                 reference_registry = get_or_create_registry(REFERENCE)
             reference_client = BatchedRegistryClient(reference_registry)
         teacher_client: RequestClient | None = None
-        if config.distill.teacher:
+        if config.experience.distill.teacher:
             if teacher_registry is None:
                 teacher_registry = get_or_create_registry(TEACHER)
             teacher_client = BatchedRegistryClient(teacher_registry)

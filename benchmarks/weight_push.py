@@ -486,6 +486,7 @@ class TrainerRole:
     def __init__(self, model_dir: Path, with_probe: bool, lora_r: int, run_dir: Path) -> None:
         import ray
 
+        from async_grpo.batching.batcher_config import ExperienceConfig
         from async_grpo.data.dataset import DatasetConfig
         from async_grpo.launch.ray_cluster import join_cluster
         from async_grpo.trainer.config import TrainerConfig
@@ -505,7 +506,8 @@ class TrainerRole:
         self.pushers = {
             mode: make_weight_pusher(TrainerConfig(run_dir=str(run_dir), model=model_config,
                                                    data=DatasetConfig(path=UNUSED_DATA_PATH),
-                                                   weight_push_mode=mode, logprob_role="old_policy"), self.dist)
+                                                   experience=ExperienceConfig(logprob_role="old_policy"),
+                                                   weight_push_mode=mode), self.dist)
             for mode in (LORA_MODES if lora_r else MODES)
         }
         self.stager = get_or_create_shard_stager()

@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from async_grpo.algo.algorithm import AlgorithmConfig, DistillConfig, LogprobRole, check_logprob_sources
+from async_grpo.algo.algorithm import check_logprob_sources
+from async_grpo.batching.batcher_config import ExperienceConfig
 from async_grpo.config.run_config import flattened
 from async_grpo.config.worker_options import RayConnectionConfig
 from async_grpo.data.dataset import DatasetConfig
-from async_grpo.rollouts.sampling import SEED_BOUND, SamplingConfig
+from async_grpo.rollouts.sampling import SEED_BOUND
 from async_grpo.telemetry.console import LogLevel
 from async_grpo.telemetry.metrics import MetricsConfig
 from async_grpo.trainer.evaluation import EvalConfig
@@ -40,13 +41,11 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     """GRPO loss options (KL in the loss or the reward, clipping, aggregation, ratio level,
     importance sampling)."""
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """Advantage estimator, or a user's prepare function (algorithm.prepare_batch)."""
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    """On-policy distillation from a teacher pool (`worker_dispatcher.py --mode teacher`)."""
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    """Rollout sampling (n per prompt, temperature, max_tokens, seed) and advantage options.
-    An unset sampling.seed is filled in from `seed` (see seed_sampling)."""
+    experience: ExperienceConfig = flattened(ExperienceConfig())
+    """What each step trains on: sampling, advantages, distillation, logprob sources, the lag
+    bound, the prompt deadline and the minibatch token budget. Its fields are top-level flags
+    (`--max_lag`, `--sampling.n`, ...; batcher_config.ExperienceConfig); the experience batcher
+    receives the section whole."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Periodic greedy accuracy (and pass@k) on held-out prompts through the generation workers
     (`eval.data.path`, `eval.every`; off by default). Rank 0 evaluates the weights just pushed."""
@@ -54,22 +53,11 @@ class TrainerConfig:
     """Optimizer steps to train for (a resumed run continues up to this total)."""
     prompts_per_rank: int = 8
     """Prompts each rank submits per step (the step's batch is world_size x this x n samples)."""
-    max_tokens_per_gpu: int = 8192
-    """Token budget of one packed minibatch on one rank (prompt + output tokens). Must be at least
-    data.max_prompt_tokens + sampling.max_tokens, the longest sample a run can produce, so that no
-    minibatch exceeds it (see oversized_sample_policy)."""
     oversized_sample_policy: Literal["refuse", "train_alone"] = "refuse"
     """refuse: a config under which one sample could exceed max_tokens_per_gpu
     (data.max_prompt_tokens + sampling.max_tokens > max_tokens_per_gpu) is an error at load time,
     so the budget bounds every minibatch. train_alone: accept it; a sample over the budget is
     trained alone in its own minibatch, over the bound (counts/oversized_samples per step)."""
-    max_lag: int = 1
-    """Most optimizer steps a rollout's weights may lag the step that trains on it (step - the
-    version of its oldest token: a rollout that straddles a push counts from the weights it
-    started on; 0 = synchronous, on-policy). A step's prompts are submitted as soon as weights
-    recent enough for it are published (version >= step - max_lag), so generation runs up to
-    max_lag steps ahead of training; rollouts staler than this (e.g. from a worker that missed a
-    push) are dropped and counted. Must be >= push_every - 1 (see push_every)."""
     epochs_per_step: int = 1
     """Passes over each step's samples, each ending in an optimizer step (PPO epochs; TRL's
     num_iterations). Passes after the first take the first pass's logprobs as pi_old (unless
@@ -105,13 +93,6 @@ class TrainerConfig:
     batcher; it reads every rank's minibatches, acknowledges them, and scatters each rank its
     share over the trainer's process group (gloo/NCCL), so the other ranks never receive data
     over Ray. Both give every rank the same minibatches."""
-    logprob_role: LogprobRole = "reference"
-    """What the logprob workers compute: reference logprobs (fixed weights, for the KL term),
-    old-policy logprobs (they receive weight pushes), or nothing (no logprob workers needed)."""
-    reference_pool: bool = False
-    """With logprob_role old_policy: also take reference logprobs (for a KL term in the loss or the
-    reward) from the reference pool, logprob workers on the frozen starting model started with
-    `worker_dispatcher.py --mode reference`."""
     checkpoint_every: int = 0
     """Checkpoint every N steps (0: only at the end of the run, see checkpoint_at_end)."""
     checkpoint_at_end: bool = True
@@ -137,8 +118,6 @@ class TrainerConfig:
     sampling.seed must stay unset: vLLM draws a seeded request's noise from its own generator, one
     request at a time in every decoding step (a loop vLLM marks as slow), which can cost
     throughput on large batches."""
-    prompt_deadline_s: float = 600.0
-    """A prompt not finished (generation + logprobs) within this is reported and counted."""
     message_timeout_s: float = 1800.0
     """Longest wait for the next minibatch before the trainer gives up with an error."""
     dist_timeout_s: float = 1800.0
@@ -163,15 +142,14 @@ class TrainerConfig:
     ranks show warnings only."""
 
     def __post_init__(self) -> None:
-        for name in ("num_steps", "prompts_per_rank", "max_tokens_per_gpu", "push_every", "keep_checkpoints",
-                     "epochs_per_step"):
+        # The experience section has checked its own fields (max_tokens_per_gpu >= 1, max_lag >= 0, ...).
+        for name in ("num_steps", "prompts_per_rank", "push_every", "keep_checkpoints", "epochs_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_lag < 0:
-            raise ValueError(f"TrainerConfig.max_lag must be >= 0, got {self.max_lag}")
-        if self.max_lag < self.push_every - 1:
+        max_lag = self.experience.max_lag
+        if max_lag < self.push_every - 1:
             raise ValueError(
-                f"TrainerConfig.max_lag={self.max_lag} is below push_every - 1 = {self.push_every - 1}: with "
+                f"TrainerConfig.max_lag={max_lag} is below push_every - 1 = {self.push_every - 1}: with "
                 f"push_every={self.push_every} step {self.push_every - 1} can only sample from weights published "
                 f"{self.push_every - 1} steps earlier, and all its rollouts would be dropped as stale; raise "
                 f"max_lag to at least {self.push_every - 1} (to {self.push_every} for full overlap) or lower push_every"
@@ -183,36 +161,39 @@ class TrainerConfig:
         if self.checkpoint_every < 0:
             raise ValueError(f"TrainerConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         self._check_logprob_sources()
-        if not self.seed_sampling and self.sampling.seed is not None:
+        sampling = self.experience.sampling
+        if not self.seed_sampling and sampling.seed is not None:
             raise ValueError(
-                f"TrainerConfig.seed_sampling is false but sampling.seed is {self.sampling.seed}: unset one of them"
+                f"TrainerConfig.seed_sampling is false but sampling.seed is {sampling.seed}: unset one of them"
             )
-        if self.seed_sampling and self.sampling.seed is None:
+        if self.seed_sampling and sampling.seed is None:
             if not 0 <= self.seed < SEED_BOUND:
                 raise ValueError(f"TrainerConfig.seed seeds sampling and must be in [0, 2**31), got {self.seed}")
             # The resolved seed is what config.yaml records and what the batcher sends.
-            object.__setattr__(self, "sampling", replace(self.sampling, seed=self.seed))
+            seeded = replace(sampling, seed=self.seed)
+            object.__setattr__(self, "experience", replace(self.experience, sampling=seeded))
 
     def _check_logprob_sources(self) -> None:
         """Every logprob the loss and the reward need has a service that computes it."""
-        check_logprob_sources("TrainerConfig", self.logprob_role, self.reference_pool, self.loss)
+        check_logprob_sources("TrainerConfig", self.experience.logprob_role, self.experience.reference_pool, self.loss)
 
     def _check_sample_budget(self) -> None:
         """Refuse (unless oversized_sample_policy allows it) a budget one sample could exceed."""
-        longest = self.data.max_prompt_tokens + self.sampling.max_tokens
-        environment = self.sampling.environment if self.sampling.environment.enabled else self.sampling.verifiers
+        sampling, budget = self.experience.sampling, self.experience.max_tokens_per_gpu
+        longest = self.data.max_prompt_tokens + sampling.max_tokens
+        environment = sampling.environment if sampling.environment.enabled else sampling.verifiers
         if environment.enabled:  # a multi-turn rollout's whole stream, observations included
             longest = environment.max_total_tokens
-            if self.oversized_sample_policy == "refuse" and longest > self.max_tokens_per_gpu:
+            if self.oversized_sample_policy == "refuse" and longest > budget:
                 raise ValueError(
-                    f"TrainerConfig.max_tokens_per_gpu={self.max_tokens_per_gpu} is below "
-                    f"sampling.{'environment' if environment is self.sampling.environment else 'verifiers'}"
+                    f"TrainerConfig.max_tokens_per_gpu={budget} is below "
+                    f"sampling.{'environment' if environment is sampling.environment else 'verifiers'}"
                     f".max_total_tokens={longest}: one multi-turn rollout could exceed the "
                     f"minibatch budget; raise max_tokens_per_gpu or lower max_total_tokens")
-        if self.oversized_sample_policy == "refuse" and longest > self.max_tokens_per_gpu:
+        if self.oversized_sample_policy == "refuse" and longest > budget:
             raise ValueError(
-                f"TrainerConfig.max_tokens_per_gpu={self.max_tokens_per_gpu} is below data.max_prompt_tokens + "
-                f"sampling.max_tokens = {self.data.max_prompt_tokens} + {self.sampling.max_tokens} = {longest}: "
+                f"TrainerConfig.max_tokens_per_gpu={budget} is below data.max_prompt_tokens + "
+                f"sampling.max_tokens = {self.data.max_prompt_tokens} + {sampling.max_tokens} = {longest}: "
                 f"one sample could exceed the minibatch budget; raise max_tokens_per_gpu to at least {longest}, "
                 f"lower data.max_prompt_tokens or sampling.max_tokens, or set oversized_sample_policy: train_alone"
             )

@@ -148,6 +148,26 @@ class _StepState:
         """Every rank has submitted the step's prompts (and those of its current resampling round)."""
         return len(self.submitted) == world_size and (self.round_index == 0 or len(self.round_submitted) == world_size)
 
+    def record_result(self, key: tuple[int, int], result: PromptRollouts) -> None:
+        """Count one finished prompt's rollouts (stale, missing, dropped, timings) and keep its
+        fresh ones for its group."""
+        stats = self.stats
+        stats.finished_prompts += 1
+        stats.dropped_stale += result.stale
+        stats.dropped_logprob_version += result.dropped_logprob_version
+        stats.generate_s += result.generate_s
+        stats.logprob_s += result.logprob_s
+        stats.teacher_s += result.teacher_s
+        stats.missing_rollouts += result.missing
+        self.groups.setdefault(key, []).extend(result.fresh)
+
+    def error_copy(self) -> ExperienceBatcherError:
+        """A fresh copy of the step's error (re-raising one object would pile up tracebacks)."""
+        assert self.error is not None
+        error = ExperienceBatcherError(str(self.error))
+        error.__cause__ = self.error.__cause__
+        return error
+
     def needs_more_prompts(self, sampling: SamplingConfig) -> bool:
         """Dynamic sampling: fewer informative prompts than submitted, and rounds left."""
         return (sampling.drop_zero_variance_groups and self.informative_prompts < self.target_prompts
@@ -232,7 +252,7 @@ class ExperienceBatcher:
         finally:
             state.stats.rank_wait_s += time.monotonic() - started
         if message is None:
-            raise self._step_error(state)
+            raise state.error_copy()
         if isinstance(message, EndOfStep):
             state.ended_ranks.add(rank)
             if len(state.ended_ranks) == self.config.world_size:
@@ -286,7 +306,7 @@ class ExperienceBatcher:
         if state is None:
             state = self._new_state(step)
         if state.error is not None:
-            raise self._step_error(state)
+            raise state.error_copy()
         return state
 
     def _new_state(self, step: int) -> _StepState:
@@ -339,20 +359,12 @@ class ExperienceBatcher:
             self._fail(state, sample, exc)
 
     def _accept(self, state: _StepState, key: tuple[int, int], result: PromptRollouts) -> None:
-        stats = state.stats
-        stats.finished_prompts += 1
-        stats.dropped_stale += result.stale
-        stats.dropped_logprob_version += result.dropped_logprob_version
-        stats.generate_s += result.generate_s
-        stats.logprob_s += result.logprob_s
-        stats.teacher_s += result.teacher_s
+        state.record_result(key, result)
         if result.missing:
-            stats.missing_rollouts += result.missing
             logger.warning(
                 "step %d: generate returned %d rollouts short of n=%d for a prompt",
                 state.packer.step, result.missing, self._experience.sampling.n,
             )
-        state.groups.setdefault(key, []).extend(result.fresh)
 
     def _release_group(self, state: _StepState, key: tuple[int, int]) -> None:
         """A group whose prompts have all finished: drop it (no reward variance, under dynamic
@@ -410,14 +422,6 @@ class ExperienceBatcher:
             if task is not current:
                 task.cancel()
         state.mailboxes.fail()
-
-    @staticmethod
-    def _step_error(state: _StepState) -> ExperienceBatcherError:
-        """A fresh copy of the step's error (re-raising one object would pile up tracebacks)."""
-        assert state.error is not None
-        error = ExperienceBatcherError(str(state.error))
-        error.__cause__ = state.error.__cause__
-        return error
 
     def _request_prompts(self, state: _StepState) -> None:
         """Ask every rank for an equal share of the missing informative prompts (rounded up, so

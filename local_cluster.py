@@ -647,8 +647,8 @@ def check_trainer_inputs(trainer_config: TrainerConfig, max_lora_rank: int = 0) 
     """Load the trainer's model folder, prompts and evaluation file as the trainer will, before
     Ray or any worker starts; exit 2 with one line on the first problem (also when the trainer
     trains LoRA adapters the generation workers, max_lora_rank, could not serve)."""
+    from async_grpo.trainer.run_inputs import InputError, load_run_inputs
     from setup_model import vllm_lora_rank
-    from trainer_core import InputError, load_run_inputs
 
     started = time.monotonic()
     lora_r = trainer_config.model.lora.r

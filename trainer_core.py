@@ -31,18 +31,18 @@ from ray.actor import ActorHandle
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
-from async_grpo.algo.algorithm import load_prepare_fn
 from async_grpo.batching.batcher_config import BatcherConfig
 from async_grpo.config.run_config import ConfigError, load_config, save_config
 from async_grpo.config.versions import TRAINER_REQUIREMENTS, VersionError, check_versions
 from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER
-from async_grpo.data.dataset import DatasetError, load_prompts
 from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
 from async_grpo.launch.ray_env import (
     GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name,
 )
 from async_grpo.telemetry.console import CONSOLE, LOG_FILE, configure_logging, log_run_summary
-from async_grpo.telemetry.metrics import StepAccumulator, StepDataLog, open_metrics_sink
+from async_grpo.telemetry.metrics import (
+    DiscardedMetrics, MetricsLogger, StepAccumulator, StepDataLog, open_metrics_sink,
+)
 from async_grpo.trainer.checkpoint import (
     BackgroundCheckpointWriter, CheckpointWriter, TrainerState, latest_checkpoint, load_checkpoint,
 )
@@ -54,12 +54,14 @@ from async_grpo.trainer.fsdp_setup import (
     DistInfo, build_training_model, check_trainer_gpus, host_gpu_count, init_distributed,
 )
 from async_grpo.trainer.optimizer import build_optimizer, build_scheduler
+from async_grpo.trainer.prompt_feeder import PromptFeeder, last_step_to_submit
+from async_grpo.trainer.run_inputs import InputError, RunInputs, check_teacher_tokenizer, load_run_inputs
 from async_grpo.trainer.weight_pusher import WeightPusher, resolve_push_dtype
 from async_grpo.trainer.weight_transfer_trainer import EngineWeightSender, check_transfer_pairing
 from async_grpo.weights.weight_sync import weights_dir
 from grpo_loss import grpo_loss, step_divisor
-from sample_processing_utils import PackedBatch, Sample, post_process_batch
-from setup_model import ModelPathError, TokenLogprobModel, check_model_dir, load_tokenizer
+from sample_processing_utils import PackedBatch, post_process_batch
+from setup_model import TokenLogprobModel
 from vllm_experience_batcher import EndOfStep, Minibatch, PromptRequest, RayRegistryClient, get_or_create_batcher
 
 logger = logging.getLogger(__name__)
@@ -137,58 +139,6 @@ def make_weight_pusher(config: TrainerConfig, dist: DistInfo) -> WeightPusher:
     return WeightPusher(config.weight_push_mode, dist.rank, dist.world_size, registries, config.message_timeout_s,
                         dtype=dtype, weights_root=weights_dir(config.run_dir), engine_transfer=sender,
                         object_store_weights=old_policy)
-
-
-def last_step_to_submit(published_version: int, config: TrainerConfig) -> int:
-    """The last step whose prompts may be generated once weights `published_version` are
-    published: step s needs a version >= s - max_lag (capped at the run's last step)."""
-    return min(published_version + config.experience.max_lag, config.num_steps - 1)
-
-
-class PromptFeeder:
-    """Draws each step's prompts from this rank's shard and submits them to the batcher, in step
-    order, each step once."""
-
-    def __init__(self, sampler: InfiniteDistributedSampler, data_path: PerRankDataPath | Rank0DataPath,
-                 config: TrainerConfig, dist: DistInfo, first_step: int, data_log: StepDataLog | None = None) -> None:
-        self._sampler = sampler
-        self._data_path = data_path
-        self._per_rank = config.prompts_per_rank
-        self._data_log = data_log if data_log is not None else StepDataLog(Path(config.run_dir), dist.rank)
-        """Told the prompts of each submitted step; run_step records them once the step trains."""
-        self.sampler_state_at_step: dict[int, dict[str, Any]] = {}
-        self._extra_draws: list[tuple[int, tuple[int, int]]] = []
-        """(step, (epoch, position)) of every extra prompt drawn for dynamic sampling."""
-        self.next_step = first_step
-        """The first step whose prompts are not submitted yet."""
-
-    def submit_through(self, last_step: int) -> None:
-        """Submit the prompts of every step not submitted yet, up to and including last_step."""
-        while self.next_step <= last_step:
-            self._submit(self.next_step)
-            self.next_step += 1
-
-    def _submit(self, step: int) -> None:
-        self.sampler_state_at_step[step] = self._sampler.state_dict()
-        indices = self._sampler.next_batch(self._per_rank)
-        self._data_path.submit_prompts(step, indices)
-        self._data_log.drawn(step, indices)
-
-    def submit_extra(self, request: PromptRequest) -> None:
-        """Draw and submit the extra prompts a step asks for (dynamic sampling). They come from the
-        data order now, possibly after later steps' prompts: `resume_state` accounts for that."""
-        drawn = self._sampler.next_drawn(request.count)
-        self._extra_draws.extend((request.step, where) for _, where in drawn)
-        indices = [index for index, _ in drawn]
-        self._data_path.submit_prompts(request.step, indices, request.round_index)
-        self._data_log.drawn_more(request.step, indices)
-
-    def resume_state(self, step: int) -> dict[str, Any]:
-        """Sampler state for a run resuming at `step`: where step's prompts were drawn from, passing
-        over the extra prompts that steps before it drew later (they have trained)."""
-        base = self.sampler_state_at_step.get(step, self._sampler.state_dict())
-        trained_extras = [where for extra_step, where in self._extra_draws if extra_step < step]
-        return InfiniteDistributedSampler.with_skipped(base, trained_extras)
 
 
 @dataclass(slots=True)
@@ -310,45 +260,85 @@ def _restore(config: TrainerConfig, dist: DistInfo, model: torch.nn.Module, opti
     return state
 
 
-@dataclass(frozen=True)
-class RunInputs:
-    """What a run reads from disk before it starts anything costly."""
+@dataclass(slots=True)
+class Run:
+    """A started run: what `train`'s loop holds besides each step's parts."""
 
-    prompts: list[Sample]
-    """The training prompts, every record validated."""
+    dist: DistInfo
+    """This rank's place in the process group."""
+    parts: StepParts
+    """What every step works on."""
+    start_step: int
+    """The first step to train: 0, or the step a resumed checkpoint continues at."""
     evaluator: Evaluator | None
-    """Held-out evaluation over eval.data (None when evaluation is off or not wanted here)."""
-
-
-class InputError(ValueError):
-    """A model folder, prompt file or evaluation file that cannot be used; one line, naming it."""
-
-
-def load_run_inputs(config: TrainerConfig, *, with_evaluator: bool) -> RunInputs:
-    """Check the model folder and load its tokenizer, every prompt and the evaluation prompts.
-
-    Seconds of work, run before any process group, Ray connection or model build (and by
-    local_cluster.py before any worker starts), so a bad path or a bad line 7 is reported at
-    once instead of after minutes of start-up. Raises InputError with the cause's message.
-    """
-    try:
-        load_prepare_fn(config.experience.algorithm)  # a user's prepare function imports now, or the run stops here
-        if config.experience.sampling.environment.enabled:  # the environment class imports and takes its options
-            config.experience.sampling.environment.check()
-        if config.experience.sampling.verifiers.enabled:  # verifiers, the taskset and the Env class import now
-            config.experience.sampling.verifiers.check()
-        check_model_dir(config.model.model_path)  # config and weights too, not only the tokenizer
-        tokenizer = load_tokenizer(config.model.model_path)
-        prompts = load_prompts(config.data, tokenizer)
-        evaluator = (Evaluator.load(config.eval, config.data, config.experience.sampling, tokenizer)
-                     if with_evaluator and config.eval.enabled else None)
-    except (ModelPathError, DatasetError, ValueError) as err:
-        raise InputError(str(err)) from err
-    return RunInputs(prompts=prompts, evaluator=evaluator)
+    """Held-out evaluation (rank 0, when eval is on), of the weights just pushed."""
+    metrics: MetricsLogger | DiscardedMetrics
+    """Where each step's metrics go (rank 0 writes them; other ranks discard theirs)."""
+    checkpoints: CheckpointWriter
+    """Saves a checkpoint when due and makes it visible once the step's records are written."""
 
 
 def train(config: TrainerConfig) -> None:
-    """Run the GRPO loop: get batch, loss, step, push weights, log, checkpoint."""
+    """Run the GRPO loop. Each step gets its batches, computes the loss, steps the optimizer and
+    pushes the weights (run_step); then it is evaluated and checkpointed when due, and logged."""
+    run = start_run(config)
+    try:
+        for step in range(run.start_step, config.num_steps):
+            _check_prompts_submitted(step, run.parts.feeder)
+            step_metrics = run_step(step, run.parts, config, run.dist)
+            if run.evaluator is not None and config.eval.is_due(step, config.num_steps):
+                step_metrics.update(evaluate(run.evaluator, step, config))
+            due = _should_checkpoint(step, config)
+            blocked_s = save_checkpoint_after(step, run.parts, run.checkpoints) if due else 0.0
+            step_metrics["timing/checkpoint_s"] = blocked_s
+            run.metrics.log(step, step_metrics)
+            if due:  # visible only now, after the records of every step it covers
+                run.checkpoints.commit()
+        run.checkpoints.close()  # the last background save is on disk before the ranks exit
+        run.parts.pusher.close()
+    except BaseException:
+        _close_after_error(run.checkpoints)
+        raise
+    finally:
+        run.metrics.close()
+    _end_run(config, run.dist)
+
+
+def start_run(config: TrainerConfig) -> Run:
+    """Everything before the first step: the policy and its optimizer (restored when resuming), the
+    batcher, the data path and the pusher, the first weights published with the prompts they are
+    recent enough for, the metrics sink and the checkpoint writer."""
+    inputs, dist = _join_run(config)
+    run_dir = Path(config.run_dir)
+    sampler = InfiniteDistributedSampler(len(inputs.prompts), dist.rank, dist.world_size, config.seed)
+    model, optimizer, scheduler = build_policy(config, dist)
+    restored = _restore(config, dist, model, optimizer, scheduler, sampler)
+    start_step = restored.step
+    # A resumed run trains again from start_step: the records a crashed run wrote for it and
+    # later steps are cut from metrics.jsonl and data_rank*.jsonl, so each step has one record.
+    resume_step = start_step if config.resume else None
+
+    batcher = _make_batcher(config, dist, restored.algorithm_state)
+    data_path = make_data_path(config.data_path, batcher, inputs.prompts, dist)
+    pusher = make_weight_pusher(config, dist)
+    data_log = StepDataLog(run_dir, dist.rank, resume_step=resume_step)
+    feeder = PromptFeeder(sampler, data_path, config, dist, first_step=start_step, data_log=data_log)
+    start_generation(model, pusher, feeder, start_step, config)
+    parts = StepParts(model=model, optimizer=optimizer, scheduler=scheduler, batcher=batcher, data_path=data_path,
+                      pusher=pusher, feeder=feeder, data_log=data_log)
+
+    metrics = open_metrics_sink(run_dir, is_main=dist.is_main, tensorboard=config.tensorboard,
+                                progress_total=config.num_steps, progress_start=start_step,
+                                progress_bar=config.progress_bar, resume_step=resume_step, report=config.metrics)
+    writer_class = BackgroundCheckpointWriter if config.checkpoint_async else CheckpointWriter
+    checkpoints = writer_class(run_dir, config.model.model_path, dist, keep=config.keep_checkpoints)
+    return Run(dist=dist, parts=parts, start_step=start_step, evaluator=inputs.evaluator, metrics=metrics,
+               checkpoints=checkpoints)
+
+
+def _join_run(config: TrainerConfig) -> tuple[RunInputs, DistInfo]:
+    """Read the run's inputs, join the Ray cluster and the process group, write config.yaml and
+    seed torch. Cheap failures first: a bad input or an unreachable cluster stops in seconds."""
     rank = int(os.environ.get("RANK", "0"))  # torchrun's; init_distributed reads the same variable
     inputs = load_run_inputs(config, with_evaluator=rank == 0)
     algorithm = config.experience.algorithm
@@ -363,10 +353,12 @@ def train(config: TrainerConfig) -> None:
     if dist.is_main:
         save_config(config, run_dir / "config.yaml")
     torch.manual_seed(config.seed + dist.rank)
+    return inputs, dist
 
-    prompts, evaluator = inputs.prompts, inputs.evaluator
-    sampler = InfiniteDistributedSampler(len(prompts), dist.rank, dist.world_size, config.seed)
-    checkpoint = latest_checkpoint(run_dir) if config.resume else None
+
+def build_policy(config: TrainerConfig, dist: DistInfo) -> tuple[TokenLogprobModel, torch.optim.Optimizer, LRScheduler]:
+    """The FSDP2-sharded policy (from the latest checkpoint when resuming), its optimizer and schedule."""
+    checkpoint = latest_checkpoint(Path(config.run_dir)) if config.resume else None
     if config.model.lora.enabled:
         # A LoRA checkpoint holds the adapter only: the base comes from model.model_path again.
         model = build_training_model(config.model, dist, adapter_dir=checkpoint)
@@ -375,49 +367,19 @@ def train(config: TrainerConfig) -> None:
         model_config = replace(config.model, model_path=str(checkpoint)) if checkpoint else config.model
         model = build_training_model(model_config, dist)
     optimizer = build_optimizer(model, config.optim)
-    scheduler = build_scheduler(optimizer, config.optim)
-    restored = _restore(config, dist, model, optimizer, scheduler, sampler)
-    start_step = restored.step
-    # A resumed run trains again from start_step: the records a crashed run wrote for it and
-    # later steps are cut from metrics.jsonl and data_rank*.jsonl, so each step has one record.
-    resume_step = start_step if config.resume else None
+    return model, optimizer, build_scheduler(optimizer, config.optim)
 
-    batcher = _make_batcher(config, dist, restored.algorithm_state)
-    data_path = make_data_path(config.data_path, batcher, prompts, dist)
-    pusher = make_weight_pusher(config, dist)
-    data_log = StepDataLog(run_dir, dist.rank, resume_step=resume_step)
-    feeder = PromptFeeder(sampler, data_path, config, dist, first_step=start_step, data_log=data_log)
-    start_generation(model, pusher, feeder, start_step, config)
-    parts = StepParts(model=model, optimizer=optimizer, scheduler=scheduler, batcher=batcher, data_path=data_path,
-                      pusher=pusher, feeder=feeder, data_log=data_log)
 
-    metrics = open_metrics_sink(run_dir, is_main=dist.is_main, tensorboard=config.tensorboard,
-                                progress_total=config.num_steps, progress_start=start_step,
-                                progress_bar=config.progress_bar, resume_step=resume_step, report=config.metrics)
-    writer_class = BackgroundCheckpointWriter if config.checkpoint_async else CheckpointWriter
-    checkpoints = writer_class(run_dir, config.model.model_path, dist, keep=config.keep_checkpoints)
-    try:
-        for step in range(start_step, config.num_steps):
-            if feeder.next_step <= step:
-                # TrainerConfig's max_lag >= push_every - 1 rules this out; were it to happen, the
-                # ranks would wait on the batcher for message_timeout_s instead of failing here.
-                raise RuntimeError(f"step {step} would train before its prompts were submitted")
-            step_metrics = run_step(step, parts, config, dist)
-            if evaluator is not None and config.eval.is_due(step, config.num_steps):
-                step_metrics.update(evaluate(evaluator, step, config))
-            due = _should_checkpoint(step, config)
-            blocked_s = save_checkpoint_after(step, parts, checkpoints) if due else 0.0
-            step_metrics["timing/checkpoint_s"] = blocked_s
-            metrics.log(step, step_metrics)
-            if due:  # visible only now, after the records of every step it covers
-                checkpoints.commit()
-        checkpoints.close()  # the last background save is on disk before the ranks exit
-        pusher.close()
-    except BaseException:
-        _close_after_error(checkpoints)
-        raise
-    finally:
-        metrics.close()
+def _check_prompts_submitted(step: int, feeder: PromptFeeder) -> None:
+    if feeder.next_step <= step:
+        # TrainerConfig's max_lag >= push_every - 1 rules this out; were it to happen, the
+        # ranks would wait on the batcher for message_timeout_s instead of failing here.
+        raise RuntimeError(f"step {step} would train before its prompts were submitted")
+
+
+def _end_run(config: TrainerConfig, dist: DistInfo) -> None:
+    """Every rank has finished: say where the outputs are, rank 0 sums the run up, leave the group."""
+    run_dir = Path(config.run_dir)
     torch_dist.barrier()
     logger.info("training finished at step %d; metrics in %s, every INFO line in %s", config.num_steps,
                 run_dir / "metrics.jsonl", run_dir / LOG_FILE, extra=CONSOLE)
@@ -473,24 +435,6 @@ def _should_checkpoint(step: int, config: TrainerConfig) -> bool:
     if step + 1 == config.num_steps and config.checkpoint_at_end:
         return True
     return config.checkpoint_every > 0 and (step + 1) % config.checkpoint_every == 0
-
-
-def check_teacher_tokenizer(teacher_registry: ActorHandle, student_model_path: str) -> None:
-    """Every registered teacher must share the student's tokenizer: it scores the student's token
-    ids one by one. Raises InputError (one line, exit 2) naming both models otherwise."""
-    from setup_model import tokenizer_fingerprint
-
-    student = tokenizer_fingerprint(load_tokenizer(student_model_path))
-    infos = ray.get(teacher_registry.broadcast.remote("model_info"))
-    if not infos:
-        raise RuntimeError(f"{registry_name(TEACHER)} has no workers: start them with "
-                           "`python worker_dispatcher.py --mode teacher --model_path <teacher> ...`")
-    for name, info in sorted(infos.items()):
-        if info["tokenizer_fingerprint"] != student:
-            raise InputError(f"teacher {name} ({info['model_path']}) and the student ({student_model_path}) have "
-                             "different tokenizers; distillation scores the student's token ids with the teacher, "
-                             "so both models must share one tokenizer")
-    logger.info("distillation: %d teacher worker(s) share the student's tokenizer", len(infos))
 
 
 def make_batcher_config(config: TrainerConfig, world_size: int) -> BatcherConfig:

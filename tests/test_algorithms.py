@@ -695,8 +695,8 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both_models(
 
     import ray as ray_module
 
+    from async_grpo.trainer.run_inputs import InputError, check_teacher_tokenizer
     from setup_model import load_tokenizer, tokenizer_fingerprint
-    from trainer_core import InputError, check_teacher_tokenizer
 
     other = tmp_path / "other-teacher"
     tokenizer = load_tokenizer(tiny_model_dir)

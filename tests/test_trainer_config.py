@@ -54,7 +54,7 @@ def test_budget_must_hold_the_longest_sample() -> None:
 
 def test_a_multi_turn_rollout_must_fit_the_budget_and_its_environment_must_import(tmp_path: Path) -> None:
     from async_grpo.rollouts.environments import EnvironmentConfig
-    from trainer_core import InputError, load_run_inputs
+    from async_grpo.trainer.run_inputs import InputError, load_run_inputs
 
     def with_environment(name: str, max_total_tokens: int, max_tokens_per_gpu: int) -> TrainerConfig:
         environment = EnvironmentConfig(name=name, max_total_tokens=max_total_tokens)

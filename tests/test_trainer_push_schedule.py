@@ -26,10 +26,11 @@ from async_grpo.trainer.data_path import PerRankDataPath, RayBatcherClient
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from async_grpo.trainer.fsdp_setup import DistInfo
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler
+from async_grpo.trainer.prompt_feeder import PromptFeeder
 from grpo_loss import LossConfig
 from sample_processing_utils import Sample
 from setup_model import TokenLogprobModel, load_causal_lm
-from trainer_core import PromptFeeder, StepParts, run_step, start_generation
+from trainer_core import StepParts, run_step, start_generation
 from vllm_experience_batcher import EndOfStep, Minibatch
 
 # run_step reads no data (the stand-in batcher makes the prompts), but TrainerConfig checks its budget.

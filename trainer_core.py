@@ -94,14 +94,17 @@ def _registry(kind: str) -> ActorHandle:
 
 
 class Publisher(Protocol):
-    """What run_step needs from a weight pusher (weight_pusher.WeightPusher; tests pass stand-ins)."""
+    """What the loop needs from a weight pusher (weight_pusher.WeightPusher; tests of run_step pass
+    stand-ins that only push)."""
 
     def push(self, model: torch.nn.Module, version: int, initial: bool = False) -> float: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(slots=True)
 class StepParts:
-    """What every step works on, built once by `train`."""
+    """What every step works on, built once by `start_run`."""
 
     model: TokenLogprobModel
     """The FSDP2-sharded policy."""

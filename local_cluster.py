@@ -46,7 +46,7 @@ from async_grpo.launch.ray_cluster import init_local_ray
 from async_grpo.launch.ray_env import LOOPBACK_ONLY_ENV, RAY_NAMESPACE, REPO_ROOT, repo_pythonpath
 
 if TYPE_CHECKING:
-    from trainer_core import TrainerConfig
+    from async_grpo.trainer.config import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def plan_for(config: LocalClusterConfig, trainer_config: TrainerConfig | None = 
         trainer_ranks=config.nproc_per_node or default_trainer_ranks(
             gpus, config.generation_workers * config.engine.tensor_parallel_size + config.total_workers
             - config.generation_workers),
-        max_tokens_per_gpu=trainer_config.max_tokens_per_gpu if trainer_config is not None else 8192,
+        max_tokens_per_gpu=trainer_config.experience.max_tokens_per_gpu if trainer_config is not None else 8192,
         logprob_chunk_size=model_options.logprob_chunk_size if model_options else 1024,
         gradient_checkpointing=model_options.gradient_checkpointing if model_options else False,
         generation_workers=config.generation_workers, tensor_parallel_size=config.engine.tensor_parallel_size,
@@ -192,16 +192,6 @@ def plan_for(config: LocalClusterConfig, trainer_config: TrainerConfig | None = 
         return Placement(), run
     shape = ModelShape.from_hf_config(json.loads((Path(config.model_path) / "config.json").read_text()))
     return plan_placement(gpus, memory, shape, run), run
-
-
-def longest_sample(trainer_config: TrainerConfig) -> int:
-    """The longest sample the run can produce: a multi-turn episode's token limit, else the prompt
-    budget plus the response budget (what the engines' max_model_len must hold)."""
-    sampling = trainer_config.sampling
-    episodes = sampling.environment if sampling.environment.enabled else sampling.verifiers
-    if episodes.enabled:
-        return episodes.max_total_tokens
-    return trainer_config.data.max_prompt_tokens + sampling.max_tokens
 
 
 class LocalCluster:
@@ -406,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     placement, run = plan_or_exit(config, trainer_config)
     # A dry run shows the plan of the machine it describes: a GPU plan gets the CUDA engine settings.
     cuda = cuda_available() or (config.dry_run and placement.on_gpu)
-    cluster = LocalCluster(config, placement, longest_sample(trainer_config), cuda=cuda)
+    cluster = LocalCluster(config, placement, trainer_config.longest_sample, cuda=cuda)
     plan_lines = placement.lines(run) + cluster.engine_choices
     if config.dry_run:
         print("\n".join(plan_lines), flush=True)
@@ -520,8 +510,8 @@ def check_trainer_inputs(trainer_config: TrainerConfig, max_lora_rank: int = 0) 
     """Load the trainer's model folder, prompts and evaluation file as the trainer will, before
     Ray or any worker starts; exit 2 with one line on the first problem (also when the trainer
     trains LoRA adapters the generation workers, max_lora_rank, could not serve)."""
+    from async_grpo.trainer.run_inputs import InputError, load_run_inputs
     from setup_model import vllm_lora_rank
-    from trainer_core import InputError, load_run_inputs
 
     started = time.monotonic()
     lora_r = trainer_config.model.lora.r

@@ -20,9 +20,9 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import ray
 import torch
@@ -31,234 +31,40 @@ from ray.actor import ActorHandle
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
-from async_grpo.algo.algorithm import (
-    AlgorithmConfig, DistillConfig, LogprobRole, check_logprob_sources, load_prepare_fn,
-)
-from async_grpo.config.run_config import ConfigError, flattened, load_config, save_config
+from async_grpo.batching.batcher_config import BatcherConfig
+from async_grpo.config.run_config import ConfigError, load_config, save_config
 from async_grpo.config.versions import TRAINER_REQUIREMENTS, VersionError, check_versions
-from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, RayConnectionConfig
-from async_grpo.data.dataset import DatasetConfig, DatasetError, load_prompts
+from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER
 from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
 from async_grpo.launch.ray_env import (
     GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name,
 )
-from async_grpo.rollouts.sampling import SEED_BOUND, SamplingConfig
-from async_grpo.telemetry.console import CONSOLE, LOG_FILE, LogLevel, configure_logging, log_run_summary
-from async_grpo.telemetry.metrics import MetricsConfig, StepAccumulator, StepDataLog, open_metrics_sink
+from async_grpo.telemetry.console import CONSOLE, LOG_FILE, configure_logging, log_run_summary
+from async_grpo.telemetry.metrics import (
+    DiscardedMetrics, MetricsLogger, StepAccumulator, StepDataLog, open_metrics_sink,
+)
 from async_grpo.trainer.checkpoint import (
     BackgroundCheckpointWriter, CheckpointWriter, TrainerState, latest_checkpoint, load_checkpoint,
 )
+from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.data_path import PerRankDataPath, Rank0DataPath, make_data_path
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
-from async_grpo.trainer.evaluation import EvalConfig, Evaluator
+from async_grpo.trainer.evaluation import Evaluator
 from async_grpo.trainer.fsdp_setup import (
     DistInfo, build_training_model, check_trainer_gpus, host_gpu_count, init_distributed,
 )
-from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler
+from async_grpo.trainer.optimizer import build_optimizer, build_scheduler
+from async_grpo.trainer.prompt_feeder import PromptFeeder, last_step_to_submit
+from async_grpo.trainer.run_inputs import InputError, RunInputs, check_teacher_tokenizer, load_run_inputs
 from async_grpo.trainer.weight_pusher import WeightPusher, resolve_push_dtype
-from async_grpo.trainer.weight_transfer_trainer import EngineWeightSender, TrainerTransferConfig, check_transfer_pairing
+from async_grpo.trainer.weight_transfer_trainer import EngineWeightSender, check_transfer_pairing
 from async_grpo.weights.weight_sync import weights_dir
-from grpo_loss import LossConfig, grpo_loss, step_divisor
-from sample_processing_utils import PackedBatch, Sample, post_process_batch
-from setup_model import ModelConfig, ModelPathError, TokenLogprobModel, check_model_dir, load_tokenizer
-from vllm_experience_batcher import (
-    BatcherConfig, EndOfStep, Minibatch, PromptRequest, RayRegistryClient, get_or_create_batcher,
-)
+from grpo_loss import grpo_loss, step_divisor
+from sample_processing_utils import PackedBatch, post_process_batch
+from setup_model import TokenLogprobModel
+from vllm_experience_batcher import EndOfStep, Minibatch, PromptRequest, RayRegistryClient, get_or_create_batcher
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True, frozen=True)
-class TrainerConfig:
-    """Everything a run needs; saved as run_dir/config.yaml."""
-
-    run_dir: str = "runs/grpo"
-    """Where config, metrics, TensorBoard logs and checkpoints go."""
-    model: ModelConfig
-    """Policy model (path, chunk size, gradient checkpointing)."""
-    data: DatasetConfig
-    """Prompt dataset."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """AdamW, learning-rate schedule and gradient clipping."""
-    loss: LossConfig = field(default_factory=LossConfig)
-    """GRPO loss options (KL in the loss or the reward, clipping, aggregation, ratio level,
-    importance sampling)."""
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """Advantage estimator, or a user's prepare function (algorithm.prepare_batch)."""
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    """On-policy distillation from a teacher pool (`worker_dispatcher.py --mode teacher`)."""
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    """Rollout sampling (n per prompt, temperature, max_tokens, seed) and advantage options.
-    An unset sampling.seed is filled in from `seed` (see seed_sampling)."""
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    """Periodic greedy accuracy (and pass@k) on held-out prompts through the generation workers
-    (`eval.data.path`, `eval.every`; off by default). Rank 0 evaluates the weights just pushed."""
-    num_steps: int = 100
-    """Optimizer steps to train for (a resumed run continues up to this total)."""
-    prompts_per_rank: int = 8
-    """Prompts each rank submits per step (the step's batch is world_size x this x n samples)."""
-    max_tokens_per_gpu: int = 8192
-    """Token budget of one packed minibatch on one rank (prompt + output tokens). Must be at least
-    data.max_prompt_tokens + sampling.max_tokens, the longest sample a run can produce, so that no
-    minibatch exceeds it (see oversized_sample_policy)."""
-    oversized_sample_policy: Literal["refuse", "train_alone"] = "refuse"
-    """refuse: a config under which one sample could exceed max_tokens_per_gpu
-    (data.max_prompt_tokens + sampling.max_tokens > max_tokens_per_gpu) is an error at load time,
-    so the budget bounds every minibatch. train_alone: accept it; a sample over the budget is
-    trained alone in its own minibatch, over the bound (counts/oversized_samples per step)."""
-    max_lag: int = 1
-    """Most optimizer steps a rollout's weights may lag the step that trains on it (step - the
-    version of its oldest token: a rollout that straddles a push counts from the weights it
-    started on; 0 = synchronous, on-policy). A step's prompts are submitted as soon as weights
-    recent enough for it are published (version >= step - max_lag), so generation runs up to
-    max_lag steps ahead of training; rollouts staler than this (e.g. from a worker that missed a
-    push) are dropped and counted. Must be >= push_every - 1 (see push_every)."""
-    epochs_per_step: int = 1
-    """Passes over each step's samples, each ending in an optimizer step (PPO epochs; TRL's
-    num_iterations). Passes after the first take the first pass's logprobs as pi_old (unless
-    the samples carry old-policy logprobs), so the clipped ratio bounds how far one batch moves
-    the policy. Weights are pushed, and the lr schedule advances, once per step."""
-    weight_push_mode: Literal["gather", "sharded", "lora_files"] = "gather"
-    """gather: rank 0 publishes the full state (with model.lora: the adapter); sharded: every
-    rank publishes its own FSDP shards (of the adapter, with model.lora); lora_files (model.lora
-    only): rank 0 writes the adapter to <run_dir>/weights/step_N/ and workers load it from there
-    (a filesystem every worker reads). LoRA pushes are made loadable by <run_dir>/weights/STABLE,
-    which workers must be able to read in every mode."""
-    transfer: TrainerTransferConfig = field(default_factory=TrainerTransferConfig)
-    """How full weights reach the generation engines: weight_transfer 'object_store' (the
-    WeightUpdate path), or on CUDA one of vLLM's engines driven from the trainer's GPUs ('nccl'
-    with weight_push_mode gather, 'nccl_m2n' with sharded, 'ipc' with gather on the engines'
-    GPUs); must equal the generation workers' EngineConfig.weight_transfer."""
-    weight_push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Dtype of the weights pushed to the inference workers (cast on each rank before they leave
-    it; checkpoints stay fp32). auto: bfloat16 when the trainer computes in bf16 (on CUDA with
-    model.mixed_precision), else float32, so workers receive what the trainer computed with and
-    a push moves half the bytes of fp32 on GPU."""
-    push_every: int = 1
-    """Publish weights to the inference workers after every this many steps (and after the last
-    step), i.e. only versions that are multiples of push_every (plus the start). The staleness
-    bound stays max_lag steps, counted against the published versions: step s's prompts wait for
-    a published version >= s - max_lag. That needs max_lag >= push_every - 1 (step
-    push_every - 1 can only use version 0). With max_lag == push_every - 1 the prompts of the step
-    right after a push are generated only after that push, while nothing trains; from max_lag >=
-    push_every on, generation overlaps training at every step."""
-    data_path: Literal["per_rank", "rank0"] = "per_rank"
-    """How ranks exchange prompts and minibatches with the batcher (data_path.py). per_rank: each
-    rank submits its prompts and pulls its minibatches over Ray. rank0: only rank 0 talks to the
-    batcher; it reads every rank's minibatches, acknowledges them, and scatters each rank its
-    share over the trainer's process group (gloo/NCCL), so the other ranks never receive data
-    over Ray. Both give every rank the same minibatches."""
-    logprob_role: LogprobRole = "reference"
-    """What the logprob workers compute: reference logprobs (fixed weights, for the KL term),
-    old-policy logprobs (they receive weight pushes), or nothing (no logprob workers needed)."""
-    reference_pool: bool = False
-    """With logprob_role old_policy: also take reference logprobs (for a KL term in the loss or the
-    reward) from the reference pool, logprob workers on the frozen starting model started with
-    `worker_dispatcher.py --mode reference`."""
-    checkpoint_every: int = 0
-    """Checkpoint every N steps (0: only at the end of the run, see checkpoint_at_end)."""
-    checkpoint_at_end: bool = True
-    """Checkpoint after the last step. A checkpoint gathers the full optimizer state on rank 0
-    (for AdamW, twice the fp32 weights): turn it off for throwaway runs where host memory is short."""
-    keep_checkpoints: int = 2
-    """Complete checkpoints kept on disk (older ones are deleted)."""
-    checkpoint_async: bool = False
-    """Write checkpoints on a background thread of rank 0 while training goes on. The loop then
-    blocks only for the snapshot (weights and optimizer state gathered into CPU copies) and, when
-    the previous save is still writing, for that one: one save at a time. Rank 0 holds the copies
-    (for AdamW about 3x the fp32 weights of host memory) until they are written. Still atomic (a
-    tmp directory renamed into place); the trainer waits for the last save before it exits.
-    `timing/checkpoint_s` is the time the loop was blocked by checkpointing, in either mode."""
-    resume: bool = False
-    """Continue from the latest complete checkpoint in run_dir."""
-    seed: int = 0
-    """Seed of the data order, the torch RNG and (see seed_sampling) rollout sampling."""
-    seed_sampling: bool = True
-    """Seed rollout sampling with `seed` when sampling.seed is unset, so a rerun or a resumed run
-    samples the same rollouts (within float-level kernel differences); each step still gets its
-    own seed (vllm_experience_batcher.step_sampling). False samples unseeded, and then
-    sampling.seed must stay unset: vLLM draws a seeded request's noise from its own generator, one
-    request at a time in every decoding step (a loop vLLM marks as slow), which can cost
-    throughput on large batches."""
-    prompt_deadline_s: float = 600.0
-    """A prompt not finished (generation + logprobs) within this is reported and counted."""
-    message_timeout_s: float = 1800.0
-    """Longest wait for the next minibatch before the trainer gives up with an error."""
-    dist_timeout_s: float = 1800.0
-    """torch.distributed collective timeout: a dead rank stops the others with an error. The
-    rank-0 data path waits 0.9 of it, so a dead or hung rank 0 is reported as Rank0DataPathError
-    before NCCL's watchdog aborts the process."""
-    connection: RayConnectionConfig = flattened(RayConnectionConfig())
-    """Which Ray cluster to join (started with `ray start`) and how long to try
-    (worker_options.RayConnectionConfig)."""
-    tensorboard: bool = True
-    """Also write metrics to run_dir/tensorboard (false: off, whatever metrics.report_to says)."""
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    """Where rank 0 reports metrics besides metrics.jsonl: TensorBoard, W&B, MLflow, trackio (docs/trackers.md)."""
-    progress_bar: bool = True
-    """Rank 0's progress on the console: a bar (reward, its 10-step mean, the last evaluation's
-    accuracy, step time) on a terminal, a line every tenth of the run elsewhere (docs/console.md)."""
-    log_level: LogLevel = "warning"
-    """What rank 0's console shows besides the progress, evaluation lines and the end-of-run
-    summary. warning: warnings and errors only; every INFO line (per step: metrics, weight push)
-    goes to run_dir/run.log. info: the INFO lines on the console too, as well as Ray's start-up
-    lines; debug: DEBUG lines as well, in both. local_cluster.py's console follows it too. Other
-    ranks show warnings only."""
-
-    def __post_init__(self) -> None:
-        for name in ("num_steps", "prompts_per_rank", "max_tokens_per_gpu", "push_every", "keep_checkpoints",
-                     "epochs_per_step"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_lag < 0:
-            raise ValueError(f"TrainerConfig.max_lag must be >= 0, got {self.max_lag}")
-        if self.max_lag < self.push_every - 1:
-            raise ValueError(
-                f"TrainerConfig.max_lag={self.max_lag} is below push_every - 1 = {self.push_every - 1}: with "
-                f"push_every={self.push_every} step {self.push_every - 1} can only sample from weights published "
-                f"{self.push_every - 1} steps earlier, and all its rollouts would be dropped as stale; raise "
-                f"max_lag to at least {self.push_every - 1} (to {self.push_every} for full overlap) or lower push_every"
-            )
-        self._check_sample_budget()
-        if self.weight_push_mode == "lora_files" and not self.model.lora.enabled:
-            raise ValueError("TrainerConfig.weight_push_mode lora_files pushes LoRA adapters: set model.lora.r > 0, "
-                             "or use gather/sharded for full weights")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"TrainerConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        self._check_logprob_sources()
-        if not self.seed_sampling and self.sampling.seed is not None:
-            raise ValueError(
-                f"TrainerConfig.seed_sampling is false but sampling.seed is {self.sampling.seed}: unset one of them"
-            )
-        if self.seed_sampling and self.sampling.seed is None:
-            if not 0 <= self.seed < SEED_BOUND:
-                raise ValueError(f"TrainerConfig.seed seeds sampling and must be in [0, 2**31), got {self.seed}")
-            # The resolved seed is what config.yaml records and what the batcher sends.
-            object.__setattr__(self, "sampling", replace(self.sampling, seed=self.seed))
-
-    def _check_logprob_sources(self) -> None:
-        """Every logprob the loss and the reward need has a service that computes it."""
-        check_logprob_sources("TrainerConfig", self.logprob_role, self.reference_pool, self.loss)
-
-    def _check_sample_budget(self) -> None:
-        """Refuse (unless oversized_sample_policy allows it) a budget one sample could exceed."""
-        longest = self.data.max_prompt_tokens + self.sampling.max_tokens
-        environment = self.sampling.environment if self.sampling.environment.enabled else self.sampling.verifiers
-        if environment.enabled:  # a multi-turn rollout's whole stream, observations included
-            longest = environment.max_total_tokens
-            if self.oversized_sample_policy == "refuse" and longest > self.max_tokens_per_gpu:
-                raise ValueError(
-                    f"TrainerConfig.max_tokens_per_gpu={self.max_tokens_per_gpu} is below "
-                    f"sampling.{'environment' if environment is self.sampling.environment else 'verifiers'}"
-                    f".max_total_tokens={longest}: one multi-turn rollout could exceed the "
-                    f"minibatch budget; raise max_tokens_per_gpu or lower max_total_tokens")
-        if self.oversized_sample_policy == "refuse" and longest > self.max_tokens_per_gpu:
-            raise ValueError(
-                f"TrainerConfig.max_tokens_per_gpu={self.max_tokens_per_gpu} is below data.max_prompt_tokens + "
-                f"sampling.max_tokens = {self.data.max_prompt_tokens} + {self.sampling.max_tokens} = {longest}: "
-                f"one sample could exceed the minibatch budget; raise max_tokens_per_gpu to at least {longest}, "
-                f"lower data.max_prompt_tokens or sampling.max_tokens, or set oversized_sample_policy: train_alone"
-            )
 
 
 def setup_logging(config: TrainerConfig, rank: int) -> None:
@@ -288,14 +94,17 @@ def _registry(kind: str) -> ActorHandle:
 
 
 class Publisher(Protocol):
-    """What run_step needs from a weight pusher (weight_pusher.WeightPusher; tests pass stand-ins)."""
+    """What the loop needs from a weight pusher (weight_pusher.WeightPusher; tests of run_step pass
+    stand-ins that only push)."""
 
     def push(self, model: torch.nn.Module, version: int, initial: bool = False) -> float: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(slots=True)
 class StepParts:
-    """What every step works on, built once by `train`."""
+    """What every step works on, built once by `start_run`."""
 
     model: TokenLogprobModel
     """The FSDP2-sharded policy."""
@@ -319,7 +128,7 @@ def make_weight_pusher(config: TrainerConfig, dist: DistInfo) -> WeightPusher:
     """The pusher of this rank: rank 0 broadcasts to the registries of every kind that serves
     the policy (generation; logprob too when it computes old-policy logprobs). With a CUDA
     transfer (config.transfer) full weights reach the generation engines through it."""
-    old_policy = config.logprob_role == "old_policy"
+    old_policy = config.experience.logprob_role == "old_policy"
     kinds = [GENERATION] + ([LOGPROB] if old_policy else [])
     registries = [_registry(kind) for kind in kinds] if dist.is_main else []
     dtype = resolve_push_dtype(config.weight_push_dtype, dist.device, config.model.mixed_precision)
@@ -333,58 +142,6 @@ def make_weight_pusher(config: TrainerConfig, dist: DistInfo) -> WeightPusher:
     return WeightPusher(config.weight_push_mode, dist.rank, dist.world_size, registries, config.message_timeout_s,
                         dtype=dtype, weights_root=weights_dir(config.run_dir), engine_transfer=sender,
                         object_store_weights=old_policy)
-
-
-def last_step_to_submit(published_version: int, config: TrainerConfig) -> int:
-    """The last step whose prompts may be generated once weights `published_version` are
-    published: step s needs a version >= s - max_lag (capped at the run's last step)."""
-    return min(published_version + config.max_lag, config.num_steps - 1)
-
-
-class PromptFeeder:
-    """Draws each step's prompts from this rank's shard and submits them to the batcher, in step
-    order, each step once."""
-
-    def __init__(self, sampler: InfiniteDistributedSampler, data_path: PerRankDataPath | Rank0DataPath,
-                 config: TrainerConfig, dist: DistInfo, first_step: int, data_log: StepDataLog | None = None) -> None:
-        self._sampler = sampler
-        self._data_path = data_path
-        self._per_rank = config.prompts_per_rank
-        self._data_log = data_log if data_log is not None else StepDataLog(Path(config.run_dir), dist.rank)
-        """Told the prompts of each submitted step; run_step records them once the step trains."""
-        self.sampler_state_at_step: dict[int, dict[str, Any]] = {}
-        self._extra_draws: list[tuple[int, tuple[int, int]]] = []
-        """(step, (epoch, position)) of every extra prompt drawn for dynamic sampling."""
-        self.next_step = first_step
-        """The first step whose prompts are not submitted yet."""
-
-    def submit_through(self, last_step: int) -> None:
-        """Submit the prompts of every step not submitted yet, up to and including last_step."""
-        while self.next_step <= last_step:
-            self._submit(self.next_step)
-            self.next_step += 1
-
-    def _submit(self, step: int) -> None:
-        self.sampler_state_at_step[step] = self._sampler.state_dict()
-        indices = self._sampler.next_batch(self._per_rank)
-        self._data_path.submit_prompts(step, indices)
-        self._data_log.drawn(step, indices)
-
-    def submit_extra(self, request: PromptRequest) -> None:
-        """Draw and submit the extra prompts a step asks for (dynamic sampling). They come from the
-        data order now, possibly after later steps' prompts: `resume_state` accounts for that."""
-        drawn = self._sampler.next_drawn(request.count)
-        self._extra_draws.extend((request.step, where) for _, where in drawn)
-        indices = [index for index, _ in drawn]
-        self._data_path.submit_prompts(request.step, indices, request.round_index)
-        self._data_log.drawn_more(request.step, indices)
-
-    def resume_state(self, step: int) -> dict[str, Any]:
-        """Sampler state for a run resuming at `step`: where step's prompts were drawn from, passing
-        over the extra prompts that steps before it drew later (they have trained)."""
-        base = self.sampler_state_at_step.get(step, self._sampler.state_dict())
-        trained_extras = [where for extra_step, where in self._extra_draws if extra_step < step]
-        return InfiniteDistributedSampler.with_skipped(base, trained_extras)
 
 
 @dataclass(slots=True)
@@ -488,7 +245,8 @@ def gradient_divisor(end: EndOfStep, config: TrainerConfig) -> float:
     """The step's loss divisor under loss.aggregation (grpo_loss.step_divisor)."""
     if config.loss.aggregation == "token_mean" and end.num_samples > 0 and end.num_output_tokens <= 0:
         raise RuntimeError(f"step {end.step}: EndOfStep carries no output-token count for aggregation token_mean")
-    return step_divisor(config.loss.aggregation, end.num_samples, end.num_output_tokens, config.sampling.max_tokens)
+    max_tokens = config.experience.sampling.max_tokens
+    return step_divisor(config.loss.aggregation, end.num_samples, end.num_output_tokens, max_tokens)
 
 
 def _restore(config: TrainerConfig, dist: DistInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -505,71 +263,58 @@ def _restore(config: TrainerConfig, dist: DistInfo, model: torch.nn.Module, opti
     return state
 
 
-@dataclass(frozen=True)
-class RunInputs:
-    """What a run reads from disk before it starts anything costly."""
+@dataclass(slots=True)
+class Run:
+    """A started run: what `train`'s loop holds besides each step's parts."""
 
-    prompts: list[Sample]
-    """The training prompts, every record validated."""
+    dist: DistInfo
+    """This rank's place in the process group."""
+    parts: StepParts
+    """What every step works on."""
+    start_step: int
+    """The first step to train: 0, or the step a resumed checkpoint continues at."""
     evaluator: Evaluator | None
-    """Held-out evaluation over eval.data (None when evaluation is off or not wanted here)."""
-
-
-class InputError(ValueError):
-    """A model folder, prompt file or evaluation file that cannot be used; one line, naming it."""
-
-
-def load_run_inputs(config: TrainerConfig, *, with_evaluator: bool) -> RunInputs:
-    """Check the model folder and load its tokenizer, every prompt and the evaluation prompts.
-
-    Seconds of work, run before any process group, Ray connection or model build (and by
-    local_cluster.py before any worker starts), so a bad path or a bad line 7 is reported at
-    once instead of after minutes of start-up. Raises InputError with the cause's message.
-    """
-    try:
-        load_prepare_fn(config.algorithm)  # a user's prepare function imports now, or the run stops here
-        if config.sampling.environment.enabled:  # the environment class imports and takes its options
-            config.sampling.environment.check()
-        if config.sampling.verifiers.enabled:  # verifiers, the taskset and the Env class import now
-            config.sampling.verifiers.check()
-        check_model_dir(config.model.model_path)  # config and weights too, not only the tokenizer
-        tokenizer = load_tokenizer(config.model.model_path)
-        prompts = load_prompts(config.data, tokenizer)
-        evaluator = (Evaluator.load(config.eval, config.data, config.sampling, tokenizer)
-                     if with_evaluator and config.eval.enabled else None)
-    except (ModelPathError, DatasetError, ValueError) as err:
-        raise InputError(str(err)) from err
-    return RunInputs(prompts=prompts, evaluator=evaluator)
+    """Held-out evaluation (rank 0, when eval is on), of the weights just pushed."""
+    metrics: MetricsLogger | DiscardedMetrics
+    """Where each step's metrics go (rank 0 writes them; other ranks discard theirs)."""
+    checkpoints: CheckpointWriter
+    """Saves a checkpoint when due and makes it visible once the step's records are written."""
 
 
 def train(config: TrainerConfig) -> None:
-    """Run the GRPO loop: get batch, loss, step, push weights, log, checkpoint."""
-    rank = int(os.environ.get("RANK", "0"))  # torchrun's; init_distributed reads the same variable
-    inputs = load_run_inputs(config, with_evaluator=rank == 0)
-    if config.loss.kl_in_reward and config.algorithm.estimator == "grpo" and config.algorithm.prepare_batch is None:
-        logger.warning("loss.kl_in_reward with the grpo estimator: the std division scales the KL differences "
-                       "inside equal-reward groups up to unit advantages, which can swamp the reward signal "
-                       "(benchmarks/RESULTS.md, 'Algorithm variants'); dr_grpo or reinforce_pp keep them small")
-    _connect_ray(config)  # before the process group: a cluster we cannot join fails in seconds, not at a collective
-    dist = init_distributed(config.dist_timeout_s)
-    run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if dist.is_main:
-        save_config(config, run_dir / "config.yaml")
-    torch.manual_seed(config.seed + dist.rank)
+    """Run the GRPO loop. Each step gets its batches, computes the loss, steps the optimizer and
+    pushes the weights (run_step); then it is evaluated and checkpointed when due, and logged."""
+    run = start_run(config)
+    try:
+        for step in range(run.start_step, config.num_steps):
+            _check_prompts_submitted(step, run.parts.feeder)
+            step_metrics = run_step(step, run.parts, config, run.dist)
+            if run.evaluator is not None and config.eval.is_due(step, config.num_steps):
+                step_metrics.update(evaluate(run.evaluator, step, config))
+            due = _should_checkpoint(step, config)
+            blocked_s = save_checkpoint_after(step, run.parts, run.checkpoints) if due else 0.0
+            step_metrics["timing/checkpoint_s"] = blocked_s
+            run.metrics.log(step, step_metrics)
+            if due:  # visible only now, after the records of every step it covers
+                run.checkpoints.commit()
+        run.checkpoints.close()  # the last background save is on disk before the ranks exit
+        run.parts.pusher.close()
+    except BaseException:
+        _close_after_error(run.checkpoints)
+        raise
+    finally:
+        run.metrics.close()
+    _end_run(config, run.dist)
 
-    prompts, evaluator = inputs.prompts, inputs.evaluator
-    sampler = InfiniteDistributedSampler(len(prompts), dist.rank, dist.world_size, config.seed)
-    checkpoint = latest_checkpoint(run_dir) if config.resume else None
-    if config.model.lora.enabled:
-        # A LoRA checkpoint holds the adapter only: the base comes from model.model_path again.
-        model = build_training_model(config.model, dist, adapter_dir=checkpoint)
-    else:
-        # A checkpoint is a full HF model directory: resuming loads the policy straight from it.
-        model_config = replace(config.model, model_path=str(checkpoint)) if checkpoint else config.model
-        model = build_training_model(model_config, dist)
-    optimizer = build_optimizer(model, config.optim)
-    scheduler = build_scheduler(optimizer, config.optim)
+
+def start_run(config: TrainerConfig) -> Run:
+    """Everything before the first step: the policy and its optimizer (restored when resuming), the
+    batcher, the data path and the pusher, the first weights published with the prompts they are
+    recent enough for, the metrics sink and the checkpoint writer."""
+    inputs, dist = _join_run(config)
+    run_dir = Path(config.run_dir)
+    sampler = InfiniteDistributedSampler(len(inputs.prompts), dist.rank, dist.world_size, config.seed)
+    model, optimizer, scheduler = build_policy(config, dist)
     restored = _restore(config, dist, model, optimizer, scheduler, sampler)
     start_step = restored.step
     # A resumed run trains again from start_step: the records a crashed run wrote for it and
@@ -577,7 +322,7 @@ def train(config: TrainerConfig) -> None:
     resume_step = start_step if config.resume else None
 
     batcher = _make_batcher(config, dist, restored.algorithm_state)
-    data_path = make_data_path(config.data_path, batcher, prompts, dist)
+    data_path = make_data_path(config.data_path, batcher, inputs.prompts, dist)
     pusher = make_weight_pusher(config, dist)
     data_log = StepDataLog(run_dir, dist.rank, resume_step=resume_step)
     feeder = PromptFeeder(sampler, data_path, config, dist, first_step=start_step, data_log=data_log)
@@ -590,28 +335,54 @@ def train(config: TrainerConfig) -> None:
                                 progress_bar=config.progress_bar, resume_step=resume_step, report=config.metrics)
     writer_class = BackgroundCheckpointWriter if config.checkpoint_async else CheckpointWriter
     checkpoints = writer_class(run_dir, config.model.model_path, dist, keep=config.keep_checkpoints)
-    try:
-        for step in range(start_step, config.num_steps):
-            if feeder.next_step <= step:
-                # TrainerConfig's max_lag >= push_every - 1 rules this out; were it to happen, the
-                # ranks would wait on the batcher for message_timeout_s instead of failing here.
-                raise RuntimeError(f"step {step} would train before its prompts were submitted")
-            step_metrics = run_step(step, parts, config, dist)
-            if evaluator is not None and config.eval.is_due(step, config.num_steps):
-                step_metrics.update(evaluate(evaluator, step, config))
-            due = _should_checkpoint(step, config)
-            blocked_s = save_checkpoint_after(step, parts, checkpoints) if due else 0.0
-            step_metrics["timing/checkpoint_s"] = blocked_s
-            metrics.log(step, step_metrics)
-            if due:  # visible only now, after the records of every step it covers
-                checkpoints.commit()
-        checkpoints.close()  # the last background save is on disk before the ranks exit
-        pusher.close()
-    except BaseException:
-        _close_after_error(checkpoints)
-        raise
-    finally:
-        metrics.close()
+    return Run(dist=dist, parts=parts, start_step=start_step, evaluator=inputs.evaluator, metrics=metrics,
+               checkpoints=checkpoints)
+
+
+def _join_run(config: TrainerConfig) -> tuple[RunInputs, DistInfo]:
+    """Read the run's inputs, join the Ray cluster and the process group, write config.yaml and
+    seed torch. Cheap failures first: a bad input or an unreachable cluster stops in seconds."""
+    rank = int(os.environ.get("RANK", "0"))  # torchrun's; init_distributed reads the same variable
+    inputs = load_run_inputs(config, with_evaluator=rank == 0)
+    algorithm = config.experience.algorithm
+    if config.loss.kl_in_reward and algorithm.estimator == "grpo" and algorithm.prepare_batch is None:
+        logger.warning("loss.kl_in_reward with the grpo estimator: the std division scales the KL differences "
+                       "inside equal-reward groups up to unit advantages, which can swamp the reward signal "
+                       "(benchmarks/RESULTS.md, 'Algorithm variants'); dr_grpo or reinforce_pp keep them small")
+    _connect_ray(config)  # before the process group: a cluster we cannot join fails in seconds, not at a collective
+    dist = init_distributed(config.dist_timeout_s)
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if dist.is_main:
+        save_config(config, run_dir / "config.yaml")
+    torch.manual_seed(config.seed + dist.rank)
+    return inputs, dist
+
+
+def build_policy(config: TrainerConfig, dist: DistInfo) -> tuple[TokenLogprobModel, torch.optim.Optimizer, LRScheduler]:
+    """The FSDP2-sharded policy (from the latest checkpoint when resuming), its optimizer and schedule."""
+    checkpoint = latest_checkpoint(Path(config.run_dir)) if config.resume else None
+    if config.model.lora.enabled:
+        # A LoRA checkpoint holds the adapter only: the base comes from model.model_path again.
+        model = build_training_model(config.model, dist, adapter_dir=checkpoint)
+    else:
+        # A checkpoint is a full HF model directory: resuming loads the policy straight from it.
+        model_config = replace(config.model, model_path=str(checkpoint)) if checkpoint else config.model
+        model = build_training_model(model_config, dist)
+    optimizer = build_optimizer(model, config.optim)
+    return model, optimizer, build_scheduler(optimizer, config.optim)
+
+
+def _check_prompts_submitted(step: int, feeder: PromptFeeder) -> None:
+    if feeder.next_step <= step:
+        # TrainerConfig's max_lag >= push_every - 1 rules this out; were it to happen, the
+        # ranks would wait on the batcher for message_timeout_s instead of failing here.
+        raise RuntimeError(f"step {step} would train before its prompts were submitted")
+
+
+def _end_run(config: TrainerConfig, dist: DistInfo) -> None:
+    """Every rank has finished: say where the outputs are, rank 0 sums the run up, leave the group."""
+    run_dir = Path(config.run_dir)
     torch_dist.barrier()
     logger.info("training finished at step %d; metrics in %s, every INFO line in %s", config.num_steps,
                 run_dir / "metrics.jsonl", run_dir / LOG_FILE, extra=CONSOLE)
@@ -669,38 +440,10 @@ def _should_checkpoint(step: int, config: TrainerConfig) -> bool:
     return config.checkpoint_every > 0 and (step + 1) % config.checkpoint_every == 0
 
 
-def check_teacher_tokenizer(teacher_registry: ActorHandle, student_model_path: str) -> None:
-    """Every registered teacher must share the student's tokenizer: it scores the student's token
-    ids one by one. Raises InputError (one line, exit 2) naming both models otherwise."""
-    from setup_model import tokenizer_fingerprint
-
-    student = tokenizer_fingerprint(load_tokenizer(student_model_path))
-    infos = ray.get(teacher_registry.broadcast.remote("model_info"))
-    if not infos:
-        raise RuntimeError(f"{registry_name(TEACHER)} has no workers: start them with "
-                           "`python worker_dispatcher.py --mode teacher --model_path <teacher> ...`")
-    for name, info in sorted(infos.items()):
-        if info["tokenizer_fingerprint"] != student:
-            raise InputError(f"teacher {name} ({info['model_path']}) and the student ({student_model_path}) have "
-                             "different tokenizers; distillation scores the student's token ids with the teacher, "
-                             "so both models must share one tokenizer")
-    logger.info("distillation: %d teacher worker(s) share the student's tokenizer", len(infos))
-
-
 def make_batcher_config(config: TrainerConfig, world_size: int) -> BatcherConfig:
-    """The batcher's settings, from the trainer's (its logprob role, KL-in-reward and budgets)."""
-    return BatcherConfig(
-        world_size=world_size,
-        max_tokens_per_gpu=config.max_tokens_per_gpu,
-        prompt_deadline_s=config.prompt_deadline_s,
-        logprob_role=config.logprob_role,
-        max_lag=config.max_lag,
-        sampling=config.sampling,
-        algorithm=config.algorithm,
-        kl_in_reward=config.loss if config.loss.kl_in_reward else None,
-        reference_pool=config.reference_pool,
-        distill=config.distill,
-    )
+    """The batcher's settings: the trainer's experience section, its KL-in-reward and rank count."""
+    return BatcherConfig(world_size=world_size, experience=config.experience,
+                         kl_in_reward=config.loss if config.loss.kl_in_reward else None)
 
 
 def _make_batcher(config: TrainerConfig, dist: DistInfo,
@@ -710,11 +453,11 @@ def _make_batcher(config: TrainerConfig, dist: DistInfo,
     batcher_config = make_batcher_config(config, dist.world_size)
     if dist.is_main:
         _registry(GENERATION)
-        if config.logprob_role != "none":
+        if config.experience.logprob_role != "none":
             _registry(LOGPROB)
-        if config.reference_pool:
+        if config.experience.reference_pool:
             _registry(REFERENCE)
-        if config.distill.teacher:
+        if config.experience.distill.teacher:
             check_teacher_tokenizer(_registry(TEACHER), config.model.model_path)
         batcher = get_or_create_batcher(batcher_config)
         ray.get(batcher.stats.remote())  # wait until it is up

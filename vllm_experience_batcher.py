@@ -13,13 +13,14 @@ pulls messages until that step's `EndOfStep`:
 Inside, every prompt runs as its own task the moment its rank submits it: n rollouts from the
 generation registry, then (optionally) one logprob request per rollout, all concurrent
 (rollout_fetcher.py). Finished groups are prepared (group_preparer.py: advantages) and packed by
-`MinibatchPacker`, and a minibatch is sent to its rank as soon as it is closed, so trainers start
-on a step while its slowest prompts are still generating. A step ends when every rank has
-submitted and every prompt has finished or hit its deadline; then the open minibatches are
-flushed, all ranks are padded to the same number of minibatches (FSDP ranks must run the same
-number of forward/backward passes, or their collectives deadlock) and each rank gets the step's
-`EndOfStep` (batcher_messages.py). Rollouts never disappear without a count: stale, timed-out,
-oversized and missing rollouts are all reported in `EndOfStep` and `stats()` (step_stats.py).
+`MinibatchPacker` (minibatch_packer.py), and a minibatch is sent to its rank as soon as it is
+closed, so trainers start on a step while its slowest prompts are still generating. A step ends
+when every rank has submitted and every prompt has finished or hit its deadline; then the open
+minibatches are flushed, all ranks are padded to the same number of minibatches (FSDP ranks must
+run the same number of forward/backward passes, or their collectives deadlock) and each rank gets
+the step's `EndOfStep` (batcher_messages.py). Rollouts never disappear without a count: stale,
+timed-out, oversized and missing rollouts are all reported in `EndOfStep` and `stats()`
+(step_stats.py).
 
 Benchmark of the packing alone: `python -m benchmarks.batcher`.
 """
@@ -36,14 +37,13 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from async_grpo.algo.algorithm import (
-    AlgorithmConfig, DistillConfig, KLSchedule, KLSettings, LogprobRole, check_logprob_sources,
-)
+from async_grpo.algo.algorithm import KLSchedule
+from async_grpo.batching.batcher_config import BatcherConfig
 from async_grpo.batching.batcher_messages import (
-    LOSS_WEIGHT, PADDING_LOSS_WEIGHT, BatcherMessage, EndOfStep, ExperienceBatcherError, Minibatch, PromptRequest,
-    RankMailboxes,
+    BatcherMessage, EndOfStep, ExperienceBatcherError, Minibatch, PromptRequest, RankMailboxes,
 )
 from async_grpo.batching.group_preparer import GroupPreparer
+from async_grpo.batching.minibatch_packer import MinibatchPacker, record_packing
 # RayRegistryClient is not used here: trainer_core and benchmarks/scale.py import it from this module.
 from async_grpo.batching.rollout_fetcher import (  # noqa: F401
     LogprobField, PromptRollouts, RayRegistryClient, RequestClient, RolloutFetcher,
@@ -69,65 +69,6 @@ _STATS_HISTORY_STEPS = 256
 _LOGPROB_FIELDS: dict[str, LogprobField] = {"reference": "ref_logprobs", "old_policy": "old_logprobs"}
 
 
-@dataclass(kw_only=True, frozen=True)
-class BatcherConfig:
-    """How the batcher requests experience and cuts it into minibatches."""
-
-    world_size: int
-    """Number of trainer ranks that submit prompts and receive minibatches."""
-    max_tokens_per_gpu: int
-    """Token budget of one minibatch (prompt + output tokens of all its samples)."""
-    prompt_deadline_s: float
-    """A prompt not finished (generation and logprobs) this long after its rank submitted it is
-    cancelled and counted in `timed_out_prompts`. Queueing behind earlier steps counts too, so
-    leave room for max_lag steps of generation."""
-    sampling: SamplingConfig
-    """Sampling settings sent with every generate request; `sampling.n` rollouts per prompt. A
-    seeded config is sent with each step's own seed (`step_sampling`)."""
-    logprob_role: LogprobRole = "reference"
-    """What the logprob workers compute (the trainer's logprob_role): 'reference' fills
-    ref_logprobs, 'old_policy' old_logprobs; 'none' sends no logprob requests."""
-    max_lag: int = 1
-    """Most weight versions a rollout may lag the step that trains on it (step - the version of
-    its oldest token, token_versions.oldest_version: a rollout that straddles a push counts from
-    the weights it started on); staler rollouts are dropped from the loss and counted in `dropped_stale`. The batcher starts
-    a step's prompts as soon as they are submitted: the submitter must wait until weights of
-    version >= step - max_lag are served (the trainer submits after publishing them), or every
-    rollout of the step is dropped."""
-    reorder_window: int = 16
-    """Rollouts the packer holds back to choose a best fit for the open minibatch (0: place each
-    rollout on arrival). Raises minibatch fill; see benchmarks/batcher.py for the figures."""
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """How each finished group's rewards become advantages (algorithm.py)."""
-    kl_in_reward: KLSettings | None = None
-    """The trainer's loss config when its KL goes into the reward (loss.kl_in_reward): reward -
-    beta * KL(sample) before advantages, beta per step from a KLSchedule; needs reference logprobs
-    (logprob_role 'reference', or reference_pool). None: the reward has no KL."""
-    reference_pool: bool = False
-    """Also fill ref_logprobs from the reference registry (frozen workers of kind 'reference'),
-    concurrently with the old-policy logprobs of logprob_role 'old_policy'."""
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    """With distill.teacher, fill teacher_logprobs from the teacher registry (concurrently with the
-    other logprobs) and add the distillation term to every token's advantage."""
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"BatcherConfig.world_size must be >= 1, got {self.world_size}")
-        if self.max_tokens_per_gpu < 1:
-            raise ValueError(f"BatcherConfig.max_tokens_per_gpu must be >= 1, got {self.max_tokens_per_gpu}")
-        if not self.prompt_deadline_s > 0:
-            raise ValueError(f"BatcherConfig.prompt_deadline_s must be > 0, got {self.prompt_deadline_s}")
-        if not isinstance(self.sampling, SamplingConfig):  # SamplingConfig validates its own fields
-            raise ValueError(f"BatcherConfig.sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
-        if self.max_lag < 0:
-            raise ValueError(f"BatcherConfig.max_lag must be >= 0, got {self.max_lag}")
-        if self.reorder_window < 0:
-            raise ValueError(f"BatcherConfig.reorder_window must be >= 0, got {self.reorder_window}")
-        if self.kl_in_reward is not None and not self.kl_in_reward.kl_in_reward:
-            raise ValueError("BatcherConfig.kl_in_reward must be a loss config with kl_in_reward true, or None")
-        check_logprob_sources("BatcherConfig", self.logprob_role, self.reference_pool, self.kl_in_reward)
-
-
 def step_sampling(sampling: SamplingConfig, step: int) -> SamplingConfig:
     """The sampling settings of one step's requests.
 
@@ -138,147 +79,6 @@ def step_sampling(sampling: SamplingConfig, step: int) -> SamplingConfig:
     if sampling.seed is None:
         return sampling
     return dataclasses.replace(sampling, seed=derive_seed(sampling.seed, step))
-
-
-# ---------------------------------------------------------------------------------------------
-# Packing (plain, synchronous: no Ray, no asyncio)
-# ---------------------------------------------------------------------------------------------
-
-
-class MinibatchPacker:
-    """Assigns one step's samples to ranks and cuts token-budgeted minibatches as they arrive.
-
-    Each sample goes to the rank with the fewest tokens assigned so far, so rank totals differ by
-    at most one sample's tokens, and with at least world_size samples every rank gets one (an
-    empty rank is always the least loaded). It joins that rank's open minibatch; when it does
-    not fit, the open minibatch is closed and returned for dispatch first. A sample over the
-    budget is sent alone and counted: a fallback, since the trainer refuses a config under which
-    one could occur unless its oversized_sample_policy is train_alone. With `reorder_window` > 0
-    up to that many samples wait, and the rank's open minibatch takes the largest waiting sample
-    that still fits (best fit), closing only when none does: fewer, fuller minibatches at the
-    price of a short hold-back.
-    """
-
-    def __init__(self, *, step: int, world_size: int, max_tokens_per_gpu: int, reorder_window: int = 0) -> None:
-        if world_size < 1 or max_tokens_per_gpu < 1 or reorder_window < 0:
-            raise ValueError(
-                f"MinibatchPacker needs world_size >= 1, max_tokens_per_gpu >= 1, reorder_window >= 0; got "
-                f"{world_size}, {max_tokens_per_gpu}, {reorder_window}"
-            )
-        self.step = step
-        self.world_size = world_size
-        self.max_tokens_per_gpu = max_tokens_per_gpu
-        self.reorder_window = reorder_window
-        self.rank_tokens = [0] * world_size
-        """Tokens assigned to each rank so far (dispatched and open), padding excluded."""
-        self.minibatches_per_rank = [0] * world_size
-        """Minibatches emitted to each rank so far, padding included."""
-        self.num_samples = 0
-        self.num_tokens = 0
-        self.num_output_tokens = 0
-        self.oversized_samples = 0
-        self.padding_minibatches = 0
-        self._waiting: list[Sample] = []
-        self._open: list[list[Sample]] = [[] for _ in range(world_size)]
-        self._open_tokens = [0] * world_size
-        self._smallest: Sample | None = None
-        self._finished = False
-
-    def add(self, sample: Sample) -> list[Minibatch]:
-        """Take one sample (it will carry loss); return the minibatches now ready to send."""
-        if self._finished:
-            raise RuntimeError(f"MinibatchPacker(step={self.step}).add after finish")
-        if sample.num_tokens < 1:
-            raise ValueError(f"sample prompt_id={sample.prompt_id} has no tokens")
-        self.num_samples += 1
-        self.num_tokens += sample.num_tokens
-        self.num_output_tokens += sample.num_sampled_tokens  # token_mean divides by trained (sampled) tokens
-        if self._smallest is None or sample.num_tokens < self._smallest.num_tokens:
-            self._smallest = sample
-        self._waiting.append(sample)
-        ready: list[Minibatch] = []
-        while len(self._waiting) > self.reorder_window:
-            ready.extend(self._place_one())
-        return ready
-
-    def finish(self) -> list[Minibatch]:
-        """Place the waiting samples, flush open minibatches, then pad every rank to the same count.
-
-        Padding minibatches hold the step's smallest sample with loss_weight PADDING_LOSS_WEIGHT,
-        so the padded pass is a real forward/backward that adds nothing to the gradient. A step
-        without samples gives no minibatches at all.
-        """
-        if self._finished:
-            raise RuntimeError(f"MinibatchPacker(step={self.step}).finish called twice")
-        ready = self.flush()
-        self._finished = True
-        return ready
-
-    def flush(self) -> list[Minibatch]:
-        """What finish does, without ending the step: every rank then holds the same number of
-        minibatches, so ranks that stop reading after them (to answer a PromptRequest) have run
-        the same forward/backward passes and none waits in a collective for the others."""
-        if self._finished:
-            raise RuntimeError(f"MinibatchPacker(step={self.step}).flush after finish")
-        ready: list[Minibatch] = []
-        while self._waiting:
-            ready.extend(self._place_one())
-        for rank in range(self.world_size):
-            ready.extend(self._close(rank))
-        target = max(self.minibatches_per_rank)
-        for rank in range(self.world_size):
-            while self.minibatches_per_rank[rank] < target:
-                assert self._smallest is not None  # target > 0 means some sample was added
-                ready.append(self._emit(rank, [self._smallest], PADDING_LOSS_WEIGHT))
-                self.padding_minibatches += 1
-        return ready
-
-    def _place_one(self) -> list[Minibatch]:
-        """Put one waiting sample on the least-loaded rank, closing its open minibatch if needed."""
-        rank = min(range(self.world_size), key=self.rank_tokens.__getitem__)
-        ready: list[Minibatch] = []
-        choice = self._best_fit(self.max_tokens_per_gpu - self._open_tokens[rank])
-        if choice is None:
-            ready.extend(self._close(rank))
-            choice = max(range(len(self._waiting)), key=lambda i: self._waiting[i].num_tokens)
-        sample = self._waiting.pop(choice)
-        self.rank_tokens[rank] += sample.num_tokens
-        if sample.num_tokens > self.max_tokens_per_gpu:
-            self.oversized_samples += 1
-            logger.warning(
-                "step %d: sample prompt_id=%d has %d tokens, over max_tokens_per_gpu=%d; sent alone",
-                self.step, sample.prompt_id, sample.num_tokens, self.max_tokens_per_gpu,
-            )
-            ready.append(self._emit(rank, [sample], LOSS_WEIGHT))
-            return ready
-        self._open[rank].append(sample)
-        self._open_tokens[rank] += sample.num_tokens
-        if self._open_tokens[rank] == self.max_tokens_per_gpu:
-            ready.extend(self._close(rank))  # exactly full: nothing more can join, send it now
-        return ready
-
-    def _best_fit(self, room: int) -> int | None:
-        """Index of the largest waiting sample with at most `room` tokens, or None."""
-        best: int | None = None
-        for i, sample in enumerate(self._waiting):
-            if sample.num_tokens <= room and (best is None or sample.num_tokens > self._waiting[best].num_tokens):
-                best = i
-        return best
-
-    def _close(self, rank: int) -> list[Minibatch]:
-        """Emit the rank's open minibatch if it has samples."""
-        if not self._open[rank]:
-            return []
-        samples, self._open[rank], self._open_tokens[rank] = self._open[rank], [], 0
-        return [self._emit(rank, samples, LOSS_WEIGHT)]
-
-    def _emit(self, rank: int, samples: list[Sample], loss_weight: float) -> Minibatch:
-        index = self.minibatches_per_rank[rank]
-        self.minibatches_per_rank[rank] += 1
-        return Minibatch(step=self.step, rank=rank, index=index, samples=samples, loss_weight=loss_weight)
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,6 +148,26 @@ class _StepState:
         """Every rank has submitted the step's prompts (and those of its current resampling round)."""
         return len(self.submitted) == world_size and (self.round_index == 0 or len(self.round_submitted) == world_size)
 
+    def record_result(self, key: tuple[int, int], result: PromptRollouts) -> None:
+        """Count one finished prompt's rollouts (stale, missing, dropped, timings) and keep its
+        fresh ones for its group."""
+        stats = self.stats
+        stats.finished_prompts += 1
+        stats.dropped_stale += result.stale
+        stats.dropped_logprob_version += result.dropped_logprob_version
+        stats.generate_s += result.generate_s
+        stats.logprob_s += result.logprob_s
+        stats.teacher_s += result.teacher_s
+        stats.missing_rollouts += result.missing
+        self.groups.setdefault(key, []).extend(result.fresh)
+
+    def error_copy(self) -> ExperienceBatcherError:
+        """A fresh copy of the step's error (re-raising one object would pile up tracebacks)."""
+        assert self.error is not None
+        error = ExperienceBatcherError(str(self.error))
+        error.__cause__ = self.error.__cause__
+        return error
+
     def needs_more_prompts(self, sampling: SamplingConfig) -> bool:
         """Dynamic sampling: fewer informative prompts than submitted, and rounds left."""
         return (sampling.drop_zero_variance_groups and self.informative_prompts < self.target_prompts
@@ -364,24 +184,26 @@ class ExperienceBatcher:
 
     def __init__(self, config: BatcherConfig, generation: RequestClient, logprob: RequestClient | None,
                  reference: RequestClient | None = None, teacher: RequestClient | None = None) -> None:
-        if (config.logprob_role == "none") != (logprob is None):
+        experience = config.experience
+        if (experience.logprob_role == "none") != (logprob is None):
             raise ValueError(
-                f"ExperienceBatcher: logprob_role={config.logprob_role!r} needs a logprob client exactly "
+                f"ExperienceBatcher: logprob_role={experience.logprob_role!r} needs a logprob client exactly "
                 "when it is not 'none'"
             )
-        if config.reference_pool != (reference is not None):
+        if experience.reference_pool != (reference is not None):
             raise ValueError("ExperienceBatcher: reference_pool needs a reference client exactly when it is set")
-        if config.distill.teacher != (teacher is not None):
+        if experience.distill.teacher != (teacher is not None):
             raise ValueError("ExperienceBatcher: distill.teacher needs a teacher client exactly when it is set")
         self.config = config
+        self._experience = experience
         self._fetcher = RolloutFetcher(
-            generation=generation, max_lag=config.max_lag, logprob=logprob,
-            logprob_field=_LOGPROB_FIELDS.get(config.logprob_role),
+            generation=generation, max_lag=experience.max_lag, logprob=logprob,
+            logprob_field=_LOGPROB_FIELDS.get(experience.logprob_role),
             reference=reference, teacher=teacher,
         )
-        self._preparer = GroupPreparer(algorithm=config.algorithm, sampling=config.sampling,
-                                       kl_in_reward=config.kl_in_reward, distill=config.distill)
-        self._kl_schedule = KLSchedule(config.kl_in_reward, config.max_lag) if config.kl_in_reward else None
+        self._preparer = GroupPreparer(algorithm=experience.algorithm, sampling=experience.sampling,
+                                       kl_in_reward=config.kl_in_reward, distill=experience.distill)
+        self._kl_schedule = KLSchedule(config.kl_in_reward, experience.max_lag) if config.kl_in_reward else None
         self._steps: dict[int, _StepState] = {}
         self._retired_steps: set[int] = set()
         self._stats: dict[int, StepStats] = {}
@@ -392,7 +214,7 @@ class ExperienceBatcher:
         resampling round, with the round a PromptRequest named)."""
         state = self._state(rank, step)
         state.record_submit(rank, len(samples), round_index, self.config.world_size)
-        deadline = asyncio.get_running_loop().time() + self.config.prompt_deadline_s
+        deadline = asyncio.get_running_loop().time() + self._experience.prompt_deadline_s
         for sample in samples:
             key = sample.group_key
             state.pending_by_key[key] = state.pending_by_key.get(key, 0) + 1
@@ -430,7 +252,7 @@ class ExperienceBatcher:
         finally:
             state.stats.rank_wait_s += time.monotonic() - started
         if message is None:
-            raise self._step_error(state)
+            raise state.error_copy()
         if isinstance(message, EndOfStep):
             state.ended_ranks.add(rank)
             if len(state.ended_ranks) == self.config.world_size:
@@ -470,7 +292,7 @@ class ExperienceBatcher:
             stats = self._stats[step]
         else:
             return {}
-        return {"batcher/step": float(stats.step), **stats.as_metrics(self.config.max_tokens_per_gpu)}
+        return {"batcher/step": float(stats.step), **stats.as_metrics(self._experience.max_tokens_per_gpu)}
 
     def _state(self, rank: int, step: int) -> _StepState:
         """The step's state, created on first use; raises if the step cannot be used."""
@@ -484,20 +306,20 @@ class ExperienceBatcher:
         if state is None:
             state = self._new_state(step)
         if state.error is not None:
-            raise self._step_error(state)
+            raise state.error_copy()
         return state
 
     def _new_state(self, step: int) -> _StepState:
         packer = MinibatchPacker(
             step=step,
             world_size=self.config.world_size,
-            max_tokens_per_gpu=self.config.max_tokens_per_gpu,
+            max_tokens_per_gpu=self._experience.max_tokens_per_gpu,
             reorder_window=self.config.reorder_window,
         )
         beta = self._kl_schedule.beta_for(step) if self._kl_schedule is not None else None
         state = _StepState(
             packer=packer,
-            sampling=step_sampling(self.config.sampling, step),
+            sampling=step_sampling(self._experience.sampling, step),
             mailboxes=RankMailboxes(self.config.world_size),
             stats=StepStats(step=step, kl_beta=beta),
             kl_beta=beta,
@@ -537,20 +359,12 @@ class ExperienceBatcher:
             self._fail(state, sample, exc)
 
     def _accept(self, state: _StepState, key: tuple[int, int], result: PromptRollouts) -> None:
-        stats = state.stats
-        stats.finished_prompts += 1
-        stats.dropped_stale += result.stale
-        stats.dropped_logprob_version += result.dropped_logprob_version
-        stats.generate_s += result.generate_s
-        stats.logprob_s += result.logprob_s
-        stats.teacher_s += result.teacher_s
+        state.record_result(key, result)
         if result.missing:
-            stats.missing_rollouts += result.missing
             logger.warning(
                 "step %d: generate returned %d rollouts short of n=%d for a prompt",
-                state.packer.step, result.missing, self.config.sampling.n,
+                state.packer.step, result.missing, self._experience.sampling.n,
             )
-        state.groups.setdefault(key, []).extend(result.fresh)
 
     def _release_group(self, state: _StepState, key: tuple[int, int]) -> None:
         """A group whose prompts have all finished: drop it (no reward variance, under dynamic
@@ -563,11 +377,11 @@ class ExperienceBatcher:
         if not samples:  # every rollout stale, missing or timed out: counted where that happened
             return
         state.stats.record_released(samples)
-        if self.config.sampling.drop_zero_variance_groups and len({s.reward for s in samples}) == 1:
+        if self._experience.sampling.drop_zero_variance_groups and len({s.reward for s in samples}) == 1:
             state.stats.dropped_zero_variance_groups += 1
             return
         state.informative_prompts += prompts
-        if self.config.algorithm.scope == "step":
+        if self._experience.algorithm.scope == "step":
             state.held.extend(samples)
         else:
             self._prepare_and_pack(state, samples)
@@ -586,7 +400,7 @@ class ExperienceBatcher:
         state.stats.timed_out_prompts += 1
         logger.warning(
             "step %d: prompt_id=%d not finished within prompt_deadline_s=%.1f; cancelled, its rollouts are dropped",
-            state.packer.step, sample.prompt_id, self.config.prompt_deadline_s,
+            state.packer.step, sample.prompt_id, self._experience.prompt_deadline_s,
         )
 
     def _fail(self, state: _StepState, sample: Sample, cause: BaseException) -> None:
@@ -609,14 +423,6 @@ class ExperienceBatcher:
                 task.cancel()
         state.mailboxes.fail()
 
-    @staticmethod
-    def _step_error(state: _StepState) -> ExperienceBatcherError:
-        """A fresh copy of the step's error (re-raising one object would pile up tracebacks)."""
-        assert state.error is not None
-        error = ExperienceBatcherError(str(state.error))
-        error.__cause__ = state.error.__cause__
-        return error
-
     def _request_prompts(self, state: _StepState) -> None:
         """Ask every rank for an equal share of the missing informative prompts (rounded up, so
         all ranks draw alike and their data orders stay in step)."""
@@ -638,7 +444,7 @@ class ExperienceBatcher:
             return
         if not state.all_submitted(self.config.world_size):
             return
-        if state.needs_more_prompts(self.config.sampling):
+        if state.needs_more_prompts(self._experience.sampling):
             self._request_prompts(state)
             return
         if state.held:
@@ -648,7 +454,7 @@ class ExperienceBatcher:
         packer, stats = state.packer, state.stats
         for minibatch in packer.finish():
             self._deliver(state, minibatch)
-        _record_packing(stats, packer)
+        record_packing(stats, packer)
         stats.completed_s = time.monotonic()
         end = EndOfStep(**stats.counts())
         if self._kl_schedule is not None:
@@ -661,15 +467,6 @@ class ExperienceBatcher:
             end.timed_out_prompts, end.dropped_stale,
         )
 
-
-def _record_packing(stats: StepStats, packer: MinibatchPacker) -> None:
-    """Copy a finished packer's totals into the step's stats."""
-    stats.num_samples, stats.num_tokens = packer.num_samples, packer.num_tokens
-    stats.num_output_tokens = packer.num_output_tokens
-    stats.num_minibatches = max(packer.minibatches_per_rank)
-    stats.padding_minibatches = packer.padding_minibatches
-    stats.loss_minibatches = sum(packer.minibatches_per_rank) - packer.padding_minibatches
-    stats.oversized_samples = packer.oversized_samples
 
 
 class ExperienceBatcherActor:
@@ -689,17 +486,17 @@ class ExperienceBatcherActor:
         if generation_registry is None:
             generation_registry = get_or_create_registry(GENERATION)
         logprob_client: RequestClient | None = None
-        if config.logprob_role != "none":
+        if config.experience.logprob_role != "none":
             if logprob_registry is None:
                 logprob_registry = get_or_create_registry(LOGPROB)
             logprob_client = BatchedRegistryClient(logprob_registry)
         reference_client: RequestClient | None = None
-        if config.reference_pool:
+        if config.experience.reference_pool:
             if reference_registry is None:
                 reference_registry = get_or_create_registry(REFERENCE)
             reference_client = BatchedRegistryClient(reference_registry)
         teacher_client: RequestClient | None = None
-        if config.distill.teacher:
+        if config.experience.distill.teacher:
             if teacher_registry is None:
                 teacher_registry = get_or_create_registry(TEACHER)
             teacher_client = BatchedRegistryClient(teacher_registry)

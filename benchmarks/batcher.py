@@ -29,10 +29,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
+from async_grpo.batching.batcher_config import BatcherConfig
+from async_grpo.batching.batcher_messages import PADDING_LOSS_WEIGHT, Minibatch
+from async_grpo.batching.minibatch_packer import MinibatchPacker
 from async_grpo.config.run_config import load_config
 from benchmarks.harness import apply_smoke
 from sample_processing_utils import Sample
-from vllm_experience_batcher import PADDING_LOSS_WEIGHT, BatcherConfig, Minibatch, MinibatchPacker
 
 _PROMPT_MEAN, _PROMPT_STD = 150.0, 50.0  # typical math-prompt lengths in tokens
 _MIN_PROMPT_TOKENS = 8  # a prompt shorter than this is not a realistic question

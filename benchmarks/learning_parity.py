@@ -44,10 +44,10 @@ from async_grpo.config.run_config import load_config, split_passthrough
 from async_grpo.data.dataset import load_prompts
 from async_grpo.rewards.math_verifier import score_completion
 from async_grpo.telemetry.run_report import THRESHOLDS, WINDOW, first_reached, moving_average, read_metrics
+from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from benchmarks.harness import REPO_ROOT, apply_smoke, launcher_engine_flags, setup_logging
 from sample_processing_utils import Sample
-from trainer_core import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class ReferenceGRPO:
     @torch.no_grad()
     def sample(self, prompt_ids: list[list[int]]) -> list[list[int]]:
         """n completions per prompt, token by token at the configured temperature and top-p."""
-        sampling = self.config.sampling
+        sampling = self.config.experience.sampling
         sequences = [list(p) for p in prompt_ids for _ in range(sampling.n)]
         outputs: list[list[int]] = [[] for _ in sequences]
         done = [False] * len(sequences)
@@ -181,7 +181,7 @@ class ReferenceGRPO:
         outputs: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
         self.model.eval()
-        for _ in range(self.config.sampling.max_tokens):
+        for _ in range(self.config.experience.sampling.max_tokens):
             ids, mask, positions = self._padded([p.input_token_ids + o for p, o in zip(prompts, outputs)])
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
             for i, token in enumerate(logits[:, -1].argmax(dim=-1).tolist()):
@@ -192,7 +192,7 @@ class ReferenceGRPO:
         return sum(self.reward(o, p.gt_answer) >= 1.0 for o, p in zip(outputs, prompts)) / len(prompts)
 
     def _sampling_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        sampling = self.config.sampling
+        sampling = self.config.experience.sampling
         probs = torch.softmax(logits / max(sampling.temperature, 1e-6), dim=-1)
         if sampling.top_p < 1.0:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -206,7 +206,7 @@ class ReferenceGRPO:
     def reward(self, output_ids: list[int], gt_answer: str) -> float:
         """math-verify's verdict; a completion without EOS (cut off at max_tokens) earns the
         configured truncated reward instead, as the generation worker does."""
-        truncated_reward = self.config.sampling.truncated_reward
+        truncated_reward = self.config.experience.sampling.truncated_reward
         if (not output_ids or output_ids[-1] != self.eos) and truncated_reward is not None:
             return float(truncated_reward)
         text = self.tokenizer.decode([t for t in output_ids if t != self.eos], skip_special_tokens=True)
@@ -217,7 +217,7 @@ class ReferenceGRPO:
 
     def advantages(self, rewards: list[float]) -> list[float]:
         """(r - mean) / (population std + eps) (grpo), or r - mean (dr_grpo); 0 for equal rewards."""
-        algorithm = self.config.algorithm
+        algorithm = self.config.experience.algorithm
         if algorithm.estimator not in ("grpo", "dr_grpo") or algorithm.prepare_batch is not None:
             raise ValueError(f"the reference loop writes out grpo and dr_grpo only, not {algorithm.estimator}")
         mean = sum(rewards) / len(rewards)
@@ -279,7 +279,7 @@ class ReferenceGRPO:
         for sampler in self.samplers:
             prompts += [self.prompts[i] for i in sampler.next_batch(self.config.prompts_per_rank)]
         outputs = self.sample([p.input_token_ids for p in prompts])
-        n = self.config.sampling.n
+        n = self.config.experience.sampling.n
         rollouts: list[Rollout] = []
         for k, prompt in enumerate(prompts):
             group = [Rollout(prompt.input_token_ids, o, self.reward(o, prompt.gt_answer))

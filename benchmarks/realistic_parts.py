@@ -254,8 +254,9 @@ class ClusterSizing:
 
 def cluster_sizing(config: RealisticRunConfig, trainer: Any, hf_config: dict[str, Any]) -> ClusterSizing:
     """Engine settings for `trainer` (a TrainerConfig): room for every sequence that can be in flight."""
-    max_model_len = trainer.data.max_prompt_tokens + trainer.sampling.max_tokens
-    in_flight = (trainer.max_lag + 1) * config.nproc_per_node * trainer.prompts_per_rank * trainer.sampling.n
+    experience = trainer.experience
+    max_model_len = trainer.data.max_prompt_tokens + experience.sampling.max_tokens
+    in_flight = (experience.max_lag + 1) * config.nproc_per_node * trainer.prompts_per_rank * experience.sampling.n
     max_num_seqs = config.max_num_seqs or in_flight
     kv_bytes = config.kv_cache_memory_bytes or max(
         MIN_KV_CACHE_BYTES,
@@ -263,7 +264,7 @@ def cluster_sizing(config: RealisticRunConfig, trainer: Any, hf_config: dict[str
                   / 2**20) * 2**20,
     )
     return ClusterSizing(max_model_len=max_model_len, max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_bytes,
-                         logprob_max_tokens=config.logprob_max_tokens or trainer.sampling.n * max_model_len)
+                         logprob_max_tokens=config.logprob_max_tokens or experience.sampling.n * max_model_len)
 
 
 # ---- per-step and per-stage tables ------------------------------------------------------------

@@ -116,7 +116,7 @@ def resolve_trainer(config: RealisticRunConfig, yaml_path: Path, run_dir: Path, 
                     passthrough: list[str]) -> Any:
     """The TrainerConfig the trainer will build from the same arguments (validated here, before any
     worker starts)."""
-    from trainer_core import TrainerConfig
+    from async_grpo.trainer.config import TrainerConfig
 
     argv = ["--config", str(yaml_path), "--run_dir", str(run_dir), "--model.model_path", str(model_dir), *passthrough]
     try:
@@ -255,7 +255,7 @@ def run(config: RealisticRunConfig, passthrough: list[str]) -> dict[str, Any]:
     report["summary"] = {
         "steps": len(records),
         "model": model_dir.name.removeprefix("model-"),
-        "max_tokens": trainer.sampling.max_tokens,
+        "max_tokens": trainer.experience.sampling.max_tokens,
         "tokens_per_step": report["steps_median"].get("tokens", 0.0),
         "step_s_median": report["steps_median"].get("step_s", 0.0),
         "peak_total_gb": report["memory"]["peak_total_gb"],

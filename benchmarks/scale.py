@@ -165,9 +165,10 @@ def _batcher_host_class() -> Any:
     """An actor holding a real ExperienceBatcher with a chosen generation client."""
     import ray
 
+    from async_grpo.batching.batcher_config import BatcherConfig
     from sample_processing_utils import Sample
     from vllm_experience_batcher import (
-        BatchedRegistryClient, BatcherConfig, EndOfStep, ExperienceBatcher, Minibatch, RayRegistryClient,
+        BatchedRegistryClient, EndOfStep, ExperienceBatcher, Minibatch, RayRegistryClient,
     )
 
     @ray.remote(num_cpus=0, max_concurrency=1024)
@@ -302,15 +303,16 @@ class Bench:
 
     def batcher(self, registry: Any, batched: bool) -> dict[str, float]:
         """One batcher run; batcher_samples_per_s."""
+        from async_grpo.batching.batcher_config import BatcherConfig, ExperienceConfig
         from async_grpo.rollouts.sampling import SamplingConfig
-        from vllm_experience_batcher import BatcherConfig
 
         config = self.config
-        batcher_config = BatcherConfig(
-            world_size=config.ranks, max_tokens_per_gpu=64 * (len(_PROMPT_TOKENS) + _OUTPUT_TOKENS),
-            prompt_deadline_s=600.0, sampling=SamplingConfig(n=config.rollouts, max_tokens=_OUTPUT_TOKENS),
+        experience = ExperienceConfig(
+            max_tokens_per_gpu=64 * (len(_PROMPT_TOKENS) + _OUTPUT_TOKENS), prompt_deadline_s=600.0,
+            sampling=SamplingConfig(n=config.rollouts, max_tokens=_OUTPUT_TOKENS),
             logprob_role="none", max_lag=config.steps + 1,  # stand-in rollouts carry version -1
         )
+        batcher_config = BatcherConfig(world_size=config.ranks, experience=experience)
         host = self._host_class.remote(batcher_config, registry, batched)
         try:
             delivered, elapsed = self._ray.get(host.run.remote(config.steps, config.prompts_per_rank))

@@ -487,13 +487,15 @@ class TrainerRole:
     def __init__(self, model_dir: Path, with_probe: bool, lora_r: int, run_dir: Path) -> None:
         import ray
 
+        from async_grpo.batching.batcher_config import ExperienceConfig
         from async_grpo.data.dataset import DatasetConfig
         from async_grpo.launch.ray_cluster import join_cluster
+        from async_grpo.trainer.config import TrainerConfig
         from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed
         from async_grpo.trainer.weight_pusher import get_or_create_shard_stager
         from async_grpo.weights.weight_sync import adapter_named_tensors
         from setup_model import LoraConfig, ModelConfig
-        from trainer_core import TrainerConfig, make_weight_pusher
+        from trainer_core import make_weight_pusher
 
         self.dist = init_distributed()
         join_cluster(os.environ["RAY_ADDRESS"], namespace=RAY_NAMESPACE, timeout_s=30.0, log_to_driver=False)
@@ -505,7 +507,8 @@ class TrainerRole:
         self.pushers = {
             mode: make_weight_pusher(TrainerConfig(run_dir=str(run_dir), model=model_config,
                                                    data=DatasetConfig(path=UNUSED_DATA_PATH),
-                                                   weight_push_mode=mode, logprob_role="old_policy"), self.dist)
+                                                   experience=ExperienceConfig(logprob_role="old_policy"),
+                                                   weight_push_mode=mode), self.dist)
             for mode in (LORA_MODES if lora_r else MODES)
         }
         self.stager = get_or_create_shard_stager()

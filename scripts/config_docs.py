@@ -32,8 +32,8 @@ when the run starts. How to pass them: `run_config.py`'s docstring.
 
 def render() -> str:
     from async_grpo.config.run_config import config_reference
+    from async_grpo.trainer.config import TrainerConfig
     from local_cluster import LocalClusterConfig
-    from trainer_core import TrainerConfig
     from worker_dispatcher import DispatcherConfig, StatusConfig
 
     entry_points = [

@@ -49,8 +49,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import trainer_core  # noqa: E402
+from async_grpo.batching.batcher_config import ExperienceConfig  # noqa: E402
+from async_grpo.batching.minibatch_packer import MinibatchPacker  # noqa: E402
 from async_grpo.data.dataset import DatasetConfig  # noqa: E402
 from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.trainer.config import TrainerConfig  # noqa: E402
 from async_grpo.trainer.data_path import PerRankDataPath, Rank0DataPath, RayBatcherClient  # noqa: E402
 from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, init_distributed
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler
@@ -58,7 +61,7 @@ from async_grpo.weights.weight_sync import gather_full_state_dict
 from grpo_loss import LossConfig  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
 from setup_model import ModelConfig
-from vllm_experience_batcher import EndOfStep, Minibatch, MinibatchPacker  # noqa: E402
+from vllm_experience_batcher import EndOfStep, Minibatch  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -174,18 +177,17 @@ def record_grads_before_each_step(model: torch.nn.Module,
     return recorded
 
 
-def trainer_config(spec: dict, case: dict) -> trainer_core.TrainerConfig:
+def trainer_config(spec: dict, case: dict) -> TrainerConfig:
     """A one-step, synchronous run's config (JSON turned OptimConfig.betas into a list)."""
-    return trainer_core.TrainerConfig(
+    return TrainerConfig(
         model=ModelConfig(model_path=spec["model_path"], **spec["model"]),
         data=DatasetConfig(path=UNUSED_DATA_PATH, max_prompt_tokens=spec["max_prompt_tokens"]),
-        sampling=SamplingConfig(max_tokens=spec["max_output_tokens"]),
+        experience=ExperienceConfig(sampling=SamplingConfig(max_tokens=spec["max_output_tokens"]), max_lag=0,
+                                    max_tokens_per_gpu=spec["max_tokens_per_gpu"]),
         optim=OptimConfig(**{**case["optim"], "betas": tuple(case["optim"]["betas"])}),
         loss=LossConfig(**case["loss"]),
         num_steps=1,
-        max_lag=0,
         epochs_per_step=case["epochs_per_step"],
-        max_tokens_per_gpu=spec["max_tokens_per_gpu"],
         message_timeout_s=DIST_TIMEOUT_S,
         tensorboard=False,
         progress_bar=False,
@@ -197,7 +199,8 @@ def run_case(name: str, case: dict, spec: dict, info: DistInfo, out_dir: Path) -
     config = trainer_config(spec, case)
     samples = [Sample(**fields) for fields in spec["samples"]]
     index_of = {id(s): i for i, s in enumerate(samples)}
-    minibatches, packer = pack_step(samples, info.world_size, config.max_tokens_per_gpu, spec["reorder_window"])
+    budget = config.experience.max_tokens_per_gpu
+    minibatches, packer = pack_step(samples, info.world_size, budget, spec["reorder_window"])
     end = end_of_step(packer, num_prompts=len({s.prompt_id for s in samples}))
     per_rank = [[mb for mb in minibatches if mb.rank == rank] + [end] for rank in range(info.world_size)]
     if case.get("data_path", "per_rank") == "rank0":

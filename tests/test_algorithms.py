@@ -26,11 +26,12 @@ from async_grpo.algo.algorithm import (
     AlgorithmConfig, AlgorithmContext, DistillConfig, KLController, KLSchedule, PreparedSamples, builtin_prepare,
     check_prepared, load_prepare_fn,
 )
+from async_grpo.batching.batcher_config import BatcherConfig, ExperienceConfig
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from grpo_loss import LossConfig, step_divisor
 from sample_processing_utils import Sample, TokenLogprobs, post_process_batch
-from vllm_experience_batcher import BatcherConfig, EndOfStep, ExperienceBatcher, Minibatch, PromptRequest
+from vllm_experience_batcher import EndOfStep, ExperienceBatcher, Minibatch, PromptRequest
 
 _WAIT_BOUND_S = 60.0  # a broken batcher fails the test instead of hanging it; never what decides a pass
 
@@ -256,11 +257,12 @@ class RefLogprob:
 
 
 def _batcher(generation: RewardGeneration, *, world_size: int = 1, n: int = 2, logprob: bool = False,
-             **overrides: Any) -> ExperienceBatcher:
+             algorithm: AlgorithmConfig | None = None, **overrides: Any) -> ExperienceBatcher:
     sampling = overrides.pop("sampling", SamplingConfig(n=n))
-    config = BatcherConfig(world_size=world_size, max_tokens_per_gpu=64, prompt_deadline_s=_WAIT_BOUND_S,
-                           sampling=sampling, logprob_role="reference" if logprob else "none", max_lag=0,
-                           reorder_window=0, **overrides)
+    experience = ExperienceConfig(max_tokens_per_gpu=64, prompt_deadline_s=_WAIT_BOUND_S, sampling=sampling,
+                                  logprob_role="reference" if logprob else "none", max_lag=0,
+                                  algorithm=algorithm or AlgorithmConfig())
+    config = BatcherConfig(world_size=world_size, experience=experience, reorder_window=0, **overrides)
     return ExperienceBatcher(config, generation, RefLogprob() if logprob else None)
 
 
@@ -458,8 +460,9 @@ def test_kl_in_reward_uses_the_scheduled_beta_and_reports_it() -> None:
 
 def test_config_errors_name_the_field() -> None:
     with pytest.raises(ValueError, match="KL term in the reward .* needs reference logprobs"):
-        BatcherConfig(world_size=1, max_tokens_per_gpu=8, prompt_deadline_s=1.0, sampling=SamplingConfig(),
-                      logprob_role="old_policy", kl_in_reward=LossConfig(kl_coef=0.1, kl_in_reward=True))
+        BatcherConfig(world_size=1, experience=ExperienceConfig(max_tokens_per_gpu=8, prompt_deadline_s=1.0,
+                                                                sampling=SamplingConfig(), logprob_role="old_policy"),
+                      kl_in_reward=LossConfig(kl_coef=0.1, kl_in_reward=True))
     with pytest.raises(ValueError, match="kl_in_reward needs kl_coef > 0"):
         LossConfig(kl_in_reward=True)
     with pytest.raises(ValueError, match="target_kl"):
@@ -543,9 +546,10 @@ class FrozenReference:
 
 
 def _old_policy_batcher(reference: FrozenReference, policy: str) -> ExperienceBatcher:
-    config = BatcherConfig(world_size=1, max_tokens_per_gpu=64, prompt_deadline_s=_WAIT_BOUND_S,
-                           sampling=SamplingConfig(n=2), logprob_role="old_policy", max_lag=0, reorder_window=0,
-                           reference_pool=True, algorithm=AlgorithmConfig(estimator="dr_grpo"),
+    experience = ExperienceConfig(max_tokens_per_gpu=64, prompt_deadline_s=_WAIT_BOUND_S, sampling=SamplingConfig(n=2),
+                                  logprob_role="old_policy", max_lag=0, reference_pool=True,
+                                  algorithm=AlgorithmConfig(estimator="dr_grpo"))
+    config = BatcherConfig(world_size=1, experience=experience, reorder_window=0,
                            kl_in_reward=LossConfig(kl_coef=0.5, kl_policy_logprobs=policy, kl_in_reward=True))
     return ExperienceBatcher(config, RewardGeneration(lambda p, i: float(i)), OldLogprob(), reference)
 
@@ -582,12 +586,13 @@ def test_a_reference_pool_serving_pushed_weights_fails_the_step() -> None:
 
 
 def test_reference_pool_config_errors_name_the_fields() -> None:
-    base = dict(world_size=1, max_tokens_per_gpu=8, prompt_deadline_s=1.0, sampling=SamplingConfig())
+    base = dict(max_tokens_per_gpu=8, prompt_deadline_s=1.0, sampling=SamplingConfig())
     with pytest.raises(ValueError, match="reference_pool goes with logprob_role old_policy"):
-        BatcherConfig(**base, logprob_role="reference", reference_pool=True)
+        BatcherConfig(world_size=1, experience=ExperienceConfig(**base, logprob_role="reference", reference_pool=True))
     with pytest.raises(ValueError, match="kl_policy_logprobs old_policy needs logprob_role old_policy"):
-        BatcherConfig(**base, logprob_role="reference", kl_in_reward=LossConfig(kl_coef=0.1, kl_policy_logprobs="old_policy", kl_in_reward=True))
-    BatcherConfig(**base, logprob_role="old_policy", reference_pool=True,
+        BatcherConfig(world_size=1, experience=ExperienceConfig(**base, logprob_role="reference"),
+                      kl_in_reward=LossConfig(kl_coef=0.1, kl_policy_logprobs="old_policy", kl_in_reward=True))
+    BatcherConfig(world_size=1, experience=ExperienceConfig(**base, logprob_role="old_policy", reference_pool=True),
                   kl_in_reward=LossConfig(kl_coef=0.1, kl_policy_logprobs="old_policy", kl_in_reward=True))  # the supported pairing
 
 
@@ -666,9 +671,10 @@ class TeacherPool(FrozenReference):
 def test_batcher_asks_the_teacher_pool_and_distils() -> None:
     async def scenario() -> tuple[list[Sample], dict[str, float]]:
         teacher = TeacherPool()
-        config = BatcherConfig(world_size=1, max_tokens_per_gpu=64, prompt_deadline_s=_WAIT_BOUND_S,
-                               sampling=SamplingConfig(n=2), logprob_role="reference", max_lag=0, reorder_window=0,
-                               distill=DistillConfig(teacher=True, coef=0.5, use_reward=False))
+        experience = ExperienceConfig(max_tokens_per_gpu=64, prompt_deadline_s=_WAIT_BOUND_S,
+                                      sampling=SamplingConfig(n=2), logprob_role="reference", max_lag=0,
+                                      distill=DistillConfig(teacher=True, coef=0.5, use_reward=False))
+        config = BatcherConfig(world_size=1, experience=experience, reorder_window=0)
         batcher = ExperienceBatcher(config, RewardGeneration(lambda p, i: float(i)), RefLogprob(), teacher=teacher)
         await batcher.submit_prompts(0, 0, [_prompt(0), _prompt(1)])
         trained, _ = await _drain(batcher, 0, 0)
@@ -689,8 +695,8 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both_models(
 
     import ray as ray_module
 
+    from async_grpo.trainer.run_inputs import InputError, check_teacher_tokenizer
     from setup_model import load_tokenizer, tokenizer_fingerprint
-    from trainer_core import InputError, check_teacher_tokenizer
 
     other = tmp_path / "other-teacher"
     tokenizer = load_tokenizer(tiny_model_dir)

@@ -26,7 +26,8 @@ def test_docs_config_md_is_current() -> None:
         "docs/config.md is stale: run .venv/bin/python scripts/config_docs.py")
 
 
-@pytest.mark.parametrize("module, name", [("trainer_core", "TrainerConfig"), ("local_cluster", "LocalClusterConfig"),
+@pytest.mark.parametrize("module, name", [("async_grpo.trainer.config", "TrainerConfig"),
+                                          ("local_cluster", "LocalClusterConfig"),
                                           ("worker_dispatcher", "DispatcherConfig")])
 def test_every_flag_is_in_the_reference_with_its_help(module: str, name: str) -> None:
     cls = getattr(importlib.import_module(module), name)

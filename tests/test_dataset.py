@@ -623,7 +623,7 @@ def test_example_data_configs_load_into_the_trainer_config_and_read_their_format
     expected_text: str,
 ) -> None:
     from async_grpo.config.run_config import load_config
-    from trainer_core import TrainerConfig
+    from async_grpo.trainer.config import TrainerConfig
 
     path = _write_parquet(tmp_path / "data.parquet", records)
     config = load_config(TrainerConfig, ["--config", str(REPO_ROOT / "configs" / config_file),

@@ -14,19 +14,21 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pytest
 import ray
 
+from async_grpo.batching.batcher_config import BatcherConfig, ExperienceConfig
 from async_grpo.batching.batcher_messages import (
     LOSS_WEIGHT, PADDING_LOSS_WEIGHT, EndOfStep, ExperienceBatcherError, Minibatch,
 )
+from async_grpo.batching.minibatch_packer import MinibatchPacker
 from async_grpo.launch.ray_env import BATCHER_ACTOR_NAME, GENERATION, RAY_NAMESPACE
 from async_grpo.rollouts.sampling import SamplingConfig
 from sample_processing_utils import Sample, TokenLogprobs
-from vllm_experience_batcher import BatcherConfig, ExperienceBatcher, MinibatchPacker, get_or_create_batcher
+from vllm_experience_batcher import ExperienceBatcher, get_or_create_batcher
 from vllm_registry import Bundle, RegistryActor, RegistryConfig, serve_many
 
 # Ray workers cannot import this test module (tests/ is not on their path): ship the stand-in
@@ -98,7 +100,9 @@ def _config(**overrides: Any) -> BatcherConfig:
         reorder_window=0,
     )
     values.update(overrides)
-    return BatcherConfig(**values)
+    shared = {f.name for f in fields(ExperienceConfig)}  # the rest are the batcher's own
+    experience = ExperienceConfig(**{k: v for k, v in values.items() if k in shared})
+    return BatcherConfig(experience=experience, **{k: v for k, v in values.items() if k not in shared})
 
 
 def _pack(sizes: list[int], world_size: int, budget: int, window: int) -> tuple[MinibatchPacker, list[Minibatch], list[Sample]]:
@@ -607,7 +611,7 @@ def test_actor_routes_two_steps_submitted_ahead_to_the_right_ranks(batcher_actor
             assert [(mb.step, mb.rank, mb.index) for mb in mbs] == [(step, rank, i) for i in range(len(mbs))]
             assert len(mbs) == ends[0].num_minibatches
             real += [s for mb in mbs if mb.loss_weight == LOSS_WEIGHT for s in mb.samples]
-            assert all(mb.num_tokens <= config.max_tokens_per_gpu for mb in mbs)
+            assert all(mb.num_tokens <= config.experience.max_tokens_per_gpu for mb in mbs)
         assert Counter(s.prompt_id for s in real) == {pid: _N for pid in step_ids}
         assert all(s.ref_logprobs == _fake_logprobs(s) for s in real)
     assert sorted(c for c in ray.get(generation.calls.remote())) == sorted(

@@ -16,7 +16,6 @@ from async_grpo.launch.placement import GiB, ModelShape, PlacementError, RunShap
 from vllm_worker import root_cause_line
 from worker_dispatcher import cpu_kv_cache_bytes, gpus_per_worker
 
-GiB = 2**30
 
 
 @pytest.mark.parametrize(("version", "allowed"), [

@@ -11,8 +11,8 @@ import pytest
 from async_grpo.config.run_config import ConfigError, load_config
 from async_grpo.config.worker_options import EngineConfig
 from async_grpo.data.dataset import DatasetConfig
+from async_grpo.trainer.config import TrainerConfig
 from setup_model import DEFAULT_LORA_TARGETS, LoraConfig, ModelConfig, vllm_lora_rank
-from trainer_core import TrainerConfig
 from vllm_worker import GenerationWorkerConfig
 
 REQUIRED = ["--model.model_path", "m", "--data.path", "d.jsonl"]

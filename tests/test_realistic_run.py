@@ -17,9 +17,9 @@ from async_grpo.config.run_config import load_config
 from async_grpo.data.dataset import DatasetConfig, load_prompts
 from async_grpo.data.prompt_record import extract_gsm8k_answer
 from async_grpo.model.tiny_model import PRESETS, build_chat_tokenizer, build_model, hf_config
+from async_grpo.trainer.config import TrainerConfig
 from benchmarks import process_monitor as pm
 from benchmarks import realistic_parts as rr
-from trainer_core import TrainerConfig
 
 
 def test_gsm8k_records_are_deterministic_well_formed_and_correct() -> None:
@@ -48,10 +48,11 @@ def test_default_trainer_config_resolves_and_fits_the_sample_budget(tmp_path: Pa
     path = tmp_path / "trainer.yaml"
     path.write_text(yaml.safe_dump(rr.trainer_yaml(config, tmp_path / "data.jsonl")))
     trainer = load_config(TrainerConfig, ["--config", str(path), "--model.model_path", "m"])
-    assert trainer.sampling.max_tokens == 2048 and trainer.sampling.n == 2 and trainer.prompts_per_rank == 1
-    assert trainer.max_tokens_per_gpu == trainer.data.max_prompt_tokens + trainer.sampling.max_tokens == 2304
+    experience = trainer.experience
+    assert experience.sampling.max_tokens == 2048 and experience.sampling.n == 2 and trainer.prompts_per_rank == 1
+    assert experience.max_tokens_per_gpu == trainer.data.max_prompt_tokens + experience.sampling.max_tokens == 2304
     assert trainer.model.gradient_checkpointing and trainer.model.logprob_chunk_size == 256
-    assert trainer.logprob_role == "reference" and trainer.loss.kl_coef > 0
+    assert experience.logprob_role == "reference" and trainer.loss.kl_coef > 0
     assert trainer.data.format == "gsm8k" and trainer.data.chat_template
     assert trainer.eval.every == 0 and not trainer.tensorboard and not trainer.progress_bar
     # Flags after `--` win, and the engines follow them.
@@ -66,8 +67,8 @@ def test_default_trainer_config_resolves_and_fits_the_sample_budget(tmp_path: Pa
 
 
 def test_engine_sizing_holds_every_sequence_in_flight() -> None:
-    trainer = SimpleNamespace(data=SimpleNamespace(max_prompt_tokens=256), sampling=SimpleNamespace(max_tokens=2048, n=2),
-                              max_lag=1, prompts_per_rank=1)
+    trainer = SimpleNamespace(data=SimpleNamespace(max_prompt_tokens=256), prompts_per_rank=1,
+                              experience=SimpleNamespace(sampling=SimpleNamespace(max_tokens=2048, n=2), max_lag=1))
     qwen = {"hidden_size": 896, "num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24}
     assert rr.kv_bytes_per_token(qwen, "float32") == 2 * 24 * 2 * 64 * 4
     sizing = rr.cluster_sizing(rr.RealisticRunConfig(), trainer, qwen)

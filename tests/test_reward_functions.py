@@ -263,12 +263,14 @@ def _step_metrics(pool, texts_of: dict[int, list[str]], reward: RewardConfig) ->
     """One batcher step over prompts texts_of's keys (n = 4 completions each); its metrics."""
     import asyncio
 
+    from async_grpo.batching.batcher_config import BatcherConfig, ExperienceConfig
     from async_grpo.rollouts.sampling import SamplingConfig
     from sample_processing_utils import Sample
-    from vllm_experience_batcher import BatcherConfig, EndOfStep, ExperienceBatcher
+    from vllm_experience_batcher import EndOfStep, ExperienceBatcher
 
-    config = BatcherConfig(world_size=1, max_tokens_per_gpu=64, prompt_deadline_s=120.0,
-                           sampling=SamplingConfig(n=4), logprob_role="none", max_lag=0, reorder_window=0)
+    experience = ExperienceConfig(max_tokens_per_gpu=64, prompt_deadline_s=120.0, sampling=SamplingConfig(n=4),
+                                  logprob_role="none", max_lag=0)
+    config = BatcherConfig(world_size=1, experience=experience, reorder_window=0)
 
     async def scenario() -> dict[str, float]:
         batcher = ExperienceBatcher(config, _WorkerGeneration(pool, texts_of, reward), None)

@@ -66,13 +66,14 @@ def test_config_needs_the_early_step_before_the_last() -> None:
 
 def test_trainer_args_keep_the_demo_config_and_turn_off_checkpoints_and_eval(tmp_path: Path) -> None:
     from async_grpo.config.run_config import load_config
-    from trainer_core import TrainerConfig
+    from async_grpo.trainer.config import TrainerConfig
 
     args = soak.trainer_args(soak.SoakConfig(num_steps=300), tmp_path, ["--seed", "3"])
     trainer = load_config(TrainerConfig, [*args, "--model.model_path", "m"])
     assert trainer.num_steps == trainer.optim.total_steps == 300
     assert trainer.checkpoint_every == 0 and not trainer.checkpoint_at_end and trainer.eval.every == 0
-    assert trainer.seed == 3 and trainer.sampling.n == 16 and trainer.epochs_per_step == 4  # the demo's otherwise
+    experience = trainer.experience
+    assert trainer.seed == 3 and experience.sampling.n == 16 and trainer.epochs_per_step == 4  # the demo's otherwise
 
 
 @pytest.mark.vllm

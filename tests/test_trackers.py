@@ -140,7 +140,7 @@ def test_only_rank0_reports(tmp_path: Path, offline: None) -> None:
 def test_report_to_from_the_command_line_and_its_checks() -> None:
     import dataclasses
 
-    from trainer_core import TrainerConfig
+    from async_grpo.trainer.config import TrainerConfig
 
     parsed = load_config(MetricsConfig, ["--report_to", "jsonl", "wandb", "mlflow"])
     assert parsed.report_to == ("jsonl", "wandb", "mlflow")

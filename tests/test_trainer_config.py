@@ -6,18 +6,21 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import torch
 
+from async_grpo.batching.batcher_config import ExperienceConfig
 from async_grpo.config.run_config import load_config
 from async_grpo.data.dataset import DatasetConfig
 from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.fsdp_setup import DistInfo
 from grpo_loss import LossConfig
 from setup_model import ModelConfig
-from trainer_core import CONFIG_ERROR_EXIT, TrainerConfig, make_batcher_config, make_weight_pusher
+from trainer_core import CONFIG_ERROR_EXIT, make_batcher_config, make_weight_pusher
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAINER = REPO_ROOT / "trainer_core.py"
@@ -26,8 +29,11 @@ START_TIMEOUT_S = 120
 
 
 def _config(**overrides) -> TrainerConfig:
-    sections = {"model": ModelConfig(model_path="m"), "data": DatasetConfig(path="d.jsonl")}
-    return TrainerConfig(**{**sections, **overrides})
+    """A TrainerConfig; overrides of the experience section's fields (max_lag, sampling, ...) go into it."""
+    shared = {f.name for f in fields(ExperienceConfig)}
+    experience = ExperienceConfig(**{k: v for k, v in overrides.items() if k in shared})
+    sections = {"model": ModelConfig(model_path="m"), "data": DatasetConfig(path="d.jsonl"), "experience": experience}
+    return TrainerConfig(**{**sections, **{k: v for k, v in overrides.items() if k not in shared}})
 
 
 def _budget_config(max_prompt_tokens: int, max_tokens: int, max_tokens_per_gpu: int, **overrides) -> TrainerConfig:
@@ -42,13 +48,13 @@ def test_budget_must_hold_the_longest_sample() -> None:
                                          r"sampling.max_tokens = 100 \+ 28 = 128.*oversized_sample_policy"):
         _budget_config(100, 28, 127)
     # An explicit policy accepts it: such a sample trains alone, over the budget, and is counted.
-    assert _budget_config(100, 28, 127, oversized_sample_policy="train_alone").max_tokens_per_gpu == 127
+    assert _budget_config(100, 28, 127, oversized_sample_policy="train_alone").experience.max_tokens_per_gpu == 127
     assert _config().oversized_sample_policy == "refuse"
 
 
 def test_a_multi_turn_rollout_must_fit_the_budget_and_its_environment_must_import(tmp_path: Path) -> None:
     from async_grpo.rollouts.environments import EnvironmentConfig
-    from trainer_core import InputError, load_run_inputs
+    from async_grpo.trainer.run_inputs import InputError, load_run_inputs
 
     def with_environment(name: str, max_total_tokens: int, max_tokens_per_gpu: int) -> TrainerConfig:
         environment = EnvironmentConfig(name=name, max_total_tokens=max_total_tokens)
@@ -56,7 +62,8 @@ def test_a_multi_turn_rollout_must_fit_the_budget_and_its_environment_must_impor
                        max_tokens_per_gpu=max_tokens_per_gpu)
 
     # The whole stream (observations included) bounds a sample, not max_prompt_tokens + max_tokens.
-    assert with_environment("async_grpo.rollouts.tool_environment:ToolEnvironment", 4096, 4096).max_tokens_per_gpu == 4096
+    fits = with_environment("async_grpo.rollouts.tool_environment:ToolEnvironment", 4096, 4096)
+    assert fits.experience.max_tokens_per_gpu == 4096
     with pytest.raises(ValueError, match=r"max_tokens_per_gpu=4095 is below sampling.environment.max_total_tokens=4096"):
         with_environment("async_grpo.rollouts.tool_environment:ToolEnvironment", 4096, 4095)
     # A class that does not import stops the run before the model folder is even read.
@@ -68,7 +75,7 @@ def test_a_multi_turn_rollout_must_fit_the_budget_and_its_environment_must_impor
 def test_the_rule_is_checked_at_load_time_and_the_demo_satisfies_it() -> None:
     required = ["--model.model_path", "m", "--data.path", "d.jsonl", "--eval.every", "0"]
     demo = load_config(TrainerConfig, ["--config", str(REPO_ROOT / "configs" / "demo.yaml"), *required])
-    assert demo.data.max_prompt_tokens + demo.sampling.max_tokens <= demo.max_tokens_per_gpu
+    assert demo.data.max_prompt_tokens + demo.experience.sampling.max_tokens <= demo.experience.max_tokens_per_gpu
     with pytest.raises(ValueError, match="max_tokens_per_gpu=8 is below"):
         load_config(TrainerConfig, ["--config", str(REPO_ROOT / "configs" / "demo.yaml"), *required,
                                     "--max_tokens_per_gpu", "8"])
@@ -135,7 +142,7 @@ def test_every_bundled_config_loads_into_the_trainer_config(config_file: str) ->
     config = load_config(TrainerConfig, ["--config", str(path), "--model.model_path", "m",
                                          *([] if generated else ["--data.path", "d.jsonl"]),
                                          "--eval.data.path", "e.jsonl"])
-    assert config.data.max_prompt_tokens + config.sampling.max_tokens <= config.max_tokens_per_gpu
+    assert config.data.max_prompt_tokens + config.experience.sampling.max_tokens <= config.experience.max_tokens_per_gpu
 
 
 @pytest.mark.parametrize("every, at_end, expected", [

@@ -18,9 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import trainer_core
 from async_grpo.data.dataset import DatasetConfig
 from async_grpo.telemetry.metrics import StepAccumulator
+from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.data_path import PerRankDataPath, RayBatcherClient
 from async_grpo.trainer.fsdp_setup import DistInfo
 from async_grpo.trainer.optimizer import OptimConfig, build_scheduler
@@ -121,4 +121,4 @@ def test_later_passes_match_a_hand_written_ppo_epoch_loop(tiny_model_dir: Path, 
 
 def test_epochs_per_step_must_be_positive() -> None:
     with pytest.raises(ValueError, match="epochs_per_step"):
-        trainer_core.TrainerConfig(model=SimpleNamespace(), data=DatasetConfig(path="unused.jsonl"), epochs_per_step=0)
+        TrainerConfig(model=SimpleNamespace(), data=DatasetConfig(path="unused.jsonl"), epochs_per_step=0)

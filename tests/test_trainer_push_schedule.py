@@ -19,15 +19,18 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from async_grpo.batching.batcher_config import ExperienceConfig
 from async_grpo.data.dataset import DatasetConfig
+from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.data_path import PerRankDataPath, RayBatcherClient
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from async_grpo.trainer.fsdp_setup import DistInfo
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler
+from async_grpo.trainer.prompt_feeder import PromptFeeder
 from grpo_loss import LossConfig
 from sample_processing_utils import Sample
 from setup_model import TokenLogprobModel, load_causal_lm
-from trainer_core import PromptFeeder, StepParts, TrainerConfig, run_step, start_generation
+from trainer_core import StepParts, run_step, start_generation
 from vllm_experience_batcher import EndOfStep, Minibatch
 
 # run_step reads no data (the stand-in batcher makes the prompts), but TrainerConfig checks its budget.
@@ -118,8 +121,9 @@ def _run(tiny_model_dir: Path, tmp_path: Path, monkeypatch, push_every: int, max
 
     monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
     config = TrainerConfig(model=SimpleNamespace(), data=UNUSED_DATA, run_dir=str(tmp_path),
-                           num_steps=NUM_STEPS, prompts_per_rank=PROMPTS_PER_RANK, max_lag=max_lag,
-                           push_every=push_every, loss=LossConfig(kl_coef=0.0), logprob_role="none")
+                           num_steps=NUM_STEPS, prompts_per_rank=PROMPTS_PER_RANK,
+                           experience=ExperienceConfig(max_lag=max_lag, logprob_role="none"),
+                           push_every=push_every, loss=LossConfig(kl_coef=0.0))
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     torch.manual_seed(0)
     model = TokenLogprobModel(load_causal_lm(tiny_model_dir, dtype=torch.float32, attn_implementation="eager"))
@@ -170,5 +174,7 @@ def test_full_overlap_from_max_lag_equal_push_every(tiny_model_dir: Path, tmp_pa
 @pytest.mark.parametrize("push_every, max_lag", [(2, 0), (3, 1), (5, 3)])
 def test_max_lag_below_push_every_minus_one_is_refused(push_every: int, max_lag: int) -> None:
     with pytest.raises(ValueError, match=f"TrainerConfig.max_lag={max_lag} is below push_every - 1"):
-        TrainerConfig(model=SimpleNamespace(), data=UNUSED_DATA, push_every=push_every, max_lag=max_lag)
-    TrainerConfig(model=SimpleNamespace(), data=UNUSED_DATA, push_every=push_every, max_lag=push_every - 1)
+        TrainerConfig(model=SimpleNamespace(), data=UNUSED_DATA, push_every=push_every,
+                      experience=ExperienceConfig(max_lag=max_lag))
+    TrainerConfig(model=SimpleNamespace(), data=UNUSED_DATA, push_every=push_every,
+                  experience=ExperienceConfig(max_lag=push_every - 1))

@@ -15,12 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from async_grpo.batching.batcher_config import BatcherConfig, ExperienceConfig
 from async_grpo.config.run_config import load_config, save_config
 from async_grpo.data.dataset import DatasetConfig
 from async_grpo.rollouts.sampling import SEED_BOUND, SamplingConfig, derive_seed
+from async_grpo.trainer.config import TrainerConfig
 from sample_processing_utils import Sample
-from trainer_core import TrainerConfig
-from vllm_experience_batcher import BatcherConfig, ExperienceBatcher, Minibatch
+from vllm_experience_batcher import ExperienceBatcher, Minibatch
 from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
 N = 4  # completions per request
@@ -33,11 +34,12 @@ def _config(**overrides) -> TrainerConfig:
 
 
 def test_trainer_seeds_sampling_from_the_run_seed_unless_told_otherwise() -> None:
-    assert _config(seed=17).sampling.seed == 17
-    assert _config(seed=17, sampling=SamplingConfig(seed=5)).sampling.seed == 5  # an explicit seed wins
-    assert _config(seed=17, seed_sampling=False).sampling.seed is None
+    seeded = ExperienceConfig(sampling=SamplingConfig(seed=5))
+    assert _config(seed=17).experience.sampling.seed == 17
+    assert _config(seed=17, experience=seeded).experience.sampling.seed == 5  # an explicit seed wins
+    assert _config(seed=17, seed_sampling=False).experience.sampling.seed is None
     with pytest.raises(ValueError, match="seed_sampling"):
-        _config(seed_sampling=False, sampling=SamplingConfig(seed=5))
+        _config(seed_sampling=False, experience=seeded)
     with pytest.raises(ValueError, match="TrainerConfig.seed"):
         _config(seed=SEED_BOUND)
 
@@ -80,8 +82,9 @@ class _RecordingGeneration:
 
 def _engine_seeds(sampling: SamplingConfig) -> dict[tuple[int, int], int | None]:
     """(step, prompt_id) -> the seed the engine would get, for STEPS x PROMPT_IDS run by a batcher."""
-    config = BatcherConfig(world_size=1, max_tokens_per_gpu=64, prompt_deadline_s=60.0, sampling=sampling,
-                           logprob_role="none", max_lag=len(STEPS))
+    experience = ExperienceConfig(max_tokens_per_gpu=64, prompt_deadline_s=60.0, sampling=sampling,
+                                  logprob_role="none", max_lag=len(STEPS))
+    config = BatcherConfig(world_size=1, experience=experience)
     worker = GenerationWorker("seed-test", GenerationWorkerConfig(model_path="unused"))
     seeds: dict[tuple[int, int], int | None] = {}
 

@@ -1,6 +1,6 @@
 """The trainer's prompt sampler: endless, seeded, sharded across data-parallel ranks, resumable.
 
-Pure (numpy only). trainer_core.PromptFeeder draws each step's prompt indices from it:
+Pure (numpy only). prompt_feeder.PromptFeeder draws each step's prompt indices from it:
 
     sampler = InfiniteDistributedSampler(num_items=1000, rank=0, world_size=2, seed=0)
     indices = sampler.next_batch(8)         # 8 of this rank's 500 per epoch
@@ -27,7 +27,7 @@ class InfiniteDistributedSampler:
 
     A state may also name positions ahead to pass over once (`skip`): prompts already trained
     although drawn after the state's position (dynamic sampling's extra prompts for an earlier
-    step, drawn after a later step's prompts; see trainer_core.PromptFeeder).
+    step, drawn after a later step's prompts; see prompt_feeder.PromptFeeder).
     """
 
     def __init__(self, num_items: int, rank: int, world_size: int, seed: int) -> None:

@@ -7,7 +7,7 @@ The workers score completions exactly as in training (math-verify, the training 
 `truncated_reward`), so `eval/accuracy` is the share of greedy answers with reward >= 1 and
 `eval/pass@k` is the unbiased estimator of Chen et al. (2021) over the sampled completions.
 
-    evaluator = Evaluator.load(config.eval, config.data, config.sampling, tokenizer)
+    evaluator = Evaluator.load(config.eval, config.data, config.experience.sampling, tokenizer)
     client = RayRegistryClient(ray.get_actor(registry_name(GENERATION), namespace=RAY_NAMESPACE))
     metrics = evaluator.run(client).metrics()   # {"eval/accuracy": ..., "eval/pass@4": ..., ...}
 

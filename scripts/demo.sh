@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The README's main job: a complete local GRPO run on the bundled tiny model, on CPU.
+# The README's main job: a complete local GRPO run on the bundled tiny model, on CPU or on this
+# machine's GPUs.
 #   1. installs into ./.venv if needed
 #   2. makes the starting model (tiny Qwen2 warmed up on the answer format only), the training
 #      prompts and the evaluation table (every single-digit sum once)
 #   3. starts a private Ray head on 127.0.0.1, one generation + one logprob worker, and
-#      torchrun --nproc_per_node=2 trainer_core.py (local_cluster.py stops all of it on exit)
+#      torchrun trainer_core.py with 2 ranks (local_cluster.py stops all of it on exit). On a
+#      machine with one or two GPUs the trainer runs one rank with twice the prompts per rank (the
+#      same 512 rollouts per step), everything placed by the launcher's plan (docs/real_models.md)
 #   4. the trainer ends with its summary (when the 10-step mean reward reached 0.5 / 0.6 / 0.9,
 #      counted from this command's start; the last evaluation; where a step's time goes); then
 #      the reward curve goes to <run_dir>/reward.png
@@ -15,7 +18,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 COMMAND_STARTED_AT=$(date +%s.%N)
 bash scripts/install.sh
+source scripts/device.sh
 PY=.venv/bin/python
+# The demo's batch is 2 ranks x 16 prompts x 16 rollouts; one rank takes all 32 prompts.
+RANKS=(--nproc_per_node 2)
+if [ "$(detect_device)" = cuda ] && [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -le 2 ]; then
+  RANKS=(--nproc_per_node 1 -- --prompts_per_rank 32)
+else
+  RANKS=("${RANKS[@]}" --)
+fi
 for arg in "$@"; do
   if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then
     sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'  # this header, then the trainer's flags
@@ -34,7 +45,7 @@ rm -rf "$RUN_DIR"
 mkdir -p "$RUN_DIR"
 echo "$COMMAND_STARTED_AT" > "$RUN_DIR/command_started_at"
 echo "[demo] training in $RUN_DIR (Ctrl-C stops everything)"
-$PY local_cluster.py --model_path "$ASSETS/model" --run_dir "$RUN_DIR" --nproc_per_node 2 -- \
+$PY local_cluster.py --model_path "$ASSETS/model" --run_dir "$RUN_DIR" "${RANKS[@]}" \
   --config configs/demo.yaml --data.path "$ASSETS/arithmetic.jsonl" \
   --eval.data.path "$ASSETS/arithmetic_eval.jsonl" "$@"
 COMMAND_FINISHED_AT=$(date +%s.%N)

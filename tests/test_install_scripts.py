@@ -80,3 +80,15 @@ def test_the_gpu_tier_fails_loudly_without_cuda() -> None:
                           timeout=_SHELL_TIMEOUT_S)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "sees no CUDA device" in done.stderr
+
+
+def test_the_gpu_check_needs_cuda_and_says_so_in_one_line(tmp_path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: scripts/gpu_check.sh runs for real here")
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path / "out")], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=_SHELL_TIMEOUT_S)
+    assert done.returncode == 1 and done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("scripts/gpu_check.sh: ") and "sees no CUDA device" in line

@@ -38,10 +38,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
-import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,10 +56,16 @@ from async_grpo.config.worker_options import (
     VLLM_GPU_MEMORY_UTILIZATION, EngineConfig, FailedSamplesConfig, HealthCheckConfig, LogprobBatchingConfig,
     RayConnectionConfig, RestartConfig, VerificationConfig,
 )
+from async_grpo.launch.local_processes import StopFlag
+from async_grpo.launch.node_resources import (
+    CPU_KV_CACHE_MAX_BYTES, CPU_KV_CACHE_MIN_BYTES, NODE_ID_CHARS, NodeLostError, actor_exists, cpu_kv_cache_bytes,
+    gpu_holders, gpus_per_worker, node_alive, node_gpu_count, node_runs_cuda,
+)
 from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
 from async_grpo.launch.ray_env import (
     GENERATION, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, worker_actor_name,
 )
+from async_grpo.launch.status_table import format_status
 from setup_model import ModelPathError, check_model_dir
 from vllm_registry import RegistryConfig, WorkerState, WorkerStatus, get_or_create_registry
 
@@ -82,7 +85,6 @@ _LOGPROB_CAP_PER_BATCH = 2
 _MAX_NAME_ATTEMPTS = 1000
 _STOP_POLL_S = 1.0  # how often a long wait checks whether Ctrl-C / SIGTERM arrived
 _TEARDOWN_TIMEOUT_S = 30.0  # bound on each cleanup call, so a wedged worker cannot block exit
-_NODE_ID_CHARS = 12  # enough of the hex node id to tell nodes apart in the status table
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -146,29 +148,6 @@ class DispatcherConfig:
             raise ValueError(f"DispatcherConfig.start_timeout_s must be > 0, got {self.start_timeout_s}")
 
 
-# KV cache of a generation worker on a CPU node when the operator sets no size: vLLM's CPU backend
-# otherwise reserves gpu_memory_utilization (0.9) of the node's RAM and refuses to start when
-# anything else holds memory. An eighth of what is free leaves room for the trainer, the other
-# workers and the model itself; the bounds keep tiny and huge nodes sane.
-_CPU_KV_CACHE_FRACTION_OF_FREE = 1 / 8
-_CPU_KV_CACHE_MIN_BYTES = 256 * 2**20
-_CPU_KV_CACHE_MAX_BYTES = 8 * 2**30
-
-
-def cpu_kv_cache_bytes(available_bytes: int) -> int:
-    """Default KV-cache size of a generation worker on a CPU node with `available_bytes` free."""
-    share = int(available_bytes * _CPU_KV_CACHE_FRACTION_OF_FREE)
-    return max(_CPU_KV_CACHE_MIN_BYTES, min(share, _CPU_KV_CACHE_MAX_BYTES))
-
-
-def node_runs_cuda() -> bool:
-    """Whether workers on this node compute on CUDA GPUs. Ray's GPU resource alone does not say
-    so: `ray start --num-gpus=N` advertises GPUs on a machine without any (Ray's fake GPUs)."""
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def generation_worker_config(cfg: DispatcherConfig, cuda: bool = True) -> Any:
     """vllm_worker.GenerationWorkerConfig for this dispatcher (paths made absolute for the actor).
 
@@ -186,8 +165,8 @@ def generation_worker_config(cfg: DispatcherConfig, cuda: bool = True) -> Any:
         engine = dataclasses.replace(engine, kv_cache_memory_bytes=cpu_kv_cache_bytes(available))
         logger.info("CPU node: vLLM KV cache %.2f GiB (1/8 of the %.2f GiB free, within [%.2f, %.0f] GiB; "
                     "--kv_cache_memory_bytes or --gpu_memory_utilization to change)",
-                    engine.kv_cache_memory_bytes / 2**30, available / 2**30, _CPU_KV_CACHE_MIN_BYTES / 2**30,
-                    _CPU_KV_CACHE_MAX_BYTES / 2**30)
+                    engine.kv_cache_memory_bytes / 2**30, available / 2**30, CPU_KV_CACHE_MIN_BYTES / 2**30,
+                    CPU_KV_CACHE_MAX_BYTES / 2**30)
     return GenerationWorkerConfig(
         model_path=str(Path(cfg.model_path).resolve()), engine=engine, failed_samples=failed,
         verification=cfg.verification,
@@ -213,26 +192,6 @@ def registry_config_for(mode: str, worker_config: Any) -> RegistryConfig:
     return RegistryConfig(max_inflight_cost_per_worker=_LOGPROB_CAP_PER_BATCH * worker_config.batching.max_tokens_per_forward)
 
 
-def node_gpu_count(node_id: str) -> int:
-    """GPUs the Ray node advertises (`ray start --num-gpus`, or the GPUs Ray detected)."""
-    for node in ray.nodes():
-        if node["NodeID"] == node_id:
-            return int(node["Resources"].get("GPU", 0))
-    raise RuntimeError(f"node {node_id} is not in the Ray cluster's node list")
-
-
-def gpus_per_worker(mode: str, tensor_parallel_size: int, node_gpus: int, requested: float | None = None) -> float:
-    """GPUs one worker reserves on a node advertising `node_gpus`: none on a CPU node, else
-    `requested` (a fraction shares a GPU) or whole GPUs: the engine's tensor-parallel size
-    (generation) or one. ValueError when the node has too few."""
-    if node_gpus == 0:
-        return 0
-    wanted = requested if requested is not None else (tensor_parallel_size if mode == GENERATION else 1)
-    if wanted > node_gpus:
-        raise ValueError(f"a {mode} worker needs {wanted:g} GPU(s) and this Ray node advertises {node_gpus}")
-    return wanted
-
-
 def check_shared_gpu_memory(cfg: DispatcherConfig, cuda: bool) -> None:
     """ValueError when a generation worker shares a CUDA GPU (--num_gpus below 1) with vLLM's
     default memory share, which would claim 0.92 of the GPU and fail beside the other processes."""
@@ -243,25 +202,6 @@ def check_shared_gpu_memory(cfg: DispatcherConfig, cuda: bool) -> None:
         raise ValueError(f"--num_gpus {cfg.num_gpus:g} shares a GPU, and vLLM's default gpu_memory_utilization "
                          f"({VLLM_GPU_MEMORY_UTILIZATION}) takes nearly all of it: set --gpu_memory_utilization to "
                          f"this engine's share of the GPU's memory")
-
-
-def gpu_holders(node_id: str) -> list[str]:
-    """Workers of every pool that run on the node (who holds its GPUs), for error messages."""
-    holders = []
-    for kind in WORKER_KINDS:
-        if actor_exists(registry_name(kind)):
-            rows = ray.get(ray.get_actor(registry_name(kind), namespace=RAY_NAMESPACE).status.remote())
-            holders += [f"{row.name} (GPU {row.gpu_ids or '-'})" for row in rows if row.node_id == node_id]
-    return holders
-
-
-def actor_exists(name: str) -> bool:
-    """Whether a live actor already holds `name` in the project namespace."""
-    try:
-        ray.get_actor(name, namespace=RAY_NAMESPACE)
-    except ValueError:
-        return False
-    return True
 
 
 def claim_worker_name(registry: ActorHandle, kind: str) -> str:
@@ -306,27 +246,6 @@ def create_worker_actor(cfg: DispatcherConfig, name: str, worker_config: Any, no
     ).remote(name, worker_config)
 
 
-class StopFlag:
-    """Set by SIGINT / SIGTERM; long waits poll it so the dispatcher can clean up and exit 0."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-
-    def install(self) -> None:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self._handle)
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        logger.info("received %s; stopping", signal.Signals(signum).name)
-        self._event.set()
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout_s: float) -> bool:
-        return self._event.wait(timeout_s)
-
-
 def wait_placed(actor: ActorHandle, name: str, spec: "WorkerSpec", timeout_s: float, stop: StopFlag) -> bool:
     """Block until Ray has placed and constructed the worker actor (True) or a stop signal arrives
     (False). Without this bound a worker asking for a GPU that another actor holds waits in Ray's
@@ -338,7 +257,7 @@ def wait_placed(actor: ActorHandle, name: str, spec: "WorkerSpec", timeout_s: fl
         if ready:
             return True
         if time.monotonic() > deadline:
-            node = spec.node_id[:_NODE_ID_CHARS]
+            node = spec.node_id[:NODE_ID_CHARS]
             if not spec.gpus:
                 raise RuntimeError(f"worker {name} was not placed on node {node} within {timeout_s:.0f} s "
                                    f"(its CPUs are taken, or the worker is still loading its model)")
@@ -388,35 +307,6 @@ def ensure_registered(kind: str, name: str, registry_config: RegistryConfig) -> 
             ray.get(registry.register.remote(name))
     except ray.exceptions.RayError as err:
         logger.warning("could not check or renew %s's registration: %s", name, err)
-
-
-class NodeLostError(RuntimeError):
-    """This dispatcher's Ray node left the cluster (its raylet died, the machine was removed): its
-    workers died with it, and a replacement can only run on this node, so the dispatcher exits."""
-
-    @classmethod
-    def of(cls, node_id: str, worker: str, detail: str = "") -> "NodeLostError":
-        seen = f" ({detail})" if detail else ""
-        return cls(f"node {node_id[:_NODE_ID_CHARS]} left the Ray cluster (its raylet is gone) and worker {worker} "
-                   f"with it{seen}; exiting: this dispatcher starts workers on its own node only")
-
-
-_RAYLET_PROBE_TIMEOUT_S = 2.0
-
-
-def node_alive(node_id: str) -> bool:
-    """Whether the node is still in the cluster: the GCS lists it as alive and its raylet accepts
-    a connection. The second check decides at once: the GCS marks a lost node dead only after
-    its own health checks (seconds), while the worker's death is seen first."""
-    for node in ray.nodes():
-        if node["NodeID"] == node_id and node["Alive"]:
-            try:
-                address = (node["NodeManagerAddress"], node["NodeManagerPort"])
-                with socket.create_connection(address, timeout=_RAYLET_PROBE_TIMEOUT_S):
-                    return True
-            except OSError:
-                return False
-    return False
 
 
 def keep_alive(
@@ -503,7 +393,7 @@ def serve(cfg: DispatcherConfig) -> int:
     try:
         gpus = gpus_per_worker(cfg.mode, cfg.engine.tensor_parallel_size, node_gpu_count(node_id), cfg.num_gpus)
     except ValueError as err:
-        print(f"worker_dispatcher.py: node {node_id[:_NODE_ID_CHARS]}: {err}", file=sys.stderr, flush=True)
+        print(f"worker_dispatcher.py: node {node_id[:NODE_ID_CHARS]}: {err}", file=sys.stderr, flush=True)
         return 1
     if cfg.mode == GENERATION:
         worker_config = generation_worker_config(cfg, cuda=node_runs_cuda())
@@ -591,22 +481,6 @@ def run_worker(cfg: DispatcherConfig, spec: WorkerSpec, stop: StopFlag) -> Worke
             teardown(cfg.mode, actor, name, worker_died=died)
 
 
-def format_status(rows: Sequence[WorkerStatus]) -> str:
-    """Operator table: one line per worker."""
-    header = ("kind", "name", "node", "gpus", "state", "version", "uptime", "load", "in-flight", "served", "failed",
-              "health")
-    lines = [header]
-    for r in rows:
-        health = "ok" if r.healthy else f"UNHEALTHY {r.last_error}".strip()
-        lines.append((
-            r.kind, r.name, r.node_id[:_NODE_ID_CHARS], r.gpu_ids or "-", r.state or "?", str(r.weight_version),
-            _duration(r.uptime_s),
-            str(r.inflight_cost), str(r.inflight_requests), str(r.requests_served), str(r.requests_failed), health,
-        ))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
-    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(line, widths)), line[-1]]).rstrip() for line in lines)
-
-
 def _root_error(error: ray.exceptions.RayError) -> BaseException:
     """The exception raised inside the actor (a RayTaskError wraps it with the whole remote
     traceback), else the Ray error itself (the actor died, Ray could not schedule it)."""
@@ -618,16 +492,6 @@ def _one_line(error: BaseException, limit: int = 600) -> str:
     """An error as one line of at most `limit` characters (Ray's messages span many lines)."""
     text = " ".join(str(error).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _duration(seconds: float) -> str:
-    """Uptime as the table shows it: 45s, 12m, 3h05m."""
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def print_status(connection: RayConnectionConfig) -> int:

@@ -27,7 +27,8 @@ from async_grpo.config.worker_options import EngineConfig, LogprobBatchingConfig
 from async_grpo.launch.ray_env import (
     GENERATION, LOGPROB, LOOPBACK_ONLY_ENV, PROMPT_STOP_ENV, registry_name, repo_pythonpath, worker_actor_name,
 )
-from worker_dispatcher import REGISTERED_LINE, DispatcherConfig, format_status
+from async_grpo.launch.status_table import format_status
+from worker_dispatcher import REGISTERED_LINE, DispatcherConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DISPATCHER = str(REPO_ROOT / "worker_dispatcher.py")

@@ -11,11 +11,10 @@ import pytest
 
 from async_grpo.config.versions import Requirement, VersionError, check_versions
 from async_grpo.inference.weight_reload import UninformativeReloadWarnings
-from async_grpo.trainer.fsdp_setup import check_trainer_gpus, host_gpu_count
+from async_grpo.launch.node_resources import cpu_kv_cache_bytes, gpus_per_worker
 from async_grpo.launch.placement import GiB, ModelShape, PlacementError, RunShape, plan_placement
+from async_grpo.trainer.fsdp_setup import check_trainer_gpus, host_gpu_count
 from vllm_worker import root_cause_line
-from worker_dispatcher import cpu_kv_cache_bytes, gpus_per_worker
-
 
 
 @pytest.mark.parametrize(("version", "allowed"), [

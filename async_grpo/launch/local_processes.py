@@ -16,8 +16,10 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -132,3 +134,24 @@ def stop_process_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S)
         pass
     _signal_pids({pid for pid in tree if psutil.pid_exists(pid)}, signal.SIGKILL)
     process.wait()
+
+
+class StopFlag:
+    """Set by SIGINT / SIGTERM; long waits poll it so the dispatcher can clean up and exit 0."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        logger.info("received %s; stopping", signal.Signals(signum).name)
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._event.wait(timeout_s)

@@ -69,9 +69,8 @@ from async_grpo.rollouts.rollout_scoring import RewardScorer, RolloutScorer, sha
 from async_grpo.rollouts.sampling import SamplingConfig, request_seed
 from async_grpo.rollouts.token_versions import CompletionVersions, TokenVersionTracker
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
-from async_grpo.weights.weight_sync import (
-    UnstableVersionError, WeightUpdate, check_stable, iter_checkpoint_tensors, iter_state_dict,
-)
+from async_grpo.weights.weight_loading import iter_checkpoint_tensors, iter_state_dict
+from async_grpo.weights.weight_sync import UnstableVersionError, WeightUpdate, check_stable
 from sample_processing_utils import Sample
 from vllm_registry import Bundle, serve_many
 

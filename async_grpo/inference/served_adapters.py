@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from async_grpo.inference.weight_files import adapter_dir_path, check_free_space
-from async_grpo.weights.weight_sync import WeightUpdate, iter_state_dict, write_adapter_folder
+from async_grpo.weights.weight_loading import iter_state_dict
+from async_grpo.weights.weight_sync import WeightUpdate, write_adapter_folder
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from async_grpo.config.versions import Requirement, VersionError, check_versions
+from async_grpo.inference.engine_diagnostics import root_cause_line
 from async_grpo.inference.weight_reload import UninformativeReloadWarnings
 from async_grpo.trainer.fsdp_setup import check_trainer_gpus, host_gpu_count
 from local_cluster import GpuPlan, plan_gpus
-from vllm_worker import root_cause_line
 from worker_dispatcher import cpu_kv_cache_bytes, gpus_per_worker
 
 GiB = 2**30

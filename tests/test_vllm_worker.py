@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from async_grpo.config.worker_options import EngineConfig, FailedSamplesConfig, VerificationConfig
+from async_grpo.inference.failed_samples import FailedSampleLog
 from async_grpo.inference.served_adapters import AdapterBook
 from async_grpo.inference.weight_files import reload_buckets
 from async_grpo.inference.weight_reload import with_tied_lm_head
@@ -36,7 +37,7 @@ from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
-from vllm_worker import FailedSampleLog, GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig
+from vllm_worker import GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig
 
 logger = logging.getLogger(__name__)
 

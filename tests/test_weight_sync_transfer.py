@@ -366,7 +366,7 @@ def test_the_generation_workers_pass_through_labels_the_version(tiny_model_dir: 
     calls = WorkerCalls([worker.worker_name])
     outcome = _sender(calls).send(_policy(tiny_model_dir), 9)
     assert outcome.served == {worker.worker_name: 9} and len(wire.sent) == 1
-    assert worker.weight_version == 9 and worker.stats.weight_updates == 1 and worker._accepting.is_set()
+    assert worker.weight_version == 9 and worker.stats.weight_updates == 1 and worker.served.accepting.is_set()
     assert [c for c, _ in engine.calls] == ["init_weight_transfer_engine", "pause_generation", "start_weight_update",
                                             "update_weights", "finish_weight_update", "resume_generation"]
 
@@ -382,7 +382,7 @@ def test_the_pass_through_refuses_without_harm_or_fails_the_worker_mid_update() 
     worker = _generation_worker("nccl", engine)
     with pytest.raises(Exception, match="start before init"):  # nothing changed: the worker stays healthy
         asyncio.run(worker.transfer_start())
-    assert worker._accepting.is_set() and worker.life.state != WorkerState.FAILED
+    assert worker.served.accepting.is_set() and worker.life.state != WorkerState.FAILED
 
     async def broken_update(request: Any) -> None:
         raise RuntimeError("NCCL error: remote process exited")

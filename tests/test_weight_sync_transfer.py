@@ -21,10 +21,11 @@ from test_weight_transfer_engine import INIT, UPDATE, RecordingEngine
 
 from async_grpo.inference.weight_transfer_engine import EngineTransferReceiver
 from async_grpo.trainer.weight_pusher import WeightPusher
+from async_grpo.trainer.weight_transfer_sources import HFWeightSource, WireMeta, send_plan
 from async_grpo.trainer.weight_transfer_trainer import (
     DESCRIBE_METHOD, FINISH_METHOD, INIT_METHOD, START_METHOD, UPDATE_METHOD, EngineRanks, EngineWeightSender,
-    EngineWorkersClient, GroupPlan, HFWeightSource, TrainerTransferConfig, WireMeta, WorkerCallError,
-    check_transfer_pairing, engines_from_answers, init_payloads, plan_group, send_plan,
+    EngineWorkersClient, GroupPlan, TrainerTransferConfig, WorkerCallError, check_transfer_pairing,
+    engines_from_answers, init_payloads, plan_group,
 )
 from async_grpo.weights.weight_sync import gather_full_state_dict
 from setup_model import TokenLogprobModel, load_causal_lm
@@ -132,7 +133,7 @@ def test_the_source_sends_the_object_stores_names_in_the_push_dtype(
 def test_the_m2n_source_sends_hf_names_in_the_push_dtype(tiny_model_dir: Path) -> None:
     """nccl_m2n's source (vLLM's DTensorModuleSource over the HF model): HF names, the push dtype
     announced and sent; an unsharded model is one replicated piece per tensor."""
-    from async_grpo.trainer.weight_transfer_trainer import shard_source
+    from async_grpo.trainer.weight_transfer_sources import shard_source
 
     policy = _policy(tiny_model_dir)
     source = shard_source(policy, torch.bfloat16, trainer_ranks=1)

@@ -94,7 +94,7 @@ def _config(model_dir: Path, failed_samples_path: Path | None = None, engine: di
     fields: dict[str, Any] = dict(
         model_path=str(model_dir),
         engine=EngineConfig(**{**engine_fields, **(engine or {})}),
-        verification=VerificationConfig(verification=VerificationConfig(global_num_verifiers=1), verifier_timeout_s=TEST_VERIFIER_TIMEOUT_S),
+        verification=VerificationConfig(global_num_verifiers=1, verifier_timeout_s=TEST_VERIFIER_TIMEOUT_S),
         failed_samples=FailedSamplesConfig() if failed_samples_path is None else FailedSamplesConfig(
             write_failed_generation_samples=True, failed_samples_path=str(failed_samples_path)),
     )

@@ -58,7 +58,8 @@ from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, worker_actor_name
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.routing.batch_calls import Bundle, serve_many
-from async_grpo.weights.weight_sync import WeightUpdate, assemble_state_dict
+from async_grpo.weights.weight_loading import assemble_state_dict
+from async_grpo.weights.weight_sync import WeightUpdate
 from benchmarks.harness import (
     DEMO_CONFIG, DemoAssets, apply_smoke, demo_assets, run_engine, run_trainer, setup_logging, summary_line,
 )

@@ -146,6 +146,7 @@ async def run_job(worker: Any, refs: list[Any], mode: PauseMode, cfg: InflightCo
     from async_grpo.weights.weight_sync import WeightUpdate
 
     worker.config = dataclasses.replace(worker.config, weight_update_pause_mode=mode)
+    worker.reloader.pause_mode = mode  # what an object-store push pauses with (ObjectStoreReloader)
     sampling = SamplingConfig(n=cfg.n, temperature=1.0, max_tokens=cfg.max_tokens, seed=seed)
     base = worker.weight_version
     tasks: dict[int, list[asyncio.Task]] = {}

@@ -43,7 +43,8 @@ class LegacyFileReload(WeightTransferRegistration):
 
 async def legacy_push(engine: AsyncLLM, buckets: Iterator[tuple[dict[str, torch.Tensor], bool]], version: int,
                       pause_mode: str = "keep") -> int:
-    """The old GenerationWorker._reload_paused: pause, one file + RPC per bucket, label, resume."""
+    """The old GenerationWorker._reload_paused (now object_store_reload.ObjectStoreReloader's):
+    pause, one file + RPC per bucket, label, resume."""
     await engine.pause_generation(mode=pause_mode, clear_cache=True)
     try:
         count = 0

@@ -25,7 +25,7 @@ fraction well below 1 is expected.
 Breakdown (separate pushes with the same library calls, timed one by one): trainer side
 gather_full_state_dict / local_shard_blobs, then ray.put; receiver side (a probe actor holding
 the same HF model, doing what LogprobWorker.update_weights does) fetching the objects, assembling
-full tensors (weight_sync.assemble_state_dict) and loading them (weight_sync.load_state_dict_into).
+full tensors (weight_loading.assemble_state_dict) and loading them (weight_loading.load_state_dict_into).
 
 LoRA (`--lora_r R`): the policy is wrapped with a rank-R adapter on every linear layer (alpha
 2R) and the pushes carry only the adapter, in the three LoRA modes: gather, sharded (LoRA A
@@ -185,9 +185,9 @@ class ModeResult:
     fetch_s: list[float] = field(default_factory=list)
     """Receiver probe: awaiting every shard object."""
     assemble_s: list[float] = field(default_factory=list)
-    """Receiver probe: weight_sync.assemble_state_dict."""
+    """Receiver probe: weight_loading.assemble_state_dict."""
     load_s: list[float] = field(default_factory=list)
-    """Receiver probe: weight_sync.load_state_dict_into the HF model."""
+    """Receiver probe: weight_loading.load_state_dict_into the HF model."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ class ReceiverProbe:
         self.causal_lm = load_causal_lm(model_path)
 
     async def receive(self, update: Any) -> dict[str, float]:
-        from async_grpo.weights.weight_sync import assemble_state_dict
+        from async_grpo.weights.weight_loading import assemble_state_dict
 
         began = time.perf_counter()
         shards = await asyncio.gather(*update.shard_refs)
@@ -249,7 +249,7 @@ class ReceiverProbe:
         return {"fetch_s": fetched - began, "assemble_s": assembled - fetched, "load_s": loaded - assembled}
 
     def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
-        from async_grpo.weights.weight_sync import load_state_dict_into
+        from async_grpo.weights.weight_loading import load_state_dict_into
 
         with torch.no_grad():
             load_state_dict_into(self.causal_lm, state_dict)
@@ -348,7 +348,6 @@ def drive(cfg: PushBenchConfig, work: Path) -> None:
     # reference is the better of one thread and all of torch's threads, so it is not flattered.
     by_threads = {threads: memcpy_gbps(num_bytes, threads) for threads in sorted({1, torch.get_num_threads()})}
     logger.info("memcpy GB/s by threads: %s", by_threads)
-    copy_gbps = max(by_threads.values())
     cluster_config = LocalClusterConfig(model_path=str(model_dir), log_dir=str(work / "logs"), logprob_workers=cfg.receivers)
     if cfg.lora_r and cfg.breakdown_repeats:
         logger.info("LoRA: the step-by-step breakdown covers full-weight pushes only; skipped")
@@ -397,7 +396,7 @@ async def _engine_pushes(model_dir: Path, repeats: int) -> dict[str, list[float]
 
     from async_grpo.config.worker_options import EngineConfig
     from async_grpo.inference.weight_files import reload_buckets
-    from async_grpo.weights.weight_sync import iter_state_dict
+    from async_grpo.weights.weight_loading import iter_state_dict
     from benchmarks.legacy_weight_reload import LEGACY_EXTENSION, legacy_push
     from vllm_worker import GenerationWorker, GenerationWorkerConfig, engine_args
 

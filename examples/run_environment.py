@@ -72,8 +72,8 @@ def _engine(model_path: str, max_model_len: int):
 
 
 async def _run(config: RunEnvironmentConfig, model_path: str) -> None:
+    from async_grpo.inference.engine_requests import sampling_params
     from setup_model import load_tokenizer
-    from vllm_worker import sampling_params
 
     tokenizer = load_tokenizer(model_path)
     engine = _engine(model_path, config.environment.max_total_tokens)

@@ -49,9 +49,8 @@ class Recorder:
     def publish(self, update: WeightUpdate) -> dict[str, int]:
         from safetensors.torch import load_file
 
-        from async_grpo.weights.weight_sync import (
-            ADAPTER_WEIGHTS_FILE, check_stable, fetch_state_dict, read_stable_marker,
-        )
+        from async_grpo.weights.weight_loading import fetch_state_dict
+        from async_grpo.weights.weight_sync import ADAPTER_WEIGHTS_FILE, check_stable, read_stable_marker
 
         check_stable(update)
         if update.mode == "lora_files":

@@ -144,7 +144,7 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
     log_dir = tmp_path / "logs"
     config = LocalClusterConfig(
         model_path=str(tiny_model_dir), log_dir=str(log_dir), generation_workers=2, logprob_workers=2,
-        num_cpus=8, verification=VerificationConfig(verification=VerificationConfig(global_num_verifiers=1)),
+        num_cpus=8, verification=VerificationConfig(global_num_verifiers=1),
         health=HealthCheckConfig(health_check_interval_s=HEALTH_CHECK_INTERVAL_S),
         engine=local_engine(kv_cache_memory_bytes=64 * 2**20, max_num_seqs=64, max_model_len=64, dtype="float32",
                             enforce_eager=True),

@@ -31,9 +31,8 @@ from torchrun_launch import run_worker
 
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler, lr_factor
-from async_grpo.weights.weight_sync import (
-    assemble_state_dict, fsdp_shard_extent, gather_full_state_dict, load_state_dict_into, local_shard_blobs,
-)
+from async_grpo.weights.weight_loading import assemble_state_dict, load_state_dict_into
+from async_grpo.weights.weight_sync import fsdp_shard_extent, gather_full_state_dict, local_shard_blobs
 from grpo_loss import LossConfig, grpo_loss
 from sample_processing_utils import Sample, get_input_for_logprobs, post_process_batch
 from setup_model import ModelConfig, TokenLogprobModel, load_causal_lm, load_tokenizer

@@ -32,9 +32,10 @@ import pytest
 import torch
 from ipc_codec import decode, encode
 
+from async_grpo.trainer.weight_transfer_sources import HFWeightSource, send_plan
 from async_grpo.trainer.weight_transfer_trainer import (
-    DESCRIBE_METHOD, FINISH_METHOD, INIT_METHOD, START_METHOD, UPDATE_METHOD, EngineWeightSender, HFWeightSource,
-    TrainerTransferConfig, WorkerCallError, engines_from_answers, send_plan,
+    DESCRIBE_METHOD, FINISH_METHOD, INIT_METHOD, START_METHOD, UPDATE_METHOD, EngineWeightSender, TrainerTransferConfig,
+    WorkerCallError, engines_from_answers,
 )
 
 TESTS = Path(__file__).resolve().parent

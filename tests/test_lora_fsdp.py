@@ -17,7 +17,8 @@ import pytest
 import torch
 from torchrun_launch import run_worker
 
-from async_grpo.weights.weight_sync import TensorBlob, iter_assembled, tensor_to_blob
+from async_grpo.weights.weight_loading import iter_assembled
+from async_grpo.weights.weight_sync import TensorBlob, tensor_to_blob
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel
 

@@ -255,7 +255,7 @@ class _WorkerGeneration:
             return [_fake_completion(i, text) for i, text in enumerate(texts)]
 
         worker._run_engine = fake_engine
-        worker._weight_version = 0  # step 0's weights under max_lag 0: the rollouts are fresh
+        worker.served.version = 0  # step 0's weights under max_lag 0: the rollouts are fresh
         return await worker.generate(prompt, dataclasses.replace(sampling, reward=self.reward))
 
 

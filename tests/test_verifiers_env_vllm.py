@@ -67,7 +67,7 @@ async def _run(model_dir: Path, ray) -> dict:
                 sampling = SamplingConfig(n=N, max_tokens=MAX_TOKENS, seed=SEED, verifiers=env)
                 samples[name] = [s for prompt_id in PROMPT_IDS for s in await worker.generate(
                     Sample(input_token_ids=[1], gt_answer="", prompt_id=prompt_id), sampling)]
-            return {"samples": samples, "exchanges": list(worker.endpoint.exchanges),
+            return {"samples": samples, "exchanges": list(worker.endpoint_host.endpoint.exchanges),
                     "url": worker.endpoint_url(), "detail": worker.health().detail,
                     "metrics": worker.verifiers.metrics(), "inflight": worker.health().inflight_requests}
         finally:

@@ -80,7 +80,7 @@ async def _run(model_dir: Path, tokenizer, ray):
     with VerifierPool(num_processes=1, timeout_s=30.0) as pool:  # the worker's start-up canary only
         worker = GenerationWorker("verifiers-test", chat_worker_config(model_dir, openai_endpoint_port=0), verifier=pool)
         await worker.start()
-        endpoint = worker.endpoint
+        endpoint = worker.endpoint_host.endpoint
         try:
             weights = state_dict_to_blobs(dict(load_causal_lm(model_dir).state_dict()))
             assert await worker.update_weights(WeightUpdate(version=PUSHED_VERSION,

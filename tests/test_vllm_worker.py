@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from async_grpo.config.worker_options import EngineConfig, FailedSamplesConfig, VerificationConfig
+from async_grpo.inference.failed_samples import FailedSampleLog
 from async_grpo.inference.served_adapters import AdapterBook
 from async_grpo.inference.weight_files import reload_buckets
 from async_grpo.inference.weight_reload import with_tied_lm_head
@@ -36,7 +37,7 @@ from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
-from vllm_worker import FailedSampleLog, GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig
+from vllm_worker import GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def _config(model_dir: Path, failed_samples_path: Path | None = None, engine: di
     fields: dict[str, Any] = dict(
         model_path=str(model_dir),
         engine=EngineConfig(**{**engine_fields, **(engine or {})}),
-        verification=VerificationConfig(verification=VerificationConfig(global_num_verifiers=1), verifier_timeout_s=TEST_VERIFIER_TIMEOUT_S),
+        verification=VerificationConfig(global_num_verifiers=1, verifier_timeout_s=TEST_VERIFIER_TIMEOUT_S),
         failed_samples=FailedSamplesConfig() if failed_samples_path is None else FailedSamplesConfig(
             write_failed_generation_samples=True, failed_samples_path=str(failed_samples_path)),
     )

@@ -21,10 +21,11 @@ from test_weight_transfer_engine import INIT, UPDATE, RecordingEngine
 
 from async_grpo.inference.weight_transfer_engine import EngineTransferReceiver
 from async_grpo.trainer.weight_pusher import WeightPusher
+from async_grpo.trainer.weight_transfer_sources import HFWeightSource, WireMeta, send_plan
 from async_grpo.trainer.weight_transfer_trainer import (
     DESCRIBE_METHOD, FINISH_METHOD, INIT_METHOD, START_METHOD, UPDATE_METHOD, EngineRanks, EngineWeightSender,
-    EngineWorkersClient, GroupPlan, HFWeightSource, TrainerTransferConfig, WireMeta, WorkerCallError,
-    check_transfer_pairing, engines_from_answers, init_payloads, plan_group, send_plan,
+    EngineWorkersClient, GroupPlan, TrainerTransferConfig, WorkerCallError, check_transfer_pairing,
+    engines_from_answers, init_payloads, plan_group,
 )
 from async_grpo.weights.weight_sync import gather_full_state_dict
 from setup_model import TokenLogprobModel, load_causal_lm
@@ -132,7 +133,7 @@ def test_the_source_sends_the_object_stores_names_in_the_push_dtype(
 def test_the_m2n_source_sends_hf_names_in_the_push_dtype(tiny_model_dir: Path) -> None:
     """nccl_m2n's source (vLLM's DTensorModuleSource over the HF model): HF names, the push dtype
     announced and sent; an unsharded model is one replicated piece per tensor."""
-    from async_grpo.trainer.weight_transfer_trainer import shard_source
+    from async_grpo.trainer.weight_transfer_sources import shard_source
 
     policy = _policy(tiny_model_dir)
     source = shard_source(policy, torch.bfloat16, trainer_ranks=1)
@@ -366,7 +367,7 @@ def test_the_generation_workers_pass_through_labels_the_version(tiny_model_dir: 
     calls = WorkerCalls([worker.worker_name])
     outcome = _sender(calls).send(_policy(tiny_model_dir), 9)
     assert outcome.served == {worker.worker_name: 9} and len(wire.sent) == 1
-    assert worker.weight_version == 9 and worker.stats.weight_updates == 1 and worker._accepting.is_set()
+    assert worker.weight_version == 9 and worker.stats.weight_updates == 1 and worker.served.accepting.is_set()
     assert [c for c, _ in engine.calls] == ["init_weight_transfer_engine", "pause_generation", "start_weight_update",
                                             "update_weights", "finish_weight_update", "resume_generation"]
 
@@ -382,7 +383,7 @@ def test_the_pass_through_refuses_without_harm_or_fails_the_worker_mid_update() 
     worker = _generation_worker("nccl", engine)
     with pytest.raises(Exception, match="start before init"):  # nothing changed: the worker stays healthy
         asyncio.run(worker.transfer_start())
-    assert worker._accepting.is_set() and worker.life.state != WorkerState.FAILED
+    assert worker.served.accepting.is_set() and worker.life.state != WorkerState.FAILED
 
     async def broken_update(request: Any) -> None:
         raise RuntimeError("NCCL error: remote process exited")

@@ -17,9 +17,8 @@ from torch import nn
 
 from async_grpo.config.worker_options import WEIGHT_TRANSFER_BACKENDS, EngineConfig, check_weight_transfer_device
 from async_grpo.inference.weight_files import BucketBuffer, SharedMemoryFullError, check_free_space, read_bucket
-from async_grpo.weights.weight_sync import (
-    iter_assembled, load_streamed_into, state_dict_to_blobs, tensor_to_blob, update_shapes,
-)
+from async_grpo.weights.weight_loading import iter_assembled, load_streamed_into, update_shapes
+from async_grpo.weights.weight_sync import state_dict_to_blobs, tensor_to_blob
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -47,7 +47,7 @@ class Recorder:
         self.received: dict[int, dict] = {}
 
     def publish(self, update: WeightUpdate) -> dict[str, int]:
-        from async_grpo.weights.weight_sync import fetch_state_dict, iter_state_dict
+        from async_grpo.weights.weight_loading import fetch_state_dict, iter_state_dict
 
         streamed = list(iter_state_dict(update))
         self.received[update.version] = {

@@ -18,7 +18,7 @@ when a weight push landed inside it, else null). The last ``EndpointConfig.max_k
 exchanges are kept in ``Endpoint.exchanges`` (and by request id, ``Endpoint.exchange``) for the
 rollout source (verifiers_rollouts.py) to rebuild the stream and its versions from.
 
-A generation worker serves it when ``--openai_endpoint_port`` is set (vllm_worker.py).
+A generation worker serves it when ``--openai_endpoint_port`` is set (endpoint_host.py).
 
 Bad input (not JSON, over the size limit, a missing or mistyped field) gets one 400 line.
 """
@@ -129,7 +129,7 @@ def engine_backend(engine: Any, version: Callable[[], int] = lambda: -1, lora_re
     """A Backend over a vLLM AsyncLLM: one request per call, n = 1, through
     multi_turn.engine_generate (exact TokensPrompt, logprobs of the sampled tokens; `version` is
     the weight version served, read as the request starts). A generation worker serves the
-    endpoint through its own backend instead (GenerationWorker.start: pause, stats, adapters)."""
+    endpoint through its own backend instead (endpoint_host.EndpointHost: pause, stats, adapters)."""
     async def generate(prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> Generation:
         return await engine_generate(engine, vllm_params(sampling), request_id, version=version,
                                      lora_request=lora_request)(prompt_ids, sampling.max_tokens)

@@ -15,10 +15,10 @@ weight_files.py (which reads a bucket back: read_bucket).
 
 With one of vLLM's CUDA engines instead (EngineConfig.weight_transfer nccl / nccl_m2n / ipc) the
 trainer drives the transfer (weight_transfer_trainer.py) and the generation worker passes its
-calls through to its AsyncLLM: `EngineTransferReceiver` (in the worker's process) holds that
-end, in order: init (join the trainer's group), then per push start (pause, vLLM's
-start_weight_update), update (receive; concurrent with the trainer's broadcast), finish (label
-the version, resume).
+calls through to its AsyncLLM (transfer_pass_through.TransferPassThrough): `EngineTransferReceiver`
+(in the worker's process) holds the engine's end, in order: init (join the trainer's group),
+then per push start (pause, vLLM's start_weight_update), update (receive; concurrent with the
+trainer's broadcast), finish (label the version, resume).
 """
 
 from __future__ import annotations

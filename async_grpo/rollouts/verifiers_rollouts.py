@@ -22,9 +22,9 @@ token is ever re-tokenised.
 
 Weight versions: renderers.client.generate passes only the request id through, not the
 endpoint's per-choice ``weight_version`` / ``token_versions``; given the in-process Endpoint
-(``VerifiersRollouts.endpoint``, e.g. ``GenerationWorker.endpoint``), each turn's versions are
-read from its exchange by request id and the Sample carries them (``weight_version`` = turn 0's,
-``token_versions`` when they differ). Without it the Sample's weight_version stays -1.
+(``VerifiersRollouts.endpoint``, e.g. ``GenerationWorker.endpoint_host.endpoint``), each turn's
+versions are read from its exchange by request id and the Sample carries them (``weight_version``
+= turn 0's, ``token_versions`` when they differ). Without it the Sample's weight_version stays -1.
 
 The environment is two callables: ``respond`` (the messages after an assistant turn, or None when
 the episode is over) and ``reward`` (the episode's reward from the final messages).
@@ -180,7 +180,7 @@ class VerifiersRollouts:
     config: VerifiersRolloutConfig
     stats: VerifiersStats = field(default_factory=VerifiersStats)
     endpoint: Any = None
-    """The in-process openai_endpoint.Endpoint behind `client` (e.g. GenerationWorker.endpoint),
+    """The in-process openai_endpoint.Endpoint behind `client` (e.g. GenerationWorker.endpoint_host.endpoint),
     whose exchanges give each turn's weight versions; None: versions unknown (-1)."""
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ One push (`EngineWeightSender.send`, collective over the trainer ranks):
 3. `send_weights`: start (workers pause), update (workers receive while the trainer
    broadcasts or reshards), finish(version): each worker answers the version it now serves,
    which must be this push's (the version handshake).
+What goes on the wire (the weight sources, each rank's share) is weight_transfer_sources.py's.
 
 Every call to the workers must answer within the update deadline (the registries'
 weight_update_timeout_s). A worker that fails or misses it is killed, so its dispatcher restarts
@@ -40,7 +41,7 @@ import concurrent.futures
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -49,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, WEIGHT_TRANSFER_BACKENDS
+from async_grpo.trainer.weight_transfer_sources import HFWeightSource, local_shard_bytes, send_plan, shard_source
 
 logger = logging.getLogger(__name__)
 
@@ -193,82 +195,6 @@ def init_payloads(plan: GroupPlan, init_info: Mapping[str, Any]) -> dict[str, di
             payload["rank_offset"] = int(payload["rank_offset"]) + extra
         payloads[engine.name] = payload
     return payloads
-
-
-@dataclass(frozen=True, slots=True)
-class WireMeta:
-    """Name, wire dtype and full shape of one tensor (the fields of vLLM's ParamMeta, which the
-    trainer engines read; duck-typed so that planning needs no vLLM)."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-def wire_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    """What a tensor travels as: the push dtype for floating point tensors, else its own."""
-    return dtype if tensor.is_floating_point() else tensor.dtype
-
-
-class HFWeightSource:
-    """vLLM's WeightSource contract over a (possibly FSDP-sharded) policy, under HF names and in
-    the push dtype: what nccl and ipc send. The names are weight_sync's (each tied tensor once,
-    as HF checkpoints store it), so the engine loads the same names as from the object store.
-
-    `metadata()` reads global shapes without gathering; iteration all-gathers each sharded
-    tensor (a collective: every trainer rank iterates, in the same order) and casts it on the
-    GPU that holds it.
-    """
-
-    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
-        from async_grpo.weights.weight_sync import hf_tensors
-
-        self._tensors = hf_tensors(model)
-        self._dtype = dtype
-
-    def metadata(self) -> list[WireMeta]:
-        return [WireMeta(name, wire_dtype(t, self._dtype), tuple(t.shape)) for name, t in self._tensors.items()]
-
-    def held_names(self) -> None:
-        """Every rank takes part in every tensor (vLLM's WeightSource: None is all)."""
-        return None
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from async_grpo.weights.weight_sync import full_tensor
-
-        with torch.no_grad():
-            for name, tensor in self._tensors.items():
-                full = full_tensor(tensor.detach())
-                yield name, full.to(wire_dtype(full, self._dtype)).contiguous()
-
-
-def send_plan(backend: str, rank: int, metas: Sequence[WireMeta], shard_of: Callable[[str], int | None]
-              ) -> list[tuple[str, int]]:
-    """What `rank` puts on the wire in one push: (name, bytes) per tensor it sends. nccl and ipc:
-    rank 0 sends every tensor whole, the other ranks nothing (they only take part in the
-    gathers). nccl_m2n: every rank sends its own shard of each sharded tensor (shard_of gives its
-    bytes, None for a tensor FSDP does not shard), replicated tensors from every rank (m2n
-    reads each destination piece from one of them)."""
-    whole = [(m.name, _nbytes(m)) for m in metas]
-    if backend != "nccl_m2n":
-        return whole if rank == 0 else []
-    return [(m.name, nbytes if (nbytes := shard_of(m.name)) is not None else _nbytes(m)) for m in metas]
-
-
-def local_shard_bytes(model: nn.Module, dtype: torch.dtype) -> Callable[[str], int | None]:
-    """send_plan's shard_of for this rank: the wire bytes of its own shard of each sharded
-    (DTensor) weight, None for a weight it holds whole."""
-    from torch.distributed.tensor import DTensor
-
-    from async_grpo.weights.weight_sync import hf_tensors
-
-    sizes = {name: t.to_local().numel() * torch.empty((), dtype=wire_dtype(t, dtype)).element_size()
-             for name, t in hf_tensors(model).items() if isinstance(t, DTensor)}
-    return sizes.get
-
-
-def _nbytes(meta: WireMeta) -> int:
-    return int(torch.Size(meta.shape).numel()) * torch.empty((), dtype=meta.dtype).element_size()
 
 
 class WorkerCalls(Protocol):
@@ -595,22 +521,3 @@ def engines_from_answers(answers: Mapping[str, Mapping[str, Any]], backend: str)
         raise ValueError(f"the trainer sends weights by {backend!r} (TrainerTransferConfig.weight_transfer), but "
                          f"these generation workers' EngineConfig.weight_transfer differs: {wrong}")
     return [EngineRanks(name=name, ranks=int(answers[name]["ranks"])) for name in sorted(answers)]
-
-
-def shard_source(model: nn.Module, dtype: torch.dtype, trainer_ranks: int) -> Any:
-    """nccl_m2n's source: vLLM's DTensorModuleSource over the HF causal LM (its parameter names
-    are the HF names), each local shard cast to the push dtype on its GPU."""
-    from vllm.distributed.weight_transfer.m2n_source import DTensorModuleSource
-
-    from async_grpo.weights.weight_sync import unwrap_causal_lm
-
-    class _CastShards(DTensorModuleSource):
-        def metadata(self) -> list[Any]:
-            return [type(m)(m.name, dtype if m.dtype.is_floating_point else m.dtype, m.shape, m.placements)
-                    for m in super().metadata()]
-
-        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            for name, shard in super().__iter__():
-                yield name, shard.detach().to(wire_dtype(shard, dtype))
-
-    return _CastShards(unwrap_causal_lm(model), trainer_ranks)

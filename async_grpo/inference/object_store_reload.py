@@ -1,0 +1,167 @@
+"""Full weights into a generation worker's engine through our object-store weight transport.
+
+An object-store push (a `weight_sync.WeightUpdate`, EngineConfig.weight_transfer 'object_store')
+is streamed into the engine through vLLM's weight-transfer API: start_weight_update, one
+update_weights per bucket of whole decoder layers, finish_weight_update. Each bucket is copied
+from Ray's object store into an anonymous memory file (weight_files.BucketBuffer) that the
+engine-core process maps and loads from (weight_transfer_engine.ObjectStoreWeightTransferEngine).
+The checkpoint's own weights are restored the same way, from model_path, before a LoRA adapter
+goes onto an engine that held pushed full weights (adapter_loader.py).
+
+Worker side: vLLM is imported when a bucket is sent, not at import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Iterator, Literal
+
+import ray
+
+from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER
+from async_grpo.inference.generation_stats import GenerationStats
+from async_grpo.inference.served_weights import ServedWeights
+from async_grpo.inference.weight_files import BucketBuffer, reload_buckets
+from async_grpo.routing.worker_lifecycle import WorkerLifecycle
+from async_grpo.weights.weight_loading import iter_checkpoint_tensors, iter_state_dict
+from async_grpo.weights.weight_sync import WeightUpdate
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+Bucket = tuple[dict[str, "torch.Tensor"], bool]
+"""(HF name -> tensor, is_last): one reload call's tensors (weight_files.reload_buckets)."""
+
+
+class WeightsUnreachable(Exception):
+    """An update's objects could not be fetched before anything was loaded (see _next_bucket)."""
+
+
+async def _next_bucket(buckets: Iterator[Bucket], loaded: int) -> Bucket | None:
+    """The next bucket, read off the event loop. Objects that are gone (their owner, a trainer
+    rank, exited) before any bucket was loaded raise WeightsUnreachable: the engine is intact."""
+    try:
+        return await asyncio.to_thread(next, buckets, None)
+    except ray.exceptions.ObjectLostError as exc:
+        if loaded:
+            raise
+        raise WeightsUnreachable() from exc
+
+
+async def _send_bucket(engine: AsyncLLM, worker_name: str, bucket: dict[str, torch.Tensor]) -> None:
+    """Hand one bucket to the engine (vLLM's update_weights) through an anonymous memory file."""
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    buffer = await asyncio.to_thread(BucketBuffer, worker_name, bucket)
+    try:
+        await engine.update_weights(WeightTransferUpdateRequest(update_info=buffer.update_info))
+    finally:
+        buffer.close()
+
+
+class ObjectStoreReloader:
+    """Loads full weights into the engine in buckets, within one paused weight-transfer session:
+    a pushed WeightUpdate (`load`), or the checkpoint's own weights (`restore_checkpoint`).
+
+    A load that fails part-way leaves the engine with a mix of versions: the worker then enters
+    FAILED (WorkerFailedError), and its dispatcher replaces it.
+    """
+
+    def __init__(self, worker_name: str, *, model_path: str, weight_transfer: str, bucket_bytes: int,
+                 pause_mode: Literal["keep", "wait"], served: ServedWeights, stats: GenerationStats,
+                 life: WorkerLifecycle) -> None:
+        """model_path: the checkpoint the engine loaded; weight_transfer: its EngineConfig.
+        weight_transfer; bucket_bytes: GenerationWorkerConfig.weight_reload_bucket_bytes."""
+        self.worker_name = worker_name
+        self._model_path = model_path
+        self._weight_transfer = weight_transfer
+        self._bucket_bytes = bucket_bytes
+        self.pause_mode = pause_mode
+        """vLLM's pause_generation mode during a load (GenerationWorkerConfig.weight_update_pause_mode)."""
+        self._served = served
+        self._stats = stats
+        self._life = life
+
+    async def init_engine(self, engine: AsyncLLM) -> None:
+        """Ready a new engine's object-store backend (no rendezvous: each update names its own
+        memory files). vLLM's CUDA engines are initialised by the trainer's side instead."""
+        if self._weight_transfer == OBJECT_STORE_TRANSFER:
+            from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+            await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+
+    async def load(self, engine: AsyncLLM, update: WeightUpdate) -> None:
+        """Load a full-weight update from the object store; the engine serves its version after.
+        Objects gone before anything was loaded raise ObjectLostError and leave the worker healthy."""
+        if self._weight_transfer != OBJECT_STORE_TRANSFER:
+            raise ValueError(f"{self.worker_name}: a WeightUpdate travels through the object store, but this engine "
+                             f"takes weights by EngineConfig.weight_transfer {self._weight_transfer!r}")
+        began = time.perf_counter()
+        # views: a tensor that travelled whole is copied straight from the object store into its bucket.
+        buckets = reload_buckets(iter_state_dict(update, views=True), self._bucket_bytes)
+        try:
+            num_buckets = await self._reload_paused(engine, buckets, update.version)
+        except WeightsUnreachable as exc:
+            # Nothing was loaded: the engine still serves its version intact. Not this worker's fault.
+            raise exc.__cause__ from None
+        except Exception as exc:
+            raise self._life.fail(f"weight update to v{update.version} failed: {type(exc).__name__}: {exc}") from exc
+        self._stats.weight_updates += 1
+        await self._served.full_weights_loaded()
+        logger.info(
+            "%s: weights v%d loaded in %.2f s (%d reload buckets)",
+            self.worker_name, update.version, time.perf_counter() - began, num_buckets,
+        )
+
+    async def restore_checkpoint(self, engine: AsyncLLM, version: int) -> None:
+        """Reload model_path's own weights (the base every LoRA run trains on) over full weights a
+        previous push left in the engine, in the same paused, bucketed way as a push."""
+        began = time.perf_counter()
+        buckets = reload_buckets(iter_checkpoint_tensors(self._model_path), self._bucket_bytes)
+        try:
+            await self._reload_paused(engine, buckets, version)
+        except Exception as exc:
+            raise self._life.fail(f"restoring {self._model_path}'s weights before a LoRA adapter failed: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        self._served.holds_pushed_weights = False
+        self._stats.base_restores += 1
+        logger.warning("%s: the engine held pushed full weights; reloaded %s's own weights before the LoRA adapter "
+                       "v%d (%.2f s)", self.worker_name, self._model_path, version, time.perf_counter() - began)
+
+    async def _reload_paused(self, engine: AsyncLLM, buckets: Iterator[Bucket], version: int) -> int:
+        """Pause scheduling, stream every bucket through one weight-transfer session (vLLM's
+        start_weight_update / update_weights / finish_weight_update), label the version, resume;
+        returns the bucket count.
+
+        Scheduling stays paused across all buckets, so no step ever runs on a mix of two
+        versions' layers. Prefix/KV caches are cleared: cached KV computed with the old weights
+        would otherwise be reused by new requests. Requests arriving meanwhile wait, so the
+        version they record is the one they run on. The first bucket is fetched before the
+        session starts (starting it takes the engine's layers apart for reloading), so an update
+        whose objects are gone leaves the engine serving its version intact.
+        """
+        self._served.accepting.clear()
+        try:
+            await engine.pause_generation(mode=self.pause_mode, clear_cache=True)
+            try:
+                # Assembling a bucket reads the object store and copies bytes: off the event loop.
+                item = await _next_bucket(buckets, loaded=0)
+                await engine.start_weight_update()
+                count = 0
+                while item is not None:
+                    await _send_bucket(engine, self.worker_name, item[0])
+                    count += 1
+                    del item
+                    item = await _next_bucket(buckets, loaded=count)
+                await engine.finish_weight_update(str(version))
+                self._served.switch_version(version)
+                return count
+            finally:
+                await engine.resume_generation()
+        finally:
+            self._served.accepting.set()

@@ -208,3 +208,18 @@ def test_a_non_editable_install_imports_from_another_directory(tmp_path):
     for line in done.stdout.splitlines():
         name, path = line.split(" ", 1)
         assert Path(path).resolve().is_relative_to(target.resolve()), f"{name} imported from {path}, not the install"
+
+
+MAX_MODULE_LINES = 600  # a module past this has more than one job: find its seam (STYLE.md)
+MAX_CLASS_LINES = 310  # likewise a class (~300, with room for a docstring's growth)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_rooms_of_one_job(module):
+    source = MODULES[module].read_text()
+    assert len(source.splitlines()) <= MAX_MODULE_LINES, (
+        f"{module} has {len(source.splitlines())} lines (at most {MAX_MODULE_LINES}): split it along a seam")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            lines = node.end_lineno - node.lineno + 1
+            assert lines <= MAX_CLASS_LINES, f"{module}.{node.name} has {lines} lines (at most {MAX_CLASS_LINES})"

@@ -519,7 +519,7 @@ def test_without_verification_slots_the_pool_runs_in_its_actor_and_says_so(ray_l
     with caplog.at_level(logging.WARNING, logger="async_grpo.rewards.verifier_cluster"):
         actor = VerifierPoolActor(num_processes=1, timeout_s=NORMAL_TIMEOUT_S)  # the plain class, in process
     try:
-        warnings = [r.getMessage() for r in caplog.records if r.name == "verifier_cluster"]
+        warnings = [r.getMessage() for r in caplog.records if r.name == "async_grpo.rewards.verifier_cluster"]
         assert len(warnings) == 1 and "outside Ray's CPU accounting" in warnings[0] and "verification_slot" in warnings[0]
         assert asyncio.run(actor.shards()) == []
         assert asyncio.run(actor.placement()) == {ray_local.get_runtime_context().get_node_id(): 1}

@@ -114,6 +114,10 @@ class LocalClusterConfig:
     gpu_memory_gib: float | None = None
     """Memory of one GPU that the plan assumes; None: what CUDA reports for GPU 0 (80 GiB when
     host_gpus names GPUs this machine lacks)."""
+    tune_processes: bool = True
+    """Per-kind process settings (async_grpo/launch/process_tuning.py): glibc's fixed malloc
+    thresholds for the engine side only. False: every process on them and nothing else set, the
+    settings before that module (benchmarks/step_profile.py's baseline)."""
     dry_run: bool = False
     """Print the placement plan and the engine settings it implies, then exit without starting
     anything."""
@@ -218,7 +222,7 @@ class LocalCluster:
             logger.info("%s", line)
         # tempfile also fixes this process's own temp folder (it caches it) before TMPDIR changes.
         self.temp_dir = make_run_temp_dir()
-        head_env = run_environment(self.temp_dir)
+        head_env = run_environment(self.temp_dir, self.config.tune_processes)
         worker_gpus = self.placement.worker_gpus
         if worker_gpus:  # Ray reads the head's CUDA_VISIBLE_DEVICES to know which GPUs it owns
             head_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, worker_gpus))
@@ -236,7 +240,7 @@ class LocalCluster:
     def env(self) -> dict[str, str]:
         """Environment for child processes: join this cluster, import this repo."""
         env = dict(os.environ)
-        env.update(run_environment(self.temp_dir))
+        env.update(run_environment(self.temp_dir, self.config.tune_processes))
         env["RAY_ADDRESS"] = self.address
         env["PYTHONPATH"] = repo_pythonpath(env.get("PYTHONPATH", ""))
         env["PYTHONUNBUFFERED"] = "1"
@@ -250,6 +254,8 @@ class LocalCluster:
         c = self.config
         common = ["--mode", kind, "--model_path", c.teacher_model_path if kind == "teacher" else c.model_path,
                   *config_to_flags(c.health), *config_to_flags(c.restart)]
+        if not c.tune_processes:
+            common += ["--tune_processes", "false"]
         if self.placement.on_gpu and self.placement.worker_gpu_share < 1:
             common += ["--num_gpus", f"{self.placement.worker_gpu_share:g}"]
         if kind == "generation":

@@ -61,6 +61,7 @@ from async_grpo.launch.node_resources import (
     CPU_KV_CACHE_MAX_BYTES, CPU_KV_CACHE_MIN_BYTES, NODE_ID_CHARS, NodeLostError, actor_exists, cpu_kv_cache_bytes,
     gpu_holders, gpus_per_worker, node_alive, node_gpu_count, node_runs_cuda,
 )
+from async_grpo.launch.process_tuning import worker_env
 from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
 from async_grpo.launch.ray_env import (
     GENERATION, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, worker_actor_name,
@@ -111,6 +112,9 @@ class DispatcherConfig:
     """Generation: where samples whose generation or scoring failed go (worker_options.FailedSamplesConfig)."""
     num_cpus: float = 1.0
     """CPUs the worker actor reserves in Ray's accounting."""
+    tune_processes: bool = True
+    """Give the worker its kind's process settings (async_grpo/launch/process_tuning.py: glibc's
+    fixed malloc thresholds for a generation worker and its engine core). False: none."""
     num_gpus: float | None = None
     """GPUs the worker takes in Ray's accounting on a node with GPUs. None: whole GPUs (the
     engine's tensor_parallel_size, else 1). A fraction below 1 lets workers share one GPU, as the
@@ -221,9 +225,11 @@ IPC_TRANSFER_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
 def worker_runtime_env(cfg: DispatcherConfig) -> dict[str, Any]:
-    """The worker actor's runtime env: this repository importable, plus IPC_TRANSFER_ENV for a
-    generation worker whose engine receives weights over vLLM's ipc transfer."""
+    """The worker actor's runtime env: this repository importable, its kind's process settings
+    (process_tuning.worker_env), and IPC_TRANSFER_ENV for a generation worker whose engine
+    receives weights over vLLM's ipc transfer."""
     runtime_env = actor_runtime_env()
+    runtime_env["env_vars"] = {**runtime_env["env_vars"], **worker_env(cfg.mode, cfg.tune_processes)}
     if cfg.mode == GENERATION and cfg.engine.weight_transfer == "ipc":
         runtime_env["env_vars"] = {**runtime_env["env_vars"], **IPC_TRANSFER_ENV}
     return runtime_env

@@ -116,7 +116,7 @@ def parse_status(text: str) -> dict[str, int]:
     return out
 
 
-def _read(path: str) -> str | None:
+def read_proc(path: str) -> str | None:
     try:
         with open(path, "rb") as f:
             return f.read().decode(errors="replace")
@@ -124,8 +124,8 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _environ_rank(pid: int) -> str | None:
-    text = _read(f"/proc/{pid}/environ")
+def environ_rank(pid: int) -> str | None:
+    text = read_proc(f"/proc/{pid}/environ")
     if text is None:
         return None
     for entry in text.split("\0"):
@@ -205,7 +205,7 @@ class ProcessMonitor:
         self._root = psutil.Process(os.getpid())
         self.started = started
         self.records: dict[int, ProcessRecord] = {}
-        meminfo = parse_status(_read("/proc/meminfo") or "")
+        meminfo = parse_status(read_proc("/proc/meminfo") or "")
         self.mem_total_kb = meminfo["MemTotal"]
         self.baseline_used_kb = meminfo["MemTotal"] - meminfo["MemAvailable"]
         self.peak_used_kb = self.baseline_used_kb
@@ -226,7 +226,7 @@ class ProcessMonitor:
         processes.sort(key=lambda proc: proc.pid)  # parents first, mostly (pids are allocated upwards)
         tree_anon = max_shmem = 0
         for proc in processes:
-            status = _read(f"/proc/{proc.pid}/status")
+            status = read_proc(f"/proc/{proc.pid}/status")
             if status is None:
                 continue
             record = self._identify(proc, now)
@@ -242,7 +242,7 @@ class ProcessMonitor:
             record.peak_shmem_kb = max(record.peak_shmem_kb, fields.get("RssShmem", 0))
             tree_anon += fields.get("RssAnon", 0)
             max_shmem = max(max_shmem, fields.get("RssShmem", 0))
-        meminfo = parse_status(_read("/proc/meminfo") or "")
+        meminfo = parse_status(read_proc("/proc/meminfo") or "")
         used = meminfo["MemTotal"] - meminfo["MemAvailable"]
         self.peak_used_kb = max(self.peak_used_kb, used)
         self.peak_tree_anon_kb = max(self.peak_tree_anon_kb, tree_anon)
@@ -263,7 +263,7 @@ class ProcessMonitor:
         if record is not None and record.cmdline == cmdline and not is_weak_label(record.label):
             return record
         label = process_label(
-            cmdline, rank=_environ_rank(proc.pid) if "trainer_core.py" in cmdline else None,
+            cmdline, rank=environ_rank(proc.pid) if "trainer_core.py" in cmdline else None,
             parent_label=parent.label if parent else "", anchor=parent.anchor if parent else "",
             own_label=self.own_label if proc.pid == os.getpid() else None,
         )

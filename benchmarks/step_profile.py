@@ -25,7 +25,6 @@ same machine; absolute times differ between machines, the ratio is what to compa
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import statistics
@@ -41,7 +40,7 @@ from async_grpo.config.run_config import load_config
 from benchmarks.harness import (
     apply_smoke, demo_assets, demo_trainer_flags, fresh_run_dir, run_engine, run_trainer, setup_logging, summary_line,
 )
-from benchmarks.process_monitor import IDLE_RAY_WORKER, _environ_rank, _read, process_label
+from benchmarks.process_monitor import IDLE_RAY_WORKER, environ_rank, process_label, read_proc
 
 logger = logging.getLogger("benchmarks.step_profile")
 
@@ -49,7 +48,7 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc/<pid>/stat's utime and stime are
 # Fields of /proc/<pid>/stat after the command (the 2nd field, in parentheses): minflt is the 10th
 # field of the line, utime the 14th, stime the 15th (proc(5)); after the ')' they are at 7, 11, 12.
 _MINFLT, _UTIME, _STIME = 7, 11, 12
-SMOKE = {"num_steps": 4, "skip": 1, "poll_s": 0.2}
+SMOKE = {"num_steps": 8, "skip": 2, "poll_s": 0.2}  # the demo warms the lr up over 5 steps
 KINDS = (  # (label prefix, kind), first match wins
     ("trainer rank", "trainer ranks"), ("torchrun", "torchrun"), ("vLLM EngineCore", "engine core"),
     ("generation worker actor", "generation worker"), ("logprob worker actor", "logprob worker"),
@@ -98,7 +97,7 @@ class Counters:
 
 def read_counters(pid: int) -> Counters | None:
     """/proc/<pid>/stat's user and kernel CPU seconds and minor faults (None: the process is gone)."""
-    text = _read(f"/proc/{pid}/stat")
+    text = read_proc(f"/proc/{pid}/stat")
     if text is None:
         return None
     fields = text[text.rindex(")") + 2:].split()
@@ -121,8 +120,8 @@ def tree_pids() -> list[int]:
 def label_of(pid: int) -> str:
     if pid == os.getpid():
         return "step_profile"
-    cmdline = (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ").strip()
-    return process_label(cmdline, rank=_environ_rank(pid))
+    cmdline = (read_proc(f"/proc/{pid}/cmdline") or "").replace("\0", " ").strip()
+    return process_label(cmdline, rank=environ_rank(pid))
 
 
 class TreeSampler:

@@ -23,6 +23,8 @@ from typing import Any
 
 import psutil
 
+from async_grpo.launch.process_tuning import launcher_child_env
+
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 30.0  # how long a stopped trainer gets to exit before SIGKILL
@@ -47,24 +49,14 @@ def make_run_temp_dir() -> str:
             shutil.rmtree(folder, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{RUN_TEMP_PREFIX}{os.getpid()}-")
 
-# glibc malloc settings for every process of a local run (an operator's own values win): a fixed
-# 256 KiB mmap threshold and trim threshold, as benchmarks/realistic_run.py sets. By default glibc
-# raises its mmap threshold each time a large mmapped block is freed (up to 32 MiB), so later
-# blocks of that size come from the heap, whose freed pages stay resident: over steps 50-300 of
-# the soak the vLLM engine core's heap ([heap] in smaps) grew 548 -> 705 MiB and its RSS 1.09-1.14x;
-# with these, 217 -> 249 MiB and 1.03x (benchmarks/soak.py, RESULTS.md). Ray's GCS and raylet
-# run on jemalloc and ignore them.
-GLIBC_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 1024), "MALLOC_TRIM_THRESHOLD_": str(256 * 1024)}
-
-
-def run_environment(temp_dir: str) -> dict[str, str]:
-    """Variables set for every process a LocalCluster starts: GLIBC_MALLOC_ENV, and
-    TMPDIR=temp_dir with the two caches that live under the temp folder kept where they are: Ray's
-    session folder (its logs; RAY_TMPDIR wins over TMPDIR in Ray) and torch inductor's compile
-    cache (TORCHINDUCTOR_CACHE_DIR; torch's default path, which vLLM's CPU engine uses)."""
+def run_environment(temp_dir: str, tune_processes: bool = True) -> dict[str, str]:
+    """Variables set for every process a LocalCluster starts: process_tuning.launcher_child_env,
+    and TMPDIR=temp_dir with the two caches that live under the temp folder kept where they are:
+    Ray's session folder (its logs; RAY_TMPDIR wins over TMPDIR in Ray) and torch inductor's
+    compile cache (TORCHINDUCTOR_CACHE_DIR; torch's default path, which vLLM's CPU engine uses)."""
     system_temp = tempfile.gettempdir()
     return {
-        **{name: os.environ.get(name, value) for name, value in GLIBC_MALLOC_ENV.items()},
+        **launcher_child_env(tune_processes),
         "TMPDIR": temp_dir,
         "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", system_temp),
         "TORCHINDUCTOR_CACHE_DIR": os.environ.get(

@@ -1,0 +1,51 @@
+"""Per-kind process settings (async_grpo/launch/process_tuning.py): glibc's fixed malloc
+thresholds for the engine side only when tuned, for every process when not (the baseline), and an
+operator's own values always win (issue 37, item 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from async_grpo.launch.process_tuning import FIXED_MALLOC_ENV, launcher_child_env, worker_env
+
+FIXED = {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262144"}
+
+
+@pytest.fixture(autouse=True)
+def _no_operator_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in FIXED:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_the_fixed_thresholds_are_256_kib() -> None:
+    assert FIXED_MALLOC_ENV == FIXED
+
+
+def test_tuned_the_engine_side_alone_gets_them() -> None:
+    assert launcher_child_env(tune=True) == {}  # trainer ranks, dispatchers, the Ray head
+    assert worker_env("generation", tune=True) == FIXED  # the actor and its vLLM engine core
+    for kind in ("logprob", "reference", "teacher"):
+        assert worker_env(kind, tune=True) == {}
+
+
+def test_untuned_every_process_gets_them_as_before() -> None:
+    assert launcher_child_env(tune=False) == FIXED
+    assert all(worker_env(kind, tune=False) == {} for kind in ("generation", "logprob"))  # inherited instead
+
+
+def test_the_operators_values_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")
+    assert worker_env("generation", tune=True)["MALLOC_MMAP_THRESHOLD_"] == "1048576"
+    assert launcher_child_env(tune=False)["MALLOC_MMAP_THRESHOLD_"] == "1048576"
+
+
+def test_the_dispatcher_gives_a_generation_actor_its_settings() -> None:
+    from worker_dispatcher import DispatcherConfig, worker_runtime_env
+
+    generation = DispatcherConfig(mode="generation", model_path="m")
+    assert worker_runtime_env(generation)["env_vars"].items() >= FIXED.items()
+    assert not FIXED.keys() & worker_runtime_env(DispatcherConfig(mode="logprob", model_path="m"))["env_vars"].keys()
+    untuned = DispatcherConfig(mode="generation", model_path="m", tune_processes=False)
+    assert not FIXED.keys() & worker_runtime_env(untuned)["env_vars"].keys()
+    ipc = DispatcherConfig(mode="generation", model_path="m", engine=generation.engine.__class__(weight_transfer="ipc"))
+    assert worker_runtime_env(ipc)["env_vars"]["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"

@@ -75,6 +75,8 @@ SMOKES = (
     Smoke("data_path", (*DEMO, "--out_dir", WORK), "data_path",
           ("wait_ratio", "step_ratio", "ray_bytes_per_step", "scatter_bytes_per_step"), CLUSTER),
     Smoke("distill", (*DEMO, "--out_dir", WORK), "distill", ("teacher", "distill"), CLUSTER),
+    Smoke("step_profile", ("--assets", ASSETS), "step_profile", ("median_step_s", "cores", "trainer_faults_per_step"),
+          CLUSTER),
     Smoke("async_overlap", (*DEMO, "--work_dir", WORK), "async_overlap",
           ("speedup", "simulated_speedup", "simulated_ideal", "overlap_efficiency", "G_s", "T_s"), CLUSTER),
     Smoke("learning_parity", ("--model_dir", f"{ASSETS}/model", "--data", f"{ASSETS}/arithmetic.jsonl",

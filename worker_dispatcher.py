@@ -56,6 +56,7 @@ from async_grpo.config.worker_options import (
     VLLM_GPU_MEMORY_UTILIZATION, EngineConfig, FailedSamplesConfig, HealthCheckConfig, LogprobBatchingConfig,
     RayConnectionConfig, RestartConfig, VerificationConfig,
 )
+from async_grpo.inference.engine_dtype import AUTO_DTYPE, dtype_choice_line, resolve_engine_dtype
 from async_grpo.launch.local_processes import StopFlag
 from async_grpo.launch.node_resources import (
     CPU_KV_CACHE_MAX_BYTES, CPU_KV_CACHE_MIN_BYTES, NODE_ID_CHARS, NodeLostError, actor_exists, cpu_kv_cache_bytes,
@@ -155,13 +156,18 @@ class DispatcherConfig:
 def generation_worker_config(cfg: DispatcherConfig, cuda: bool = True) -> Any:
     """vllm_worker.GenerationWorkerConfig for this dispatcher (paths made absolute for the actor).
 
-    On a node without CUDA (`cuda` False) and no KV-cache size or memory fraction given, the KV
-    cache gets cpu_kv_cache_bytes of the memory free now, and the choice is logged.
+    On a node without CUDA (`cuda` False) the engine's dtype 'auto' becomes float32
+    (inference/engine_dtype.py) and, with no KV-cache size or memory fraction given, the KV cache
+    gets cpu_kv_cache_bytes of the memory free now; both choices are logged.
     """
     from vllm_worker import GenerationWorkerConfig
 
-    failed = dataclasses.replace(cfg.failed_samples, failed_samples_path=str(Path(cfg.failed_samples.failed_samples_path).resolve()))
+    failed = dataclasses.replace(cfg.failed_samples,
+                                 failed_samples_path=str(Path(cfg.failed_samples.failed_samples_path).resolve()))
     engine = cfg.engine
+    if not cuda and engine.dtype == AUTO_DTYPE:
+        engine = dataclasses.replace(engine, dtype=resolve_engine_dtype(engine.dtype, on_cpu=True))
+        logger.info("CPU node: %s", dtype_choice_line(AUTO_DTYPE, engine.dtype, on_cpu=True))
     if not cuda and engine.kv_cache_memory_bytes is None and engine.gpu_memory_utilization is None:
         import psutil
 

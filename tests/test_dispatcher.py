@@ -7,6 +7,7 @@ processes it started (at once: PROMPT_STOP_ENV); other clusters on the machine a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -177,7 +178,7 @@ def test_the_engine_and_batching_sections_reach_the_workers_as_given():
     assert cfg.engine == EngineConfig(max_num_seqs=8, kv_cache_memory_bytes=1024, max_model_len=64, enforce_eager=True,
                                       max_lora_rank=16)
     worker = generation_worker_config(cfg, cuda=False)  # a KV-cache size given: no CPU sizing
-    assert worker.engine == cfg.engine
+    assert worker.engine == dataclasses.replace(cfg.engine, dtype="float32")  # a CPU node serves 'auto' in fp32
     assert registry_config_for("generation", worker).max_inflight_cost_per_worker == 2 * 8
     logprob = logprob_worker_config(load_config(DispatcherConfig, ["--mode", "logprob", *flags]))
     assert logprob.batching == LogprobBatchingConfig(max_tokens_per_forward=512, max_wait_ms=5.0)

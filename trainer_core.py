@@ -332,7 +332,8 @@ def start_run(config: TrainerConfig) -> Run:
 
     metrics = open_metrics_sink(run_dir, is_main=dist.is_main, tensorboard=config.tensorboard,
                                 progress_total=config.num_steps, progress_start=start_step,
-                                progress_bar=config.progress_bar, resume_step=resume_step, report=config.metrics)
+                                progress_bar=config.progress_bar, resume_step=resume_step, report=config.metrics,
+                                collapse=config.collapse)
     writer_class = BackgroundCheckpointWriter if config.checkpoint_async else CheckpointWriter
     checkpoints = writer_class(run_dir, config.model.model_path, dist, keep=config.keep_checkpoints)
     return Run(dist=dist, parts=parts, start_step=start_step, evaluator=inputs.evaluator, metrics=metrics,

@@ -34,10 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from async_grpo.config.run_config import load_config  # noqa: E402
 from async_grpo.telemetry.run_report import (  # noqa: E402
-    STARTED_FILE, WINDOW, moving_average, plot_runs, read_metrics, record_minutes,
+    STARTED_FILE, WINDOW, best_window, ended_below_best, moving_average, plot_runs, read_metrics, record_minutes,
 )
 
 TOOL_RATE = "multi_turn/observed_frac"
+ENTROPY = "entropy/first_token"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -81,6 +82,12 @@ class ToolRun:
     final_samples: int
     """Rollouts behind final_mean (counts/samples over the last WINDOW steps)."""
     total_min: float
+    best_mean: float
+    """The run's highest WINDOW-step mean reward (run_report.best_window), whatever the budget."""
+    best_step: int
+    """The step that best window ends at."""
+    end_entropy: float | None
+    """First-token entropy over the last WINDOW steps (None: not logged)."""
 
     @property
     def rise(self) -> float:
@@ -102,10 +109,13 @@ def summarize(run_dir: Path, target_rise: float, budget_min: float) -> ToolRun:
     in_budget = [i for i in full if minutes[i] <= budget_min]
     best = max((smoothed[i] for i in in_budget), default=first)
     rise_at = next((minutes[i] for i in in_budget if smoothed[i] - first >= target_rise), None)
+    best_mean, best_step = best_window(records, WINDOW)
+    entropies = [r[ENTROPY] for r in records[-WINDOW:] if ENTROPY in r]
     return ToolRun(name=Path(run_dir).name, steps=len(records), smoothed=smoothed, tool_rate=tool_rate,
                    minutes=minutes, start_reward=first, best_in_budget=best, rise_at_min=rise_at,
                    final_mean=smoothed[-1], final_samples=int(sum(r.get("counts/samples", 0) for r in records[-WINDOW:])),
-                   total_min=minutes[-1])
+                   total_min=minutes[-1], best_mean=best_mean, best_step=best_step,
+                   end_entropy=statistics.fmean(entropies) if entropies else None)
 
 
 def curve_lines(run: ToolRun, every: int) -> list[str]:
@@ -118,9 +128,11 @@ def curve_lines(run: ToolRun, every: int) -> list[str]:
 
 def run_line(run: ToolRun, target_rise: float, budget_min: float) -> str:
     reached = "never" if run.rise_at_min is None else f"{run.rise_at_min:.1f} min"
+    entropy = "" if run.end_entropy is None else f", first-token entropy at the end {run.end_entropy:.3g}"
     return (f"{run.name}: reward {run.start_reward:.3f} at step 0 -> best {WINDOW}-step mean {run.best_in_budget:.3f} within "
-            f"{budget_min:g} min (rise {run.rise:+.3f}; rise >= {target_rise} at {reached}), final {run.final_mean:.3f}, "
-            f"tool calls {run.tool_rate[0]:.2f} -> {run.tool_rate[-1]:.2f}, {run.steps} steps in "
+            f"{budget_min:g} min (rise {run.rise:+.3f}; rise >= {target_rise} at {reached}), final {run.final_mean:.3f} "
+            f"(best {run.best_mean:.3f} at step {run.best_step}){ended_below_best(run.final_mean, run.best_mean)}, "
+            f"tool calls {run.tool_rate[0]:.2f} -> {run.tool_rate[-1]:.2f}{entropy}, {run.steps} steps in "
             f"{run.total_min:.1f} min")
 
 
@@ -141,13 +153,16 @@ def tool_gain(with_runs: Sequence[ToolRun], without_runs: Sequence[ToolRun]) -> 
 def markdown(with_runs: Sequence[ToolRun], without_runs: Sequence[ToolRun], target_rise: float,
              budget_min: float, gain: str) -> str:
     header = ["run", "tool", "steps", "step 0 reward", f"best {WINDOW}-step mean within {budget_min:g} min", "rise",
-              f"rise >= {target_rise} at", "final", "tool calls first -> last", "minutes"]
+              f"rise >= {target_rise} at", "final", "best (step)", "first-token entropy at the end",
+              "tool calls first -> last", "minutes"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for tool, runs in (("yes", with_runs), ("no", without_runs)):
         for r in runs:
             reached = "never" if r.rise_at_min is None else f"{r.rise_at_min:.1f} min"
+            entropy = "-" if r.end_entropy is None else f"{r.end_entropy:.3g}"
             rows.append(f"| {r.name} | {tool} | {r.steps} | {r.start_reward:.3f} | {r.best_in_budget:.3f} | "
-                        f"{r.rise:+.3f} | {reached} | {r.final_mean:.3f} | {r.tool_rate[0]:.2f} -> "
+                        f"{r.rise:+.3f} | {reached} | {r.final_mean:.3f}{ended_below_best(r.final_mean, r.best_mean)} | "
+                        f"{r.best_mean:.3f} ({r.best_step}) | {entropy} | {r.tool_rate[0]:.2f} -> "
                         f"{r.tool_rate[-1]:.2f} | {r.total_min:.1f} |")
     return "\n".join(rows) + f"\n\n{gain}\n"
 

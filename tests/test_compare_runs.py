@@ -60,12 +60,13 @@ def test_compare_table_and_figure(tmp_path: Path) -> None:
     rows = [line for line in text.splitlines() if line.startswith("|")]
     # Times from the command's start (60 s before the trainer's): fast reaches 0.5 at step 2,
     # 60 + 30 s = 1.5 min; slow at step 4, 60 + 150 s = 3.5 min; whole command 360 s = 6 min.
-    assert rows[0] == ("| run | seed | steps | first >= 0.5 | first >= 0.8 | last-2 reward | greedy eval acc "
-                       "| median step (s) | command (min) |")
-    assert rows[2] == "| fast | 7 | 5 | step 2 (1.5 min) | step 4 (1.8 min) | 0.875 | 0.750 | 3.00 | 6.0 |"
-    assert rows[3] == "| slow | 7 | 5 | step 4 (3.5 min) | not reached | 0.500 | - | 6.00 | 6.0 |"
+    assert rows[0] == ("| run | seed | steps | first >= 0.5 | first >= 0.8 | last-2 reward | best 2-step mean (step) "
+                       "| greedy eval acc | median step (s) | command (min) |")
+    # Both runs rise to the end: their best 2-step mean is their last.
+    assert rows[2] == "| fast | 7 | 5 | step 2 (1.5 min) | step 4 (1.8 min) | 0.875 | 0.875 (4) | 0.750 | 3.00 | 6.0 |"
+    assert rows[3] == "| slow | 7 | 5 | step 4 (3.5 min) | not reached | 0.500 | 0.500 (4) | - | 6.00 | 6.0 |"
     assert rows[4] == ("| median (min-max) |  |  | 2.50 (1.50-3.50) min | 1.83 (1.83-1.83) min, 1 not reached "
-                       "| 0.69 (0.50-0.88) | 0.75 (0.75-0.75) | 4.50 (3.00-6.00) | 6.00 (6.00-6.00) |")
+                       "| 0.69 (0.50-0.88) | 0.69 (0.50-0.88) | 0.75 (0.75-0.75) | 4.50 (3.00-6.00) | 6.00 (6.00-6.00) |")
     assert COMMAND_TIME in text
     assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -215,11 +215,25 @@ def test_run_summary_by_hand(tmp_path: Path) -> None:
     # 22 s = 0.4 min); 11 -> 0.65 (>= 0.6, 24 s); never 0.9. Last 10 steps: 0.65.
     assert run_summary(run).splitlines() == [
         "hand: 10-step mean reward first reached 0.5: step 10 (0.4 min); 0.6: step 11 (0.4 min); 0.9: not reached; "
-        "last 10 steps 0.650, final greedy eval accuracy 0.750; median step 2.00 s",
+        "last 10 steps 0.650, best 0.650 at step 11, final greedy eval accuracy 0.750; median step 2.00 s",
         "medians over all steps: step_s=2.000 wait_s=0.500 train_s=1.000 push_s=0.250 rest_s=0.250 eval_time_s=2.000",
         "dropped or re-sent: 3 stale rollouts dropped",
     ]
     assert timing_line([run, run]) == run_summary(run).splitlines()[1]
+
+
+def test_a_run_that_ended_below_its_best_says_so(tmp_path: Path) -> None:
+    """Rewards rise by 0.1 a step to 1.1 at step 11, then fall from 0.9 to 0.2 (steps 12-19). By
+    hand: the best 10-step mean is steps 6-15, (0.6 + 0.7 + 0.8 + 0.9 + 1.0 + 1.1 + 0.9 + 0.8 + 0.7
+    + 0.6) / 10 = 0.81; the last, steps 10-19, (1.0 + 1.1 + 0.9 + ... + 0.2) / 10 = 0.65: 0.16 below."""
+    run = tmp_path / "fell"
+    run.mkdir()
+    rewards = [s / 10 for s in range(12)] + [1.0 - s / 10 for s in range(1, 9)]
+    lines = [json.dumps({"step": i, "time_s": 2.0 * (i + 1), "reward/mean": r, "timing/step_s": 2.0})
+             for i, r in enumerate(rewards)]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    line = run_summary(run).splitlines()[0]
+    assert "last 10 steps 0.650, best 0.810 at step 15 (ENDED 0.16 BELOW ITS BEST)" in line, line
 
 
 def test_metrics_logger_prints_evaluations_and_drops(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -108,3 +108,18 @@ def test_the_report_refuses_a_run_shorter_than_its_window(tmp_path: Path) -> Non
     short = _write_run(tmp_path / "short", [0.5] * 5, [0.0] * 5, 30.0, 1000.0)
     with pytest.raises(ValueError, match="fewer than the 10-step window"):
         demo_tools_report.summarize(short, 0.3, 10.0)
+
+
+def test_the_report_prints_the_final_beside_the_best_and_flags_a_fall(tmp_path: Path) -> None:
+    """Rewards 0.1 for 10 steps, 0.8 for 10, then 0.4 for 10 (by hand: best 10-step mean 0.8 at
+    step 19, final 0.4: ended 0.40 below its best); a run that stays at 0.8 is not flagged."""
+    fell = _write_run(tmp_path / "fell", [0.1] * 10 + [0.8] * 10 + [0.4] * 10, [0.5] * 30, 30.0, 1000.0)
+    stayed = _write_run(tmp_path / "stayed", [0.1] * 10 + [0.8] * 20, [0.5] * 30, 30.0, 1000.0)
+    run = demo_tools_report.summarize(fell, target_rise=0.3, budget_min=60.0)
+    assert (run.best_mean, run.best_step, run.final_mean) == (pytest.approx(0.8), 19, pytest.approx(0.4))
+    line = demo_tools_report.run_line(run, 0.3, 60.0)
+    assert "final 0.400 (best 0.800 at step 19) (ENDED 0.40 BELOW ITS BEST)" in line
+    kept = demo_tools_report.run_line(demo_tools_report.summarize(stayed, 0.3, 60.0), 0.3, 60.0)
+    assert "final 0.800 (best 0.800 at step 19)," in kept and "BELOW" not in kept
+    table = demo_tools_report.markdown([run], [], 0.3, 60.0, "tool_gain=-")
+    assert "| 0.400 (ENDED 0.40 BELOW ITS BEST) | 0.800 (19) |" in table

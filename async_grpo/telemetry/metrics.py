@@ -45,6 +45,7 @@ import torch
 from async_grpo.config.run_config import ConfigError, load_command, positional
 from async_grpo.rewards.rewards import counts_as_solved
 from async_grpo.rollouts.token_versions import oldest_version, token_staleness
+from async_grpo.telemetry.collapse import CollapseConfig, CollapseWatch
 from async_grpo.telemetry.console import CONSOLE, ConsoleProgress, DropWarnings, eval_line
 from async_grpo.telemetry.run_report import (  # noqa: F401 (read_metrics, first_reached: re-exported)
     EVAL_ACCURACY, THRESHOLDS, WINDOW, compare_runs, eval_series, first_reached, moving_average, read_metrics,
@@ -229,8 +230,8 @@ class MetricsConfig:
 
 class MetricsLogger:
     """Rank 0's sink: metrics.jsonl, the trackers of MetricsConfig.report_to (TensorBoard by
-    default) and the console (a progress bar, evaluation lines, drop warnings). Other ranks hold a
-    DiscardedMetrics instead (open_metrics_sink picks).
+    default) and the console (a progress bar, evaluation lines, drop warnings, collapse warnings:
+    collapse.py). Other ranks hold a DiscardedMetrics instead (open_metrics_sink picks).
 
     tensorboard=False turns TensorBoard off whatever report_to says (TrainerConfig.tensorboard).
     resume_step: the step a resumed run continues from. metrics.jsonl is cut back to the records
@@ -242,7 +243,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, progress_total: int, progress_start: int = 0,
                  progress_bar: bool = True, resume_step: int | None = None,
-                 report: MetricsConfig | None = None) -> None:
+                 report: MetricsConfig | None = None, collapse: CollapseConfig | None = None) -> None:
         self._run_dir = run_dir
         self._start_time = time.time()
         self._time_offset = 0.0
@@ -251,6 +252,7 @@ class MetricsLogger:
         self._logged = False
         self._progress: ConsoleProgress | None = None
         self._drops = DropWarnings()
+        self._collapse = CollapseWatch(collapse or CollapseConfig())
         path = run_dir / "metrics.jsonl"
         if resume_step is not None:
             last = truncate_step_records(path, resume_step)
@@ -302,6 +304,7 @@ class MetricsLogger:
         time_s = self._time_offset + now - self._start_time
         if self._trackers_off:
             record = {**record, "counts/trackers_off": float(self._trackers_off)}
+        record = {**record, **self._collapse.observe(step, record)}
         line = {"step": step, "time_s": round(time_s, 3), "unix_time": round(now, 3), **record}
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()

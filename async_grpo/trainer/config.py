@@ -17,6 +17,7 @@ from async_grpo.config.run_config import flattened
 from async_grpo.config.worker_options import RayConnectionConfig
 from async_grpo.data.dataset import DatasetConfig
 from async_grpo.rollouts.sampling import SEED_BOUND
+from async_grpo.telemetry.collapse import CollapseConfig
 from async_grpo.telemetry.console import LogLevel
 from async_grpo.telemetry.metrics import MetricsConfig
 from async_grpo.trainer.evaluation import EvalConfig
@@ -131,6 +132,9 @@ class TrainerConfig:
     """Also write metrics to run_dir/tensorboard (false: off, whatever metrics.report_to says)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Where rank 0 reports metrics besides metrics.jsonl: TensorBoard, W&B, MLflow, trackio (docs/trackers.md)."""
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)
+    """When rank 0 warns that the policy may be collapsing: first-token entropy stuck low while the
+    reward is below its best, or the 10-step mean reward fallen below its best (docs/console.md)."""
     progress_bar: bool = True
     """Rank 0's progress on the console: a bar (reward, its 10-step mean, the last evaluation's
     accuracy, step time) on a terminal, a line every tenth of the run elsewhere (docs/console.md)."""

@@ -4,6 +4,7 @@
     python -m benchmarks.step_profile --baseline true          # also the same run under the settings
                                                                # before issue 37: speedup=
     python -m benchmarks.step_profile --smoke true             # plumbing check (a few steps)
+    python -m benchmarks.step_profile -- --max_lag 1           # trainer flags after --: the current run's
 
 A LocalCluster runs the demo (configs/demo.yaml with its assets; seed 5, no evaluation, no
 checkpoints) for `num_steps` steps. A sampler thread reads /proc/<pid>/stat of every process in
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from async_grpo.config.run_config import load_config
+from async_grpo.config.run_config import load_config, split_passthrough
 from benchmarks.harness import (
     apply_smoke, demo_assets, demo_trainer_flags, fresh_run_dir, run_engine, run_trainer, setup_logging, summary_line,
 )
@@ -166,6 +167,8 @@ def per_kind(start: dict[int, tuple[str, Counters]], end: dict[int, tuple[str, C
     rows: dict[str, dict[str, float]] = {}
     for pid, (label, last) in end.items():
         first = start[pid][1] if pid in start else Counters(0.0, 0.0, 0)
+        if kind_of(label) == "other":
+            logger.info("process kind 'other': %s (pid %d)", label, pid)
         row = rows.setdefault(kind_of(label), {"user": 0.0, "kernel": 0.0, "faults": 0.0, "processes": 0})
         row["user"] += last.user_s - first.user_s
         row["kernel"] += last.kernel_s - first.kernel_s
@@ -237,10 +240,10 @@ def print_profile(profile: Profile) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging()
-    config = apply_smoke(load_config(ProfileConfig, sys.argv[1:] if argv is None else argv, description=__doc__),
-                         SMOKE)
+    own, trainer_flags = split_passthrough(list(sys.argv[1:] if argv is None else argv))
+    config = apply_smoke(load_config(ProfileConfig, own, description=__doc__), SMOKE)
     with tempfile.TemporaryDirectory(prefix="step-profile-") as tmp:
-        current = profile_run(config, "current", {}, [], Path(tmp))
+        current = profile_run(config, "current", {}, trainer_flags, Path(tmp))
         print_profile(current)
         figures: dict[str, Any] = {"median_step_s": round(current.split["timing/step_s"], 3),
                                    "cores": round(sum(r["cores"] for r in current.kinds.values()), 2),

@@ -414,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         check_teacher_model(config.teacher_model_path, config.model_path)
     Path(config.run_dir).mkdir(parents=True, exist_ok=True)  # the checks passed: run.log can start
     _interrupt_on_sigterm()
-    logger.info("%s", "\n".join(plan_lines), extra=CONSOLE)
+    for line in plan_lines:  # one record each: every console line carries its clock
+        logger.info("%s", line, extra=CONSOLE)
     logger.info("starting Ray (127.0.0.1 only), %s, then the trainer (%d ranks); logs in %s", _workers_text(config),
                 run.trainer_ranks, config.log_dir, extra=CONSOLE)
     with cluster:

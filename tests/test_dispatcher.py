@@ -79,7 +79,7 @@ def ray_head() -> Iterator[dict[str, str]]:
 _LIST_NAMED_ACTORS = """
 from async_grpo.launch import ray_env; ray_env.use_ray_token_auth_if_available()
 import json, worker_dispatcher, ray
-worker_dispatcher.connect("auto", log_to_driver=False)
+worker_dispatcher.connect(worker_dispatcher.RayConnectionConfig(), log_to_driver=False)
 print(json.dumps(sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                         if a["namespace"] == worker_dispatcher.RAY_NAMESPACE)))
 """
@@ -88,7 +88,7 @@ print(json.dumps(sorted(a["name"] for a in ray.util.list_named_actors(all_namesp
 _KILL_ACTOR = """
 from async_grpo.launch import ray_env; ray_env.use_ray_token_auth_if_available()
 import sys, worker_dispatcher, ray
-worker_dispatcher.connect("auto", log_to_driver=False)
+worker_dispatcher.connect(worker_dispatcher.RayConnectionConfig(), log_to_driver=False)
 ray.kill(ray.get_actor(sys.argv[1], namespace=worker_dispatcher.RAY_NAMESPACE))
 """
 

@@ -351,6 +351,11 @@ def test_a_real_run_prints_progress_evaluations_and_the_summary_only(demo_assets
         "counts/dropped_stale", "counts/timed_out_prompts", "batcher/missing_rollouts",
         "batcher/dropped_logprob_version", "counts/redispatched_requests")}
     info = [line for line in shown if line not in warnings]
+    # The placement plan first (a CPU machine: one line), and the engine setting the launcher chose.
+    assert info[:2] == ["placement: CPU only (no GPU found): every process on the CPU",
+                        "engine settings for CPU (flags of the same name change them): dtype float32 (the CPU "
+                        "trainer's dtype)"]
+    info = info[2:]
     assert info[0] == (f"starting Ray (127.0.0.1 only), 2 workers (1 generation, 1 logprob), then the trainer "
                        f"(2 ranks); logs in {run}")
     assert info[1].startswith("workers ready after ") and info[1].endswith(f"(every INFO line in {run / LOG_FILE})")
@@ -359,7 +364,8 @@ def test_a_real_run_prints_progress_evaluations_and_the_summary_only(demo_assets
                          f"{run / LOG_FILE}",
                          # fewer steps than the 10-step window: no level is reached
                          f"run: 10-step mean reward first reached 0.5: not reached; 0.6: not reached; 0.9: not "
-                         f"reached; last 10 steps {statistics.mean(rewards):.3f}, final greedy eval accuracy "
+                         f"reached; last 10 steps {statistics.mean(rewards):.3f}, best {statistics.mean(rewards):.3f} "
+                         f"at step {STEPS - 1}, final greedy eval accuracy "
                          f"{evals[2]['eval/accuracy']:.3f}; median step {statistics.median(step_s):.2f} s"]
     assert info[9].startswith(f"medians over all steps: step_s={statistics.median(step_s):.3f} ")
     assert info[10].startswith("dropped or re-sent: ")

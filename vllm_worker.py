@@ -65,6 +65,7 @@ from async_grpo.inference.generation_stats import GenerationStats
 from async_grpo.inference.object_store_reload import ObjectStoreReloader
 from async_grpo.inference.served_weights import ServedWeights
 from async_grpo.inference.transfer_pass_through import TransferPassThrough
+from async_grpo.launch.ray_cluster import shared_memory_owner
 from async_grpo.launch.ray_env import GENERATION
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rewards.rewards import ShapedReward
@@ -215,7 +216,10 @@ class GenerationWorker:
     to use another one.
     """
 
-    def __init__(self, worker_name: str, config: GenerationWorkerConfig, verifier: RewardScorer | None = None) -> None:
+    def __init__(self, worker_name: str, config: GenerationWorkerConfig, verifier: RewardScorer | None = None,
+                 files_owner: str | None = None) -> None:
+        """files_owner: the name its shared-memory files go under (ray_cluster.shared_memory_owner
+        in a cluster, so that its dispatcher finds and removes them; default worker_name)."""
         self.worker_name = worker_name
         self.config = config
         self.stats = GenerationStats()
@@ -239,7 +243,7 @@ class GenerationWorker:
             served=self.served, stats=self.stats, life=self.life)
         self.adapter_loader = AdapterLoader(
             worker_name, max_lora_rank=config.engine.max_lora_rank, reloader=self.reloader, served=self.served,
-            stats=self.stats, on_engine_error=self._fail_if_engine_dead)
+            stats=self.stats, on_engine_error=self._fail_if_engine_dead, files_owner=files_owner)
         self.transfer = TransferPassThrough(
             worker_name, backend=config.engine.weight_transfer, pause_mode=config.weight_update_pause_mode,
             engine=self._require_engine, served=self.served, stats=self.stats, life=self.life)
@@ -511,7 +515,7 @@ class GenerationWorkerActor:
     """Ray actor over GenerationWorker: same methods, nothing else."""
 
     def __init__(self, worker_name: str, config: GenerationWorkerConfig) -> None:
-        self._worker = GenerationWorker(worker_name, config)
+        self._worker = GenerationWorker(worker_name, config, files_owner=shared_memory_owner(worker_name))
 
     async def start(self) -> None:
         await self._worker.start()

@@ -63,7 +63,7 @@ from async_grpo.launch.node_resources import (
     gpu_holders, gpus_per_worker, node_alive, node_gpu_count, node_runs_cuda,
 )
 from async_grpo.launch.process_tuning import worker_env
-from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
+from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster, shared_memory_owner
 from async_grpo.launch.ray_env import (
     GENERATION, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, worker_actor_name,
 )
@@ -367,7 +367,7 @@ def teardown(kind: str, actor: ActorHandle, name: str, worker_died: bool) -> Non
     if kind == GENERATION:
         from async_grpo.inference.weight_files import remove_weight_files
 
-        for path in remove_weight_files(name):
+        for path in remove_weight_files(shared_memory_owner(name)):
             logger.warning("removed %s, left by %s", path, name)
     print(f"worker {name} deregistered{'' if worker_died else ' and stopped'}", flush=True)
 

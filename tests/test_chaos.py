@@ -240,6 +240,6 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
     def all_gone() -> bool:
         return not any(alive(pid) for pid in run_pids)
     _wait(all_gone, "the cluster's processes to exit", 60.0, context)
-    leftovers = sorted(path for name in generation_names for path in weights_file_dir().glob(f"grpo-weights-{name}-v*"))
+    leftovers = sorted(path for name in generation_names for path in weights_file_dir().glob(f"grpo-weights-*{name}-v*"))
     assert not leftovers, f"{context}: weight files left behind: {leftovers}"
     assert not temp_dir.exists(), f"{context}: the cluster's temporary folder is left: {sorted(temp_dir.iterdir())}"

@@ -254,10 +254,15 @@ def test_dispatcher_replaces_a_dead_worker_cleans_its_files_then_gives_up(ray_he
         # No --dtype: the engine's 'auto' serves float32 on a CPU node, so this start works on every
         # CPU kind (vLLM's CPU bf16 killed the worker on AMX CPUs: issue 34).
         assert any("engine dtype auto -> float32" in line for line in log.lines), log.tail()
-        # What a SIGKILL during update_weights leaves behind, and a neighbour's file that must stay.
-        leftover = weights_file_dir() / f"grpo-weights-{first}-v7-0123abcd.safetensors"
-        neighbour = weights_file_dir() / f"grpo-weights-{first}9-v7-0123abcd.safetensors"
-        files = [leftover, neighbour]
+        # What a SIGKILL during update_weights leaves behind, filed under this cluster's tag; a
+        # neighbour's file, and the same-named worker's of another cluster on this machine, must stay.
+        from async_grpo.launch.ray_cluster import cluster_tag
+
+        owner, other_cluster = cluster_tag(ray_head["RAY_ADDRESS"]), cluster_tag("127.0.0.1:1")
+        leftover = weights_file_dir() / f"grpo-weights-{owner}-{first}-v7-0123abcd.safetensors"
+        neighbour = weights_file_dir() / f"grpo-weights-{owner}-{first}9-v7-0123abcd.safetensors"
+        elsewhere = weights_file_dir() / f"grpo-weights-{other_cluster}-{first}-v7-0123abcd.safetensors"
+        files = [leftover, neighbour, elsewhere]
         for path in files:
             path.write_bytes(b"weights")
 
@@ -266,7 +271,7 @@ def test_dispatcher_replaces_a_dead_worker_cleans_its_files_then_gives_up(ray_he
         skip = len(log.lines)
         second = log.wait_for_match(registered, dispatcher, _REGISTER_BOUND_S, skip=skip).group(1)
         assert second != first
-        assert not leftover.exists() and neighbour.exists()
+        assert not leftover.exists() and neighbour.exists() and elsewhere.exists()
         status = subprocess.run([sys.executable, DISPATCHER, "status"], capture_output=True, text=True,
                                 env=ray_head, timeout=_EXIT_BOUND_S)
         (row,) = [line.split() for line in status.stdout.splitlines() if second in line]

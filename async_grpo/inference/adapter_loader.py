@@ -43,11 +43,14 @@ class AdapterLoader:
     """
 
     def __init__(self, worker_name: str, *, max_lora_rank: int, served: ServedWeights, stats: GenerationStats,
-                 reloader: ObjectStoreReloader, on_engine_error: Callable[[BaseException], None]) -> None:
+                 reloader: ObjectStoreReloader, on_engine_error: Callable[[BaseException], None],
+                 files_owner: str | None = None) -> None:
         """max_lora_rank: the engine's EngineConfig.max_lora_rank (0: it serves no adapters);
         reloader: restores the checkpoint's weights over pushed ones; on_engine_error: the
-        worker's check that fails it when an engine call raised because the engine died."""
+        worker's check that fails it when an engine call raised because the engine died;
+        files_owner: the name its adapter folders go under (default worker_name)."""
         self.worker_name = worker_name
+        self.files_owner = files_owner or worker_name
         self._max_lora_rank = max_lora_rank
         self._served = served
         self._stats = stats
@@ -67,7 +70,7 @@ class AdapterLoader:
             raise
         if self._served.holds_pushed_weights:
             await self._reloader.restore_checkpoint(engine, update.version)
-        folder, temporary = await adapter_folder(self.worker_name, update)
+        folder, temporary = await adapter_folder(self.worker_name, update, self.files_owner)
         try:
             adapter_id = self._served.adapters.new_id()
             request = LoRARequest(lora_name=f"policy-v{update.version}-{adapter_id}", lora_int_id=adapter_id,
@@ -97,17 +100,18 @@ def check_adapter_rank(worker_name: str, update: WeightUpdate, max_lora_rank: in
         raise ValueError(f"{worker_name}: adapter rank {rank} exceeds max_lora_rank {max_lora_rank}")
 
 
-async def adapter_folder(worker_name: str, update: WeightUpdate) -> tuple[Path, bool]:
+async def adapter_folder(worker_name: str, update: WeightUpdate, files_owner: str | None = None) -> tuple[Path, bool]:
     """(PEFT folder holding the update's adapter, whether it is a temporary copy of ours).
 
     lora_files: the trainer's folder as is. gather/sharded: every rank's shards fetched from
-    the object store and reassembled by their placement, written to shared memory.
+    the object store and reassembled by their placement, written to shared memory under
+    `files_owner` (default: the worker's name; ray_cluster.shared_memory_owner in a cluster).
     """
     if update.mode == "lora_files":
         if update.adapter_path is None:
             raise ValueError(f"{worker_name}: lora_files update v{update.version} has no adapter_path")
         return Path(update.adapter_path), False
-    folder = adapter_dir_path(worker_name, update.version)
+    folder = adapter_dir_path(files_owner or worker_name, update.version)
 
     def fetch_and_write() -> None:
         tensors = dict(iter_state_dict(update))

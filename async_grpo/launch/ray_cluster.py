@@ -14,6 +14,7 @@ unreachable head, a missing or refused token) into one line, ClusterJoinError, w
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import socket
@@ -40,6 +41,11 @@ class ClusterJoinError(RuntimeError):
 _TCP_PROBE_TIMEOUT_S = 5.0
 _TOKEN_HINT = ("the head's token is in ~/.ray/auth_token on the head node: copy that file here, or set "
                "RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH")
+
+
+# Hex digits of the cluster tag in shared-memory names: collisions between the few clusters one
+# machine runs at once are negligible at 32 bits.
+_CLUSTER_TAG_CHARS = 8
 
 
 def _refresh_ray_auth_mode() -> None:
@@ -180,3 +186,15 @@ def init_local_ray(*, num_cpus: int, namespace: str, log_to_driver: bool, num_gp
         log_to_driver=log_to_driver,
     )
     return ray.get_runtime_context().gcs_address
+
+
+def cluster_tag(gcs_address: str) -> str:
+    """A short tag of a Ray cluster, from its GCS address (unique among the clusters of a machine)."""
+    return hashlib.sha1(gcs_address.encode()).hexdigest()[:_CLUSTER_TAG_CHARS]
+
+
+def shared_memory_owner(worker_name: str) -> str:
+    """The name a worker's files in shared memory are filed under: the worker's name prefixed
+    with the tag of the Ray cluster this process is connected to, so that generation-worker-0 of
+    two clusters on one machine never remove each other's adapter folders (weight_files)."""
+    return f"{cluster_tag(ray.get_runtime_context().gcs_address)}-{worker_name}"

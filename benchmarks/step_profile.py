@@ -54,7 +54,8 @@ KINDS = (  # (label prefix, kind), first match wins
     ("trainer rank", "trainer ranks"), ("torchrun", "torchrun"), ("vLLM EngineCore", "engine core"),
     ("generation worker actor", "generation worker"), ("logprob worker actor", "logprob worker"),
     ("experience batcher actor", "batcher"), ("registry actor", "registries"),
-    ("verifier", "verifier pool"), ("forkserver of verifier", "verifier pool"), ("dispatcher", "dispatchers"),
+    ("verifier", "verifier pool"), ("forkserver of", "verifier pool"), ("resource tracker of", "verifier pool"),
+    ("cc1plus", "compilers (torch inductor)"), ("g++", "compilers (torch inductor)"), ("dispatcher", "dispatchers"),
     ("raylet", "Ray"), ("Ray ", "Ray"), (IDLE_RAY_WORKER, "Ray"), ("step_profile", "launcher (this process)"),
 )
 STEP_SPLIT = ("timing/step_s", "timing/wait_s", "timing/train_s", "timing/push_s", "timing/batcher_generate_s_mean",

@@ -42,6 +42,7 @@ from async_grpo.launch.placement import (
     GiB, ModelShape, Placement, PlacementError, RunShape, check_transfer_placement, default_trainer_ranks,
     plan_placement,
 )
+from async_grpo.launch.process_tuning import thread_env, threads_per_process
 from async_grpo.launch.ray_cluster import init_local_ray
 from async_grpo.launch.ray_env import LOOPBACK_ONLY_ENV, RAY_NAMESPACE, REPO_ROOT, repo_pythonpath
 
@@ -237,6 +238,12 @@ class LocalCluster:
                     self.temp_dir)
         return self
 
+    def threads(self, trainer_ranks: int | None = None) -> int:
+        """Intra-op threads of each compute process of this run: its trainer ranks, engines and
+        logprob-type workers share the machine's cores (process_tuning.threads_per_process)."""
+        ranks = trainer_ranks if trainer_ranks is not None else self.config.nproc_per_node or 2
+        return threads_per_process(ranks + self.config.total_workers)
+
     def env(self) -> dict[str, str]:
         """Environment for child processes: join this cluster, import this repo."""
         env = dict(os.environ)
@@ -256,6 +263,8 @@ class LocalCluster:
                   *config_to_flags(c.health), *config_to_flags(c.restart)]
         if not c.tune_processes:
             common += ["--tune_processes", "false"]
+        else:
+            common += ["--threads", str(self.threads())]
         if self.placement.on_gpu and self.placement.worker_gpu_share < 1:
             common += ["--num_gpus", f"{self.placement.worker_gpu_share:g}"]
         if kind == "generation":
@@ -341,9 +350,10 @@ class LocalCluster:
         env = self.env()
         if self.placement.trainer_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.placement.trainer_gpus))
+        env.update(thread_env(self.threads(nproc_per_node), self.config.tune_processes))
         if nproc_per_node > 1:
-            # The value torchrun sets itself for several ranks, given here so that torchrun does
-            # not print its five-line banner about it on the console.
+            # The value torchrun sets itself for several ranks, given here (when no thread count
+            # is) so that torchrun does not print its five-line banner about it on the console.
             env.setdefault("OMP_NUM_THREADS", "1")
         process = subprocess.Popen(command, env=env, cwd=REPO_ROOT, start_new_session=True,
                                    stdout=out, stderr=subprocess.STDOUT if out else None)

@@ -62,7 +62,7 @@ from async_grpo.launch.node_resources import (
     CPU_KV_CACHE_MAX_BYTES, CPU_KV_CACHE_MIN_BYTES, NODE_ID_CHARS, NodeLostError, actor_exists, cpu_kv_cache_bytes,
     gpu_holders, gpus_per_worker, node_alive, node_gpu_count, node_runs_cuda,
 )
-from async_grpo.launch.process_tuning import worker_env
+from async_grpo.launch.process_tuning import thread_env, worker_env
 from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster, shared_memory_owner
 from async_grpo.launch.ray_env import (
     GENERATION, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, worker_actor_name,
@@ -116,6 +116,10 @@ class DispatcherConfig:
     tune_processes: bool = True
     """Give the worker its kind's process settings (async_grpo/launch/process_tuning.py: glibc's
     fixed malloc thresholds for a generation worker and its engine core). False: none."""
+    threads: int | None = None
+    """Intra-op threads of the worker (OMP_NUM_THREADS, MKL_NUM_THREADS; the vLLM engine core
+    inherits them). None: Ray's default for an actor, its num_cpus (1). The local launcher gives
+    each compute process its share of the machine's cores (process_tuning.threads_per_process)."""
     num_gpus: float | None = None
     """GPUs the worker takes in Ray's accounting on a node with GPUs. None: whole GPUs (the
     engine's tensor_parallel_size, else 1). A fraction below 1 lets workers share one GPU, as the
@@ -144,6 +148,8 @@ class DispatcherConfig:
             raise ValueError(f"DispatcherConfig.tensor_parallel_size must be 1 in {self.mode} mode (one device per worker)")
         if self.num_cpus < 0:
             raise ValueError(f"DispatcherConfig.num_cpus must be >= 0, got {self.num_cpus}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"DispatcherConfig.threads must be >= 1 or None, got {self.threads}")
         if self.num_gpus is not None and not 0 < self.num_gpus:
             raise ValueError(f"DispatcherConfig.num_gpus must be > 0 or None (whole GPUs), got {self.num_gpus}")
         if self.num_gpus is not None and self.num_gpus < 1 and self.engine.tensor_parallel_size != 1:
@@ -236,6 +242,8 @@ def worker_runtime_env(cfg: DispatcherConfig) -> dict[str, Any]:
     receives weights over vLLM's ipc transfer."""
     runtime_env = actor_runtime_env()
     runtime_env["env_vars"] = {**runtime_env["env_vars"], **worker_env(cfg.mode, cfg.tune_processes)}
+    if cfg.threads is not None:
+        runtime_env["env_vars"].update(thread_env(cfg.threads, tune=True))
     if cfg.mode == GENERATION and cfg.engine.weight_transfer == "ipc":
         runtime_env["env_vars"] = {**runtime_env["env_vars"], **IPC_TRANSFER_ENV}
     return runtime_env

@@ -49,3 +49,34 @@ def test_the_dispatcher_gives_a_generation_actor_its_settings() -> None:
     assert not FIXED.keys() & worker_runtime_env(untuned)["env_vars"].keys()
     ipc = DispatcherConfig(mode="generation", model_path="m", engine=generation.engine.__class__(weight_transfer="ipc"))
     assert worker_runtime_env(ipc)["env_vars"]["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+
+
+@pytest.mark.parametrize("cores, processes, threads", [(2, 4, 1), (2, 1, 2), (16, 4, 4), (16, 5, 3), (1, 3, 1)])
+def test_threads_share_the_cores_among_the_compute_processes(cores: int, processes: int, threads: int) -> None:
+    from async_grpo.launch.process_tuning import threads_per_process
+
+    assert threads_per_process(processes, cores) == threads
+
+
+def test_thread_env_is_set_when_tuned_and_the_operator_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    from async_grpo.launch.process_tuning import thread_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    assert thread_env(3, tune=True) == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"}
+    assert thread_env(3, tune=False) == {}
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert thread_env(3, tune=True)["OMP_NUM_THREADS"] == "8"
+
+
+def test_the_launcher_gives_workers_and_ranks_their_share(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import local_cluster
+    from local_cluster import LocalCluster, LocalClusterConfig
+
+    monkeypatch.setattr(local_cluster, "threads_per_process", lambda n: 16 // n)  # a 16-core machine
+    cluster = LocalCluster(LocalClusterConfig(model_path="m", run_dir=str(tmp_path)))  # 2 ranks, 2 workers
+    assert cluster.threads() == 4
+    args = cluster.dispatcher_args("logprob")
+    assert args[args.index("--threads") + 1] == "4"
+    untuned = LocalCluster(LocalClusterConfig(model_path="m", run_dir=str(tmp_path), tune_processes=False))
+    assert "--threads" not in untuned.dispatcher_args("generation")

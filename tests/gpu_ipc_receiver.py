@@ -20,7 +20,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ipc_codec import decode  # noqa: E402
+from support.ipc_codec import decode  # noqa: E402
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:

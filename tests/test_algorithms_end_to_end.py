@@ -21,10 +21,10 @@ import pytest
 from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.telemetry.metrics import read_metrics
 from local_cluster import LocalCluster, LocalClusterConfig, local_engine
+from support.paths import REPO_ROOT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAINER_TIMEOUT_S = 600
 KL_COEF, TARGET_KL, HORIZON = 0.05, 0.01, 100
 RUN = ["--prompts_per_rank", "4", "--sampling.n", "4", "--sampling.max_tokens", "4", "--max_tokens_per_gpu", "256",

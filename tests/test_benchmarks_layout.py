@@ -7,7 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from support.paths import REPO_ROOT
+
 BENCHMARKS = REPO_ROOT / "benchmarks"
 # Scripts whose smoke mode another test runs (tests/test_benchmarks_smoke.py names the rest).
 SMOKED_ELSEWHERE = {"soak": "test_soak.py", "scale": "test_scale_benchmark.py"}

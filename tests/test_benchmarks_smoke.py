@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.harness import parse_summary_line
+from support.paths import REPO_ROOT
 
 pytestmark = [pytest.mark.system]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 SMOKE_TIMEOUT_S = 1200  # a cluster smoke takes 1-3 min on 2 idle cores; a busy machine, several times that
 ASSETS = "{assets}"  # replaced by the session's demo assets (tests/conftest.py)
 WORK = "{work}"  # replaced by the test's own folder

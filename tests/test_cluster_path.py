@@ -40,15 +40,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from process_output import OutputLog
-from torchrun_launch import free_port
 
 from async_grpo.launch.ray_env import LOOPBACK_ONLY_ENV, PROMPT_STOP_ENV, repo_pythonpath
 from async_grpo.telemetry.metrics import read_metrics
+from support.paths import REPO_ROOT
+from support.process_output import OutputLog
+from support.torchrun_launch import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DISPATCHER = str(REPO_ROOT / "worker_dispatcher.py")
 RAY_CLI = str(Path(sys.executable).parent / "ray")
 HEAD_GPUS = "0,1"  # what Ray may hand to workers on the head node

@@ -18,8 +18,8 @@ from async_grpo.telemetry.metrics import main as metrics_main
 from async_grpo.telemetry.run_report import (
     COMMAND_TIME, THRESHOLDS, TRAINER_TIME, WINDOW, compare_runs, runs_figure, summarize_run,
 )
+from support.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 # Run "fast": rewards 0, .25, .75, .75, 1 at 10 s a step; 2-step means 0, .125, .5, .75, .875.
 FAST = {"rewards": [0.0, 0.25, 0.75, 0.75, 1.0], "step_s": [1.0, 3.0, 2.0, 5.0, 4.0], "evals": {2: 0.5, 4: 0.75}}
 # Run "slow": rewards 0, 0, .25, .5, .5 at 30 s a step; 2-step means 0, 0, .125, .375, .5.

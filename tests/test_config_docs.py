@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from pathlib import Path
 
 import pytest
 
 from async_grpo.config.run_config import _flags, config_reference
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from support.paths import REPO_ROOT
 
 
 def _script():

@@ -28,8 +28,7 @@ from async_grpo.telemetry.console import (
 )
 from async_grpo.telemetry.metrics import MetricsLogger, read_metrics
 from async_grpo.telemetry.run_report import drop_counts, drops_text, run_summary, timing_line
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from support.paths import REPO_ROOT
 
 
 @pytest.fixture

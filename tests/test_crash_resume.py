@@ -31,10 +31,10 @@ from async_grpo.launch.ray_env import BATCHER_ACTOR_NAME, RAY_NAMESPACE
 from async_grpo.trainer.checkpoint import checkpoints_root, latest_checkpoint
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from local_cluster import LocalCluster, LocalClusterConfig, local_engine
+from support.paths import REPO_ROOT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 WORLD_SIZE = 2
 PROMPTS_PER_RANK = 4
 ROLLOUTS = 4

@@ -28,9 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from data_path_launch import DIST_TIMEOUT_S, check_rank0_gone, launch_pair
 from test_experience_batcher import FakeGeneration, FakeLogprob, _config, _fake_logprobs, _prompts
-from torchrun_launch import run_worker
 
 from async_grpo.trainer import data_path
 from async_grpo.trainer.data_path import (
@@ -38,6 +36,8 @@ from async_grpo.trainer.data_path import (
 )
 from async_grpo.trainer.fsdp_setup import DistInfo
 from sample_processing_utils import Sample
+from support.data_path_launch import DIST_TIMEOUT_S, check_rank0_gone, launch_pair
+from support.torchrun_launch import run_worker
 from vllm_experience_batcher import EndOfStep, ExperienceBatcher, ExperienceBatcherError, Minibatch, PromptRequest
 
 WORKER = Path(__file__).resolve().parent / "data_path_worker.py"

@@ -20,8 +20,8 @@ from async_grpo.config.run_config import ConfigError, config_to_flags, load_conf
 from async_grpo.data.arithmetic_data import write_arithmetic_dataset, write_arithmetic_table
 from async_grpo.data.dataset import CheckConfig, DatasetConfig, DatasetError, load_prompt_file, load_prompts
 from setup_model import load_tokenizer
+from support.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 MAX_PROMPT_TOKENS = 16
 GOOD_LINE = '{"prompt": "1+1=", "gt_answer": "2"}'
 

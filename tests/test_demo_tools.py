@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from support.paths import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 import demo_tools_report  # noqa: E402
 import prepare_tool_demo  # noqa: E402

@@ -19,18 +19,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+from support.paths import REPO_ROOT
 
 
 @pytest.mark.system
 def test_demo_tools_runs_both_arms_and_prints_tool_gain(tmp_path: Path) -> None:
     assets = tmp_path / "assets"
     subprocess.run([sys.executable, "scripts/prepare_tool_demo.py", "--out_dir", str(assets), "--warmup_steps", "2",
-                    "--num_prompts", "200"], cwd=ROOT, check=True, capture_output=True, timeout=300)
+                    "--num_prompts", "200"], cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
     env = {**os.environ, "DEMO_TOOLS_ASSETS": str(assets), "DEMO_TOOLS_RUNS": str(tmp_path / "runs"), "SEEDS": "0",
            "DEMO_TOOLS_CLUSTER_ARGS": "--enforce_eager true"}
     done = subprocess.run(["bash", "scripts/demo_tools.sh", "--num_steps", "10", "--prompts_per_rank", "2",
-                           "--sampling.n", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                           "--sampling.n", "4"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "tool_gain=" in done.stdout and "step    9" in done.stdout
     for name, tools_allowed in (("demo-tools-s0", True), ("demo-tools-notool-s0", False)):

@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from process_output import OutputLog
-from torchrun_launch import free_port
 
 from async_grpo.config.run_config import load_config
 from async_grpo.config.worker_options import EngineConfig, LogprobBatchingConfig
@@ -28,9 +26,11 @@ from async_grpo.launch.ray_env import (
     GENERATION, LOGPROB, LOOPBACK_ONLY_ENV, PROMPT_STOP_ENV, registry_name, repo_pythonpath, worker_actor_name,
 )
 from async_grpo.launch.status_table import format_status
+from support.paths import REPO_ROOT
+from support.process_output import OutputLog
+from support.torchrun_launch import free_port
 from worker_dispatcher import REGISTERED_LINE, DispatcherConfig
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DISPATCHER = str(REPO_ROOT / "worker_dispatcher.py")
 # Bounds that only keep a broken run from hanging the suite (engine start is ~1 min on 2 cores).
 _CLUSTER_START_BOUND_S = 120.0

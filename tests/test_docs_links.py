@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from support.paths import REPO_ROOT
+
 DOCUMENTS = sorted([REPO_ROOT / "README.md", *(REPO_ROOT / "docs").glob("*.md")])
 
 # `[text](target)` and `![alt](target)`; a target has no spaces (an optional "title" is cut off).

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tracker_readers import trackio_run, wandb_offline_runs
 
 from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, registry_name
@@ -30,10 +29,11 @@ from async_grpo.telemetry.trackers import flatten_config, mlflow_key
 from async_grpo.trainer.checkpoint import latest_checkpoint
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from local_cluster import LocalCluster, LocalClusterConfig, local_engine
+from support.paths import REPO_ROOT
+from support.tracker_readers import trackio_run, wandb_offline_runs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 WORLD_SIZE = 2
 # Small steps keep each run to tens of seconds on 2 cores: 2 ranks x 4 prompts x 4 rollouts.
 FAST_RUN = ["--prompts_per_rank", "4", "--sampling.n", "4", "--sampling.max_tokens", "4",

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from setup_model import ModelPathError, check_model_dir, load_tokenizer
+from support.paths import REPO_ROOT
 from trainer_core import CONFIG_ERROR_EXIT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 180  # importing torch, Ray and transformers takes ~10-20 s on 2 busy cores
 # A port nothing listens on: reaching Ray at all would fail with a different error than the one checked.
 UNREACHABLE_RAY = "127.0.0.1:9"

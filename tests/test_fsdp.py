@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from torchrun_launch import run_worker
 
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler, lr_factor
@@ -36,6 +35,7 @@ from async_grpo.weights.weight_sync import fsdp_shard_extent, gather_full_state_
 from grpo_loss import LossConfig, grpo_loss
 from sample_processing_utils import Sample, get_input_for_logprobs, post_process_batch
 from setup_model import ModelConfig, TokenLogprobModel, load_causal_lm, load_tokenizer
+from support.torchrun_launch import run_worker
 
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
 REPO_ROOT = WORKER.parent.parent

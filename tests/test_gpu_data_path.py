@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from data_path_launch import DIST_TIMEOUT_S, check_rank0_gone, launch_pair
+
+from support.data_path_launch import DIST_TIMEOUT_S, check_rank0_gone, launch_pair
 
 pytestmark = [
     pytest.mark.gpu,

@@ -30,13 +30,13 @@ from typing import Any, Mapping, Sequence
 
 import pytest
 import torch
-from ipc_codec import decode, encode
 
 from async_grpo.trainer.weight_transfer_sources import HFWeightSource, send_plan
 from async_grpo.trainer.weight_transfer_trainer import (
     DESCRIBE_METHOD, FINISH_METHOD, INIT_METHOD, START_METHOD, UPDATE_METHOD, EngineWeightSender, TrainerTransferConfig,
     WorkerCallError, engines_from_answers,
 )
+from support.ipc_codec import decode, encode
 
 TESTS = Path(__file__).resolve().parent
 NCCL_RECEIVER = TESTS / "gpu_weight_receiver.py"

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from support.paths import REPO_ROOT
+
 pytestmark = pytest.mark.system
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 _SHELL_TIMEOUT_S = 120
 
 

@@ -9,11 +9,11 @@ import importlib.util
 import sys
 import types
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from support.paths import REPO_ROOT
+
 DOC = REPO_ROOT / "docs" / "interfaces.md"
 
 

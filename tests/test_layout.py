@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 
 import async_grpo
+from support.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "async_grpo"
 SPINE_SHARED = ("grpo_loss", "sample_processing_utils", "setup_model")
 """Spine files the package may import: the loss, the sample records, model loading."""

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_launch import run_worker
 
 from async_grpo.weights.weight_loading import iter_assembled
 from async_grpo.weights.weight_sync import TensorBlob, tensor_to_blob
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel
+from support.torchrun_launch import run_worker
 
 WORKER = Path(__file__).resolve().parent / "lora_fsdp_worker.py"
 WORLD_SIZE = 2

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from test_lora_fsdp import LORA, _reference_peft
-from torchrun_launch import run_worker
 
 from async_grpo.weights.weight_sync import read_stable_marker
+from support.torchrun_launch import run_worker
 
 WORKER = Path(__file__).resolve().parent / "lora_push_worker.py"
 WORLD_SIZE = 2

@@ -21,7 +21,6 @@ import os
 from pathlib import Path
 
 import pytest
-from chat_engine import assert_trainer_logprobs_match_engine, chat_worker_config, tiny_chat_model
 
 from async_grpo.inference.engine_requests import sampling_params
 from async_grpo.model.tiny_model import IM_END
@@ -34,6 +33,7 @@ from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.rollouts.tool_environment import ToolEnvironment
 from sample_processing_utils import Sample
 from setup_model import load_tokenizer
+from support.chat_engine import assert_trainer_logprobs_match_engine, chat_worker_config, tiny_chat_model
 from vllm_worker import GenerationWorker
 
 pytestmark = pytest.mark.vllm

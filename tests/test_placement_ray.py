@@ -12,15 +12,14 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from async_grpo.launch.placement import GiB, ModelShape, RunShape, plan_placement
+from support.paths import REPO_ROOT
 
 pytestmark = pytest.mark.system
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 QWEN_0_5B = ModelShape(num_params=494_032_768, hidden_size=896, num_layers=24, vocab_size=151936)
 CASES = {  # host GPUs -> the run on them
     1: RunShape(trainer_ranks=1, max_tokens_per_gpu=8192, generation_workers=1, logprob_workers=1),

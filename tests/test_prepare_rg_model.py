@@ -19,8 +19,7 @@ from safetensors.torch import load_file
 from async_grpo.data.reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from setup_model import load_causal_lm, load_tokenizer
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from support.paths import REPO_ROOT
 
 
 @pytest.fixture(scope="module")

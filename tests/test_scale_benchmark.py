@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from support.paths import REPO_ROOT
+
 # The smoke run takes ~50 s on an idle 2-core machine; a busy one may take several times that.
 _SMOKE_BOUND_S = 900
 _FIGURES = ("routed_per_s", "routed_ratio", "registry_cpu_us", "routing_cpu_us", "batcher_samples_per_s",

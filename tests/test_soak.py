@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import soak_parts as soak
+from support.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 QUICK_TIMEOUT_S = 900  # ~1.5 min on 2 idle cores; generous for a busy machine
 
 

@@ -53,12 +53,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_launch import run_worker
 from transformers import AutoModelForCausalLM
 
 from async_grpo.trainer.optimizer import OptimConfig
 from grpo_loss import LossConfig
 from sample_processing_utils import Sample
+from support.torchrun_launch import run_worker
 
 WORKER = Path(__file__).resolve().parent / "step_parity_worker.py"
 REPO_ROOT = WORKER.parent.parent

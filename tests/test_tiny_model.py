@@ -23,8 +23,8 @@ from async_grpo.model.tiny_model import (
     build_model, model_shape, write_tiny_model,
 )
 from setup_model import load_causal_lm, load_tokenizer
+from support.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 # One narrow layer with Qwen2.5's vocabulary and tied embeddings: 151,936 x 64 embedding rows.
 SMALL_QWEN = ShapeOverrides(num_layers=1, hidden_size=64, num_heads=4, intermediate_size=128)
 ROUND_TRIP_TEXTS = (

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tracker_readers import trackio_run, wandb_offline_runs
 
 from async_grpo.config.run_config import ConfigError, load_config
 from async_grpo.telemetry.metrics import MetricsConfig, open_metrics_sink, read_metrics
 from async_grpo.telemetry.trackers import TensorBoardTracker, flatten_config, mlflow_key
+from support.paths import REPO_ROOT, TESTS
+from support.tracker_readers import trackio_run, wandb_offline_runs
 
 STEPS = 4
 EVALS = {1: {"eval/accuracy": 0.25, "eval/pass@4": 0.5}, 3: {"eval/accuracy": 0.75, "eval/pass@4": 0.875}}
@@ -156,8 +157,7 @@ def test_report_to_from_the_command_line_and_its_checks() -> None:
 def test_trackio_holds_every_metric_the_config_and_the_plot(tmp_path: Path) -> None:
     """In child processes: trackio reads TRACKIO_DIR once, when first imported."""
     run_dir = tmp_path / "trackio-run"
-    tests, repo = Path(__file__).parent, Path(__file__).parent.parent
-    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "PYTHONPATH": f"{repo}:{tests}"}
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "PYTHONPATH": f"{REPO_ROOT}:{TESTS}"}
     writer = (f"from pathlib import Path; from test_trackers import _run; "
               f"_run(Path({str(run_dir)!r}), ('jsonl', 'trackio'))")
     subprocess.run([sys.executable, "-c", writer], env=env, check=True, capture_output=True, text=True)
@@ -195,10 +195,9 @@ _run(Path(sys.argv[1]), ("jsonl", "tensorboard", "wandb", "mlflow", "trackio"))
 
 @pytest.mark.system
 def test_no_tracker_reaches_for_the_network(tmp_path: Path) -> None:
-    tests, repo = Path(__file__).parent, Path(__file__).parent.parent
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", "CI", "MLFLOW_DISABLE_TELEMETRY",
                                                             "DO_NOT_TRACK", "WANDB_MODE")}
-    env.update(PYTHONPATH=f"{repo}:{tests}", TRACKIO_DIR=str(tmp_path / "trackio"),
+    env.update(PYTHONPATH=f"{REPO_ROOT}:{TESTS}", TRACKIO_DIR=str(tmp_path / "trackio"),
                WANDB_DATA_DIR=str(tmp_path / "wandb-data"))
     child = subprocess.run([sys.executable, "-c", _NETWORK_PROBE, str(tmp_path / "run")], env=env,
                            capture_output=True, text=True)

@@ -20,9 +20,9 @@ from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.fsdp_setup import DistInfo
 from grpo_loss import LossConfig
 from setup_model import ModelConfig
+from support.paths import REPO_ROOT
 from trainer_core import CONFIG_ERROR_EXIT, make_batcher_config, make_weight_pusher
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAINER = REPO_ROOT / "trainer_core.py"
 # Importing the trainer (torch, Ray, transformers) takes ~10 s on the 2 shared cores.
 START_TIMEOUT_S = 120

@@ -18,13 +18,13 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from support.paths import REPO_ROOT
+
 pytestmark = pytest.mark.system  # a two-node Ray cluster in a child process (module fixture)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 # Slots each node offers, and the processes asked for: more than the 3 slots, so the pool is capped.
 HEAD_SLOTS = 2
 SECOND_NODE_SLOTS = 1

@@ -23,7 +23,6 @@ import os
 from pathlib import Path
 
 import pytest
-from chat_engine import assert_trainer_logprobs_match_engine, chat_worker_config, tiny_chat_model
 from test_verifiers_env import PERSONA_START, _assistant_exchanges, _chatml, _task_answer, expected_reward
 
 from async_grpo.model.tiny_model import IM_END
@@ -32,6 +31,7 @@ from async_grpo.rollouts.sampling import SamplingConfig, VerifiersEnvConfig
 from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
 from sample_processing_utils import Sample
 from setup_model import load_causal_lm, load_tokenizer
+from support.chat_engine import assert_trainer_logprobs_match_engine, chat_worker_config, tiny_chat_model
 from vllm_worker import GenerationWorker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.system]  # the engine, and verifiers' chat program processes

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_launch import run_worker
 
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from setup_model import load_causal_lm
+from support.torchrun_launch import run_worker
 
 WORKER = Path(__file__).resolve().parent / "weight_push_worker.py"
 WORLD_SIZE = 2

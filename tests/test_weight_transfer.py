@@ -19,8 +19,7 @@ from async_grpo.config.worker_options import WEIGHT_TRANSFER_BACKENDS, EngineCon
 from async_grpo.inference.weight_files import BucketBuffer, SharedMemoryFullError, check_free_space, read_bucket
 from async_grpo.weights.weight_loading import iter_assembled, load_streamed_into, update_shapes
 from async_grpo.weights.weight_sync import state_dict_to_blobs, tensor_to_blob
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from support.paths import REPO_ROOT
 
 
 def _bucket() -> dict[str, torch.Tensor]:

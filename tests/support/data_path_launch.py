@@ -10,12 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from torchrun_launch import free_port
-
 from async_grpo.launch.ray_env import repo_pythonpath
+from support.paths import REPO_ROOT, TESTS
+from support.torchrun_launch import free_port
 
-WORKER = Path(__file__).resolve().parent / "data_path_worker.py"
-REPO_ROOT = WORKER.parent.parent
+WORKER = TESTS / "data_path_worker.py"
 FAILED_EXIT = 3  # data_path_worker's exit status for "stopped with Rank0DataPathError"
 LAUNCH_TIMEOUT_S = 300  # generous: only stops a hung launch
 

@@ -12,9 +12,7 @@ import sys
 from pathlib import Path
 
 from async_grpo.launch.ray_env import repo_pythonpath
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
+from support.paths import REPO_ROOT
 
 # Ports a Ray node takes by default whatever it is told for its GCS: the dashboard agent's HTTP
 # port, the dashboard, the client server and the default GCS port. The OS readily hands out a

@@ -4,7 +4,7 @@ Ray node, a `worker_dispatcher.py` per (fake) GPU on each node, `torchrun traine
 lost mid-run.
 
 Everything stays on 127.0.0.1 (Ray's single-machine mode, LOOPBACK_ONLY_ENV). That mode refuses
-`ray start --address` for a second node, so the second node is started by tests/ray_node.py, as
+`ray start --address` for a second node, so the second node is started by tests/programs/ray_node.py, as
 Ray's own test cluster starts one; the dispatchers and the trainer join both nodes exactly as they
 would join a real cluster (RAY_ADDRESS, the dispatcher's --ray_temp_dir naming its node).
 
@@ -43,7 +43,7 @@ import pytest
 
 from async_grpo.launch.ray_env import LOOPBACK_ONLY_ENV, PROMPT_STOP_ENV, repo_pythonpath
 from async_grpo.telemetry.metrics import read_metrics
-from support.paths import REPO_ROOT
+from support.paths import PROGRAMS, REPO_ROOT
 from support.process_output import OutputLog
 from support.torchrun_launch import free_port
 
@@ -105,7 +105,7 @@ class Cluster:
     second_node: subprocess.Popen | None = None
 
     def start(self, args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, OutputLog]:
-        # stdin a pipe: CI runs with no standard input, and tests/ray_node.py stops its node at EOF.
+        # stdin a pipe: CI runs with no standard input, and tests/programs/ray_node.py stops its node at EOF.
         process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, env=env or self.env, cwd=REPO_ROOT, start_new_session=True)
         self.processes.append(process)
@@ -148,7 +148,7 @@ def cluster() -> Iterator[Cluster]:
         _wait_line(head_log, head, "Ray runtime started", _START_BOUND_S)
         assert any("Token authentication is enabled" in line for line in head_log.lines), head_log.tail()
         second, second_log = running.start(
-            [sys.executable, str(REPO_ROOT / "tests" / "ray_node.py"), "--address", address,
+            [sys.executable, str(PROGRAMS / "ray_node.py"), "--address", address,
              "--temp_dir", running.second_temp, "--num_cpus", "4", "--num_gpus", str(SECOND_NODE_GPUS)],
             env={**_base_env(token), "RAY_AUTH_MODE": "token"})  # a raylet is Ray's own process
         _wait_line(second_log, second, "NODE-UP", _START_BOUND_S)
@@ -164,7 +164,7 @@ def _remove_second_node(cluster: Cluster) -> None:
     """Kill every process of the second node at once, as when a machine is lost."""
     node = cluster.second_node
     assert node is not None
-    os.kill(node.pid, signal.SIGTERM)  # tests/ray_node.py kills the node's processes on SIGTERM
+    os.kill(node.pid, signal.SIGTERM)  # tests/programs/ray_node.py kills the node's processes on SIGTERM
     node.wait(timeout=_EXIT_BOUND_S)
 
 

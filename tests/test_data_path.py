@@ -5,7 +5,7 @@
 - ExperienceBatcher.next_round gives each rank exactly what next_message gives it on the
   per-rank path (two batchers fed the same way), and enforces the two-phase order: no round
   before the previous one's ack_round.
-- Over a real 2-rank gloo group (tests/data_path_worker.py) with a deliberately slow rank, every
+- Over a real 2-rank gloo group (tests/programs/data_path_worker.py) with a deliberately slow rank, every
   rank receives exactly the batcher's messages for it, in order, two steps submitted ahead; a
   step's EndOfStep comes after all its data; dynamic sampling's PromptRequests are answered
   through rank 0.
@@ -37,10 +37,11 @@ from async_grpo.trainer.data_path import (
 from async_grpo.trainer.fsdp_setup import DistInfo
 from sample_processing_utils import Sample
 from support.data_path_launch import DIST_TIMEOUT_S, check_rank0_gone, launch_pair
+from support.paths import PROGRAMS
 from support.torchrun_launch import run_worker
 from vllm_experience_batcher import EndOfStep, ExperienceBatcher, ExperienceBatcherError, Minibatch, PromptRequest
 
-WORKER = Path(__file__).resolve().parent / "data_path_worker.py"
+WORKER = PROGRAMS / "data_path_worker.py"
 LAUNCH_TIMEOUT_S = 300  # generous: only stops a hung launch
 
 

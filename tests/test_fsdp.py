@@ -1,6 +1,6 @@
 """Training setup: FSDP2 on two gloo ranks against single-process references, plus its pieces.
 
-Distributed tests launch tests/fsdp_worker.py once under torchrun (2 ranks, 127.0.0.1, a free
+Distributed tests launch tests/programs/fsdp_worker.py once under torchrun (2 ranks, 127.0.0.1, a free
 port) and check the files its rank 0 writes. What they establish:
 
 - gradient equivalence: per-microbatch loss x world_size, gradients / total samples on 2 FSDP
@@ -35,9 +35,10 @@ from async_grpo.weights.weight_sync import fsdp_shard_extent, gather_full_state_
 from grpo_loss import LossConfig, grpo_loss
 from sample_processing_utils import Sample, get_input_for_logprobs, post_process_batch
 from setup_model import ModelConfig, TokenLogprobModel, load_causal_lm, load_tokenizer
+from support.paths import PROGRAMS
 from support.torchrun_launch import run_worker
 
-WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
+WORKER = PROGRAMS / "fsdp_worker.py"
 REPO_ROOT = WORKER.parent.parent
 WORLD_SIZE = 2
 # Generous bound on one torchrun launch (two ranks sharing 2 cores take ~1 min); it only stops a

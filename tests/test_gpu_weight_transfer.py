@@ -5,11 +5,11 @@ processes (gpu tier), in two tests sized to the machines they can run on:
   `test_the_source_shares_its_tensors_over_cuda_ipc_without_vllm`. Our weight source
   (HFWeightSource) on a CUDA model: names, push dtype and shapes as announced, cast on the GPU;
   each tensor's CUDA IPC handle (torch's reduce_tensor: what vLLM's IPC engine ships to a
-  colocated worker) opened by tests/gpu_ipc_receiver.py in a second process on the same GPU,
+  colocated worker) opened by tests/programs/gpu_ipc_receiver.py in a second process on the same GPU,
   which must see the same bytes. Importing and planning the transfer must not import vLLM.
 - two GPUs and vLLM: `test_nccl_sender_delivers_every_weight_to_the_receiver`. Our
   EngineWeightSender drives vLLM's NCCLTrainerWeightTransferEngine (GPU 0) into
-  tests/gpu_weight_receiver.py (GPU 1: vLLM's worker-side NCCL group and packed consumer, no
+  tests/programs/gpu_weight_receiver.py (GPU 1: vLLM's worker-side NCCL group and packed consumer, no
   engine); the workers' pass-through calls travel as JSON lines over the receiver's stdin/stdout.
   Every tensor must arrive bit for bit, packed and one by one. Skipped, with the reason printed
   (-rs), where vLLM is absent or there is one GPU (NCCL refuses two ranks on one device).
@@ -37,10 +37,10 @@ from async_grpo.trainer.weight_transfer_trainer import (
     WorkerCallError, engines_from_answers,
 )
 from support.ipc_codec import decode, encode
+from support.paths import PROGRAMS, REPO_ROOT, TESTS
 
-TESTS = Path(__file__).resolve().parent
-NCCL_RECEIVER = TESTS / "gpu_weight_receiver.py"
-IPC_RECEIVER = TESTS / "gpu_ipc_receiver.py"
+NCCL_RECEIVER = PROGRAMS / "gpu_weight_receiver.py"
+IPC_RECEIVER = PROGRAMS / "gpu_ipc_receiver.py"
 RECEIVER_NAME = "gpu-receiver"
 DEADLINE_S = 300.0  # generous: only stops a hung receiver
 
@@ -48,8 +48,7 @@ DEADLINE_S = 300.0  # generous: only stops a hung receiver
 def _receiver_env() -> dict[str, str]:
     import os
 
-    repo = str(TESTS.parent)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([repo, str(TESTS)])}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS)])}
 
 
 def _cuda_model(model_dir: Path, index: int, dtype: torch.dtype) -> torch.nn.Module:

@@ -20,9 +20,10 @@ from async_grpo.weights.weight_loading import iter_assembled
 from async_grpo.weights.weight_sync import TensorBlob, tensor_to_blob
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel
+from support.paths import PROGRAMS
 from support.torchrun_launch import run_worker
 
-WORKER = Path(__file__).resolve().parent / "lora_fsdp_worker.py"
+WORKER = PROGRAMS / "lora_fsdp_worker.py"
 WORLD_SIZE = 2
 LAUNCH_TIMEOUT_S = 600  # two ranks building the model three times on 2 shared cores: ~1 min
 LORA = {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",

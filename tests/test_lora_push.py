@@ -14,9 +14,10 @@ import torch
 from test_lora_fsdp import LORA, _reference_peft
 
 from async_grpo.weights.weight_sync import read_stable_marker
+from support.paths import PROGRAMS
 from support.torchrun_launch import run_worker
 
-WORKER = Path(__file__).resolve().parent / "lora_push_worker.py"
+WORKER = PROGRAMS / "lora_push_worker.py"
 WORLD_SIZE = 2
 LAUNCH_TIMEOUT_S = 600
 MODES = ("gather", "sharded", "lora_files")

@@ -4,7 +4,7 @@
 
 The samples are multi-turn rollouts: each output is model turns with environment observations
 between them (Sample.output_mask False), so only some output tokens are sampled. The system's
-step runs exactly as in tests/test_step_parity.py (its worker, tests/step_parity_worker.py, under
+step runs exactly as in tests/test_step_parity.py (its worker, tests/programs/step_parity_worker.py, under
 `torchrun --nproc_per_node=2`: the real FSDP2 model, MinibatchPacker cutting each rank's share
 into several token-budgeted packed minibatches, trainer_core.run_step); this module reuses that
 launcher and the loss written from its definition (`_step_loss`, which reads a PaddedBatch's

@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest tests/test_step_parity.py -v        # ~1 min on 2 CPU cores
 
 Given one step's samples (rewards, group advantages, reference and sampling logprobs, all
-written here), tests/step_parity_worker.py runs the system's step under
+written here), tests/programs/step_parity_worker.py runs the system's step under
 `torchrun --nproc_per_node=2`: the real FSDP2 model (gloo), build_optimizer's AdamW and
 build_scheduler's schedule, the real MinibatchPacker cutting each rank's share into several
 token-budgeted packed minibatches (plus padding minibatches with loss weight 0 where the ranks'
@@ -58,10 +58,10 @@ from transformers import AutoModelForCausalLM
 from async_grpo.trainer.optimizer import OptimConfig
 from grpo_loss import LossConfig
 from sample_processing_utils import Sample
+from support.paths import PROGRAMS
 from support.torchrun_launch import run_worker
 
-WORKER = Path(__file__).resolve().parent / "step_parity_worker.py"
-REPO_ROOT = WORKER.parent.parent
+WORKER = PROGRAMS / "step_parity_worker.py"
 WORLD_SIZE = 2
 # Generous bound on the one torchrun launch (~20 s on 2 shared cores); it only stops a hung run.
 LAUNCH_TIMEOUT_S = 600

@@ -5,10 +5,10 @@ shutting the pool down gives the slots back.
     .venv/bin/python -m pytest tests/test_verifier_slots.py -q
 
 The cluster is two Ray nodes on this machine (ray.cluster_utils.Cluster, loopback only): a head
-offering 2 slots and a second node offering 1. It runs in a child process (this file run as a
-script), because a process holds one Ray connection and the tests' session-wide Ray fixture
-(tests/conftest.py) must stay up for the modules after this one. The child reports what it saw
-as one JSON line; the assertions are here.
+offering 2 slots and a second node offering 1. It runs in a child process
+(tests/programs/verifier_slots_cluster.py), because a process holds one Ray connection and the
+tests' session-wide Ray fixture (tests/conftest.py) must stay up for the modules after this one.
+The child reports what it saw as one JSON line; the assertions are here.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from support.paths import REPO_ROOT
+from support.paths import PROGRAMS, REPO_ROOT
 
 pytestmark = pytest.mark.system  # a two-node Ray cluster in a child process (module fixture)
 
@@ -32,73 +32,20 @@ ASKED_PROCESSES = 4
 VERIFIER_TIMEOUT_S = 5.0
 # Two raylets, two verifier shards and their forkservers on a busy 2-core machine: ~30 s measured.
 CHILD_TIMEOUT_S = 400.0
-REPORT_PREFIX = "SLOT-REPORT "
+REPORT_PREFIX = "SLOT-REPORT "  # the child's line (its REPORT_PREFIX)
 # (completion, gold answer, expected reward) scored through the pool actor and the client.
 CASES = [("so \\boxed{7}", "7", 1.0), ("\\boxed{3} then \\boxed{5}", "5", 1.0), ("8", "7", 0.0), ("no idea", "7", 0.0)]
-
-
-def _run_cluster_scenario() -> dict:
-    """Child process: start the two-node cluster, exercise the pool, return what was seen."""
-    import asyncio
-    import time
-
-    from async_grpo.launch.ray_env import use_loopback_only_ray
-
-    use_loopback_only_ray()
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from async_grpo.launch.ray_env import actor_runtime_env
-    from async_grpo.rewards.verifier_cluster import (
-        VERIFICATION_SLOT, connect_verifier_pool, get_or_create_verifier_pool, shutdown_verifier_pool,
-    )
-
-    node_args = {"num_cpus": 1, "include_dashboard": False, "_system_config": {"enable_metrics_collection": False}}
-    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "resources": {VERIFICATION_SLOT: HEAD_SLOTS}})
-    try:
-        second = cluster.add_node(num_cpus=1, resources={VERIFICATION_SLOT: SECOND_NODE_SLOTS})
-        ray.init(address=cluster.address, namespace="verifier-slots-test", runtime_env=actor_runtime_env())
-        cluster.wait_for_nodes()
-        report: dict = {
-            "head_node": cluster.head_node.node_id,
-            "second_node": second.node_id,
-            "slots_before": ray.available_resources().get(VERIFICATION_SLOT, 0.0),
-        }
-        pool = get_or_create_verifier_pool(ASKED_PROCESSES, VERIFIER_TIMEOUT_S)
-        report["placement"] = ray.get(pool.placement.remote())
-        report["slots_taken"] = ray.available_resources().get(VERIFICATION_SLOT, 0.0)
-        shards = ray.get(pool.shards.remote())
-        report["shard_nodes"] = ray.get([shard.node_id.remote() for shard in shards])
-        report["via_pool"] = [ray.get(pool.score.remote([c], g))[0].reward for c, g, _ in CASES]
-
-        async def through_client() -> list[float]:
-            client = connect_verifier_pool(ASKED_PROCESSES, VERIFIER_TIMEOUT_S)
-            groups = await asyncio.gather(*(client.score([c + " "], g) for c, g, _ in CASES))
-            return [group[0].reward for group in groups]
-
-        report["via_client"] = asyncio.run(through_client())
-        report["stats"] = ray.get(pool.stats.remote())
-        report["per_shard_scored"] = [ray.get(shard.stats.remote())["scored"] for shard in shards]
-        shutdown_verifier_pool()
-        deadline = time.monotonic() + 60.0
-        # Killed actors give their resources back asynchronously.
-        while ray.available_resources().get(VERIFICATION_SLOT, 0.0) < report["slots_before"]:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        report["slots_after_shutdown"] = ray.available_resources().get(VERIFICATION_SLOT, 0.0)
-        return report
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
 def report() -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    spec = {"head_slots": HEAD_SLOTS, "second_node_slots": SECOND_NODE_SLOTS, "processes": ASKED_PROCESSES,
+            "timeout_s": VERIFIER_TIMEOUT_S, "cases": [(completion, gold) for completion, gold, _ in CASES]}
     # A session of its own, so that a timeout kills the child's raylets and verifiers too.
-    child = subprocess.Popen([sys.executable, __file__], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    child = subprocess.Popen([sys.executable, str(PROGRAMS / "verifier_slots_cluster.py"), json.dumps(spec)],
+                             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
     try:
         output, _ = child.communicate(timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -132,6 +79,3 @@ def test_scoring_works_through_the_pool_and_the_client(report: dict) -> None:
 def test_shutdown_gives_the_slots_back(report: dict) -> None:
     assert report["slots_after_shutdown"] == HEAD_SLOTS + SECOND_NODE_SLOTS
 
-
-if __name__ == "__main__":
-    print(REPORT_PREFIX + json.dumps(_run_cluster_scenario()), flush=True)

@@ -1,6 +1,6 @@
 """Weight pushes in the serving dtype: real WeightPusher pushes from 2 FSDP ranks, both modes.
 
-tests/weight_push_worker.py runs under torchrun (2 gloo ranks on 127.0.0.1) and joins this
+tests/programs/weight_push_worker.py runs under torchrun (2 gloo ranks on 127.0.0.1) and joins this
 session's Ray cluster; each rank builds the FSDP2 model from a tiny checkpoint and pushes it with
 WeightPusher in "gather" and "sharded" mode, in float32 and bfloat16, to a recorder that reads
 every update as a worker does (fetch_state_dict and iter_state_dict). The reference is
@@ -17,9 +17,10 @@ import torch
 
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from setup_model import load_causal_lm
+from support.paths import PROGRAMS
 from support.torchrun_launch import run_worker
 
-WORKER = Path(__file__).resolve().parent / "weight_push_worker.py"
+WORKER = PROGRAMS / "weight_push_worker.py"
 WORLD_SIZE = 2
 LAUNCH_TIMEOUT_S = 600  # bounds a hung launch only; two ranks on 2 shared cores take well under that
 

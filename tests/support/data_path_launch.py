@@ -1,4 +1,4 @@
-"""Launching tests/data_path_worker.py's rank-0-gone scenarios as two plain processes, and what
+"""Launching tests/programs/data_path_worker.py's rank-0-gone scenarios as two plain processes, and what
 rank 1 must then report: shared by tests/test_data_path.py (gloo) and tests/test_gpu_data_path.py
 (NCCL). Needs neither Ray nor the batcher, so it runs on the GPU machine too."""
 
@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 from async_grpo.launch.ray_env import repo_pythonpath
-from support.paths import REPO_ROOT, TESTS
+from support.paths import PROGRAMS, REPO_ROOT
 from support.torchrun_launch import free_port
 
-WORKER = TESTS / "data_path_worker.py"
+WORKER = PROGRAMS / "data_path_worker.py"
 FAILED_EXIT = 3  # data_path_worker's exit status for "stopped with Rank0DataPathError"
 LAUNCH_TIMEOUT_S = 300  # generous: only stops a hung launch
 

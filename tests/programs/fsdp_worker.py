@@ -1,8 +1,8 @@
 """One rank of the FSDP2 checks in tests/test_fsdp.py; the test launches it and checks its files.
 
-    torchrun --nproc_per_node=2 tests/fsdp_worker.py --spec SPEC.json --out_dir OUT
-    python tests/fsdp_worker.py --spec SPEC.json --out_dir OUT        # one process, no torchrun
-    torchrun --nproc_per_node=2 tests/fsdp_worker.py --stalled_peer --out_dir OUT
+    torchrun --nproc_per_node=2 tests/programs/fsdp_worker.py --spec SPEC.json --out_dir OUT
+    python tests/programs/fsdp_worker.py --spec SPEC.json --out_dir OUT        # one process, no torchrun
+    torchrun --nproc_per_node=2 tests/programs/fsdp_worker.py --stalled_peer --out_dir OUT
 
 --stalled_peer: rank 1 joins the group and then never enters a collective; rank 0's all_reduce
 must fail after init_distributed's timeout, and rank 0 writes the error to OUT/stalled_peer.txt.
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 
 from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, init_distributed
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler

@@ -1,7 +1,7 @@
 """The receiving end of tests/test_gpu_weight_transfer.py: vLLM's worker-side NCCL weight
 transfer (the calls NCCLWeightTransferEngine makes inside an inference worker), without an engine.
 
-    python tests/gpu_weight_receiver.py OUT.safetensors CUDA_DEVICE_INDEX
+    python tests/programs/gpu_weight_receiver.py OUT.safetensors CUDA_DEVICE_INDEX
 
 Reads one JSON request per line on stdin ({"op": "init" | "start" | "update" | "finish",
 "payload": ...}: the VLLMWeightSyncClient calls the trainer-side engine makes, with their

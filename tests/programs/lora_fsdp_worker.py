@@ -1,7 +1,7 @@
 """One trainer rank of tests/test_lora_fsdp.py: LoRA under FSDP2, its adapter shards, a PEFT
 checkpoint and an exact resume.
 
-    torchrun --nproc_per_node=2 tests/lora_fsdp_worker.py --spec SPEC.json --out_dir OUT
+    torchrun --nproc_per_node=2 tests/programs/lora_fsdp_worker.py --spec SPEC.json --out_dir OUT
 
 SPEC.json (written by the test): model_path (base), adapter_dir (a PEFT folder the test wrote
 with PeftModel.save_pretrained: the starting adapter), lora (LoraConfig fields), samples (Sample
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 
 from async_grpo.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint  # noqa: E402
 from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, init_distributed  # noqa: E402

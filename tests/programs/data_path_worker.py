@@ -1,7 +1,8 @@
 """One rank of tests/test_data_path.py: the rank-0 data path over a real gloo process group.
 
-    torchrun --nproc_per_node=2 tests/data_path_worker.py --scenario ordering --slow_rank 1 --out_dir OUT
-    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/data_path_worker.py --scenario rank0_dies ...
+    torchrun --nproc_per_node=2 tests/programs/data_path_worker.py --scenario ordering --slow_rank 1 --out_dir OUT
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p \
+        python tests/programs/data_path_worker.py --scenario rank0_dies ...
 
 Scenarios:
 - ordering: rank 0 runs a real ExperienceBatcher (plain class, asyncio on a thread) with the
@@ -38,8 +39,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support
 
 from async_grpo.batching.batcher_messages import EndOfStep, Minibatch, PromptRequest  # noqa: E402
 from async_grpo.trainer.data_path import Rank0DataPath, Rank0DataPathError, encode_message  # noqa: E402

@@ -3,7 +3,7 @@
 process on 127.0.0.1, refuses that command, so the node is started as Ray's own test cluster
 does: ray._private.node.Node, as in ray.cluster_utils.Cluster.add_node).
 
-    python tests/ray_node.py --address 127.0.0.1:6379 --temp_dir /tmp/rn2 --num_cpus 2 --num_gpus 2
+    python tests/programs/ray_node.py --address 127.0.0.1:6379 --temp_dir /tmp/rn2 --num_cpus 2 --num_gpus 2
 
 Prints `NODE-UP <node id>` once the node is alive, then waits on standard input: the line
 `remove` kills every process of the node at once (a node lost mid-run: raylet, object store,

@@ -1,6 +1,6 @@
 """One trainer rank of tests/test_weight_push_dtype.py: real WeightPusher pushes into a recorder.
 
-    torchrun --nproc_per_node=2 tests/weight_push_worker.py --ray_address HOST:PORT \
+    torchrun --nproc_per_node=2 tests/programs/weight_push_worker.py --ray_address HOST:PORT \
         --namespace NS --out_dir OUT --model_path DIR [--model_path DIR ...]
 
 Each rank joins the test's Ray cluster and the gloo group, builds the FSDP2 model of every
@@ -24,7 +24,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 
 from async_grpo.launch.ray_cluster import join_cluster
 from async_grpo.launch.ray_env import actor_runtime_env  # noqa: E402

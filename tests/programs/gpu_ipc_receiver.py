@@ -2,7 +2,7 @@
 of the trainer's tensors, as vLLM's IPC engine does in a colocated inference worker (torch's
 rebuild_cuda_tensor), without vLLM, and answers each with the SHA-256 of the bytes it sees.
 
-    python tests/gpu_ipc_receiver.py
+    python tests/programs/gpu_ipc_receiver.py
 
 One JSON request per line on stdin ({"name": ..., "args": <ipc_codec.encode of reduce_tensor's
 arguments>}), one JSON answer per line ({"name": ..., "sha256": ...} or {"error": ...}). JSON
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support
 from support.ipc_codec import decode  # noqa: E402
 
 

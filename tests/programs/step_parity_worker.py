@@ -1,6 +1,6 @@
 """One rank of tests/test_step_parity.py: the system's optimizer step on samples the test wrote.
 
-    torchrun --nproc_per_node=2 tests/step_parity_worker.py --spec SPEC.json --out_dir OUT
+    torchrun --nproc_per_node=2 tests/programs/step_parity_worker.py --spec SPEC.json --out_dir OUT
 
 SPEC.json (written by the test):
     model_path          HF checkpoint folder both this worker and the test's reference load
@@ -46,7 +46,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 
 import trainer_core  # noqa: E402
 from async_grpo.batching.batcher_config import ExperienceConfig  # noqa: E402

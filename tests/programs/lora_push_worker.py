@@ -1,6 +1,6 @@
 """One trainer rank of tests/test_lora_push.py: the real WeightPusher pushing a LoRA policy.
 
-    torchrun --nproc_per_node=2 tests/lora_push_worker.py --ray_address HOST:PORT --namespace NS \
+    torchrun --nproc_per_node=2 tests/programs/lora_push_worker.py --ray_address HOST:PORT --namespace NS \
         --out_dir OUT --model_path BASE --adapter_dir START_ADAPTER
 
 Every rank joins the test's Ray cluster and the gloo group, builds the FSDP2 LoRA policy from
@@ -24,7 +24,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 
 from async_grpo.launch.ray_cluster import join_cluster
 from async_grpo.launch.ray_env import actor_runtime_env  # noqa: E402

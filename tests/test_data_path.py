@@ -28,7 +28,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from test_experience_batcher import FakeGeneration, FakeLogprob, _config, _fake_logprobs, _prompts
 
 from async_grpo.trainer import data_path
 from async_grpo.trainer.data_path import (
@@ -36,6 +35,7 @@ from async_grpo.trainer.data_path import (
 )
 from async_grpo.trainer.fsdp_setup import DistInfo
 from sample_processing_utils import Sample
+from support.batcher_fakes import FakeGeneration, FakeLogprob, batcher_config, fake_logprobs, fake_prompts
 from support.data_path_launch import DIST_TIMEOUT_S, check_rank0_gone, launch_pair
 from support.paths import PROGRAMS
 from support.torchrun_launch import run_worker
@@ -94,13 +94,13 @@ def test_payload_bytes_count_tokens_and_per_token_values() -> None:
 
 
 async def _feed(batcher: ExperienceBatcher) -> None:
-    await batcher.submit_prompts(0, 0, _prompts(range(0, 4)))
-    await batcher.submit_prompts(1, 0, _prompts(range(4, 7)))
+    await batcher.submit_prompts(0, 0, fake_prompts(range(0, 4)))
+    await batcher.submit_prompts(1, 0, fake_prompts(range(4, 7)))
 
 
 def test_rounds_hold_what_each_rank_reads_on_the_per_rank_path() -> None:
     async def per_rank() -> list[list]:
-        batcher = ExperienceBatcher(_config(), FakeGeneration({}, {}), FakeLogprob())
+        batcher = ExperienceBatcher(batcher_config(), FakeGeneration({}, {}), FakeLogprob())
         await _feed(batcher)
 
         async def drain(rank: int) -> list:
@@ -111,7 +111,7 @@ def test_rounds_hold_what_each_rank_reads_on_the_per_rank_path() -> None:
         return list(await asyncio.gather(drain(0), drain(1)))
 
     async def by_rounds() -> list[list]:
-        batcher = ExperienceBatcher(_config(), FakeGeneration({}, {}), FakeLogprob())
+        batcher = ExperienceBatcher(batcher_config(), FakeGeneration({}, {}), FakeLogprob())
         await _feed(batcher)
         with pytest.raises(ExperienceBatcherError, match="round 1 requested"):
             await batcher.next_round(0, 1)
@@ -148,7 +148,7 @@ def _check_steps(messages: list, steps: list[int]) -> None:
         assert len(minibatches) == got[-1].num_minibatches
         for minibatch in minibatches:
             for sample in minibatch.samples:
-                assert sample.ref_logprobs == _fake_logprobs(sample)
+                assert sample.ref_logprobs == fake_logprobs(sample)
 
 
 @pytest.mark.distributed

@@ -20,6 +20,7 @@ from async_grpo.config.run_config import ConfigError, config_to_flags, load_conf
 from async_grpo.data.arithmetic_data import write_arithmetic_dataset, write_arithmetic_table
 from async_grpo.data.dataset import CheckConfig, DatasetConfig, DatasetError, load_prompt_file, load_prompts
 from setup_model import load_tokenizer
+from support.chat_tokenizer import CHATML_TEMPLATE, IM_END, IM_START, write_chat_model
 from support.paths import REPO_ROOT
 
 MAX_PROMPT_TOKENS = 16
@@ -227,14 +228,6 @@ def test_arithmetic_cli_writes_the_same_file(tmp_path: Path) -> None:
 # The tiny tokenizer's vocabulary written down from its definition (EOS, PAD, then printable ASCII
 # and newline, one token per character), independently of the tokenizer under test.
 TINY_ALPHABET = string.printable[:95] + "\n"
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-# Qwen's ChatML layout, without Qwen's default system prompt.
-CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 NATALIA_QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                     "How many clips did Natalia sell altogether in April and May?")
 GSM8K_RECORDS = [
@@ -496,14 +489,8 @@ def test_data_config_validation_names_the_field(overrides: dict, problem: str) -
 def chat_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model's tokenizer with ChatML markers as special tokens (ids 98, 99) and a ChatML
     template, saved next to the model's config like a user's instruct model."""
-    tokenizer = load_tokenizer(tiny_model_dir)
-    assert tokenizer.chat_template is None
-    tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, IM_END]})
-    tokenizer.chat_template = CHATML_TEMPLATE
-    out = tmp_path_factory.mktemp("tiny-chat")
-    tokenizer.save_pretrained(out)
-    shutil.copy(tiny_model_dir / "config.json", out / "config.json")
-    return out
+    assert load_tokenizer(tiny_model_dir).chat_template is None
+    return write_chat_model(tiny_model_dir, tmp_path_factory.mktemp("tiny-chat"))
 
 
 @pytest.fixture(scope="module")

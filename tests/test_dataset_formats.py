@@ -5,16 +5,15 @@ its own format. Real tiny tokenizer with a ChatML template; rewards routed throu
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-from test_dataset import CHATML_TEMPLATE, IM_END, IM_START
 
 from async_grpo.data.dataset import DatasetConfig, DatasetError, load_prompt_file, load_prompts
 from async_grpo.rewards.rewards import RewardConfig
 from async_grpo.trainer.evaluation import EvalConfig, EvalDataConfig, load_eval_prompts
 from setup_model import load_tokenizer
+from support.chat_tokenizer import write_chat_model
 
 CODE_TESTS = [{"input": "3\n", "output": "9\n"}]
 VERL_RECORDS = [
@@ -28,13 +27,7 @@ VERL_RECORDS = [
 
 @pytest.fixture(scope="module")
 def chat_tokenizer(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    tokenizer = load_tokenizer(tiny_model_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, IM_END]})
-    tokenizer.chat_template = CHATML_TEMPLATE
-    out = tmp_path_factory.mktemp("tiny-chat")
-    tokenizer.save_pretrained(out)
-    shutil.copy(tiny_model_dir / "config.json", out / "config.json")
-    return load_tokenizer(out)
+    return load_tokenizer(write_chat_model(tiny_model_dir, tmp_path_factory.mktemp("tiny-chat")))
 
 
 def _write_parquet(path: Path, records: list[dict]) -> Path:

@@ -299,19 +299,18 @@ def test_evaluator_needs_prompts() -> None:
 
 @pytest.mark.vllm
 def test_evaluator_through_a_real_registry_and_worker(ray_local, tiny_model_dir: Path, tmp_path: Path) -> None:
-    """The answering model (see test_vllm_worker) answers '7', '3', ' ' or nothing, one token per
+    """The answering model (support.generation_worker) answers '7', '3', ' ' or nothing, one token per
     step, whatever the prompt; with max_tokens 1 its greedy answer is '7', so exactly the prompts
     whose gold is 7 are solved greedily, and sampled answers vary."""
     # The answering model and the worker settings of the generation-worker tests, reused as is.
-    from test_vllm_worker import _config, _expected_reward, _write_answering_model
-
     from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, actor_runtime_env
     from setup_model import load_tokenizer
+    from support.generation_worker import expected_reward, worker_config, write_answering_model
     from vllm_experience_batcher import RayRegistryClient
     from vllm_registry import RegistryConfig, get_or_create_registry
     from vllm_worker import GenerationWorkerActor
 
-    model_dir = _write_answering_model(tiny_model_dir, tmp_path / "answering")
+    model_dir = write_answering_model(tiny_model_dir, tmp_path / "answering")
     gold = ["7", "3", "7", "3", "7", "3"]
     path = tmp_path / "eval.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "gt_answer": g}) + "\n" for i, g in enumerate(gold)))
@@ -324,7 +323,7 @@ def test_evaluator_through_a_real_registry_and_worker(ray_local, tiny_model_dir:
     name = "generation-worker-eval-test"
     worker = GenerationWorkerActor.options(
         name=name, namespace=RAY_NAMESPACE, runtime_env=actor_runtime_env()
-    ).remote(name, _config(model_dir))
+    ).remote(name, worker_config(model_dir))
     registry = get_or_create_registry(GENERATION, RegistryConfig(no_worker_timeout_s=30.0))
     try:
         ray.get(worker.start.remote())
@@ -342,7 +341,7 @@ def test_evaluator_through_a_real_registry_and_worker(ray_local, tiny_model_dir:
     for evaluation, gt in zip(first.prompts, gold):
         completions = [evaluation.greedy, *evaluation.sampled]
         assert len(evaluation.sampled) == 6 and evaluation.greedy.output_text == "7" and evaluation.greedy.truncated
-        assert all(c.reward == _expected_reward(c.output_text, gt) and c.weight_version == -1 for c in completions)
+        assert all(c.reward == expected_reward(c.output_text, gt) and c.weight_version == -1 for c in completions)
         texts.update(c.output_text for c in evaluation.sampled)
     assert len(texts) > 1  # the samples differ, so pass@2 is not trivially 0 or 1
 

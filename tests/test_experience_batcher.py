@@ -2,8 +2,8 @@
 
 Packer tests feed `MinibatchPacker` directly (no Ray, no asyncio) and check its promises from the
 minibatches it returns. Batcher tests run the plain `ExperienceBatcher` on asyncio with in-process
-stand-ins for the two registries. The Ray tests at the end go through the real actor
-(`get_or_create_batcher`) with small registry stand-in actors, and once with a real
+stand-ins for the two registries (support.batcher_fakes). The Ray tests at the end go through the
+real actor (`get_or_create_batcher`) with small registry stand-in actors, and once with a real
 `vllm_registry` registry that has no workers.
 """
 
@@ -14,13 +14,11 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pytest
 import ray
 
-from async_grpo.batching.batcher_config import BatcherConfig, ExperienceConfig
 from async_grpo.batching.batcher_messages import (
     LOSS_WEIGHT, PADDING_LOSS_WEIGHT, EndOfStep, ExperienceBatcherError, Minibatch,
 )
@@ -28,20 +26,23 @@ from async_grpo.batching.minibatch_packer import MinibatchPacker
 from async_grpo.launch.ray_env import BATCHER_ACTOR_NAME, GENERATION, RAY_NAMESPACE
 from async_grpo.rollouts.sampling import SamplingConfig
 from sample_processing_utils import Sample, TokenLogprobs
+from support import batcher_fakes
+from support.batcher_fakes import (
+    ROLLOUTS_PER_PROMPT, WAIT_BOUND_S, FakeGeneration, FakeLogprob, batcher_config, fake_logprobs, fake_output_length,
+    fake_prompts, fake_rollouts, fake_sample,
+)
 from vllm_experience_batcher import ExperienceBatcher, get_or_create_batcher
 from vllm_registry import Bundle, RegistryActor, RegistryConfig, serve_many
 
-# Ray workers cannot import this test module (tests/ is not on their path): ship the stand-in
-# actors and the builders they call by value.
+# Ray workers cannot import this test module or support (tests/ is not on their path): ship the
+# stand-in actors and the builders they call by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(batcher_fakes)
 
-# Upper bound on how long a test waits for something that should happen at once; it keeps a
-# broken batcher from hanging the suite and is never what decides a pass.
-_WAIT_BOUND_S = 60.0
 # Prompt deadline of the timeout test: long enough for every answering stand-in to finish many
 # times over on a loaded 2-core machine, so only the prompt whose stand-in never answers reaches it.
 _DEADLINE_S = 5.0
-_N = 3  # rollouts per prompt in the batcher tests
+_N = ROLLOUTS_PER_PROMPT  # rollouts per prompt in the batcher tests (batcher_config's sampling.n)
 
 
 # --------------------------------------------------------------------------------------------
@@ -49,65 +50,9 @@ _N = 3  # rollouts per prompt in the batcher tests
 # --------------------------------------------------------------------------------------------
 
 
-def _sample(prompt_id: int, prompt_len: int, out_len: int = 0, version: int = 0) -> Sample:
-    return Sample(
-        input_token_ids=[1] * prompt_len,
-        gt_answer="4",
-        prompt_id=prompt_id,
-        output_token_ids=[2] * out_len,
-        sampling_logprobs=[-0.5] * out_len,
-        weight_version=version,
-    )
-
-
-def _out_len(prompt_id: int, index: int) -> int:
-    """Output length of rollout `index` of a prompt in the stand-ins (1..11 tokens, varied)."""
-    return 1 + (prompt_id * 7 + index * 3) % 11
-
-
-def _fake_logprobs(rollout: Sample) -> list[float]:
-    """What the logprob stand-ins answer: a value the test can recompute per token."""
-    return [-(rollout.prompt_id + 1) / (k + 1) for k in range(len(rollout.output_token_ids))]
-
-
-def _rollouts(prompt: Sample, n: int, version: int) -> list[Sample]:
-    return [
-        Sample(
-            input_token_ids=list(prompt.input_token_ids),
-            gt_answer=prompt.gt_answer,
-            prompt_id=prompt.prompt_id,
-            output_token_ids=[2] * _out_len(prompt.prompt_id, i),
-            sampling_logprobs=[-0.5] * _out_len(prompt.prompt_id, i),
-            advantage=float(i),
-            weight_version=version,
-        )
-        for i in range(n)
-    ]
-
-
-def _prompts(ids: range | list[int], prompt_len: int = 4) -> list[Sample]:
-    return [_sample(pid, prompt_len) for pid in ids]
-
-
-def _config(**overrides: Any) -> BatcherConfig:
-    values: dict[str, Any] = dict(
-        world_size=2,
-        max_tokens_per_gpu=40,
-        prompt_deadline_s=_WAIT_BOUND_S,
-        sampling=SamplingConfig(n=_N),
-        logprob_role="reference",
-        max_lag=1,
-        reorder_window=0,
-    )
-    values.update(overrides)
-    shared = {f.name for f in fields(ExperienceConfig)}  # the rest are the batcher's own
-    experience = ExperienceConfig(**{k: v for k, v in values.items() if k in shared})
-    return BatcherConfig(experience=experience, **{k: v for k, v in values.items() if k not in shared})
-
-
 def _pack(sizes: list[int], world_size: int, budget: int, window: int) -> tuple[MinibatchPacker, list[Minibatch], list[Sample]]:
     packer = MinibatchPacker(step=5, world_size=world_size, max_tokens_per_gpu=budget, reorder_window=window)
-    samples = [_sample(i, 1, size - 1) for i, size in enumerate(sizes)]
+    samples = [fake_sample(i, 1, size - 1) for i, size in enumerate(sizes)]
     out: list[Minibatch] = []
     for sample in samples:
         out.extend(packer.add(sample))
@@ -165,7 +110,7 @@ def test_packer_pads_short_ranks_with_zero_weight_minibatches() -> None:
 
 def test_packer_dispatches_as_soon_as_a_minibatch_is_closed() -> None:
     packer = MinibatchPacker(step=0, world_size=1, max_tokens_per_gpu=100, reorder_window=0)
-    a, b, c, d = _sample(0, 60), _sample(1, 30), _sample(2, 20), _sample(3, 80)
+    a, b, c, d = fake_sample(0, 60), fake_sample(1, 30), fake_sample(2, 20), fake_sample(3, 80)
     assert packer.add(a) == [] and packer.add(b) == []
     closed = packer.add(c)  # 60 + 30 + 20 > 100: the open minibatch goes now, c starts the next
     assert [mb.samples for mb in closed] == [[a, b]]
@@ -176,7 +121,7 @@ def test_packer_dispatches_as_soon_as_a_minibatch_is_closed() -> None:
 
 def test_packer_sends_an_oversized_sample_alone_after_the_open_minibatch() -> None:
     packer = MinibatchPacker(step=0, world_size=2, max_tokens_per_gpu=100, reorder_window=0)
-    small0, small1, big = _sample(0, 30), _sample(1, 30), _sample(2, 150)
+    small0, small1, big = fake_sample(0, 30), fake_sample(1, 30), fake_sample(2, 150)
     assert packer.add(small0) == [] and packer.add(small1) == []
     ready = packer.add(big)  # rank 0 (tie) holds small0 open: it is sent first, then big alone
     assert [(mb.rank, mb.index, mb.samples) for mb in ready] == [(0, 0, [small0]), (0, 1, [big])]
@@ -189,7 +134,7 @@ def test_packer_sends_an_oversized_sample_alone_after_the_open_minibatch() -> No
 
 def test_packer_window_takes_the_best_fit() -> None:
     packer = MinibatchPacker(step=0, world_size=1, max_tokens_per_gpu=100, reorder_window=2)
-    s70, s50, s30 = _sample(0, 70), _sample(1, 50), _sample(2, 30)
+    s70, s50, s30 = fake_sample(0, 70), fake_sample(1, 50), fake_sample(2, 30)
     assert packer.add(s70) == [] and packer.add(s50) == []  # held in the window
     assert packer.add(s30) == []  # window overflows: the largest (70) opens the minibatch
     # Arrival order would pack [70], [50, 30]; best fit puts 30 with 70 and fills it exactly.
@@ -201,7 +146,7 @@ def test_packer_with_no_samples_sends_nothing() -> None:
     assert packer.finish() == []
     assert (packer.num_samples, packer.padding_minibatches) == (0, 0)
     with pytest.raises(RuntimeError):
-        packer.add(_sample(0, 5))
+        packer.add(fake_sample(0, 5))
 
 
 @pytest.mark.parametrize(
@@ -211,73 +156,12 @@ def test_packer_with_no_samples_sends_nothing() -> None:
 )
 def test_config_rejects_bad_values_naming_the_field(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=field):
-        _config(**{field: value})
+        batcher_config(**{field: value})
 
 
 # --------------------------------------------------------------------------------------------
 # ExperienceBatcher on asyncio, with in-process registry stand-ins
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class FakeGeneration:
-    """Generation stand-in: n rollouts per prompt at a chosen weight version, or a failure."""
-
-    version_of: dict[int, int]
-    """prompt_id -> weight_version of its rollouts (default 0)."""
-    errors: dict[int, BaseException]
-    """prompt_id -> exception raised instead of answering."""
-    short_by: int = 0
-    """Rollouts left out of every answer (a worker returning fewer than n)."""
-    pushed_after_first_token: dict[int, int] = field(default_factory=dict)
-    """prompt_id -> a version pushed after its rollouts' first token (keep mode): the rest of each
-    rollout's tokens carry it (Sample.token_versions)."""
-
-    def __post_init__(self) -> None:
-        self.calls: list[tuple[int, int]] = []
-        self.release = asyncio.Event()
-        self.release.set()
-
-    async def submit(self, method: str, *args: Any, cost: int) -> Any:
-        assert method == "generate"
-        prompt, sampling = args
-        self.calls.append((prompt.prompt_id, cost))
-        await self.release.wait()
-        if prompt.prompt_id in self.errors:
-            raise self.errors[prompt.prompt_id]
-        rollouts = _rollouts(prompt, sampling.n - self.short_by, self.version_of.get(prompt.prompt_id, 0))
-        if (pushed := self.pushed_after_first_token.get(prompt.prompt_id)) is not None:
-            for r in rollouts:
-                rest = len(r.output_token_ids) - 1
-                r.token_versions = [(r.weight_version, 1), (pushed, rest)] if rest else None
-        return rollouts
-
-
-class FakeLogprob:
-    """Logprob stand-in: `_fake_logprobs`, or a wrong-length answer for chosen prompts."""
-
-    def __init__(self, wrong_length_for: set[int] | None = None, reference: bool = True,
-                 claimed_version: int | None = None) -> None:
-        self.calls: list[tuple[int, int]] = []
-        self._wrong = wrong_length_for or set()
-        self.reference = reference
-        self.claimed_version = claimed_version  # every answer claims these weights (a stale worker)
-
-    async def submit(self, method: str, *args: Any, cost: int) -> list[TokenLogprobs]:
-        assert method == "compute_group_logprobs"
-        (rollouts,) = args
-        assert len({r.prompt_id for r in rollouts}) == 1, "one call per prompt group"
-        self.calls.append((rollouts[0].prompt_id, cost))
-        values = [_fake_logprobs(r) for r in rollouts]
-        if rollouts[0].prompt_id in self._wrong:
-            values = [v + [0.0] for v in values]
-        return [TokenLogprobs(weight_version=self.version_for(r), values=v) for r, v in zip(rollouts, values)]
-
-    def version_for(self, rollout: Sample) -> int:
-        """The weights the answer claims: the reference checkpoint's, or the sampler's own."""
-        if self.claimed_version is not None:
-            return self.claimed_version
-        return -1 if self.reference else rollout.weight_version
 
 
 async def _drain(batcher: ExperienceBatcher, rank: int, step: int) -> tuple[list[Minibatch], EndOfStep]:
@@ -288,7 +172,7 @@ async def _drain(batcher: ExperienceBatcher, rank: int, step: int) -> tuple[list
 
 
 def _expected_tokens(prompt_ids: list[int], prompt_len: int = 4) -> int:
-    return sum(prompt_len + _out_len(pid, i) for pid in prompt_ids for i in range(_N))
+    return sum(prompt_len + fake_output_length(pid, i) for pid in prompt_ids for i in range(_N))
 
 
 @pytest.mark.parametrize("role, field, other", [("reference", "ref_logprobs", "old_logprobs"),
@@ -296,9 +180,9 @@ def _expected_tokens(prompt_ids: list[int], prompt_len: int = 4) -> int:
 def test_batcher_fills_the_roles_logprobs_and_reports_step_totals(role: str, field: str, other: str) -> None:
     async def scenario() -> None:
         generation, logprob = FakeGeneration({}, {}), FakeLogprob(reference=role == "reference")
-        batcher = ExperienceBatcher(_config(logprob_role=role), generation, logprob)
-        await batcher.submit_prompts(0, 0, _prompts(range(0, 3)))
-        await batcher.submit_prompts(1, 0, _prompts(range(3, 5)))
+        batcher = ExperienceBatcher(batcher_config(logprob_role=role), generation, logprob)
+        await batcher.submit_prompts(0, 0, fake_prompts(range(0, 3)))
+        await batcher.submit_prompts(1, 0, fake_prompts(range(3, 5)))
         (mbs0, end0), (mbs1, end1) = await asyncio.gather(_drain(batcher, 0, 0), _drain(batcher, 1, 0))
         assert end0 == end1
         assert (end0.num_prompts, end0.num_samples, end0.num_tokens) == (5, 5 * _N, _expected_tokens(list(range(5))))
@@ -306,7 +190,7 @@ def test_batcher_fills_the_roles_logprobs_and_reports_step_totals(role: str, fie
         real = [s for mb in mbs0 + mbs1 if mb.loss_weight == LOSS_WEIGHT for s in mb.samples]
         assert Counter(s.prompt_id for s in real) == {pid: _N for pid in range(5)}
         for s in real:
-            assert getattr(s, field) == _fake_logprobs(s) and getattr(s, other) is None
+            assert getattr(s, field) == fake_logprobs(s) and getattr(s, other) is None
         assert sorted(generation.calls) == [(pid, _N) for pid in range(5)]
         group_tokens: dict[int, int] = {}
         for s in real:
@@ -322,8 +206,8 @@ def test_batcher_fills_the_roles_logprobs_and_reports_step_totals(role: str, fie
 
 def test_batcher_without_a_logprob_role_sends_no_logprob_requests() -> None:
     async def scenario() -> None:
-        batcher = ExperienceBatcher(_config(logprob_role="none", world_size=1), FakeGeneration({}, {}), None)
-        await batcher.submit_prompts(0, 0, _prompts(range(2)))
+        batcher = ExperienceBatcher(batcher_config(logprob_role="none", world_size=1), FakeGeneration({}, {}), None)
+        await batcher.submit_prompts(0, 0, fake_prompts(range(2)))
         mbs, end = await _drain(batcher, 0, 0)
         assert end.num_samples == 2 * _N
         assert all(s.ref_logprobs is None and s.old_logprobs is None for mb in mbs for s in mb.samples)
@@ -337,8 +221,9 @@ def test_stale_rollouts_are_dropped_counted_and_not_scored() -> None:
 
     async def scenario() -> None:
         logprob = FakeLogprob()
-        batcher = ExperienceBatcher(_config(world_size=1, max_lag=max_lag), FakeGeneration(versions, {}), logprob)
-        await batcher.submit_prompts(0, step, _prompts(range(3)))
+        batcher = ExperienceBatcher(batcher_config(world_size=1, max_lag=max_lag), FakeGeneration(versions, {}),
+                                    logprob)
+        await batcher.submit_prompts(0, step, fake_prompts(range(3)))
         mbs, end = await _drain(batcher, 0, step)
         assert end.dropped_stale == _N
         assert (end.num_samples, end.num_tokens) == (2 * _N, _expected_tokens([1, 2]))
@@ -357,14 +242,14 @@ def test_rollouts_straddling_a_push_are_as_stale_as_their_oldest_token() -> None
 
     async def scenario() -> None:
         generation = FakeGeneration({0: step - 2, 1: step - 1}, {}, pushed_after_first_token={0: step - 1, 1: step})
-        batcher = ExperienceBatcher(_config(world_size=1, max_lag=max_lag), generation, FakeLogprob())
-        await batcher.submit_prompts(0, step, _prompts(range(2)))
+        batcher = ExperienceBatcher(batcher_config(world_size=1, max_lag=max_lag), generation, FakeLogprob())
+        await batcher.submit_prompts(0, step, fake_prompts(range(2)))
         mbs, end = await _drain(batcher, 0, step)
         assert (end.dropped_stale, end.num_samples) == (_N, _N)
         trained = [s for mb in mbs if mb.loss_weight == LOSS_WEIGHT for s in mb.samples]
         assert {s.prompt_id for s in trained} == {1}
         assert sorted(s.token_versions for s in trained) == sorted(
-            [(step - 1, 1), (step, _out_len(1, i) - 1)] for i in range(_N))
+            [(step - 1, 1), (step, fake_output_length(1, i) - 1)] for i in range(_N))
 
     asyncio.run(scenario())
 
@@ -374,12 +259,12 @@ def test_old_policy_logprobs_older_than_a_rollouts_newest_token_are_dropped() ->
     answer from v1 (the weights its first token came from) is dropped and counted."""
     async def scenario() -> None:
         generation = FakeGeneration({0: 1, 1: 1}, {}, pushed_after_first_token={0: 2})
-        batcher = ExperienceBatcher(_config(logprob_role="old_policy", world_size=1), generation,
+        batcher = ExperienceBatcher(batcher_config(logprob_role="old_policy", world_size=1), generation,
                                     FakeLogprob(claimed_version=1))
-        await batcher.submit_prompts(0, 2, _prompts(range(2)))
+        await batcher.submit_prompts(0, 2, fake_prompts(range(2)))
         minibatches, end = await _drain(batcher, 0, 2)
         trained = Counter(s.prompt_id for mb in minibatches if mb.loss_weight == LOSS_WEIGHT for s in mb.samples)
-        # _out_len(0, 0) is 1: that rollout has only its v1 token and keeps its logprobs.
+        # fake_output_length(0, 0) is 1: that rollout has only its v1 token and keeps its logprobs.
         assert trained == {0: 1, 1: _N} and end.num_samples == _N + 1
         assert batcher.stats(2)["batcher/dropped_logprob_version"] == _N - 1
 
@@ -388,8 +273,8 @@ def test_old_policy_logprobs_older_than_a_rollouts_newest_token_are_dropped() ->
 
 def test_short_generate_answers_are_counted() -> None:
     async def scenario() -> None:
-        batcher = ExperienceBatcher(_config(world_size=1), FakeGeneration({}, {}, short_by=1), FakeLogprob())
-        await batcher.submit_prompts(0, 0, _prompts(range(2)))
+        batcher = ExperienceBatcher(batcher_config(world_size=1), FakeGeneration({}, {}, short_by=1), FakeLogprob())
+        await batcher.submit_prompts(0, 0, fake_prompts(range(2)))
         _, end = await _drain(batcher, 0, 0)
         assert (end.missing_rollouts, end.num_samples) == (2, 2 * (_N - 1))
 
@@ -398,7 +283,7 @@ def test_short_generate_answers_are_counted() -> None:
 
 def test_a_step_without_samples_sends_only_end_of_step() -> None:
     async def scenario() -> None:
-        batcher = ExperienceBatcher(_config(), FakeGeneration({}, {}), FakeLogprob())
+        batcher = ExperienceBatcher(batcher_config(), FakeGeneration({}, {}), FakeLogprob())
         await batcher.submit_prompts(0, 0, [])
         await batcher.submit_prompts(1, 0, [])
         for rank in range(2):
@@ -412,7 +297,7 @@ def test_a_step_without_samples_sends_only_end_of_step() -> None:
 
 def test_submit_checks_rank_and_duplicates() -> None:
     async def scenario() -> None:
-        batcher = ExperienceBatcher(_config(), FakeGeneration({}, {}), FakeLogprob())
+        batcher = ExperienceBatcher(batcher_config(), FakeGeneration({}, {}), FakeLogprob())
         with pytest.raises(ValueError, match="rank"):
             await batcher.submit_prompts(2, 0, [])
         await batcher.submit_prompts(0, 0, [])
@@ -427,9 +312,9 @@ def test_old_policy_logprobs_from_older_weights_than_the_sampler_are_dropped_and
     # (prompt 1) and v0 (the rest): those from older weights are dropped, never trained on.
     async def scenario() -> None:
         generation = FakeGeneration({1: 1}, {})
-        batcher = ExperienceBatcher(_config(logprob_role="old_policy", world_size=1), generation,
+        batcher = ExperienceBatcher(batcher_config(logprob_role="old_policy", world_size=1), generation,
                                     FakeLogprob(claimed_version=0))
-        await batcher.submit_prompts(0, 1, _prompts(range(3)))
+        await batcher.submit_prompts(0, 1, fake_prompts(range(3)))
         minibatches, end = await _drain(batcher, 0, 1)
         trained = Counter(s.prompt_id for mb in minibatches if mb.loss_weight == LOSS_WEIGHT for s in mb.samples)
         assert trained == {0: _N, 2: _N} and end.num_samples == 2 * _N
@@ -440,10 +325,11 @@ def test_old_policy_logprobs_from_older_weights_than_the_sampler_are_dropped_and
 
 def test_reference_logprobs_from_pushed_weights_fail_the_step() -> None:
     async def scenario() -> None:
-        batcher = ExperienceBatcher(_config(world_size=1), FakeGeneration({}, {}), FakeLogprob(claimed_version=3))
-        await batcher.submit_prompts(0, 0, _prompts([4]))
+        batcher = ExperienceBatcher(batcher_config(world_size=1), FakeGeneration({}, {}),
+                                    FakeLogprob(claimed_version=3))
+        await batcher.submit_prompts(0, 0, fake_prompts([4]))
         with pytest.raises(ExperienceBatcherError, match="reference logprobs computed with weight version 3"):
-            await asyncio.wait_for(_drain(batcher, 0, 0), _WAIT_BOUND_S)
+            await asyncio.wait_for(_drain(batcher, 0, 0), WAIT_BOUND_S)
 
     asyncio.run(scenario())
 
@@ -468,22 +354,22 @@ def test_a_failing_request_fails_the_step_for_every_rank(
         generation = FakeGeneration({}, {1: generation_error} if generation_error else {})
         generation.release.clear()  # hold every answer until rank 1 is already waiting
         # A budget no step here fills: no minibatch can reach a rank before the failure.
-        batcher = ExperienceBatcher(_config(max_tokens_per_gpu=1000), generation, FakeLogprob(wrong_logprobs))
-        await batcher.submit_prompts(0, 0, _prompts(range(0, 2)))
-        await batcher.submit_prompts(1, 0, _prompts(range(2, 4)))
+        batcher = ExperienceBatcher(batcher_config(max_tokens_per_gpu=1000), generation, FakeLogprob(wrong_logprobs))
+        await batcher.submit_prompts(0, 0, fake_prompts(range(0, 2)))
+        await batcher.submit_prompts(1, 0, fake_prompts(range(2, 4)))
         waiting = asyncio.create_task(batcher.next_message(1, 0))
         while len(generation.calls) < 4:
             await asyncio.sleep(0)
         generation.release.set()
         with pytest.raises(ExperienceBatcherError, match=expected) as woken:
-            await asyncio.wait_for(waiting, _WAIT_BOUND_S)
+            await asyncio.wait_for(waiting, WAIT_BOUND_S)
         assert "prompt_id=1" in str(woken.value)
         for rank in (0, 1):  # every later call raises too, never hangs
             with pytest.raises(ExperienceBatcherError, match=expected):
-                await asyncio.wait_for(batcher.next_message(rank, 0), _WAIT_BOUND_S)
+                await asyncio.wait_for(batcher.next_message(rank, 0), WAIT_BOUND_S)
         assert batcher.stats(0)["batcher/failed"] == 1.0
         # Other steps are unaffected.
-        await batcher.submit_prompts(0, 1, _prompts([10]))
+        await batcher.submit_prompts(0, 1, fake_prompts([10]))
         await batcher.submit_prompts(1, 1, [])
         _, end = await _drain(batcher, 0, 1)
         assert end.num_samples == _N
@@ -521,8 +407,8 @@ class RegistryDouble:
             await asyncio.Event().wait()
         self._answered.append(sample.prompt_id)
         if method == "generate":
-            return _rollouts(sample, args[1].n, self._version)
-        return [TokenLogprobs(weight_version=-1, values=_fake_logprobs(s)) for s in args[0]]
+            return fake_rollouts(sample, args[1].n, self._version)
+        return [TokenLogprobs(weight_version=-1, values=fake_logprobs(s)) for s in args[0]]
 
     async def lease_many(self, call_id: str, method: str, costs: list[int]) -> Any:
         """The batched path the batcher actor uses: every request leased to this double, the
@@ -584,17 +470,17 @@ def batcher_actors(ray_local):
 
 def _drain_remote(batcher, rank: int, step: int) -> tuple[list[Minibatch], EndOfStep]:
     minibatches: list[Minibatch] = []
-    while isinstance(message := ray.get(batcher.next_message.remote(rank, step), timeout=_WAIT_BOUND_S), Minibatch):
+    while isinstance(message := ray.get(batcher.next_message.remote(rank, step), timeout=WAIT_BOUND_S), Minibatch):
         minibatches.append(message)
     return minibatches, message
 
 
 def test_actor_routes_two_steps_submitted_ahead_to_the_right_ranks(batcher_actors) -> None:
     generation, logprob = RegistryDouble.remote(), RegistryDouble.remote()
-    config = _config(max_tokens_per_gpu=30, reorder_window=4)
+    config = batcher_config(max_tokens_per_gpu=30, reorder_window=4)
     batcher = batcher_actors(config, generation_registry=generation, logprob_registry=logprob)
     prompts = {(0, 0): range(0, 3), (1, 0): range(3, 6), (0, 1): range(10, 14), (1, 1): range(14, 16)}
-    ray.get([batcher.submit_prompts.remote(rank, step, _prompts(ids)) for (rank, step), ids in prompts.items()])
+    ray.get([batcher.submit_prompts.remote(rank, step, fake_prompts(ids)) for (rank, step), ids in prompts.items()])
 
     # Rank 0 reads step 1 first, rank 1 step 0 first: each (step, rank) stream is its own.
     streams = {(0, 1): _drain_remote(batcher, 0, 1), (1, 0): _drain_remote(batcher, 1, 0)}
@@ -613,7 +499,7 @@ def test_actor_routes_two_steps_submitted_ahead_to_the_right_ranks(batcher_actor
             real += [s for mb in mbs if mb.loss_weight == LOSS_WEIGHT for s in mb.samples]
             assert all(mb.num_tokens <= config.experience.max_tokens_per_gpu for mb in mbs)
         assert Counter(s.prompt_id for s in real) == {pid: _N for pid in step_ids}
-        assert all(s.ref_logprobs == _fake_logprobs(s) for s in real)
+        assert all(s.ref_logprobs == fake_logprobs(s) for s in real)
     assert sorted(c for c in ray.get(generation.calls.remote())) == sorted(
         ("generate", pid, _N) for ids in prompts.values() for pid in ids
     )
@@ -622,22 +508,23 @@ def test_actor_routes_two_steps_submitted_ahead_to_the_right_ranks(batcher_actor
     # A second caller gets the same actor; a different config is refused, not silently ignored.
     assert get_or_create_batcher(config, generation_registry=generation, logprob_registry=logprob) == batcher
     with pytest.raises(ValueError, match="different config"):
-        get_or_create_batcher(_config(max_tokens_per_gpu=31), generation_registry=generation, logprob_registry=logprob)
+        get_or_create_batcher(batcher_config(max_tokens_per_gpu=31), generation_registry=generation,
+                              logprob_registry=logprob)
 
 
 def test_actor_cancels_and_counts_a_prompt_past_its_deadline(batcher_actors) -> None:
     hung_prompt = 2
     generation, logprob = RegistryDouble.remote(hang=(hung_prompt,)), RegistryDouble.remote()
     ray.get([generation.calls.remote(), logprob.calls.remote()])  # both up before the clock starts
-    config = _config(prompt_deadline_s=_DEADLINE_S)
+    config = batcher_config(prompt_deadline_s=_DEADLINE_S)
     batcher = batcher_actors(config, generation_registry=generation, logprob_registry=logprob)
-    ray.get([batcher.submit_prompts.remote(0, 0, _prompts(range(0, 2))),
-             batcher.submit_prompts.remote(1, 0, _prompts(range(2, 4)))])
+    ray.get([batcher.submit_prompts.remote(0, 0, fake_prompts(range(0, 2))),
+             batcher.submit_prompts.remote(1, 0, fake_prompts(range(2, 4)))])
     (mbs0, end), (mbs1, _) = _drain_remote(batcher, 0, 0), _drain_remote(batcher, 1, 0)
     assert (end.timed_out_prompts, end.num_prompts, end.num_samples) == (1, 4, 3 * _N)
     assert hung_prompt not in {s.prompt_id for mb in mbs0 + mbs1 for s in mb.samples}
     assert ray.get(batcher.stats.remote(0))["batcher/timed_out_prompts"] == 1
-    give_up = time.monotonic() + _WAIT_BOUND_S  # the cancel travels on after EndOfStep
+    give_up = time.monotonic() + WAIT_BOUND_S  # the cancel travels on after EndOfStep
     while ray.get(generation.cancelled.remote()) != 1 and time.monotonic() < give_up:
         time.sleep(0.05)
     assert ray.get(generation.cancelled.remote()) == 1, "the registry was not told to free the hung request"
@@ -648,10 +535,10 @@ def test_actor_cancels_and_counts_a_prompt_past_its_deadline(batcher_actors) -> 
 def test_actor_reports_a_registry_without_workers_to_the_trainer(batcher_actors) -> None:
     registry = RegistryActor.options(num_cpus=0).remote(GENERATION, RegistryConfig(no_worker_timeout_s=0.5))
     assert ray.get(registry.live_workers.remote()) == []
-    batcher = batcher_actors(_config(logprob_role="none"), generation_registry=registry)
-    ray.get([batcher.submit_prompts.remote(0, 0, _prompts([0])), batcher.submit_prompts.remote(1, 0, [])])
+    batcher = batcher_actors(batcher_config(logprob_role="none"), generation_registry=registry)
+    ray.get([batcher.submit_prompts.remote(0, 0, fake_prompts([0])), batcher.submit_prompts.remote(1, 0, [])])
     for rank in (0, 1):
         with pytest.raises(ExperienceBatcherError, match="generation-registry: no live workers") as raised:
-            ray.get(batcher.next_message.remote(rank, 0), timeout=_WAIT_BOUND_S)
+            ray.get(batcher.next_message.remote(rank, 0), timeout=WAIT_BOUND_S)
         assert "prompt_id=0" in str(raised.value)
     ray.kill(registry)

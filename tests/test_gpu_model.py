@@ -55,20 +55,19 @@ def one_rank_group():
 
 
 def test_bf16_fsdp2_step_matches_the_fp32_padded_reference(one_rank_group, tiny_model_dir: Path) -> None:
-    from test_step_parity import (
-        CLIP_HIGH, CLIP_LOW, KL_COEF, LOGPROB_CHUNK_SIZE, NO_CLIP, Case, _load_reference_model, _optim, _padded_batch,
-        _token_logprobs, build_samples, reference_step,
-    )
-
     from async_grpo.trainer.fsdp_setup import build_training_model
     from grpo_loss import LossConfig, grpo_loss
     from sample_processing_utils import post_process_batch
     from setup_model import ModelConfig, training_compute_dtype
+    from support.step_parity import (
+        CLIP_HIGH, CLIP_LOW, KL_COEF, LOGPROB_CHUNK_SIZE, NO_CLIP, Case, build_samples, load_reference_model,
+        optim_config, padded_batch, reference_step, token_logprobs,
+    )
 
     info = one_rank_group
     assert (info.backend, info.device.type) == ("nccl", "cuda")
     assert training_compute_dtype(info.device, True) == torch.bfloat16
-    case = Case(epochs_per_step=1, optim=_optim(NO_CLIP),
+    case = Case(epochs_per_step=1, optim=optim_config(NO_CLIP),
                 loss=LossConfig(kl_coef=KL_COEF, kl_estimator="k3", clip_low=CLIP_LOW, clip_high=CLIP_HIGH))
     samples = build_samples(tiny_model_dir, seed=0)
     expected = reference_step(tiny_model_dir, samples, case)
@@ -89,10 +88,10 @@ def test_bf16_fsdp2_step_matches_the_fp32_padded_reference(one_rank_group, tiny_
     (loss / len(samples)).backward()
 
     # The reference's logprobs and loss, at the same (initial) weights.
-    reference_model = _load_reference_model(tiny_model_dir)
-    padded = _padded_batch(samples, pad_id=reference_model.config.pad_token_id)
+    reference_model = load_reference_model(tiny_model_dir)
+    padded = padded_batch(samples, pad_id=reference_model.config.pad_token_id)
     with torch.no_grad():
-        reference_logprobs = _token_logprobs(reference_model, padded)[padded.output_mask.bool()]
+        reference_logprobs = token_logprobs(reference_model, padded)[padded.output_mask.bool()]
     torch.testing.assert_close(logprobs.detach().float().cpu(), reference_logprobs, rtol=0, atol=BF16_LOGPROB_ATOL)
     worst = 0.0
     for name, param in model.causal_lm.named_parameters():

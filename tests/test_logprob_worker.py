@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 import logprob_worker
 from async_grpo.config.worker_options import LogprobBatchingConfig
@@ -25,6 +24,8 @@ from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs, te
 from logprob_worker import LogprobWorker, LogprobWorkerActor, LogprobWorkerConfig, resolve_dtype, resolve_model_settings
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, default_attn_implementation, load_causal_lm
+from support.lora_adapters import files_update, mark_stable
+from support.reference_logprobs import hf_model, reference_logprobs
 from vllm_registry import WorkerHealth
 
 FP32_TOLERANCE = 1e-5  # packed vs per-sample fp32 attention differed by ~3e-7 on this machine
@@ -66,17 +67,10 @@ def _trainer_logprobs(model_dir: Path, samples: list[Sample]) -> list[torch.Tens
 
 
 def _hf_logprobs(model_dir: Path, samples: list[Sample]) -> list[torch.Tensor]:
-    """log_softmax of a plain HF forward's full logits at the positions that predict output tokens."""
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.tensor([s.input_token_ids + s.output_token_ids])
-            logits = model(input_ids=ids, use_cache=False).logits[0].float()
-            prompt_len = len(s.input_token_ids)
-            predicting = torch.log_softmax(logits[prompt_len - 1 : -1], dim=-1)
-            out.append(predicting.gather(1, torch.tensor(s.output_token_ids)[:, None])[:, 0])
-    return out
+    """Each sample's reference logprobs (support.reference_logprobs: a plain HF forward, the full
+    logits' log_softmax at the positions that predict output tokens), one model load."""
+    model = hf_model(model_dir)
+    return [reference_logprobs(model, s.input_token_ids, s.output_token_ids) for s in samples]
 
 
 def _max_diff(results: list[list[float]], references: list[torch.Tensor]) -> float:
@@ -432,9 +426,6 @@ def test_full_weights_and_a_lora_adapter_in_either_order(
     """One worker serves a LoRA run (its adapter wraps the model with PEFT) and a full-weights run
     (streamed, sharded), in either order: each time it scores as HF does with those weights."""
     from peft import PeftModel
-    from test_lora_vllm import _files_update
-    from test_lora_vllm import _hf_logprobs as _hf_model_logprobs
-    from test_lora_vllm import _hf_peft, _mark_stable
 
     from async_grpo.model.tiny_model import write_random_adapter as _write_adapter
 
@@ -444,8 +435,8 @@ def test_full_weights_and_a_lora_adapter_in_either_order(
         model_path=str(tiny_model_dir), device="cpu", batching=LogprobBatchingConfig(max_wait_ms=0)))
 
     async def push_adapter(version: int) -> list[list[float]]:
-        update = _files_update(adapter, version, tmp_path / "weights" / "STABLE")
-        _mark_stable(update)
+        update = files_update(adapter, version, tmp_path / "weights" / "STABLE")
+        mark_stable(update)
         assert await worker.update_weights(update) == version
         assert isinstance(worker.model.causal_lm, PeftModel)
         return await _concurrently(worker, samples)
@@ -466,7 +457,7 @@ def test_full_weights_and_a_lora_adapter_in_either_order(
 
     adapted, full = asyncio.run(run())
     assert _max_diff(full, _hf_logprobs(other_model_dirs[False], samples)) <= FP32_TOLERANCE
-    peft = _hf_peft(tiny_model_dir, adapter)  # the adapter always goes on the checkpoint's own weights
-    want = [_hf_model_logprobs(peft, s.input_token_ids, s.output_token_ids) for s in samples]
+    peft = hf_model(tiny_model_dir, adapter)  # the adapter always goes on the checkpoint's own weights
+    want = [reference_logprobs(peft, s.input_token_ids, s.output_token_ids) for s in samples]
     assert _max_diff(adapted, want) <= FP32_TOLERANCE
     assert _max_diff(adapted, _hf_logprobs(tiny_model_dir, samples)) > DIFFERENT_WEIGHTS_GAP  # the adapter acts

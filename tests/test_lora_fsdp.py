@@ -20,14 +20,13 @@ from async_grpo.weights.weight_loading import iter_assembled
 from async_grpo.weights.weight_sync import TensorBlob, tensor_to_blob
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel
+from support.lora_adapters import LORA, reference_peft
 from support.paths import PROGRAMS
 from support.torchrun_launch import run_worker
 
 WORKER = PROGRAMS / "lora_fsdp_worker.py"
 WORLD_SIZE = 2
 LAUNCH_TIMEOUT_S = 600  # two ranks building the model three times on 2 shared cores: ~1 min
-LORA = {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                  "gate_proj", "up_proj", "down_proj"]}
 LR = 1e-2  # large enough that one step moves every adapter tensor far beyond the tolerance
 # Same maths in a different reduction order (gloo reduce-scatter, packed halves): ~1e-7 relative.
 STEP_RTOL, STEP_ATOL = 1e-4, 1e-6
@@ -42,23 +41,6 @@ def _samples(vocab: int) -> list[Sample]:
                gt_answer="", prompt_id=i)
         for i in range(NUM_SAMPLES)
     ]
-
-
-def _reference_peft(model_dir: Path):
-    """An unsharded PEFT model with a nonzero adapter (lora_B starts at zero in a fresh one,
-    which would make the shard check vacuous for half the tensors)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules=LORA["target_modules"])
-    model = get_peft_model(base, config)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.05 * torch.randn(param.shape, generator=gen))
-    return model
 
 
 def _reference_steps(model_dir: Path, adapter_dir: Path, samples: list[Sample], steps: int) -> dict[str, torch.Tensor]:
@@ -90,7 +72,7 @@ def lora_run(tmp_path_factory, tiny_model_dir: Path) -> dict:
     from safetensors.torch import load_file
 
     root = tmp_path_factory.mktemp("lora-fsdp")
-    reference = _reference_peft(tiny_model_dir)
+    reference = reference_peft(tiny_model_dir)
     adapter_dir = root / "start-adapter"
     reference.save_pretrained(str(adapter_dir))
     samples = _samples(reference.config.vocab_size)

@@ -11,13 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_lora_vllm import _files_update, _hf_logprobs, _hf_peft, _mark_stable, _write_adapter
 
 from async_grpo.config.worker_options import LogprobBatchingConfig
+from async_grpo.model.tiny_model import write_random_adapter as _write_adapter
 from async_grpo.weights.weight_sync import UnstableVersionError, WeightUpdate, state_dict_to_blobs
 from logprob_worker import LogprobWorker, LogprobWorkerConfig
 from sample_processing_utils import Sample
 from setup_model import load_causal_lm
+from support.lora_adapters import files_update, mark_stable
+from support.reference_logprobs import hf_model, reference_logprobs
 
 # Same weights and kernels family (packed sdpa vs eager), one process each: float rounding only.
 LOGPROB_ATOL = 1e-5
@@ -36,18 +38,18 @@ async def _scenario(model_dir: Path, root: Path) -> dict:
                                                                      batching=LogprobBatchingConfig(max_wait_ms=0)))
     await worker.start()
     got: dict = {"base": await worker.compute_group_logprobs(_samples())}
-    update = _files_update(a1, 1, marker)
-    _mark_stable(update)
+    update = files_update(a1, 1, marker)
+    mark_stable(update)
     got["version"] = await worker.update_weights(update)
     got["a1"] = await worker.compute_group_logprobs(_samples())
     try:
-        await worker.update_weights(_files_update(a2, 2, marker))  # the marker still names v1
+        await worker.update_weights(files_update(a2, 2, marker))  # the marker still names v1
         got["unstable"] = None
     except UnstableVersionError as exc:
         got["unstable"] = str(exc)
     got["after_unstable"] = await worker.compute_group_logprobs(_samples())
-    update = _files_update(a2, 3, marker)
-    _mark_stable(update)
+    update = files_update(a2, 3, marker)
+    mark_stable(update)
     await worker.update_weights(update)
     got["a2"] = await worker.compute_group_logprobs(_samples())
     await worker.shutdown()
@@ -62,10 +64,10 @@ def scenario(tiny_model_dir: Path, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("name", ["a1", "a2"])
 def test_old_policy_logprobs_with_adapter_equal_hf_peft(scenario: dict, tiny_model_dir: Path, name: str) -> None:
-    model = _hf_peft(tiny_model_dir, scenario["adapters"][name])
+    model = hf_model(tiny_model_dir, scenario["adapters"][name])
     for (prompt, output), got in zip(SAMPLES, scenario[name]):
-        torch.testing.assert_close(torch.tensor(got.values), _hf_logprobs(model, prompt, output), atol=LOGPROB_ATOL,
-                                   rtol=0)
+        torch.testing.assert_close(torch.tensor(got.values), reference_logprobs(model, prompt, output),
+                                   atol=LOGPROB_ATOL, rtol=0)
     assert [g.values for g in scenario[name]] != [g.values for g in scenario["base"]]
 
 
@@ -92,16 +94,16 @@ def test_adapter_after_other_full_weights_is_applied_to_the_checkpoint(ray_local
         await worker.update_weights(WeightUpdate(version=5, shard_refs=[ray_local.put(state_dict_to_blobs(other))],
                                                  mode="gather"))
         pushed = await worker.compute_group_logprobs(_samples())
-        update = _files_update(a1, 6, tmp_path / "weights" / "STABLE")
-        _mark_stable(update)
+        update = files_update(a1, 6, tmp_path / "weights" / "STABLE")
+        mark_stable(update)
         await worker.update_weights(update)
         adapted = await worker.compute_group_logprobs(_samples())
         await worker.shutdown()
         return pushed, adapted
 
     pushed, adapted = asyncio.run(scenario())
-    model = _hf_peft(tiny_model_dir, tmp_path / "a1")
+    model = hf_model(tiny_model_dir, tmp_path / "a1")
     for (prompt, output), got, other in zip(SAMPLES, adapted, pushed):
-        want = _hf_logprobs(model, prompt, output)
+        want = reference_logprobs(model, prompt, output)
         torch.testing.assert_close(torch.tensor(got.values), want, atol=LOGPROB_ATOL, rtol=0)
         assert (torch.tensor(other.values) - want).abs().max() > 100 * LOGPROB_ATOL  # the push did change them

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_lora_fsdp import LORA, _reference_peft
 
 from async_grpo.weights.weight_sync import read_stable_marker
+from support.lora_adapters import LORA, reference_peft
 from support.paths import PROGRAMS
 from support.torchrun_launch import run_worker
 
@@ -30,7 +30,7 @@ def pushed(ray_local, tmp_path_factory, tiny_model_dir: Path) -> dict:
 
     root = tmp_path_factory.mktemp("lora-push")
     adapter_dir = root / "start-adapter"
-    _reference_peft(tiny_model_dir).save_pretrained(str(adapter_dir))
+    reference_peft(tiny_model_dir).save_pretrained(str(adapter_dir))
     out = root / "out"
     out.mkdir()
     context = ray_local.get_runtime_context()

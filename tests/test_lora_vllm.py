@@ -29,11 +29,12 @@ from async_grpo.model.tiny_model import write_random_adapter as _write_adapter
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.weights.weight_sync import (
-    StableMarker, UnstableVersionError, WeightUpdate, adapter_step_dir, state_dict_to_blobs, tensor_to_blob,
-    update_parts, write_stable_marker,
+    UnstableVersionError, WeightUpdate, adapter_step_dir, state_dict_to_blobs, tensor_to_blob, update_parts,
 )
 from sample_processing_utils import Sample
 from setup_model import load_causal_lm
+from support.lora_adapters import files_update, mark_stable
+from support.reference_logprobs import hf_model, reference_logprobs
 from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
 if TYPE_CHECKING:
@@ -71,26 +72,11 @@ class _ExactVerifier:
         return [RewardResult(reward=float(c == gt_answer), failed=False, error="") for c in completions]
 
 
-def _hf_peft(model_dir: Path, adapter: Path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
-    return PeftModel.from_pretrained(base, str(adapter)).eval()
-
-
 def _hf_greedy(model, prompt: list[int], tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
     return out[0, len(prompt):].tolist()
-
-
-def _hf_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0].float()
-    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
-    return logprobs.gather(1, torch.tensor(output)[:, None])[:, 0]
 
 
 def _sharded_update(adapter: Path, version: int, marker: Path, world_size: int = 2) -> WeightUpdate:
@@ -110,16 +96,6 @@ def _sharded_update(adapter: Path, version: int, marker: Path, world_size: int =
     refs = [ray.put(shard) for shard in shards]
     return WeightUpdate(version=version, shard_refs=refs, mode="sharded",
                         adapter_config=(adapter / "adapter_config.json").read_text(), marker_path=str(marker))
-
-
-def _files_update(adapter: Path, version: int, marker: Path) -> WeightUpdate:
-    return WeightUpdate(version=version, mode="lora_files", adapter_config=(adapter / "adapter_config.json").read_text(),
-                        adapter_path=str(adapter), marker_path=str(marker))
-
-
-def _mark_stable(update: WeightUpdate) -> None:
-    write_stable_marker(Path(update.marker_path),
-                        StableMarker(version=update.version, mode=update.mode, shards=update_parts(update)))
 
 
 def _private_rss(pid: int) -> int:
@@ -179,7 +155,7 @@ async def _scenario(model_dir: Path, root: Path) -> dict:
 
         # 1. sharded push of a1: greedy tokens and sampled logprobs.
         update = _sharded_update(adapters["a1"], 1, marker)
-        _mark_stable(update)
+        mark_stable(update)
         got["v1_version"] = await worker.update_weights(update)
         got["a1_greedy"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
         sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=GREEDY_TOKENS, seed=5)
@@ -209,8 +185,8 @@ async def _scenario(model_dir: Path, root: Path) -> dict:
         # it and is applied between two of its LONG_TOKENS steps, however fast the machine.
         long_request = asyncio.create_task(_greedy(worker, PROMPTS[1], LONG_TOKENS))
         await asyncio.wait_for(_until_engine_holds_a_request(engine), ENGINE_TAKES_REQUEST_BOUND_S)
-        files = _files_update(adapters["a2"], 3, marker)
-        _mark_stable(files)
+        files = files_update(adapters["a2"], 3, marker)
+        mark_stable(files)
         got["v3_version"] = await worker.update_weights(files)
         got["long_in_flight_at_switch"] = not long_request.done()
         got["a2_greedy"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
@@ -224,7 +200,7 @@ async def _scenario(model_dir: Path, root: Path) -> dict:
         rss = {}
         for i in range(1, MEMORY_PUSHES + 1):
             update = _sharded_update(big[i % 2], 10 + i, marker)
-            _mark_stable(update)
+            mark_stable(update)
             await worker.update_weights(update)
             await _greedy(worker, PROMPTS[0], 2)
             if i % MEMORY_SAMPLE_EVERY == 0:
@@ -238,7 +214,7 @@ async def _scenario(model_dir: Path, root: Path) -> dict:
 
         # 5. a3 pushed once more as sharded (after all that) still matches HF.
         update = _sharded_update(adapters["a3"], 1000, marker)
-        _mark_stable(update)
+        mark_stable(update)
         await worker.update_weights(update)
         got["a3_greedy"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
 
@@ -262,7 +238,7 @@ async def _scenario(model_dir: Path, root: Path) -> dict:
         got["other_greedy"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
         restores_before = worker.stats.base_restores
         update = _sharded_update(adapters["a1"], 3001, marker)
-        _mark_stable(update)
+        mark_stable(update)
         await worker.update_weights(update)
         got["a1_after_other_greedy"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
         got["base_restores"] = worker.stats.base_restores - restores_before
@@ -280,7 +256,7 @@ def scenario(ray_local, tiny_model_dir: Path, tmp_path_factory) -> dict:
 @pytest.mark.vllm
 def test_pushed_adapter_greedy_tokens_equal_hf_peft(scenario: dict, tiny_model_dir: Path) -> None:
     for name in ("a1", "a2", "a3"):
-        model = _hf_peft(tiny_model_dir, scenario["adapters"][name])
+        model = hf_model(tiny_model_dir, scenario["adapters"][name])
         expected = [_hf_greedy(model, p, GREEDY_TOKENS) for p in PROMPTS]
         assert scenario[f"{name}_greedy"] == expected, name
     assert scenario["a1_greedy"] != scenario["base"], "the adapter must change the output for the check to bite"
@@ -288,11 +264,11 @@ def test_pushed_adapter_greedy_tokens_equal_hf_peft(scenario: dict, tiny_model_d
 
 @pytest.mark.vllm
 def test_pushed_adapter_sampled_logprobs_equal_hf_peft(scenario: dict, tiny_model_dir: Path) -> None:
-    model = _hf_peft(tiny_model_dir, scenario["adapters"]["a1"])
+    model = hf_model(tiny_model_dir, scenario["adapters"]["a1"])
     assert scenario["v1_version"] == 1
     for prompt, output, logprobs, version in scenario["a1_sampled"]:
         assert version == 1
-        expected = _hf_logprobs(model, prompt, output)
+        expected = reference_logprobs(model, prompt, output)
         torch.testing.assert_close(torch.tensor(logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
 
 
@@ -311,7 +287,7 @@ def test_in_flight_request_finishes_on_its_adapter(scenario: dict, tiny_model_di
     """A request started on a1 keeps a1 to its last token although a2 was loaded meanwhile; a1
     is removed from the engine once it finished."""
     assert scenario["long_in_flight_at_switch"], "the long request ended before the switch: the check is vacuous"
-    model = _hf_peft(tiny_model_dir, scenario["adapters"]["a1"])
+    model = hf_model(tiny_model_dir, scenario["adapters"]["a1"])
     assert scenario["long_tokens"] == _hf_greedy(model, PROMPTS[1], LONG_TOKENS)
     assert scenario["long_version"] == 1
     assert scenario["v3_version"] == 3

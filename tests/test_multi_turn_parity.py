@@ -3,17 +3,17 @@
     .venv/bin/python -m pytest tests/test_multi_turn_parity.py -v     # ~1 min on 2 CPU cores
 
 The samples are multi-turn rollouts: each output is model turns with environment observations
-between them (Sample.output_mask False), so only some output tokens are sampled. The system's
-step runs exactly as in tests/test_step_parity.py (its worker, tests/programs/step_parity_worker.py, under
-`torchrun --nproc_per_node=2`: the real FSDP2 model, MinibatchPacker cutting each rank's share
+between them (Sample.output_mask False), so only some output tokens are sampled. The system's step
+runs exactly as in tests/test_step_parity.py (its worker, tests/programs/step_parity_worker.py,
+under `torchrun --nproc_per_node=2`: the real FSDP2 model, MinibatchPacker cutting each rank's share
 into several token-budgeted packed minibatches, trainer_core.run_step); this module reuses that
-launcher and the loss written from its definition (`_step_loss`, which reads a PaddedBatch's
-mask). What is new and written here by hand is the padded batch of multi-turn samples: the
-observation tokens are in every row's input (the policy conditions on them) but its mask is 1
+launcher and the loss written from its definition (support.step_parity's `step_loss`, which reads a
+PaddedBatch's mask). What is new and written here by hand is the padded batch of multi-turn samples:
+the observation tokens are in every row's input (the policy conditions on them) but its mask is 1
 only where a position predicts a *sampled* token, and the reference logprobs sit at exactly those
 positions. So every per-sample normaliser (sample_mean's token count, GSPO's mean log ratio), the
-step's token count (token_mean), KL and the clipped ratio count sampled tokens, with no code of
-the system's packing involved.
+step's token count (token_mean), KL and the clipped ratio count sampled tokens, with no code of the
+system's packing involved.
 
 A system that trained the observation tokens (labels on them, lengths counting them) would see a
 different loss and different gradients: the check below is of the gradients per pass, the first
@@ -26,15 +26,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_step_parity import (
-    CLIP_HIGH, CLIP_LOW, CLIPPING_MAX_NORM, GRAD_NORM_RTOL, GSPO_CLIP, KL_COEF, MAX_OUTPUT_TOKENS,
-    MIN_MINIBATCHES_PER_RANK, NO_CLIP, PARAM_ATOL, PROMPT_LEN_RANGE, WORLD_SIZE, Case, PaddedBatch, ReferenceStep,
-    _adamw, _assert_grads_close, _clipped_fraction, _group_advantages, _load_reference_model, _max_diff, _optim,
-    _step_loss, _token_logprobs, run_cases,
-)
 
 from grpo_loss import LossConfig
 from sample_processing_utils import Sample
+from support.step_parity import (
+    CLIP_HIGH, CLIP_LOW, CLIPPING_MAX_NORM, GRAD_NORM_RTOL, GSPO_CLIP, KL_COEF, MAX_OUTPUT_TOKENS,
+    MIN_MINIBATCHES_PER_RANK, NO_CLIP, PARAM_ATOL, PROMPT_LEN_RANGE, WORLD_SIZE, Case, PaddedBatch, ReferenceStep,
+    assert_grads_close, clipped_fraction, group_advantages, load_reference_model, max_diff, optim_config,
+    reference_adamw, run_cases, step_loss, token_logprobs,
+)
 
 NUM_PROMPTS = 6
 GROUP_SIZE = 4
@@ -46,15 +46,15 @@ REF_LOGPROB_NOISE = 0.3
 SAMPLING_LOGPROB_NOISE = 0.1
 
 CASES = {
-    "one_epoch_k3": Case(epochs_per_step=1, optim=_optim(CLIPPING_MAX_NORM),
+    "one_epoch_k3": Case(epochs_per_step=1, optim=optim_config(CLIPPING_MAX_NORM),
                          loss=LossConfig(kl_coef=KL_COEF, kl_estimator="k3", clip_low=CLIP_LOW, clip_high=CLIP_HIGH)),
-    "token_mean_k3": Case(epochs_per_step=1, optim=_optim(NO_CLIP),
+    "token_mean_k3": Case(epochs_per_step=1, optim=optim_config(NO_CLIP),
                           loss=LossConfig(kl_coef=KL_COEF, kl_estimator="k3", aggregation="token_mean")),
     # rank 0 scatters every rank's minibatches: the output_mask must survive data_path's codec.
-    "two_epochs_k3_rank0": Case(epochs_per_step=2, optim=_optim(CLIPPING_MAX_NORM), data_path="rank0",
+    "two_epochs_k3_rank0": Case(epochs_per_step=2, optim=optim_config(CLIPPING_MAX_NORM), data_path="rank0",
                                 loss=LossConfig(kl_coef=KL_COEF, kl_estimator="k3", clip_low=CLIP_LOW,
                                                 clip_high=CLIP_HIGH)),
-    "gspo_two_epochs": Case(epochs_per_step=2, optim=_optim(NO_CLIP),
+    "gspo_two_epochs": Case(epochs_per_step=2, optim=optim_config(NO_CLIP),
                             loss=LossConfig(ratio_level="sequence", seq_clip_low=GSPO_CLIP, seq_clip_high=GSPO_CLIP)),
 }
 
@@ -82,17 +82,17 @@ def _masked_padded_batch(samples: list[Sample], pad_id: int) -> PaddedBatch:
 def reference_step(model_dir: Path, samples: list[Sample], case: Case) -> ReferenceStep:
     """Per pass: one padded forward, the step's loss over the sampled positions, backward, clip,
     AdamW; pi_old is the first pass's policy."""
-    model = _load_reference_model(model_dir)
-    optimizer = _adamw(model, case.optim)
+    model = load_reference_model(model_dir)
+    optimizer = reference_adamw(model, case.optim)
     batch = _masked_padded_batch(samples, pad_id=model.config.pad_token_id)
     old: torch.Tensor | None = None
     out = ReferenceStep(params={}, grads=[], grad_norms=[], clipped_fractions=[])
     for _ in range(case.epochs_per_step):
-        logp = _token_logprobs(model, batch)
+        logp = token_logprobs(model, batch)
         if old is None:
             old = logp.detach()
-        _step_loss(logp, old, batch, case.loss).backward()
-        out.clipped_fractions.append(_clipped_fraction(logp.detach(), old, batch, case.loss))
+        step_loss(logp, old, batch, case.loss).backward()
+        out.clipped_fractions.append(clipped_fraction(logp.detach(), old, batch, case.loss))
         out.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case.optim.max_grad_norm)))
         out.grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
         optimizer.step()
@@ -105,7 +105,7 @@ def build_samples(model_dir: Path, seed: int) -> list[Sample]:
     """Groups of multi-turn rollouts (turn, observation, turn, ...), mixed 0/1 rewards, reference
     and sampling logprobs near the starting model's at the sampled tokens."""
     gen = torch.Generator().manual_seed(seed)
-    model = _load_reference_model(model_dir)
+    model = load_reference_model(model_dir)
     vocab = model.config.vocab_size
 
     def randint(low_high: tuple[int, int]) -> int:
@@ -119,7 +119,7 @@ def build_samples(model_dir: Path, seed: int) -> list[Sample]:
         prompt = tokens(randint(PROMPT_LEN_RANGE))
         rewards = [float(r) for r in torch.randint(0, 2, (GROUP_SIZE,), generator=gen)]
         rewards[0] = 1.0 - rewards[1]
-        for reward, advantage in zip(rewards, _group_advantages(rewards)):
+        for reward, advantage in zip(rewards, group_advantages(rewards)):
             output: list[int] = []
             mask: list[bool] = []
             for turn in range(randint(TURNS_RANGE)):
@@ -134,7 +134,7 @@ def build_samples(model_dir: Path, seed: int) -> list[Sample]:
                                   prompt_id=prompt_id, reward=reward, advantage=advantage, weight_version=0))
     batch = _masked_padded_batch(samples, pad_id=model.config.pad_token_id)
     with torch.no_grad():
-        current = _token_logprobs(model, batch)
+        current = token_logprobs(model, batch)
     for i, s in enumerate(samples):
         own = current[i][batch.output_mask[i].bool()]
         s.ref_logprobs = (own + REF_LOGPROB_NOISE * torch.randn(own.shape, generator=gen)).tolist()
@@ -180,11 +180,11 @@ def test_multi_turn_step_equals_padded_masked_reference(system_run: Path, tiny_m
     run = torch.load(system_run / f"{name}.pt")
     expected = reference_step(tiny_model_dir, samples, case)
     assert len(run["grads"]) == case.epochs_per_step
-    grad_diffs = [_assert_grads_close(got, want, f"{name}, pass {epoch + 1}")
+    grad_diffs = [assert_grads_close(got, want, f"{name}, pass {epoch + 1}")
                   for epoch, (got, want) in enumerate(zip(run["grads"], expected.grads))]
     assert run["metrics"]["optim/grad_norm"] == pytest.approx(expected.grad_norms[0], rel=GRAD_NORM_RTOL)
-    param_diff = _max_diff(run["params"], expected.params)
-    moved = _max_diff(expected.params, dict(_load_reference_model(tiny_model_dir).named_parameters()))
+    param_diff = max_diff(run["params"], expected.params)
+    moved = max_diff(expected.params, dict(load_reference_model(tiny_model_dir).named_parameters()))
     print(f"{name}: largest grad difference per pass {grad_diffs}, weight difference {param_diff:.2e} "
           f"(weights moved up to {moved:.2e}), clipped fractions {expected.clipped_fractions}")
     assert param_diff <= PARAM_ATOL

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm_worker import _perturbed_copy
 
 from async_grpo.config.worker_options import EngineConfig, VerificationConfig
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.rollouts.token_versions import version_runs
 from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
-from sample_processing_utils import Sample, get_input_for_logprobs
-from setup_model import TokenLogprobModel, load_causal_lm
+from sample_processing_utils import Sample
+from support.generation_worker import perturbed_copy
+from support.reference_logprobs import reference_logprobs
 from vllm_worker import GenerationWorkerActor, GenerationWorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.vllm]
 
 # float32 engine vs float32 HF on the same tokens: observed max |diff| ~3e-6 (tests/test_vllm_worker.py).
 LOGPROB_ATOL = 1e-4
-# The two versions are seeded perturbations (test_vllm_worker._perturbed_copy: noise of scale 0.1
+# The two versions are seeded perturbations (support.generation_worker.perturbed_copy: noise of scale 0.1
 # moves the tiny model's logprobs by ~1 nat); a 0.1 gap proves a segment matches its own version
 # and not the other one.
 MIN_OTHER_VERSION_GAP = 0.1
@@ -47,14 +47,6 @@ COMPLETIONS = 4
 # (or after all finished), no completion straddles it and the request is tried again.
 ATTEMPTS = 5
 HEALTH_POLLS = 10_000  # health calls while waiting for the request to be in flight (bound, not timing)
-
-
-def _hf_logprobs(model_dir: Path, prompt: list[int], output: list[int]) -> torch.Tensor:
-    model = TokenLogprobModel(load_causal_lm(model_dir)).eval()
-    with torch.no_grad():
-        logprobs, _ = model.score(get_input_for_logprobs([Sample(input_token_ids=prompt, gt_answer="",
-                                                                 output_token_ids=output)]))
-    return logprobs
 
 
 def _config(model_dir: Path) -> GenerationWorkerConfig:
@@ -69,8 +61,8 @@ def _check_segments(rollout: Sample, version_dirs: dict[int, Path]) -> None:
     position = 0
     for version, count in version_runs(rollout):
         other = next(v for v in version_dirs if v != version)
-        own = _hf_logprobs(version_dirs[version], rollout.input_token_ids, rollout.output_token_ids)
-        other_hf = _hf_logprobs(version_dirs[other], rollout.input_token_ids, rollout.output_token_ids)
+        own = reference_logprobs(version_dirs[version], rollout.input_token_ids, rollout.output_token_ids)
+        other_hf = reference_logprobs(version_dirs[other], rollout.input_token_ids, rollout.output_token_ids)
         got = torch.tensor(rollout.sampling_logprobs[position:position + count])
         assert float((got - own[position:position + count]).abs().max()) <= LOGPROB_ATOL, (version, position, count)
         if count >= MIN_GAP_TOKENS:
@@ -82,7 +74,7 @@ def test_a_rollout_straddling_a_push_has_per_token_versions_and_logprobs(ray_loc
                                                                           tmp_path: Path) -> None:
     ray = ray_local
     dirs = {0: tmp_path / "even", 1: tmp_path / "odd"}
-    blobs = {parity: ray.put(state_dict_to_blobs(_perturbed_copy(tiny_model_dir, d, seed=11 + parity)))
+    blobs = {parity: ray.put(state_dict_to_blobs(perturbed_copy(tiny_model_dir, d, seed=11 + parity)))
              for parity, d in dirs.items()}
     actor = GenerationWorkerActor.options(name="generation-worker-test-token-versions").remote(
         "generation-worker-test-token-versions", _config(tiny_model_dir))

@@ -14,34 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from async_grpo.config.run_config import ConfigError, load_config
-from async_grpo.telemetry.metrics import MetricsConfig, open_metrics_sink, read_metrics
+from async_grpo.telemetry.metrics import MetricsConfig, read_metrics
 from async_grpo.telemetry.trackers import TensorBoardTracker, flatten_config, mlflow_key
 from support.paths import REPO_ROOT, TESTS
 from support.tracker_readers import trackio_run, wandb_offline_runs
-
-STEPS = 4
-EVALS = {1: {"eval/accuracy": 0.25, "eval/pass@4": 0.5}, 3: {"eval/accuracy": 0.75, "eval/pass@4": 0.875}}
-RUN_CONFIG = {"seed": 3, "num_steps": STEPS, "optim": {"lr": 0.001, "schedule": "cosine"},
-              "sampling": {"n": 16, "stop": ["\n"]}, "model": {"lora": {"r": 0}}}
-
-
-def _record(step: int) -> dict[str, float]:
-    return {"reward/mean": 0.1 * step + 0.05, "reward/accuracy": 0.1 * step, "loss/kl": 0.001 * step,
-            "response/length_mean": 3.0 + step, "entropy/first_token": 1.5 - 0.1 * step, "timing/step_s": 0.5 + step,
-            "counts/samples": 64.0, **EVALS.get(step, {})}
-
-
-def _run(run_dir: Path, report_to: tuple[str, ...], *, is_main: bool = True) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(RUN_CONFIG, sort_keys=False))
-    sink = open_metrics_sink(run_dir, is_main=is_main, tensorboard=True, progress_total=STEPS, progress_bar=False,
-                             report=MetricsConfig(report_to=report_to))
-    for step in range(STEPS):
-        sink.log(step, _record(step))
-    sink.close()
+from support.tracker_runs import RUN_CONFIG, STEPS, logged_record, write_run
 
 
 @pytest.fixture
@@ -56,10 +35,10 @@ def test_wandb_and_mlflow_hold_every_metric_the_config_and_the_plot(tmp_path: Pa
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "my-run"
-    _run(run_dir, ("jsonl", "tensorboard", "wandb", "mlflow"))
+    write_run(run_dir, ("jsonl", "tensorboard", "wandb", "mlflow"))
     expected = {r["step"]: {k: v for k, v in r.items() if k not in ("step", "time_s", "unix_time")}
                 for r in read_metrics(run_dir / "metrics.jsonl")}
-    assert expected == {step: _record(step) for step in range(STEPS)}
+    assert expected == {step: logged_record(step) for step in range(STEPS)}
     plot = (run_dir / "reward.png").read_bytes()
     assert plot[:4] == b"\x89PNG"
 
@@ -103,7 +82,7 @@ def test_a_tracker_that_cannot_start_costs_one_line_not_the_run(tmp_path: Path, 
     run_dir.mkdir()
     (run_dir / "mlflow").write_text("a file where MLflow's folder would go")  # MLflow cannot start
     with caplog.at_level(logging.WARNING):
-        _run(run_dir, ("jsonl", "wandb", "mlflow", "tensorboard"))
+        write_run(run_dir, ("jsonl", "wandb", "mlflow", "tensorboard"))
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 2 and all("\n" not in w for w in warnings), warnings
     assert warnings[0].startswith("metrics.report_to: wandb did not start (ModuleNotFoundError")
@@ -125,7 +104,7 @@ def test_a_tracker_that_fails_later_is_dropped_and_counted(tmp_path: Path, monke
 
     monkeypatch.setattr(TensorBoardTracker, "log", fail_at_step_2)
     with caplog.at_level(logging.WARNING):
-        _run(tmp_path, ("jsonl", "tensorboard"))
+        write_run(tmp_path, ("jsonl", "tensorboard"))
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warnings == ["metrics: tensorboard failed at step 2 (OSError: No space left on device); "
                         "it is off for the rest of the run"]
@@ -134,7 +113,7 @@ def test_a_tracker_that_fails_later_is_dropped_and_counted(tmp_path: Path, monke
 
 
 def test_only_rank0_reports(tmp_path: Path, offline: None) -> None:
-    _run(tmp_path, ("jsonl", "tensorboard", "wandb", "mlflow"), is_main=False)
+    write_run(tmp_path, ("jsonl", "tensorboard", "wandb", "mlflow"), is_main=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
 
 
@@ -158,8 +137,8 @@ def test_trackio_holds_every_metric_the_config_and_the_plot(tmp_path: Path) -> N
     """In child processes: trackio reads TRACKIO_DIR once, when first imported."""
     run_dir = tmp_path / "trackio-run"
     env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "PYTHONPATH": f"{REPO_ROOT}:{TESTS}"}
-    writer = (f"from pathlib import Path; from test_trackers import _run; "
-              f"_run(Path({str(run_dir)!r}), ('jsonl', 'trackio'))")
+    writer = (f"from pathlib import Path; from support.tracker_runs import write_run; "
+              f"write_run(Path({str(run_dir)!r}), ('jsonl', 'trackio'))")
     subprocess.run([sys.executable, "-c", writer], env=env, check=True, capture_output=True, text=True)
     stored = trackio_run(tmp_path / "trackio", "grpo", "trackio-run")
     expected = {r["step"]: {k: v for k, v in r.items() if k not in ("step", "time_s", "unix_time")}
@@ -188,8 +167,8 @@ def audit(event, args):
 sys.addaudithook(audit)
 atexit.register(lambda: os.write(2, f"NETWORK ATTEMPTS {attempts}\\n".encode()))  # runs last
 from pathlib import Path
-from test_trackers import _run
-_run(Path(sys.argv[1]), ("jsonl", "tensorboard", "wandb", "mlflow", "trackio"))
+from support.tracker_runs import write_run
+write_run(Path(sys.argv[1]), ("jsonl", "tensorboard", "wandb", "mlflow", "trackio"))
 """
 
 

@@ -27,6 +27,7 @@ from async_grpo.trainer.optimizer import OptimConfig, build_scheduler
 from grpo_loss import LossConfig
 from sample_processing_utils import Sample
 from setup_model import TokenLogprobModel, load_causal_lm
+from support.reference_logprobs import reference_logprobs
 from trainer_core import KeptMinibatch, train_on_step, update_for_step
 from vllm_experience_batcher import EndOfStep, Minibatch
 
@@ -46,14 +47,6 @@ def _samples(vocab: int, seed: int) -> list[Sample]:
     return samples
 
 
-def _reference_logprobs(causal_lm: torch.nn.Module, sample: Sample) -> torch.Tensor:
-    ids = torch.tensor([sample.input_token_ids + sample.output_token_ids])
-    logits = causal_lm(input_ids=ids, use_cache=False).logits[0].float()
-    start = len(sample.input_token_ids) - 1
-    logp = torch.log_softmax(logits[start:-1], dim=-1)
-    return logp.gather(1, torch.tensor(sample.output_token_ids)[:, None])[:, 0]
-
-
 def _reference_two_epochs(causal_lm: torch.nn.Module, samples: list[Sample]) -> None:
     """Two SGD steps on one batch, PPO style: pass 2 clips exp(logp - logp_pass1) * A."""
     optimizer = torch.optim.SGD(causal_lm.parameters(), lr=LR)
@@ -62,7 +55,7 @@ def _reference_two_epochs(causal_lm: torch.nn.Module, samples: list[Sample]) -> 
         optimizer.zero_grad()
         total = torch.zeros(())
         for i, sample in enumerate(samples):
-            logp = _reference_logprobs(causal_lm, sample)
+            logp = reference_logprobs(causal_lm, sample.input_token_ids, sample.output_token_ids, grad=True)
             if epoch == 0:
                 old.append(logp.detach())
             ratio = torch.exp(logp - old[i])

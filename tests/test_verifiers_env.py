@@ -14,15 +14,13 @@ through a generation worker.
 
 Checked per Sample against what the endpoint served: the stream is the exchanges' sampled ids plus
 hand-written ChatML observations, the mask and logprobs follow, the reward is recomputed from the
-last reply's decoded ids with a regex written here.
+last reply's decoded ids with a regex written here (support.verifiers_checks).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import random
-import re
 from pathlib import Path
 
 import pytest
@@ -35,6 +33,7 @@ from async_grpo.rollouts.sampling import SamplingConfig, VerifiersEnvConfig
 from async_grpo.rollouts.verifiers_env import VerifiersEnvRunner, VerifiersEnvStats, sample_from_episode
 from sample_processing_utils import Sample
 from setup_model import load_tokenizer
+from support.verifiers_checks import PERSONA_START, assistant_exchanges, chatml_ids, expected_reward, task_answer
 
 VERSION = 7
 SEED = 11
@@ -43,7 +42,6 @@ MAX_TOKENS = 8
 USER_TURNS = 3
 PROMPT_ID = 5
 HANG_GUARD_S = 600.0
-PERSONA_START = "You are role-playing a USER"  # UserSimEnv's persona: marks the user agent's requests
 
 
 @pytest.fixture(scope="module")
@@ -99,36 +97,6 @@ def runs(model_dir: Path) -> dict:
             for name, env, options in (("single", "", {}), ("multi", "user-sim", {"user": {"max_turns": USER_TURNS}}))}
 
 
-def _chatml(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-@functools.cache
-def _task_answer(index: int) -> str:
-    """The answer of the task a prompt id picks (verifiers_arith's tasks, as the worker lists them)."""
-    from verifiers.v1.utils.loaders import load_taskset
-
-    tasks = list(load_taskset(VerifiersEnvConfig(taskset="async_grpo.rollouts.verifiers_arith").resolve().taskset))
-    return tasks[index % len(tasks)].data.answer
-
-
-def expected_reward(reply: str, answer: str) -> float:
-    """verifiers_arith's rubric, written again: 1 if the answer is one of the reply's numbers, plus
-    0.5 x the share of the reply's non-blank characters that are digits."""
-    correct = 1.0 if answer in re.findall(r"[0-9]+", reply) else 0.0
-    visible = "".join(reply.split())
-    return correct + 0.5 * (sum(ch.isdigit() and ch.isascii() for ch in visible) / len(visible) if visible else 0.0)
-
-
-def _assistant_exchanges(exchanges: list, sample: Sample) -> list:
-    """The exchanges whose prompt lies on this sample's stream, in stream order."""
-    stream = sample.input_token_ids + sample.output_token_ids
-    on_stream = [e for e in exchanges if stream[:len(e.prompt_token_ids)] == e.prompt_token_ids
-                 and stream[len(e.prompt_token_ids):len(e.prompt_token_ids) + len(e.generation.token_ids)]
-                 == e.generation.token_ids]
-    return sorted(on_stream, key=lambda e: len(e.prompt_token_ids))
-
-
 @pytest.mark.system
 @pytest.mark.parametrize("name", ["single", "multi"])
 def test_samples_are_the_served_ids_plus_chatml_observations(runs: dict, model_dir: Path, name: str) -> None:
@@ -140,7 +108,7 @@ def test_samples_are_the_served_ids_plus_chatml_observations(runs: dict, model_d
     turns_seen = []
     for episode, sample in zip(episodes, samples):
         assert episode.ok and not sample.reward_failed
-        served = _assistant_exchanges(exchanges, sample)
+        served = assistant_exchanges(exchanges, sample)
         assert served and served[0].prompt_token_ids == sample.input_token_ids
         ids: list[int] = []
         mask: list[bool] = []
@@ -156,7 +124,7 @@ def test_samples_are_the_served_ids_plus_chatml_observations(runs: dict, model_d
                 # turn's <|im_end|> unless it was sampled, the user turn, the assistant opener.
                 gap = served[turn + 1].prompt_token_ids[len(sample.input_token_ids) + len(ids):]
                 closer = "" if exchange.generation.token_ids[-1] == im_end else IM_END
-                matches = [reply for reply in user_replies if gap == _chatml(
+                matches = [reply for reply in user_replies if gap == chatml_ids(
                     tokenizer, f"{closer}\n<|im_start|>user\n{reply.strip()}<|im_end|>\n<|im_start|>assistant\n")]
                 assert matches, f"turn {turn}: the observation is not a user-sim reply in ChatML"
                 ids += gap
@@ -166,7 +134,7 @@ def test_samples_are_the_served_ids_plus_chatml_observations(runs: dict, model_d
         assert sample.sampling_logprobs == logprobs
         assert sample.weight_version == VERSION and sample.token_versions is None
         last_reply = tokenizer.decode(served[-1].generation.token_ids, skip_special_tokens=True)
-        assert sample.reward == pytest.approx(expected_reward(last_reply, _task_answer(PROMPT_ID)), abs=1e-12)
+        assert sample.reward == pytest.approx(expected_reward(last_reply, task_answer(PROMPT_ID)), abs=1e-12)
         turns_seen.append(len(served))
     if name == "single":
         assert turns_seen == [1] * N and all(s.output_mask is None for s in samples)

@@ -23,7 +23,6 @@ import os
 from pathlib import Path
 
 import pytest
-from test_verifiers_env import PERSONA_START, _assistant_exchanges, _chatml, _task_answer, expected_reward
 
 from async_grpo.model.tiny_model import IM_END
 from async_grpo.rewards.verifier_pool import VerifierPool
@@ -32,6 +31,7 @@ from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
 from sample_processing_utils import Sample
 from setup_model import load_causal_lm, load_tokenizer
 from support.chat_engine import assert_trainer_logprobs_match_engine, chat_worker_config, tiny_chat_model
+from support.verifiers_checks import PERSONA_START, assistant_exchanges, chatml_ids, expected_reward, task_answer
 from vllm_worker import GenerationWorker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.system]  # the engine, and verifiers' chat program processes
@@ -99,7 +99,7 @@ def test_streams_are_the_engines_ids_plus_chatml_observations_and_rewards_the_ru
     turns = []
     for sample in outcome["samples"][name]:
         assert not sample.reward_failed
-        served = _assistant_exchanges(exchanges, sample)
+        served = assistant_exchanges(exchanges, sample)
         assert served and served[0].prompt_token_ids == sample.input_token_ids
         ids: list[int] = []
         mask: list[bool] = []
@@ -111,7 +111,7 @@ def test_streams_are_the_engines_ids_plus_chatml_observations_and_rewards_the_ru
             if turn + 1 < len(served):
                 gap = served[turn + 1].prompt_token_ids[len(sample.input_token_ids) + len(ids):]
                 closer = "" if exchange.generation.token_ids[-1] == im_end else IM_END
-                assert any(gap == _chatml(tokenizer, f"{closer}\n<|im_start|>user\n{reply.strip()}<|im_end|>\n"
+                assert any(gap == chatml_ids(tokenizer, f"{closer}\n<|im_start|>user\n{reply.strip()}<|im_end|>\n"
                                                      "<|im_start|>assistant\n") for reply in user_replies)
                 ids += gap
                 mask += [False] * len(gap)
@@ -119,7 +119,7 @@ def test_streams_are_the_engines_ids_plus_chatml_observations_and_rewards_the_ru
         assert (sample.output_mask or [True] * len(ids)) == mask
         assert sample.sampling_logprobs == [lp for e in served for lp in e.generation.logprobs]
         last_reply = tokenizer.decode(served[-1].generation.token_ids, skip_special_tokens=True)
-        assert sample.reward == pytest.approx(expected_reward(last_reply, _task_answer(sample.prompt_id)), abs=1e-12)
+        assert sample.reward == pytest.approx(expected_reward(last_reply, task_answer(sample.prompt_id)), abs=1e-12)
         turns.append(len(served))
     assert len(turns) == N * len(PROMPT_IDS)
     assert all(t == 1 for t in turns) if name == "single" else all(t > 1 for t in turns)

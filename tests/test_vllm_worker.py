@@ -5,8 +5,8 @@ strings, stop token ids and EOS, and a real vLLM engine inside Ray on the tiny m
 
 The engine tests share one engine (module scope, ~35 s to start on CPU) serving the tiny model
 rewired into an answer sampler, so rewards vary; the tied-embedding test starts a second engine
-on the tied tiny model. Rewards are re-derived here with math-verify
-itself, logprobs with the HF model.
+on the tied tiny model. Rewards are re-derived with math-verify itself (support.generation_worker),
+logprobs with the HF model (support.reference_logprobs).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import asyncio
 import json
 import logging
 import math
-import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from async_grpo.config.worker_options import EngineConfig, FailedSamplesConfig, VerificationConfig
+from async_grpo.config.worker_options import EngineConfig, VerificationConfig
 from async_grpo.inference.failed_samples import FailedSampleLog
 from async_grpo.inference.served_adapters import AdapterBook
 from async_grpo.inference.weight_files import reload_buckets
@@ -35,44 +34,30 @@ from async_grpo.rewards.reward_failure import FailureKind
 from async_grpo.rewards.rewards import RewardConfig
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
-from sample_processing_utils import Sample, get_input_for_logprobs
-from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer
+from sample_processing_utils import Sample
+from setup_model import load_tokenizer
+from support.generation_worker import expected_reward, perturbed_copy, worker_config, write_answering_model
+from support.reference_logprobs import reference_logprobs
 from vllm_worker import GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig
 
 logger = logging.getLogger(__name__)
 
-# A few MiB of KV cache hold every sequence these tests run; a fixed size avoids the CPU
-# backend's RAM-fraction sizing, which fails when other processes use the machine.
-TEST_KV_CACHE_BYTES = 64 << 20
-TEST_MAX_MODEL_LEN = 256
-# Short enough that the hostile test finishes quickly, long enough for ordinary answers on a busy
-# 2-core machine (they take milliseconds).
-TEST_VERIFIER_TIMEOUT_S = 3.0
 # Upper bound on a scoring call in the hostile test: a guard so a hung verifier fails the test
 # instead of hanging it, far above the verifier's own deadline (not a performance threshold).
 HANG_GUARD_S = 120.0
 # float32 engine vs float32 HF on the same tokens: observed max |diff| ~3e-6 (different kernels
 # and summation order); 1e-4 leaves room for that and is far below the perturbation's effect.
 LOGPROB_ATOL = 1e-4
-# A weight perturbation this size moves logprobs of the tiny model by ~1 nat; requiring a 0.1
-# gap proves the engine serves the new weights and not the old ones.
-PERTURBATION_SCALE = 0.1
+# A weight perturbation (support.generation_worker.PERTURBATION_SCALE) moves logprobs of the tiny
+# model by ~1 nat; requiring a 0.1 gap proves the engine serves the new weights and not the old ones.
 MIN_OLD_NEW_GAP = 0.1
 EXPONENT_TOWER = "The answer is $\\boxed{5^{5^{5^{5^{5^{5^{5}}}}}}}$"
-# The answering model (see _write_answering_model) samples each token independently from these
-# logits (all other tokens: 0), so its completions are answers like '7', '37 3' or '' and the
-# rewards of a group differ; the EOS share also leaves some completions truncated at max_tokens.
-ANSWER_LOGITS = {"7": 6.5, "3": 6.3, " ": 5.5}
-EOS_LOGIT = 6.3
 # Seed of the stop tests' requests: the same seed with and without a stop samples the same tokens
 # up to the stop (the answering model's logits do not depend on the context), and this one gives
 # completions with and without each stop (checked in the test).
 STOP_TEST_SEED = 4321
 # A format the answering model meets about a third of the time: the completion starts with "7".
 STARTS_WITH_SEVEN = RewardConfig(format_pattern=r"^7", format_bonus=0.5, format_penalty=0.25)
-# Added to hidden dimension 0 of every token embedding: it dominates the residual stream, so the
-# final RMSNorm output is ~constant there and the lm_head column 0 alone sets the logits.
-EMBED_OFFSET = 100.0
 
 
 # The tiny model's whole context, and prompts long enough that three of them overflow one step.
@@ -80,76 +65,8 @@ _LONG_MODEL_LEN = 1024
 _LONG_PROMPT_TOKENS = 700
 
 
-def _config(model_dir: Path, failed_samples_path: Path | None = None, engine: dict[str, Any] | None = None,
-            **overrides: Any) -> GenerationWorkerConfig:
-    """The tests' worker config; `engine` changes fields of its EngineConfig."""
-    engine_fields: dict[str, Any] = dict(
-        max_num_seqs=16,
-        gpu_memory_utilization=0.1,
-        kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
-        max_model_len=TEST_MAX_MODEL_LEN,
-        enforce_eager=True,
-        dtype="float32",
-    )
-    fields: dict[str, Any] = dict(
-        model_path=str(model_dir),
-        engine=EngineConfig(**{**engine_fields, **(engine or {})}),
-        verification=VerificationConfig(global_num_verifiers=1, verifier_timeout_s=TEST_VERIFIER_TIMEOUT_S),
-        failed_samples=FailedSamplesConfig() if failed_samples_path is None else FailedSamplesConfig(
-            write_failed_generation_samples=True, failed_samples_path=str(failed_samples_path)),
-    )
-    return GenerationWorkerConfig(**{**fields, **overrides})
-
-
-def _write_answering_model(src: Path, dst: Path) -> Path:
-    """The tiny model rewired into a context-free sampler over ANSWER_LOGITS and EOS."""
-    tokenizer = load_tokenizer(src)
-    model = load_causal_lm(src)
-    hidden = model.config.hidden_size
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = EMBED_OFFSET
-        # RMSNorm of a vector dominated by dim 0 is ~sqrt(hidden) there: scale it to 1, drop the rest.
-        model.model.norm.weight.zero_()
-        model.model.norm.weight[0] = 1.0 / math.sqrt(hidden)
-        model.lm_head.weight.zero_()
-        for text, logit in ANSWER_LOGITS.items():
-            (token,) = tokenizer.encode(text)
-            model.lm_head.weight[token, 0] = logit
-        model.lm_head.weight[tokenizer.eos_token_id, 0] = EOS_LOGIT
-    shutil.copytree(src, dst)
-    model.save_pretrained(dst)
-    return dst
-
-
 def _build_sample(text: str, gt_answer: str, prompt_id: int, tokenizer) -> Sample:
     return Sample(input_token_ids=tokenizer.encode(text), gt_answer=gt_answer, prompt_id=prompt_id)
-
-
-def _expected_reward(output_text: str, gt_answer: str) -> float:
-    """math-verify's verdict, computed here directly (gold given as LaTeX, as the pool does)."""
-    from math_verify import parse, verify
-
-    return 1.0 if verify(parse(f"${gt_answer}$"), parse(output_text)) else 0.0
-
-
-def _hf_logprobs(model_dir: Path, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """Logprob of each output token under the HF model saved in model_dir."""
-    model = TokenLogprobModel(load_causal_lm(model_dir)).eval()
-    sample = Sample(input_token_ids=prompt, gt_answer="", output_token_ids=output)
-    with torch.no_grad():
-        logprobs, _ = model.score(get_input_for_logprobs([sample]))
-    return logprobs
-
-
-def _perturbed_copy(model_dir: Path, out_dir: Path, seed: int) -> dict[str, torch.Tensor]:
-    """Add seeded noise to every weight, save the model to out_dir, return its state dict."""
-    model = load_causal_lm(model_dir)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(PERTURBATION_SCALE * torch.randn(param.shape, generator=generator))
-    model.save_pretrained(out_dir)
-    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
 def _greedy(ray, actor, sample: Sample) -> Sample:
@@ -370,7 +287,7 @@ def test_tied_lm_head_is_fed_only_when_tied_and_missing() -> None:
 
 
 def test_hostile_and_truncated_outputs_through_scoring_path(ray_local, tiny_model_dir) -> None:
-    worker = GenerationWorker("scoring-test", _config(tiny_model_dir))
+    worker = GenerationWorker("scoring-test", worker_config(tiny_model_dir))
 
     def score(texts: list[str], truncated: list[bool], gt: str, truncated_reward: float | None) -> list[RewardResult]:
         call = worker.score_completions(texts, truncated, gt, truncated_reward)
@@ -381,10 +298,10 @@ def test_hostile_and_truncated_outputs_through_scoring_path(ray_local, tiny_mode
     # Caught by the pool's pre-checks before any verifier process sees it (math_verifier).
     assert (tower.reward, tower.failed) == (0.0, True) and tower.error.startswith("rejected: "), tower
     assert "exponent tower" in tower.error
-    assert (boxed.reward, boxed.failed) == (_expected_reward(boxed_seven, "7"), False) == (1.0, False)
+    assert (boxed.reward, boxed.failed) == (expected_reward(boxed_seven, "7"), False) == (1.0, False)
 
     # math-verify reads a cut-off '9=9=' as the answer 9; the default policy pays 0 for it.
-    assert _expected_reward("9=9=", "9") == 1.0
+    assert expected_reward("9=9=", "9") == 1.0
     (cut,) = score(["9=9="], [True], "9", SamplingConfig().truncated_reward)
     assert (cut.reward, cut.failed) == (0.0, False)
     (cut_verified,) = score(["9=9="], [True], "9", None)
@@ -401,12 +318,12 @@ def failed_samples_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def answering_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _write_answering_model(tiny_model_dir, tmp_path_factory.mktemp("answering") / "model")
+    return write_answering_model(tiny_model_dir, tmp_path_factory.mktemp("answering") / "model")
 
 
 @pytest.fixture(scope="module")
 def generation_actor(ray_local, answering_model_dir, failed_samples_path):
-    actor = _start_actor(ray_local, "generation-worker-test-0", _config(answering_model_dir, failed_samples_path))
+    actor = _start_actor(ray_local, "generation-worker-test-0", worker_config(answering_model_dir, failed_samples_path))
     yield actor
     _stop_actor(ray_local, actor)
 
@@ -453,7 +370,7 @@ def test_generate_rewards_advantages_versions(
             if rollout.truncated and sampling.truncated_reward is not None:
                 assert (rollout.reward, rollout.reward_failed) == (sampling.truncated_reward, False)
             else:
-                assert rollout.reward == _expected_reward(rollout.output_text, sample.gt_answer)
+                assert rollout.reward == expected_reward(rollout.output_text, sample.gt_answer)
             assert rollout.weight_version == served_version
             reward_failures += rollout.reward_failed
             all_rewards.append(rollout.reward)
@@ -478,18 +395,19 @@ def test_weight_update_reaches_engine(
     old_dir = answering_model_dir
 
     before = _greedy(ray_local, generation_actor, sample)
-    assert _max_diff(before.sampling_logprobs, _hf_logprobs(old_dir, sample.input_token_ids, before.output_token_ids)) <= LOGPROB_ATOL
+    assert _max_diff(before.sampling_logprobs,
+                     reference_logprobs(old_dir, sample.input_token_ids, before.output_token_ids)) <= LOGPROB_ATOL
 
     new_dir = tmp_path / "perturbed"
-    state_dict = _perturbed_copy(tiny_model_dir, new_dir, seed=7)
+    state_dict = perturbed_copy(tiny_model_dir, new_dir, seed=7)
     version = before.weight_version + 1
     update = WeightUpdate(version=version, shard_refs=[ray_local.put(state_dict_to_blobs(state_dict))])
     assert ray_local.get(generation_actor.update_weights.remote(update)) == version
 
     after = _greedy(ray_local, generation_actor, sample)
     assert after.weight_version == version
-    new_hf = _hf_logprobs(new_dir, sample.input_token_ids, after.output_token_ids)
-    old_hf = _hf_logprobs(old_dir, sample.input_token_ids, after.output_token_ids)
+    new_hf = reference_logprobs(new_dir, sample.input_token_ids, after.output_token_ids)
+    old_hf = reference_logprobs(old_dir, sample.input_token_ids, after.output_token_ids)
     assert _max_diff(after.sampling_logprobs, new_hf) <= LOGPROB_ATOL
     assert _max_diff(after.sampling_logprobs, old_hf) >= MIN_OLD_NEW_GAP
     health = ray_local.get(generation_actor.health.remote())
@@ -549,20 +467,20 @@ def test_weight_update_with_tied_embeddings(ray_local, tiny_tied_model_dir, tmp_
     the update one decoder layer per reload (a 1-byte bucket budget), the path a model far larger
     than a bucket takes; the untied test above loads it in one bucket."""
     actor = _start_actor(ray_local, "generation-worker-test-tied",
-                         _config(tiny_tied_model_dir, weight_reload_bucket_bytes=1))
+                         worker_config(tiny_tied_model_dir, weight_reload_bucket_bytes=1))
     try:
         tokenizer = load_tokenizer(tiny_tied_model_dir)
         sample = _build_sample("1 + 1 = ", "2", 0, tokenizer)
         for version, keep_lm_head in ((1, False), (2, True)):
             new_dir = tmp_path / f"tied-v{version}"
-            state_dict = _perturbed_copy(tiny_tied_model_dir, new_dir, seed=100 + version)
+            state_dict = perturbed_copy(tiny_tied_model_dir, new_dir, seed=100 + version)
             if not keep_lm_head:
                 state_dict.pop("lm_head.weight")
             update = WeightUpdate(version=version, shard_refs=[ray_local.put(state_dict_to_blobs(state_dict))])
             assert ray_local.get(actor.update_weights.remote(update)) == version
             rollout = _greedy(ray_local, actor, sample)
-            new_hf = _hf_logprobs(new_dir, sample.input_token_ids, rollout.output_token_ids)
-            old_hf = _hf_logprobs(tiny_tied_model_dir, sample.input_token_ids, rollout.output_token_ids)
+            new_hf = reference_logprobs(new_dir, sample.input_token_ids, rollout.output_token_ids)
+            old_hf = reference_logprobs(tiny_tied_model_dir, sample.input_token_ids, rollout.output_token_ids)
             assert rollout.weight_version == version
             assert _max_diff(rollout.sampling_logprobs, new_hf) <= LOGPROB_ATOL
             assert _max_diff(rollout.sampling_logprobs, old_hf) >= MIN_OLD_NEW_GAP
@@ -648,7 +566,7 @@ def test_stop_strings_stop_token_ids_and_eos(ray_local, generation_actor, answer
             assert rollout.reward == stop_sampling.truncated_reward
         else:
             shift = 0.5 if rollout.output_text.startswith("7") else -0.25
-            assert rollout.reward == pytest.approx(_expected_reward(rollout.output_text, "7") + shift, abs=1e-12)
+            assert rollout.reward == pytest.approx(expected_reward(rollout.output_text, "7") + shift, abs=1e-12)
     matched = sum(r.output_text.startswith("7") for r in checked)
     assert 0 < matched < len(checked)
     assert counters_after["generation/format_checked"] - counters_before["generation/format_checked"] == len(checked)
@@ -661,7 +579,7 @@ def test_seeded_requests_whose_prompts_overflow_one_step_are_served(ray_local, t
     one engine step takes (2,048). With vLLM's chunked prefill the third prompt was split across
     steps and the CPU sampler could not rewind its seeded generator ("CPU Generator does not use
     offset"): the engine died. Each request's tokens must equal the same request served alone."""
-    config = _config(tiny_model_dir, engine=dict(max_model_len=_LONG_MODEL_LEN, kv_cache_memory_bytes=64 << 20))
+    config = worker_config(tiny_model_dir, engine=dict(max_model_len=_LONG_MODEL_LEN, kv_cache_memory_bytes=64 << 20))
     actor = _start_actor(ray_local, "generation-worker-test-long", config)
     try:
         tokenizer = load_tokenizer(tiny_model_dir)

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 import vllm.distributed.weight_transfer.nccl_engine as vllm_nccl
-from test_weight_transfer_engine import INIT, UPDATE, RecordingEngine
 
 from async_grpo.inference.weight_transfer_engine import EngineTransferReceiver
 from async_grpo.trainer.weight_pusher import WeightPusher
@@ -29,6 +28,7 @@ from async_grpo.trainer.weight_transfer_trainer import (
 )
 from async_grpo.weights.weight_sync import gather_full_state_dict
 from setup_model import TokenLogprobModel, load_causal_lm
+from support.recording_engine import INIT, UPDATE, RecordingEngine
 
 # ---------------------------------------------------------------- pairing and plan
 

@@ -6,7 +6,7 @@
 
 Scenarios:
 - ordering: rank 0 runs a real ExperienceBatcher (plain class, asyncio on a thread) with the
-  in-process generation and logprob stand-ins of tests/test_experience_batcher.py. Both ranks
+  in-process generation and logprob stand-ins of tests/support/batcher_fakes.py. Both ranks
   submit their prompts of two steps through Rank0DataPath.submit_prompts (step 1 before step 0
   trains, as with max_lag 1), then read every message of step 0, then of step 1, through
   Rank0DataPath.next_message; `--slow_rank` sleeps before each read. Rank r writes
@@ -46,6 +46,7 @@ from async_grpo.batching.batcher_messages import EndOfStep, Minibatch, PromptReq
 from async_grpo.trainer.data_path import Rank0DataPath, Rank0DataPathError, encode_message  # noqa: E402
 from async_grpo.trainer.fsdp_setup import init_distributed  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
+from support.batcher_fakes import FakeGeneration, FakeLogprob, batcher_config, fake_prompts  # noqa: E402
 
 FAILED_EXIT = 3
 SLOW_S = 0.2
@@ -137,14 +138,13 @@ def _read_step(path: Rank0DataPath, step: int, rank: int, slow: bool, prompts_of
 
 
 def _batcher(world_size: int, scenario: str) -> Any:
-    """A real ExperienceBatcher over the in-process stand-ins (imported here: they need Ray)."""
-    from test_experience_batcher import FakeGeneration, FakeLogprob, _config
-
+    """A real ExperienceBatcher over the in-process stand-ins (imported here: the batcher needs Ray)."""
     from async_grpo.rollouts.sampling import SamplingConfig
     from vllm_experience_batcher import ExperienceBatcher
 
     sampling = SamplingConfig(n=3, drop_zero_variance_groups=scenario == "resample", max_resample_rounds=2)
-    return ExperienceBatcher(_config(world_size=world_size, sampling=sampling), FakeGeneration({}, {}), FakeLogprob())
+    config = batcher_config(world_size=world_size, sampling=sampling)
+    return ExperienceBatcher(config, FakeGeneration({}, {}), FakeLogprob())
 
 
 def _rank0_gone(scenario: str, info: Any, order: list[int], dist_timeout_s: float) -> None:
@@ -185,10 +185,8 @@ def main() -> None:
     if args.scenario in ("rank0_dies", "rank0_hangs"):
         _rank0_gone(args.scenario, info, order, args.dist_timeout_s)
 
-    from test_experience_batcher import _prompts  # needs Ray: the ordering scenarios only
-
     client = LoopClient(_batcher(info.world_size, args.scenario)) if info.is_main else None
-    path = Rank0DataPath(client, _prompts(range(NUM_PROMPTS)), info)
+    path = Rank0DataPath(client, fake_prompts(range(NUM_PROMPTS)), info)
     steps = [0, 1] if args.scenario == "ordering" else [0]
     for step in steps:
         path.submit_prompts(step, [order.pop(0) for _ in range(PROMPTS_PER_RANK)])

@@ -18,18 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from async_grpo.config.worker_options import VerificationConfig
-from async_grpo.telemetry.metrics import read_metrics
-from local_cluster import LocalCluster, LocalClusterConfig, local_engine
-from support.paths import REPO_ROOT
+from local_cluster import LocalCluster
+from support.cluster import cluster_config, started_cluster, train
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
-TRAINER_TIMEOUT_S = 600
 KL_COEF, TARGET_KL, HORIZON = 0.05, 0.01, 100
-RUN = ["--prompts_per_rank", "4", "--sampling.n", "4", "--sampling.max_tokens", "4", "--max_tokens_per_gpu", "256",
-       "--data.max_prompt_tokens", "16", "--eval.every", "0", "--progress_bar", "false", "--tensorboard", "false",
-       "--max_lag", "1", "--epochs_per_step", "2", "--optim.schedule", "constant", "--optim.warmup_steps", "0",
+# On top of support.cluster.FAST_RUN's small steps (2 ranks x 4 prompts x 4 rollouts):
+RUN = ["--max_lag", "1", "--epochs_per_step", "2", "--optim.schedule", "constant", "--optim.warmup_steps", "0",
        "--logprob_role", "old_policy", "--reference_pool", "true",
        "--loss.kl_coef", str(KL_COEF), "--loss.kl_in_reward", "true", "--loss.kl_controller", "adaptive",
        "--loss.target_kl", str(TARGET_KL), "--loss.kl_horizon", str(HORIZON), "--loss.kl_policy_logprobs", "old_policy",
@@ -40,26 +36,15 @@ SAMPLES_PER_STEP = 2 * 4 * 4  # ranks x prompts x rollouts
 
 @pytest.fixture(scope="module")
 def cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory):
-    model = str(demo_assets / "model")
-    config = LocalClusterConfig(
-        model_path=model, log_dir=str(tmp_path_factory.mktemp("worker-logs")), generation_workers=1,
-        logprob_workers=1, reference_workers=1, teacher_workers=1, teacher_model_path=model, num_cpus=8,
-        engine=local_engine(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64, enforce_eager=True),
-        verification=VerificationConfig(global_num_verifiers=1),
-    )
-    with LocalCluster(config) as running:
-        running.start_workers()
+    model = demo_assets / "model"
+    config = cluster_config(model, tmp_path_factory.mktemp("worker-logs"), reference_workers=1, teacher_workers=1,
+                            teacher_model_path=str(model))
+    with started_cluster(config) as running:
         yield running
 
 
 def _train(cluster: LocalCluster, demo_assets: Path, run_dir: Path, *extra: str) -> list[dict]:
-    log = run_dir.parent / f"{run_dir.name}-{len(list(run_dir.parent.glob('*.log')))}.log"
-    args = ["--config", str(REPO_ROOT / "configs" / "demo.yaml"), "--run_dir", str(run_dir),
-            "--model.model_path", str(demo_assets / "model"), "--data.path", str(demo_assets / "arithmetic.jsonl"),
-            *RUN, *extra]
-    code = cluster.run_trainer(args, nproc_per_node=2, timeout_s=TRAINER_TIMEOUT_S, log_path=log)
-    assert code == 0, f"trainer exited {code}:\n" + "\n".join(log.read_text().splitlines()[-40:])
-    return read_metrics(run_dir / "metrics.jsonl")
+    return train(cluster, demo_assets, run_dir, *RUN, *extra)
 
 
 def test_every_service_at_once_then_resume_with_the_controllers_beta(cluster: LocalCluster, demo_assets: Path,

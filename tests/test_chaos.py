@@ -35,13 +35,15 @@ from typing import Any
 import psutil
 import pytest
 
-from async_grpo.config.worker_options import HealthCheckConfig, RestartConfig, VerificationConfig
+from async_grpo.config.worker_options import HealthCheckConfig, RestartConfig
 from async_grpo.data.arithmetic_data import write_arithmetic_dataset
 from async_grpo.inference.weight_files import weights_file_dir
 from async_grpo.launch.local_processes import RUN_TEMP_PREFIX
 from async_grpo.launch.ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
 from async_grpo.telemetry.metrics import read_metrics
-from local_cluster import LocalCluster, LocalClusterConfig, local_engine
+from local_cluster import LocalCluster
+from support.cluster import cluster_config
+from support.ray_session import session_ray_set_aside
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
@@ -131,23 +133,15 @@ def _kill_if_running(process: subprocess.Popen) -> None:
 
 
 def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path, tmp_path: Path) -> None:
-    import ray
-
-    # LocalCluster owns its own Ray head; a session's shared ray_local connection must go first.
-    # (In file order this module runs before any ray_local user, as test_end_to_end does.)
-    if ray.is_initialized():
-        ray.shutdown()
     rng = random.Random(SEED)
     kill_at = {GENERATION: rng.randint(1, 3), LOGPROB: rng.randint(4, 6)}
     context = f"seed {SEED}, kills at steps {kill_at}"
     data = write_arithmetic_dataset(tmp_path / "arithmetic.jsonl", 200, seed=SEED)
     log_dir = tmp_path / "logs"
-    config = LocalClusterConfig(
-        model_path=str(tiny_model_dir), log_dir=str(log_dir), generation_workers=2, logprob_workers=2,
-        num_cpus=8, verification=VerificationConfig(global_num_verifiers=1),
+    config = cluster_config(
+        tiny_model_dir, log_dir, generation_workers=2, logprob_workers=2,
         health=HealthCheckConfig(health_check_interval_s=HEALTH_CHECK_INTERVAL_S),
-        engine=local_engine(kv_cache_memory_bytes=64 * 2**20, max_num_seqs=64, max_model_len=64, dtype="float32",
-                            enforce_eager=True),
+        engine={"kv_cache_memory_bytes": 64 * 2**20, "max_num_seqs": 64, "dtype": "float32"},
         restart=RestartConfig(restart_backoff_s=RESTART_BACKOFF_S),
     )
     killed: dict[str, int] = {}
@@ -158,7 +152,8 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
     ended.wait()
     orphan = Path(tempfile.gettempdir()) / f"{RUN_TEMP_PREFIX}{ended.pid}-chaos"
     orphan.mkdir()
-    with LocalCluster(config) as cluster, contextlib.ExitStack() as cleanup:
+    # LocalCluster owns its own Ray head: a session's shared ray_local connection is set aside.
+    with session_ray_set_aside(), LocalCluster(config) as cluster, contextlib.ExitStack() as cleanup:
         assert not orphan.exists(), "a dead launcher's temporary folder outlived the next cluster's start"
         cluster.start_workers()
         # The cluster's processes keep their temporary files in its own folder (vLLM's IPC sockets

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.data.arithmetic_data import write_arithmetic_dataset
 from async_grpo.launch.local_processes import free_port
 from async_grpo.launch.ray_env import BATCHER_ACTOR_NAME, RAY_NAMESPACE
 from async_grpo.trainer.checkpoint import checkpoints_root, latest_checkpoint
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
-from local_cluster import LocalCluster, LocalClusterConfig, local_engine
+from local_cluster import LocalCluster
+from support.cluster import cluster_config, started_cluster
 from support.paths import REPO_ROOT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
@@ -53,16 +53,8 @@ POLL_S = 0.05
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    config = LocalClusterConfig(
-        model_path=str(tiny_model_dir), log_dir=str(tmp_path_factory.mktemp("worker-logs")),
-        generation_workers=1, logprob_workers=0, num_cpus=8,
-        # Uncompiled (enforce_eager): the run's 4-token completions gain nothing from compiling, which
-        # costs ~12 s of each engine start on 2 cores (benchmarks/harness.py SMOKE_ENGINE).
-        engine=local_engine(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64, enforce_eager=True),
-        verification=VerificationConfig(global_num_verifiers=1),
-    )
-    with LocalCluster(config) as running:
-        running.start_workers()
+    config = cluster_config(tiny_model_dir, tmp_path_factory.mktemp("worker-logs"), logprob_workers=0)
+    with started_cluster(config) as running:
         yield running
 
 

@@ -22,55 +22,24 @@ import pytest
 import torch
 import yaml
 
-from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, registry_name
 from async_grpo.telemetry.metrics import moving_average, read_metrics
 from async_grpo.telemetry.trackers import flatten_config, mlflow_key
 from async_grpo.trainer.checkpoint import latest_checkpoint
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
-from local_cluster import LocalCluster, LocalClusterConfig, local_engine
+from local_cluster import LocalCluster
+from support.cluster import WORLD_SIZE, cluster_config, generation_versions, started_cluster, train
 from support.paths import REPO_ROOT
 from support.tracker_readers import trackio_run, wandb_offline_runs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
-WORLD_SIZE = 2
-# Small steps keep each run to tens of seconds on 2 cores: 2 ranks x 4 prompts x 4 rollouts.
-FAST_RUN = ["--prompts_per_rank", "4", "--sampling.n", "4", "--sampling.max_tokens", "4",
-            "--max_tokens_per_gpu", "256", "--progress_bar", "false", "--tensorboard", "false",
-            "--data.max_prompt_tokens", "16", "--eval.every", "0"]
-TRAINER_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
 def cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory):
-    config = LocalClusterConfig(
-        model_path=str(demo_assets / "model"), log_dir=str(tmp_path_factory.mktemp("worker-logs")),
-        generation_workers=1, logprob_workers=1, num_cpus=8, verification=VerificationConfig(global_num_verifiers=1),
-        # Uncompiled (enforce_eager): compiling costs ~12 s of the engine's start on 2 cores and
-        # buys little on runs of 4-token completions.
-        engine=local_engine(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64, enforce_eager=True),
-    )
-    with LocalCluster(config) as running:
-        running.start_workers()
+    with started_cluster(cluster_config(demo_assets / "model", tmp_path_factory.mktemp("worker-logs"))) as running:
         yield running
-
-
-def _train(cluster: LocalCluster, demo_assets: Path, run_dir: Path, *extra: str) -> list[dict]:
-    log = run_dir.parent / f"{run_dir.name}.trainer.log"
-    args = ["--config", str(REPO_ROOT / "configs" / "demo.yaml"), "--run_dir", str(run_dir),
-            "--model.model_path", str(demo_assets / "model"), "--data.path", str(demo_assets / "arithmetic.jsonl"),
-            *FAST_RUN, *extra]
-    code = cluster.run_trainer(args, nproc_per_node=WORLD_SIZE, timeout_s=TRAINER_TIMEOUT_S, log_path=log)
-    assert code == 0, f"trainer exited {code}:\n" + "\n".join(log.read_text().splitlines()[-40:])
-    return read_metrics(run_dir / "metrics.jsonl")
-
-
-def _generation_versions() -> list[int]:
-    import ray
-
-    registry = ray.get_actor(registry_name(GENERATION), namespace=RAY_NAMESPACE)
-    return [status.weight_version for status in ray.get(registry.status.remote())]
 
 
 def _load_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -113,8 +82,8 @@ class FinishedRun:
 
 
 def _finished(cluster: LocalCluster, demo_assets: Path, run_dir: Path, *extra: str) -> FinishedRun:
-    records = _train(cluster, demo_assets, run_dir, *extra)
-    return FinishedRun(run_dir, records, _generation_versions())
+    records = train(cluster, demo_assets, run_dir, *extra)
+    return FinishedRun(run_dir, records, generation_versions())
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +184,8 @@ def test_push_every_two_trains_every_step_on_fresh_rollouts(cluster: LocalCluste
                                                             tmp_path: Path) -> None:
     """push_every 2 publishes only even weight versions. A step's prompts must wait for a published
     version within max_lag of it: no rollout may be dropped as stale, no step may train on nothing."""
-    records = _train(cluster, demo_assets, tmp_path / "run", "--num_steps", "4", "--max_lag", "1",
-                     "--push_every", "2", "--checkpoint_every", "0")
+    records = train(cluster, demo_assets, tmp_path / "run", "--num_steps", "4", "--max_lag", "1",
+                    "--push_every", "2", "--checkpoint_every", "0")
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for record in records:
         assert record["counts/dropped_stale"] == 0, record
@@ -224,7 +193,7 @@ def test_push_every_two_trains_every_step_on_fresh_rollouts(cluster: LocalCluste
         # Versions 0 and 2 are the only ones published before steps 0-3 train: each step's rollouts
         # come from the newest even version not after it, so odd steps lag by 1, even ones by 0.
         assert record["staleness/max"] == record["step"] % 2, record
-    assert _generation_versions() == [4]  # the last step always pushes
+    assert generation_versions() == [4]  # the last step always pushes
 
 
 def _seeded_tokens(demo_assets: Path, seed: int | None) -> list[list[list[int]]]:
@@ -303,13 +272,13 @@ def test_resume_continues_like_an_uninterrupted_run(cluster: LocalCluster, demo_
     """2 steps, then a resume to 4: the data position, the per-step metrics and the final
     checkpoint (weights, AdamW state, lr schedule, sampler, RNG) match an uninterrupted 4-step run."""
     run = tmp_path / "run"
-    _train(cluster, demo_assets, run, "--num_steps", "2", "--checkpoint_every", "2")
+    train(cluster, demo_assets, run, "--num_steps", "2", "--checkpoint_every", "2")
     assert latest_checkpoint(run).name == "step_000002"
     half_written = run / "checkpoints" / "step_000004.tmp"
     half_written.mkdir()
     (half_written / "trainer_state.json").write_text("{}")  # looks tempting, must be ignored
 
-    records = _train(cluster, demo_assets, run, "--num_steps", "4", "--resume", "true")
+    records = train(cluster, demo_assets, run, "--num_steps", "4", "--resume", "true")
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     num_prompts = sum(1 for line in (demo_assets / "arithmetic.jsonl").read_text().splitlines() if line.strip())
     for rank in range(WORLD_SIZE):
@@ -341,7 +310,7 @@ def test_rank0_data_path_trains_like_per_rank(cluster: LocalCluster, demo_assets
     the same 4 steps as the per-rank path: data order, per-step metrics and final checkpoint."""
     runs = {"per_rank": four_steps.run_dir, "rank0": tmp_path / "rank0"}
     records = {"per_rank": four_steps.records,
-               "rank0": _train(cluster, demo_assets, runs["rank0"], "--num_steps", "4", "--data_path", "rank0")}
+               "rank0": train(cluster, demo_assets, runs["rank0"], "--num_steps", "4", "--data_path", "rank0")}
     # Each rank's data order is the same; which rank trains a sample depends on when its rollout
     # arrived (the packer balances tokens as samples come in), so the trained prompts are
     # compared as the step's union over ranks.
@@ -379,9 +348,9 @@ def test_reward_rises_on_the_easiest_setting(cluster: LocalCluster, demo_assets:
     from async_grpo.data.arithmetic_data import write_arithmetic_dataset
 
     easy = write_arithmetic_dataset(tmp_path / "easy.jsonl", num_samples=300, seed=1, max_operand=2)
-    records = _train(cluster, demo_assets, tmp_path / "run", "--num_steps", str(LEARNING_STEPS),
-                     "--data.path", str(easy), "--prompts_per_rank", "16", "--sampling.n", "16",
-                     "--max_tokens_per_gpu", "4096", "--checkpoint_every", "0")
+    records = train(cluster, demo_assets, tmp_path / "run", "--num_steps", str(LEARNING_STEPS),
+                    "--data.path", str(easy), "--prompts_per_rank", "16", "--sampling.n", "16",
+                    "--max_tokens_per_gpu", "4096", "--checkpoint_every", "0")
     rewards = [r["reward/mean"] for r in records]
     start, end = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
     assert end >= start + LEARNING_MARGIN, f"reward did not rise by {LEARNING_MARGIN}: {rewards}"

@@ -3,9 +3,8 @@ worker, the batcher, and `torchrun` with 2 FSDP2 ranks training the adapter of t
 
     .venv/bin/python -m pytest tests/test_end_to_end_lora.py -q
 
-Named to sort right after test_end_to_end.py: its LocalCluster owns a Ray head of its own, so in
-a full run it must come before the modules that share the session's `ray_local` connection (as
-tests/test_lora_end_to_end.py, it came after them and its cluster could not start).
+Its LocalCluster owns a Ray head of its own: support.cluster.started_cluster sets the session's
+`ray_local` connection aside meanwhile, so the module may run after the modules that share it.
 """
 
 from __future__ import annotations
@@ -15,12 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_end_to_end import _generation_versions, _train
 
-from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.trainer.checkpoint import latest_checkpoint
 from async_grpo.weights.weight_sync import read_stable_marker
-from local_cluster import LocalCluster, LocalClusterConfig, local_engine
+from local_cluster import LocalCluster
+from support.cluster import cluster_config, generation_versions, started_cluster, train
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
@@ -32,15 +30,10 @@ KL_AT_START_ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def lora_cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: F811
-    config = LocalClusterConfig(
-        model_path=str(demo_assets / "model"), log_dir=str(tmp_path_factory.mktemp("lora-worker-logs")),
-        generation_workers=1, logprob_workers=1, num_cpus=8, verification=VerificationConfig(global_num_verifiers=1),
-        engine=local_engine(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64,
-                            max_lora_rank=LORA_RANK, enforce_eager=True),  # uncompiled: ~12 s sooner up
-    )
-    with LocalCluster(config) as running:
-        running.start_workers()
+def lora_cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory):
+    config = cluster_config(demo_assets / "model", tmp_path_factory.mktemp("lora-worker-logs"),
+                            engine={"max_lora_rank": LORA_RANK})
+    with started_cluster(config) as running:
         yield running
 
 
@@ -49,7 +42,7 @@ def _check_run(run_dir: Path, records: list[dict], mode: str) -> None:
 
     assert [r["step"] for r in records] == list(range(STEPS))
     assert any(r["optim/grad_norm"] > 0 for r in records), "no step had a gradient"
-    assert _generation_versions() == [STEPS]
+    assert generation_versions() == [STEPS]
     marker = read_stable_marker(run_dir / "weights" / "STABLE")
     assert (marker.version, marker.mode) == (STEPS, mode)
     checkpoint = latest_checkpoint(run_dir)
@@ -67,8 +60,8 @@ def test_lora_run_sharded_push_with_reference_kl(lora_cluster: LocalCluster, dem
     """Reference logprobs (KL 0.05, demo.yaml) from the logprob worker's base model; the adapter
     is pushed as every rank's own shards."""
     run_dir = tmp_path / "run"
-    records = _train(lora_cluster, demo_assets, run_dir, "--num_steps", str(STEPS), "--sampling.n", "8",
-                     "--weight_push_mode", "sharded", *LORA_FLAGS)
+    records = train(lora_cluster, demo_assets, run_dir, "--num_steps", str(STEPS), "--sampling.n", "8",
+                    "--weight_push_mode", "sharded", *LORA_FLAGS)
     _check_run(run_dir, records, "sharded")
     # Step 0's first pass: the adapter is still the identity (B = 0), so policy and reference (the
     # logprob worker's base model, no adapter) agree up to float rounding; later steps moved away.
@@ -80,9 +73,9 @@ def test_lora_run_files_push_with_old_policy_logprobs(lora_cluster: LocalCluster
                                                       tmp_path: Path) -> None:
     """lora_files push to the generation worker and, in the old_policy role, to the logprob worker."""
     run_dir = tmp_path / "run"
-    records = _train(lora_cluster, demo_assets, run_dir, "--num_steps", str(STEPS), "--sampling.n", "8",
-                     "--weight_push_mode", "lora_files", "--logprob_role", "old_policy", "--loss.kl_coef", "0",
-                     *LORA_FLAGS)
+    records = train(lora_cluster, demo_assets, run_dir, "--num_steps", str(STEPS), "--sampling.n", "8",
+                    "--weight_push_mode", "lora_files", "--logprob_role", "old_policy", "--loss.kl_coef", "0",
+                    *LORA_FLAGS)
     _check_run(run_dir, records, "lora_files")
     folders = sorted(p.name for p in (run_dir / "weights").iterdir() if p.is_dir())
     assert folders == [f"step_{v:06d}" for v in (STEPS - 1, STEPS)]

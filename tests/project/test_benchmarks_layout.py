@@ -11,7 +11,7 @@ from support.paths import REPO_ROOT
 
 BENCHMARKS = REPO_ROOT / "benchmarks"
 # Scripts whose smoke mode another test runs (tests/test_benchmarks_smoke.py names the rest).
-SMOKED_ELSEWHERE = {"soak": "test_soak.py", "scale": "test_scale_benchmark.py"}
+SMOKED_ELSEWHERE = {"soak": "system/test_soak.py", "scale": "system/test_scale_benchmark.py"}
 
 
 def _tree(path: Path) -> ast.Module:
@@ -73,12 +73,12 @@ def test_no_benchmark_script_imports_another() -> None:
 def test_no_test_imports_a_benchmark_script() -> None:
     scripts = _scripts()
     offenders = {path.name: sorted(_benchmark_imports(_tree(path)) & set(scripts))
-                 for path in sorted((REPO_ROOT / "tests").glob("*.py"))}
+                 for path in sorted((REPO_ROOT / "tests").rglob("*.py"))}
     assert not {k: v for k, v in offenders.items() if v}, offenders
 
 
 def test_every_script_has_a_smoke_mode_that_a_test_runs() -> None:
-    smoke_tests = (REPO_ROOT / "tests" / "test_benchmarks_smoke.py").read_text()
+    smoke_tests = (REPO_ROOT / "tests" / "system" / "test_benchmarks_smoke.py").read_text()
     missing_mode, missing_test = [], []
     for name, path in _scripts().items():
         if "SMOKE" not in path.read_text() and "smoke" not in path.read_text():

@@ -1,6 +1,16 @@
 """Shared fixtures (the tiny model and the demo's assets written once per session, a local Ray
 cluster) and the test tiers.
 
+Layout (tests/project/test_tests_layout.py checks it): tests/<folder>/ holds the tests of
+async_grpo/<folder>/ and of that subsystem's spine files (vllm_worker, logprob_worker: inference/;
+vllm_registry: routing/; vllm_experience_batcher: batching/; trainer_core: trainer/;
+worker_dispatcher, local_cluster: launch/; setup_model: model/; grpo_loss and the packing: algo/);
+tests/system/ the whole-system runs and the benchmarks' checks; tests/project/ the checks on the
+repository itself. What several modules share is in tests/support/ (`support.<module>`: no test
+module imports another), the programs the tests start in tests/programs/, the reward plug-ins the
+verifier pool imports by name in tests/plugins/ (pyproject.toml puts tests/ and tests/plugins on
+pytest's path).
+
 Tiers (markers; scripts/test.sh runs each in its own pytest process, `--fast` only the first):
 - fast (no marker): pure and single-process: no child process, no Ray, no process group.
 - ray: uses the session's local Ray cluster (applied from the `ray_local` fixture).

@@ -6,7 +6,7 @@ Numbers are checked against values worked out by hand (or written out with plain
 never against the code under test. Batcher tests run the plain `ExperienceBatcher` on asyncio
 with in-process stand-ins for the registries, whose rewards the test chooses.
 
-    .venv/bin/python -m pytest tests/test_algorithms.py -q
+    .venv/bin/python -m pytest tests/algo/test_algorithms.py -q
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Packing respects Sample.output_mask: observation tokens are context, never labels.
 
-    .venv/bin/python -m pytest tests/test_multi_turn_packing.py -q
+    .venv/bin/python -m pytest tests/algo/test_multi_turn_packing.py -q
 
 Every expected value below is written by hand from the layout in sample_processing_utils'
 module docstring, not computed by the code under test.

@@ -1,7 +1,7 @@
 """LoRA settings at load time: model.lora flags, early errors naming the field, the worker-side
 rank vLLM accepts.
 
-    .venv/bin/python -m pytest tests/test_lora_config.py -q
+    .venv/bin/python -m pytest tests/config/test_lora_config.py -q
 """
 
 from __future__ import annotations

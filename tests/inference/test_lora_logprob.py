@@ -1,7 +1,7 @@
 """Logprob workers in the old_policy role apply a LoRA policy's pushed adapter to their base
 model; checked against Hugging Face PeftModel loaded from the same files.
 
-    .venv/bin/python -m pytest tests/test_lora_logprob.py -q
+    .venv/bin/python -m pytest tests/inference/test_lora_logprob.py -q
 """
 
 from __future__ import annotations

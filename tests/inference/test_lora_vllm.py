@@ -1,7 +1,7 @@
 """LoRA adapter pushes into a real vLLM engine (the CPU build's LoRA kernels), checked against
 Hugging Face PeftModel with the same adapter files.
 
-    .venv/bin/python -m pytest tests/test_lora_vllm.py -q
+    .venv/bin/python -m pytest tests/inference/test_lora_vllm.py -q
 
 One engine serves the whole scenario (module fixture, one event loop): pushes in the 'sharded'
 mode (two ranks' pieces, LoRA A cut along dim 1 as FSDP2 shards it here) and 'lora_files' mode,

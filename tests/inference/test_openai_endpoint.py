@@ -1,10 +1,10 @@
 """async_grpo.inference.openai_endpoint.Endpoint's wire format and input checks, and verifiers_rollouts' drift refusal.
 
-    .venv/bin/python -m pytest tests/test_openai_endpoint.py -q
+    .venv/bin/python -m pytest tests/inference/test_openai_endpoint.py -q
 
-The engine behind the endpoint here is a recording backend that answers fixed ids: these tests
-pin the HTTP layer (what a client reads, what is refused and counted, the weight versions each
-answer carries); tests/test_verifiers_vllm.py runs the same endpoint served by a real generation
+The engine behind the endpoint here is a recording backend that answers fixed ids: these tests pin
+the HTTP layer (what a client reads, what is refused and counted, the weight versions each answer
+carries); tests/rollouts/test_verifiers_vllm.py runs the same endpoint served by a real generation
 worker.
 """
 

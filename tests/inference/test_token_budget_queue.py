@@ -1,7 +1,7 @@
 """TokenBudgetQueue: batches of at most a token budget, formed when full or max_wait after the
 oldest request, first fit behind the head; plain asyncio, no model.
 
-    .venv/bin/python -m pytest tests/test_token_budget_queue.py -q
+    .venv/bin/python -m pytest tests/inference/test_token_budget_queue.py -q
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Generation worker: reward policy (truncation, format shaping, overlong punishment), stop
 strings, stop token ids and EOS, and a real vLLM engine inside Ray on the tiny model.
 
-    .venv/bin/python -m pytest tests/test_vllm_worker.py -x -q
+    .venv/bin/python -m pytest tests/inference/test_vllm_worker.py -x -q
 
 The engine tests share one engine (module scope, ~35 s to start on CPU) serving the tiny model
 rewired into an answer sampler, so rewards vary; the tied-embedding test starts a second engine

@@ -1,8 +1,10 @@
 """The generation worker's end of vLLM's CUDA weight transfers (weight_transfer_engine.
-EngineTransferReceiver) against a recording stand-in of AsyncLLM: which of the engine's calls
-each pass-through makes, in which order, with which arguments, and what it refuses before the
-engine sees it. The real engines need CUDA; the object-store backend's engine path runs in
-tests/test_vllm_worker.py. `.venv/bin/python -m pytest tests/test_weight_transfer_engine.py -q`.
+EngineTransferReceiver) against a recording stand-in of AsyncLLM: which of the engine's calls each
+pass-through makes, in which order, with which arguments, and what it refuses before the engine sees
+it. The real engines need CUDA; the object-store backend's engine path runs in
+tests/inference/test_vllm_worker.py.
+
+    .venv/bin/python -m pytest tests/inference/test_weight_transfer_engine.py -q
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ EngineConfig.weight_transfer, so a user sets the backend once (the two ends must
 refuses a transfer by another backend at its first push); a launcher --weight_transfer that
 names another backend is refused with one line before anything starts.
 
-    .venv/bin/python -m pytest tests/test_launcher_transfer.py -q
+    .venv/bin/python -m pytest tests/launch/test_launcher_transfer.py -q
 """
 
 from __future__ import annotations

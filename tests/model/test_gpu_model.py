@@ -2,11 +2,11 @@
 
     scripts/test.sh --gpu            # the whole gpu tier (deselected, with a count, without CUDA)
 
-- One bf16 FSDP2 step (fsdp_setup.build_training_model on a one-rank NCCL group: bf16 compute,
-  fp32 master weights and gradient reduction, the packed stream, chunked lm_head) against
-  tests/test_step_parity.py's fp32 padded reference (plain HF model on the CPU, eager attention,
-  one right-padded batch, the loss from its definition): the logprobs and every gradient agree
-  within bf16's tolerance, and the decoder really computed in bf16.
+- One bf16 FSDP2 step (fsdp_setup.build_training_model on a one-rank NCCL group: bf16 compute, fp32
+  master weights and gradient reduction, the packed stream, chunked lm_head) against
+  tests/trainer/test_step_parity.py's fp32 padded reference (plain HF model on the CPU, eager
+  attention, one right-padded batch, the loss from its definition): the logprobs and every gradient
+  agree within bf16's tolerance, and the decoder really computed in bf16.
 - The varlen packed forward (PACKED_VARLEN: torch's flash-attention varlen kernel, and
   flash_attention_2 where flash-attn is installed) with the samples' boundaries computed once
   by TokenLogprobModel, against each sample run alone through plain sdpa; boundaries that merge

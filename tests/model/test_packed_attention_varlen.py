@@ -7,7 +7,7 @@
   that one tensor (a spy attention over PACKED_SDPA).
 - The model's output with them passed equals its output without (samples read from position
   ids), and wrong boundaries change it: the kwargs are really read, so the equality is not vacuous.
-The flash-attention varlen kernel itself needs CUDA: tests/test_gpu_model.py.
+The flash-attention varlen kernel itself needs CUDA: tests/model/test_gpu_model.py.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def test_forward_under_inference_mode(packed_model: TokenLogprobModel) -> None:
 
 
 def test_packed_varlen_defers_to_packed_sdpa_off_cuda(tiny_model_dir: Path, packed_model: TokenLogprobModel) -> None:
-    """PACKED_VARLEN's kernel is CUDA-only (tests/test_gpu_model.py runs it); on the CPU a model
-    loaded with it scores exactly as PACKED_SDPA, instead of failing in the first layer."""
+    """PACKED_VARLEN's kernel is CUDA-only (tests/model/test_gpu_model.py runs it); on the CPU a
+    model loaded with it scores exactly as PACKED_SDPA, instead of failing in the first layer."""
     from async_grpo.model.packed_attention import PACKED_VARLEN
 
     varlen_model = TokenLogprobModel(load_causal_lm(tiny_model_dir, attn_implementation=PACKED_VARLEN)).eval()

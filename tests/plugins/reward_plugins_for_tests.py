@@ -1,6 +1,7 @@
-"""Reward functions for tests/test_reward_functions.py: well-behaved ones and hostile ones. Loaded
-by `module:function` reference in the verifier pool's processes, like a user's plug-in (importable by
-name: pyproject.toml puts tests/plugins on pytest's path, and the pool's processes inherit it)."""
+"""Reward functions for tests/rewards/test_reward_functions.py: well-behaved ones and hostile ones.
+Loaded by `module:function` reference in the verifier pool's processes, like a user's plug-in
+(importable by name: pyproject.toml puts tests/plugins on pytest's path, and the pool's processes
+inherit it)."""
 
 from __future__ import annotations
 

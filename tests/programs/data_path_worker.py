@@ -1,4 +1,4 @@
-"""One rank of tests/test_data_path.py: the rank-0 data path over a real gloo process group.
+"""One rank of tests/trainer/test_data_path.py: the rank-0 data path over a real gloo process group.
 
     torchrun --nproc_per_node=2 tests/programs/data_path_worker.py --scenario ordering --slow_rank 1 --out_dir OUT
     RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p \
@@ -21,7 +21,7 @@ Scenarios:
   wait reaches the data path's deadline (a little under --dist_timeout_s). Rank 1 prints the
   error and exits with FAILED_EXIT. These two need neither Ray nor the batcher (rank 0 reads a
   canned round, CannedClient), so they run on the GPU machine too, where the ranks join over
-  NCCL (tests/test_gpu_data_path.py); elsewhere over gloo.
+  NCCL (tests/trainer/test_gpu_data_path.py); elsewhere over gloo.
 """
 
 from __future__ import annotations

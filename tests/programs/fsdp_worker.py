@@ -1,4 +1,5 @@
-"""One rank of the FSDP2 checks in tests/test_fsdp.py; the test launches it and checks its files.
+"""One rank of the FSDP2 checks in tests/trainer/test_fsdp.py; the test launches it and checks its
+files.
 
     torchrun --nproc_per_node=2 tests/programs/fsdp_worker.py --spec SPEC.json --out_dir OUT
     python tests/programs/fsdp_worker.py --spec SPEC.json --out_dir OUT        # one process, no torchrun

@@ -1,5 +1,5 @@
-"""The receiving end of tests/test_gpu_weight_transfer.py's one-GPU check: opens CUDA IPC handles
-of the trainer's tensors, as vLLM's IPC engine does in a colocated inference worker (torch's
+"""The receiving end of tests/trainer/test_gpu_weight_transfer.py's one-GPU check: opens CUDA IPC
+handles of the trainer's tensors, as vLLM's IPC engine does in a colocated inference worker (torch's
 rebuild_cuda_tensor), without vLLM, and answers each with the SHA-256 of the bytes it sees.
 
     python tests/programs/gpu_ipc_receiver.py
@@ -11,7 +11,6 @@ only: nothing is unpickled.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -20,12 +19,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support
-from support.ipc_codec import decode  # noqa: E402
-
-
-def tensor_sha256(tensor: torch.Tensor) -> str:
-    """SHA-256 of a tensor's bytes in row-major order (the same on both sides of the handle)."""
-    return hashlib.sha256(tensor.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+from support.ipc_codec import decode, tensor_sha256  # noqa: E402
 
 
 def main() -> None:

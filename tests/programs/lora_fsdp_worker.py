@@ -1,4 +1,4 @@
-"""One trainer rank of tests/test_lora_fsdp.py: LoRA under FSDP2, its adapter shards, a PEFT
+"""One trainer rank of tests/trainer/test_lora_fsdp.py: LoRA under FSDP2, its adapter shards, a PEFT
 checkpoint and an exact resume.
 
     torchrun --nproc_per_node=2 tests/programs/lora_fsdp_worker.py --spec SPEC.json --out_dir OUT

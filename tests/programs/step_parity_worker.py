@@ -1,4 +1,5 @@
-"""One rank of tests/test_step_parity.py: the system's optimizer step on samples the test wrote.
+"""One rank of tests/trainer/test_step_parity.py: the system's optimizer step on samples the test
+wrote.
 
     torchrun --nproc_per_node=2 tests/programs/step_parity_worker.py --spec SPEC.json --out_dir OUT
 

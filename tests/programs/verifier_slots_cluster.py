@@ -1,4 +1,4 @@
-"""The child of tests/test_verifier_slots.py: a two-node Ray cluster on this machine
+"""The child of tests/rewards/test_verifier_slots.py: a two-node Ray cluster on this machine
 (ray.cluster_utils.Cluster, loopback only) whose nodes offer `verification_slot`, the verifier pool
 on it, and one line of what it saw (REPORT_PREFIX, then JSON); the test asserts on that line.
 

@@ -1,4 +1,5 @@
-"""One trainer rank of tests/test_weight_push_dtype.py: real WeightPusher pushes into a recorder.
+"""One trainer rank of tests/trainer/test_weight_push_dtype.py: real WeightPusher pushes into a
+recorder.
 
     torchrun --nproc_per_node=2 tests/programs/weight_push_worker.py --ray_address HOST:PORT \
         --namespace NS --out_dir OUT --model_path DIR [--model_path DIR ...]

@@ -10,7 +10,7 @@ from pathlib import Path
 from support.paths import REPO_ROOT
 
 BENCHMARKS = REPO_ROOT / "benchmarks"
-# Scripts whose smoke mode another test runs (tests/test_benchmarks_smoke.py names the rest).
+# Scripts whose smoke mode another test runs (tests/system/test_benchmarks_smoke.py names the rest).
 SMOKED_ELSEWHERE = {"soak": "system/test_soak.py", "scale": "system/test_scale_benchmark.py"}
 
 

@@ -1,8 +1,8 @@
 """The answer checks (math_verifier.py), the process pool (verifier_pool.py) and its Ray actors
-(verifier_cluster.py): real math-verify in worker processes, which answer of a long text counts,
-the pre-checks and the plain-number fast path (checked against math-verify itself), deadlines,
-replacement, the Ray actor path (the verification_slot path: tests/test_verifier_slots.py; the
-typed failure kinds: tests/test_reward_failure.py)."""
+(verifier_cluster.py): real math-verify in worker processes, which answer of a long text counts, the
+pre-checks and the plain-number fast path (checked against math-verify itself), deadlines,
+replacement, the Ray actor path (the verification_slot path: tests/rewards/test_verifier_slots.py;
+the typed failure kinds: tests/rewards/test_reward_failure.py)."""
 
 from __future__ import annotations
 

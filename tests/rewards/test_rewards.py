@@ -1,6 +1,6 @@
 """Reward shaping (rewards.py) and the sampling config's stop and reward sections: pure, no engine.
 
-    .venv/bin/python -m pytest tests/test_rewards.py -q
+    .venv/bin/python -m pytest tests/rewards/test_rewards.py -q
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 and spread over the nodes, scoring works through the pool actor and the workers' client, and
 shutting the pool down gives the slots back.
 
-    .venv/bin/python -m pytest tests/test_verifier_slots.py -q
+    .venv/bin/python -m pytest tests/rewards/test_verifier_slots.py -q
 
 The cluster is two Ray nodes on this machine (ray.cluster_utils.Cluster, loopback only): a head
 offering 2 slots and a second node offering 1. It runs in a child process

@@ -1,9 +1,9 @@
 """The tool demo's parts: the warm-up data is exactly what ToolEnvironment runs, and the report's figures.
 
-    .venv/bin/python -m pytest tests/test_demo_tools.py -q
+    .venv/bin/python -m pytest tests/rollouts/test_demo_tools.py -q
 
-The demo itself (scripts/demo_tools.sh) is a cluster run; tests/test_demo_tools_smoke.py runs it
-for a few steps.
+The demo itself (scripts/demo_tools.sh) is a cluster run; tests/system/test_demo_tools_smoke.py runs
+it for a few steps.
 """
 
 from __future__ import annotations

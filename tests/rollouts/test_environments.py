@@ -1,6 +1,6 @@
 """EnvironmentConfig: the environment a config names is checked at start-up, in one line.
 
-    .venv/bin/python -m pytest tests/test_environments.py -q
+    .venv/bin/python -m pytest tests/rollouts/test_environments.py -q
 """
 
 from __future__ import annotations

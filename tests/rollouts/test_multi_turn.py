@@ -1,9 +1,9 @@
 """The multi-turn rollout loop (multi_turn.py) with the real chat tokenizer and a scripted engine.
 
-    .venv/bin/python -m pytest tests/test_multi_turn.py -q
+    .venv/bin/python -m pytest tests/rollouts/test_multi_turn.py -q
 
-The engine here answers from a script so that each turn's tokens are known in advance; the same
-loop against a real vLLM engine is tests/test_multi_turn_vllm.py. Expected observation tokens
+The engine here answers from a script so that each turn's tokens are known in advance; the same loop
+against a real vLLM engine is tests/rollouts/test_multi_turn_vllm.py. Expected observation tokens
 are the tokenizer's encoding of text written out by hand below (ChatML), not the renderer's.
 """
 

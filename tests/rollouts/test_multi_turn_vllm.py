@@ -1,6 +1,6 @@
 """Multi-turn rollouts against a real vLLM engine (AsyncLLM in this process, the tiny chat model).
 
-    .venv/bin/python -m pytest tests/test_multi_turn_vllm.py -q      # ~1-2 min (engine start)
+    .venv/bin/python -m pytest tests/rollouts/test_multi_turn_vllm.py -q      # ~1-2 min (engine start)
 
 What it checks, per rollout: the sample's output stream is exactly the tokens the engine
 returned in each turn plus the observation tokens as appended (which are the hand-written ChatML

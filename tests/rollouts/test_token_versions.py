@@ -1,7 +1,7 @@
 """token_versions: the engine's weight-version spans -> a completion's run-length versions, and the
 oldest-token / per-token staleness helpers the batcher and the trainer's metrics use.
 
-    .venv/bin/python -m pytest tests/test_token_versions.py -q
+    .venv/bin/python -m pytest tests/rollouts/test_token_versions.py -q
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A rollout that straddles a weight push (weight_update_pause_mode: keep) carries the right
 version per token, and each segment's sampling logprobs are those of the weights its version names.
 
-    .venv/bin/python -m pytest tests/test_token_versions_engine.py -q
+    .venv/bin/python -m pytest tests/rollouts/test_token_versions_engine.py -q
 
 One real vLLM engine in a GenerationWorkerActor on the bundled tiny Qwen2 (random weights: with
 max_tokens 200 most completions run long, so a push issued while a request is in flight lands in
@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 pytestmark = [pytest.mark.vllm]
 
-# float32 engine vs float32 HF on the same tokens: observed max |diff| ~3e-6 (tests/test_vllm_worker.py).
+# float32 engine vs float32 HF on the same tokens: observed max |diff| ~3e-6
+# (tests/inference/test_vllm_worker.py).
 LOGPROB_ATOL = 1e-4
 # The two versions are seeded perturbations (support.generation_worker.perturbed_copy: noise of scale 0.1
 # moves the tiny model's logprobs by ~1 nat); a 0.1 gap proves a segment matches its own version

@@ -1,6 +1,6 @@
 """The tool environment: the calculator, Qwen-format tool calls, and hostile Python contained.
 
-    .venv/bin/python -m pytest tests/test_tool_environment.py -q
+    .venv/bin/python -m pytest tests/rollouts/test_tool_environment.py -q
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Real verifiers environments (verifiers.v1, unmodified) run by verifiers_env against our endpoint.
 
-    .venv/bin/python -m pytest tests/test_verifiers_env.py -q      # ~1-2 min (verifiers' chat program per turn)
+    .venv/bin/python -m pytest tests/rollouts/test_verifiers_env.py -q  # ~1-2 min (verifiers' chat program per turn)
 
 The config checks are pure. The rest runs verifiers' own rollout code in-process: `Env.serving()`,
 `Env.run_slot()`, its "null" harness program as a local process (registered to this interpreter,
@@ -9,7 +9,7 @@ and the taskset's rubric; one single-turn environment (verifiers_arith under Sin
 one multi-turn environment verifiers ships (UserSimEnv: a modelled user, played by the same
 policy, converses with the assistant). The engine behind the endpoint here is a seeded recording
 backend that answers a mix of numbers and token ids that do not survive decode/encode (so a
-re-tokenised conversation would show); tests/test_verifiers_env_vllm.py runs a real engine
+re-tokenised conversation would show); tests/rollouts/test_verifiers_env_vllm.py runs a real engine
 through a generation worker.
 
 Checked per Sample against what the endpoint served: the stream is the exchanges' sampled ids plus

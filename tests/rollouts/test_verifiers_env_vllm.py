@@ -1,13 +1,13 @@
 """Real verifiers environments through a generation worker on a real vLLM engine (the tiny chat model).
 
-    .venv/bin/python -m pytest tests/test_verifiers_env_vllm.py -q      # ~2-3 min (engine start, chat programs)
+    .venv/bin/python -m pytest tests/rollouts/test_verifiers_env_vllm.py -q  # ~2-3 min (engine start, chat programs)
 
 One GenerationWorker (verifier canary only, no --openai_endpoint_port: the worker starts its
 endpoint itself on the first request with `sampling.verifiers`), the checkpoint's own weights
 pushed as PUSHED_VERSION, then GenerationWorker.generate with sampling.verifiers naming one
 single-turn environment (verifiers_arith under verifiers' SingleAgentEnv) and one multi-turn
 environment verifiers ships (UserSimEnv: the policy also plays the modelled user). Everything of
-verifiers runs unmodified (tests/test_verifiers_env.py says how it runs offline).
+verifiers runs unmodified (tests/rollouts/test_verifiers_env.py says how it runs offline).
 
 Checked: each Sample's stream is exactly the ids the engine sampled (the endpoint's exchanges) plus
 the user's replies as hand-written ChatML; the trainer's packed logprob pass over the Samples

@@ -1,6 +1,6 @@
 """verifiers' token client against our loopback endpoint on a real vLLM engine (the tiny chat model).
 
-    .venv/bin/python -m pytest tests/test_verifiers_vllm.py -q      # ~1-2 min (engine start)
+    .venv/bin/python -m pytest tests/rollouts/test_verifiers_vllm.py -q      # ~1-2 min (engine start)
 
 One engine: a GenerationWorker started with its verifier canary and --openai_endpoint_port 0, so
 the worker itself serves openai_endpoint.Endpoint on 127.0.0.1 (the path users get), an

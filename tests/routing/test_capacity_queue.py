@@ -2,10 +2,11 @@
 timeouts, failover) and LeaseBook (lease calls over it).
 
 `_Worker` stands in for a worker: its `work` calls can be held behind a gate, so the tests decide
-exactly which requests are in flight, and `kill()` makes its running and later calls fail the way
-a dead actor's do. Each scenario runs on one event loop, as the registry actor's does; no sleep
-decides an outcome (the bounded waits below only keep a broken queue from hanging the suite).
-The registry actor's own behaviour (handles, streaming, workers really dying) is tests/test_registry.py's.
+exactly which requests are in flight, and `kill()` makes its running and later calls fail the way a
+dead actor's do. Each scenario runs on one event loop, as the registry actor's does; no sleep
+decides an outcome (the bounded waits below only keep a broken queue from hanging the suite). The
+registry actor's own behaviour (handles, streaming, workers really dying) is
+tests/routing/test_registry.py's.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ really dying under requests, and the batched path over Ray (lease_many streams, 
 serve_many).
 
 The routing itself (caps, least-loaded choice, arrival order, timeouts, the failover logic) is
-tested without Ray against the plain classes in tests/test_capacity_queue.py. The tests here use
-`FakeWorker`, a small Ray actor standing in for an inference worker: its `work` calls can be held
-behind a gate, so the tests control exactly which requests are in flight (no sleeps decide the
+tested without Ray against the plain classes in tests/routing/test_capacity_queue.py. The tests here
+use `FakeWorker`, a small Ray actor standing in for an inference worker: its `work` calls can be
+held behind a gate, so the tests control exactly which requests are in flight (no sleeps decide the
 outcome). The integration tests at the end use two real vLLM generation workers on the tiny model.
 """
 

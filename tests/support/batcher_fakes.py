@@ -1,6 +1,6 @@
-"""In-process stand-ins for the batcher's two registries, and the small samples, prompts and
-config they work with: the plain ExperienceBatcher tests (tests/test_experience_batcher.py) and
-the rank-0 data path's (tests/test_data_path.py, tests/programs/data_path_worker.py) run the
+"""In-process stand-ins for the batcher's two registries, and the small samples, prompts and config
+they work with: the plain ExperienceBatcher tests (tests/batching/test_experience_batcher.py) and
+the rank-0 data path's (tests/trainer/test_data_path.py, tests/programs/data_path_worker.py) run the
 batcher on them. No Ray here: a Ray test that ships these to workers registers this module for
 pickling by value (workers cannot import tests/)."""
 

@@ -16,7 +16,7 @@ from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, load_causal_lm
 from vllm_worker import GenerationWorkerConfig
 
-LOGPROB_ATOL = 1e-4  # float32 vLLM CPU against the HF model (as tests/test_vllm_worker.py)
+LOGPROB_ATOL = 1e-4  # float32 vLLM CPU against the HF model (as tests/inference/test_vllm_worker.py)
 
 
 def tiny_chat_model(directory: Path) -> Path:

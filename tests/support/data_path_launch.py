@@ -1,6 +1,7 @@
-"""Launching tests/programs/data_path_worker.py's rank-0-gone scenarios as two plain processes, and what
-rank 1 must then report: shared by tests/test_data_path.py (gloo) and tests/test_gpu_data_path.py
-(NCCL). Needs neither Ray nor the batcher, so it runs on the GPU machine too."""
+"""Launching tests/programs/data_path_worker.py's rank-0-gone scenarios as two plain processes, and
+what rank 1 must then report: shared by tests/trainer/test_data_path.py (gloo) and
+tests/trainer/test_gpu_data_path.py (NCCL). Needs neither Ray nor the batcher, so it runs on the GPU
+machine too."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """A generation worker as the engine tests set it up: its small float32 CPU engine and worker
 config, and the models it serves: the tiny model rewired into an answering model whose completions
 vary (so rewards do), and seeded perturbed copies (a weight push that shows in every logprob); plus
-the reward math-verify itself gives a completion. Shared by tests/test_vllm_worker.py,
-tests/test_evaluation.py and tests/test_token_versions_engine.py."""
+the reward math-verify itself gives a completion. Shared by tests/inference/test_vllm_worker.py,
+tests/trainer/test_evaluation.py and tests/rollouts/test_token_versions_engine.py."""
 
 from __future__ import annotations
 

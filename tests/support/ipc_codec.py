@@ -1,5 +1,6 @@
 """reduce_tensor's arguments (torch.multiprocessing.reductions: what a CUDA IPC handle is made of)
-as JSON and back, so a test can hand a tensor to another process without pickle.
+as JSON and back, so a test can hand a tensor to another process without pickle; and the hash of a
+tensor's bytes both ends compare.
 
 Types become {"type": "module:qualname"} (resolved only under torch), dtypes {"dtype": name},
 sizes {"size": [...]}, bytes {"b64": ...}, tuples lists; ints, floats, bools, strings and None
@@ -9,6 +10,7 @@ stay as they are.
 from __future__ import annotations
 
 import base64
+import hashlib
 import importlib
 from typing import Any
 
@@ -51,3 +53,8 @@ def decode(value: Any) -> Any:
     if "size" in value:
         return torch.Size(value["size"])
     return base64.b64decode(value["b64"])
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes in row-major order, the same on both ends of a CUDA IPC handle."""
+    return hashlib.sha256(tensor.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()

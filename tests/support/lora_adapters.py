@@ -1,6 +1,7 @@
 """LoRA adapters as the tests use them: the training tests' LoRA settings and a nonzero starting
-adapter (tests/test_lora_fsdp.py, tests/test_lora_push.py), and the lora_files weight updates a
-worker takes, with the STABLE marker that names them (the vLLM and logprob worker tests)."""
+adapter (tests/trainer/test_lora_fsdp.py, tests/trainer/test_lora_push.py), and the lora_files
+weight updates a worker takes, with the STABLE marker that names them (the vLLM and logprob worker
+tests)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A recording stand-in of vLLM's AsyncLLM for the weight-transfer tests: its weight-transfer and
-pause calls, recorded in order with their arguments, and the init and update payloads the tests
-send (tests/test_weight_transfer_engine.py, the worker's end; tests/test_weight_sync_transfer.py,
-the trainer's end against engines that record)."""
+pause calls, recorded in order with their arguments, and the init and update payloads the tests send
+(tests/inference/test_weight_transfer_engine.py, the worker's end;
+tests/trainer/test_weight_sync_transfer.py, the trainer's end against engines that record)."""
 
 from __future__ import annotations
 

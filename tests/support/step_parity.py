@@ -1,9 +1,9 @@
 """One optimizer step of the system against a single-process, padded, hand-written GRPO step: the
 samples, the reference step written from the loss's definition, the torchrun launch of the system's
 step (tests/programs/step_parity_worker.py) and the checks with their tolerances. Shared by
-tests/test_step_parity.py (whose docstring says what is compared and why these tolerances),
-tests/test_multi_turn_parity.py (the same step on multi-turn samples) and tests/test_gpu_model.py
-(the bf16 step against this fp32 reference)."""
+tests/trainer/test_step_parity.py (whose docstring says what is compared and why these tolerances),
+tests/trainer/test_multi_turn_parity.py (the same step on multi-turn samples) and
+tests/model/test_gpu_model.py (the bf16 step against this fp32 reference)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ LOGPROB_CHUNK_SIZE = 16
 LR = 3e-3  # big enough that many of the second pass's ratios leave [1 - clip_low, 1 + clip_high]
 WARMUP_STEPS = 2  # step 0 runs every pass at lr / 2; a per-pass schedule would show in pass 2
 STEP0_LR = LR / WARMUP_STEPS
-ADAM_EPS = 1e-4  # tests/test_step_parity.py's docstring: noise-level gradients stay in Adam's linear regime
+# Noise-level gradients stay in Adam's linear regime (tests/trainer/test_step_parity.py's docstring).
+ADAM_EPS = 1e-4
 WEIGHT_DECAY = 0.1  # decoupled, on matrices only (OptimConfig's documented rule)
 NO_CLIP = 1e6  # max_grad_norm far above any gradient norm here: clipping off
 # The demo's max_grad_norm. Pass 1's norm is ~1.7 (clipped: the global norm over both ranks'
@@ -56,9 +57,9 @@ CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 GSPO_CLIP = 0.3  # wider than GSPO's 3e-4: one step at lr 1.5e-3 moves these sequence ratios by tenths
 
 # fp32 throughout, on any host: torchrun_launch.run_worker hides the GPUs from the ranks (on CUDA
-# the trainer would compute in bf16; tests/test_gpu_model.py compares that step to this reference
-# within bf16's tolerance). Packed vs padded attention, chunked lm_head, FSDP reduce-scatter and
-# gloo sums only reorder float additions (~1e-7 relative on the gradients).
+# the trainer would compute in bf16; tests/model/test_gpu_model.py compares that step to this
+# reference within bf16's tolerance). Packed vs padded attention, chunked lm_head, FSDP
+# reduce-scatter and gloo sums only reorder float additions (~1e-7 relative on the gradients).
 # Measured: at most ~2e-6 of a tensor's largest gradient.
 GRAD_RTOL, GRAD_ATOL_FRACTION = 1e-4, 2e-5
 GRAD_NORM_RTOL = 1e-5

@@ -1,6 +1,6 @@
-"""Launch a test's worker script under torchrun (or plain python) on 127.0.0.1, for tests that
-check real multi-rank behaviour (tests/test_fsdp.py, tests/test_step_parity.py); and free_port,
-for every test that needs a port for a process it starts."""
+"""Launch a test's worker script under torchrun (or plain python) on 127.0.0.1, for tests that check
+real multi-rank behaviour (tests/trainer/test_fsdp.py, tests/trainer/test_step_parity.py); and
+free_port, for every test that needs a port for a process it starts."""
 
 from __future__ import annotations
 

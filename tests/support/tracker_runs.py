@@ -1,7 +1,7 @@
 """A small run written through the trackers, as the tracker tests read it back: four steps of
 made-up metrics (two with evaluation figures) and a run config, logged by the real metrics sink
-(open_metrics_sink) to the trackers a test names. tests/test_trackers.py calls it in process and
-in child processes (trackio reads its folder once, at import; the network probe)."""
+(open_metrics_sink) to the trackers a test names. tests/telemetry/test_trackers.py calls it in
+process and in child processes (trackio reads its folder once, at import; the network probe)."""
 
 from __future__ import annotations
 

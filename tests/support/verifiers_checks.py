@@ -1,8 +1,8 @@
-"""What the verifiers-environment tests recompute by hand (tests/test_verifiers_env.py against a
-recording backend, tests/test_verifiers_env_vllm.py on a real engine): the answer of the task a
-prompt id picks and verifiers_arith's rubric written again, the endpoint exchanges that lie on a
-sample's stream, the ids of a hand-written ChatML observation, and the marker of the user agent's
-requests."""
+"""What the verifiers-environment tests recompute by hand (tests/rollouts/test_verifiers_env.py
+against a recording backend, tests/rollouts/test_verifiers_env_vllm.py on a real engine): the answer
+of the task a prompt id picks and verifiers_arith's rubric written again, the endpoint exchanges
+that lie on a sample's stream, the ids of a hand-written ChatML observation, and the marker of the
+user agent's requests."""
 
 from __future__ import annotations
 

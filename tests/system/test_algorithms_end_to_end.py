@@ -6,10 +6,10 @@ One run turns on what needs the extra services together: KL in the reward with t
 controller and the old-policy side of the KL (reference logprobs from the reference pool),
 on-policy distillation from a teacher pool (the teacher is the student's starting model, so the
 reverse KL starts near 0), the token-mean aggregation and GSPO's ratio (dynamic sampling's real
-path is tests/test_crash_resume.py's). It
+path is tests/system/test_crash_resume.py's). It
 checkpoints, and a resumed run continues with the controller's beta computed here by hand.
 
-    .venv/bin/python -m pytest tests/test_algorithms_end_to_end.py -x -q
+    .venv/bin/python -m pytest tests/system/test_algorithms_end_to_end.py -x -q
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@ from the repository root) and prints its summary line with the figures it promis
 change cannot break a recorded command unseen. No figure is compared with a threshold: a smoke
 run's numbers mean nothing.
 
-    .venv/bin/python -m pytest tests/test_benchmarks_smoke.py -q --durations=0
+    .venv/bin/python -m pytest tests/system/test_benchmarks_smoke.py -q --durations=0
 
 Each runs as `python -m benchmarks.NAME --smoke true` (the script's SMOKE sizes: a few steps, tiny
 shapes; a local cluster's vLLM engines uncompiled, harness.SMOKE_ENGINE) plus where its inputs and
 outputs go. Already run elsewhere in smoke mode, not repeated
-here: soak.py (tests/test_soak.py) and scale.py (tests/test_scale_benchmark.py).
+here: soak.py (tests/system/test_soak.py) and scale.py (tests/system/test_scale_benchmark.py).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ GPU placement uses Ray's fake GPUs: the head advertises GPUs 0-1 (CUDA_VISIBLE_D
 node advertises one GPU. Every process the test starts is stopped by the test; nothing else is
 touched (never `ray stop`).
 
-    .venv/bin/python -m pytest tests/test_cluster_path.py -q
+    .venv/bin/python -m pytest tests/system/test_cluster_path.py -q
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ trained): the crashed run's batcher dies with its rank 0, and the resumed run mu
 again. The crashed run has also logged a step after its checkpoint, which the resumed run trains
 again: metrics.jsonl and data_rank*.jsonl must hold it once.
 
-    .venv/bin/python -m pytest tests/test_crash_resume.py -x -q -s
+    .venv/bin/python -m pytest tests/system/test_crash_resume.py -x -q -s
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """scripts/demo_tools.sh as a user runs it, shortened: both runs (with and without the calculator)
 on a real cluster, then the report with its curve and tool_gain= line.
 
-    .venv/bin/python -m pytest tests/test_demo_tools_smoke.py -q    # ~3 min
+    .venv/bin/python -m pytest tests/system/test_demo_tools_smoke.py -q    # ~3 min
 
 The starting model gets a 2-step warm-up (the demo's is 800), and each run 10 small steps: this
 checks that the command works end to end, not that the model learns (docs/environments.md has the

@@ -1,7 +1,7 @@
 """A LoRA run through the whole system: Ray, a vLLM generation worker serving adapters, a logprob
 worker, the batcher, and `torchrun` with 2 FSDP2 ranks training the adapter of the demo's model.
 
-    .venv/bin/python -m pytest tests/test_end_to_end_lora.py -q
+    .venv/bin/python -m pytest tests/system/test_end_to_end_lora.py -q
 
 Its LocalCluster owns a Ray head of its own: support.cluster.started_cluster sets the session's
 `ray_local` connection aside meanwhile, so the module may run after the modules that share it.

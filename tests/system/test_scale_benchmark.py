@@ -1,7 +1,7 @@
 """System-level: `python -m benchmarks.scale --smoke true` runs end to end (its own two-node loopback Ray
 cluster, stand-in workers, the real registry and batcher) and reports its figures.
 
-    .venv/bin/python -m pytest tests/test_scale_benchmark.py -q
+    .venv/bin/python -m pytest tests/system/test_scale_benchmark.py -q
 
 The script checks what it measures as it goes (every request got its own answer, the batcher
 delivered every sample), so a routing fault fails it here. No figure is compared with a threshold.

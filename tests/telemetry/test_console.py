@@ -275,7 +275,7 @@ def test_the_relay_repeats_complete_new_lines_once(tmp_path: Path, caplog: pytes
 
 
 # One real run, as the demo starts it. Small steps (2 ranks x 4 prompts x 8 rollouts, as in
-# the 3-step runs of tests/test_end_to_end.py); engines uncompiled to start sooner.
+# the 3-step runs of tests/system/test_end_to_end.py); engines uncompiled to start sooner.
 STEPS = 3
 REAL_RUN_TIMEOUT_S = 1200
 _CLOCK = re.compile(r"^\d\d:\d\d:\d\d ")

@@ -1,7 +1,7 @@
 """The trainer's staleness metrics with per-token weight versions: staleness/mean and /max count
 from each sample's oldest token, staleness/token_mean weighs every sampled token by its own version.
 
-    .venv/bin/python -m pytest tests/test_token_versions_metrics.py -q
+    .venv/bin/python -m pytest tests/telemetry/test_token_versions_metrics.py -q
 """
 
 from __future__ import annotations

@@ -9,13 +9,13 @@
   rank receives exactly the batcher's messages for it, in order, two steps submitted ahead; a
   step's EndOfStep comes after all its data; dynamic sampling's PromptRequests are answered
   through rank 0.
-- If rank 0 dies, or hangs past the data path's deadline (0.9 x dist_timeout_s), rank 1 stops
-  with Rank0DataPathError naming the step, through the asynchronous collective and its timed
-  wait that NCCL needs (tests/test_gpu_data_path.py runs the same scenarios over NCCL); a wait
-  that a backend reports as not completed (False) raises the same error.
-The trainer through this path is checked by tests/test_step_parity.py (case two_epochs_k3_rank0:
-one step over 2 ranks equals a padded single-process step) and tests/test_end_to_end.py (a real
-run with data_path rank0 trains like per_rank).
+- If rank 0 dies, or hangs past the data path's deadline (0.9 x dist_timeout_s), rank 1 stops with
+  Rank0DataPathError naming the step, through the asynchronous collective and its timed wait that
+  NCCL needs (tests/trainer/test_gpu_data_path.py runs the same scenarios over NCCL); a wait that a
+  backend reports as not completed (False) raises the same error.
+The trainer through this path is checked by tests/trainer/test_step_parity.py (case
+two_epochs_k3_rank0: one step over 2 ranks equals a padded single-process step) and
+tests/system/test_end_to_end.py (a real run with data_path rank0 trains like per_rank).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """evaluation.py: pass@k against a brute-force reference, the config, the Evaluator's requests and
 maths with a scripted client, and one run through a real generation worker and registry in Ray.
 
-    .venv/bin/python -m pytest tests/test_evaluation.py -q
+    .venv/bin/python -m pytest tests/trainer/test_evaluation.py -q
 """
 
 from __future__ import annotations

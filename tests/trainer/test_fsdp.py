@@ -149,8 +149,8 @@ def _assert_grads_match(actual: dict[str, torch.Tensor], expected: dict[str, tor
 @pytest.mark.distributed
 def test_fsdp_gradients_equal_single_process_mean(fsdp_run: Path, tiny_model_dir: Path, samples) -> None:
     info = json.loads((fsdp_run / "dist_info.json").read_text())
-    # gloo and fp32 on any host: run_worker hides the GPUs from this tier's ranks (a CUDA host
-    # would otherwise pick NCCL and bf16); tests/test_gpu_model.py checks the bf16 step on a GPU.
+    # gloo and fp32 on any host: run_worker hides the GPUs from this tier's ranks (a CUDA host would
+    # otherwise pick NCCL and bf16); tests/model/test_gpu_model.py checks the bf16 step on a GPU.
     assert (info["world_size"], info["backend"], info["device"]) == (WORLD_SIZE, "gloo", "cpu")
     expected = _reference_grads(tiny_model_dir, samples)
     _assert_grads_match(torch.load(fsdp_run / "grads.pt"), expected)

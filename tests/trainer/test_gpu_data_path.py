@@ -1,10 +1,10 @@
 """The rank-0 data path over NCCL (gpu tier): a dead or hung rank 0 surfaces as Rank0DataPathError.
 
-The same scenarios as tests/test_data_path.py's gloo test (tests/programs/data_path_worker.py,
-rank0_dies / rank0_hangs), with the GPUs visible, so init_distributed joins the two ranks over
-NCCL, one GPU each. Without the asynchronous collective and its timed wait, rank 1 would block
-until NCCL's watchdog aborted it (no error of ours, exit by signal) and the check would fail.
-NCCL refuses two ranks on one GPU, so this needs two.
+The same scenarios as tests/trainer/test_data_path.py's gloo test
+(tests/programs/data_path_worker.py, rank0_dies / rank0_hangs), with the GPUs visible, so
+init_distributed joins the two ranks over NCCL, one GPU each. Without the asynchronous collective
+and its timed wait, rank 1 would block until NCCL's watchdog aborted it (no error of ours, exit by
+signal) and the check would fail. NCCL refuses two ranks on one GPU, so this needs two.
 """
 
 from __future__ import annotations

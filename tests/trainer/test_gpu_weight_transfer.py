@@ -15,7 +15,7 @@ processes (gpu tier), in two tests sized to the machines they can run on:
   (-rs), where vLLM is absent or there is one GPU (NCCL refuses two ranks on one device).
 
 The CPU half (pairing, plan, call order through vLLM's engine with the wire stubbed) is
-tests/test_weight_sync_transfer.py. `scripts/test.sh --gpu` runs this tier.
+tests/trainer/test_weight_sync_transfer.py. `scripts/test.sh --gpu` runs this tier.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from async_grpo.trainer.weight_transfer_trainer import (
     DESCRIBE_METHOD, FINISH_METHOD, INIT_METHOD, START_METHOD, UPDATE_METHOD, EngineWeightSender, TrainerTransferConfig,
     WorkerCallError, engines_from_answers,
 )
-from support.ipc_codec import decode, encode
+from support.ipc_codec import decode, encode, tensor_sha256
 from support.paths import PROGRAMS, REPO_ROOT, TESTS
 
 NCCL_RECEIVER = PROGRAMS / "gpu_weight_receiver.py"
@@ -68,7 +68,6 @@ def test_ipc_codec_round_trips_reduce_tensors_arguments() -> None:
 
 @pytest.mark.gpu
 def test_the_source_shares_its_tensors_over_cuda_ipc_without_vllm(tiny_model_dir: Path) -> None:
-    from gpu_ipc_receiver import tensor_sha256
     from torch.multiprocessing.reductions import reduce_tensor
 
     vllm_loaded_before = "vllm" in sys.modules

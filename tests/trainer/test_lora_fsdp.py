@@ -4,7 +4,7 @@ The references are written here with peft directly (get_peft_model, save_pretrai
 PeftModel.from_pretrained) and a plain torch AdamW: none of them goes through the code under
 test (fsdp_setup's LoRA wrapping, weight_sync's adapter shards, checkpoint.py's adapter files).
 
-    .venv/bin/python -m pytest tests/test_lora_fsdp.py -q
+    .venv/bin/python -m pytest tests/trainer/test_lora_fsdp.py -q
 """
 
 from __future__ import annotations

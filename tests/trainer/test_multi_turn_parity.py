@@ -1,19 +1,19 @@
 """A step on multi-turn samples equals a padded, hand-written step with the same masks.
 
-    .venv/bin/python -m pytest tests/test_multi_turn_parity.py -v     # ~1 min on 2 CPU cores
+    .venv/bin/python -m pytest tests/trainer/test_multi_turn_parity.py -v     # ~1 min on 2 CPU cores
 
 The samples are multi-turn rollouts: each output is model turns with environment observations
 between them (Sample.output_mask False), so only some output tokens are sampled. The system's step
-runs exactly as in tests/test_step_parity.py (its worker, tests/programs/step_parity_worker.py,
-under `torchrun --nproc_per_node=2`: the real FSDP2 model, MinibatchPacker cutting each rank's share
-into several token-budgeted packed minibatches, trainer_core.run_step); this module reuses that
-launcher and the loss written from its definition (support.step_parity's `step_loss`, which reads a
-PaddedBatch's mask). What is new and written here by hand is the padded batch of multi-turn samples:
-the observation tokens are in every row's input (the policy conditions on them) but its mask is 1
-only where a position predicts a *sampled* token, and the reference logprobs sit at exactly those
-positions. So every per-sample normaliser (sample_mean's token count, GSPO's mean log ratio), the
-step's token count (token_mean), KL and the clipped ratio count sampled tokens, with no code of the
-system's packing involved.
+runs exactly as in tests/trainer/test_step_parity.py (its worker,
+tests/programs/step_parity_worker.py, under `torchrun --nproc_per_node=2`: the real FSDP2 model,
+MinibatchPacker cutting each rank's share into several token-budgeted packed minibatches,
+trainer_core.run_step); this module reuses that launcher and the loss written from its definition
+(support.step_parity's `step_loss`, which reads a PaddedBatch's mask). What is new and written here
+by hand is the padded batch of multi-turn samples: the observation tokens are in every row's input
+(the policy conditions on them) but its mask is 1 only where a position predicts a *sampled* token,
+and the reference logprobs sit at exactly those positions. So every per-sample normaliser
+(sample_mean's token count, GSPO's mean log ratio), the step's token count (token_mean), KL and the
+clipped ratio count sampled tokens, with no code of the system's packing involved.
 
 A system that trained the observation tokens (labels on them, lengths counting them) would see a
 different loss and different gradients: the check below is of the gradients per pass, the first

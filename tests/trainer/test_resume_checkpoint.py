@@ -4,7 +4,7 @@ the restored trainer equals the next step of the one that never stopped. Backgro
 (BackgroundCheckpointWriter) write the same files as synchronous ones while training
 changes the live tensors, appear only on commit, run one at a time and report their errors.
 
-    .venv/bin/python -m pytest tests/test_resume_checkpoint.py -x -q
+    .venv/bin/python -m pytest tests/trainer/test_resume_checkpoint.py -x -q
 
 FSDP2 runs on a one-rank gloo group (init_distributed without torchrun). The expected values
 come from the trainer objects that were saved, and the lr from the warmup formula by hand.

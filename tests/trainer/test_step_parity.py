@@ -1,6 +1,6 @@
 """One optimizer step of the system equals a single-process, padded, hand-written GRPO step.
 
-    .venv/bin/python -m pytest tests/test_step_parity.py -v        # ~1 min on 2 CPU cores
+    .venv/bin/python -m pytest tests/trainer/test_step_parity.py -v        # ~1 min on 2 CPU cores
 
 Given one step's samples (rewards, group advantages, reference and sampling logprobs, all
 written here), tests/programs/step_parity_worker.py runs the system's step under

@@ -1,7 +1,7 @@
 """push_every and max_lag: the trainer's real loop (start_generation, then run_step per step) with a
 stand-in batcher that applies the staleness rule, a stand-in pusher and the real PromptFeeder.
 
-    .venv/bin/python -m pytest tests/test_trainer_push_schedule.py -x -q
+    .venv/bin/python -m pytest tests/trainer/test_trainer_push_schedule.py -x -q
 
 The stand-ins answer in-process (`ray.get` passes values through). A step's rollouts carry the
 weight version the stand-in workers served when the step's prompts were submitted, and are

@@ -1,6 +1,6 @@
 """Reproducible rollout sampling: the run's seed reaches the engine, and every step draws afresh.
 
-    .venv/bin/python -m pytest tests/test_trainer_sampling_seed.py -x -q
+    .venv/bin/python -m pytest tests/trainer/test_trainer_sampling_seed.py -x -q
 
 The seeds the engine would receive are read from GenerationWorker._sampling_params (the
 SamplingParams the worker builds; no engine is started), fed by a real ExperienceBatcher whose

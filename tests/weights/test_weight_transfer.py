@@ -2,8 +2,10 @@
 as the engine reads it, the shared-memory free-space check, the weight_transfer option and its
 wiring into vLLM's engine arguments, and the streamed load into a plain model.
 
-The real engine path (vLLM's start/update/finish_weight_update with our registered backend) runs
-in tests/test_vllm_worker.py; `.venv/bin/python -m pytest tests/test_weight_transfer.py -q`.
+The real engine path (vLLM's start/update/finish_weight_update with our registered backend) runs in
+tests/inference/test_vllm_worker.py.
+
+    .venv/bin/python -m pytest tests/weights/test_weight_transfer.py -q
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ concerned; nothing is imported or run):
   holds test modules only, and only programs have a `__main__` entry;
 - no file under tests/ imports a test module, not even in the code it hands a child process;
 - what the tests start or import by name is a file there: no test or support module imports a
-  program or a plug-in, and every program is started by some test or support module.
+  program or a plug-in, and every program is started by some test or support module;
+- every test file a guide, a script, a benchmark or a test names by its path exists
+  (benchmarks/RESULTS.md's dated entries are left as they were written).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 import async_grpo
-from support.paths import PROGRAMS, TESTS
+from support.paths import PROGRAMS, REPO_ROOT, TESTS
 
 PACKAGE_FOLDERS = tuple(folder for layer in async_grpo.LAYERS for folder in layer)
 TEST_FOLDERS = (*PACKAGE_FOLDERS, "system", "project")
@@ -31,6 +33,8 @@ TOP_LEVEL = ("conftest.py",)
 """The only source files directly in tests/."""
 # `import test_x` / `from test_x import y`, also inside a string of code for a child process.
 TEST_IMPORT = re.compile(r"^\s*(?:from|import)\s+test_\w+", re.MULTILINE)
+# A path to a file under tests/ as the guides and docstrings write it (a glob allowed: tests/*/test_gpu_*.py).
+TEST_PATH = re.compile(r"tests/[\w/*]+\.py")
 
 
 def _sources() -> list[Path]:
@@ -100,3 +104,13 @@ def test_programs_and_plugins_are_started_or_loaded_not_imported() -> None:
     unstarted = [path.name for path in sorted(PROGRAMS.glob("*.py"))
                  if not any(path.name in text for text in callers)]
     assert not unstarted, f"programs no test or support module starts: {unstarted}"
+
+
+def test_the_test_files_named_by_path_exist() -> None:
+    naming = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md")),
+              *sorted((REPO_ROOT / "benchmarks").glob("*.py")), *sorted((REPO_ROOT / "scripts").glob("*.*")),
+              *_sources()]
+    missing = sorted({f"{path.relative_to(REPO_ROOT)}: {name}" for path in naming
+                      for name in TEST_PATH.findall(path.read_text())
+                      if not (list(REPO_ROOT.glob(name)) if "*" in name else (REPO_ROOT / name).is_file())})
+    assert not missing, f"paths to test files that do not exist (moved?): {missing}"

@@ -3,9 +3,9 @@ demo's assets and trainer flags, and one trainer run on a local cluster with its
 
 Every script runs from the repository root as `python -m benchmarks.NAME` (the root is then on
 sys.path, so the project's modules import as they are) and has a smoke mode (`--smoke true`: a few
-steps at tiny sizes) that tests/test_benchmarks_smoke.py runs. Library modules here (this one,
-process_monitor.py, packed_samples.py, *_parts.py) have no `__main__` entry; no benchmark script
-imports another one (tests/test_benchmarks_layout.py checks both).
+steps at tiny sizes) that tests/system/test_benchmarks_smoke.py runs. Library modules here (this
+one, process_monitor.py, packed_samples.py, *_parts.py) have no `__main__` entry; no benchmark
+script imports another one (tests/project/test_benchmarks_layout.py checks both).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def interrupt_on_sigterm() -> None:
 
 def apply_smoke(config: Any, sizes: dict[str, Any]) -> Any:
     """`config` with its script's smoke sizes (a few steps, tiny shapes) when `config.smoke` is set:
-    the run checks that the recorded command still works (tests/test_benchmarks_smoke.py); its
-    figures mean nothing."""
+    the run checks that the recorded command still works (tests/system/test_benchmarks_smoke.py);
+    its figures mean nothing."""
     return dataclasses.replace(config, **sizes) if config.smoke else config
 
 

@@ -7,14 +7,14 @@
 
 (Another `ray start` head on the machine: prefix RAY_ADDRESS=local, or ray.init joins that one.)
 
-The scenario of tests/test_lora_vllm.py's memory loop, longer: a private Ray head as the tests'
-fixture starts it, one GenerationWorker in this process (its vLLM engine-core process a child),
-two rank-64 PEFT adapters pushed alternately in the 'sharded' mode (two Ray objects per push),
-a 2-token greedy request after each. After every push this prints, for each process of this
-process tree, RssAnon / RssShmem / RssFile (/proc/<pid>/status), plus the engine's adapter count
-and our adapter folders left in shared memory. At the end: per process and for the tree's VmRSS
-sum (what the test measured until issue 21), the least-squares slope over pushes [--fit_from, --pushes] in
-KiB/push, against a leak of one adapter per push (its safetensors size).
+The scenario of tests/inference/test_lora_vllm.py's memory loop, longer: a private Ray head as the
+tests' fixture starts it, one GenerationWorker in this process (its vLLM engine-core process a
+child), two rank-64 PEFT adapters pushed alternately in the 'sharded' mode (two Ray objects per
+push), a 2-token greedy request after each. After every push this prints, for each process of this
+process tree, RssAnon / RssShmem / RssFile (/proc/<pid>/status), plus the engine's adapter count and
+our adapter folders left in shared memory. At the end: per process and for the tree's VmRSS sum
+(what the test measured until issue 21), the least-squares slope over pushes [--fit_from, --pushes]
+in KiB/push, against a leak of one adapter per push (its safetensors size).
 
 A leak grows linearly without bound; allocator and object-store noise level off. Pass the glibc
 variables in the shell (as above) to see their effect: they must be set before this process

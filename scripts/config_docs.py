@@ -4,7 +4,8 @@ classes themselves (each field's type, default and docstring).
     .venv/bin/python scripts/config_docs.py           # rewrite docs/config.md
     .venv/bin/python scripts/config_docs.py --check   # exit 1 if docs/config.md is stale
 
-tests/test_config_docs.py runs the check, so a changed option fails the tests until this is rerun.
+tests/project/test_config_docs.py runs the check, so a changed option fails the tests until this is
+rerun.
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ name), then the generated code block, up to its end marker:
     ```
     <!-- /signatures -->
 
-A name is a constant (`NAME = value`), a function (its signature), a class (its constructor; an
-Enum its members, an exception its base), `Class.method` (one method) or `Class.*` (every public
-method defined on the class: an actor's remote calls). The prose around the blocks names these
-without argument lists (`submit`, `health()` for one taking none): an argument list in the prose
-for a name a block shows is reported, since it would drift. tests/test_interface_docs.py runs the
+A name is a constant (`NAME = value`), a function (its signature), a class (its constructor; an Enum
+its members, an exception its base), `Class.method` (one method) or `Class.*` (every public method
+defined on the class: an actor's remote calls). The prose around the blocks names these without
+argument lists (`submit`, `health()` for one taking none): an argument list in the prose for a name
+a block shows is reported, since it would drift. tests/project/test_interface_docs.py runs the
 check, so a changed signature fails the tests until this is rerun.
 """
 

@@ -5,9 +5,9 @@
 #
 #   bash scripts/test.sh                 # every tier (what CI runs)
 #   bash scripts/test.sh --fast          # the pure, single-process tier only (a few minutes)
-#   bash scripts/test.sh --gpu           # the gpu tier alone (tests/test_gpu_*.py), on a CUDA machine
+#   bash scripts/test.sh --gpu           # the gpu tier alone (tests/*/test_gpu_*.py), on a CUDA machine
 #                                        # (fails when CUDA is missing or no gpu test ran)
-#   bash scripts/test.sh tests/test_x.py -k name   # anything else: one pytest run with these arguments
+#   bash scripts/test.sh tests/<folder>/test_x.py -k name   # anything else: one pytest run with these arguments
 #
 # Installs the builds this machine needs first (scripts/install.sh: CUDA builds on a machine with
 # an NVIDIA GPU, the CPU builds elsewhere). Exits non-zero on any failure (and on "no tests
@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 
 if [[ "${1:-}" == "--gpu" ]]; then
-    # The gpu tier alone (tests/test_gpu_*.py), with no install: the lent GPU machine has torch
+    # The gpu tier alone (tests/*/test_gpu_*.py), with no install: the lent GPU machine has torch
     # and transformers but no network (and no Ray or vLLM). The project venv is used where it
     # exists, else the machine's python. It fails loudly when this python sees no CUDA device or
     # when no gpu test ran: a green gpu tier that ran nothing would say nothing.
@@ -34,7 +34,7 @@ if [[ "${1:-}" == "--gpu" ]]; then
         exit 1
     fi
     rc=0
-    "$python" -m pytest -m gpu -rs --durations=25 tests/test_gpu_*.py "${@:2}" || rc=$?
+    "$python" -m pytest -m gpu -rs --durations=25 tests/*/test_gpu_*.py "${@:2}" || rc=$?
     if [[ $rc -eq 5 ]]; then
         echo "scripts/test.sh --gpu: no gpu test was collected" >&2
         exit 1

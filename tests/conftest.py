@@ -1,6 +1,16 @@
 """Shared fixtures (the tiny model and the demo's assets written once per session, a local Ray
 cluster) and the test tiers.
 
+Layout (tests/project/test_tests_layout.py checks it): tests/<folder>/ holds the tests of
+async_grpo/<folder>/ and of that subsystem's spine files (vllm_worker, logprob_worker: inference/;
+vllm_registry: routing/; vllm_experience_batcher: batching/; trainer_core: trainer/;
+worker_dispatcher, local_cluster: launch/; setup_model: model/; grpo_loss and the packing: algo/);
+tests/system/ the whole-system runs and the benchmarks' checks; tests/project/ the checks on the
+repository itself. What several modules share is in tests/support/ (`support.<module>`: no test
+module imports another), the programs the tests start in tests/programs/, the reward plug-ins the
+verifier pool imports by name in tests/plugins/ (pyproject.toml puts tests/ and tests/plugins on
+pytest's path).
+
 Tiers (markers; scripts/test.sh runs each in its own pytest process, `--fast` only the first):
 - fast (no marker): pure and single-process: no child process, no Ray, no process group.
 - ray: uses the session's local Ray cluster (applied from the `ray_local` fixture).
@@ -17,8 +27,6 @@ marker it needs, so a slow test cannot slip into the fast tier unseen.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -27,7 +35,8 @@ from typing import Any
 
 import pytest
 
-TEST_NAMESPACE = "grpo-tests"
+from support.paths import REPO_ROOT
+from support.ray_session import start_session_ray
 
 TIER_ORDER = ("ray", "vllm", "distributed", "system", "gpu")
 """The tier markers, cheapest first; scripts/test.sh selects on them in this order."""
@@ -116,17 +125,10 @@ def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo's starting model (its format warm-up only) and arithmetic prompts, made once per
     session by scripts/prepare_demo.py and shared by the end-to-end modules."""
-    repo_root = Path(__file__).resolve().parent.parent
     out = tmp_path_factory.mktemp("demo-assets")
-    subprocess.run([sys.executable, str(repo_root / "scripts" / "prepare_demo.py"), "--out_dir", str(out),
-                    "--num_prompts", "500"], check=True, cwd=repo_root, timeout=900)
+    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "prepare_demo.py"), "--out_dir", str(out),
+                    "--num_prompts", "500"], check=True, cwd=REPO_ROOT, timeout=900)
     return out
-
-
-def _start_session_ray() -> None:
-    from async_grpo.launch.ray_cluster import init_local_ray
-
-    init_local_ray(num_cpus=max(4, os.cpu_count() or 1), namespace=TEST_NAMESPACE, log_to_driver=True)
 
 
 @pytest.fixture(scope="session")
@@ -136,23 +138,7 @@ def ray_local():
 
     if ray.is_initialized():
         ray.shutdown()
-    _start_session_ray()
+    start_session_ray()
     yield ray
     ray.shutdown()
 
-
-@contextlib.contextmanager
-def session_ray_set_aside() -> Iterator[None]:
-    """Inside the block this process holds no Ray connection, so a LocalCluster can start its own
-    head in it (a process holds one connection); the session's cluster (ray_local) is started
-    again after it, if there was one, for the modules that come later in the same run."""
-    import ray
-
-    had_session_ray = ray.is_initialized()
-    if had_session_ray:
-        ray.shutdown()
-    try:
-        yield
-    finally:
-        if had_session_ray and not ray.is_initialized():
-            _start_session_ray()

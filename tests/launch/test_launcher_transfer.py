@@ -1,0 +1,97 @@
+"""local_cluster hands the trainer's transfer.weight_transfer to its generation workers'
+EngineConfig.weight_transfer, so a user sets the backend once (the two ends must agree: a worker
+refuses a transfer by another backend at its first push); a launcher --weight_transfer that
+names another backend is refused with one line before anything starts.
+
+    .venv/bin/python -m pytest tests/launch/test_launcher_transfer.py -q
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import local_cluster
+from async_grpo.config.run_config import load_config
+from local_cluster import LocalCluster, LocalClusterConfig, with_trainer_transfer
+from worker_dispatcher import DispatcherConfig, generation_worker_config, logprob_worker_config
+
+
+def _launcher(tmp_path: Path, *flags: str) -> LocalClusterConfig:
+    return load_config(LocalClusterConfig, ["--model_path", "m", "--run_dir", str(tmp_path), *flags])
+
+
+def _worker_transfer(config: LocalClusterConfig, kind: str = "generation") -> str:
+    """The weight_transfer a dispatcher started by this launcher gives its generation worker."""
+    parsed = load_config(DispatcherConfig, LocalCluster(config).dispatcher_args(kind))
+    return generation_worker_config(parsed).engine.weight_transfer
+
+
+@pytest.mark.parametrize("backend", ["nccl", "nccl_m2n", "ipc"])
+def test_the_trainers_backend_reaches_the_generation_workers(tmp_path: Path, backend: str) -> None:
+    config = with_trainer_transfer(_launcher(tmp_path), backend)
+    assert config.engine.weight_transfer == backend
+    assert _worker_transfer(config) == backend
+    # Only the backend changed; the logprob workers take no engine section and are unaffected.
+    assert config.engine == _launcher(tmp_path, "--weight_transfer", backend).engine
+    assert "--weight_transfer" not in LocalCluster(config).dispatcher_args("logprob")
+    logprob_worker_config(load_config(DispatcherConfig, LocalCluster(config).dispatcher_args("logprob")))
+
+
+def test_the_default_and_an_agreeing_launcher_flag_change_nothing(tmp_path: Path) -> None:
+    default = _launcher(tmp_path)
+    assert with_trainer_transfer(default, "object_store") is default
+    assert _worker_transfer(default) == "object_store"
+    agreeing = _launcher(tmp_path, "--weight_transfer", "nccl")
+    assert with_trainer_transfer(agreeing, "nccl") is agreeing
+
+
+@pytest.mark.parametrize(("launcher", "trainer"), [("nccl_m2n", "nccl"), ("nccl", "object_store")])
+def test_a_launcher_backend_the_trainer_does_not_use_is_refused_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], launcher: str, trainer: str) -> None:
+    with pytest.raises(SystemExit) as exited:
+        with_trainer_transfer(_launcher(tmp_path, "--weight_transfer", launcher), trainer)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert f"--weight_transfer '{launcher}'" in err and f"--transfer.weight_transfer '{trainer}'" in err
+
+
+class _RecordingCluster:
+    """Stands in for LocalCluster in main(): records the config it was given, starts nothing."""
+
+    configs: list[LocalClusterConfig] = []
+    engine_choices: list[str] = []
+
+    def __init__(self, config: LocalClusterConfig, placement: object = None, longest_sample: int | None = None,
+                 cuda: bool | None = None) -> None:
+        self.configs.append(config)
+
+    def __enter__(self) -> "_RecordingCluster":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    def start_workers(self) -> None:
+        return None
+
+    def run_trainer(self, trainer_args: list[str], nproc_per_node: int) -> int:
+        return 0
+
+
+def test_main_starts_its_workers_with_the_trainers_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wiring in main(): the trainer's flag alone sets the workers' backend (no Ray, no
+    worker, no trainer start: the cluster and the input checks are stood in for)."""
+    _RecordingCluster.configs = []
+    monkeypatch.setattr(local_cluster, "LocalCluster", _RecordingCluster)
+    monkeypatch.setattr(local_cluster, "check_environment", lambda config: None)
+    monkeypatch.setattr(local_cluster, "check_trainer_inputs", lambda config, max_lora_rank=0: None)
+    monkeypatch.setattr(local_cluster, "setup_logging", lambda config, trainer_config: None)
+    monkeypatch.setattr(local_cluster, "_interrupt_on_sigterm", lambda: None)
+    code = local_cluster.main(["--model_path", str(tmp_path / "model"), "--run_dir", str(tmp_path / "run"), "--",
+                               "--data.path", str(tmp_path / "prompts.jsonl"), "--transfer.weight_transfer", "nccl"])
+    assert code == 0
+    (config,) = _RecordingCluster.configs
+    assert config.engine.weight_transfer == "nccl" and _worker_transfer(config) == "nccl"

@@ -1,0 +1,225 @@
+"""The layout and its layering rules, read from the source with `ast` (imports inside functions
+included, followed transitively through project modules), and that `pip install .` installs it.
+
+The rules are declared once, over folders, in async_grpo/__init__.py (LAYERS, PURE, WORKER_SIDE,
+TRAINER_SIDE); the README's layout section describes them. Here they are enforced:
+
+- the root holds the spine (SPINE below) and nothing else; every other module is in a folder of
+  the package;
+- a package folder imports only folders of earlier layers, and of the spine only its shared files
+  (grpo_loss, sample_processing_utils, setup_model), never a service or launcher;
+- the pure folders reach no Ray, vLLM or torch.distributed;
+- worker-side folders never reach trainer-side ones, and the reverse; the trainer reaches no
+  worker module;
+- project imports form no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+import async_grpo
+from support.paths import REPO_ROOT
+
+PACKAGE = "async_grpo"
+SPINE_SHARED = ("grpo_loss", "sample_processing_utils", "setup_model")
+"""Spine files the package may import: the loss, the sample records, model loading."""
+SPINE_WORKERS = ("vllm_worker", "logprob_worker", "worker_dispatcher")
+SPINE_SERVICES = ("trainer_core", *SPINE_WORKERS, "vllm_registry", "vllm_experience_batcher", "local_cluster")
+SPINE = (*SPINE_SHARED, *SPINE_SERVICES)
+FOLDERS = tuple(folder for layer in async_grpo.LAYERS for folder in layer)
+FORBIDDEN_IN_PURE = ("ray", "vllm", "torch.distributed")
+
+
+def _module_files() -> dict[str, Path]:
+    """Dotted module name -> file, for the spine and every package module (no __init__)."""
+    files = {path.stem: path for path in REPO_ROOT.glob("*.py")}
+    for path in sorted((REPO_ROOT / PACKAGE).rglob("*.py")):
+        if path.name != "__init__.py":
+            files[".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)] = path
+    return files
+
+
+MODULES = _module_files()
+
+
+def folder_of(module: str) -> str | None:
+    """The package folder holding `module` ('rewards' for 'async_grpo.rewards.sandbox'), else None."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == PACKAGE and len(parts) > 2 else None
+
+
+def layer_of(folder: str) -> int:
+    return next(i for i, layer in enumerate(async_grpo.LAYERS) if folder in layer)
+
+
+@cache
+def imports_of(module: str) -> frozenset[str]:
+    """Every module name `module`'s source imports (dotted, as written), at any depth of the file."""
+    tree = ast.parse(MODULES[module].read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return frozenset(names)
+
+
+def project_imports(module: str) -> set[str]:
+    return {name for name in imports_of(module) if name in MODULES}
+
+
+def closure(module: str) -> set[str]:
+    """`module` and every project module it imports, directly or through others."""
+    seen, todo = set(), [module]
+    while todo:
+        current = todo.pop()
+        if current not in seen:
+            seen.add(current)
+            todo.extend(project_imports(current))
+    return seen
+
+
+def test_the_root_holds_the_spine_and_the_package_its_folders():
+    assert sorted(p.stem for p in REPO_ROOT.glob("*.py")) == sorted(SPINE), (
+        "the root holds the spine only: move other modules into a folder of async_grpo/")
+    for path in (REPO_ROOT / PACKAGE).rglob("*.py"):
+        parts = path.relative_to(REPO_ROOT / PACKAGE).parts
+        if parts != ("__init__.py",):
+            assert len(parts) == 2 and parts[0] in FOLDERS, f"{path}: modules live in one of {FOLDERS}"
+    for folder in FOLDERS:
+        assert (REPO_ROOT / PACKAGE / folder / "__init__.py").is_file(), f"async_grpo/{folder}/ lacks __init__.py"
+
+
+def test_the_rules_name_existing_folders():
+    for name in (*async_grpo.PURE, *async_grpo.WORKER_SIDE, *async_grpo.TRAINER_SIDE):
+        assert name in FOLDERS, f"async_grpo/__init__.py names folder {name!r}, which LAYERS lacks"
+    assert len(set(FOLDERS)) == len(FOLDERS), "a folder appears in two layers"
+    on_disk = {p.name for p in (REPO_ROOT / PACKAGE).iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert on_disk == set(FOLDERS), f"folders on disk {sorted(on_disk)} != LAYERS {sorted(FOLDERS)}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if folder_of(m)))
+def test_a_folder_imports_earlier_layers_and_the_spines_shared_files_only(module):
+    own = folder_of(module)
+    for name in sorted(project_imports(module)):
+        folder = folder_of(name)
+        if folder is None:
+            assert name in SPINE_SHARED, (f"{module} imports the spine's {name}: the package imports only "
+                                          f"{SPINE_SHARED} of the spine")
+        elif folder != own:
+            assert layer_of(folder) < layer_of(own), (
+                f"{module} ({own}, layer {layer_of(own)}) imports {name} ({folder}, layer {layer_of(folder)}): "
+                f"a folder imports only folders of earlier layers (async_grpo/__init__.py LAYERS)")
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if folder_of(m) in async_grpo.PURE))
+def test_pure_folders_reach_no_ray_vllm_or_torch_distributed(module):
+    for reached in sorted(closure(module)):
+        bad = sorted(name for name in imports_of(reached)
+                     if any(name == f or name.startswith(f + ".") for f in FORBIDDEN_IN_PURE))
+        assert not bad, f"{module} reaches {reached}, which imports {bad}"
+
+
+def _reaches(module: str, folders: tuple[str, ...], spine: tuple[str, ...] = ()) -> list[str]:
+    return sorted(m for m in closure(module) if folder_of(m) in folders or m in spine)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if folder_of(m) in async_grpo.WORKER_SIDE)
+                         + list(SPINE_WORKERS))
+def test_worker_side_reaches_no_trainer_side(module):
+    bad = _reaches(module, async_grpo.TRAINER_SIDE, ("trainer_core",))
+    assert not bad, f"{module} (worker side) reaches trainer-side {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if folder_of(m) in async_grpo.TRAINER_SIDE)
+                         + ["trainer_core"])
+def test_trainer_side_reaches_no_worker_side(module):
+    bad = _reaches(module, async_grpo.WORKER_SIDE, SPINE_WORKERS)
+    assert not bad, f"{module} (trainer side) reaches worker-side {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_imports_ray_private_api(module):
+    # Private modules move between Ray releases without notice. (ray_cluster.py uses two names of
+    # ray._raylet, the GCS client and Ray's config refresh, which no public API offers; versions.py
+    # pins Ray to 2.60.x and every entry point checks it.)
+    bad = sorted(name for name in imports_of(module) if name.startswith("ray._private"))
+    assert not bad, f"{module} imports Ray's private {bad}: use Ray's public API or documented variables"
+
+
+def test_project_imports_form_no_cycle():
+    visiting, done = set(), set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in done:
+            return
+        assert module not in visiting, f"import cycle: {' -> '.join(path + [module])}"
+        visiting.add(module)
+        for dep in sorted(project_imports(module)):
+            visit(dep, path + [module])
+        visiting.discard(module)
+        done.add(module)
+
+    for module in MODULES:
+        visit(module, [])
+
+
+def test_pyproject_installs_the_spine_and_the_package():
+    config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert sorted(config["py-modules"]) == sorted(SPINE)
+    assert config["packages"]["find"]["include"] == [f"{PACKAGE}*"]
+
+
+@pytest.mark.system
+def test_a_non_editable_install_imports_from_another_directory(tmp_path):
+    """`pip install .` (no editable link), then every module imports with the checkout off the path."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", *(f"{m}.py" for m in SPINE)):
+        shutil.copy2(REPO_ROOT / name, source / name)
+    shutil.copytree(REPO_ROOT / PACKAGE, source / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    target, elsewhere = tmp_path / "site", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    # --no-deps / --no-build-isolation: the test environment already has every dependency and the
+    # build backend, and CI may be offline.
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(source)], check=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(target)}
+    names = sorted(MODULES)
+    probe = ("import importlib, sys\n"
+             f"for name in {names!r}:\n"
+             "    module = importlib.import_module(name)\n"
+             "    print(name, module.__file__)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in done.stdout.splitlines():
+        name, path = line.split(" ", 1)
+        assert Path(path).resolve().is_relative_to(target.resolve()), f"{name} imported from {path}, not the install"
+
+
+MAX_MODULE_LINES = 600  # a module past this has more than one job: find its seam (STYLE.md)
+MAX_CLASS_LINES = 310  # likewise a class (~300, with room for a docstring's growth)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_rooms_of_one_job(module):
+    source = MODULES[module].read_text()
+    assert len(source.splitlines()) <= MAX_MODULE_LINES, (
+        f"{module} has {len(source.splitlines())} lines (at most {MAX_MODULE_LINES}): split it along a seam")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            lines = node.end_lineno - node.lineno + 1
+            assert lines <= MAX_CLASS_LINES, f"{module}.{node.name} has {lines} lines (at most {MAX_CLASS_LINES})"

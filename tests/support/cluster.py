@@ -1,0 +1,78 @@
+"""The tests' local cluster (local_cluster.LocalCluster, workers started through
+worker_dispatcher.py): one factory for its config, with each module's differences passed in, and
+the demo's trainer run on it. Used by the whole-system modules (end-to-end, LoRA end-to-end, the
+algorithm options, crash-resume, chaos).
+
+    @pytest.fixture(scope="module")
+    def cluster(demo_assets, tmp_path_factory):
+        config = cluster_config(demo_assets / "model", tmp_path_factory.mktemp("worker-logs"))
+        with started_cluster(config) as running:
+            yield running
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from async_grpo.config.worker_options import VerificationConfig
+from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, registry_name
+from async_grpo.telemetry.metrics import read_metrics
+from local_cluster import LocalCluster, LocalClusterConfig, local_engine
+from support.paths import REPO_ROOT
+from support.ray_session import session_ray_set_aside
+
+WORLD_SIZE = 2  # trainer ranks (torchrun --nproc_per_node)
+# Small steps keep each run to tens of seconds on 2 cores: 2 ranks x 4 prompts x 4 rollouts.
+FAST_RUN = ["--prompts_per_rank", "4", "--sampling.n", "4", "--sampling.max_tokens", "4",
+            "--max_tokens_per_gpu", "256", "--progress_bar", "false", "--tensorboard", "false",
+            "--data.max_prompt_tokens", "16", "--eval.every", "0"]
+TRAINER_TIMEOUT_S = 600
+# A 128 MiB KV cache holds every sequence of FAST_RUN; uncompiled (enforce_eager): compiling costs
+# ~12 s of an engine's start on 2 cores and buys little on runs of 4-token completions.
+ENGINE = dict(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64, enforce_eager=True)
+
+
+def cluster_config(model_path: str | Path, log_dir: str | Path, *, engine: dict[str, Any] | None = None,
+                   **changes: Any) -> LocalClusterConfig:
+    """One generation and one logprob worker on model_path, 8 CPUs, one verifier process, the
+    launcher's CPU engine with ENGINE's settings; `engine` changes engine fields, `changes` the
+    cluster's (e.g. logprob_workers=0, teacher_workers=1)."""
+    fields: dict[str, Any] = dict(
+        model_path=str(model_path), log_dir=str(log_dir), generation_workers=1, logprob_workers=1, num_cpus=8,
+        verification=VerificationConfig(global_num_verifiers=1), engine=local_engine(**{**ENGINE, **(engine or {})}),
+    )
+    return LocalClusterConfig(**{**fields, **changes})
+
+
+@contextlib.contextmanager
+def started_cluster(config: LocalClusterConfig) -> Iterator[LocalCluster]:
+    """The cluster with its workers started; stopped (workers, Ray head) when the block ends. The
+    session's Ray connection, if a module before held one, is set aside meanwhile."""
+    with session_ray_set_aside(), LocalCluster(config) as running:
+        running.start_workers()
+        yield running
+
+
+def train(cluster: LocalCluster, demo_assets: Path, run_dir: Path, *extra: str) -> list[dict]:
+    """`torchrun trainer_core.py` on WORLD_SIZE ranks: configs/demo.yaml on the demo's model and
+    data, FAST_RUN, then `extra`; fails the test with the log's tail unless it exits 0. Returns
+    the run's metrics. Each call logs to its own file beside run_dir (a resumed run keeps the first's)."""
+    earlier = len(list(run_dir.parent.glob(f"{run_dir.name}.trainer-*.log")))
+    log = run_dir.parent / f"{run_dir.name}.trainer-{earlier}.log"
+    args = ["--config", str(REPO_ROOT / "configs" / "demo.yaml"), "--run_dir", str(run_dir),
+            "--model.model_path", str(demo_assets / "model"), "--data.path", str(demo_assets / "arithmetic.jsonl"),
+            *FAST_RUN, *extra]
+    code = cluster.run_trainer(args, nproc_per_node=WORLD_SIZE, timeout_s=TRAINER_TIMEOUT_S, log_path=log)
+    assert code == 0, f"trainer exited {code}:\n" + "\n".join(log.read_text().splitlines()[-40:])
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def generation_versions() -> list[int]:
+    """Each generation worker's weight version, from the generation registry's status."""
+    import ray
+
+    registry = ray.get_actor(registry_name(GENERATION), namespace=RAY_NAMESPACE)
+    return [status.weight_version for status in ray.get(registry.status.remote())]

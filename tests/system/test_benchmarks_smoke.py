@@ -1,0 +1,116 @@
+"""Every benchmark's smoke mode runs as its recorded command does (`python -m benchmarks.NAME`
+from the repository root) and prints its summary line with the figures it promises, so a config
+change cannot break a recorded command unseen. No figure is compared with a threshold: a smoke
+run's numbers mean nothing.
+
+    .venv/bin/python -m pytest tests/system/test_benchmarks_smoke.py -q --durations=0
+
+Each runs as `python -m benchmarks.NAME --smoke true` (the script's SMOKE sizes: a few steps, tiny
+shapes; a local cluster's vLLM engines uncompiled, harness.SMOKE_ENGINE) plus where its inputs and
+outputs go. Already run elsewhere in smoke mode, not repeated
+here: soak.py (tests/system/test_soak.py) and scale.py (tests/system/test_scale_benchmark.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from benchmarks.harness import parse_summary_line
+from support.paths import REPO_ROOT
+
+pytestmark = [pytest.mark.system]
+
+SMOKE_TIMEOUT_S = 1200  # a cluster smoke takes 1-3 min on 2 idle cores; a busy machine, several times that
+ASSETS = "{assets}"  # replaced by the session's demo assets (tests/conftest.py)
+WORK = "{work}"  # replaced by the test's own folder
+
+
+@dataclass(frozen=True)
+class Smoke:
+    """One benchmark's smoke command and what its summary line must hold."""
+
+    module: str
+    """benchmarks.<module>."""
+    args: tuple[str, ...]
+    """Flags after `--smoke true`: where its inputs and outputs go (ASSETS / WORK filled in)."""
+    prefix: str
+    """The summary line's name (before ': '; '' for a line of key=value pairs alone)."""
+    figures: tuple[str, ...]
+    """Keys the summary line must carry."""
+    marks: tuple[str, ...] = ()
+    """Tiers beyond system (vllm, distributed)."""
+
+
+CLUSTER = ("vllm", "distributed")  # a local cluster: a vLLM worker and torchrun ranks
+DEMO = ("--assets_dir", ASSETS)
+SMOKES = (
+    Smoke("batcher", (), "", ("window", "target", "fill", "padding")),
+    Smoke("distill_token_probe", ("--student_path", f"{ASSETS}/model", "--data_path", f"{ASSETS}/arithmetic.jsonl"),
+          "distill_token_probe", ("mean_token_mean_gap",)),
+    Smoke("learnability", (), "", ("warmup", "well_formed", "sampled_correct")),
+    Smoke("logprob_batching", (), "", ("speedup", "tiny_speedup", "batched_tok_s", "sequential_tok_s")),
+    Smoke("memory", (), "", ("tokens", "chunked_mib", "full_mib", "ratio")),
+    Smoke("packing", (), "", ("speedup", "cpu_speedup", "packed_s", "padded_s")),
+    Smoke("raylet_idle", (), "raylet_idle", ("start_mb", "end_mb", "growth")),
+    Smoke("reward", (), "", ("hostile_over_clean", "clean_samples_per_s", "hostile_samples_per_s")),
+    Smoke("trackers", (), "", ("jsonl_log_ms", "tensorboard_log_ratio")),
+    Smoke("trainer_throughput", (), "", ("tokens_per_s", "mfu", "step_s")),
+    Smoke("gpu_report", ("--out", f"{WORK}/gpu_report.md"), "gpu_report", ("rows", "skipped", "failed")),
+    Smoke("generation_executor", (), "", ("cpu_ratio",), ("vllm",)),
+    Smoke("lora_push_memory", ("--out", f"{WORK}/lora_push_memory.json"), "lora_push_memory",
+          ("tree_slope_kib", "adapter_kib", "ratio"),
+          ("vllm",)),
+    Smoke("inflight", ("--work_dir", WORK), "inflight",
+          ("speedup", "keep_token_staleness", "wait_token_staleness", "staleness_source"), ("vllm",)),
+    # Local-cluster smokes last: they take minutes each.
+    Smoke("weight_push", ("--work_dir", WORK), "", ("gather_gbps", "sharded_gbps", "fraction_of_memcpy"), CLUSTER),
+    Smoke("checkpoint_async", ("--work_dir", WORK), "checkpoint_async",
+          ("weights_mb", "sync_checkpoint_s", "async_checkpoint_s", "blocked_ratio"), CLUSTER),
+    Smoke("algorithms", (*DEMO, "--out_dir", WORK), "algorithms", ("baseline",), CLUSTER),
+    Smoke("data_path", (*DEMO, "--out_dir", WORK), "data_path",
+          ("wait_ratio", "step_ratio", "ray_bytes_per_step", "scatter_bytes_per_step"), CLUSTER),
+    Smoke("distill", (*DEMO, "--out_dir", WORK), "distill", ("teacher", "distill"), CLUSTER),
+    Smoke("step_profile", ("--assets", ASSETS), "step_profile", ("median_step_s", "cores", "trainer_faults_per_step"),
+          CLUSTER),
+    Smoke("async_overlap", (*DEMO, "--work_dir", WORK), "async_overlap",
+          ("speedup", "simulated_speedup", "simulated_ideal", "overlap_efficiency", "G_s", "T_s"), CLUSTER),
+    Smoke("learning_parity", ("--model_dir", f"{ASSETS}/model", "--data", f"{ASSETS}/arithmetic.jsonl",
+                              "--eval_data", f"{ASSETS}/arithmetic_eval.jsonl", "--out_dir", WORK),
+          "", ("parity",), CLUSTER),
+    Smoke("realistic_run", ("--work_dir", WORK), "realistic_run", ("steps", "tokens_per_step", "step_s_median"),
+          CLUSTER),
+)
+
+
+def _command(smoke: Smoke, assets: Path, work: Path) -> list[str]:
+    args = [a.replace(ASSETS, str(assets)).replace(WORK, str(work)) for a in smoke.args]
+    return [sys.executable, "-m", f"benchmarks.{smoke.module}", "--smoke", "true", *args]
+
+
+def _summary(stdout: str, smoke: Smoke) -> dict[str, str]:
+    """The figures of the last line named smoke.prefix that carries the first promised figure."""
+    for line in reversed(stdout.strip().splitlines()):
+        name, figures = parse_summary_line(line.strip())
+        if name == smoke.prefix and smoke.figures[0] in figures:
+            return figures
+    raise AssertionError(f"{smoke.module}: no summary line {smoke.prefix!r} with {smoke.figures[0]}:\n{stdout[-2000:]}")
+
+
+def _params() -> list:
+    return [pytest.param(s, id=s.module, marks=[getattr(pytest.mark, m) for m in s.marks]) for s in SMOKES]
+
+
+@pytest.mark.parametrize("smoke", _params())
+def test_benchmark_smoke_prints_its_summary(smoke: Smoke, demo_assets: Path, tmp_path: Path) -> None:
+    result = subprocess.run(_command(smoke, demo_assets, tmp_path), cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=SMOKE_TIMEOUT_S)
+    assert result.returncode == 0, f"{smoke.module} smoke failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    figures = _summary(result.stdout, smoke)
+    missing = [key for key in smoke.figures if key not in figures]
+    assert not missing, f"{smoke.module}: summary line lacks {missing}: {figures}"
+    assert all(value for value in figures.values()), figures

@@ -146,7 +146,7 @@ def _chunk_logprobs_and_entropy(
     freed as soon as it exists, and the entropy is built in place on one temporary.
     The entropy comes last on purpose: checkpointing's recompute in backward stops once the
     tensors backward needs are back (torch's default early stop), so it never reruns the
-    entropy (tests/test_chunked_entropy.py counts the ops).
+    entropy (tests/algo/test_chunked_entropy.py counts the ops).
     """
     log_p = torch.log_softmax(F.linear(hidden, weight, bias).float(), dim=-1)
     ignored = labels == IGNORE_INDEX

@@ -30,7 +30,7 @@ weight_transfer_engine.py, so the actor's runtime env carries the repository on 
     ray.get(worker.start.remote())
     samples = ray.get(worker.generate.remote(sample, SamplingConfig(n=8)))
 
-Tests: `.venv/bin/python -m pytest tests/test_vllm_worker.py -x -q` (starts real engines).
+Tests: `.venv/bin/python -m pytest tests/inference/test_vllm_worker.py -x -q` (starts real engines).
 This module imports neither vLLM nor math-verify at import time (math_verifier loads it in its
 own processes), so a process without them can still import it (the dispatcher, the tests).
 """

@@ -4,7 +4,7 @@ The spine (trainer_core, worker_dispatcher, vllm_worker, logprob_worker, vllm_re
 vllm_experience_batcher, grpo_loss, sample_processing_utils, setup_model, local_cluster) lives
 at the repository root and imports from here; nothing here imports the spine's services or
 launchers. `LAYERS` below orders the folders: a folder imports only folders before it (and
-the spine's shared files: grpo_loss, sample_processing_utils, setup_model). tests/test_layout.py
+the spine's shared files: grpo_loss, sample_processing_utils, setup_model). tests/project/test_layout.py
 enforces these rules; the README's "How the code is laid out" says what each folder holds.
 """
 

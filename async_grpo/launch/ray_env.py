@@ -87,7 +87,7 @@ def actor_runtime_env() -> dict[str, Any]:
 # (services.resolve_ip_for_localhost), and its GCS, raylet, workers and agents then listen on all
 # interfaces. With this variable false, Ray's node-IP lookup returns 127.0.0.1 (the path it takes
 # for single-machine macOS and Windows), and every one of them listens on loopback only (checked
-# in tests/test_end_to_end.py). Child processes inherit it, so the trainer and the dispatchers
+# in tests/system/test_end_to_end.py). Child processes inherit it, so the trainer and the dispatchers
 # look for their local node at the same address.
 LOOPBACK_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 

@@ -337,7 +337,7 @@ def plain_number(text: str) -> Decimal | None:
 
 def plain_number_verdict(answer: str, gold: str) -> RewardResult | None:
     """The verdict when both the answer and the gold are plain numbers (exact comparison, which
-    is math-verify's verdict on them: tests/test_math_verifier.py), else None."""
+    is math-verify's verdict on them: tests/rewards/test_math_verifier.py), else None."""
     predicted = plain_number(answer)
     if predicted is None:
         return None

@@ -9,7 +9,7 @@ environments, so it knows nothing about rewards. One call = one program run, in 
 tree that is gone when the call returns, and whose directory is removed.
 
 What contains a hostile program, layer by layer (`isolation()` says which layers this machine has;
-tests/test_sandbox.py runs each attack against them):
+tests/rewards/test_sandbox.py runs each attack against them):
 
     layer                          enforced by   contains
     network namespace              kernel        sockets: only a loopback that is down, so every

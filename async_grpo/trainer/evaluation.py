@@ -14,7 +14,7 @@ The workers score completions exactly as in training (math-verify, the training 
 The maths (`pass_at_k`, `evaluation_metrics`) is pure; `Evaluator` talks to any client with the
 batcher's `submit(method, *args, cost)` protocol and knows nothing of Ray.
 
-Tests: `.venv/bin/python -m pytest tests/test_evaluation.py -q` (one test starts a real engine).
+Tests: `.venv/bin/python -m pytest tests/trainer/test_evaluation.py -q` (one test starts a real engine).
 """
 
 from __future__ import annotations

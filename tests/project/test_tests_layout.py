@@ -109,7 +109,7 @@ def test_programs_and_plugins_are_started_or_loaded_not_imported() -> None:
 def test_the_test_files_named_by_path_exist() -> None:
     naming = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md")),
               *sorted((REPO_ROOT / "benchmarks").glob("*.py")), *sorted((REPO_ROOT / "scripts").glob("*.*")),
-              *_sources()]
+              *sorted(REPO_ROOT.glob("*.py")), *sorted((REPO_ROOT / "async_grpo").rglob("*.py")), *_sources()]
     missing = sorted({f"{path.relative_to(REPO_ROOT)}: {name}" for path in naming
                       for name in TEST_PATH.findall(path.read_text())
                       if not (list(REPO_ROOT.glob(name)) if "*" in name else (REPO_ROOT / name).is_file())})

@@ -15,14 +15,16 @@ from pathlib import Path
 import pytest
 
 from async_grpo.inference.weight_files import adapter_dir_path, remove_weight_files
+from support.paths import REPO_ROOT
 
 pytestmark = pytest.mark.system
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+
 _CLUSTER = """
 import json, sys, time
 from pathlib import Path
 from async_grpo.inference.weight_files import adapter_dir_path, remove_weight_files
+from support.paths import REPO_ROOT
 from async_grpo.launch.ray_cluster import init_local_ray, shared_memory_owner
 
 init_local_ray(num_cpus=1, namespace="shm-names", log_to_driver=False)

@@ -225,7 +225,7 @@ class GenerationWorker:
         self.stats = GenerationStats()
         connect = functools.partial(connect_verifier_pool, config.verification.global_num_verifiers,
                                     config.verification.verifier_timeout_s)
-        self.scorer = RolloutScorer(worker_name, connect, verifier)
+        self.scorer = RolloutScorer(worker_name, connect, verifier, count_in_worker=self._count_verdicts_in_worker)
         self._failed = FailedSampleLog(config.failed_samples.path, worker_name)
         self._engine: AsyncLLM | None = None
         self._renderer: ChatRenderer | None = None
@@ -303,7 +303,7 @@ class GenerationWorker:
             tokens = await canary_tokens(engine, f"{self.worker_name}-canary-{uuid.uuid4().hex[:8]}")
             if tokens != 1:
                 raise RuntimeError(f"canary generation returned {tokens} tokens, expected 1")
-            (result,) = await self.scorer.verify(["2"], "2")
+            (result,) = await self.scorer.verify(["2"], "2", in_worker=False)  # the pool must answer
             if result.failed or result.reward != 1.0:
                 raise RuntimeError(f"canary verification of '2' against '2' gave reward {result.reward} "
                                    f"({result.error or 'no error'})")
@@ -421,6 +421,9 @@ class GenerationWorker:
             track_id, [(getattr(c, "weight_versions", None), len(c.token_ids)) for c in completions])
         self.stats.unattributed_versions += sum(not v.attributed for v in versions)
         return versions
+
+    def _count_verdicts_in_worker(self, count: int) -> None:
+        self.stats.verdicts_in_worker += count
 
     def _fail_if_engine_dead(self, exc: BaseException) -> None:
         """Engine death is worker death: enter FAILED and raise WorkerFailedError."""

@@ -26,6 +26,10 @@ class GenerationStats:
     """Completions cut off at max_tokens."""
     reward_failures: int = 0
     """Completions whose verification failed or timed out (verdict 0, before format shaping)."""
+    verdicts_in_worker: int = 0
+    """Completions the worker verified itself, without a call to the verifier pool: plain numbers
+    and the answers the pre-checks refuse (math_verifier.quick_verdict, the verdict the pool would
+    give them from the same function)."""
     generation_failures: int = 0
     """Generate calls that raised inside the engine."""
     format_checked: int = 0

@@ -141,7 +141,9 @@ class TreeSampler:
             counters = read_counters(pid)
             if counters is not None:
                 with self._lock:
-                    label = self.latest[pid][0] if pid in self.latest else label_of(pid)
+                    # A Ray worker takes its actor's title only after start-up: keep asking until known.
+                    known = pid in self.latest and kind_of(self.latest[pid][0]) != "other"
+                    label = self.latest[pid][0] if known else label_of(pid)
                     self.latest[pid] = (label, counters)
 
     def _run(self) -> None:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The README's test command: install into ./.venv if needed (the CUDA or the CPU builds, as this
 # machine needs), then run the suite, one pytest process per tier (tests/conftest.py says what
-# each tier holds), so no test depends on which modules ran before it in the same process.
+# each tier holds), so no test depends on which modules ran before it in the same process. The
+# system tier runs in a second lane beside the others (its log printed at the end); every
+# tier's time and exit, each lane's time and the total are printed last.
 #
 #   bash scripts/test.sh                 # every tier (what CI runs)
 #   bash scripts/test.sh --fast          # the pure, single-process tier only (a few minutes)
@@ -59,25 +61,52 @@ tiers=(
     "system" "system and not gpu"
     "gpu" "gpu"
 )
+
+# run_tiers LANE NAME EXPRESSION [NAME EXPRESSION ...]: the tiers one after the other; each tier's
+# exit and time go to $results/LANE (one "name rc seconds" line each).
+run_tiers() {
+    local lane=$1
+    shift
+    while [[ $# -gt 0 ]]; do
+        local name=$1 expression=$2 began=$SECONDS rc=0
+        shift 2
+        echo "=== tier ${name}: -m \"${expression}\""
+        .venv/bin/python -m pytest -m "${expression}" --durations=25 || rc=$?
+        echo "=== tier ${name}: exit ${rc} in $((SECONDS - began)) s"
+        echo "${name} ${rc} $((SECONDS - began))" >> "$results/$lane"
+    done
+}
+
+results=$(mktemp -d)
+trap 'rm -rf "$results"' EXIT
+started=$SECONDS
 if [[ "${1:-}" == "--fast" ]]; then
-    tiers=("${tiers[@]:0:2}")
+    run_tiers main "${tiers[@]:0:2}"
+else
+    # Two lanes: the system tier (whole programs: clusters, launchers, benchmarks, scripts; mostly
+    # waiting on processes it starts) runs beside the other tiers, its output in a log of its own
+    # that is printed when both lanes are done. RESULTS.md ("The test suite") has the times.
+    logs=runs/test-logs
+    mkdir -p "$logs"
+    echo "=== lane system: tier system in the background, its log in $logs/system.log"
+    run_tiers system "${tiers[@]:8:2}" > "$logs/system.log" 2>&1 &
+    system_lane=$!
+    run_tiers main "${tiers[@]:0:8}" "${tiers[@]:10:2}" 2>&1 | tee "$logs/main.log"
+    main_s=$((SECONDS - started))
+    wait "$system_lane" || true
+    echo "=== lane system (its log, $logs/system.log):"
+    cat "$logs/system.log"
+    echo "=== lanes: main $main_s s, system $(awk '{s += $3} END {print s}' "$results/system") s"
 fi
 
 failed=()
-started=$SECONDS
-for ((i = 0; i < ${#tiers[@]}; i += 2)); do
-    name=${tiers[i]}
-    expression=${tiers[i + 1]}
-    echo "=== tier ${name}: -m \"${expression}\""
-    tier_started=$SECONDS
-    rc=0
-    .venv/bin/python -m pytest -m "${expression}" --durations=25 || rc=$?
+while read -r name rc seconds; do
     # 5: nothing selected: expected for the gpu tier without CUDA (its tests are deselected).
     if [[ $rc -ne 0 && !( $rc -eq 5 && "$name" == "gpu" && "$device" == "cpu" ) ]]; then
         failed+=("${name} (exit ${rc})")
     fi
-    echo "=== tier ${name}: exit ${rc} in $((SECONDS - tier_started)) s"
-done
+    echo "=== tier ${name}: ${seconds} s, exit ${rc}"
+done < <(cat "$results"/*)
 echo "=== all tiers: $((SECONDS - started)) s"
 if [[ ${#failed[@]} -gt 0 ]]; then
     echo "FAILED tiers: ${failed[*]}" >&2

@@ -34,7 +34,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from async_grpo.batching.batcher_config import BatcherConfig
 from async_grpo.config.run_config import ConfigError, load_config, save_config
 from async_grpo.config.versions import TRAINER_REQUIREMENTS, VersionError, check_versions
-from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER
+from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, check_transfer_packages
 from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
 from async_grpo.launch.ray_env import (
     GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name,
@@ -542,6 +542,8 @@ def check_environment(config: TrainerConfig) -> None:
         check_trainer_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count(), host_gpu_count())
         check_transfer_pairing(config.transfer.weight_transfer, config.weight_push_mode,
                                has_cuda=torch.cuda.is_available(), lora=config.model.lora.enabled)
+        if not config.model.lora.enabled:  # LoRA adapters go through the object store whatever the transfer
+            check_transfer_packages(config.transfer.weight_transfer, "trainer")
     except ValueError as error:
         raise InputError(str(error)) from None
 

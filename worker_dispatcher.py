@@ -54,7 +54,7 @@ from async_grpo.config.versions import (
 )
 from async_grpo.config.worker_options import (
     VLLM_GPU_MEMORY_UTILIZATION, EngineConfig, FailedSamplesConfig, HealthCheckConfig, LogprobBatchingConfig,
-    RayConnectionConfig, RestartConfig, VerificationConfig,
+    RayConnectionConfig, RestartConfig, VerificationConfig, check_transfer_packages, check_weight_transfer_device,
 )
 from async_grpo.inference.engine_dtype import AUTO_DTYPE, dtype_choice_line, resolve_engine_dtype
 from async_grpo.launch.local_processes import StopFlag
@@ -218,6 +218,14 @@ def check_shared_gpu_memory(cfg: DispatcherConfig, cuda: bool) -> None:
         raise ValueError(f"--num_gpus {cfg.num_gpus:g} shares a GPU, and vLLM's default gpu_memory_utilization "
                          f"({VLLM_GPU_MEMORY_UTILIZATION}) takes nearly all of it: set --gpu_memory_utilization to "
                          f"this engine's share of the GPU's memory")
+
+
+def check_engine_transfer(cfg: DispatcherConfig, cuda: bool) -> None:
+    """ValueError (one line) when this node cannot serve the generation engine's weight transfer:
+    a CUDA transfer without CUDA, or a package it imports missing (nccl_m2n's nccl.m2n)."""
+    if cfg.mode == GENERATION:
+        check_weight_transfer_device(cfg.engine.weight_transfer, has_cuda=cuda)
+        check_transfer_packages(cfg.engine.weight_transfer, "generation worker's node")
 
 
 def claim_worker_name(registry: ActorHandle, kind: str) -> str:
@@ -563,7 +571,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = load_config(DispatcherConfig, args, description=__doc__)
             check_versions(WORKER_REQUIREMENTS if cfg.mode == GENERATION else LOGPROB_WORKER_REQUIREMENTS)
             check_model_dir(cfg.model_path)  # before joining the cluster or starting an engine
-            check_shared_gpu_memory(cfg, cuda=node_runs_cuda())
+            cuda = node_runs_cuda()
+            check_shared_gpu_memory(cfg, cuda)
+            check_engine_transfer(cfg, cuda)
         except (ConfigError, ModelPathError, VersionError, ValueError) as err:
             print(f"worker_dispatcher.py: {err}", file=sys.stderr)
             return 2

@@ -14,8 +14,9 @@ EngineConfig plus the line in GenerationWorker.start that passes it to vLLM.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 from setup_model import VLLM_LORA_RANKS
 
@@ -35,6 +36,36 @@ def check_weight_transfer_device(weight_transfer: str, has_cuda: bool) -> None:
     if weight_transfer != OBJECT_STORE_TRANSFER and not has_cuda:
         raise ValueError(f"EngineConfig.weight_transfer {weight_transfer!r} is one of vLLM's CUDA engines and this "
                          f"node has no CUDA: use 'object_store'")
+
+
+# The Python packages each CUDA transfer imports beyond torch, on both sides of a push: vLLM's
+# weight-transfer classes (the trainer's requirements, requirements_fsdp.txt, hold no vLLM), and
+# for nccl_m2n NVIDIA's nccl.m2n, which vLLM does not install.
+TRANSFER_PACKAGES = {"nccl": ("vllm",), "nccl_m2n": ("vllm", "nccl.m2n"), "ipc": ("vllm",)}
+PACKAGE_SOURCES = {
+    "vllm": "pip install -r requirements_base.txt (vllm==0.32.0) on this node",
+    "nccl.m2n": "NVIDIA's nccl-extensions and nccl4py (github.com/NVIDIA/nccl-extensions; NCCL >= 2.30.5, "
+                "VLLM_NCCL_SO_PATH set to the libnccl.so it links)",
+}
+
+
+def module_available(name: str) -> bool:
+    """Whether `name` (dotted) can be imported here, without importing it."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a missing parent package raises instead of answering None
+        return False
+
+
+def check_transfer_packages(weight_transfer: str, where: str,
+                            available: Callable[[str], bool] = module_available) -> None:
+    """ValueError (one line) when a package `weight_transfer` needs cannot be imported in this
+    process (`where` names it: 'trainer', a worker's name); object_store needs none."""
+    missing = [name for name in TRANSFER_PACKAGES.get(weight_transfer, ()) if not available(name)]
+    if missing:
+        how = "; ".join(f"{name}: {PACKAGE_SOURCES[name]}" for name in missing)
+        raise ValueError(f"weight_transfer {weight_transfer!r} needs {', '.join(missing)} importable in the {where}, "
+                         f"and it is not ({how}), or use 'object_store'")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -131,3 +131,23 @@ def test_dispatcher_checks_every_section_it_hands_the_worker_before_joining_ray(
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == CONFIG_ERROR_EXIT and len(err) == 1, err
     assert err[0].startswith("worker_dispatcher.py: ") and field in err[0], err
+
+
+@pytest.mark.parametrize("cuda, line", [
+    (False, "EngineConfig.weight_transfer 'nccl_m2n' is one of vLLM's CUDA engines and this node has no CUDA"),
+    (True, "weight_transfer 'nccl_m2n' needs nccl.m2n importable in the generation worker's node, and it is not "
+           "(nccl.m2n: NVIDIA's nccl-extensions"),
+])
+def test_dispatcher_refuses_a_weight_transfer_its_node_cannot_serve_before_joining_ray(
+        cuda: bool, line: str, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """nccl_m2n without CUDA, and (CUDA faked: this machine has no nccl.m2n either way) without
+    NVIDIA's nccl.m2n package: one line, exit 2, no Ray."""
+    import worker_dispatcher
+
+    monkeypatch.setattr(worker_dispatcher, "node_runs_cuda", lambda: cuda)
+    rc = worker_dispatcher.main(["--mode", "generation", "--model_path", str(tiny_model_dir),
+                                 "--weight_transfer", "nccl_m2n", "--ray_address", UNREACHABLE_RAY])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == CONFIG_ERROR_EXIT and len(err) == 1, err
+    assert err[0].startswith(f"worker_dispatcher.py: {line}"), err

@@ -17,7 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from async_grpo.config.worker_options import WEIGHT_TRANSFER_BACKENDS, EngineConfig, check_weight_transfer_device
+from async_grpo.config.worker_options import (
+    WEIGHT_TRANSFER_BACKENDS, EngineConfig, check_transfer_packages, check_weight_transfer_device, module_available,
+)
 from async_grpo.inference.weight_files import BucketBuffer, SharedMemoryFullError, check_free_space, read_bucket
 from async_grpo.weights.weight_loading import iter_assembled, load_streamed_into, update_shapes
 from async_grpo.weights.weight_sync import state_dict_to_blobs, tensor_to_blob
@@ -106,6 +108,41 @@ def test_weight_transfer_option_is_validated_naming_the_field() -> None:
             check_weight_transfer_device(cuda_only, has_cuda=False)
         check_weight_transfer_device(cuda_only, has_cuda=True)
     check_weight_transfer_device("object_store", has_cuda=False)
+
+
+def test_cuda_transfers_name_the_packages_they_need_and_where_they_come_from() -> None:
+    """nccl_m2n needs NVIDIA's nccl.m2n (vLLM does not install it); every CUDA transfer needs vLLM
+    in the trainer too, whose own requirements hold none. Decided by what can be imported."""
+    assert module_available("vllm") and module_available("async_grpo.config")
+    assert not module_available("nccl.m2n") and not module_available("no_such_package.sub")
+    check_transfer_packages("object_store", "trainer", available=lambda name: False)  # needs nothing
+    for transfer in ("nccl", "ipc"):
+        check_transfer_packages(transfer, "trainer", available=lambda name: name == "vllm")
+        with pytest.raises(ValueError, match=rf"^weight_transfer '{transfer}' needs vllm importable in the trainer, "
+                                             r"and it is not \(vllm: pip install -r requirements_base\.txt"):
+            check_transfer_packages(transfer, "trainer", available=lambda name: False)
+    with pytest.raises(ValueError, match=r"'nccl_m2n' needs nccl\.m2n importable in the trainer.*nccl-extensions"
+                                         r".*or use 'object_store'$"):
+        check_transfer_packages("nccl_m2n", "trainer", available=lambda name: name == "vllm")
+    with pytest.raises(ValueError, match=r"needs vllm, nccl\.m2n importable in the logprob node"):
+        check_transfer_packages("nccl_m2n", "logprob node", available=lambda name: False)
+    check_transfer_packages("nccl_m2n", "trainer", available=lambda name: True)
+
+
+def test_trainer_refuses_a_cuda_transfer_it_cannot_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    """trainer_core.check_environment, CUDA faked: nccl_m2n without nccl.m2n is one line; a LoRA
+    policy (adapters through the object store) is not asked for it."""
+    import trainer_core
+    from async_grpo.trainer.weight_transfer_trainer import TRANSFER_PUSH_MODE
+
+    monkeypatch.setattr(trainer_core.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(trainer_core, "check_trainer_gpus", lambda *args: None)
+    monkeypatch.setattr(trainer_core, "check_versions", lambda *args: None)
+    config = trainer_core.load_trainer_config(["--model.model_path", "m", "--data.path", "d.jsonl",
+                                               "--transfer.weight_transfer", "nccl_m2n",
+                                               "--weight_push_mode", TRANSFER_PUSH_MODE["nccl_m2n"]])
+    with pytest.raises(trainer_core.InputError, match=r"'nccl_m2n' needs nccl\.m2n importable in the trainer"):
+        trainer_core.check_environment(config)
 
 
 def test_engine_args_name_our_backend_and_its_registration(monkeypatch: pytest.MonkeyPatch) -> None:

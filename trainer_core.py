@@ -497,7 +497,7 @@ def run_step(step: int, parts: StepParts, config: TrainerConfig, dist: DistInfo)
     if parts.data_log is not None:
         parts.data_log.trained(step, acc.trained_prompt_ids)
     batcher_stats = ray.get(batcher.stats.remote(step)) if dist.is_main else {}
-    return acc.finalize(
+    record = acc.finalize(
         dist=dist,
         end=end,
         grad_norm=grad_norm,
@@ -506,6 +506,9 @@ def run_step(step: int, parts: StepParts, config: TrainerConfig, dist: DistInfo)
         step_s=time.perf_counter() - step_start,
         batcher_stats=batcher_stats,
     )
+    if push_s > 0:  # where an object-store push's time went, on this rank (rank 0's is logged)
+        record.update({f"timing/push_{name}_s": seconds for name, seconds in parts.pusher.phases.items()})
+    return record
 
 
 CONFIG_HINT = ("trainer_core.py needs a config: --config FILE (e.g. configs/demo.yaml) and/or "

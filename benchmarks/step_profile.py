@@ -19,7 +19,8 @@ with `cores` the kind's CPU seconds per wall second, the machine's total on the 
 step's split (medians over the same steps of timing/step_s, wait_s, train_s, push_s and the
 batcher's generate and logprob means). With `--baseline true` it runs the same steps again with
 the settings of before issue 37 (every process on glibc's 256 KiB mmap and trim thresholds, no
-thread settings, max_lag 0: `--tune_processes false --max_lag 0`) and prints
+thread settings, max_lag 0, FSDP resharding after forward: `--tune_processes false -- --max_lag 0
+--model.reshard_after_forward true`) and prints
 speedup=<baseline median step / current median step>. The runs go one after the other on the
 same machine; absolute times differ between machines, the ratio is what to compare.
 """
@@ -44,6 +45,9 @@ from benchmarks.harness import (
 from benchmarks.process_monitor import IDLE_RAY_WORKER, environ_rank, process_label, read_proc
 
 logger = logging.getLogger("benchmarks.step_profile")
+
+# The demo's trainer settings before issue 37, where configs/demo.yaml has changed since.
+BASELINE_TRAINER_FLAGS = ["--max_lag", "0", "--model.reshard_after_forward", "true"]
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc/<pid>/stat's utime and stime are in these
 # Fields of /proc/<pid>/stat after the command (the 2nd field, in parentheses): minflt is the 10th
@@ -75,7 +79,7 @@ class ProfileConfig:
     poll_s: float = 0.5
     """How often the sampler reads /proc."""
     baseline: bool = False
-    """Also run the settings of before issue 37 (--tune_processes false, max_lag 0) and print speedup=."""
+    """Also run the settings of before issue 37 (--tune_processes false, BASELINE_TRAINER_FLAGS) and print speedup=."""
     assets: str = "runs/demo-assets"
     """The demo's model, prompts and evaluation table (scripts/prepare_demo.py writes them)."""
     smoke: bool = False
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
                                    "trainer_faults_per_step": round(current.kinds.get("trainer ranks", {}).get("faults", 0))}
         if config.baseline:
             before = profile_run(config, "baseline (before issue 37)", {"tune_processes": False},
-                                 ["--max_lag", "0"], Path(tmp))
+                                 BASELINE_TRAINER_FLAGS, Path(tmp))
             print_profile(before)
             figures.update(baseline_step_s=round(before.split["timing/step_s"], 3),
                            speedup=round(before.split["timing/step_s"] / current.split["timing/step_s"], 3))

@@ -97,6 +97,8 @@ def resolve_push_dtype(name: str, device: torch.device, mixed_precision: bool) -
 
 
 PUSH_MODES = ("gather", "sharded", "lora_files")
+# The parts of an object-store push of full weights, in order (WeightPusher.phases).
+PUSH_PHASES = ("collect", "put", "load", "barrier")
 # lora_files folders kept on disk: the version being loaded and the one before it (a worker
 # loads each version before the next push returns, so older folders are never read again).
 _KEEP_ADAPTER_DIRS = 2
@@ -152,6 +154,11 @@ class WeightPusher:
         self._registries = list(registries)
         self._weights_root = Path(weights_root) if weights_root is not None else None
         self._stager = get_or_create_shard_stager() if mode == "sharded" else None
+        self.phases: dict[str, float] = {}
+        """The last object-store push of full weights, this rank's seconds per part: 'collect'
+        (FSDP's all-gather, or this rank's shards, to host tensors), 'put' (into Ray's object
+        store, staging included), 'load' (rank 0: the registries' publish, returning once every
+        worker has the version in its engine), 'barrier' (waiting for the other ranks)."""
 
     def push(self, model: nn.Module, version: int, initial: bool = False) -> float:
         """Collective: every rank calls it. Returns seconds spent."""
@@ -180,20 +187,28 @@ class WeightPusher:
         """Full weights through the object store: gathered on rank 0, or every rank's own shards."""
         import ray
 
+        marks = [time.perf_counter()]
         if self._mode == "gather":
             state = gather_full_state_dict(model, dtype=self.dtype)
+            marks.append(time.perf_counter())
             own_ref = ray.put(state_dict_to_blobs(state)) if self._rank == 0 else None
             refs = [own_ref]
         else:
-            own_ref = ray.put(local_shard_blobs(model, dtype=self.dtype))
+            blobs = local_shard_blobs(model, dtype=self.dtype)
+            marks.append(time.perf_counter())
+            own_ref = ray.put(blobs)
             refs = self._staged_refs(version, own_ref)
+        marks.append(time.perf_counter())
         if self._rank == 0:
             update = WeightUpdate(version=version, shard_refs=refs, mode=self._mode, initial=initial)
             self._announce(update, self._object_store_registries())
+        marks.append(time.perf_counter())
         # Workers fetch shards from every rank's object store: keep own_ref alive until all are done.
         # The registries hold the update (borrowing its refs) until the next publish, so these
         # objects stay in this rank's store until then: a worker joining meanwhile loads them.
         dist.barrier()
+        marks.append(time.perf_counter())
+        self.phases = {name: end - begin for name, begin, end in zip(PUSH_PHASES, marks, marks[1:])}
         del own_ref
 
     def _push_adapter(self, model: nn.Module, version: int, initial: bool) -> None:

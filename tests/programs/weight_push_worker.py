@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import ray
@@ -38,6 +39,9 @@ DIST_TIMEOUT_S = 120.0  # a crashed peer turns into an error well inside the tes
 PUSH_TIMEOUT_S = 120.0  # the shard stager's wait for every rank's shard
 MODES = ("gather", "sharded")
 DTYPES = (torch.float32, torch.bfloat16)
+# How long the recorder holds each publish, as a worker loading into its engine would: the
+# pusher's 'load' phase must contain it (tests/trainer/test_weight_push_dtype.py).
+PUBLISH_HOLD_S = 0.2
 
 
 @ray.remote(num_cpus=0)
@@ -57,6 +61,7 @@ class Recorder:
             "streamed_names": [name for name, _ in streamed],
             "streamed": dict(streamed),
         }
+        time.sleep(PUBLISH_HOLD_S)
         return {"recorder": update.version}
 
     def take(self) -> dict[int, dict]:
@@ -86,8 +91,9 @@ def main() -> None:
     for model_path in args.model_path:
         model = build_training_model(ModelConfig(model_path=model_path), info)
         for (mode, dtype), pusher in pushers.items():
-            pusher.push(model, version)
-            pushes.append({"model_path": model_path, "mode": mode, "dtype": dtype, "version": version})
+            seconds = pusher.push(model, version)
+            pushes.append({"model_path": model_path, "mode": mode, "dtype": dtype, "version": version,
+                           "seconds": seconds, "phases": dict(pusher.phases)})
             version += 1
     if info.is_main:
         received = ray.get(recorder.take.remote())

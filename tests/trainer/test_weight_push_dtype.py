@@ -75,3 +75,18 @@ def test_push_arrives_in_its_dtype_equal_to_the_rounded_weights(pushes: list[dic
         # Streaming one tensor at a time yields the same tensors in the same order.
         assert push["streamed_names"] == list(push["fetched"].keys())
         assert all(torch.equal(push["streamed"][n], t) for n, t in push["fetched"].items())
+
+
+@pytest.mark.distributed
+def test_push_phases_split_rank_zeros_push_time(pushes: list[dict]) -> None:
+    """WeightPusher.phases (the trainer logs them as timing/push_<phase>_s): every phase on every
+    push, none negative, together within the push's own time, and the registry's publish (the
+    recorder holds each one PUBLISH_HOLD_S, as a worker loading into its engine would) inside 'load'."""
+    from async_grpo.trainer.weight_pusher import PUSH_PHASES
+
+    for push in pushes:
+        phases = push["phases"]
+        assert tuple(phases) == PUSH_PHASES, push["phases"]
+        assert all(seconds >= 0 for seconds in phases.values()), phases
+        assert sum(phases.values()) <= push["seconds"], (phases, push["seconds"])
+        assert phases["load"] >= 0.2, phases  # weight_push_worker.PUBLISH_HOLD_S

@@ -24,7 +24,6 @@ _CLUSTER = """
 import json, sys, time
 from pathlib import Path
 from async_grpo.inference.weight_files import adapter_dir_path, remove_weight_files
-from support.paths import REPO_ROOT
 from async_grpo.launch.ray_cluster import init_local_ray, shared_memory_owner
 
 init_local_ray(num_cpus=1, namespace="shm-names", log_to_driver=False)
@@ -41,6 +40,16 @@ if sys.argv[2] == "clean":
 _BOUND_S = 120
 
 
+def _read_line(process: subprocess.Popen) -> dict:
+    """The child's next JSON line; its error output when it ended without one."""
+    line = process.stdout.readline()
+    if not line:
+        process.wait(timeout=_BOUND_S)
+        raise AssertionError(f"the cluster process exited {process.returncode} without its line:\n"
+                             f"{process.stderr.read()[-3000:]}")
+    return json.loads(line)
+
+
 def test_two_clusters_at_once_keep_their_workers_files_apart(tmp_path: Path) -> None:
     go = tmp_path / "go"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -48,11 +57,11 @@ def test_two_clusters_at_once_keep_their_workers_files_apart(tmp_path: Path) -> 
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 for role in ("clean", "keep")]
     try:
-        first = [json.loads(process.stdout.readline()) for process in clusters]
+        first = [_read_line(process) for process in clusters]
         assert first[0]["owner"] != first[1]["owner"]
         assert first[0]["owner"].endswith("-generation-worker-0") and first[1]["owner"].endswith("-generation-worker-0")
         go.touch()
-        removed = json.loads(clusters[0].stdout.readline())["removed"]
+        removed = _read_line(clusters[0])["removed"]
         for process in clusters:
             assert process.wait(timeout=_BOUND_S) == 0, process.stderr.read()[-3000:]
     finally:

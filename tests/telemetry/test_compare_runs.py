@@ -111,7 +111,8 @@ def test_compare_command_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     out = tmp_path / "fig.png"
     metrics_main(["compare", str(fast), str(slow), "--out", str(out), "--window", "2", "--thresholds", "0.5"])
     printed = capsys.readouterr().out
-    assert "| fast | 7 | 5 | step 2 (0.5 min) | 0.875 | 0.750 | 3.00 | - |" in printed
+    # best 2-step mean: 0.875, the window ending at step 4 (FAST's 2-step means .125, .5, .75, .875)
+    assert "| fast | 7 | 5 | step 2 (0.5 min) | 0.875 | 0.875 (4) | 0.750 | 3.00 | - |" in printed
     assert f"wrote {out}" in printed and out.is_file()
     missing = subprocess.run([sys.executable, "-m", "async_grpo.telemetry.metrics", "compare", str(fast), str(tmp_path / "nope")],
                              cwd=REPO_ROOT, capture_output=True, text=True)

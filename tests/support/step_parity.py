@@ -8,6 +8,7 @@ tests/model/test_gpu_model.py (the bf16 step against this fp32 reference)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -192,12 +193,14 @@ def reference_adamw(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.A
                              lr=STEP0_LR, betas=optim.betas, eps=optim.eps)
 
 
-def reference_step(model_dir: Path, samples: list[Sample], case: Case) -> ReferenceStep:
+def reference_step(model_dir: Path, samples: list[Sample], case: Case,
+                   make_batch: Callable[[list[Sample], int], PaddedBatch] = padded_batch) -> ReferenceStep:
     """The step from its definition: per pass one padded forward, one backward of the step's
-    mean loss, clip, AdamW (at step 0's warmup lr); pi_old is the first pass's policy."""
+    mean loss, clip, AdamW (at step 0's warmup lr); pi_old is the first pass's policy.
+    make_batch(samples, pad_id) pads them (a multi-turn test masks its observations there)."""
     model = load_reference_model(model_dir)
     optimizer = reference_adamw(model, case.optim)
-    batch = padded_batch(samples, pad_id=model.config.pad_token_id)
+    batch = make_batch(samples, model.config.pad_token_id)
     old: torch.Tensor | None = None
     out = ReferenceStep(params={}, grads=[], grad_norms=[], clipped_fractions=[])
     for _ in range(case.epochs_per_step):

@@ -7,8 +7,8 @@ between them (Sample.output_mask False), so only some output tokens are sampled.
 runs exactly as in tests/trainer/test_step_parity.py (its worker,
 tests/programs/step_parity_worker.py, under `torchrun --nproc_per_node=2`: the real FSDP2 model,
 MinibatchPacker cutting each rank's share into several token-budgeted packed minibatches,
-trainer_core.run_step); this module reuses that launcher and the loss written from its definition
-(support.step_parity's `step_loss`, which reads a PaddedBatch's mask). What is new and written here
+trainer_core.run_step); this module reuses that launcher and the step written from its definition
+(support.step_parity's `reference_step`, whose loss reads a PaddedBatch's mask). What is new and written here
 by hand is the padded batch of multi-turn samples: the observation tokens are in every row's input
 (the policy conditions on them) but its mask is 1 only where a position predicts a *sampled* token,
 and the reference logprobs sit at exactly those positions. So every per-sample normaliser
@@ -31,9 +31,8 @@ from grpo_loss import LossConfig
 from sample_processing_utils import Sample
 from support.step_parity import (
     CLIP_HIGH, CLIP_LOW, CLIPPING_MAX_NORM, GRAD_NORM_RTOL, GSPO_CLIP, KL_COEF, MAX_OUTPUT_TOKENS,
-    MIN_MINIBATCHES_PER_RANK, NO_CLIP, PARAM_ATOL, PROMPT_LEN_RANGE, WORLD_SIZE, Case, PaddedBatch, ReferenceStep,
-    assert_grads_close, clipped_fraction, group_advantages, load_reference_model, max_diff, optim_config,
-    reference_adamw, run_cases, step_loss, token_logprobs,
+    MIN_MINIBATCHES_PER_RANK, NO_CLIP, PARAM_ATOL, PROMPT_LEN_RANGE, WORLD_SIZE, Case, PaddedBatch, assert_grads_close,
+    group_advantages, load_reference_model, max_diff, optim_config, reference_step, run_cases, token_logprobs,
 )
 
 NUM_PROMPTS = 6
@@ -77,28 +76,6 @@ def _masked_padded_batch(samples: list[Sample], pad_id: int) -> PaddedBatch:
             ref[i, sampled_positions] = torch.tensor(s.ref_logprobs)
     return PaddedBatch(input_ids=ids, attention_mask=attention, targets=ids[:, 1:], output_mask=mask,
                        advantages=torch.tensor([s.advantage for s in samples]), ref_logprobs=ref)
-
-
-def reference_step(model_dir: Path, samples: list[Sample], case: Case) -> ReferenceStep:
-    """Per pass: one padded forward, the step's loss over the sampled positions, backward, clip,
-    AdamW; pi_old is the first pass's policy."""
-    model = load_reference_model(model_dir)
-    optimizer = reference_adamw(model, case.optim)
-    batch = _masked_padded_batch(samples, pad_id=model.config.pad_token_id)
-    old: torch.Tensor | None = None
-    out = ReferenceStep(params={}, grads=[], grad_norms=[], clipped_fractions=[])
-    for _ in range(case.epochs_per_step):
-        logp = token_logprobs(model, batch)
-        if old is None:
-            old = logp.detach()
-        step_loss(logp, old, batch, case.loss).backward()
-        out.clipped_fractions.append(clipped_fraction(logp.detach(), old, batch, case.loss))
-        out.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case.optim.max_grad_norm)))
-        out.grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    out.params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return out
 
 
 def build_samples(model_dir: Path, seed: int) -> list[Sample]:
@@ -178,7 +155,7 @@ def test_multi_turn_step_equals_padded_masked_reference(system_run: Path, tiny_m
                                                         samples: list[Sample], name: str) -> None:
     case = CASES[name]
     run = torch.load(system_run / f"{name}.pt")
-    expected = reference_step(tiny_model_dir, samples, case)
+    expected = reference_step(tiny_model_dir, samples, case, make_batch=_masked_padded_batch)
     assert len(run["grads"]) == case.epochs_per_step
     grad_diffs = [assert_grads_close(got, want, f"{name}, pass {epoch + 1}")
                   for epoch, (got, want) in enumerate(zip(run["grads"], expected.grads))]

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Literal
 
 from async_grpo.config.run_config import load_config
-from benchmarks.harness import REPO_ROOT, apply_smoke
+from benchmarks.harness import REPO_ROOT, SMOKE_ENGINE, apply_smoke
 
 SMOKE = {"prompts": 2, "n": 2, "repeats": 1}
 """Sizes of the smoke mode."""
@@ -61,8 +61,8 @@ class GenerationExecutorConfig:
     """Internal: the model folder the parent passes to its child process."""
 
     smoke: bool = False
-    """Smoke mode: 2 prompts x 2 rollouts, 1 repeat (SMOKE); checks that the command still runs, its figures mean
-    nothing."""
+    """Smoke mode: 2 prompts x 2 rollouts, 1 repeat (SMOKE), both engines uncompiled (harness.SMOKE_ENGINE); checks
+    that the command still runs, its figures mean nothing."""
 
     def __post_init__(self) -> None:
         if self.child_mode is not None and not self.child_model:
@@ -106,7 +106,7 @@ async def _measure(model_dir: str, in_process: bool, args: GenerationExecutorCon
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=model_dir, dtype="float32", max_num_seqs=args.prompts * args.n, max_model_len=64,
         kv_cache_memory_bytes=256 * 2**20, disable_log_stats=True, seed=0,
-        distributed_executor_backend="uni" if in_process else None,
+        distributed_executor_backend="uni" if in_process else None, **(SMOKE_ENGINE if args.smoke else {}),
     ))
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, logprobs=0,
                             output_kind=RequestOutputKind.FINAL_ONLY)
@@ -137,7 +137,7 @@ def _child(model_dir: str, mode: str, args: GenerationExecutorConfig) -> dict[st
     command = [
         sys.executable, "-m", "benchmarks.generation_executor", "--child_mode", mode, "--child_model", model_dir,
         "--prompts", str(args.prompts), "--n", str(args.n), "--max_tokens", str(args.max_tokens),
-        "--repeats", str(args.repeats), "--idle_s", str(args.idle_s),
+        "--repeats", str(args.repeats), "--idle_s", str(args.idle_s), "--smoke", str(args.smoke).lower(),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=REPO_ROOT)

@@ -5,10 +5,11 @@
 #      read its answer, calls it in about 1 rollout in 6) and the training prompts (a+b, 100..499)
 #   3. for each seed in SEEDS (default "0"): a run with the calculator, then the same run with
 #      every tool call refused (tools: []), each a private Ray head on 127.0.0.1, one generation
-#      worker (vLLM) running tool_environment.ToolEnvironment, and torchrun --nproc_per_node=2
+#      worker (vLLM) running tool_environment.ToolEnvironment, one logprob worker holding the
+#      starting model (the KL term's reference), and torchrun --nproc_per_node=2
 #   4. prints each run's curve (10-step mean reward and tool-call share), its rise within 10
 #      minutes, and tool_gain= (final reward with the tool over without); draws the curves
-# Three seeds, as docs/environments.md reports them: SEEDS="0 1 2" bash scripts/demo_tools.sh
+# Ten seeds, as docs/demo_tools.md reports them: SEEDS="0 1 2 3 4 5 6 7 8 9" bash scripts/demo_tools.sh
 # Extra arguments go to both trainers, e.g. --num_steps 20; DEMO_TOOLS_CLUSTER_ARGS to local_cluster.py
 # (e.g. "--enforce_eager true"); DEMO_TOOLS_ASSETS / DEMO_TOOLS_RUNS move its folders.
 set -euo pipefail
@@ -32,7 +33,7 @@ run() {  # run DIR TOOLS SEED [trainer args...]
   mkdir -p "$dir"
   date +%s.%N > "$dir/command_started_at"
   echo "[demo_tools] seed $seed, tools $tools: training in $dir"
-  $PY local_cluster.py --model_path "$ASSETS/model" --run_dir "$dir" --nproc_per_node 2 --logprob_workers 0 \
+  $PY local_cluster.py --model_path "$ASSETS/model" --run_dir "$dir" --nproc_per_node 2 \
     ${CLUSTER_ARGS[@]+"${CLUSTER_ARGS[@]}"} -- \
     --config configs/demo_tools.yaml --data.path "$ASSETS/sums.jsonl" --seed "$seed" \
     --sampling.environment.options "{\"tools\": $tools, \"format\": \"text\"}" "$@"

@@ -90,7 +90,9 @@ class EngineConfig:
     enforce_eager: bool = False
     """Skip CUDA-graph capture and torch.compile: faster start, slower decoding (vLLM's 'init
     engine' step, 2 cores: 8.7 s compiled on the demo's tiny model, 0.04-0.2 s eager on the
-    tests' tiny model)."""
+    tests' tiny model). Eager also turns torch.compile off in the engine-core process, whose
+    sampler would otherwise build two inductor kernels on its first sampled batch
+    (vllm_worker.engine_process_env: 10-17 s of g++ per engine)."""
     dtype: str = "auto"
     """Dtype the engine serves the model in. 'auto': float32 on a CPU engine (what the CPU trainer
     computes in; vLLM's own 'auto' would pick bf16, which crashes vLLM 0.32's CPU build on AMX

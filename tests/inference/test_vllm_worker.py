@@ -36,9 +36,11 @@ from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
 from sample_processing_utils import Sample
 from setup_model import load_tokenizer
-from support.generation_worker import expected_reward, perturbed_copy, worker_config, write_answering_model
+from support.generation_worker import (
+    engine_core_processes, expected_reward, perturbed_copy, worker_config, write_answering_model,
+)
 from support.reference_logprobs import reference_logprobs
-from vllm_worker import GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig
+from vllm_worker import GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig, engine_process_env
 
 logger = logging.getLogger(__name__)
 
@@ -497,6 +499,23 @@ def _generation_counters(ray, actor) -> dict[str, int]:
 def _without_eos(rollout: Sample, eos: int) -> list[int]:
     tokens = rollout.output_token_ids
     return tokens[:-1] if tokens and tokens[-1] == eos else tokens
+
+
+def test_only_an_eager_engine_starts_its_core_without_torch_compile() -> None:
+    assert engine_process_env(EngineConfig(enforce_eager=True)) == {"TORCHDYNAMO_DISABLE": "1"}
+    assert engine_process_env(EngineConfig()) == {}
+
+
+@pytest.mark.vllm
+def test_an_eager_engines_core_process_has_torch_compile_off(ray_local, generation_actor) -> None:
+    """enforce_eager (the tests' engines) reaches the engine-core process as TORCHDYNAMO_DISABLE,
+    so its sampler does not build inductor kernels on the first batch; the actor's own
+    environment is left as it was."""
+    for core in engine_core_processes(generation_actor):
+        assert core.environ().get("TORCHDYNAMO_DISABLE") == "1", core.pid
+    actor_value = ray_local.get(generation_actor.__ray_call__.remote(
+        lambda _actor: __import__("os").environ.get("TORCHDYNAMO_DISABLE")))
+    assert actor_value is None
 
 
 @pytest.mark.vllm

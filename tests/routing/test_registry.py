@@ -24,6 +24,7 @@ import ray
 from async_grpo.config.worker_options import HealthCheckConfig, VerificationConfig
 from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, registry_name, worker_actor_name
 from async_grpo.weights.weight_sync import WeightUpdate
+from support.generation_worker import engine_core_processes
 from vllm_experience_batcher import BatchedRegistryClient
 from vllm_registry import (
     Bundle, RegistryConfig, WorkerFailedError, WorkerHealth, WorkerPoolError, WorkerState, get_or_create_registry,
@@ -644,20 +645,6 @@ def _inflight(worker: Any) -> int:
     return ray.get(worker.health.remote()).inflight_requests
 
 
-# Run on an actor through `__ray_call__`: its process id (a lambda travels by value).
-_pid = lambda _actor: os.getpid()  # noqa: E731
-
-
-def _engine_core_pids(worker: Any) -> list[int]:
-    """The vLLM engine-core process(es) under a generation worker actor (titled VLLM::EngineCore)."""
-    import psutil
-
-    children = psutil.Process(ray.get(worker.__ray_call__.remote(_pid))).children(recursive=True)
-    pids = [c.pid for c in children if "EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline())]
-    assert pids, f"no engine-core process among {[(c.pid, c.name()) for c in children]}"
-    return pids
-
-
 @pytest.mark.vllm
 def test_a_real_worker_joining_a_running_job_serves_the_published_weights(make_registry, real_workers,
                                                                           tiny_model_dir):
@@ -720,8 +707,8 @@ def test_real_workers_spread_fail_over_and_report_a_dead_pool(make_registry, rea
     # requests fail over to the second worker, and the first reports FAILED and leaves the pool.
     refs = submit(6)
     _wait_until(lambda: _inflight(first_worker) > 0, f"requests running on {first}")
-    for pid in _engine_core_pids(first_worker):
-        os.kill(pid, signal.SIGKILL)
+    for core in engine_core_processes(first_worker):
+        os.kill(core.pid, signal.SIGKILL)
     check(ray.get(refs, timeout=_WAIT_BOUND_S))
     assert ray.get(registry.live_workers.remote()) == [second]
     health = ray.get(first_worker.health.remote())  # the actor itself lives on

@@ -2,11 +2,13 @@
 config, and the models it serves: the tiny model rewired into an answering model whose completions
 vary (so rewards do), and seeded perturbed copies (a weight push that shows in every logprob); plus
 the reward math-verify itself gives a completion. Shared by tests/inference/test_vllm_worker.py,
-tests/trainer/test_evaluation.py and tests/rollouts/test_token_versions_engine.py."""
+tests/trainer/test_evaluation.py and tests/rollouts/test_token_versions_engine.py; the engine-core
+processes under a worker actor, for tests/routing/test_registry.py too."""
 
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -93,3 +95,19 @@ def perturbed_copy(model_dir: Path, out_dir: Path, seed: int) -> dict[str, torch
             param.add_(PERTURBATION_SCALE * torch.randn(param.shape, generator=generator))
     model.save_pretrained(out_dir)
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+# Run on an actor through `__ray_call__`: its process id (a lambda travels by value).
+_pid = lambda _actor: os.getpid()  # noqa: E731
+
+
+def engine_core_processes(worker: Any) -> list[Any]:
+    """The vLLM engine-core process(es) (psutil.Process, titled VLLM::EngineCore) under a
+    generation worker actor."""
+    import psutil
+    import ray
+
+    children = psutil.Process(ray.get(worker.__ray_call__.remote(_pid))).children(recursive=True)
+    cores = [c for c in children if "EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline())]
+    assert cores, f"no engine-core process among {[(c.pid, c.name()) for c in children]}"
+    return cores

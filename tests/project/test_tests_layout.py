@@ -12,7 +12,9 @@ concerned; nothing is imported or run):
 - what the tests start or import by name is a file there: no test or support module imports a
   program or a plug-in, and every program is started by some test or support module;
 - every test file a guide, a script, a benchmark or a test names by its path exists
-  (benchmarks/RESULTS.md's dated entries are left as they were written).
+  (benchmarks/RESULTS.md's dated entries are left as they were written);
+- the gpu tier's tests are the files tests/*/test_gpu_*.py, all of them and only them: the gpu tier
+  of scripts/test.sh collects those files alone.
 """
 
 from __future__ import annotations
@@ -114,3 +116,18 @@ def test_the_test_files_named_by_path_exist() -> None:
                       for name in TEST_PATH.findall(path.read_text())
                       if not (list(REPO_ROOT.glob(name)) if "*" in name else (REPO_ROOT / name).is_file())})
     assert not missing, f"paths to test files that do not exist (moved?): {missing}"
+
+
+def _marks_gpu(path: Path) -> bool:
+    """Whether the file applies the gpu marker anywhere (pytest.mark.gpu, as a decorator or in pytestmark)."""
+    return any(isinstance(node, ast.Attribute) and node.attr == "gpu" and isinstance(node.value, ast.Attribute)
+               and node.value.attr == "mark" for node in ast.walk(ast.parse(path.read_text(), filename=str(path))))
+
+
+def test_the_gpu_tier_is_the_test_gpu_files() -> None:
+    gpu_named = {path for path in _test_modules() if path.name.startswith("test_gpu_")}
+    gpu_marked = {path for path in _test_modules() if _marks_gpu(path)}
+    assert gpu_named, "no tests/*/test_gpu_*.py file"
+    assert gpu_marked == gpu_named, (f"marked gpu but not named test_gpu_*: {sorted(gpu_marked - gpu_named)}; "
+                                     f"named test_gpu_* but not marked: {sorted(gpu_named - gpu_marked)}")
+    assert all(path.parent.parent == TESTS for path in gpu_named), sorted(gpu_named)  # tests/<folder>/, as the glob

@@ -19,6 +19,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+# The gpu tier's files (tests/project/test_tests_layout.py keeps every gpu test in them).
+gpu_tests=(tests/*/test_gpu_*.py)
 
 if [[ "${1:-}" == "--gpu" ]]; then
     # The gpu tier alone (tests/*/test_gpu_*.py), with no install: the lent GPU machine has torch
@@ -36,7 +38,7 @@ if [[ "${1:-}" == "--gpu" ]]; then
         exit 1
     fi
     rc=0
-    "$python" -m pytest -m gpu -rs --durations=25 tests/*/test_gpu_*.py "${@:2}" || rc=$?
+    "$python" -m pytest -m gpu -rs --durations=25 "${gpu_tests[@]}" "${@:2}" || rc=$?
     if [[ $rc -eq 5 ]]; then
         echo "scripts/test.sh --gpu: no gpu test was collected" >&2
         exit 1
@@ -70,9 +72,9 @@ run_tiers() {
     while [[ $# -gt 0 ]]; do
         local name=$1 expression=$2 began=$SECONDS rc=0 paths=()
         shift 2
-        # The gpu tier collects its own files only (tests/project/test_tests_layout.py keeps every
-        # gpu test in them): collecting the whole suite to deselect it cost ~15 s on 2 cores.
-        [[ "$name" == gpu ]] && paths=(tests/*/test_gpu_*.py)
+        # The gpu tier collects its own files only: collecting the whole suite to deselect it
+        # cost ~15 s on 2 cores.
+        [[ "$name" == gpu ]] && paths=("${gpu_tests[@]}")
         echo "=== tier ${name}: -m \"${expression}\" ${paths[*]}"
         .venv/bin/python -m pytest -m "${expression}" --durations=25 ${paths[@]+"${paths[@]}"} || rc=$?
         echo "=== tier ${name}: exit ${rc} in $((SECONDS - began)) s"

@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -514,7 +515,7 @@ def test_an_eager_engines_core_process_has_torch_compile_off(ray_local, generati
     for core in engine_core_processes(generation_actor):
         assert core.environ().get("TORCHDYNAMO_DISABLE") == "1", core.pid
     actor_value = ray_local.get(generation_actor.__ray_call__.remote(
-        lambda _actor: __import__("os").environ.get("TORCHDYNAMO_DISABLE")))
+        lambda _actor: os.environ.get("TORCHDYNAMO_DISABLE")))
     assert actor_value is None
 
 

@@ -2,8 +2,10 @@
 # The README's test command: install into ./.venv if needed (the CUDA or the CPU builds, as this
 # machine needs), then run the suite, one pytest process per tier (tests/conftest.py says what
 # each tier holds), so no test depends on which modules ran before it in the same process. The
-# system tier runs in a second lane beside the others (its log printed at the end); every
-# tier's time and exit, each lane's time and the total are printed last.
+# system tier is run in two parts, one per lane: tests/system/ (whole-system runs and the
+# benchmarks' smokes) in a second lane beside the other tiers (its log printed at the end), and
+# the system tests of the other folders at the end of the first lane. Every tier's time and exit,
+# each lane's time and the total are printed last.
 #
 #   bash scripts/test.sh                 # every tier (what CI runs)
 #   bash scripts/test.sh --fast          # the pure, single-process tier only (a few minutes)
@@ -53,28 +55,31 @@ if [[ $# -gt 0 && "$1" != "--fast" ]]; then
     exec .venv/bin/python -m pytest "$@"
 fi
 
-# tier name, then its marker expression: each test runs in exactly one tier (the last of
-# ray < vllm < distributed < system < gpu that it carries; unmarked tests are fast).
+# tier name, its marker expression, then what pytest collects ('' for the whole suite): each test
+# runs in exactly one tier (the last of ray < vllm < distributed < system < gpu that it carries;
+# unmarked tests are fast). The system tier runs as two parts, split by folder so that the lanes
+# end near each other (benchmarks/RESULTS.md, "The test suite"): `system` is tests/system/ alone,
+# `system-elsewhere` the system tests of every other folder. The gpu tier collects its own files
+# only: collecting the whole suite to deselect it cost ~15 s on 2 cores.
 tiers=(
-    "fast" "not (ray or vllm or distributed or system or gpu)"
-    "ray" "ray and not (vllm or distributed or system or gpu)"
-    "vllm" "vllm and not (distributed or system or gpu)"
-    "distributed" "distributed and not (system or gpu)"
-    "system" "system and not gpu"
-    "gpu" "gpu"
+    "fast" "not (ray or vllm or distributed or system or gpu)" ""
+    "ray" "ray and not (vllm or distributed or system or gpu)" ""
+    "vllm" "vllm and not (distributed or system or gpu)" ""
+    "distributed" "distributed and not (system or gpu)" ""
+    "system-elsewhere" "system and not gpu" "--ignore=tests/system"
+    "gpu" "gpu" "${gpu_tests[*]}"
+    "system" "system and not gpu" "tests/system"
 )
 
-# run_tiers LANE NAME EXPRESSION [NAME EXPRESSION ...]: the tiers one after the other; each tier's
-# exit and time go to $results/LANE (one "name rc seconds" line each).
+# run_tiers LANE NAME EXPRESSION PATHS [NAME EXPRESSION PATHS ...]: the tiers one after the other;
+# each tier's exit and time go to $results/LANE (one "name rc seconds" line each).
 run_tiers() {
     local lane=$1
     shift
     while [[ $# -gt 0 ]]; do
         local name=$1 expression=$2 began=$SECONDS rc=0 paths=()
-        shift 2
-        # The gpu tier collects its own files only: collecting the whole suite to deselect it
-        # cost ~15 s on 2 cores.
-        [[ "$name" == gpu ]] && paths=("${gpu_tests[@]}")
+        read -r -a paths <<< "$3"  # the paths hold no spaces (tests/*/test_gpu_*.py, tests/system)
+        shift 3
         echo "=== tier ${name}: -m \"${expression}\" ${paths[*]}"
         .venv/bin/python -m pytest -m "${expression}" --durations=25 ${paths[@]+"${paths[@]}"} || rc=$?
         echo "=== tier ${name}: exit ${rc} in $((SECONDS - began)) s"
@@ -86,17 +91,17 @@ results=$(mktemp -d)
 trap 'rm -rf "$results"' EXIT
 started=$SECONDS
 if [[ "${1:-}" == "--fast" ]]; then
-    run_tiers main "${tiers[@]:0:2}"
+    run_tiers main "${tiers[@]:0:3}"
 else
-    # Two lanes: the system tier (whole programs: clusters, launchers, benchmarks, scripts; mostly
-    # waiting on processes it starts) runs beside the other tiers, its output in a log of its own
-    # that is printed when both lanes are done. RESULTS.md ("The test suite") has the times.
+    # Two lanes: tests/system/ (whole programs: clusters, launchers, benchmarks, scripts) runs
+    # beside the other tiers, its output in a log of its own that is printed when both lanes are
+    # done. RESULTS.md ("The test suite") has the times.
     logs=runs/test-logs
     mkdir -p "$logs"
-    echo "=== lane system: tier system in the background, its log in $logs/system.log"
-    run_tiers system "${tiers[@]:8:2}" > "$logs/system.log" 2>&1 &
+    echo "=== lane system: tier system (tests/system/) in the background, its log in $logs/system.log"
+    run_tiers system "${tiers[@]:18:3}" > "$logs/system.log" 2>&1 &
     system_lane=$!
-    run_tiers main "${tiers[@]:0:8}" "${tiers[@]:10:2}" 2>&1 | tee "$logs/main.log"
+    run_tiers main "${tiers[@]:0:18}" 2>&1 | tee "$logs/main.log"
     main_s=$((SECONDS - started))
     wait "$system_lane" || true
     echo "=== lane system (its log, $logs/system.log):"

@@ -61,6 +61,8 @@ SMOKES = (
     Smoke("trackers", (), "", ("jsonl_log_ms", "tensorboard_log_ratio")),
     Smoke("trainer_throughput", (), "", ("tokens_per_s", "mfu", "step_s")),
     Smoke("gpu_report", ("--out", f"{WORK}/gpu_report.md"), "gpu_report", ("rows", "skipped", "failed")),
+    Smoke("suite_profile", (), "suite_profile",
+          ("wall_s", "machine_cpu_s", "attributed_cpu_s", "engine_starts", "trainer_launches", "ray_heads")),
     Smoke("generation_executor", (), "", ("cpu_ratio",), ("vllm",)),
     Smoke("lora_push_memory", ("--out", f"{WORK}/lora_push_memory.json"), "lora_push_memory",
           ("tree_slope_kib", "adapter_kib", "ratio"),

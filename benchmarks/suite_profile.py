@@ -1,0 +1,193 @@
+"""Where the test suite's CPU goes: per process kind, per test, and how many vLLM engines, trainer
+launches and Ray heads each test started.
+
+    python -m benchmarks.suite_profile                      # the README's `bash scripts/test.sh` (~40 min on 2 cores)
+    python -m benchmarks.suite_profile --command "bash scripts/test.sh tests/system/test_end_to_end.py"
+    python -m benchmarks.suite_profile --smoke true         # plumbing check (a two-second command)
+
+It runs `command` and, until it exits, reads every process on the machine once per `poll_s`:
+its user and kernel CPU seconds (/proc/<pid>/stat), its role (benchmarks/process_monitor.py's
+labels, grouped into step_profile's kinds) and the test it belongs to: the PYTEST_CURRENT_TEST
+that it inherited from the pytest process that started it (or that started its Ray head: the
+actors of the tests' shared Ray session are all filed under the test that started that session).
+A process's CPU is its last reading (one that lives under `poll_s` is missed; the machine's own
+total, from /proc/stat, is printed beside the sum). Processes already running when it starts
+count only what they use afterwards.
+
+Prints a table of CPU seconds per kind, the `top` tests by CPU with their engine starts (vLLM
+engine-core processes), trainer launches (torchrun) and Ray heads (GCS servers), and
+
+    suite_profile: wall_s=... machine_cpu_s=... idle_cpu_s=... attributed_cpu_s=... engine_starts=...
+    trainer_launches=... ray_heads=... exit=...
+
+Run it on a quiet machine: every process is counted, the suite's or not.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from async_grpo.config.run_config import load_config
+from benchmarks.harness import REPO_ROOT, apply_smoke, setup_logging, summary_line
+from benchmarks.process_monitor import environ_rank, format_table, process_label, read_proc
+from benchmarks.step_profile import CLOCK_TICKS, kind_of, read_counters
+
+# The smoke's command: half a CPU-second, filed under a test name of its own.
+_BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5:\n    pass"
+SMOKE = {"command": "PYTEST_CURRENT_TEST='suite_profile_smoke (call)' " + shlex.join([sys.executable, "-c", _BURN]),
+         "poll_s": 0.1}
+_TEST_PHASE = re.compile(r" \((setup|call|teardown)\)$")
+NO_TEST = "(outside any test)"
+
+
+@dataclass(kw_only=True, frozen=True)
+class SuiteProfileConfig:
+    """What to run and how to read it: the command line of `python -m benchmarks.suite_profile`."""
+
+    command: str = "bash scripts/test.sh"
+    """The command to profile (run by bash from the repository root)."""
+    poll_s: float = 1.0
+    """How often /proc is read."""
+    top: int = 40
+    """Tests listed, by CPU seconds."""
+    smoke: bool = False
+    """Smoke mode (SMOKE): a command that spends half a CPU-second; checks the plumbing."""
+
+    def __post_init__(self) -> None:
+        if not self.poll_s > 0:
+            raise ValueError(f"SuiteProfileConfig.poll_s must be > 0, got {self.poll_s}")
+        if self.top < 1:
+            raise ValueError(f"SuiteProfileConfig.top must be >= 1, got {self.top}")
+
+
+@dataclass(slots=True)
+class Seen:
+    """One process (pid and start time) as last read."""
+
+    label: str
+    test: str
+    cpu_s: float
+    cpu_at_first_sight_s: float
+    existed_at_start: bool
+
+
+@dataclass
+class SuiteSampler:
+    """Every process of the machine, read once per poll."""
+
+    processes: dict[tuple[int, int], Seen] = field(default_factory=dict)
+
+    def poll(self, first: bool = False) -> None:
+        me = os.getpid()
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) == me:
+                continue
+            pid = int(name)
+            stat = read_proc(f"/proc/{pid}/stat")
+            counters = read_counters(pid)
+            if stat is None or counters is None:
+                continue
+            key = (pid, int(stat[stat.rindex(")") + 2:].split()[19]))  # starttime: pid reuse safe
+            cpu = counters.user_s + counters.kernel_s
+            seen = self.processes.get(key)
+            if seen is None:
+                seen = self.processes[key] = Seen(label="", test=_test_of(pid), cpu_s=cpu, cpu_at_first_sight_s=cpu,
+                                                  existed_at_start=first)
+            seen.cpu_s = cpu
+            if not seen.label or seen.label.startswith(("Ray idle", "python")):  # titles arrive late
+                seen.label = _label(pid)
+
+
+def _label(pid: int) -> str:
+    cmdline = (read_proc(f"/proc/{pid}/cmdline") or "").replace("\0", " ").strip()
+    if "-m pytest" in cmdline:
+        return "pytest (a tier's process)"
+    script = re.search(r"-m (benchmarks\.\w+)", cmdline)
+    if script:
+        return f"benchmark script {script.group(1)}"
+    return process_label(cmdline, rank=environ_rank(pid)) if cmdline else ""
+
+
+def _test_of(pid: int) -> str:
+    """The test (node id, phase dropped) in whose environment the process started."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return NO_TEST
+    for item in environ:
+        if item.startswith(b"PYTEST_CURRENT_TEST="):
+            return _TEST_PHASE.sub("", item.split(b"=", 1)[1].decode(errors="replace"))
+    return NO_TEST
+
+
+def machine_cpu_s() -> tuple[float, float]:
+    """(busy, idle) CPU seconds of the whole machine since boot (/proc/stat's first line)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    idle = values[3] + values[4]
+    return (sum(values) - idle) / CLOCK_TICKS, idle / CLOCK_TICKS
+
+
+def kind(label: str) -> str:
+    if label.startswith(("pytest", "benchmark script")):
+        return label.split(" ", 1)[0] if label.startswith("pytest") else "benchmark scripts"
+    return kind_of(label)
+
+
+def report(sampler: SuiteSampler, top: int) -> dict[str, Any]:
+    """Print the tables; return the totals of the summary line."""
+    by_kind: dict[str, float] = defaultdict(float)
+    by_test: dict[str, float] = defaultdict(float)
+    starts: dict[str, Counter] = defaultdict(Counter)
+    for seen in sampler.processes.values():
+        cpu = seen.cpu_s - (seen.cpu_at_first_sight_s if seen.existed_at_start else 0.0)
+        if seen.existed_at_start and cpu <= 0:
+            continue
+        by_kind[kind(seen.label)] += cpu
+        by_test[seen.test] += cpu
+        for what, label in (("engines", "vLLM EngineCore"), ("trainer launches", "torchrun"),
+                            ("Ray heads", "Ray GCS server")):
+            if seen.label == label and not seen.existed_at_start:
+                starts[seen.test][what] += 1
+    print(format_table(["kind", "CPU s"], [[k, f"{v:.0f}"] for k, v in sorted(by_kind.items(), key=lambda x: -x[1])]))
+    rows = [[f"{cpu:.0f}", str(starts[test]["engines"]), str(starts[test]["trainer launches"]),
+             str(starts[test]["Ray heads"]), test] for test, cpu in sorted(by_test.items(), key=lambda x: -x[1])[:top]]
+    print(format_table(["CPU s", "engines", "trainer launches", "Ray heads", "test"], rows))
+    total = Counter()
+    for counts in starts.values():
+        total.update(counts)
+    return {"attributed_cpu_s": round(sum(by_kind.values())), "engine_starts": total["engines"],
+            "trainer_launches": total["trainer launches"], "ray_heads": total["Ray heads"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging()
+    config = apply_smoke(load_config(SuiteProfileConfig, list(sys.argv[1:] if argv is None else argv),
+                                     description=__doc__), SMOKE)
+    sampler = SuiteSampler()
+    sampler.poll(first=True)
+    busy0, idle0 = machine_cpu_s()
+    began = time.monotonic()
+    print(f"suite_profile: running {config.command}", flush=True)
+    command = subprocess.Popen(["bash", "-c", config.command], cwd=REPO_ROOT)
+    while command.poll() is None:
+        time.sleep(config.poll_s)
+        sampler.poll()
+    sampler.poll()
+    busy1, idle1 = machine_cpu_s()
+    figures = {"wall_s": round(time.monotonic() - began), "machine_cpu_s": round(busy1 - busy0),
+               "idle_cpu_s": round(idle1 - idle0), **report(sampler, config.top), "exit": command.returncode}
+    print(summary_line("suite_profile", figures))
+    sys.exit(command.returncode)  # a failing suite fails its profile too
+
+
+if __name__ == "__main__":
+    main()

@@ -124,6 +124,44 @@ def read_proc(path: str) -> str | None:
         return None
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc/<pid>/stat's utime and stime are in these
+# Fields of /proc/<pid>/stat after the command (the 2nd field, in parentheses): minflt is the 10th
+# field of the line, utime the 14th, stime the 15th (proc(5)); after the ')' they are at 7, 11, 12.
+_MINFLT, _UTIME, _STIME = 7, 11, 12
+PROCESS_KINDS = (  # (label prefix, kind), first match wins
+    ("trainer rank", "trainer ranks"), ("torchrun", "torchrun"), ("vLLM EngineCore", "engine core"),
+    ("generation worker actor", "generation worker"), ("logprob worker actor", "logprob worker"),
+    ("experience batcher actor", "batcher"), ("registry actor", "registries"),
+    ("verifier", "verifier pool"), ("forkserver of", "verifier pool"), ("resource tracker of", "verifier pool"),
+    ("cc1plus", "compilers (torch inductor)"), ("g++", "compilers (torch inductor)"), ("dispatcher", "dispatchers"),
+    ("raylet", "Ray"), ("Ray ", "Ray"), (IDLE_RAY_WORKER, "Ray"),
+)
+
+
+def process_kind(label: str) -> str:
+    """The kind (PROCESS_KINDS) of a process_label; 'other' for the rest."""
+    return next((kind for prefix, kind in PROCESS_KINDS if label.startswith(prefix)), "other")
+
+
+@dataclass(slots=True)
+class Counters:
+    """One process's cumulative counters at one reading."""
+
+    user_s: float
+    kernel_s: float
+    minor_faults: int
+
+
+def read_counters(pid: int) -> Counters | None:
+    """/proc/<pid>/stat's user and kernel CPU seconds and minor faults (None: the process is gone)."""
+    text = read_proc(f"/proc/{pid}/stat")
+    if text is None:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return Counters(user_s=int(fields[_UTIME]) / CLOCK_TICKS, kernel_s=int(fields[_STIME]) / CLOCK_TICKS,
+                    minor_faults=int(fields[_MINFLT]))
+
+
 def environ_rank(pid: int) -> str | None:
     text = read_proc(f"/proc/{pid}/environ")
     if text is None:

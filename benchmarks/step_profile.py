@@ -42,26 +42,16 @@ from async_grpo.config.run_config import load_config, split_passthrough
 from benchmarks.harness import (
     apply_smoke, demo_assets, demo_trainer_flags, fresh_run_dir, run_engine, run_trainer, setup_logging, summary_line,
 )
-from benchmarks.process_monitor import IDLE_RAY_WORKER, environ_rank, process_label, read_proc
+from benchmarks.process_monitor import (
+    Counters, environ_rank, process_kind, process_label, read_counters, read_proc,
+)
 
 logger = logging.getLogger("benchmarks.step_profile")
 
 # The demo's trainer settings before issue 37, where configs/demo.yaml has changed since.
 BASELINE_TRAINER_FLAGS = ["--max_lag", "0", "--model.reshard_after_forward", "true"]
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc/<pid>/stat's utime and stime are in these
-# Fields of /proc/<pid>/stat after the command (the 2nd field, in parentheses): minflt is the 10th
-# field of the line, utime the 14th, stime the 15th (proc(5)); after the ')' they are at 7, 11, 12.
-_MINFLT, _UTIME, _STIME = 7, 11, 12
 SMOKE = {"num_steps": 8, "skip": 2, "poll_s": 0.2}  # the demo warms the lr up over 5 steps
-KINDS = (  # (label prefix, kind), first match wins
-    ("trainer rank", "trainer ranks"), ("torchrun", "torchrun"), ("vLLM EngineCore", "engine core"),
-    ("generation worker actor", "generation worker"), ("logprob worker actor", "logprob worker"),
-    ("experience batcher actor", "batcher"), ("registry actor", "registries"),
-    ("verifier", "verifier pool"), ("forkserver of", "verifier pool"), ("resource tracker of", "verifier pool"),
-    ("cc1plus", "compilers (torch inductor)"), ("g++", "compilers (torch inductor)"), ("dispatcher", "dispatchers"),
-    ("raylet", "Ray"), ("Ray ", "Ray"), (IDLE_RAY_WORKER, "Ray"), ("step_profile", "launcher (this process)"),
-)
 STEP_SPLIT = ("timing/step_s", "timing/wait_s", "timing/train_s", "timing/push_s", "timing/batcher_generate_s_mean",
               "timing/batcher_logprob_s_mean")
 
@@ -92,27 +82,9 @@ class ProfileConfig:
             raise ValueError(f"ProfileConfig.poll_s must be > 0, got {self.poll_s}")
 
 
-@dataclass(slots=True)
-class Counters:
-    """One process's cumulative counters at one reading."""
-
-    user_s: float
-    kernel_s: float
-    minor_faults: int
-
-
-def read_counters(pid: int) -> Counters | None:
-    """/proc/<pid>/stat's user and kernel CPU seconds and minor faults (None: the process is gone)."""
-    text = read_proc(f"/proc/{pid}/stat")
-    if text is None:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return Counters(user_s=int(fields[_UTIME]) / CLOCK_TICKS, kernel_s=int(fields[_STIME]) / CLOCK_TICKS,
-                    minor_faults=int(fields[_MINFLT]))
-
-
 def kind_of(label: str) -> str:
-    return next((kind for prefix, kind in KINDS if label.startswith(prefix)), "other")
+    """The kind of a process (process_monitor.process_kind); this benchmark's own process is the launcher."""
+    return "launcher (this process)" if label == "step_profile" else process_kind(label)
 
 
 def tree_pids() -> list[int]:

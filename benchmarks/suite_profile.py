@@ -7,7 +7,7 @@ launches and Ray heads each test started.
 
 It runs `command` and, until it exits, reads every process on the machine once per `poll_s`:
 its user and kernel CPU seconds (/proc/<pid>/stat), its role (benchmarks/process_monitor.py's
-labels, grouped into step_profile's kinds) and the test it belongs to: the PYTEST_CURRENT_TEST
+labels, grouped into its process kinds) and the test it belongs to: the PYTEST_CURRENT_TEST
 that it inherited from the pytest process that started it (or that started its Ray head: the
 actors of the tests' shared Ray session are all filed under the test that started that session).
 A process's CPU is its last reading (one that lives under `poll_s` is missed; the machine's own
@@ -38,8 +38,9 @@ from typing import Any
 
 from async_grpo.config.run_config import load_config
 from benchmarks.harness import REPO_ROOT, apply_smoke, setup_logging, summary_line
-from benchmarks.process_monitor import environ_rank, format_table, process_label, read_proc
-from benchmarks.step_profile import CLOCK_TICKS, kind_of, read_counters
+from benchmarks.process_monitor import (
+    CLOCK_TICKS, environ_rank, format_table, process_kind, process_label, read_counters, read_proc,
+)
 
 # The smoke's command: half a CPU-second, filed under a test name of its own.
 _BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5:\n    pass"
@@ -139,7 +140,7 @@ def machine_cpu_s() -> tuple[float, float]:
 def kind(label: str) -> str:
     if label.startswith(("pytest", "benchmark script")):
         return label.split(" ", 1)[0] if label.startswith("pytest") else "benchmark scripts"
-    return kind_of(label)
+    return process_kind(label)
 
 
 def report(sampler: SuiteSampler, top: int) -> dict[str, Any]:

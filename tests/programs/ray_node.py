@@ -49,6 +49,19 @@ def main() -> int:
     node = ray._private.node.Node(params, head=False, shutdown_at_exit=False, spawn_reaper=True)
 
     def remove(*_: object) -> None:
+        # Everything this node runs descends from this process (its raylet's workers, their vLLM
+        # engine cores): all of it is killed, as a lost machine loses it. Ray's own teardown alone
+        # stops Ray's processes, and an engine core whose actor died with its raylet lived on as
+        # an orphan for the rest of the test session (2026-11-29).
+        import psutil
+
+        descendants = psutil.Process().children(recursive=True)
+        for process in descendants:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(descendants, timeout=30)
         node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
         print(NODE_REMOVED, flush=True)
         sys.exit(0)

@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 
 from async_grpo.launch.ray_env import LOOPBACK_ONLY_ENV, PROMPT_STOP_ENV, repo_pythonpath
@@ -160,12 +161,23 @@ def cluster() -> Iterator[Cluster]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _remove_second_node(cluster: Cluster) -> None:
-    """Kill every process of the second node at once, as when a machine is lost."""
+def _remove_second_node(cluster: Cluster) -> list[str]:
+    """Kill every process of the second node at once, as when a machine is lost; returns those
+    still alive afterwards (its raylet's workers, their vLLM engine cores: none should be)."""
     node = cluster.second_node
     assert node is not None
+    processes = psutil.Process(node.pid).children(recursive=True)
     os.kill(node.pid, signal.SIGTERM)  # tests/programs/ray_node.py kills the node's processes on SIGTERM
     node.wait(timeout=_EXIT_BOUND_S)
+    _, alive = psutil.wait_procs(processes, timeout=_EXIT_BOUND_S)
+    survivors = []
+    for process in alive:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:  # dead, waiting for a parent to reap it
+                survivors.append(f"{process.pid} {process.name()}")
+        except psutil.NoSuchProcess:
+            pass
+    return survivors
 
 
 def _joins(command: list[str], env: dict[str, str]) -> tuple[int, str, float]:
@@ -228,6 +240,7 @@ class Run:
     metrics: list[dict] = field(default_factory=list)
     second_dispatcher: tuple[int | None, str] = (None, "")
     survivors_alive: bool = False
+    second_node_survivors: list[str] = field(default_factory=list)
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +291,7 @@ def run(cluster: Cluster, demo_assets: Path, tmp_path_factory: pytest.TempPathFa
         assert trainer.poll() is None, f"trainer exited {trainer.returncode}:\n{_rank_errors(trainer_log)}"
         assert time.monotonic() < deadline, f"trainer did not reach step {REMOVE_AFTER_STEP}:\n{trainer_log.tail()}"
         time.sleep(0.5)
-    _remove_second_node(cluster)
+    seen.second_node_survivors = _remove_second_node(cluster)
     try:
         seen.trainer_code = trainer.wait(timeout=_TRAINER_BOUND_S)
     except subprocess.TimeoutExpired:
@@ -359,6 +372,7 @@ def test_run_finishes_after_losing_a_node_and_every_prompt_is_trained_or_counted
 
 
 def test_the_lost_nodes_dispatcher_exits_with_a_clear_reason(run: Run) -> None:
+    assert not run.second_node_survivors, f"processes of the lost node still alive: {run.second_node_survivors}"
     code, tail = run.second_dispatcher
     assert code == 1, tail
     assert "left the Ray cluster" in tail and "its own node only" in tail, tail

@@ -1,11 +1,15 @@
 """The whole system on CPU: real vLLM generation worker, real logprob worker, registries, the
 ExperienceBatcher and `torchrun --nproc_per_node=2 trainer_core.py` (FSDP2 on gloo).
 
-One local cluster (workers started through worker_dispatcher.py) serves every run in this module;
-each run pushes its own weights at start, so runs do not see each other's weights. Runs that
-several tests read are made once (module fixtures): the 3-step run with every tracker on serves
-the training, staleness and tracker tests; the plain 3-step run the max_lag 0 and `metrics.py
-compare` tests; the uninterrupted 4-step run the resume and rank-0 data-path tests.
+One local cluster (workers started through worker_dispatcher.py: a generation worker, an
+old-policy logprob worker, a reference-pool worker and a teacher worker) serves every run in this
+module; each run pushes its own weights at start, so runs do not see each other's weights. Runs
+that several tests read are made once (module fixtures): the 3-step run with every tracker on
+serves the training, staleness and tracker tests; the plain 3-step run the max_lag 0 and
+`metrics.py compare` tests; the uninterrupted 4-step run the resume and rank-0 data-path tests.
+The algorithm options that need the extra services run last (the end of this file).
+
+    .venv/bin/python -m pytest tests/system/test_end_to_end.py -x -q
 """
 
 from __future__ import annotations
@@ -39,7 +43,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
 @pytest.fixture(scope="module")
 def cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory):
-    with started_cluster(cluster_config(demo_assets / "model", tmp_path_factory.mktemp("worker-logs"))) as running:
+    """Every service a run can use: the reference and teacher workers for the algorithm options
+    (one cluster for the module: each start costs a Ray head and a vLLM engine, ~50 CPU-s)."""
+    model = demo_assets / "model"
+    config = cluster_config(model, tmp_path_factory.mktemp("worker-logs"), reference_workers=1, teacher_workers=1,
+                            teacher_model_path=str(model))
+    with started_cluster(config) as running:
         yield running
 
 
@@ -446,3 +455,50 @@ def test_compare_the_two_runs(tracked_run: FinishedRun, plain_run: FinishedRun, 
                              cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
     table = [line for line in default.splitlines() if line.startswith("|")]
     assert table and all(line in report.read_text().splitlines() for line in table)
+
+
+# ---- the algorithm options on every service at once ----------------------------------------------
+# One run turns on what needs the extra services together: KL in the reward with the adaptive
+# controller and the old-policy side of the KL (reference logprobs from the reference pool),
+# on-policy distillation from a teacher pool (the teacher is the student's starting model, so the
+# reverse KL starts near 0), the token-mean aggregation and GSPO's ratio (dynamic sampling's real
+# path is tests/system/test_crash_resume.py's). It checkpoints, and a resumed run continues with
+# the controller's beta computed here by hand.
+
+KL_COEF, TARGET_KL, HORIZON = 0.05, 0.01, 100
+# On top of support.cluster.FAST_RUN's small steps (2 ranks x 4 prompts x 4 rollouts):
+ALGORITHMS_RUN = ["--max_lag", "1", "--epochs_per_step", "2", "--optim.schedule", "constant", "--optim.warmup_steps", "0",
+       "--logprob_role", "old_policy", "--reference_pool", "true",
+       "--loss.kl_coef", str(KL_COEF), "--loss.kl_in_reward", "true", "--loss.kl_controller", "adaptive",
+       "--loss.target_kl", str(TARGET_KL), "--loss.kl_horizon", str(HORIZON), "--loss.kl_policy_logprobs", "old_policy",
+       "--algorithm.estimator", "dr_grpo", "--loss.aggregation", "token_mean", "--loss.ratio_level", "sequence",
+       "--distill.teacher", "true", "--distill.coef", "0.5"]
+SAMPLES_PER_STEP = 2 * 4 * 4  # ranks x prompts x rollouts
+
+
+def _train_algorithms(cluster: LocalCluster, demo_assets: Path, run_dir: Path, *extra: str) -> list[dict]:
+    return train(cluster, demo_assets, run_dir, *ALGORITHMS_RUN, *extra)
+
+
+def test_every_service_at_once_then_resume_with_the_controllers_beta(cluster: LocalCluster, demo_assets: Path,
+                                                                     tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    first = _train_algorithms(cluster, demo_assets, run, "--num_steps", "2", "--checkpoint_at_end", "true")
+    assert [r["step"] for r in first] == [0, 1]
+    step0 = first[0]
+    # The teacher is the student's starting model: at step 0 the reverse KL is only the sampler's
+    # float-level difference from the teacher's forward.
+    assert abs(step0["distill/reverse_kl"]) < 1e-3, step0["distill/reverse_kl"]
+    assert step0["timing/teacher_s"] > 0 and step0["kl/beta"] == pytest.approx(KL_COEF)
+    for record in first:
+        assert record["counts/samples"] == SAMPLES_PER_STEP
+        assert record["kl/in_reward_mean"] >= -1e-3  # old policy vs reference: a KL, ~0 before training
+        assert record["loss/ratio_mean"] > 0 and "mismatch/kl" in record
+
+    resumed = _train_algorithms(cluster, demo_assets, run, "--num_steps", "3", "--resume", "true")
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    # max_lag 1: step 2 uses beta after step 0's update, by hand from step 0's logged KL and samples.
+    error = min(max(step0["kl/in_reward_mean"] / TARGET_KL - 1.0, -0.2), 0.2)
+    expected = KL_COEF * (1.0 + error * step0["counts/samples"] / HORIZON)
+    assert resumed[2]["kl/beta"] == pytest.approx(expected, rel=1e-9)
+    assert resumed[2]["kl/beta"] != KL_COEF

@@ -7,7 +7,9 @@ run's numbers mean nothing.
 
 Each runs as `python -m benchmarks.NAME --smoke true` (the script's SMOKE sizes: a few steps, tiny
 shapes; a local cluster's vLLM engines uncompiled, harness.SMOKE_ENGINE) plus where its inputs and
-outputs go. Already run elsewhere in smoke mode, not repeated
+outputs go. The smokes whose workers are the same (algorithms, data_path, distill) run on one
+cluster started here (`--attach`, benchmarks/clusters.py): each would start its own otherwise, ~50
+CPU-s apiece; the others start theirs as their recorded commands do. Already run elsewhere in smoke mode, not repeated
 here: soak.py (tests/system/test_soak.py) and scale.py (tests/system/test_scale_benchmark.py).
 """
 
@@ -15,12 +17,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import parse_summary_line
+from benchmarks.harness import parse_summary_line, run_engine
+from local_cluster import LocalCluster, LocalClusterConfig
+from support.cluster import started_cluster
 from support.paths import REPO_ROOT
 
 pytestmark = [pytest.mark.system]
@@ -44,6 +49,8 @@ class Smoke:
     """Keys the summary line must carry."""
     marks: tuple[str, ...] = ()
     """Tiers beyond system (vllm, distributed)."""
+    shared: bool = False
+    """Runs on the module's shared cluster (`--attach`, the smoke_cluster fixture) instead of starting its own."""
 
 
 CLUSTER = ("vllm", "distributed")  # a local cluster: a vLLM worker and torchrun ranks
@@ -73,10 +80,6 @@ SMOKES = (
     Smoke("weight_push", ("--work_dir", WORK), "", ("gather_gbps", "sharded_gbps", "fraction_of_memcpy"), CLUSTER),
     Smoke("checkpoint_async", ("--work_dir", WORK), "checkpoint_async",
           ("weights_mb", "sync_checkpoint_s", "async_checkpoint_s", "blocked_ratio"), CLUSTER),
-    Smoke("algorithms", (*DEMO, "--out_dir", WORK), "algorithms", ("baseline",), CLUSTER),
-    Smoke("data_path", (*DEMO, "--out_dir", WORK), "data_path",
-          ("wait_ratio", "step_ratio", "ray_bytes_per_step", "scatter_bytes_per_step"), CLUSTER),
-    Smoke("distill", (*DEMO, "--out_dir", WORK), "distill", ("teacher", "distill"), CLUSTER),
     Smoke("step_profile", ("--assets", ASSETS), "step_profile", ("median_step_s", "cores", "trainer_faults_per_step"),
           CLUSTER),
     Smoke("async_overlap", (*DEMO, "--work_dir", WORK), "async_overlap",
@@ -86,6 +89,11 @@ SMOKES = (
           "", ("parity",), CLUSTER),
     Smoke("realistic_run", ("--work_dir", WORK), "realistic_run", ("steps", "tokens_per_step", "step_s_median"),
           CLUSTER),
+    # Last: these three share one cluster (smoke_cluster), stopped when the module ends.
+    Smoke("algorithms", (*DEMO, "--out_dir", WORK), "algorithms", ("baseline",), CLUSTER, shared=True),
+    Smoke("data_path", (*DEMO, "--out_dir", WORK), "data_path",
+          ("wait_ratio", "step_ratio", "ray_bytes_per_step", "scatter_bytes_per_step"), CLUSTER, shared=True),
+    Smoke("distill", (*DEMO, "--out_dir", WORK), "distill", ("teacher", "distill"), CLUSTER, shared=True),
 )
 
 
@@ -107,12 +115,48 @@ def _params() -> list:
     return [pytest.param(s, id=s.module, marks=[getattr(pytest.mark, m) for m in s.marks]) for s in SMOKES]
 
 
+@pytest.fixture(scope="module")
+def smoke_cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """One local cluster for the shared smokes (Smoke.shared): the workers each of them would start
+    (the demo model's generation, logprob and teacher workers, their defaults, the smokes' engine)."""
+    model = demo_assets / "model"
+    config = LocalClusterConfig(model_path=str(model), log_dir=str(tmp_path_factory.mktemp("smoke-cluster")),
+                                teacher_workers=1, teacher_model_path=str(model), engine=run_engine(True))
+    with started_cluster(config) as cluster:
+        yield cluster
+
+
 @pytest.mark.parametrize("smoke", _params())
-def test_benchmark_smoke_prints_its_summary(smoke: Smoke, demo_assets: Path, tmp_path: Path) -> None:
-    result = subprocess.run(_command(smoke, demo_assets, tmp_path), cwd=REPO_ROOT, capture_output=True, text=True,
-                            timeout=SMOKE_TIMEOUT_S)
+def test_benchmark_smoke_prints_its_summary(smoke: Smoke, demo_assets: Path, tmp_path: Path,
+                                            request: pytest.FixtureRequest) -> None:
+    command = _command(smoke, demo_assets, tmp_path)
+    if smoke.shared:
+        command += ["--attach", request.getfixturevalue("smoke_cluster").address]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
     assert result.returncode == 0, f"{smoke.module} smoke failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     figures = _summary(result.stdout, smoke)
     missing = [key for key in smoke.figures if key not in figures]
     assert not missing, f"{smoke.module}: summary line lacks {missing}: {figures}"
     assert all(value for value in figures.values()), figures
+
+
+@pytest.mark.vllm
+def test_attaching_to_a_cluster_without_the_runs_workers_fails_before_any_trainer(
+        smoke_cluster: LocalCluster, demo_assets: Path, tmp_path: Path) -> None:
+    """A benchmark given --attach checks the running cluster for the workers its own config asks
+    for (here a reference worker the shared cluster lacks) and stops, naming them, before it
+    launches anything."""
+    probe = ("from benchmarks.clusters import local_cluster\n"
+             "from local_cluster import LocalClusterConfig\n"
+             f"config = LocalClusterConfig(model_path={str(demo_assets / 'model')!r}, log_dir={str(tmp_path)!r}, "
+             "reference_workers=1)\n"
+             "try:\n"
+             f"    with local_cluster(config, {smoke_cluster.address!r}):\n"
+             "        print('ATTACHED')\n"
+             "except RuntimeError as error:\n"
+             "    print('REFUSED', error)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ATTACHED" not in done.stdout, done.stdout
+    assert f"REFUSED the cluster at {smoke_cluster.address} lacks workers this run needs: 1 reference" in done.stdout, \
+        done.stdout + done.stderr[-2000:]

@@ -2,9 +2,9 @@
 # The README's test command: install into ./.venv if needed (the CUDA or the CPU builds, as this
 # machine needs), then run the suite, one pytest process per tier (tests/conftest.py says what
 # each tier holds), so no test depends on which modules ran before it in the same process. The
-# system tier is run in two parts, one per lane: tests/system/ (whole-system runs and the
-# benchmarks' smokes) in a second lane beside the other tiers (its log printed at the end), and
-# the system tests of the other folders at the end of the first lane. Every tier's time and exit,
+# system tier is run in two parts, one per lane: the whole-system runs on local clusters and the
+# benchmarks' smokes (system_lane_files) in a second lane beside the other tiers (its log printed
+# at the end), every other system test at the end of the first lane. Every tier's time and exit,
 # each lane's time and the total are printed last.
 #
 #   bash scripts/test.sh                 # every tier (what CI runs)
@@ -23,6 +23,11 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 # The gpu tier's files (tests/project/test_tests_layout.py keeps every gpu test in them).
 gpu_tests=(tests/*/test_gpu_*.py)
+# The system tests the second lane runs (the rest of the system tier runs in the first lane); chosen
+# so that the lanes end near each other (benchmarks/RESULTS.md, "The test suite").
+system_lane_files=(tests/system/test_benchmarks_smoke.py tests/system/test_cluster_path.py
+                   tests/system/test_crash_resume.py tests/system/test_demo_tools_smoke.py
+                   tests/system/test_end_to_end.py tests/system/test_end_to_end_lora.py)
 
 if [[ "${1:-}" == "--gpu" ]]; then
     # The gpu tier alone (tests/*/test_gpu_*.py), with no install: the lent GPU machine has torch
@@ -57,18 +62,17 @@ fi
 
 # tier name, its marker expression, then what pytest collects ('' for the whole suite): each test
 # runs in exactly one tier (the last of ray < vllm < distributed < system < gpu that it carries;
-# unmarked tests are fast). The system tier runs as two parts, split by folder so that the lanes
-# end near each other (benchmarks/RESULTS.md, "The test suite"): `system` is tests/system/ alone,
-# `system-elsewhere` the system tests of every other folder. The gpu tier collects its own files
-# only: collecting the whole suite to deselect it cost ~15 s on 2 cores.
+# unmarked tests are fast). The system tier runs as two parts: `system` is system_lane_files,
+# `system-rest` every other system test. The gpu tier collects its own files only: collecting the
+# whole suite to deselect it cost ~15 s on 2 cores.
 tiers=(
     "fast" "not (ray or vllm or distributed or system or gpu)" ""
     "ray" "ray and not (vllm or distributed or system or gpu)" ""
     "vllm" "vllm and not (distributed or system or gpu)" ""
     "distributed" "distributed and not (system or gpu)" ""
-    "system-elsewhere" "system and not gpu" "--ignore=tests/system"
+    "system-rest" "system and not gpu" "${system_lane_files[*]/#/--ignore=}"
     "gpu" "gpu" "${gpu_tests[*]}"
-    "system" "system and not gpu" "tests/system"
+    "system" "system and not gpu" "${system_lane_files[*]}"
 )
 
 # run_tiers LANE NAME EXPRESSION PATHS [NAME EXPRESSION PATHS ...]: the tiers one after the other;
@@ -78,7 +82,7 @@ run_tiers() {
     shift
     while [[ $# -gt 0 ]]; do
         local name=$1 expression=$2 began=$SECONDS rc=0 paths=()
-        read -r -a paths <<< "$3"  # the paths hold no spaces (tests/*/test_gpu_*.py, tests/system)
+        read -r -a paths <<< "$3"  # the paths hold no spaces
         shift 3
         echo "=== tier ${name}: -m \"${expression}\" ${paths[*]}"
         .venv/bin/python -m pytest -m "${expression}" --durations=25 ${paths[@]+"${paths[@]}"} || rc=$?
@@ -93,12 +97,12 @@ started=$SECONDS
 if [[ "${1:-}" == "--fast" ]]; then
     run_tiers main "${tiers[@]:0:3}"
 else
-    # Two lanes: tests/system/ (whole programs: clusters, launchers, benchmarks, scripts) runs
-    # beside the other tiers, its output in a log of its own that is printed when both lanes are
-    # done. RESULTS.md ("The test suite") has the times.
+    # Two lanes: the system tier's system_lane_files (whole programs on local clusters, the
+    # benchmarks' smokes) run beside the other tiers, their output in a log of their own that is
+    # printed when both lanes are done. RESULTS.md ("The test suite") has the times.
     logs=runs/test-logs
     mkdir -p "$logs"
-    echo "=== lane system: tier system (tests/system/) in the background, its log in $logs/system.log"
+    echo "=== lane system: tier system (${system_lane_files[*]}) in the background, its log in $logs/system.log"
     run_tiers system "${tiers[@]:18:3}" > "$logs/system.log" 2>&1 &
     system_lane=$!
     run_tiers main "${tiers[@]:0:18}" 2>&1 | tee "$logs/main.log"

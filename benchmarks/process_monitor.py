@@ -154,12 +154,19 @@ class Counters:
     minor_faults: int
 
 
+def stat_fields(text: str) -> list[str]:
+    """The fields of a /proc/<pid>/stat line after the command name (which may hold spaces)."""
+    return text[text.rindex(")") + 2:].split()
+
+
 def read_counters(pid: int) -> Counters | None:
     """/proc/<pid>/stat's user and kernel CPU seconds and minor faults (None: the process is gone)."""
     text = read_proc(f"/proc/{pid}/stat")
-    if text is None:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
+    return None if text is None else counters_of(stat_fields(text))
+
+
+def counters_of(fields: list[str]) -> Counters:
+    """The counters in a stat line's fields (stat_fields)."""
     return Counters(user_s=int(fields[_UTIME]) / CLOCK_TICKS, kernel_s=int(fields[_STIME]) / CLOCK_TICKS,
                     minor_faults=int(fields[_MINFLT]))
 

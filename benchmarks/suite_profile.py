@@ -39,13 +39,14 @@ from typing import Any
 from async_grpo.config.run_config import load_config
 from benchmarks.harness import REPO_ROOT, apply_smoke, setup_logging, summary_line
 from benchmarks.process_monitor import (
-    CLOCK_TICKS, environ_rank, format_table, process_kind, process_label, read_counters, read_proc,
+    CLOCK_TICKS, counters_of, environ_rank, format_table, process_kind, process_label, read_proc, stat_fields,
 )
 
 # The smoke's command: half a CPU-second, filed under a test name of its own.
 _BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5:\n    pass"
 SMOKE = {"command": "PYTEST_CURRENT_TEST='suite_profile_smoke (call)' " + shlex.join([sys.executable, "-c", _BURN]),
          "poll_s": 0.1}
+_STARTTIME = 19  # in stat_fields: the 22nd field of /proc/<pid>/stat (proc(5))
 _TEST_PHASE = re.compile(r" \((setup|call|teardown)\)$")
 NO_TEST = "(outside any test)"
 
@@ -94,10 +95,11 @@ class SuiteSampler:
                 continue
             pid = int(name)
             stat = read_proc(f"/proc/{pid}/stat")
-            counters = read_counters(pid)
-            if stat is None or counters is None:
+            if stat is None:
                 continue
-            key = (pid, int(stat[stat.rindex(")") + 2:].split()[19]))  # starttime: pid reuse safe
+            fields = stat_fields(stat)
+            key = (pid, int(fields[_STARTTIME]))  # pid and start time: a reused pid is another process
+            counters = counters_of(fields)
             cpu = counters.user_s + counters.kernel_s
             seen = self.processes.get(key)
             if seen is None:

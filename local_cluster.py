@@ -124,9 +124,15 @@ class LocalClusterConfig:
     anything."""
 
     @property
+    def worker_counts(self) -> dict[str, int]:
+        """Workers to start of each kind ('generation', 'logprob', 'reference', 'teacher'), in start order."""
+        return {"generation": self.generation_workers, "logprob": self.logprob_workers,
+                "reference": self.reference_workers, "teacher": self.teacher_workers}
+
+    @property
     def total_workers(self) -> int:
         """Workers of every kind: each takes one GPU on a GPU machine."""
-        return self.generation_workers + self.logprob_workers + self.reference_workers + self.teacher_workers
+        return sum(self.worker_counts.values())
 
     def __post_init__(self) -> None:
         if not self.log_dir:
@@ -284,9 +290,7 @@ class LocalCluster:
 
     def start_workers(self) -> None:
         """Dispatch every configured worker, wait until each has registered, and print how to add more."""
-        c = self.config
-        counts = {"generation": c.generation_workers, "logprob": c.logprob_workers,
-                  "reference": c.reference_workers, "teacher": c.teacher_workers}
+        counts = self.config.worker_counts
         # Workers sharing a GPU start one at a time: vLLM checks at start that its share of the
         # GPU is free, and its memory profiling fails if another process frees memory meanwhile.
         one_by_one = self.placement.on_gpu and self.placement.worker_gpu_share < 1

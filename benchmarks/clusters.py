@@ -19,16 +19,10 @@ from collections.abc import Iterator
 
 from async_grpo.launch.local_processes import environ, make_run_temp_dir
 from async_grpo.launch.ray_cluster import join_cluster
-from async_grpo.launch.ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, registry_name
+from async_grpo.launch.ray_env import RAY_NAMESPACE, registry_name
 from local_cluster import LocalCluster, LocalClusterConfig
 
 ATTACH_TIMEOUT_S = 30.0  # joining a running head on this machine takes ~1 s
-
-
-def worker_counts(config: LocalClusterConfig) -> dict[str, int]:
-    """Workers of each kind that `config` starts."""
-    return {GENERATION: config.generation_workers, LOGPROB: config.logprob_workers,
-            REFERENCE: config.reference_workers, TEACHER: config.teacher_workers}
 
 
 def missing_workers(wanted: dict[str, int]) -> list[str]:
@@ -61,7 +55,7 @@ class AttachedCluster(LocalCluster):
         with environ({"RAY_ADDRESS": self._attach_to}):  # join_cluster prefers RAY_ADDRESS: make it this one
             self.address = join_cluster(self._attach_to, namespace=RAY_NAMESPACE, timeout_s=ATTACH_TIMEOUT_S,
                                         log_to_driver=False)
-        missing = missing_workers(worker_counts(self.config))
+        missing = missing_workers(self.config.worker_counts)
         if missing:
             self._disconnect()
             raise RuntimeError(f"the cluster at {self._attach_to} lacks workers this run needs: {', '.join(missing)} "

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from async_grpo.config.run_config import config_to_flags, flattened, load_config, split_passthrough
+from async_grpo.config.run_config import ConfigError, config_to_flags, flattened, load_config, split_passthrough
 from async_grpo.config.worker_options import (
     EngineConfig, HealthCheckConfig, LogprobBatchingConfig, RestartConfig, VerificationConfig,
 )
@@ -406,9 +406,12 @@ def _tail(text: str, lines: int = 20) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     own, trainer_args = split_passthrough(list(sys.argv[1:] if argv is None else argv))
-    config = load_config(LocalClusterConfig, own, description=__doc__)
+    try:
+        config = load_config(LocalClusterConfig, own, description=__doc__)
+    except ConfigError as error:  # a value its field refuses, or no --run_dir / --log_dir
+        exit_config_error(str(error))
     if not config.run_dir:
-        raise SystemExit("local_cluster.py: --run_dir is required (the trainer's run directory)")
+        exit_config_error("--run_dir is required (the trainer's run directory)")
     trainer_args = ["--run_dir", config.run_dir, "--model.model_path", config.model_path, *trainer_args]
     check_environment(config)
     trainer_config = load_trainer_config(trainer_args)  # prints its one line and exits 2 itself
@@ -515,7 +518,8 @@ def check_environment(config: LocalClusterConfig) -> None:
 def check_teacher_model(teacher_path: str, student_path: str) -> None:
     """The teacher folder loads and shares the student's tokenizer (what the trainer checks again
     against the running teacher workers); exit 2 with one line naming both models otherwise."""
-    from setup_model import ModelPathError, check_model_dir, load_tokenizer, tokenizer_fingerprint
+    from async_grpo.config.model_path import ModelPathError, check_model_dir
+    from setup_model import load_tokenizer, tokenizer_fingerprint
 
     try:
         check_model_dir(teacher_path)
@@ -531,8 +535,8 @@ def check_trainer_inputs(trainer_config: TrainerConfig, max_lora_rank: int = 0) 
     """Load the trainer's model folder, prompts and evaluation file as the trainer will, before
     Ray or any worker starts; exit 2 with one line on the first problem (also when the trainer
     trains LoRA adapters the generation workers, max_lora_rank, could not serve)."""
+    from async_grpo.config.worker_options import vllm_lora_rank
     from async_grpo.trainer.run_inputs import InputError, load_run_inputs
-    from setup_model import vllm_lora_rank
 
     started = time.monotonic()
     lora_r = trainer_config.model.lora.r

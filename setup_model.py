@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from async_grpo.config.model_path import check_model_dir
+from async_grpo.config.worker_options import VLLM_LORA_RANKS
 from async_grpo.model.packed_attention import (
     PACKED_SDPA, PACKED_VARLEN, register_packed_sdpa, register_packed_varlen, varlen_kwargs,
 )
@@ -43,9 +45,6 @@ MODEL_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-# vLLM 0.32 serves LoRA adapters of these ranks only (vllm.config.lora.MaxLoRARanks): an engine's
-# max_lora_rank must be one of them, and a trained adapter's r at most that.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Every linear layer of a Qwen2/Llama decoder layer: what adapter-only RL usually trains.
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Adapters on these are refused: they would need vLLM's embedding/lm_head LoRA path and the
@@ -101,14 +100,6 @@ class LoraConfig:
         )
 
 
-def vllm_lora_rank(r: int) -> int:
-    """The smallest rank vLLM accepts as max_lora_rank that holds an adapter of rank r."""
-    for rank in VLLM_LORA_RANKS:
-        if rank >= r:
-            return rank
-    raise ValueError(f"LoRA rank {r} exceeds vLLM's largest ({max(VLLM_LORA_RANKS)})")
-
-
 def apply_lora(causal_lm: nn.Module, lora: LoraConfig, base_model_path: str | Path) -> nn.Module:
     """Wrap a causal LM with PEFT LoRA adapters (in place): the base weights are frozen, only the
     adapters train. Returns the PeftModel; on a meta-device model the adapters are meta too."""
@@ -145,36 +136,6 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.logprob_chunk_size must be > 0, got {self.logprob_chunk_size}")
         if self.attn_implementation is not None and not self.attn_implementation:
             raise ValueError("ModelConfig.attn_implementation must be None or a non-empty name")
-
-
-class ModelPathError(ValueError):
-    """A model path that is not a loadable local Hugging Face folder; the message names the path."""
-
-
-def check_model_dir(model_path: str | Path, *, weights: bool = True) -> Path:
-    """The model folder, checked for what from_pretrained needs here, or ModelPathError.
-    weights=False checks only that the folder exists (all a tokenizer needs).
-
-    No hub can be reached, so a path that does not exist would otherwise be taken for a repo id
-    and fail deep inside transformers or vLLM ("Repo id must be in the form ..."); a folder
-    without config.json or safetensors weights fails later still, in a worker. One stat per
-    file: cheap enough to run before every load.
-    """
-    path = Path(model_path)
-    if not path.exists():
-        raise ModelPathError(f"model path {str(model_path)!r} does not exist (a local Hugging Face model folder "
-                             f"is expected: config.json, *.safetensors weights, tokenizer files)")
-    if not path.is_dir():
-        raise ModelPathError(f"model path {str(model_path)!r} is a file; a Hugging Face model folder is expected")
-    if not weights:
-        return path
-    if not (path / "config.json").is_file():
-        raise ModelPathError(f"model path {str(model_path)!r} has no config.json, so it is not a Hugging Face "
-                             f"model folder (save one with save_pretrained, or point at the folder holding it)")
-    if not any(path.glob("*.safetensors")):
-        raise ModelPathError(f"model path {str(model_path)!r} has no *.safetensors weights (weights load from "
-                             f"safetensors only; convert .bin checkpoints with save_pretrained(safe_serialization=True))")
-    return path
 
 
 def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:

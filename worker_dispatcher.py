@@ -48,6 +48,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from async_grpo.config.model_path import ModelPathError, check_model_dir
 from async_grpo.config.run_config import ConfigError, flattened, load_config
 from async_grpo.config.versions import (
     LOGPROB_WORKER_REQUIREMENTS, RAY, WORKER_REQUIREMENTS, VersionError, check_versions,
@@ -68,7 +69,6 @@ from async_grpo.launch.ray_env import (
     GENERATION, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, worker_actor_name,
 )
 from async_grpo.launch.status_table import format_status
-from setup_model import ModelPathError, check_model_dir
 from vllm_registry import RegistryConfig, WorkerState, WorkerStatus, get_or_create_registry
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,17 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-from setup_model import VLLM_LORA_RANKS
+# vLLM 0.32 serves LoRA adapters of these ranks only (vllm.config.lora.MaxLoRARanks): an engine's
+# max_lora_rank must be one of them, and a trained adapter's r at most that (setup_model.LoraConfig).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(r: int) -> int:
+    """The smallest rank vLLM accepts as max_lora_rank that holds an adapter of rank r."""
+    for rank in VLLM_LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ValueError(f"LoRA rank {r} exceeds vLLM's largest ({max(VLLM_LORA_RANKS)})")
 
 # vLLM's own default share of accelerator memory (vLLM 0.32's CacheConfig.gpu_memory_utilization,
 # vllm/config/cache.py), used when EngineConfig.gpu_memory_utilization is None.

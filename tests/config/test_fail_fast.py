@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from setup_model import ModelPathError, check_model_dir, load_tokenizer
+from async_grpo.config.model_path import ModelPathError, check_model_dir
+from setup_model import load_tokenizer
 from support.paths import REPO_ROOT
 from trainer_core import CONFIG_ERROR_EXIT
 
@@ -82,6 +83,23 @@ def test_trainer_reports_a_bad_line_with_file_and_line_before_any_start_up(tmp_p
     line = _one_line(_run("trainer_core.py", "--model.model_path", str(tiny_model_dir), "--data.path", str(data),
                           "--run_dir", str(tmp_path / "run"), "--ray_address", UNREACHABLE_RAY, cwd=tmp_path))
     assert line.startswith(f"trainer_core.py: {data}:7: "), line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.system
+def test_local_cluster_reports_its_own_bad_flags_in_one_line(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The launcher's own flags (before `--`): a missing run directory or a value its field refuses is
+    one line naming the field, exit 2, no traceback (it once raised ConfigError's traceback)."""
+    no_run_dir = _run("local_cluster.py", "--model_path", str(tiny_model_dir), cwd=tmp_path)
+    assert _one_line(no_run_dir) == ("local_cluster.py: LocalClusterConfig: LocalClusterConfig needs run_dir "
+                                     "(--run_dir) or log_dir"), no_run_dir.stderr
+    log_dir_only = _run("local_cluster.py", "--model_path", str(tiny_model_dir), "--log_dir", str(tmp_path / "logs"),
+                        cwd=tmp_path)
+    assert _one_line(log_dir_only) == "local_cluster.py: --run_dir is required (the trainer's run directory)"
+    bad_count = _run("local_cluster.py", "--model_path", str(tiny_model_dir), "--run_dir", str(tmp_path / "run"),
+                     "--generation_workers", "-1", cwd=tmp_path)
+    assert _one_line(bad_count).startswith("local_cluster.py: "), bad_count.stderr
+    assert "generation_workers" in _one_line(bad_count), bad_count.stderr
     assert not (tmp_path / "run").exists()
 
 

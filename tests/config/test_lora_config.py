@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from async_grpo.config.run_config import ConfigError, load_config
-from async_grpo.config.worker_options import EngineConfig
+from async_grpo.config.worker_options import EngineConfig, vllm_lora_rank
 from async_grpo.data.dataset import DatasetConfig
 from async_grpo.trainer.config import TrainerConfig
-from setup_model import DEFAULT_LORA_TARGETS, LoraConfig, ModelConfig, vllm_lora_rank
+from setup_model import DEFAULT_LORA_TARGETS, LoraConfig, ModelConfig
 from vllm_worker import GenerationWorkerConfig
 
 REQUIRED = ["--model.model_path", "m", "--data.path", "d.jsonl"]

@@ -150,6 +150,48 @@ def test_trainer_side_reaches_no_worker_side(module):
     assert not bad, f"{module} (trainer side) reaches worker-side {bad}"
 
 
+def _import_time_names(module: str) -> set[str]:
+    """What `module` imports while it is being imported: module and class bodies, not functions
+    (which import when called) nor `if TYPE_CHECKING:` blocks."""
+    names: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module)
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, (ast.Try, ast.With, ast.ClassDef)):
+                visit(node.body)
+
+    visit(ast.parse(MODULES[module].read_text()).body)
+    return names
+
+
+LIGHT_ENTRY_POINTS = ("worker_dispatcher", "local_cluster")
+"""Processes that check their flags and inputs before they do anything heavy: importing them
+reaches no torch, so a bad flag is one line in ~0.5 s instead of ~2 s (torch's import)."""
+HEAVY_LIBRARIES = ("torch", "transformers", "vllm")
+
+
+@pytest.mark.parametrize("module", LIGHT_ENTRY_POINTS)
+def test_launchers_reach_no_torch_before_checking_their_flags(module):
+    seen, todo = set(), [module]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        names = _import_time_names(current)
+        heavy = sorted(n for n in names if n.split(".")[0] in HEAVY_LIBRARIES)
+        assert not heavy, f"importing {module} imports {current}, which imports {heavy} at import time"
+        todo.extend(n for n in names if n in MODULES)
+
+
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_module_imports_ray_private_api(module):
     # Private modules move between Ray releases without notice. (ray_cluster.py uses two names of

@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import ray
 import torch
@@ -570,5 +570,21 @@ def main(argv: list[str] | None = None) -> None:
         raise
 
 
+def exit_without_teardown() -> NoReturn:
+    """End a rank whose run finished: train() has closed what it opened (checkpoint writer,
+    pusher, metrics and trackers, the process group), so leave Ray, flush the logs and exit
+    without the interpreter's teardown. That teardown (collecting torch's, transformers' and
+    sympy's objects, unloading modules) took ~2 s per rank after every run, measured on the
+    2-core machine: 2.6-3.1 s from the ranks' last line to torchrun's exit, 0.8-1.1 s without."""
+    import ray
+
+    ray.shutdown()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

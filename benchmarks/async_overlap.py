@@ -3,6 +3,7 @@
     cd /work/main && .venv/bin/python -m benchmarks.async_overlap                 # both modes, 9-15 min on 2 cores
     .venv/bin/python -m benchmarks.async_overlap --modes simulated                # simulated engine only, ~4-6 min
     .venv/bin/python -m benchmarks.async_overlap --assets_dir runs/demo-assets    # reuse prepared demo assets
+    .venv/bin/python -m benchmarks.async_overlap ... --attach 127.0.0.1:PORT       # real mode on a running cluster
 
 Both modes run `torchrun --nproc_per_node=2 trainer_core.py` (FSDP2 on gloo) in one local
 cluster, alternating max_lag=0 and max_lag=1 runs of `--num_steps` steps (`--rounds` pairs),
@@ -60,6 +61,7 @@ from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.routing.batch_calls import Bundle, serve_many
 from async_grpo.weights.weight_loading import assemble_state_dict
 from async_grpo.weights.weight_sync import WeightUpdate
+from benchmarks.clusters import local_cluster
 from benchmarks.harness import (
     DEMO_CONFIG, DemoAssets, apply_smoke, demo_assets, run_engine, run_trainer, setup_logging, summary_line,
 )
@@ -119,6 +121,10 @@ class AsyncOverlapConfig:
     """Steps of the simulated mode's calibration run (max_lag=0, tiny G; only when sim_latency_s is None)."""
     trainer_timeout_s: float = 600.0
     """Kill a trainer run that takes longer than this."""
+    attach: str = ""
+    """Ray address of a running local cluster for the real mode's runs instead of starting one
+    (benchmarks/clusters.py): it must have the demo model's generation and logprob workers; '' starts
+    a cluster. The simulated mode always starts its own (its engine is the only generation worker)."""
     smoke: bool = False
     """Smoke mode: both modes, one round of 3-step runs of 2 prompts x 2 rollouts, a fixed simulated G (no
     calibration run), the real engine uncompiled (SMOKE); checks that the command runs, its figures mean nothing."""
@@ -318,15 +324,15 @@ def run_schedule(cluster: LocalCluster, assets: Path, work: Path, prefix: str, c
     return {lag: summarise(records) for lag, records in pooled.items()}
 
 
-def run_real(assets: Path, work: Path, cfg: BenchConfig, smoke: bool) -> dict[int, RunTimes]:
-    """Real vLLM generation worker + real logprob worker (reference logprobs); uncompiled in smoke mode."""
+def run_real(assets: Path, work: Path, cfg: BenchConfig, smoke: bool, attach: str) -> dict[int, RunTimes]:
+    """Real vLLM generation worker + real logprob worker (reference logprobs); uncompiled in smoke
+    mode; on the running cluster at `attach` when given."""
     cluster_config = LocalClusterConfig(
         model_path=str(assets / "model"), log_dir=str(work / "real-workers"), generation_workers=1,
         logprob_workers=1, engine=run_engine(smoke, kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN),
         verification=VerificationConfig(global_num_verifiers=1),
     )
-    with LocalCluster(cluster_config) as cluster:
-        cluster.start_workers()
+    with local_cluster(cluster_config, attach) as cluster:
         return run_schedule(cluster, assets, work, "real", cfg, [])
 
 
@@ -410,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     summary: dict[str, str] = {}
     load_before = _load_average()
     if "real" in args.modes:
-        real = run_real(assets, work, args.bench(args.max_tokens), args.smoke)
+        real = run_real(assets, work, args.bench(args.max_tokens), args.smoke, args.attach)
         describe("real", real)
         print("real: vLLM generation, the logprob worker and both trainer ranks share "
               f"{os.cpu_count()} cores, so overlap can only fill time when the cores would otherwise idle")

@@ -8,8 +8,9 @@ run's numbers mean nothing.
 Each runs as `python -m benchmarks.NAME --smoke true` (the script's SMOKE sizes: a few steps, tiny
 shapes; a local cluster's vLLM engines uncompiled, harness.SMOKE_ENGINE) plus where its inputs and
 outputs go. The smokes whose workers are the same (algorithms, data_path, distill) run on one
-cluster started here (`--attach`, benchmarks/clusters.py): each would start its own otherwise, ~50
-CPU-s apiece; the others start theirs as their recorded commands do. Already run elsewhere in smoke mode, not repeated
+cluster started here (`--attach`, benchmarks/clusters.py), and so does async_overlap's real mode (its
+simulated mode starts its own): each would start its own otherwise, ~50 CPU-s apiece; the others
+start theirs as their recorded commands do. Already run elsewhere in smoke mode, not repeated
 here: soak.py (tests/system/test_soak.py) and scale.py (tests/system/test_scale_benchmark.py).
 """
 
@@ -82,14 +83,15 @@ SMOKES = (
           ("weights_mb", "sync_checkpoint_s", "async_checkpoint_s", "blocked_ratio"), CLUSTER),
     Smoke("step_profile", ("--assets", ASSETS), "step_profile", ("median_step_s", "cores", "trainer_faults_per_step"),
           CLUSTER),
-    Smoke("async_overlap", (*DEMO, "--work_dir", WORK), "async_overlap",
-          ("speedup", "simulated_speedup", "simulated_ideal", "overlap_efficiency", "G_s", "T_s"), CLUSTER),
     Smoke("learning_parity", ("--model_dir", f"{ASSETS}/model", "--data", f"{ASSETS}/arithmetic.jsonl",
                               "--eval_data", f"{ASSETS}/arithmetic_eval.jsonl", "--out_dir", WORK),
           "", ("parity",), CLUSTER),
     Smoke("realistic_run", ("--work_dir", WORK), "realistic_run", ("steps", "tokens_per_step", "step_s_median"),
           CLUSTER),
-    # Last: these three share one cluster (smoke_cluster), stopped when the module ends.
+    # Last: these share one cluster (smoke_cluster), stopped when the module ends.
+    Smoke("async_overlap", (*DEMO, "--work_dir", WORK), "async_overlap",
+          ("speedup", "simulated_speedup", "simulated_ideal", "overlap_efficiency", "G_s", "T_s"), CLUSTER,
+          shared=True),
     Smoke("algorithms", (*DEMO, "--out_dir", WORK), "algorithms", ("baseline",), CLUSTER, shared=True),
     Smoke("data_path", (*DEMO, "--out_dir", WORK), "data_path",
           ("wait_ratio", "step_ratio", "ray_bytes_per_step", "scatter_bytes_per_step"), CLUSTER, shared=True),

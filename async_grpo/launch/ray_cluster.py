@@ -169,7 +169,11 @@ def init_local_ray(*, num_cpus: int, namespace: str, log_to_driver: bool, num_gp
     state API read them, both off here, and the system makes ~145 actor calls per demo step;
     keeping Ray's last 100,000 grew the GCS from 57 to 190 MB over 300 steps, keeping the last
     10,000 still 58 -> 68 MB, and with none 30.1 -> 30.3 MB (benchmarks/soak.py,
-    RESULTS.md). LocalCluster and the tests' Ray fixture both start their heads here.
+    RESULTS.md). No worker processes prestarted for this driver (`prestart_worker_first_driver`):
+    its few actors start their own, and the two idle ones Ray kept per head cost ~80 MB each,
+    ~1 CPU-s to start and ~0.9 CPU-s a minute between them (2-core machine; a head and one actor,
+    20 s idle: 6.8-8.3 CPU-s with them, 6.1-7.1 without). LocalCluster and the tests' Ray fixture
+    both start their heads here.
     """
     use_loopback_only_ray()
     ray.init(
@@ -182,7 +186,8 @@ def init_local_ray(*, num_cpus: int, namespace: str, log_to_driver: bool, num_gp
         _node_ip_address="127.0.0.1",
         namespace=namespace,
         runtime_env=actor_runtime_env(),
-        _system_config={"enable_metrics_collection": False, "task_events_report_interval_ms": 0},
+        _system_config={"enable_metrics_collection": False, "task_events_report_interval_ms": 0,
+                        "prestart_worker_first_driver": False},
         log_to_driver=log_to_driver,
     )
     return ray.get_runtime_context().gcs_address

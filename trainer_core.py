@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import Any, Protocol
 
 import ray
 import torch
@@ -35,6 +35,7 @@ from async_grpo.batching.batcher_config import BatcherConfig
 from async_grpo.config.run_config import ConfigError, load_config, save_config
 from async_grpo.config.versions import TRAINER_REQUIREMENTS, VersionError, check_versions
 from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, check_transfer_packages
+from async_grpo.launch.local_processes import exit_without_teardown
 from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
 from async_grpo.launch.ray_env import (
     GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name,
@@ -570,19 +571,8 @@ def main(argv: list[str] | None = None) -> None:
         raise
 
 
-def exit_without_teardown() -> NoReturn:
-    """End a rank whose run finished: train() has closed what it opened (checkpoint writer,
-    pusher, metrics and trackers, the process group), so leave Ray, flush the logs and exit
-    without the interpreter's own teardown (Ray's exit hooks, garbage collection and module
-    cleanup with torch and transformers loaded), which took ~2 s per rank after every run on the
-    2-core machine: 2.6-3.1 s from the ranks' last line to torchrun's exit, 0.8-1.1 s without."""
-    ray.shutdown()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 if __name__ == "__main__":
     main()
-    exit_without_teardown()
+    # train() closed what it opened (checkpoint writer, pusher, metrics and trackers, the process
+    # group): the interpreter's own teardown would only cost each rank ~2 s (local_processes).
+    exit_without_teardown(0)

@@ -58,7 +58,7 @@ from async_grpo.config.worker_options import (
     RayConnectionConfig, RestartConfig, VerificationConfig, check_transfer_packages, check_weight_transfer_device,
 )
 from async_grpo.inference.engine_dtype import AUTO_DTYPE, dtype_choice_line, resolve_engine_dtype
-from async_grpo.launch.local_processes import StopFlag
+from async_grpo.launch.local_processes import StopFlag, exit_without_teardown
 from async_grpo.launch.node_resources import (
     CPU_KV_CACHE_MAX_BYTES, CPU_KV_CACHE_MIN_BYTES, NODE_ID_CHARS, NodeLostError, actor_exists, cpu_kv_cache_bytes,
     gpu_holders, gpus_per_worker, node_alive, node_gpu_count, node_runs_cuda,
@@ -584,4 +584,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # main() has stopped its worker and deregistered it (or failed before starting one): the
+    # interpreter's own teardown would only add ~1 s of exit to every dispatcher (local_processes).
+    exit_without_teardown(main())

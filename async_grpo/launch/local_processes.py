@@ -15,11 +15,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import psutil
 
@@ -48,6 +49,7 @@ def make_run_temp_dir() -> str:
             logger.info("removing %s, left by a local cluster that did not stop (pid %s)", folder, owner)
             shutil.rmtree(folder, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{RUN_TEMP_PREFIX}{os.getpid()}-")
+
 
 def run_environment(temp_dir: str, tune_processes: bool = True) -> dict[str, str]:
     """Variables set for every process a LocalCluster starts: process_tuning.launcher_child_env,
@@ -147,3 +149,18 @@ class StopFlag:
 
     def wait(self, timeout_s: float) -> bool:
         return self._event.wait(timeout_s)
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """End a process that has closed what it opened (files, threads, its process group): leave
+    Ray, flush the logs and exit with `code`, without the interpreter's own teardown (Ray's exit
+    hooks, garbage collection and module cleanup with torch loaded). For the trainer ranks that
+    teardown took ~2 s per rank after every run on the 2-core machine: 2.6-3.1 s from the ranks'
+    last line to torchrun's exit, 0.8-1.1 s without."""
+    import ray
+
+    ray.shutdown()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -14,8 +14,9 @@ A process's CPU is its last reading (one that lives under `poll_s` is missed; th
 total, from /proc/stat, is printed beside the sum). Processes already running when it starts
 count only what they use afterwards.
 
-Prints a table of CPU seconds per kind, the `top` tests by CPU with their engine starts (vLLM
-engine-core processes), trainer launches (torchrun) and Ray heads (GCS servers), and
+Prints a table of CPU seconds per kind, the `top_labels` process roles within them with how many
+processes had each, the `top` tests by CPU with their engine starts (vLLM engine-core processes),
+trainer launches (torchrun) and Ray heads (GCS servers), and
 
     suite_profile: wall_s=... machine_cpu_s=... idle_cpu_s=... attributed_cpu_s=... engine_starts=...
     trainer_launches=... ray_heads=... exit=...
@@ -61,14 +62,16 @@ class SuiteProfileConfig:
     """How often /proc is read."""
     top: int = 40
     """Tests listed, by CPU seconds."""
+    top_labels: int = 30
+    """Process roles listed (the labels within the kinds: 'Ray actor X', 'Ray GCS server', ...), by CPU seconds."""
     smoke: bool = False
     """Smoke mode (SMOKE): a command that spends half a CPU-second; checks the plumbing."""
 
     def __post_init__(self) -> None:
         if not self.poll_s > 0:
             raise ValueError(f"SuiteProfileConfig.poll_s must be > 0, got {self.poll_s}")
-        if self.top < 1:
-            raise ValueError(f"SuiteProfileConfig.top must be >= 1, got {self.top}")
+        if self.top < 1 or self.top_labels < 1:
+            raise ValueError(f"SuiteProfileConfig.top and top_labels must be >= 1, got {self.top}, {self.top_labels}")
 
 
 @dataclass(slots=True)
@@ -145,9 +148,11 @@ def kind(label: str) -> str:
     return process_kind(label)
 
 
-def report(sampler: SuiteSampler, top: int) -> dict[str, Any]:
+def report(sampler: SuiteSampler, top: int, top_labels: int) -> dict[str, Any]:
     """Print the tables; return the totals of the summary line."""
     by_kind: dict[str, float] = defaultdict(float)
+    by_label: dict[str, float] = defaultdict(float)
+    processes_of: Counter = Counter()
     by_test: dict[str, float] = defaultdict(float)
     starts: dict[str, Counter] = defaultdict(Counter)
     for seen in sampler.processes.values():
@@ -155,12 +160,18 @@ def report(sampler: SuiteSampler, top: int) -> dict[str, Any]:
         if seen.existed_at_start and cpu <= 0:
             continue
         by_kind[kind(seen.label)] += cpu
+        by_label[seen.label] += cpu
+        processes_of[seen.label] += 1
         by_test[seen.test] += cpu
         for what, label in (("engines", "vLLM EngineCore"), ("trainer launches", "torchrun"),
                             ("Ray heads", "Ray GCS server")):
             if seen.label == label and not seen.existed_at_start:
                 starts[seen.test][what] += 1
     print(format_table(["kind", "CPU s"], [[k, f"{v:.0f}"] for k, v in sorted(by_kind.items(), key=lambda x: -x[1])]))
+    labels = sorted(by_label.items(), key=lambda x: -x[1])[:top_labels]
+    print(format_table(["CPU s", "processes", "role (kind)"],
+                       [[f"{cpu:.0f}", str(processes_of[label]), f"{label or '(command line not read)'} ({kind(label)})"]
+                        for label, cpu in labels]))
     rows = [[f"{cpu:.0f}", str(starts[test]["engines"]), str(starts[test]["trainer launches"]),
              str(starts[test]["Ray heads"]), test] for test, cpu in sorted(by_test.items(), key=lambda x: -x[1])[:top]]
     print(format_table(["CPU s", "engines", "trainer launches", "Ray heads", "test"], rows))
@@ -187,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     sampler.poll()
     busy1, idle1 = machine_cpu_s()
     figures = {"wall_s": round(time.monotonic() - began), "machine_cpu_s": round(busy1 - busy0),
-               "idle_cpu_s": round(idle1 - idle0), **report(sampler, config.top), "exit": command.returncode}
+               "idle_cpu_s": round(idle1 - idle0), **report(sampler, config.top, config.top_labels), "exit": command.returncode}
     print(summary_line("suite_profile", figures))
     sys.exit(command.returncode)  # a failing suite fails its profile too
 

@@ -1,5 +1,6 @@
 """The local launcher's processes: the temp folder and environment every child gets, a free
-port, and stopping a process tree (torchrun and its ranks) for good.
+port, stopping a process tree (torchrun and its ranks) for good, and ending a finished trainer
+rank or dispatcher without the interpreter's teardown.
 
 local_cluster.LocalCluster uses these; tests and benchmarks that start their own children reuse
 them.

@@ -90,7 +90,9 @@ def process_label(cmdline: str, *, rank: str | None = None, parent_label: str = 
     if "EngineCore" in cmdline:
         return "vLLM EngineCore"
     if cmdline.startswith("ray::"):
-        title = re.split(r"[.\s]", cmdline[len("ray::"):], maxsplit=1)[0]
+        # Ray titles a named actor's process '<actor name>:<class>' (logprob-worker-0:LogprobWorkerActor)
+        # in some of its phases, a nameless one '<class>': the class decides the role.
+        title = re.split(r"[.\s]", cmdline[len("ray::"):], maxsplit=1)[0].rsplit(":", 1)[-1]
         return _RAY_TITLES.get(title, f"Ray actor {title}")
     first = cmdline.split(" ", 1)[0]
     if os.path.basename(first) == "raylet":

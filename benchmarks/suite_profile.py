@@ -120,7 +120,20 @@ def _label(pid: int) -> str:
     script = re.search(r"-m (benchmarks\.\w+)", cmdline)
     if script:
         return f"benchmark script {script.group(1)}"
-    return process_label(cmdline, rank=environ_rank(pid)) if cmdline else ""
+    label = process_label(cmdline, rank=environ_rank(pid)) if cmdline else ""
+    return _python_role(cmdline) if re.match(r"python[\d.]* \(under ", label) else label
+
+
+def _python_role(cmdline: str) -> str:
+    """A Python process no other label names, by what it runs: 'python -m <module>', 'python
+    <script>.py' or 'python -c <the code's start>' (a test's probe, multiprocessing's children)."""
+    words = cmdline.split()
+    for flag in ("-m", "-c"):
+        if flag in words[1:-1]:
+            rest = words[words.index(flag) + 1:]
+            return f"python {flag} {rest[0] if flag == '-m' else ' '.join(rest)[:40]}"
+    script = next((word for word in words[1:] if word.endswith(".py")), None)
+    return f"python {Path(script).name}" if script else "python (under ?)"
 
 
 def _test_of(pid: int) -> str:

@@ -20,6 +20,7 @@ from async_grpo.model.tiny_model import PRESETS, build_chat_tokenizer, build_mod
 from async_grpo.trainer.config import TrainerConfig
 from benchmarks import process_monitor as pm
 from benchmarks import realistic_parts as rr
+from benchmarks.suite_profile import _python_role
 
 
 def test_gsm8k_records_are_deterministic_well_formed_and_correct() -> None:
@@ -108,6 +109,8 @@ def test_model_folder_names_and_writer_command(tmp_path: Path) -> None:
 @pytest.mark.parametrize("cmdline, kwargs, label", [
     ("ray::GenerationWorkerActor.generate", {}, "generation worker actor"),
     ("ray::LogprobWorkerActor", {}, "logprob worker actor"),
+    ("ray::logprob-worker-0:LogprobWorkerActor", {}, "logprob worker actor"),
+    ("ray::generation-registry:RegistryActor.status", {}, "registry actor"),
     ("ray::RegistryActor.register", {}, "registry actor"),
     ("ray::ExperienceBatcherActor.next_message", {}, "experience batcher actor"),
     ("ray::IDLE", {}, pm.IDLE_RAY_WORKER),
@@ -130,6 +133,17 @@ def test_model_folder_names_and_writer_command(tmp_path: Path) -> None:
 ])
 def test_process_labels(cmdline: str, kwargs: dict, label: str) -> None:
     assert pm.process_label(cmdline, **kwargs) == label
+
+
+@pytest.mark.parametrize("cmdline, role", [
+    ("/v/python -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=3)",
+     "python -c from multiprocessing.spawn import spawn_"),
+    ("/v/python3 /r/scripts/prepare_demo.py --out_dir x", "python prepare_demo.py"),
+    ("/v/python -m pip install x", "python -m pip"),
+    ("/v/python", "python (under ?)"),
+])
+def test_suite_profile_names_unlabelled_python_processes_by_what_they_run(cmdline: str, role: str) -> None:
+    assert _python_role(cmdline) == role
 
 
 def test_weak_labels() -> None:

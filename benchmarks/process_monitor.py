@@ -109,6 +109,18 @@ def process_label(cmdline: str, *, rank: str | None = None, parent_label: str = 
     return f"{os.path.basename(first)[:40]} (under {anchor or parent_label or '?'})"
 
 
+def python_role(cmdline: str) -> str:
+    """A Python process no other label names, by what it runs: 'python -m <module>', 'python
+    <script>.py' or 'python -c <the code's start>' (a test's probe, multiprocessing's children)."""
+    words = cmdline.split()
+    for flag in ("-m", "-c"):
+        if flag in words[1:-1]:
+            rest = words[words.index(flag) + 1:]
+            return f"python {flag} {rest[0] if flag == '-m' else ' '.join(rest)[:40]}"
+    script = next((word for word in words[1:] if word.endswith(".py")), None)
+    return f"python {Path(script).name}" if script else "python (under ?)"
+
+
 def parse_status(text: str) -> dict[str, int]:
     """The kB fields of /proc/<pid>/status (VmHWM, VmRSS, RssAnon, RssFile, RssShmem, ...) or /proc/meminfo."""
     out = {}

@@ -40,7 +40,8 @@ from typing import Any
 from async_grpo.config.run_config import load_config
 from benchmarks.harness import REPO_ROOT, apply_smoke, setup_logging, summary_line
 from benchmarks.process_monitor import (
-    CLOCK_TICKS, counters_of, environ_rank, format_table, process_kind, process_label, read_proc, stat_fields,
+    CLOCK_TICKS, counters_of, environ_rank, format_table, process_kind, process_label, python_role, read_proc,
+    stat_fields,
 )
 
 # The smoke's command: half a CPU-second, filed under a test name of its own.
@@ -121,19 +122,7 @@ def _label(pid: int) -> str:
     if script:
         return f"benchmark script {script.group(1)}"
     label = process_label(cmdline, rank=environ_rank(pid)) if cmdline else ""
-    return _python_role(cmdline) if re.match(r"python[\d.]* \(under ", label) else label
-
-
-def _python_role(cmdline: str) -> str:
-    """A Python process no other label names, by what it runs: 'python -m <module>', 'python
-    <script>.py' or 'python -c <the code's start>' (a test's probe, multiprocessing's children)."""
-    words = cmdline.split()
-    for flag in ("-m", "-c"):
-        if flag in words[1:-1]:
-            rest = words[words.index(flag) + 1:]
-            return f"python {flag} {rest[0] if flag == '-m' else ' '.join(rest)[:40]}"
-    script = next((word for word in words[1:] if word.endswith(".py")), None)
-    return f"python {Path(script).name}" if script else "python (under ?)"
+    return python_role(cmdline) if re.match(r"python[\d.]* \(under ", label) else label
 
 
 def _test_of(pid: int) -> str:

@@ -20,7 +20,6 @@ from async_grpo.model.tiny_model import PRESETS, build_chat_tokenizer, build_mod
 from async_grpo.trainer.config import TrainerConfig
 from benchmarks import process_monitor as pm
 from benchmarks import realistic_parts as rr
-from benchmarks.suite_profile import _python_role
 
 
 def test_gsm8k_records_are_deterministic_well_formed_and_correct() -> None:
@@ -143,7 +142,7 @@ def test_process_labels(cmdline: str, kwargs: dict, label: str) -> None:
     ("/v/python", "python (under ?)"),
 ])
 def test_suite_profile_names_unlabelled_python_processes_by_what_they_run(cmdline: str, role: str) -> None:
-    assert _python_role(cmdline) == role
+    assert pm.python_role(cmdline) == role
 
 
 def test_weak_labels() -> None:

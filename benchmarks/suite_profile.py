@@ -172,7 +172,7 @@ def report(sampler: SuiteSampler, top: int, top_labels: int) -> dict[str, Any]:
     print(format_table(["kind", "CPU s"], [[k, f"{v:.0f}"] for k, v in sorted(by_kind.items(), key=lambda x: -x[1])]))
     labels = sorted(by_label.items(), key=lambda x: -x[1])[:top_labels]
     print(format_table(["CPU s", "processes", "role (kind)"],
-                       [[f"{cpu:.0f}", str(processes_of[label]), f"{label or '(command line not read)'} ({kind(label)})"]
+                       [[f"{cpu:.0f}", str(processes_of[label]), f"{label or '(not read)'} ({kind(label)})"]
                         for label, cpu in labels]))
     rows = [[f"{cpu:.0f}", str(starts[test]["engines"]), str(starts[test]["trainer launches"]),
              str(starts[test]["Ray heads"]), test] for test, cpu in sorted(by_test.items(), key=lambda x: -x[1])[:top]]
@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     sampler.poll()
     busy1, idle1 = machine_cpu_s()
     figures = {"wall_s": round(time.monotonic() - began), "machine_cpu_s": round(busy1 - busy0),
-               "idle_cpu_s": round(idle1 - idle0), **report(sampler, config.top, config.top_labels), "exit": command.returncode}
+               "idle_cpu_s": round(idle1 - idle0), **report(sampler, config.top, config.top_labels),
+               "exit": command.returncode}
     print(summary_line("suite_profile", figures))
     sys.exit(command.returncode)  # a failing suite fails its profile too
 

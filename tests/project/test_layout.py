@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -80,14 +81,15 @@ def project_imports(module: str) -> set[str]:
     return {name for name in imports_of(module) if name in MODULES}
 
 
-def closure(module: str) -> set[str]:
-    """`module` and every project module it imports, directly or through others."""
+def closure(module: str, imports: Callable[[str], set[str]] = project_imports) -> set[str]:
+    """`module` and every project module it imports (`imports`: at any depth of each file, by
+    default), directly or through others."""
     seen, todo = set(), [module]
     while todo:
         current = todo.pop()
         if current not in seen:
             seen.add(current)
-            todo.extend(project_imports(current))
+            todo.extend(imports(current))
     return seen
 
 
@@ -180,16 +182,9 @@ HEAVY_LIBRARIES = ("torch", "transformers", "vllm")
 
 @pytest.mark.parametrize("module", LIGHT_ENTRY_POINTS)
 def test_launchers_reach_no_torch_before_checking_their_flags(module):
-    seen, todo = set(), [module]
-    while todo:
-        current = todo.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        names = _import_time_names(current)
-        heavy = sorted(n for n in names if n.split(".")[0] in HEAVY_LIBRARIES)
-        assert not heavy, f"importing {module} imports {current}, which imports {heavy} at import time"
-        todo.extend(n for n in names if n in MODULES)
+    for reached in sorted(closure(module, lambda m: {n for n in _import_time_names(m) if n in MODULES})):
+        heavy = sorted(n for n in _import_time_names(reached) if n.split(".")[0] in HEAVY_LIBRARIES)
+        assert not heavy, f"importing {module} imports {reached}, which imports {heavy} at import time"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

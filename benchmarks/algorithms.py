@@ -27,8 +27,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from async_grpo.config.run_config import load_config
-from benchmarks.clusters import local_cluster
+from async_grpo.config.run_config import flattened, load_config
+from benchmarks.clusters import AttachConfig, local_cluster
 from benchmarks.harness import (
     DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, apply_smoke, demo_assets, demo_trainer_flags, fresh_run_dir,
     interrupt_on_sigterm, reward_at, run_engine, run_trainer, setup_logging, summary_line,
@@ -81,9 +81,8 @@ class AlgorithmsConfig:
     """The demo's model, prompts and evaluation table (written by scripts/prepare_demo.py if missing)."""
     out_dir: str = str(REPO_ROOT / "runs" / "algorithms")
     """Runs go to <out_dir>/<variant>-seed<seed>."""
-    attach: str = ""
-    """Ray address of a running local cluster to run on instead of starting one (benchmarks/clusters.py):
-    it must have this benchmark's workers (the demo model's generation and logprob workers); '' starts a cluster."""
+    cluster: AttachConfig = flattened(AttachConfig())
+    """`--attach` (benchmarks/clusters.py)."""
     smoke: bool = False
     """Smoke mode: the baseline, seed 0, 6 steps (SMOKE); checks that the command runs, its figures mean nothing."""
 
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster_config = LocalClusterConfig(model_path=str(assets.model), log_dir=str(out / "cluster-logs"),
                                         engine=run_engine(config.smoke, max_lora_rank=LORA_RANK if lora else 0))
     results = []
-    with local_cluster(cluster_config, config.attach) as cluster:
+    with local_cluster(cluster_config, config.cluster.attach) as cluster:
         for name in config.variants:
             for seed in config.seeds:
                 results.append(run_variant(cluster, assets, name, seed, config))

@@ -54,14 +54,14 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Literal
 
 from async_grpo.algo.advantages import group_advantages  # the batcher's default, grpo
-from async_grpo.config.run_config import load_config
+from async_grpo.config.run_config import flattened, load_config
 from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, worker_actor_name
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.routing.batch_calls import Bundle, serve_many
 from async_grpo.weights.weight_loading import assemble_state_dict
 from async_grpo.weights.weight_sync import WeightUpdate
-from benchmarks.clusters import local_cluster
+from benchmarks.clusters import AttachConfig, local_cluster
 from benchmarks.harness import (
     DEMO_CONFIG, DemoAssets, apply_smoke, demo_assets, run_engine, run_trainer, setup_logging, summary_line,
 )
@@ -121,10 +121,9 @@ class AsyncOverlapConfig:
     """Steps of the simulated mode's calibration run (max_lag=0, tiny G; only when sim_latency_s is None)."""
     trainer_timeout_s: float = 600.0
     """Kill a trainer run that takes longer than this."""
-    attach: str = ""
-    """Ray address of a running local cluster for the real mode's runs instead of starting one
-    (benchmarks/clusters.py): it must have the demo model's generation and logprob workers; '' starts
-    a cluster. The simulated mode always starts its own (its engine is the only generation worker)."""
+    cluster: AttachConfig = flattened(AttachConfig())
+    """`--attach` (benchmarks/clusters.py), for the real mode's runs: the simulated mode always starts its
+    own cluster (its engine is the only generation worker)."""
     smoke: bool = False
     """Smoke mode: both modes, one round of 3-step runs of 2 prompts x 2 rollouts, a fixed simulated G (no
     calibration run), the real engine uncompiled (SMOKE); checks that the command runs, its figures mean nothing."""
@@ -416,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     summary: dict[str, str] = {}
     load_before = _load_average()
     if "real" in args.modes:
-        real = run_real(assets, work, args.bench(args.max_tokens), args.smoke, args.attach)
+        real = run_real(assets, work, args.bench(args.max_tokens), args.smoke, args.cluster.attach)
         describe("real", real)
         print("real: vLLM generation, the logprob worker and both trainer ranks share "
               f"{os.cpu_count()} cores, so overlap can only fill time when the cores would otherwise idle")

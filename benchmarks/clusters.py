@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from async_grpo.launch.local_processes import environ, make_run_temp_dir
 from async_grpo.launch.ray_cluster import join_cluster
@@ -23,6 +24,17 @@ from async_grpo.launch.ray_env import RAY_NAMESPACE, registry_name
 from local_cluster import LocalCluster, LocalClusterConfig
 
 ATTACH_TIMEOUT_S = 30.0  # joining a running head on this machine takes ~1 s
+
+
+@dataclass(kw_only=True, frozen=True)
+class AttachConfig:
+    """`--attach`, the flag of every benchmark that can run on a running cluster (embedded with
+    run_config.flattened)."""
+
+    attach: str = ""
+    """Ray address of a running local cluster to run on instead of starting one: it must have the
+    workers this benchmark's own cluster would start (checked before any trainer starts); '' starts
+    a cluster."""
 
 
 def missing_workers(wanted: dict[str, int]) -> list[str]:

@@ -30,8 +30,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from async_grpo.config.run_config import load_config
-from benchmarks.clusters import local_cluster
+from async_grpo.config.run_config import flattened, load_config
+from benchmarks.clusters import AttachConfig, local_cluster
 from benchmarks.harness import (
     DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, apply_smoke, demo_assets, demo_trainer_flags, fresh_run_dir,
     interrupt_on_sigterm, run_engine, run_trainer, setup_logging, summary_line,
@@ -58,9 +58,8 @@ class DataPathBenchConfig:
     """The demo's model, prompts and evaluation table (made by scripts/prepare_demo.py if missing)."""
     out_dir: str = str(REPO_ROOT / "runs" / "data-path")
     """Runs go to <out_dir>/<path>-<repeat>."""
-    attach: str = ""
-    """Ray address of a running local cluster to run on instead of starting one (benchmarks/clusters.py):
-    it must have this benchmark's workers (the demo model's generation and logprob workers); '' starts a cluster."""
+    cluster: AttachConfig = flattened(AttachConfig())
+    """`--attach` (benchmarks/clusters.py)."""
     smoke: bool = False
     """Smoke mode: 2 steps, 1 repeat (SMOKE); checks that the command runs, its figures mean nothing."""
 
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     records: dict[str, list[dict]] = {path: [] for path in PATHS}
     cluster_config = LocalClusterConfig(model_path=str(assets.model), log_dir=str(out / "cluster-logs"),
                                         engine=run_engine(config.smoke))
-    with local_cluster(cluster_config, config.attach) as cluster:
+    with local_cluster(cluster_config, config.cluster.attach) as cluster:
         for repeat in range(config.repeats):
             for path in PATHS:
                 records[path].extend(run_one(cluster, assets, path, repeat, config))

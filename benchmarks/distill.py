@@ -36,8 +36,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from async_grpo.config.run_config import load_config
-from benchmarks.clusters import local_cluster
+from async_grpo.config.run_config import flattened, load_config
+from benchmarks.clusters import AttachConfig, local_cluster
 from benchmarks.harness import (
     DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, demo_assets, demo_trainer_flags, fresh_run_dir, interrupt_on_sigterm,
     reward_at, run_engine, run_trainer, setup_logging, summary_line,
@@ -72,9 +72,8 @@ class DistillBenchConfig:
     """The demo's starting model, prompts and evaluation table."""
     out_dir: str = str(REPO_ROOT / "runs" / "distill")
     """Runs go to <out_dir>/<variant>-seed<seed>."""
-    attach: str = ""
-    """Ray address of a running local cluster to run on instead of starting one (benchmarks/clusters.py):
-    it must have this benchmark's workers (the demo model's generation and logprob workers and a teacher worker); '' starts a cluster."""
+    cluster: AttachConfig = flattened(AttachConfig())
+    """`--attach` (benchmarks/clusters.py)."""
     smoke: bool = False
     """Smoke mode: the distill variant, seed 0, 2 steps, the demo's starting model as the teacher (SMOKE); checks
     that the command runs, its figures mean nothing."""
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                                         teacher_model_path=config.teacher_path, teacher_workers=1,
                                         engine=run_engine(config.smoke))
     results: list[dict] = []
-    with local_cluster(cluster_config, config.attach) as cluster:
+    with local_cluster(cluster_config, config.cluster.attach) as cluster:
         teacher = teacher_accuracy(cluster, assets, config) if config.teacher_eval else None
         logger.info("teacher greedy accuracy: %s", teacher)
         for seed in config.seeds:

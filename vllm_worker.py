@@ -23,7 +23,8 @@ running on them):
 - endpoint_host.EndpointHost: the loopback OpenAI-compatible endpoint over the engine.
 
 The dispatcher starts it as a Ray actor (the engine-core process must be able to import
-weight_transfer_engine.py, so the actor's runtime env carries the repository on PYTHONPATH):
+weight_transfer_engine.py, so the actor's runtime env carries the repository on PYTHONPATH). On
+CPU an eager engine's core process is a fork of the actor (engine_process.py, build_engine):
 
     worker = GenerationWorkerActor.options(name="generation-worker-0").remote(
         "generation-worker-0", GenerationWorkerConfig(model_path="runs/tiny-qwen2"))
@@ -59,6 +60,7 @@ from async_grpo.inference.engine_diagnostics import StderrTail, root_cause_line
 from async_grpo.inference.engine_dtype import (
     cpu_flags, cpu_half_precision_failure, dtype_choice_line, resolve_engine_dtype,
 )
+from async_grpo.inference.engine_process import engine_process_env, forked_engine_core, forks_engine_core
 from async_grpo.inference.engine_requests import canary_tokens, completed_sample, sampling_params
 from async_grpo.inference.failed_samples import FailedSampleLog
 from async_grpo.inference.generation_stats import GenerationStats
@@ -192,17 +194,6 @@ def _prepared_engine_args(config: GenerationWorkerConfig, worker_name: str) -> t
     return engine_kwargs, in_process
 
 
-def engine_process_env(engine: EngineConfig) -> dict[str, str]:
-    """Environment the engine-core process starts with (it inherits this process's). An eager
-    engine compiles nothing: vLLM 0.32 compiles two sampler helpers with inductor even under
-    enforce_eager (v1/sample/ops: batched_count_greater_than for the sampled tokens' ranks, and
-    compiled_random_sample), and inductor's C++ builds on the first sampled batch of every new
-    engine-core process took 17.5 s against 0.15 s with dynamo off (2 cores, the demo model, a
-    fresh temp folder as each local cluster has; 9.8 s with the launcher's shared inductor cache).
-    Those helpers then run as plain torch ops; a compiled engine keeps them compiled."""
-    return {"TORCHDYNAMO_DISABLE": "1"} if engine.enforce_eager else {}
-
-
 def _cpu_dtype_failure(dtype: str) -> str | None:
     """The one line for an engine that died serving a half dtype on CPU (engine_dtype.py)."""
     return cpu_half_precision_failure(dtype, _on_cpu_platform(), cpu_flags())
@@ -214,6 +205,40 @@ def _start_failure(exc: Exception, stderr: StderrTail, dtype: str) -> str:
     sys.stderr.flush()
     cause = root_cause_line(stderr.read())
     return _cpu_dtype_failure(dtype) or f"{type(exc).__name__}: {exc}" + (f" (root cause: {cause})" if cause else "")
+
+
+class EngineStartError(RuntimeError):
+    """The engine did not start; the message is the one-line reason (_start_failure)."""
+
+
+def build_engine(config: GenerationWorkerConfig, worker_name: str, *, no_openmp_yet: bool) -> tuple[AsyncLLM, str]:
+    """The worker's started engine, and how its engine-core process started: 'fork' or 'spawn'.
+
+    no_openmp_yet: this process has run no OpenMP parallel region (no tensor work yet), so the
+    engine core may be a fork of it (EngineConfig.fork_engine_core, inference/engine_process.py)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine_kwargs, in_process = _prepared_engine_args(config, worker_name)
+    fork = forks_engine_core(enabled=config.engine.fork_engine_core, on_cpu=_on_cpu_platform(),
+                             enforce_eager=config.engine.enforce_eager, no_openmp_yet=no_openmp_yet)
+    began = time.perf_counter()
+    stderr = StderrTail()
+    try:
+        with environ(engine_process_env(config.engine)), forked_engine_core(fork) as forks:
+            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs))
+    except Exception as exc:
+        raise EngineStartError(_start_failure(exc, stderr, engine_kwargs["dtype"])) from exc
+    way = "fork" if forks is not None and forks.processes_made else "spawn"
+    logger.info("%s: engine for %s started in %.1f s (%s executor, engine core by %s)", worker_name,
+                config.model_path, time.perf_counter() - began, "in-process" if in_process else "default", way)
+    try:
+        return engine, way
+    finally:
+        # vLLM's first import in a process, made from this frame, leaves frames of the import
+        # machinery alive whose callers include this frame: its locals must not keep the engine
+        # alive after shutdown() (it would then be shut down again at interpreter exit).
+        del engine
 
 
 _ENGINE_DEAD = "engine dead"
@@ -246,6 +271,8 @@ class GenerationWorker:
         self._request_counter = 0
         self._update_lock = asyncio.Lock()
         self._start_error = ""
+        self.engine_core_start = ""
+        """How its engine-core process started: 'fork' or 'spawn' (engine_process.py); '' before start()."""
         self.life = WorkerLifecycle(worker_name)
         self.served = ServedWeights(self._remove_adapter)
         """The version and adapter the engine serves, and the requests running on them."""
@@ -273,27 +300,17 @@ class GenerationWorker:
         """Version of the weights the engine serves (-1: the initial checkpoint)."""
         return self.served.version
 
-    async def start(self) -> None:
-        """Build the engine (tens of seconds: the engine-core process loads and warms the model)."""
+    async def start(self, *, no_openmp_yet: bool = False) -> None:
+        """Build the engine (tens of seconds: the engine-core process loads and warms the model).
+        no_openmp_yet: see build_engine (the worker's Ray actor passes True)."""
         if self._engine is not None:
             return
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        engine_kwargs, in_process = _prepared_engine_args(self.config, self.worker_name)
-        args = AsyncEngineArgs(**engine_kwargs)
-        began = time.perf_counter()
-        stderr = StderrTail()
         try:
-            with environ(engine_process_env(self.config.engine)):  # the engine core spawns inside
-                self._engine = AsyncLLM.from_engine_args(args)
-        except Exception as exc:
-            self._start_error = _start_failure(exc, stderr, engine_kwargs["dtype"])
-            raise self.life.fail(f"engine did not start: {self._start_error}") from exc
-        logger.info(
-            "%s: engine for %s started in %.1f s (%s executor)", self.worker_name, self.config.model_path,
-            time.perf_counter() - began, "in-process" if in_process else "default",
-        )
+            self._engine, self.engine_core_start = build_engine(self.config, self.worker_name,
+                                                                no_openmp_yet=no_openmp_yet)
+        except EngineStartError as exc:
+            self._start_error = str(exc)
+            raise self.life.fail(f"engine did not start: {exc}") from exc.__cause__
         await self.reloader.init_engine(self._engine)
         await self._self_check()
         await self.endpoint_host.start()
@@ -500,6 +517,8 @@ class GenerationWorker:
             self.life.fail("vLLM engine died (engine-core process gone)")
         note = ", ".join(f"{k}={int(v)}" for k, v in {**self.stats.as_metrics(), **self.multi_turn.metrics(),
                                                      **self.verifiers.metrics()}.items())
+        if self.engine_core_start:
+            note += f", engine_core={self.engine_core_start}"
         if self.endpoint_host.endpoint is not None:
             note += f", endpoint={self.endpoint_host.url()}"
         return WorkerHealth.of(
@@ -534,7 +553,8 @@ class GenerationWorkerActor:
         self._worker = GenerationWorker(worker_name, config, files_owner=shared_memory_owner(worker_name))
 
     async def start(self) -> None:
-        await self._worker.start()
+        # The actor's process has done no tensor work before its engine starts: a fork is safe.
+        await self._worker.start(no_openmp_yet=True)
 
     async def mark_ready(self) -> None:
         self._worker.mark_ready()

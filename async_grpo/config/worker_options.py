@@ -102,7 +102,7 @@ class EngineConfig:
     engine' step, 2 cores: 8.7 s compiled on the demo's tiny model, 0.04-0.2 s eager on the
     tests' tiny model). Eager also turns torch.compile off in the engine-core process, whose
     sampler would otherwise build two inductor kernels on its first sampled batch
-    (vllm_worker.engine_process_env: 10-17 s of g++ per engine)."""
+    (inference/engine_process.engine_process_env: 10-17 s of g++ per engine)."""
     dtype: str = "auto"
     """Dtype the engine serves the model in. 'auto': float32 on a CPU engine (what the CPU trainer
     computes in; vLLM's own 'auto' would pick bf16, which crashes vLLM 0.32's CPU build on AMX
@@ -120,6 +120,13 @@ class EngineConfig:
     demo step, 1.45 CPU-seconds against 0.26 in process, at the same latency (measured on the
     2-core machine), CPU that the trainer ranks sharing the machine then lack. No effect on GPUs,
     where vLLM already runs a single-GPU engine in process."""
+    fork_engine_core: bool = True
+    """On vLLM's CPU backend with enforce_eager, start the engine-core process as a fork of the
+    worker's Ray actor, which has imported torch and vLLM already, instead of vLLM's spawn, whose
+    fresh interpreter imports them again (benchmarks/engine_start.py, 2-core machine: a worker's
+    start 15.7-16.4 s and 15.8-16.5 CPU-s spawned, 9.3-10.0 s and CPU-s forked; its generation
+    steps alike). A compiled engine, a GPU engine and an engine built outside the worker's actor
+    always spawn (inference/engine_process.py says why). false: vLLM's spawn everywhere."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Which distribution `sampling_logprobs` come from: the model's raw softmax (what the
     trainer's logprob pass computes) or the one after temperature/top-p (the true sampler)."""

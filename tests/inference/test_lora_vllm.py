@@ -149,7 +149,7 @@ async def _scenario(model_dir: Path, root: Path) -> dict:
     engine_pids = _engine_pids(children_before)
     worker.mark_ready()  # as the registry does once the worker holds the latest weights
     engine = worker._require_engine()
-    got: dict = {}
+    got: dict = {"engine_core_start": worker.engine_core_start}
     try:
         got["base"] = [(await _greedy(worker, p)).output_token_ids for p in PROMPTS]
 
@@ -328,6 +328,14 @@ def test_memory_flat_over_150_pushes(scenario: dict) -> None:
     assert len(scenario["loras_at_end"]) == 1, "replaced adapters must be removed from the engine"
     assert scenario["stats"]["generation/adapters_removed"] >= MEMORY_PUSHES
     assert scenario["leftover_dirs"] == [], "pushed adapters' shared-memory folders must be deleted"
+
+
+@pytest.mark.vllm
+def test_a_worker_outside_its_actor_spawns_its_engine_core(scenario: dict) -> None:
+    """A worker started outside its Ray actor (here in the test process, which may have run
+    torch's OpenMP already) is not told that its process has run none, so it keeps vLLM's spawn
+    (inference/engine_process.py)."""
+    assert scenario["engine_core_start"] == "spawn"
 
 
 def test_lora_files_update_parts_name_the_folder(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from async_grpo.config.worker_options import EngineConfig, VerificationConfig
+from async_grpo.inference.engine_process import engine_process_env
 from async_grpo.inference.failed_samples import FailedSampleLog
 from async_grpo.inference.served_adapters import AdapterBook
 from async_grpo.inference.weight_files import reload_buckets
@@ -41,7 +42,7 @@ from support.generation_worker import (
     engine_core_processes, expected_reward, perturbed_copy, worker_config, write_answering_model,
 )
 from support.reference_logprobs import reference_logprobs
-from vllm_worker import GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig, engine_process_env
+from vllm_worker import GenerationWorker, GenerationWorkerActor, GenerationWorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -494,7 +495,8 @@ def test_weight_update_with_tied_embeddings(ray_local, tiny_tied_model_dir, tmp_
 def _generation_counters(ray, actor) -> dict[str, int]:
     """The worker's GenerationStats, read from its health detail ('generation/<name>=<count>, ...')."""
     detail = ray.get(actor.health.remote()).detail
-    return {key: int(value) for key, value in (item.split("=") for item in detail.split(", "))}
+    items = (item.split("=") for item in detail.split(", "))
+    return {key: int(value) for key, value in items if "/" in key}  # not endpoint= or engine_core=
 
 
 def _without_eos(rollout: Sample, eos: int) -> list[int]:
@@ -508,12 +510,21 @@ def test_only_an_eager_engine_starts_its_core_without_torch_compile() -> None:
 
 
 @pytest.mark.vllm
-def test_an_eager_engines_core_process_has_torch_compile_off(ray_local, generation_actor) -> None:
-    """enforce_eager (the tests' engines) reaches the engine-core process as TORCHDYNAMO_DISABLE,
-    so its sampler does not build inductor kernels on the first batch; the actor's own
-    environment is left as it was."""
-    for core in engine_core_processes(generation_actor):
-        assert core.environ().get("TORCHDYNAMO_DISABLE") == "1", core.pid
+def test_the_actor_forks_its_eager_engines_core_which_then_samples(ray_local, generation_actor,
+                                                                   answering_model_dir) -> None:
+    """The worker actor forks its eager engine's core (inference/engine_process.py) instead of vLLM's
+    spawn: the core is the actor's child, titled as vLLM titles it, and serves a sampled batch
+    with logprobs (the path whose sampler helpers torch.compile would build kernels for; the
+    fork has compile off: tests/inference/test_engine_process.py). The actor's own environment is
+    left without TORCHDYNAMO_DISABLE."""
+    assert "engine_core=fork" in ray_local.get(generation_actor.health.remote()).detail
+    actor_pid = ray_local.get(generation_actor.__ray_call__.remote(lambda _actor: os.getpid()))
+    (core,) = engine_core_processes(generation_actor)
+    assert core.ppid() == actor_pid and core.cmdline()[0].strip() == "VLLM::EngineCore"
+    tokenizer = load_tokenizer(answering_model_dir)
+    sampled = ray_local.get(generation_actor.generate.remote(
+        _build_sample("What is 3 + 4? ", "7", 0, tokenizer), SamplingConfig(n=4, max_tokens=4, temperature=1.0)))
+    assert len(sampled) == 4 and all(len(s.sampling_logprobs) == len(s.output_token_ids) > 0 for s in sampled)
     actor_value = ray_local.get(generation_actor.__ray_call__.remote(
         lambda _actor: os.environ.get("TORCHDYNAMO_DISABLE")))
     assert actor_value is None

@@ -4,11 +4,13 @@ nccl / nccl_m2n / ipc).
 The trainer drives these transfers (weight_transfer_trainer.EngineWeightSender) by calling the
 worker actor's transfer_describe / transfer_init / transfer_start / transfer_update /
 transfer_finish; `TransferPassThrough` passes each call on to the engine through
-weight_transfer_engine.EngineTransferReceiver, around the worker's own bookkeeping: new requests
-wait from start to finish, finish switches the served version, and a failure inside a session
-(the engine then holds a mix of versions) fails the worker.
+`EngineTransferReceiver`, the engine's end, in order: init (join the trainer's group), then per
+push start (pause, vLLM's start_weight_update), update (receive; concurrent with the trainer's
+broadcast), finish (label the version, resume); around them the worker's own bookkeeping: new
+requests wait from start to finish, finish switches the served version, and a failure inside a
+session (the engine then holds a mix of versions) fails the worker.
 
-Worker side: the receiver (and with it vLLM) is imported on first use, not at import.
+vLLM is imported on first use, not at import (the tests of the order import this module without it).
 """
 
 from __future__ import annotations
@@ -24,9 +26,86 @@ from async_grpo.routing.worker_lifecycle import WorkerLifecycle
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from async_grpo.inference.weight_transfer_engine import EngineTransferReceiver
-
 logger = logging.getLogger(__name__)
+
+
+class TransferOrderError(RuntimeError):
+    """A weight-transfer call arrived out of order (e.g. update outside a start/finish session)."""
+
+
+class EngineTransferReceiver:
+    """The generation worker's end of one of vLLM's CUDA weight transfers: the trainer's calls
+    (weight_transfer_trainer.EngineWorkersClient) passed through to the worker's AsyncLLM.
+
+    Order: `init` once per transfer group (again when the trainer rebuilds its group: the old
+    one is shut down first), then per push `start`, one or more `update`, `finish`. A call out
+    of that order raises TransferOrderError before reaching vLLM. Scheduling is paused from
+    `start` to `finish` (caches cleared: KV computed with the old weights must not be reused),
+    so no step runs on a mix of two versions' layers. A session that fails part-way leaves the
+    engine with a mix of versions: the worker must then fail (and be replaced), never resume.
+    """
+
+    def __init__(self, engine: Any, backend: str, pause_mode: str) -> None:
+        """engine: the worker's AsyncLLM; backend: its EngineConfig.weight_transfer (one of vLLM's
+        CUDA engines, which vLLM knows by the same names); pause_mode: vLLM's pause_generation
+        mode (GenerationWorkerConfig.weight_update_pause_mode)."""
+        self._engine = engine
+        self.backend = backend
+        self._pause_mode = pause_mode
+        self._joined = False
+        self.in_session = False
+        """True from `start` until `finish` returns (the engine is paused meanwhile)."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the trainer plans a group with: this engine's backend and how many ranks it puts
+        into the group (tensor x pipeline parallel)."""
+        return {"backend": self.backend, "ranks": int(self._engine.vllm_config.parallel_config.world_size)}
+
+    async def init(self, backend: str, init_info: dict[str, Any]) -> None:
+        """Join the trainer's transfer group (init_info is vLLM's worker-side init info, with this
+        engine's own rank_offset); ValueError when the trainer sends by another backend."""
+        if backend != self.backend:
+            raise ValueError(f"the trainer sends weights by {backend!r}, but this engine was started with "
+                             f"EngineConfig.weight_transfer backend {self.backend!r}: set both to the same value")
+        if self.in_session:
+            raise TransferOrderError("init during a weight update: the previous update never finished")
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        if self._joined:  # the trainer rebuilt its group (a worker joined or left): leave the old one
+            await self._engine.shutdown_weight_transfer_engine()
+            self._joined = False
+        await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        self._joined = True
+
+    async def start(self) -> None:
+        """Pause scheduling and open a weight update (vLLM's start_weight_update)."""
+        if not self._joined:
+            raise TransferOrderError("start before init: this engine has joined no transfer group")
+        if self.in_session:
+            raise TransferOrderError("start during a weight update: the previous update never finished")
+        await self._engine.pause_generation(mode=self._pause_mode, clear_cache=True)
+        self.in_session = True
+        await self._engine.start_weight_update()
+
+    async def update(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Receive one chunk of the update (vLLM's update_weights; NCCL blocks until the
+        trainer's broadcast of it is done)."""
+        if not self.in_session:
+            raise TransferOrderError("update outside a weight update: start was not called")
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self._engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish(self, version: int, on_finished: Callable[[], None] | None = None) -> None:
+        """Finish the update, label the engine's weights `version`, call `on_finished` (scheduling
+        still paused: the worker switches its version labels there) and resume scheduling."""
+        if not self.in_session:
+            raise TransferOrderError("finish outside a weight update: start was not called")
+        await self._engine.finish_weight_update(str(version))
+        self.in_session = False
+        if on_finished is not None:
+            on_finished()
+        await self._engine.resume_generation()
 
 
 class TransferPassThrough:
@@ -53,8 +132,6 @@ class TransferPassThrough:
             raise ValueError(f"{self.worker_name}: this engine takes full weights from the object store "
                              "(EngineConfig.weight_transfer 'object_store'), not from the trainer's GPUs")
         if self._receiver is None:
-            from async_grpo.inference.weight_transfer_engine import EngineTransferReceiver
-
             self._receiver = EngineTransferReceiver(self._engine(), self._backend, self._pause_mode)
         return self._receiver
 

@@ -1,14 +1,15 @@
 """A recording stand-in of vLLM's AsyncLLM for the weight-transfer tests: its weight-transfer and
 pause calls, recorded in order with their arguments, and the init and update payloads the tests send
-(tests/inference/test_weight_transfer_engine.py, the worker's end;
+(tests/inference/test_transfer_pass_through.py, the worker's end;
 tests/trainer/test_weight_sync_transfer.py, the trainer's end against engines that record)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+if TYPE_CHECKING:  # the tests' collection imports no vLLM
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
 
 class RecordingEngine:

@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-import vllm.distributed.weight_transfer.nccl_engine as vllm_nccl
 
-from async_grpo.inference.weight_transfer_engine import EngineTransferReceiver
+from async_grpo.inference.transfer_pass_through import EngineTransferReceiver
 from async_grpo.trainer.weight_pusher import WeightPusher
 from async_grpo.trainer.weight_transfer_sources import HFWeightSource, WireMeta, send_plan
 from async_grpo.trainer.weight_transfer_trainer import (
@@ -198,6 +197,8 @@ class StubWire:
         self.opened: list[dict] = []
         self.sent: list[list[tuple[str, torch.Tensor]]] = []
         self.destroyed = 0
+        import vllm.distributed.weight_transfer.nccl_engine as vllm_nccl  # here: collection imports no vLLM
+
         monkeypatch.setattr(vllm_nccl, "open_trainer_endpoint", self._open)
         monkeypatch.setattr(vllm_nccl, "packed_nccl_broadcast_producer", self._produce)
 

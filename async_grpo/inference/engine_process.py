@@ -31,7 +31,6 @@ engine-core code unchanged.
 from __future__ import annotations
 
 import contextlib
-import logging
 import multiprocessing
 import os
 import stat
@@ -39,8 +38,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from async_grpo.config.worker_options import EngineConfig
-
-logger = logging.getLogger(__name__)
 
 _LAUNCHER_MODULE = "vllm.v1.engine.utils"
 

@@ -14,13 +14,16 @@ the demo's tiny model in an eager float32 engine, as the dispatcher starts it:
   by then (/proc);
 - steps: `--steps` demo-shaped generation steps after one warm-up (`--prompts` prompts x `--n`
   rollouts of up to `--max_tokens` tokens, scored by the pool), seconds and engine-core CPU
-  seconds per step: a forked engine core must generate as fast as a spawned one.
+  seconds per step: a forked engine core must generate as fast as a spawned one;
+- seeded rollouts: one seeded request (SEEDED: 8 rollouts of up to 16 tokens), whose tokens and
+  sampling logprobs must be the same from every worker, forked or spawned.
 
 Each worker's health note must name the way it started (engine_core=spawn / engine_core=fork);
 the script stops with an error otherwise. The LAST line is `engine_start: ` and key=value pairs:
 `start_speedup=` (median spawned start / median forked start), `start_cpu_ratio=` (the same
 for CPU seconds), `spawn_start_s=`, `fork_start_s=`, `spawn_start_cpu_s=`, `fork_start_cpu_s=`,
-`spawn_step_s=`, `fork_step_s=`, `spawn_step_cpu_s=`, `fork_step_cpu_s=` (medians) and `rounds=`.
+`spawn_step_s=`, `fork_step_s=`, `spawn_step_cpu_s=`, `fork_step_cpu_s=` (medians),
+`seeded_rollouts_equal=` (true when every worker's seeded rollouts are identical) and `rounds=`.
 Every run's figures are printed above it.
 """
 
@@ -38,6 +41,8 @@ from benchmarks.harness import DEFAULT_DEMO_ASSETS, apply_smoke, demo_assets, se
 WAYS = ("spawn", "fork")
 NAMESPACE = "benchmark-engine-start"
 KV_CACHE_BYTES = 128 << 20  # prompts x n sequences of a few dozen tokens
+SEEDED = {"n": 8, "max_tokens": 16, "temperature": 1.0, "seed": 1234}
+"""The seeded request every worker answers (SamplingConfig fields)."""
 SMOKE = {"rounds": 1, "steps": 1, "prompts": 2, "n": 2}
 """Sizes of the smoke mode."""
 
@@ -117,6 +122,7 @@ def _one_worker(way: str, model_dir: str, prompts: list[Any], args: EngineStartC
             if step:
                 step_s.append(time.perf_counter() - step_began)
                 step_cpu_s.append(_family_cpu_s(pid)["engine_core"] - cpu_before)
+        seeded = ray.get(worker.generate.remote(prompts[0], SamplingConfig(**SEEDED)))
     finally:
         ray.get(worker.shutdown.remote())
         ray.kill(worker)
@@ -124,6 +130,7 @@ def _one_worker(way: str, model_dir: str, prompts: list[Any], args: EngineStartC
                "engine_core_start_cpu_s": start_cpu["engine_core"], "step_s": statistics.median(step_s),
                "step_cpu_s": statistics.median(step_cpu_s)}
     print(f"{way}: " + " ".join(f"{key}={value:.2f}" for key, value in figures.items()), flush=True)
+    figures["seeded"] = [(s.output_token_ids, s.sampling_logprobs) for s in seeded]
     return figures
 
 
@@ -160,6 +167,8 @@ def run(args: EngineStartConfig) -> dict[str, Any]:
     for way in WAYS:
         for key in ("start_s", "start_cpu_s", "step_s", "step_cpu_s"):
             figures[f"{way}_{key}"] = round(median(way, key), 3)
+    seeded = [run["seeded"] for way in WAYS for run in runs[way]]
+    figures["seeded_rollouts_equal"] = str(all(other == seeded[0] for other in seeded)).lower()
     figures["rounds"] = args.rounds
     return figures
 

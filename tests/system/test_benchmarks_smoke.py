@@ -73,7 +73,7 @@ SMOKES = (
           ("wall_s", "machine_cpu_s", "attributed_cpu_s", "engine_starts", "trainer_launches", "ray_heads")),
     Smoke("generation_executor", (), "", ("cpu_ratio",), ("vllm",)),
     Smoke("engine_start", ("--assets_dir", ASSETS), "engine_start",
-          ("start_speedup", "start_cpu_ratio", "spawn_step_s", "fork_step_s"), ("vllm",)),
+          ("start_speedup", "start_cpu_ratio", "spawn_step_s", "fork_step_s", "seeded_rollouts_equal"), ("vllm",)),
     Smoke("lora_push_memory", ("--out", f"{WORK}/lora_push_memory.json"), "lora_push_memory",
           ("tree_slope_kib", "adapter_kib", "ratio"),
           ("vllm",)),

@@ -92,6 +92,8 @@ run_tiers() {
 }
 
 results=$(mktemp -d)
+# One build of the demo's assets for every tier's pytest process (tests/conftest.py, demo_assets).
+export GRPO_TEST_SHARED_ASSETS="$results/assets"
 trap 'rm -rf "$results"' EXIT
 started=$SECONDS
 if [[ "${1:-}" == "--fast" ]]; then

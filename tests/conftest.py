@@ -27,6 +27,7 @@ marker it needs, so a slow test cannot slip into the fast tier unseen.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -121,13 +122,41 @@ def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-tied"), TinyModelConfig(tie_word_embeddings=True))
 
 
+# Set by scripts/test.sh to a folder of its own run: the tiers' pytest processes (both lanes) then
+# share one build of the demo's assets (~22 CPU-s each on 2 cores) instead of one each.
+SHARED_ASSETS_ENV = "GRPO_TEST_SHARED_ASSETS"
+
+
+def _prepare_demo(out: Path) -> None:
+    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "prepare_demo.py"), "--out_dir", str(out),
+                    "--num_prompts", "500"], check=True, cwd=REPO_ROOT, timeout=900)
+
+
+def _shared_demo_assets(root: Path) -> Path:
+    """root/demo, built by the first process that asks (the others wait on the lock); a build that
+    did not finish leaves no `complete` mark and is made again."""
+    import fcntl
+
+    out = root / "demo"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "demo.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "complete").is_file():
+            _prepare_demo(out)
+            (out / "complete").touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo's starting model (its format warm-up only) and arithmetic prompts, made once per
-    session by scripts/prepare_demo.py and shared by the end-to-end modules."""
+    session by scripts/prepare_demo.py (once per suite run under scripts/test.sh) and shared by the
+    end-to-end modules. Tests read them and never write there."""
+    shared = os.environ.get(SHARED_ASSETS_ENV)
+    if shared:
+        return _shared_demo_assets(Path(shared))
     out = tmp_path_factory.mktemp("demo-assets")
-    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "prepare_demo.py"), "--out_dir", str(out),
-                    "--num_prompts", "500"], check=True, cwd=REPO_ROOT, timeout=900)
+    _prepare_demo(out)
     return out
 
 

@@ -6,7 +6,6 @@ KV-cache default of a CPU node.
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 
 import ray
 
@@ -29,18 +28,9 @@ def cpu_kv_cache_bytes(available_bytes: int) -> int:
     return max(CPU_KV_CACHE_MIN_BYTES, min(share, CPU_KV_CACHE_MAX_BYTES))
 
 
-# Device files of the GPU drivers torch.cuda can run on: NVIDIA's (Linux; /dev/dxg under WSL 2)
-# and AMD's ROCm (torch.cuda is HIP there). With none of them present no GPU is usable, which a
-# dispatcher on a CPU node learns without importing torch (~1.2 CPU-s of its ~2.5 on 2 cores).
-GPU_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/dxg", "/dev/kfd")
-
-
-def node_runs_cuda(driver_files: tuple[str, ...] = GPU_DRIVER_FILES) -> bool:
+def node_runs_cuda() -> bool:
     """Whether workers on this node compute on CUDA GPUs. Ray's GPU resource alone does not say
-    so: `ray start --num-gpus=N` advertises GPUs on a machine without any (Ray's fake GPUs).
-    torch decides once a GPU driver is present; without one the answer is no."""
-    if not any(Path(name).exists() for name in driver_files):
-        return False
+    so: `ray start --num-gpus=N` advertises GPUs on a machine without any (Ray's fake GPUs)."""
     import torch
 
     return torch.cuda.is_available()

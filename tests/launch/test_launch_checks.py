@@ -12,7 +12,7 @@ import pytest
 from async_grpo.config.versions import Requirement, VersionError, check_versions
 from async_grpo.inference.engine_diagnostics import root_cause_line
 from async_grpo.inference.weight_reload import UninformativeReloadWarnings
-from async_grpo.launch.node_resources import cpu_kv_cache_bytes, gpus_per_worker, node_runs_cuda
+from async_grpo.launch.node_resources import cpu_kv_cache_bytes, gpus_per_worker
 from async_grpo.launch.placement import GiB, ModelShape, PlacementError, RunShape, plan_placement
 from async_grpo.trainer.fsdp_setup import check_trainer_gpus, host_gpu_count
 
@@ -80,21 +80,6 @@ def test_gpus_per_worker() -> None:
         gpus_per_worker("generation", 4, node_gpus=2)
     assert gpus_per_worker("generation", 1, node_gpus=1, requested=0.5) == 0.5  # shares GPU 0
     assert gpus_per_worker("logprob", 1, node_gpus=0, requested=0.5) == 0  # a CPU node takes none
-
-
-def test_a_node_without_gpu_driver_files_runs_no_cuda_and_never_imports_torch(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
-
-    asked = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(True) or True)
-    absent = (str(tmp_path / "nvidiactl"), str(tmp_path / "kfd"))
-    assert node_runs_cuda(absent) is False and not asked
-    (tmp_path / "kfd").touch()  # a driver present: torch decides (here: yes)
-    assert node_runs_cuda(absent) is True and asked
-    # This machine: the probe agrees with torch itself.
-    monkeypatch.undo()
-    assert node_runs_cuda() is torch.cuda.is_available()
 
 
 def test_cpu_kv_cache_default_is_an_eighth_of_free_memory_within_bounds() -> None:

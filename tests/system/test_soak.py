@@ -78,11 +78,13 @@ def test_trainer_args_keep_the_demo_config_and_turn_off_checkpoints_and_eval(tmp
 
 @pytest.mark.vllm
 @pytest.mark.distributed
-def test_quick_soak_reports_both_snapshots_per_process(tmp_path: Path) -> None:
+def test_quick_soak_reports_both_snapshots_per_process(demo_assets: Path, tmp_path: Path) -> None:
     result = subprocess.run(
         # --smoke true: 12 steps, snapshots at 4 and 12, 500 prompts, every process read every 2 s and
-        # at every 4th record (soak_parts.SMOKE).
+        # at every 4th record (soak_parts.SMOKE). The session's demo assets are the ones the soak
+        # would write (prepare_demo.py with 500 prompts), so it reuses them.
         [sys.executable, "-m", "benchmarks.soak", "--smoke", "true", "--work_dir", str(tmp_path),
+         "--assets_dir", str(demo_assets),
          # Small steps (the demo's are 2 x 16 prompts x 16 rollouts): the report's structure is
          # under test here, and a step's size changes nothing in it.
          "--", "--prompts_per_rank", "4", "--sampling.n", "4"],

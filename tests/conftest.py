@@ -1,5 +1,5 @@
-"""Shared fixtures (the tiny model and the demo's assets written once per session, a local Ray
-cluster) and the test tiers.
+"""Shared fixtures (the tiny model written once per session, the demo's assets once per session or,
+under scripts/test.sh, once per suite run; a local Ray cluster) and the test tiers.
 
 Layout (tests/project/test_tests_layout.py checks it): tests/<folder>/ holds the tests of
 async_grpo/<folder>/ and of that subsystem's spine files (vllm_worker, logprob_worker: inference/;

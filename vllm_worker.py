@@ -211,17 +211,15 @@ class EngineStartError(RuntimeError):
     """The engine did not start; the message is the one-line reason (_start_failure)."""
 
 
-def build_engine(config: GenerationWorkerConfig, worker_name: str, *, no_openmp_yet: bool) -> tuple[AsyncLLM, str]:
-    """The worker's started engine, and how its engine-core process started: 'fork' or 'spawn'.
-
-    no_openmp_yet: this process has run no OpenMP parallel region (no tensor work yet), so the
-    engine core may be a fork of it (EngineConfig.fork_engine_core, inference/engine_process.py)."""
+def build_engine(config: GenerationWorkerConfig, worker_name: str) -> tuple[AsyncLLM, str]:
+    """The worker's started engine, and how its engine-core process started: 'fork' or 'spawn'
+    (EngineConfig.fork_engine_core, inference/engine_process.py)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     engine_kwargs, in_process = _prepared_engine_args(config, worker_name)
     fork = forks_engine_core(enabled=config.engine.fork_engine_core, on_cpu=_on_cpu_platform(),
-                             enforce_eager=config.engine.enforce_eager, no_openmp_yet=no_openmp_yet)
+                             enforce_eager=config.engine.enforce_eager)
     began = time.perf_counter()
     stderr = StderrTail()
     try:
@@ -300,14 +298,12 @@ class GenerationWorker:
         """Version of the weights the engine serves (-1: the initial checkpoint)."""
         return self.served.version
 
-    async def start(self, *, no_openmp_yet: bool = False) -> None:
-        """Build the engine (tens of seconds: the engine-core process loads and warms the model).
-        no_openmp_yet: see build_engine (the worker's Ray actor passes True)."""
+    async def start(self) -> None:
+        """Build the engine (tens of seconds: the engine-core process loads and warms the model)."""
         if self._engine is not None:
             return
         try:
-            self._engine, self.engine_core_start = build_engine(self.config, self.worker_name,
-                                                                no_openmp_yet=no_openmp_yet)
+            self._engine, self.engine_core_start = build_engine(self.config, self.worker_name)
         except EngineStartError as exc:
             self._start_error = str(exc)
             raise self.life.fail(f"engine did not start: {exc}") from exc.__cause__
@@ -553,8 +549,7 @@ class GenerationWorkerActor:
         self._worker = GenerationWorker(worker_name, config, files_owner=shared_memory_owner(worker_name))
 
     async def start(self) -> None:
-        # The actor's process has done no tensor work before its engine starts: a fork is safe.
-        await self._worker.start(no_openmp_yet=True)
+        await self._worker.start()
 
     async def mark_ready(self) -> None:
         self._worker.mark_ready()

@@ -122,13 +122,13 @@ class EngineConfig:
     where vLLM already runs a single-GPU engine in process."""
     fork_engine_core: bool = True
     """On vLLM's CPU backend with enforce_eager, start the engine-core process as a fork of the
-    worker's Ray actor, which has imported torch and vLLM already, instead of vLLM's spawn, whose
-    fresh interpreter imports them again. benchmarks/engine_start.py, 4 runs on the 2-core
+    worker's process (its Ray actor, or any process a worker is built in), which has imported torch
+    and vLLM already, instead of vLLM's spawn, whose fresh interpreter imports them again. benchmarks/engine_start.py, 4 runs on the 2-core
     machine: a worker's start 15.7-20.4 s spawned, 9.3-13.0 s forked, ~6.5 CPU-s less; the same
     seeded rollouts; but its generation steps up to ~15% slower (longest run: medians 0.29 against
-    0.25 s), a trade made for an eager engine, which is chosen for its start. A compiled engine, a
-    GPU engine and an engine built outside the worker's actor always spawn (inference/
-    engine_process.py says why). false: vLLM's spawn everywhere."""
+    0.25 s), a trade made for an eager engine, which is chosen for its start. A compiled engine and
+    a GPU engine always spawn, as does any engine where torch's OpenMP runtime cannot release its
+    threads before the fork (inference/engine_process.py says why). false: vLLM's spawn everywhere."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Which distribution `sampling_logprobs` come from: the model's raw softmax (what the
     trainer's logprob pass computes) or the one after temperature/top-p (the true sampler)."""

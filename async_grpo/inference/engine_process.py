@@ -8,14 +8,14 @@ has imported both already. A fork starts the engine core from the worker's impor
 `benchmarks/engine_start.py` measures the two ways (a worker's start ~6.5 s and CPU-s shorter,
 the same seeded rollouts, but steps up to ~15% slower in some runs: benchmarks/RESULTS.md).
 
-A fork is only safe where three things hold, which `forks_engine_core` checks or takes from its
-caller:
+A fork is only safe where three things hold, which `forks_engine_core` checks:
 
-- The process has run no OpenMP parallel region. torch's GNU OpenMP runtime hangs a forked child
-  on its first parallel region once the parent has started its thread pool (checked: a 2000 x
-  2000 matmul in the parent, then one in a forked child, never returns). Only the caller knows:
-  the generation worker's Ray actor starts its engine before any tensor work, a test process
-  that has trained a model has not.
+- The forking thread holds no OpenMP thread pool. torch's GNU OpenMP runtime hangs a forked child
+  on its first parallel region once the forking thread has started its pool (checked: a matmul in
+  the parent, then one in a forked child, never returns). So the fork first releases that pool
+  with OpenMP 5.0's `omp_pause_resource_all(omp_pause_hard)` (release_openmp_threads; the parent
+  starts a new pool at its next parallel region), which needs a runtime that has it: torch's
+  bundled libgomp does.
 - An eager engine (EngineConfig.enforce_eager). torch reads TORCHDYNAMO_DISABLE and inductor's
   settings from the environment when it is imported, which a forked child does not repeat. The
   child turns dynamo off itself, as the spawned one's import would have (engine_process_env
@@ -32,7 +32,9 @@ engine-core code unchanged.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
+import multiprocessing.context
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -54,19 +56,53 @@ def engine_process_env(engine: EngineConfig) -> dict[str, str]:
     return {"TORCHDYNAMO_DISABLE": "1"} if engine.enforce_eager else {}
 
 
-def forks_engine_core(*, enabled: bool, on_cpu: bool, enforce_eager: bool, no_openmp_yet: bool) -> bool:
+# omp_pause_resource_all's `omp_pause_hard` (OpenMP 5.0, omp.h): free the runtime's threads.
+_OMP_PAUSE_HARD = 2
+
+
+def _openmp_runtime() -> ctypes.CDLL | None:
+    """torch's own OpenMP runtime (torch/lib/libgomp.so.1, the one its ops run on), if it has
+    omp_pause_resource_all; None otherwise (another build, or an older runtime)."""
+    import torch  # noqa: PLC0415 (imported by vLLM already)
+
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    try:
+        runtime = ctypes.CDLL(path)
+    except OSError:
+        return None
+    return runtime if hasattr(runtime, "omp_pause_resource_all") else None
+
+
+def release_openmp_threads() -> bool:
+    """Free the calling thread's OpenMP thread pool, so that a fork made next from this thread
+    starts its own; whether that was done (False: no runtime with omp_pause_resource_all, or it
+    refused, as it does inside a parallel region)."""
+    runtime = _openmp_runtime()
+    return runtime is not None and runtime.omp_pause_resource_all(_OMP_PAUSE_HARD) == 0
+
+
+def forks_engine_core(*, enabled: bool, on_cpu: bool, enforce_eager: bool) -> bool:
     """Whether an engine start may fork its engine core (module docstring: the three conditions).
 
-    enabled: EngineConfig.fork_engine_core; no_openmp_yet: the caller vouches that this process
-    has run no OpenMP parallel region."""
-    return enabled and on_cpu and enforce_eager and no_openmp_yet
+    enabled: EngineConfig.fork_engine_core."""
+    return enabled and on_cpu and enforce_eager and _openmp_runtime() is not None
+
+
+class _ForkProcess(multiprocessing.context.ForkProcess):
+    """A fork that releases the forking thread's OpenMP pool first (module docstring)."""
+
+    def start(self) -> None:
+        if not release_openmp_threads():
+            raise RuntimeError("could not release OpenMP's threads before forking the engine core "
+                               "(omp_pause_resource_all refused): set fork_engine_core false (vLLM's own spawn)")
+        super().start()
 
 
 class _ForkContext:
     """What vLLM's engine launcher gets from `get_mp_context()` while a fork is in force: the fork
-    context, whose processes run `_as_engine_core` first. Counts the processes it made, so the
-    caller knows that vLLM's launcher did ask it (a vLLM that starts its engine core elsewhere
-    would leave the count at 0)."""
+    context, whose processes release OpenMP's pool, fork and run `_as_engine_core` first. Counts
+    the processes it made, so the caller knows that vLLM's launcher did ask it (a vLLM that starts
+    its engine core elsewhere would leave the count at 0)."""
 
     def __init__(self) -> None:
         self._fork = multiprocessing.get_context("fork")
@@ -76,8 +112,8 @@ class _ForkContext:
                 args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
                 daemon: bool | None = None) -> multiprocessing.process.BaseProcess:
         self.processes_made += 1
-        return self._fork.Process(target=_as_engine_core, name=name, args=(target, name or "EngineCore", *args),
-                                  kwargs=kwargs or {}, daemon=daemon)
+        return _ForkProcess(target=_as_engine_core, name=name, args=(target, name or "EngineCore", *args),
+                            kwargs=kwargs or {}, daemon=daemon)
 
     def __getattr__(self, attribute: str) -> Any:  # Queue, Event, ...: the fork context's own
         return getattr(self._fork, attribute)

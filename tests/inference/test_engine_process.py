@@ -1,7 +1,7 @@
 """engine_process: when a generation worker's engine core may be a fork of the worker, and what the
 forked child gets before vLLM's entry point runs. A real worker actor's forked engine is checked in
-tests/inference/test_vllm_worker.py (vllm tier); a plain worker in the test process keeps vLLM's
-spawn there too."""
+tests/inference/test_vllm_worker.py (vllm tier), a worker built in the test process (after its
+tensor work) in tests/inference/test_lora_vllm.py."""
 
 from __future__ import annotations
 
@@ -18,11 +18,52 @@ pytestmark = [pytest.mark.system]  # a forked child (and vLLM's import starts a 
 CHILD_TIMEOUT_S = 60.0
 
 
-def test_only_an_eager_cpu_engine_in_a_process_without_openmp_forks() -> None:
-    conditions = dict(enabled=True, on_cpu=True, enforce_eager=True, no_openmp_yet=True)
-    assert forks_engine_core(**conditions)
+def test_only_an_eager_cpu_engine_forks_and_only_with_an_openmp_runtime_that_releases_its_threads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from async_grpo.inference import engine_process
+
+    conditions = dict(enabled=True, on_cpu=True, enforce_eager=True)
+    assert forks_engine_core(**conditions)  # torch's bundled libgomp has omp_pause_resource_all
     for name in conditions:
         assert not forks_engine_core(**{**conditions, name: False}), name
+    monkeypatch.setattr(engine_process, "_openmp_runtime", lambda: None)
+    assert not forks_engine_core(**conditions)
+
+
+def _parallel_matmul(*, queue: Any) -> None:
+    """A forked child's target: one matmul large enough for OpenMP's threads, then report."""
+    import torch
+
+    a = torch.ones(512, 512)
+    queue.put(float((a @ a)[0, 0]))
+
+
+def test_a_fork_after_this_thread_ran_openmp_computes_in_parallel_instead_of_hanging() -> None:
+    """The hazard the fork guards against: this thread has run a parallel matmul (its OpenMP pool
+    is up), then forks. Without releasing the pool first the child hangs on its own first parallel
+    region (checked by hand with the release removed: no result within the timeout); released, it
+    computes, and so does this process afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a pool even on a one-core machine
+    try:
+        a = torch.ones(512, 512)
+        assert float((a @ a)[0, 0]) == 512.0
+        with forked_engine_core(True) as context:
+            queue = context.Queue()
+            process = context.Process(target=_parallel_matmul, name="EngineCore", kwargs={"queue": queue})
+            process.start()
+            try:
+                assert queue.get(timeout=CHILD_TIMEOUT_S) == 512.0
+            finally:
+                process.join(CHILD_TIMEOUT_S)
+                if process.is_alive():
+                    process.kill()
+        assert process.exitcode == 0
+        assert float((a @ a)[0, 0]) == 512.0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_launcher_forks_only_inside_the_block_and_is_restored_after_an_error() -> None:

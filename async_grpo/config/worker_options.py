@@ -123,8 +123,9 @@ class EngineConfig:
     fork_engine_core: bool = True
     """On vLLM's CPU backend with enforce_eager, start the engine-core process as a fork of the
     worker's process (its Ray actor, or any process a worker is built in), which has imported torch
-    and vLLM already, instead of vLLM's spawn, whose fresh interpreter imports them again. benchmarks/engine_start.py, 4 runs on the 2-core
-    machine: a worker's start 15.7-20.4 s spawned, 9.3-13.0 s forked, ~6.5 CPU-s less; the same
+    and vLLM already, instead of vLLM's spawn, whose fresh interpreter imports them again.
+    benchmarks/engine_start.py, 4 runs on the 2-core machine: a worker's start 15.7-20.4 s
+    spawned, 9.3-13.0 s forked, ~6.5 CPU-s less; the same
     seeded rollouts; but its generation steps up to ~15% slower (longest run: medians 0.29 against
     0.25 s), a trade made for an eager engine, which is chosen for its start. A compiled engine and
     a GPU engine always spawn, as does any engine where torch's OpenMP runtime cannot release its

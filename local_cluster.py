@@ -35,7 +35,7 @@ from async_grpo.config.run_config import ConfigError, config_to_flags, flattened
 from async_grpo.config.worker_options import (
     EngineConfig, HealthCheckConfig, LogprobBatchingConfig, RestartConfig, VerificationConfig,
 )
-from async_grpo.launch.dispatcher_logs import DispatcherLogRelay
+from async_grpo.launch.dispatcher_logs import DispatcherLogRelay, registered_worker
 from async_grpo.launch.engine_defaults import CPU_ENGINE, resolve_engine
 from async_grpo.launch.local_processes import environ, free_port, make_run_temp_dir, run_environment, stop_process_group
 from async_grpo.launch.placement import (
@@ -51,7 +51,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-REGISTERED_MARKER = "registered"  # worker_dispatcher prints `worker <name> registered` when ready
 _POLL_S = 0.5  # how often the launcher looks at dispatcher logs while waiting
 
 
@@ -324,8 +323,7 @@ class LocalCluster:
         while pending and time.monotonic() < deadline:
             for label, process, log in list(pending):
                 text = log.read_text(errors="replace")
-                if any(line.startswith("worker ") and line.rstrip().endswith(REGISTERED_MARKER)
-                       for line in text.splitlines()):
+                if registered_worker(text) is not None:
                     logger.info("%s worker registered", label)
                     pending.remove((label, process, log))
                 elif process.poll() is not None:

@@ -58,6 +58,7 @@ from async_grpo.config.worker_options import (
     RayConnectionConfig, RestartConfig, VerificationConfig, check_transfer_packages, check_weight_transfer_device,
 )
 from async_grpo.inference.engine_dtype import AUTO_DTYPE, dtype_choice_line, resolve_engine_dtype
+from async_grpo.launch.dispatcher_logs import announce_registered
 from async_grpo.launch.local_processes import StopFlag, exit_without_teardown
 from async_grpo.launch.node_resources import (
     CPU_KV_CACHE_MAX_BYTES, CPU_KV_CACHE_MIN_BYTES, NODE_ID_CHARS, NodeLostError, actor_exists, cpu_kv_cache_bytes,
@@ -73,7 +74,6 @@ from vllm_registry import RegistryConfig, WorkerState, WorkerStatus, get_or_crea
 
 logger = logging.getLogger(__name__)
 
-REGISTERED_LINE = "worker {name} registered"  # launch scripts wait for this exact line
 RESTARTING_LINE = "worker {name} restarting ({restart} of {max_restarts}): {reason}"
 _MAX_BACKOFF_S = 60.0
 STATUS_COMMAND = "status"
@@ -487,7 +487,7 @@ def run_worker(cfg: DispatcherConfig, spec: WorkerSpec, stop: StopFlag) -> Worke
             except ray.exceptions.RayError as err:
                 raise RuntimeError(f"worker {name} could not register: {_root_error(err)}") from err
             ready = True
-            print(REGISTERED_LINE.format(name=name), flush=True)
+            announce_registered(name, sys.stdout)
             logger.info("worker %s READY at weight version %d on GPU(s) %s", name, version,
                         ray.get(actor.health.remote()).gpu_ids or "none")
             keep_alive(cfg, actor, name, spec.registry_config, stop, spec.node_id)

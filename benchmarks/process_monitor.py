@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from async_grpo.launch.dispatcher_logs import REGISTERED_PATTERN
 from benchmarks.harness import REPO_ROOT
 
 logger = logging.getLogger(__name__)
@@ -357,7 +358,7 @@ _EVENTS = (  # (regex on a log line, event name; {0} = the first group)
     (re.compile(r"starting trainer: "), "trainer_started"),
     (re.compile(r"FSDP2 model from "), "trainer_model_built"),
     (re.compile(r"pushed weights v0 "), "initial_push_done"),
-    (re.compile(r"^worker (\S+) registered$"), "worker_log_registered:{0}"),
+    (REGISTERED_PATTERN, "worker_log_registered:{0}"),
     (re.compile(r"checkpoint written: "), "checkpoint_written"),
     (re.compile(r"training finished at step"), "training_finished"),
     (re.compile(r"local cluster stopped"), "cluster_stopped"),

@@ -75,7 +75,7 @@ tiers=(
 )
 
 # run_tiers LANE NAME EXPRESSION PATHS [NAME EXPRESSION PATHS ...]: the tiers one after the other;
-# each tier's exit and time go to $results/LANE (one "name rc seconds" line each).
+# each tier's exit and time go to $results/tiers.LANE (one "name rc seconds" line each).
 run_tiers() {
     local lane=$1
     shift
@@ -86,7 +86,7 @@ run_tiers() {
         echo "=== tier ${name}: -m \"${expression}\" ${paths[*]}"
         .venv/bin/python -m pytest -m "${expression}" --durations=25 ${paths[@]+"${paths[@]}"} || rc=$?
         echo "=== tier ${name}: exit ${rc} in $((SECONDS - began)) s"
-        echo "${name} ${rc} $((SECONDS - began))" >> "$results/$lane"
+        echo "${name} ${rc} $((SECONDS - began))" >> "$results/tiers.$lane"
     done
 }
 
@@ -111,7 +111,7 @@ else
     wait "$system_lane" || true
     echo "=== lane system (its log, $logs/system.log):"
     cat "$logs/system.log"
-    echo "=== lanes: main $main_s s, system $(awk '{s += $3} END {print s}' "$results/system") s"
+    echo "=== lanes: main $main_s s, system $(awk '{s += $3} END {print s}' "$results/tiers.system") s"
 fi
 
 failed=()
@@ -121,7 +121,7 @@ while read -r name rc seconds; do
         failed+=("${name} (exit ${rc})")
     fi
     echo "=== tier ${name}: ${seconds} s, exit ${rc}"
-done < <(cat "$results"/*)
+done < <(cat "$results"/tiers.*)
 echo "=== all tiers: $((SECONDS - started)) s"
 if [[ ${#failed[@]} -gt 0 ]]; then
     echo "FAILED tiers: ${failed[*]}" >&2

@@ -1,4 +1,5 @@
-"""Relaying a dispatcher's own warnings from its log file to the local launcher's console.
+"""Reading a dispatcher's output: its registration line, and relaying its own warnings from its
+log file to the local launcher's console.
 
 A LocalCluster writes each dispatcher's output (Ray's and vLLM's start-up included) to a file;
 DispatcherLogRelay follows those files and repeats the dispatcher's warnings, errors and
@@ -11,16 +12,38 @@ import logging
 import re
 import threading
 from pathlib import Path
+from typing import TextIO
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # how often the relay looks at the dispatcher logs
+REGISTERED_LINE = "worker {name} registered"
+"""What a dispatcher prints once its worker has registered; launchers wait for it (local_cluster,
+the launch scripts in docs/cluster.md)."""
+# Ray relays the worker actor's output into the dispatcher's stdout as well, from another thread,
+# so a relayed fragment may precede the registration line on the same line: it is matched at the
+# line's end, not its start (announce_registered keeps the line and its newline in one write).
+REGISTERED_PATTERN = re.compile(r"worker (\S+) registered$", re.MULTILINE)
+
 # Dispatcher log lines the launcher repeats on its console as warnings: the dispatcher's own
 # warnings and errors (a failed health check, a replacement starting) and its restart and give-up
 # lines (worker_dispatcher's RESTARTING_LINE and final failure lines). vLLM's and Ray's lines in
 # the same file, warnings included, stay there. Group 1: the dispatcher's message.
 _RELAYED_LINE = re.compile(r"^\S+ \S+ (?:WARNING|ERROR|CRITICAL) __main__: (.*)$"
                            r"|^(worker \S+ restarting \(.*|.*; giving up after .*|.*; not restarting it: .*)$")
+
+
+def announce_registered(name: str, stream: TextIO) -> None:
+    """Write REGISTERED_LINE for `name` and its newline in one call (print writes them apart, and
+    Ray's relayed output can land in between and hide the line), then flush."""
+    stream.write(REGISTERED_LINE.format(name=name) + "\n")
+    stream.flush()
+
+
+def registered_worker(text: str) -> str | None:
+    """The name of the worker whose registration line is in `text` (a dispatcher's output), or None."""
+    match = REGISTERED_PATTERN.search(text)
+    return None if match is None else match.group(1)
 
 
 def relayed(line: str) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ import pytest
 
 from async_grpo.config.run_config import load_config
 from async_grpo.config.worker_options import EngineConfig, LogprobBatchingConfig
+from async_grpo.launch.dispatcher_logs import REGISTERED_LINE
 from async_grpo.launch.ray_env import (
     GENERATION, LOGPROB, LOOPBACK_ONLY_ENV, PROMPT_STOP_ENV, registry_name, repo_pythonpath, worker_actor_name,
 )
@@ -30,7 +32,7 @@ from async_grpo.launch.status_table import format_status
 from support.paths import REPO_ROOT
 from support.process_output import OutputLog
 from support.torchrun_launch import free_port
-from worker_dispatcher import REGISTERED_LINE, DispatcherConfig
+from worker_dispatcher import DispatcherConfig
 
 DISPATCHER = str(REPO_ROOT / "worker_dispatcher.py")
 # Bounds that only keep a broken run from hanging the suite (engine start is ~1 min on 2 cores).
@@ -200,7 +202,7 @@ def test_dispatcher_registers_reports_and_stops_cleanly(ray_head, tiny_model_dir
     log = OutputLog(dispatcher)
     name = worker_actor_name(LOGPROB, 0)
     try:
-        log.wait_for(REGISTERED_LINE.format(name=name), dispatcher, _REGISTER_BOUND_S)
+        log.wait_for_match(".*" + re.escape(REGISTERED_LINE.format(name=name)), dispatcher, _REGISTER_BOUND_S)
 
         status = subprocess.run(
             [sys.executable, DISPATCHER, "status"], capture_output=True, text=True, env=ray_head, timeout=_EXIT_BOUND_S
@@ -247,7 +249,7 @@ def test_dispatcher_replaces_a_dead_worker_cleans_its_files_then_gives_up(ray_he
     ]
     dispatcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_head)
     log = OutputLog(dispatcher)
-    registered = r"worker (\S+) registered"
+    registered = r".*worker (\S+) registered"  # after any relayed Ray output on the same line
     files: list[Path] = []
     try:
         first = log.wait_for_match(registered, dispatcher, _REGISTER_BOUND_S).group(1)

@@ -8,6 +8,8 @@ members ignore SIGTERM, to check the SIGKILL fallback.
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import os
 import subprocess
 import sys
@@ -146,3 +148,64 @@ def test_dispatchers_get_the_launchers_engine_and_batching_sections(tmp_path) ->
     flags = load_config(LocalClusterConfig, ["--model_path", "m", "--run_dir", "r", "--max_num_seqs", "3",
                                              "--max_tokens_per_forward", "77"])
     assert LocalCluster(flags).engine == local_engine(max_num_seqs=3) and flags.batching.max_tokens_per_forward == 77
+
+
+# What Ray relays from a worker actor into its dispatcher's stdout, from another thread.
+_RAY_FRAGMENT = "\x1b[36m(LogprobWorkerActor pid=28241)\x1b[0m 2026-11-29 16:52:21,997 INFO lifecycle: READY"
+
+
+class _RecordingStream(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+        self.flushes = 0
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def test_a_dispatcher_writes_its_registration_line_and_newline_in_one_call() -> None:
+    from async_grpo.launch.dispatcher_logs import announce_registered
+
+    stream = _RecordingStream()
+    announce_registered("logprob-worker-1", stream)
+    # print() writes the newline apart, and a relayed line landing in between hid it (a CI failure).
+    assert stream.writes == ["worker logprob-worker-1 registered\n"] and stream.flushes == 1
+
+
+def test_a_registration_line_is_found_after_relayed_output_on_its_line_and_only_whole() -> None:
+    from async_grpo.launch.dispatcher_logs import registered_worker
+
+    assert registered_worker("Connected to Ray cluster.\nworker logprob-worker-1 registered\n") == "logprob-worker-1"
+    assert registered_worker(f"{_RAY_FRAGMENT}worker logprob-worker-1 registered\n") == "logprob-worker-1"
+    # Text and newline written apart with Ray's line in between: not a registration line.
+    assert registered_worker(f"worker logprob-worker-1 registered{_RAY_FRAGMENT}\n\n") is None
+    assert registered_worker("worker logprob-worker-1 deregistered and stopped\n") is None
+    assert registered_worker("2026-11-29 INFO local_cluster: logprob-0 worker registered\n") is None
+
+
+class _Running:
+    returncode = None
+
+    def poll(self) -> None:
+        return None
+
+
+def test_the_launcher_sees_a_registration_behind_relayed_output(tmp_path) -> None:
+    from local_cluster import LocalCluster, LocalClusterConfig
+
+    log = tmp_path / "logprob-0_worker.log"
+    log.write_text(f"starting logprob-worker-1\n{_RAY_FRAGMENT}worker logprob-worker-1 registered\n")
+    cluster = LocalCluster(LocalClusterConfig(model_path=str(tmp_path / "model"), run_dir=str(tmp_path / "run"),
+                                              worker_start_timeout_s=5.0))
+    cluster._dispatchers = [("logprob-0", _Running(), log)]
+    cluster._wait_registered()  # a TimeoutError after 5 s when the line is missed
+
+    log.write_text(f"worker logprob-worker-1 registered{_RAY_FRAGMENT}\n\n")
+    cluster.config = dataclasses.replace(cluster.config, worker_start_timeout_s=0.5)
+    with pytest.raises(TimeoutError, match="logprob-0 worker did not register within"):
+        cluster._wait_registered()

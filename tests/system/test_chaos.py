@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import pytest
 from async_grpo.config.worker_options import HealthCheckConfig, RestartConfig
 from async_grpo.data.arithmetic_data import write_arithmetic_dataset
 from async_grpo.inference.weight_files import weights_file_dir
+from async_grpo.launch.dispatcher_logs import REGISTERED_PATTERN
 from async_grpo.launch.local_processes import RUN_TEMP_PREFIX
 from async_grpo.launch.ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
 from async_grpo.telemetry.metrics import read_metrics
@@ -61,7 +61,6 @@ STEP_BOUND_S = 600.0
 # 10 s and 5 s), so that the replacements' start is not spent waiting.
 HEALTH_CHECK_INTERVAL_S = 1.0
 RESTART_BACKOFF_S = 1.0
-_REGISTERED = re.compile(r"worker (\S+) registered")
 
 # Run on an actor through `__ray_call__`: its process id (a lambda travels by value).
 _pid = lambda _actor: os.getpid()  # noqa: E731
@@ -87,7 +86,7 @@ def _wait(condition: Any, what: str, bound_s: float, context: str) -> None:
 
 def _registered_names(log_dir: Path) -> dict[str, list[str]]:
     """Worker names each dispatcher log announced, in order."""
-    return {log.name: _REGISTERED.findall(log.read_text(errors="replace")) for log in sorted(log_dir.glob("*_worker.log"))}
+    return {log.name: REGISTERED_PATTERN.findall(log.read_text(errors="replace")) for log in sorted(log_dir.glob("*_worker.log"))}
 
 
 def _served(kind: str) -> dict[str, int]:
@@ -201,9 +200,9 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
             assert f"worker {worker_actor_name(kind, 0)} restarting (1 of 3)" in log, f"{context}: {log[-2000:]}"
 
         # The added worker registered too.
-        _wait(lambda: _REGISTERED.search(added_log.read_text(errors="replace")) is not None or added.poll() is not None,
+        _wait(lambda: REGISTERED_PATTERN.search(added_log.read_text(errors="replace")) is not None or added.poll() is not None,
               "the added worker to register", RESTART_BOUND_S, context)
-        match = _REGISTERED.search(added_log.read_text(errors="replace"))
+        match = REGISTERED_PATTERN.search(added_log.read_text(errors="replace"))
         assert match, f"{context}: the added worker did not register:\n{added_log.read_text()[-3000:]}"
         replacements["added"] = match.group(1)
 

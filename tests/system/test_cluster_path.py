@@ -257,8 +257,8 @@ def run(cluster: Cluster, demo_assets: Path, tmp_path_factory: pytest.TempPathFa
                                                     temp_dir=cluster.second_temp)
     second_ref, second_ref_log = cluster.dispatcher(model, "--mode", "reference", "--num_gpus", "0.5",
                                                     temp_dir=cluster.second_temp)
-    # Ray's relayed worker output can land on the same line right after ours (seen once in CI).
-    registered = r".*worker (\S+) registered(?:\x1b\[.*)?"
+    # Ray's relayed worker output can precede the line on the same line (dispatcher_logs.REGISTERED_PATTERN).
+    registered = r".*worker (\S+) registered"
     for process, log in ((head_gen, head_gen_log), (head_lp, head_lp_log), (second_gen, second_gen_log),
                          (second_ref, second_ref_log)):
         log.wait_for_match(registered, process, _REGISTER_BOUND_S)

@@ -58,7 +58,7 @@ from async_grpo.config.worker_options import (
     RayConnectionConfig, RestartConfig, VerificationConfig, check_transfer_packages, check_weight_transfer_device,
 )
 from async_grpo.inference.engine_dtype import AUTO_DTYPE, dtype_choice_line, resolve_engine_dtype
-from async_grpo.launch.dispatcher_logs import announce_registered
+from async_grpo.launch.dispatcher_logs import REGISTERED_LINE, write_line
 from async_grpo.launch.local_processes import StopFlag, exit_without_teardown
 from async_grpo.launch.node_resources import (
     CPU_KV_CACHE_MAX_BYTES, CPU_KV_CACHE_MIN_BYTES, NODE_ID_CHARS, NodeLostError, actor_exists, cpu_kv_cache_bytes,
@@ -385,7 +385,7 @@ def teardown(kind: str, actor: ActorHandle, name: str, worker_died: bool) -> Non
 
         for path in remove_weight_files(shared_memory_owner(name)):
             logger.warning("removed %s, left by %s", path, name)
-    print(f"worker {name} deregistered{'' if worker_died else ' and stopped'}", flush=True)
+    write_line(f"worker {name} deregistered{'' if worker_died else ' and stopped'}", sys.stdout)
 
 
 def connect(connection: RayConnectionConfig, log_to_driver: bool, temp_dir: str = "") -> None:
@@ -421,7 +421,7 @@ def serve(cfg: DispatcherConfig) -> int:
     try:
         gpus = gpus_per_worker(cfg.mode, cfg.engine.tensor_parallel_size, node_gpu_count(node_id), cfg.num_gpus)
     except ValueError as err:
-        print(f"worker_dispatcher.py: node {node_id[:NODE_ID_CHARS]}: {err}", file=sys.stderr, flush=True)
+        write_line(f"worker_dispatcher.py: node {node_id[:NODE_ID_CHARS]}: {err}", sys.stderr)
         return 1
     if cfg.mode == GENERATION:
         worker_config = generation_worker_config(cfg, cuda=node_runs_cuda())
@@ -434,25 +434,24 @@ def serve(cfg: DispatcherConfig) -> int:
         try:
             life = run_worker(cfg, spec, stop)
         except NodeLostError as err:
-            print(f"worker_dispatcher.py: {err}", file=sys.stderr, flush=True)
+            write_line(f"worker_dispatcher.py: {err}", sys.stderr)
             return 1
         if life.failure is None:
             return 0
         if not node_alive(node_id):  # the worker died with its node: a replacement has nowhere to run
-            print(f"worker_dispatcher.py: {NodeLostError.of(node_id, life.name, life.failure)}", file=sys.stderr,
-                  flush=True)
+            write_line(f"worker_dispatcher.py: {NodeLostError.of(node_id, life.name, life.failure)}", sys.stderr)
             return 1
         if not life.was_ready:
-            print(NOT_RESTARTING_LINE.format(failure=life.failure), file=sys.stderr, flush=True)
+            write_line(NOT_RESTARTING_LINE.format(failure=life.failure), sys.stderr)
             return 1
         if restarts >= cfg.restart.max_restarts:
-            print(f"{life.failure}; giving up after {restarts} restart(s) (--max_restarts {cfg.restart.max_restarts})",
-                  file=sys.stderr, flush=True)
+            write_line(f"{life.failure}; giving up after {restarts} restart(s) "
+                       f"(--max_restarts {cfg.restart.max_restarts})", sys.stderr)
             return 1
         restarts += 1
         delay = min(cfg.restart.restart_backoff_s * 2 ** (restarts - 1), _MAX_BACKOFF_S)
-        print(RESTARTING_LINE.format(name=life.name, restart=restarts, max_restarts=cfg.restart.max_restarts,
-                                     reason=life.failure), flush=True)
+        write_line(RESTARTING_LINE.format(name=life.name, restart=restarts, max_restarts=cfg.restart.max_restarts,
+                                          reason=life.failure), sys.stdout)
         logger.warning("starting a replacement for %s in %.0f s", life.name, delay)
         if stop.wait(delay):
             return 0
@@ -487,7 +486,7 @@ def run_worker(cfg: DispatcherConfig, spec: WorkerSpec, stop: StopFlag) -> Worke
             except ray.exceptions.RayError as err:
                 raise RuntimeError(f"worker {name} could not register: {_root_error(err)}") from err
             ready = True
-            announce_registered(name, sys.stdout)
+            write_line(REGISTERED_LINE.format(name=name), sys.stdout)
             logger.info("worker %s READY at weight version %d on GPU(s) %s", name, version,
                         ray.get(actor.health.remote()).gpu_ids or "none")
             keep_alive(cfg, actor, name, spec.registry_config, stop, spec.node_id)

@@ -22,7 +22,7 @@ REGISTERED_LINE = "worker {name} registered"
 the launch scripts in docs/cluster.md)."""
 # Ray relays the worker actor's output into the dispatcher's stdout as well, from another thread,
 # so a relayed fragment may precede the registration line on the same line: it is matched at the
-# line's end, not its start (announce_registered keeps the line and its newline in one write).
+# line's end, not its start (write_line keeps the line and its newline in one write).
 REGISTERED_PATTERN = re.compile(r"worker (\S+) registered$", re.MULTILINE)
 
 # Dispatcher log lines the launcher repeats on its console as warnings: the dispatcher's own
@@ -33,10 +33,11 @@ _RELAYED_LINE = re.compile(r"^\S+ \S+ (?:WARNING|ERROR|CRITICAL) __main__: (.*)$
                            r"|^(worker \S+ restarting \(.*|.*; giving up after .*|.*; not restarting it: .*)$")
 
 
-def announce_registered(name: str, stream: TextIO) -> None:
-    """Write REGISTERED_LINE for `name` and its newline in one call (print writes them apart, and
-    Ray's relayed output can land in between and hide the line), then flush."""
-    stream.write(REGISTERED_LINE.format(name=name) + "\n")
+def write_line(text: str, stream: TextIO) -> None:
+    """Write `text` and its newline in one call, then flush. print() writes them apart, and the
+    worker output that Ray relays into the same stream from another thread can land in between,
+    hiding the line from whoever reads the log (a launcher waiting for REGISTERED_LINE)."""
+    stream.write(text + "\n")
     stream.flush()
 
 

@@ -169,10 +169,10 @@ class _RecordingStream(io.StringIO):
 
 
 def test_a_dispatcher_writes_its_registration_line_and_newline_in_one_call() -> None:
-    from async_grpo.launch.dispatcher_logs import announce_registered
+    from async_grpo.launch.dispatcher_logs import REGISTERED_LINE, write_line
 
     stream = _RecordingStream()
-    announce_registered("logprob-worker-1", stream)
+    write_line(REGISTERED_LINE.format(name="logprob-worker-1"), stream)
     # print() writes the newline apart, and a relayed line landing in between hid it (a CI failure).
     assert stream.writes == ["worker logprob-worker-1 registered\n"] and stream.flushes == 1
 

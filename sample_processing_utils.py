@@ -20,9 +20,10 @@ while `num_tokens` (the packed stream, the batcher's token budgets) counts every
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 IGNORE_INDEX = -100  # the ignore_index of torch's cross-entropy: these positions score nothing
 
@@ -215,6 +216,8 @@ def get_input_for_logprobs(samples: Sequence[Sample]) -> LogprobInput:
 
     The trainer and the logprob worker both call this, so both score exactly the same positions.
     """
+    import torch
+
     if not samples:
         raise ValueError("get_input_for_logprobs needs at least one sample")
     ids: list[int] = []
@@ -246,6 +249,8 @@ def _concat_optional(samples: Sequence[Sample], name: str) -> torch.Tensor | Non
     Mixing samples with and without the field is an error: a silent partial tensor would
     misalign every token after the gap.
     """
+    import torch
+
     values = [getattr(s, name) for s in samples]
     present = [v is not None and len(v) > 0 for v in values]
     if not any(present):
@@ -258,6 +263,8 @@ def _concat_optional(samples: Sequence[Sample], name: str) -> torch.Tensor | Non
 
 def _token_advantages(samples: Sequence[Sample]) -> torch.Tensor:
     """[O]: each sample's token_advantages, or its scalar advantage repeated over its tokens."""
+    import torch
+
     values: list[float] = []
     for s in samples:
         if s.token_advantages is not None:
@@ -269,6 +276,8 @@ def _token_advantages(samples: Sequence[Sample]) -> torch.Tensor:
 
 def post_process_batch(samples: Sequence[Sample]) -> PackedBatch:
     """Build the packed GRPO minibatch: inputs plus per-output-token broadcasts of constants."""
+    import torch
+
     for sample in samples:
         sample.validate_generated()
     inputs = get_input_for_logprobs(samples)
@@ -293,4 +302,6 @@ def post_process_batch(samples: Sequence[Sample]) -> PackedBatch:
 
 def split_per_sample(values: torch.Tensor, output_lengths: Sequence[int]) -> list[list[float]]:
     """Split a [O] per-output-token tensor back into one list per sample."""
+    import torch
+
     return [chunk.tolist() for chunk in torch.split(values.detach().float().cpu(), list(output_lengths))]

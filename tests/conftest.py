@@ -43,6 +43,21 @@ TIER_ORDER = ("ray", "vllm", "distributed", "system", "gpu")
 """The tier markers, cheapest first; scripts/test.sh selects on them in this order."""
 FIXTURE_TIERS = {"ray_local": "ray"}
 """Markers that follow from a fixture a test uses."""
+TIER_MANIFEST_ENV = "GRPO_TEST_TIER_MANIFEST"
+"""When set (scripts/test.sh sets it for the fast tier, which collects the whole suite): a file to
+write `<tier> <test file>` lines to, one per file and tier it holds tests of, so the later tiers'
+pytest processes collect only their own files (~11 CPU-s a collection of the whole suite, ~3-6
+for one tier's files)."""
+
+
+def tier_of(item: pytest.Item) -> str:
+    """The tier a test runs in: the last of TIER_ORDER that it carries, "fast" when none."""
+    return next((m for m in reversed(TIER_ORDER) if item.get_closest_marker(m)), "fast")
+
+
+def _write_tier_manifest(path: Path, items: list[pytest.Item]) -> None:
+    lines = sorted({f"{tier_of(item)} {item.path.relative_to(REPO_ROOT)}" for item in items})
+    path.write_text("".join(line + "\n" for line in lines))
 
 
 _GPU_DESELECTED = pytest.StashKey[int]()
@@ -53,6 +68,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for fixture, marker in FIXTURE_TIERS.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(marker)
+    if manifest := os.environ.get(TIER_MANIFEST_ENV):
+        _write_tier_manifest(Path(manifest), items)
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if gpu and not _cuda_available():
         config.hook.pytest_deselected(items=gpu)

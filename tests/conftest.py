@@ -77,6 +77,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.stash[_GPU_DESELECTED] = len(gpu)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the shared demo cluster (support.cluster) once the next test is in a module that does
+    not share it, so it never idles beside the next module's own cluster."""
+    shared = sys.modules.get("support.cluster")  # not imported: no demo cluster to stop
+    if shared is not None and (nextitem is None or nextitem.path.name not in shared.SHARED_CLUSTER_MODULES):
+        shared.stop_demo_cluster()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """An interrupted or failed session stops the shared demo cluster too."""
+    shared = sys.modules.get("support.cluster")
+    if shared is not None:
+        shared.stop_demo_cluster()
+
+
 def _cuda_available() -> bool:
     import torch
 

@@ -1,7 +1,8 @@
 """The tests' local cluster (local_cluster.LocalCluster, workers started through
 worker_dispatcher.py): one factory for its config, with each module's differences passed in, and
 the demo's trainer run on it. Used by the whole-system modules (end-to-end, LoRA end-to-end, the
-algorithm options, crash-resume, chaos).
+algorithm options, crash-resume, chaos). The demo cluster (`demo_cluster`) is one such cluster
+shared by the modules in SHARED_CLUSTER_MODULES, kept from one to the next.
 
     @pytest.fixture(scope="module")
     def cluster(demo_assets, tmp_path_factory):
@@ -54,6 +55,52 @@ def started_cluster(config: LocalClusterConfig) -> Iterator[LocalCluster]:
     with session_ray_set_aside(), LocalCluster(config) as running:
         running.start_workers()
         yield running
+
+
+SHARED_CLUSTER_MODULES = ("test_benchmarks_smoke.py", "test_end_to_end.py")
+"""Modules whose runs share the demo cluster: the benchmarks' smokes that can attach to a running
+cluster, and the end-to-end module. scripts/test.sh runs them one after the other in one pytest
+process, so the cluster starts once (a start costs a Ray head and four workers, ~45 CPU-s);
+tests/conftest.py stops it as soon as the next test is in another module."""
+
+
+class _DemoCluster:
+    """The shared demo cluster, started on first use and stopped by `stop`."""
+
+    def __init__(self) -> None:
+        self._running: contextlib.ExitStack | None = None
+        self.cluster: LocalCluster | None = None
+
+    def get(self, demo_assets: Path, log_dir: Path) -> LocalCluster:
+        if self.cluster is None:
+            model = demo_assets / "model"
+            config = cluster_config(model, log_dir, reference_workers=1, teacher_workers=1,
+                                    teacher_model_path=str(model))
+            with contextlib.ExitStack() as stack:
+                self.cluster = stack.enter_context(started_cluster(config))
+                self._running = stack.pop_all()
+        return self.cluster
+
+    def stop(self) -> None:
+        running, self._running, self.cluster = self._running, None, None
+        if running is not None:
+            running.close()
+
+
+_DEMO_CLUSTER = _DemoCluster()
+
+
+def demo_cluster(demo_assets: Path, log_dir: Path) -> LocalCluster:
+    """Every service a run can use, on the demo model: a generation, an old-policy logprob, a
+    reference and a teacher worker (cluster_config's engine and verifier). Started on the first
+    call (its dispatchers log under `log_dir`); later calls get the same cluster until
+    stop_demo_cluster."""
+    return _DEMO_CLUSTER.get(demo_assets, log_dir)
+
+
+def stop_demo_cluster() -> None:
+    """Stop the demo cluster if it runs (tests/conftest.py: before a test of another module)."""
+    _DEMO_CLUSTER.stop()
 
 
 def train(cluster: LocalCluster, demo_assets: Path, run_dir: Path, *extra: str) -> list[dict]:

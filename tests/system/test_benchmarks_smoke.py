@@ -8,9 +8,10 @@ run's numbers mean nothing.
 Each runs as `python -m benchmarks.NAME --smoke true` (the script's SMOKE sizes: a few steps, tiny
 shapes; a local cluster's vLLM engines uncompiled, harness.SMOKE_ENGINE) plus where its inputs and
 outputs go. The smokes whose workers are the same (algorithms, data_path, distill) run on one
-cluster started here (`--attach`, benchmarks/clusters.py), and so does async_overlap's real mode (its
-simulated mode starts its own): each would start its own otherwise, ~50 CPU-s apiece; the others
-start theirs as their recorded commands do. Already run elsewhere in smoke mode, not repeated
+cluster (`--attach`, benchmarks/clusters.py; support.cluster's demo cluster, which the end-to-end
+module then uses too), and so does async_overlap's real mode (its simulated mode starts its own):
+each would start its own otherwise, ~50 CPU-s apiece; the others start theirs as their recorded
+commands do. Already run elsewhere in smoke mode, not repeated
 here: soak.py (tests/system/test_soak.py) and scale.py (tests/system/test_scale_benchmark.py).
 """
 
@@ -18,15 +19,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import parse_summary_line, run_engine
-from local_cluster import LocalCluster, LocalClusterConfig
-from support.cluster import started_cluster
+from benchmarks.harness import parse_summary_line
+from local_cluster import LocalCluster
+from support.cluster import demo_cluster
 from support.paths import REPO_ROOT
 
 pytestmark = [pytest.mark.system]
@@ -90,7 +90,7 @@ SMOKES = (
           "", ("parity",), CLUSTER),
     Smoke("realistic_run", ("--work_dir", WORK), "realistic_run", ("steps", "tokens_per_step", "step_s_median"),
           CLUSTER),
-    # Last: these share one cluster (smoke_cluster), stopped when the module ends.
+    # Last: these share one cluster (smoke_cluster), kept for the end-to-end module.
     Smoke("async_overlap", (*DEMO, "--work_dir", WORK), "async_overlap",
           ("speedup", "simulated_speedup", "simulated_ideal", "overlap_efficiency", "G_s", "T_s"), CLUSTER,
           shared=True),
@@ -120,14 +120,11 @@ def _params() -> list:
 
 
 @pytest.fixture(scope="module")
-def smoke_cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """One local cluster for the shared smokes (Smoke.shared): the workers each of them would start
-    (the demo model's generation, logprob and teacher workers, their defaults, the smokes' engine)."""
-    model = demo_assets / "model"
-    config = LocalClusterConfig(model_path=str(model), log_dir=str(tmp_path_factory.mktemp("smoke-cluster")),
-                                teacher_workers=1, teacher_model_path=str(model), engine=run_engine(True))
-    with started_cluster(config) as cluster:
-        yield cluster
+def smoke_cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> LocalCluster:
+    """The cluster the shared smokes (Smoke.shared) attach to: support.cluster's demo cluster,
+    which has the workers each of them would start (generation, logprob and teacher workers on the
+    demo model), kept running for the end-to-end module after this one."""
+    return demo_cluster(demo_assets, tmp_path_factory.mktemp("smoke-cluster"))
 
 
 @pytest.mark.parametrize("smoke", _params())
@@ -148,12 +145,12 @@ def test_benchmark_smoke_prints_its_summary(smoke: Smoke, demo_assets: Path, tmp
 def test_attaching_to_a_cluster_without_the_runs_workers_fails_before_any_trainer(
         smoke_cluster: LocalCluster, demo_assets: Path, tmp_path: Path) -> None:
     """A benchmark given --attach checks the running cluster for the workers its own config asks
-    for (here a reference worker the shared cluster lacks) and stops, naming them, before it
-    launches anything."""
+    for (here two generation workers: the shared cluster has one) and stops, naming them, before
+    it launches anything."""
     probe = ("from benchmarks.clusters import local_cluster\n"
              "from local_cluster import LocalClusterConfig\n"
              f"config = LocalClusterConfig(model_path={str(demo_assets / 'model')!r}, log_dir={str(tmp_path)!r}, "
-             "reference_workers=1)\n"
+             "generation_workers=2)\n"
              "try:\n"
              f"    with local_cluster(config, {smoke_cluster.address!r}):\n"
              "        print('ATTACHED')\n"
@@ -162,5 +159,5 @@ def test_attaching_to_a_cluster_without_the_runs_workers_fails_before_any_traine
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ATTACHED" not in done.stdout, done.stdout
-    assert f"REFUSED the cluster at {smoke_cluster.address} lacks workers this run needs: 1 reference" in done.stdout, \
+    assert f"REFUSED the cluster at {smoke_cluster.address} lacks workers this run needs: 1 generation" in done.stdout, \
         done.stdout + done.stderr[-2000:]

@@ -2,8 +2,9 @@
 ExperienceBatcher and `torchrun --nproc_per_node=2 trainer_core.py` (FSDP2 on gloo).
 
 One local cluster (workers started through worker_dispatcher.py: a generation worker, an
-old-policy logprob worker, a reference-pool worker and a teacher worker) serves every run in this
-module; each run pushes its own weights at start, so runs do not see each other's weights. Runs
+old-policy logprob worker, a reference-pool worker and a teacher worker; support.cluster's demo
+cluster, shared with the benchmarks' attaching smokes) serves every run in this module; each run
+pushes its own weights at start, so runs do not see each other's weights. Runs
 that several tests read are made once (module fixtures): the 3-step run with every tracker on
 serves the training, staleness and tracker tests; the plain 3-step run the max_lag 0 and
 `metrics.py compare` tests; the uninterrupted 4-step run the resume and rank-0 data-path tests.
@@ -33,7 +34,7 @@ from async_grpo.telemetry.trackers import flatten_config, mlflow_key
 from async_grpo.trainer.checkpoint import latest_checkpoint
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from local_cluster import LocalCluster
-from support.cluster import WORLD_SIZE, cluster_config, generation_versions, started_cluster, train
+from support.cluster import WORLD_SIZE, demo_cluster, generation_versions, train
 from support.paths import REPO_ROOT
 from support.tracker_readers import trackio_run, wandb_offline_runs
 
@@ -42,14 +43,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
 
 @pytest.fixture(scope="module")
-def cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory):
-    """Every service a run can use: the reference and teacher workers for the algorithm options
-    (one cluster for the module: each start costs a Ray head and a vLLM engine, ~50 CPU-s)."""
-    model = demo_assets / "model"
-    config = cluster_config(model, tmp_path_factory.mktemp("worker-logs"), reference_workers=1, teacher_workers=1,
-                            teacher_model_path=str(model))
-    with started_cluster(config) as running:
-        yield running
+def cluster(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> LocalCluster:
+    """Every service a run can use: the reference and teacher workers for the algorithm options.
+    The demo cluster, which the benchmarks' attaching smokes may have started already (each start
+    costs a Ray head and four workers, ~45 CPU-s)."""
+    return demo_cluster(demo_assets, tmp_path_factory.mktemp("worker-logs"))
 
 
 def _load_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -2,13 +2,16 @@
 
     cd /work/main && .venv/bin/python -m benchmarks.checkpoint_async            # ~5-8 min on 2 cores
     .venv/bin/python -m benchmarks.checkpoint_async --hidden_size 256 --num_layers 2 --num_steps 8
+    .venv/bin/python -m benchmarks.checkpoint_async --model_dir M --attach 127.0.0.1:PORT   # on a running cluster serving M
 
 One local cluster (one real vLLM generation worker, no logprob worker: logprob_role none) serves
 `torchrun --nproc_per_node=2 trainer_core.py` runs of the same short job, alternating
 checkpoint_async false and true (`--rounds` pairs), each from step 0 in its own run_dir with a
 checkpoint every `--checkpoint_every` steps. The model is a random-weight Qwen2 wider than the
 demo's (`--hidden_size`, `--num_layers`), so that a checkpoint (weights + AdamW state, about 3x the
-fp32 weights) takes visible time to write.
+fp32 weights) takes visible time to write; or `--model_dir`'s, which `--attach` needs: the running
+cluster's generation worker must serve the model the trainer pushes (the suite's smoke attaches to
+its demo cluster with the demo model).
 
 Per mode, from metrics.jsonl:
 - `timing/checkpoint_s` of every step that checkpointed (the seconds the training loop was blocked
@@ -34,9 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from async_grpo.config.run_config import load_config
+from async_grpo.config.run_config import flattened, load_config
 from async_grpo.data.arithmetic_data import write_arithmetic_dataset
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from benchmarks.clusters import AttachConfig, local_cluster
 from benchmarks.harness import (
     apply_smoke, run_engine, run_trainer, setup_logging, summarize_checkpoint_run, summary_line,
 )
@@ -59,6 +63,10 @@ class CheckpointBenchConfig:
 
     work_dir: str = ""
     """Where model, data, runs and logs go ('' = a fresh temporary folder)."""
+    model_dir: str = ""
+    """An existing model to train instead of writing a random one ('' = write one with the three
+    sizes below, which are then the ones used); needed with --attach."""
+    cluster: AttachConfig = flattened(AttachConfig())
     hidden_size: int = 512
     """Width of the random Qwen2 (the demo model's is 128)."""
     num_layers: int = 4
@@ -87,6 +95,11 @@ class CheckpointBenchConfig:
                 raise ValueError(f"CheckpointBenchConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.skip_steps < 0:
             raise ValueError(f"CheckpointBenchConfig.skip_steps must be >= 0, got {self.skip_steps}")
+        if self.cluster.attach and not self.model_dir:
+            raise ValueError("CheckpointBenchConfig.attach needs model_dir (--model_dir): the model the attached "
+                             "cluster serves, which the trainer pushes its weights to")
+        if self.model_dir and not (Path(self.model_dir) / "config.json").is_file():
+            raise ValueError(f"CheckpointBenchConfig.model_dir {self.model_dir!r} holds no config.json")
 
 
 def _median(values: list[float]) -> float:
@@ -94,7 +107,7 @@ def _median(values: list[float]) -> float:
 
 
 def _prepare(config: CheckpointBenchConfig, work: Path) -> tuple[Path, Path]:
-    model = write_tiny_model(work / "model", TinyModelConfig(
+    model = Path(config.model_dir) if config.model_dir else write_tiny_model(work / "model", TinyModelConfig(
         hidden_size=config.hidden_size, num_layers=config.num_layers, intermediate_size=config.intermediate_size,
         max_position_embeddings=MAX_MODEL_LEN * 2))
     data = write_arithmetic_dataset(work / "prompts.jsonl", num_samples=500, seed=0)
@@ -128,8 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         engine=run_engine(config.smoke, kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN),
     )
     runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
-    with LocalCluster(cluster_config) as cluster:
-        cluster.start_workers()
+    with local_cluster(cluster_config, config.cluster.attach) as cluster:
         for round_index in range(config.rounds):
             for mode in ("sync", "async"):
                 records = _run(cluster, config, model, data, work / f"{mode}-{round_index}", mode == "async")

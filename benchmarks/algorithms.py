@@ -27,11 +27,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from async_grpo.config.run_config import flattened, load_config
+from async_grpo.config.run_config import flattened
 from benchmarks.clusters import AttachConfig, local_cluster
 from benchmarks.harness import (
-    DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, apply_smoke, demo_assets, demo_trainer_flags, fresh_run_dir,
-    interrupt_on_sigterm, reward_at, run_engine, run_trainer, setup_logging, summary_line,
+    apply_smoke, DEFAULT_DEMO_ASSETS, demo_assets, demo_trainer_flags, DemoAssets, fresh_run_dir,
+    interrupt_on_sigterm, load_bench_config, REPO_ROOT, reward_at, run_engine, run_trainer, setup_logging,
+    summary_line,
 )
 from local_cluster import LocalCluster, LocalClusterConfig
 
@@ -135,7 +136,7 @@ def print_table(results: list[dict], config: AlgorithmsConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = load_config(AlgorithmsConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = load_bench_config(AlgorithmsConfig, argv, description=__doc__)
     config = apply_smoke(config, SMOKE)
     setup_logging()
     interrupt_on_sigterm()  # a kill unwinds like Ctrl-C: the cluster and the running trainer stop too

@@ -47,14 +47,13 @@ import math
 import os
 import random
 import statistics
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Literal
 
 from async_grpo.algo.advantages import group_advantages  # the batcher's default, grpo
-from async_grpo.config.run_config import flattened, load_config
+from async_grpo.config.run_config import flattened
 from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, worker_actor_name
 from async_grpo.rollouts.sampling import SamplingConfig
@@ -63,7 +62,8 @@ from async_grpo.weights.weight_loading import assemble_state_dict
 from async_grpo.weights.weight_sync import WeightUpdate
 from benchmarks.clusters import AttachConfig, local_cluster
 from benchmarks.harness import (
-    DEMO_CONFIG, DemoAssets, apply_smoke, demo_assets, run_engine, run_trainer, setup_logging, summary_line,
+    apply_smoke, demo_assets, DEMO_CONFIG, DemoAssets, load_bench_config, run_engine, run_trainer, setup_logging,
+    summary_line,
 )
 from local_cluster import LocalCluster, LocalClusterConfig
 from sample_processing_utils import Sample
@@ -405,7 +405,7 @@ def _load_average() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = load_config(AsyncOverlapConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    args = load_bench_config(AsyncOverlapConfig, argv, description=__doc__)
     args = apply_smoke(args, SMOKE)
     setup_logging()
 

@@ -25,15 +25,14 @@ from __future__ import annotations
 import math
 import random
 import statistics
-import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
 from async_grpo.batching.batcher_config import BatcherConfig
 from async_grpo.batching.batcher_messages import PADDING_LOSS_WEIGHT, Minibatch
 from async_grpo.batching.minibatch_packer import MinibatchPacker
-from async_grpo.config.run_config import load_config
-from benchmarks.harness import apply_smoke
+
+from benchmarks.harness import apply_smoke, load_bench_config
 from sample_processing_utils import Sample
 
 _PROMPT_MEAN, _PROMPT_STD = 150.0, 50.0  # typical math-prompt lengths in tokens
@@ -188,7 +187,7 @@ def _format(values: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = load_config(BatcherFillConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    args = load_bench_config(BatcherFillConfig, argv, description=__doc__)
     args = apply_smoke(args, SMOKE)
     cfg = args.step()
     print(f"# {cfg}, trials={args.trials}, seed={args.seed}")

@@ -31,18 +31,17 @@ from __future__ import annotations
 
 import logging
 import statistics
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from async_grpo.config.run_config import flattened, load_config
+from async_grpo.config.run_config import flattened
 from async_grpo.data.arithmetic_data import write_arithmetic_dataset
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from benchmarks.clusters import AttachConfig, local_cluster
 from benchmarks.harness import (
-    apply_smoke, run_engine, run_trainer, setup_logging, summarize_checkpoint_run, summary_line,
+    apply_smoke, load_bench_config, run_engine, run_trainer, setup_logging, summarize_checkpoint_run, summary_line,
 )
 from local_cluster import LocalCluster, LocalClusterConfig
 
@@ -129,7 +128,7 @@ def _run(cluster: LocalCluster, config: CheckpointBenchConfig, model: Path, data
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = load_config(CheckpointBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = load_bench_config(CheckpointBenchConfig, argv, description=__doc__)
     config = apply_smoke(config, SMOKE)
     setup_logging()
     work = Path(config.work_dir or tempfile.mkdtemp(prefix="checkpoint-bench-"))

@@ -30,11 +30,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from async_grpo.config.run_config import flattened, load_config
+from async_grpo.config.run_config import flattened
 from benchmarks.clusters import AttachConfig, local_cluster
 from benchmarks.harness import (
-    DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, apply_smoke, demo_assets, demo_trainer_flags, fresh_run_dir,
-    interrupt_on_sigterm, run_engine, run_trainer, setup_logging, summary_line,
+    apply_smoke, DEFAULT_DEMO_ASSETS, demo_assets, demo_trainer_flags, DemoAssets, fresh_run_dir,
+    interrupt_on_sigterm, load_bench_config, REPO_ROOT, run_engine, run_trainer, setup_logging, summary_line,
 )
 from local_cluster import LocalCluster, LocalClusterConfig
 
@@ -88,7 +88,7 @@ def summarise(records: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = load_config(DataPathBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = load_bench_config(DataPathBenchConfig, argv, description=__doc__)
     config = apply_smoke(config, SMOKE)
     setup_logging()
     interrupt_on_sigterm()

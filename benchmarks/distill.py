@@ -36,11 +36,11 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from async_grpo.config.run_config import flattened, load_config
+from async_grpo.config.run_config import flattened
 from benchmarks.clusters import AttachConfig, local_cluster
 from benchmarks.harness import (
-    DEFAULT_DEMO_ASSETS, REPO_ROOT, DemoAssets, demo_assets, demo_trainer_flags, fresh_run_dir, interrupt_on_sigterm,
-    reward_at, run_engine, run_trainer, setup_logging, summary_line,
+    DEFAULT_DEMO_ASSETS, demo_assets, demo_trainer_flags, DemoAssets, fresh_run_dir, interrupt_on_sigterm,
+    load_bench_config, REPO_ROOT, reward_at, run_engine, run_trainer, setup_logging, summary_line,
 )
 from local_cluster import LocalCluster, LocalClusterConfig
 
@@ -151,7 +151,7 @@ def print_table(results: list[dict], teacher: float | None, config: DistillBench
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = load_config(DistillBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = load_bench_config(DistillBenchConfig, argv, description=__doc__)
     setup_logging()
     interrupt_on_sigterm()
     assets = demo_assets(config.assets_dir)

@@ -18,9 +18,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from async_grpo.config.run_config import load_config
 from async_grpo.data.dataset import DatasetConfig, load_prompts
-from benchmarks.harness import REPO_ROOT
+from benchmarks.harness import load_bench_config, REPO_ROOT
 
 SMOKE = {"num_prompts": 2, "samples": 2}
 """Sizes of the smoke mode."""
@@ -61,7 +60,7 @@ def token_logprobs(model: torch.nn.Module, sequence: torch.Tensor, prompt_len: i
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = load_config(ProbeConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = load_bench_config(ProbeConfig, argv, description=__doc__)
     if config.smoke:
         config = replace(config, **SMOKE, teacher_path=config.teacher_path or config.student_path)
     torch.manual_seed(config.seed)

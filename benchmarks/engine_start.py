@@ -35,8 +35,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from async_grpo.config.run_config import load_config
-from benchmarks.harness import DEFAULT_DEMO_ASSETS, apply_smoke, demo_assets, setup_logging, summary_line
+from benchmarks.harness import (
+    apply_smoke, DEFAULT_DEMO_ASSETS, demo_assets, load_bench_config, setup_logging, summary_line,
+)
 
 WAYS = ("spawn", "fork")
 NAMESPACE = "benchmark-engine-start"
@@ -174,7 +175,7 @@ def run(args: EngineStartConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = apply_smoke(load_config(EngineStartConfig, argv=argv), SMOKE)
+    args = apply_smoke(load_bench_config(EngineStartConfig, argv, description=__doc__), SMOKE)
     setup_logging()
     print(summary_line("engine_start", run(args)), flush=True)
 

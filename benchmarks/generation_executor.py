@@ -34,8 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from async_grpo.config.run_config import load_config
-from benchmarks.harness import REPO_ROOT, SMOKE_ENGINE, apply_smoke
+from benchmarks.harness import apply_smoke, load_bench_config, REPO_ROOT, SMOKE_ENGINE
 
 SMOKE = {"prompts": 2, "n": 2, "repeats": 1}
 """Sizes of the smoke mode."""
@@ -147,7 +146,7 @@ def _child(model_dir: str, mode: str, args: GenerationExecutorConfig) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = load_config(GenerationExecutorConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    args = load_bench_config(GenerationExecutorConfig, argv, description=__doc__)
     args = apply_smoke(args, SMOKE)
     if args.child_mode:
         result = asyncio.run(_measure(args.child_model, args.child_mode == "in_process", args))

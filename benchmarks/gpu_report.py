@@ -37,9 +37,10 @@ from pathlib import Path
 
 import torch
 
-from async_grpo.config.run_config import load_config
 from async_grpo.model.tiny_model import PRESETS
-from benchmarks.harness import REPO_ROOT, apply_smoke, parse_summary_line, setup_logging, summary_line
+from benchmarks.harness import (
+    apply_smoke, load_bench_config, parse_summary_line, REPO_ROOT, setup_logging, summary_line,
+)
 
 logger = logging.getLogger("benchmarks.gpu_report")
 
@@ -259,7 +260,7 @@ def _header(config: ReportConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = load_config(ReportConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = load_bench_config(ReportConfig, argv, description=__doc__)
     config = apply_smoke(config, SMOKE)
     setup_logging(logging.INFO)
     if not config.smoke and not torch.cuda.is_available():

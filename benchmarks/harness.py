@@ -21,12 +21,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 DEFAULT_DEMO_ASSETS = REPO_ROOT / "runs" / "demo-assets"
 PREPARE_DEMO = REPO_ROOT / "scripts" / "prepare_demo.py"
+T = TypeVar("T")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 TRAINER_LOG_TAIL_LINES = 30  # enough to show the traceback of a failed trainer run
 
@@ -44,6 +45,20 @@ def interrupt_on_sigterm() -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def load_bench_config(cls: type[T], argv: list[str] | None, description: str = "") -> T:
+    """`cls` from a benchmark's command line (`argv`, or sys.argv[1:] when None) through
+    run_config.load_config. A value the config refuses exits 2 with one line naming the script
+    and the field, before anything starts (argparse already does so for unknown flags): no
+    traceback."""
+    from async_grpo.config.run_config import ConfigError, load_config
+
+    try:
+        return load_config(cls, sys.argv[1:] if argv is None else argv, description=description)
+    except ConfigError as error:
+        print(f"{Path(sys.argv[0]).name}: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def apply_smoke(config: Any, sizes: dict[str, Any]) -> Any:

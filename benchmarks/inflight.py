@@ -39,7 +39,6 @@ import logging
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -48,11 +47,10 @@ from typing import Any, Literal
 
 import torch
 
-from async_grpo.config.run_config import load_config
 from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.rollouts.token_versions import token_staleness
-from benchmarks.harness import SMOKE_ENGINE, apply_smoke, setup_logging, summary_line
+from benchmarks.harness import apply_smoke, load_bench_config, setup_logging, SMOKE_ENGINE, summary_line
 from sample_processing_utils import Sample
 
 logger = logging.getLogger(__name__)
@@ -243,7 +241,7 @@ def summarise(results: list[RunResult]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = apply_smoke(load_config(InflightConfig, sys.argv[1:] if argv is None else argv, description=__doc__), SMOKE)
+    cfg = apply_smoke(load_bench_config(InflightConfig, argv, description=__doc__), SMOKE)
     setup_logging()
     from async_grpo.launch.ray_cluster import init_local_ray
 

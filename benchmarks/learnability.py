@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import random
 import re
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from async_grpo.config.run_config import load_config
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
-from benchmarks.harness import apply_smoke, load_prepare_demo
+from benchmarks.harness import apply_smoke, load_bench_config, load_prepare_demo
 from setup_model import load_causal_lm, load_tokenizer
 
 PROBLEMS = [(a, b) for a in range(10) for b in range(10)]
@@ -113,7 +111,7 @@ def supervised_curve(model, tokenizer, steps: int, every: int, rng: random.Rando
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = load_config(LearnabilityConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    args = load_bench_config(LearnabilityConfig, argv, description=__doc__)
     args = apply_smoke(args, SMOKE)
     torch.set_num_threads(args.threads)
     for spec in args.warmups:

@@ -46,7 +46,7 @@ from async_grpo.rewards.math_verifier import score_completion
 from async_grpo.telemetry.run_report import THRESHOLDS, WINDOW, first_reached, moving_average, read_metrics
 from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
-from benchmarks.harness import REPO_ROOT, apply_smoke, launcher_engine_flags, setup_logging
+from benchmarks.harness import apply_smoke, launcher_engine_flags, load_bench_config, REPO_ROOT, setup_logging
 from sample_processing_utils import Sample
 
 logger = logging.getLogger(__name__)
@@ -401,7 +401,7 @@ def print_curves(seed: int, runs: dict[str, list[dict[str, float]]], every: int)
 
 def main(argv: list[str] | None = None) -> None:
     own, trainer_args = split_passthrough(sys.argv[1:] if argv is None else argv)
-    args = load_config(LearningParityConfig, own, description=__doc__)
+    args = load_bench_config(LearningParityConfig, own, description=__doc__)
     args = apply_smoke(args, SMOKE)
     setup_logging()
     torch.set_num_threads(args.threads)

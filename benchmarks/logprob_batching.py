@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -48,9 +47,8 @@ from typing import TYPE_CHECKING, Awaitable
 import torch
 from transformers import AutoConfig
 
-from async_grpo.config.run_config import load_config
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
-from benchmarks.harness import apply_smoke, setup_logging
+from benchmarks.harness import apply_smoke, load_bench_config, setup_logging
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, default_attn_implementation, load_causal_lm
 
@@ -288,7 +286,7 @@ def run_shape(label: str, shape: TinyModelConfig, config: BenchConfig, workdir: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = load_config(BenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = load_bench_config(BenchConfig, argv, description=__doc__)
     config = apply_smoke(config, SMOKE)
     setup_logging(logging.WARNING)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the worker's device "auto"

@@ -36,7 +36,6 @@ from pathlib import Path
 import psutil
 import torch
 
-from async_grpo.config.run_config import load_config
 from async_grpo.config.worker_options import EngineConfig
 from async_grpo.inference.weight_files import weights_file_dir
 from async_grpo.launch.ray_cluster import init_local_ray
@@ -45,7 +44,7 @@ from async_grpo.model.tiny_model import write_tiny_model
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.weights.weight_sync import StableMarker, WeightUpdate, tensor_to_blob, update_parts, write_stable_marker
-from benchmarks.harness import apply_smoke
+from benchmarks.harness import apply_smoke, load_bench_config
 from sample_processing_utils import Sample
 from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
@@ -238,7 +237,7 @@ def raise_mmap_threshold(size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = load_config(LoraPushMemoryConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = load_bench_config(LoraPushMemoryConfig, argv, description=__doc__)
     config = apply_smoke(config, SMOKE)
     if config.raise_mmap_threshold_mib:
         raise_mmap_threshold(config.raise_mmap_threshold_mib << 20)

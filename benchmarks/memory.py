@@ -50,7 +50,6 @@ import gc
 import logging
 import multiprocessing
 import resource
-import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -61,11 +60,10 @@ from typing import Callable, Literal
 
 import torch
 
-from async_grpo.config.run_config import load_config
 from async_grpo.model.tiny_model import (
     PRESETS, ShapeOverrides, TinyModelConfig, build_chat_tokenizer, build_tiny_tokenizer, model_shape, write_tiny_model,
 )
-from benchmarks.harness import apply_smoke, setup_logging
+from benchmarks.harness import apply_smoke, load_bench_config, setup_logging
 from benchmarks.packed_samples import draw_packed_samples, full_logit_logprobs
 from grpo_loss import LossConfig, chunked_token_logprobs, grpo_loss
 from sample_processing_utils import PackedBatch, post_process_batch
@@ -368,7 +366,7 @@ def run(config: BenchConfig, model_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = load_config(BenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = load_bench_config(BenchConfig, argv, description=__doc__)
     config = apply_smoke(config, SMOKE)
     setup_logging(logging.WARNING)
     shape = model_shape(config.preset, config.model)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -41,10 +40,9 @@ from typing import Callable
 
 import torch
 
-from async_grpo.config.run_config import load_config
 from async_grpo.model.packed_attention import PACKED_SDPA, PACKED_VARLEN
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
-from benchmarks.harness import apply_smoke, setup_logging
+from benchmarks.harness import apply_smoke, load_bench_config, setup_logging
 from grpo_loss import LossConfig, grpo_loss
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from setup_model import TokenLogprobModel, load_causal_lm
@@ -288,7 +286,7 @@ def run(config: BenchConfig, model_dir: Path) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = load_config(BenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = load_bench_config(BenchConfig, argv, description=__doc__)
     config = apply_smoke(config, SMOKE)
     setup_logging(logging.WARNING)
     torch.set_num_threads(config.threads)

@@ -19,9 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from async_grpo.config.run_config import load_config
 from async_grpo.launch.ray_env import actor_runtime_env, use_loopback_only_ray
-from benchmarks.harness import apply_smoke
+from benchmarks.harness import apply_smoke, load_bench_config
 
 SMOKE = {"duration_s": 5.0, "every_s": 1.0}
 """Sizes of the smoke mode."""
@@ -67,7 +66,7 @@ def rss_anon_mb(pid: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     import ray
 
-    config = load_config(RayletIdleConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = load_bench_config(RayletIdleConfig, argv, description=__doc__)
 
     config = apply_smoke(config, SMOKE)
     extra = json.loads(config.system_config)

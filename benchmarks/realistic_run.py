@@ -79,7 +79,9 @@ import yaml
 
 from async_grpo.config.run_config import ConfigError, config_to_dict, load_config, split_passthrough
 from async_grpo.telemetry.metrics import read_metrics
-from benchmarks.harness import REPO_ROOT, apply_smoke, interrupt_on_sigterm, launcher_engine_flags, setup_logging
+from benchmarks.harness import (
+    apply_smoke, interrupt_on_sigterm, launcher_engine_flags, load_bench_config, REPO_ROOT, setup_logging,
+)
 from benchmarks.process_monitor import (
     GB, KB, LogWatcher, ProcessMonitor, RunFailed, count_lines, phase_of, print_failure, process_table, run_polled,
     tail,
@@ -300,7 +302,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     own, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv))
-    config = load_config(RealisticRunConfig, own, description=__doc__)
+    config = load_bench_config(RealisticRunConfig, own, description=__doc__)
     config = apply_smoke(config, SMOKE)
     setup_logging()
     interrupt_on_sigterm()

@@ -58,16 +58,14 @@ import asyncio
 import logging
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
 
-from async_grpo.config.run_config import load_config
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rewards.reward_functions import FunctionScore
 from async_grpo.rewards.verifier_pool import VerifierPool
-from benchmarks.harness import apply_smoke, setup_logging
+from benchmarks.harness import apply_smoke, load_bench_config, setup_logging
 
 # Target length of a long reasoning completion: ~1k tokens, a typical math rollout.
 _LONG_COMPLETION_CHARS = 4000
@@ -372,7 +370,7 @@ def _workload(args: RewardBenchConfig, hostile_fraction: float,
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = load_config(RewardBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    args = load_bench_config(RewardBenchConfig, argv, description=__doc__)
     args = apply_smoke(args, SMOKE)
     setup_logging(logging.ERROR)
     if args.rounds < 1:

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from async_grpo.config.run_config import load_config
 from async_grpo.launch.ray_env import use_loopback_only_ray
+from benchmarks.harness import load_bench_config
 
 _TARGET_ROUTED_PER_S = 20_000  # issue 21: routing must not limit a 64-GPU job
 _PROMPT_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]  # a short prompt: payload size is not what is measured
@@ -356,7 +356,7 @@ def _forget_address_file(address: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = load_config(ScaleConfig, sys.argv[1:] if argv is None else argv, description=__doc__).resolved()
+    config = load_bench_config(ScaleConfig, argv, description=__doc__).resolved()
     use_loopback_only_ray()
     import ray
     from ray.cluster_utils import Cluster

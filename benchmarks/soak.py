@@ -63,10 +63,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from async_grpo.config.run_config import config_to_dict, load_config, split_passthrough
+from async_grpo.config.run_config import config_to_dict, split_passthrough
 from async_grpo.telemetry.metrics import read_metrics
 from benchmarks.harness import (
-    REPO_ROOT, DemoAssets, apply_smoke, interrupt_on_sigterm, launcher_engine_flags, setup_logging,
+    apply_smoke, DemoAssets, interrupt_on_sigterm, launcher_engine_flags, load_bench_config, REPO_ROOT,
+    setup_logging,
 )
 from benchmarks.process_monitor import (
     KB, LogWatcher, ProcessMonitor, RunFailed, count_lines, format_table, parse_status, phase_of, print_failure,
@@ -428,7 +429,7 @@ def final_line(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     own, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv))
-    config = load_config(SoakConfig, own, description=__doc__)
+    config = load_bench_config(SoakConfig, own, description=__doc__)
     config = apply_smoke(config, SMOKE)
     setup_logging()
     interrupt_on_sigterm()  # so run_polled stops local_cluster.py, which stops everything it started

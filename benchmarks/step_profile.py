@@ -38,9 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from async_grpo.config.run_config import load_config, split_passthrough
+from async_grpo.config.run_config import split_passthrough
 from benchmarks.harness import (
-    apply_smoke, demo_assets, demo_trainer_flags, fresh_run_dir, run_engine, run_trainer, setup_logging, summary_line,
+    apply_smoke, demo_assets, demo_trainer_flags, fresh_run_dir, load_bench_config, run_engine, run_trainer,
+    setup_logging, summary_line,
 )
 from benchmarks.process_monitor import (
     Counters, environ_rank, process_kind, process_label, read_counters, read_proc,
@@ -220,7 +221,7 @@ def print_profile(profile: Profile) -> None:
 def main(argv: list[str] | None = None) -> None:
     setup_logging()
     own, trainer_flags = split_passthrough(list(sys.argv[1:] if argv is None else argv))
-    config = apply_smoke(load_config(ProfileConfig, own, description=__doc__), SMOKE)
+    config = apply_smoke(load_bench_config(ProfileConfig, own, description=__doc__), SMOKE)
     with tempfile.TemporaryDirectory(prefix="step-profile-") as tmp:
         current = profile_run(config, "current", {}, trainer_flags, Path(tmp))
         print_profile(current)

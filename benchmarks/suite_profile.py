@@ -37,8 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from async_grpo.config.run_config import load_config
-from benchmarks.harness import REPO_ROOT, apply_smoke, setup_logging, summary_line
+from benchmarks.harness import apply_smoke, load_bench_config, REPO_ROOT, setup_logging, summary_line
 from benchmarks.process_monitor import (
     CLOCK_TICKS, counters_of, environ_rank, format_table, process_kind, process_label, python_role, read_proc,
     stat_fields,
@@ -186,7 +185,7 @@ def report(sampler: SuiteSampler, top: int, top_labels: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging()
-    config = apply_smoke(load_config(SuiteProfileConfig, list(sys.argv[1:] if argv is None else argv),
+    config = apply_smoke(load_bench_config(SuiteProfileConfig, argv,
                                      description=__doc__), SMOKE)
     sampler = SuiteSampler()
     sampler.poll(first=True)

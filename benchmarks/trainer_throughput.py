@@ -50,7 +50,6 @@ import math
 import resource
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -59,11 +58,10 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 
-from async_grpo.config.run_config import load_config
 from async_grpo.model.tiny_model import PRESETS, ShapeOverrides, model_shape, write_tiny_model
 from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, init_distributed
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer
-from benchmarks.harness import apply_smoke, setup_logging
+from benchmarks.harness import apply_smoke, load_bench_config, setup_logging
 from benchmarks.packed_samples import draw_packed_samples, training_flops
 from grpo_loss import LossConfig, grpo_loss
 from sample_processing_utils import Sample, post_process_batch
@@ -348,7 +346,7 @@ def format_result(result: dict[str, float | int | str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = load_config(BenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    config = load_bench_config(BenchConfig, argv, description=__doc__)
     config = apply_smoke(config, SMOKE)
     setup_logging(logging.WARNING)
     dist = init_distributed()

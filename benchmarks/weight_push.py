@@ -77,11 +77,10 @@ from typing import Any, Literal
 
 import torch
 
-from async_grpo.config.run_config import load_config
 from async_grpo.launch.local_processes import free_port
 from async_grpo.launch.ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, worker_actor_name
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
-from benchmarks.harness import REPO_ROOT, apply_smoke
+from benchmarks.harness import apply_smoke, load_bench_config, REPO_ROOT
 from local_cluster import LocalCluster, LocalClusterConfig
 from vllm_registry import get_or_create_registry
 
@@ -588,7 +587,7 @@ def trainer_main(model_dir: Path, out: Path, repeats: int, breakdown_repeats: in
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = load_config(PushBenchConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    cfg = load_bench_config(PushBenchConfig, argv, description=__doc__)
     cfg = apply_smoke(cfg, SMOKE)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,

@@ -1,11 +1,16 @@
 """benchmarks/ stays in shape: scripts run as `python -m benchmarks.NAME` (no sys.path edits), no
 benchmark script imports another, tests import none, and every script has a smoke mode that a test
-runs. Pure (reads source files only)."""
+runs, and reads its command line through harness.load_bench_config. Pure (reads source files only,
+and calls load_bench_config in this process)."""
 
 from __future__ import annotations
 
 import ast
+import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from support.paths import REPO_ROOT
 
@@ -89,3 +94,38 @@ def test_every_script_has_a_smoke_mode_that_a_test_runs() -> None:
             missing_test.append(name)
     assert not missing_mode, f"benchmarks without a smoke mode: {missing_mode}"
     assert not missing_test, f"benchmarks whose smoke mode no test runs: {missing_test}"
+
+
+def test_every_script_loads_its_own_config_through_load_bench_config() -> None:
+    """So a bad value on a benchmark's command line is one line and exit 2, not a traceback
+    (harness.load_bench_config); the trainer configs some scripts build for their runs are not
+    their command lines."""
+    offenders = []
+    for name, path in _scripts().items():
+        for node in ast.walk(_tree(path)):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "load_config"
+                    and not (node.args and getattr(node.args[0], "id", "") == "TrainerConfig")):
+                offenders.append(f"{name}:{node.lineno}")
+    assert not offenders, f"scripts loading their config with load_config: {offenders}"
+
+
+@dataclass(frozen=True)
+class _BenchConfig:
+    steps: int = 1
+    """Steps."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"_BenchConfig.steps must be >= 1, got {self.steps}")
+
+
+def test_a_refused_value_is_one_line_naming_the_script_and_exit_2(capsys, monkeypatch) -> None:
+    from benchmarks.harness import load_bench_config
+
+    monkeypatch.setattr(sys, "argv", ["/repo/benchmarks/some_bench.py", "--steps", "3"])
+    assert load_bench_config(_BenchConfig, None) == _BenchConfig(steps=3)  # None: the command line
+    with pytest.raises(SystemExit) as stopped:
+        load_bench_config(_BenchConfig, ["--steps", "0"])
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("some_bench.py: ") and "steps must be >= 1, got 0" in lines[0], lines

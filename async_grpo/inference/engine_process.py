@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import multiprocessing
 import multiprocessing.context
 import os
@@ -60,9 +61,11 @@ def engine_process_env(engine: EngineConfig) -> dict[str, str]:
 _OMP_PAUSE_HARD = 2
 
 
+@functools.cache
 def _openmp_runtime() -> ctypes.CDLL | None:
     """torch's own OpenMP runtime (torch/lib/libgomp.so.1, the one its ops run on), if it has
-    omp_pause_resource_all; None otherwise (another build, or an older runtime)."""
+    omp_pause_resource_all; None otherwise (another build, or an older runtime). Looked up once:
+    forks_engine_core asks, then every fork."""
     import torch  # noqa: PLC0415 (imported by vLLM already)
 
     path = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")

@@ -33,7 +33,7 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -203,27 +203,122 @@ def _cast_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
-def gather_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+GATHER_BUCKET_BYTES = 64 * 2**20
+"""Most bytes of full tensors (in the gathered dtype) that one all-gather carries when the weights
+are gathered to rank 0: one collective per bucket of FSDP shards instead of one per tensor (the
+demo model's 27 tensors: one, 25 -> ~3 ms a push on 2 CPU ranks), and a rank holds about this
+much extra at most; a tensor bigger than this travels alone, as before."""
+
+
+def gather_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None,
+                           bucket_bytes: int = GATHER_BUCKET_BYTES) -> dict[str, torch.Tensor] | None:
     """Full, unsharded CPU copies of every weight under HF names, on rank 0; None elsewhere.
 
-    Collective: every rank must call it (each tensor is all-gathered in turn, so peak extra
-    memory is one full tensor). dtype casts the floating-point copies (e.g. bf16 for inference;
-    integer buffers keep theirs); None keeps them.
+    Collective: every rank must call it. FSDP's shards are all-gathered in buckets of up to
+    bucket_bytes of full tensors (any other tensor alone), so peak extra memory is one bucket or
+    one full tensor, whichever is bigger. dtype casts the floating-point copies (e.g. bf16 for
+    inference; integer buffers keep theirs); None keeps them.
     """
-    return _gather_to_main(hf_tensors(model), dtype)
+    return _gather_to_main(hf_tensors(model), dtype, bucket_bytes)
 
 
-def _gather_to_main(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor] | None:
-    """Collective: all-gather each (possibly sharded) tensor in turn; rank 0 keeps full CPU copies
-    (floating point ones cast to dtype when given) and returns them, the others return None."""
+def _gather_to_main(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
+                    bucket_bytes: int = GATHER_BUCKET_BYTES) -> dict[str, torch.Tensor] | None:
+    """Collective: all-gather every (possibly sharded) tensor, bucket by bucket; rank 0 keeps full
+    CPU copies (floating point ones cast to dtype when given) and returns them, the others None."""
     main = _is_main_process()
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for name, tensor in named.items():
-            full = full_tensor(tensor.detach())
+        for bucket in _gather_buckets(named, dtype, bucket_bytes):
+            if len(bucket) == 1 and bucket[0].shard_dim is None:
+                (item,) = bucket
+                full = full_tensor(item.tensor)
+                fulls = {item.name: full.to(device="cpu", dtype=item.dtype, copy=True)} if main else {}
+            else:
+                fulls = _all_gather_shards(bucket)
             if main:
-                out[name] = full.to(device="cpu", dtype=_cast_dtype(full, dtype), copy=True)
+                out.update((name, full.to("cpu")) for name, full in fulls.items())
     return out if main else None
+
+
+@dataclass(frozen=True, slots=True)
+class _GatherItem:
+    """One tensor of a gather: its name, the tensor (detached), the dtype its full copy takes,
+    and the dim FSDP shards it along (None: not an FSDP shard, all-gathered alone)."""
+
+    name: str
+    tensor: torch.Tensor
+    dtype: torch.dtype
+    shard_dim: int | None
+
+
+def _fsdp_shard_dim(tensor: torch.Tensor) -> int | None:
+    """The dim a DTensor on a 1-D mesh with one Shard placement is cut along (FSDP2's layout);
+    None for a plain tensor or any other placement."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor) or tensor.device_mesh.ndim != 1 or len(tensor.placements) != 1:
+        return None
+    placement = tensor.placements[0]
+    return placement.dim if isinstance(placement, Shard) else None
+
+
+def _gather_buckets(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
+                    bucket_bytes: int) -> Iterator[list[_GatherItem]]:
+    """The tensors in order, in buckets every rank cuts alike: consecutive FSDP shards on one mesh
+    and device, of one gathered dtype, up to bucket_bytes of full tensors (at least one tensor);
+    any other tensor in a bucket of its own."""
+    bucket: list[_GatherItem] = []
+    size = 0
+    for name, tensor in named.items():
+        tensor = tensor.detach()
+        item = _GatherItem(name, tensor, _cast_dtype(tensor, dtype), _fsdp_shard_dim(tensor))
+        nbytes = tensor.numel() * item.dtype.itemsize
+        first = bucket[0] if bucket else None
+        if first is not None and (item.shard_dim is None or size + nbytes > bucket_bytes
+                                  or item.dtype != first.dtype or item.tensor.device != first.tensor.device
+                                  or item.tensor.device_mesh != first.tensor.device_mesh):
+            yield bucket
+            bucket, size = [], 0
+        if item.shard_dim is None:
+            yield [item]
+            continue
+        bucket.append(item)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _all_gather_shards(bucket: list[_GatherItem]) -> dict[str, torch.Tensor]:
+    """Collective: every rank's pieces of a bucket's FSDP shards in one all-gather; the full
+    tensors (on every rank, in their gathered dtype).
+
+    Each piece is padded to torch.chunk's ceil(n / k) rows along its shard dim (moved first), so
+    every rank sends the same number of elements and rank r's rows start at r * ceil(n / k).
+    """
+    mesh = bucket[0].tensor.device_mesh
+    world = mesh.size()
+    flats: list[torch.Tensor] = []
+    for item in bucket:
+        local, _, _ = local_piece(item.name, item.tensor)  # checks the torch.chunk layout
+        piece = local.movedim(item.shard_dim, 0)
+        rows = -(-item.tensor.shape[item.shard_dim] // world)
+        padded = piece.new_zeros((rows, *piece.shape[1:]), dtype=item.dtype)
+        padded[: piece.shape[0]] = piece
+        flats.append(padded.reshape(-1))
+    sent = torch.cat(flats)
+    received = [torch.empty_like(sent) for _ in range(world)]
+    dist.all_gather(received, sent, group=mesh.get_group())
+    fulls: dict[str, torch.Tensor] = {}
+    start = 0
+    for item, flat in zip(bucket, flats):
+        dim_size = item.tensor.shape[item.shard_dim]
+        rest = [s for d, s in enumerate(item.tensor.shape) if d != item.shard_dim]
+        rows = -(-dim_size // world)
+        pieces = [part[start:start + flat.numel()].view(rows, *rest) for part in received]
+        fulls[item.name] = torch.cat(pieces)[:dim_size].movedim(0, item.shard_dim).contiguous()
+        start += flat.numel()
+    return fulls
 
 
 def fsdp_shard_extent(dim0_size: int, num_shards: int, shard_index: int) -> tuple[int, int]:

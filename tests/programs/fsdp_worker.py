@@ -18,6 +18,9 @@ Rank 0 writes, under OUT:
     grads.pt                    full gradients (HF names) after the trainer's gradient scaling
     <tag>/before.pt, after.pt   probe logits and logprobs before / after one optimizer step
     <tag>/gathered.pt           gather_full_state_dict after the step
+    <tag>/gathered_buckets.pt   the same with 4 KiB buckets (several small tensors per all-gather,
+                                the bigger ones alone), and bf16 with 4 KiB buckets
+    <tag>/per_tensor.pt         each weight's DTensor.full_tensor() (torch's own gather, one by one)
     <tag>/assembled.pt          assemble_state_dict of every rank's local_shard_blobs
     <tag>/checkpoint/           export_hf_checkpoint
     dist_info.json              what init_distributed reported
@@ -42,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, init_distributed
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler
 from async_grpo.weights.weight_loading import assemble_state_dict  # noqa: E402
-from async_grpo.weights.weight_sync import export_hf_checkpoint, gather_full_state_dict, local_shard_blobs
+from async_grpo.weights.weight_sync import export_hf_checkpoint, gather_full_state_dict, hf_tensors, local_shard_blobs
 from grpo_loss import LossConfig, grpo_loss  # noqa: E402
 from sample_processing_utils import Sample, get_input_for_logprobs, post_process_batch  # noqa: E402
 from setup_model import ModelConfig
@@ -54,6 +57,8 @@ STALLED_PEER_TIMEOUT_S = 3.0  # short: the stalled-peer check waits this long fo
 STALLED_PEER_WAIT_S = 120.0  # how long the stalled rank waits for rank 0's verdict before leaving
 # Small chunks so the FSDP side takes the multi-chunk lm_head path while the reference does not.
 GRAD_CHUNK_SIZE = 5
+# Small gather buckets: the norms' weights share all-gathers, every matrix goes alone.
+SMALL_GATHER_BUCKET_BYTES = 4096
 
 
 def _rank_samples(spec: dict, rank: int) -> list[list[Sample]]:
@@ -119,6 +124,11 @@ def check_export(tag: str, model_path: str, spec: dict, info: DistInfo, out_dir:
     after = _probe(model, probe)
 
     gathered = gather_full_state_dict(model)
+    gathered_buckets = {"float32": gather_full_state_dict(model, bucket_bytes=SMALL_GATHER_BUCKET_BYTES),
+                        "bfloat16": gather_full_state_dict(model, dtype=torch.bfloat16,
+                                                           bucket_bytes=SMALL_GATHER_BUCKET_BYTES)}
+    with torch.no_grad():
+        per_tensor = {name: tensor.detach().full_tensor() for name, tensor in hf_tensors(model).items()}
     all_blobs = [None] * info.world_size
     dist.all_gather_object(all_blobs, local_shard_blobs(model))
     tag_dir = out_dir / tag
@@ -127,6 +137,8 @@ def check_export(tag: str, model_path: str, spec: dict, info: DistInfo, out_dir:
         torch.save(before, tag_dir / "before.pt")
         torch.save(after, tag_dir / "after.pt")
         torch.save(gathered, tag_dir / "gathered.pt")
+        torch.save(gathered_buckets, tag_dir / "gathered_buckets.pt")
+        torch.save(per_tensor, tag_dir / "per_tensor.pt")
         # Highest rank first: assembly must follow the blobs' offsets, not the order they arrive in.
         torch.save(assemble_state_dict(all_blobs[::-1]), tag_dir / "assembled.pt")
 

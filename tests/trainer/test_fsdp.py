@@ -225,6 +225,22 @@ def test_shard_blobs_assemble_to_gathered_state(fsdp_run: Path, tag: str) -> Non
         assert torch.equal(reloaded[name], tensor), name
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("tag", ["untied", "tied"])
+def test_bucketed_gathers_equal_torchs_own_gather_of_each_tensor(fsdp_run: Path, tag: str) -> None:
+    """gather_full_state_dict packs FSDP's shards into one all-gather per bucket and unpads them
+    itself; torch's DTensor.full_tensor() of each weight, one by one, is the reference. The tied
+    model's odd MLP width leaves rank 1 a shorter shard of gate/up_proj (65 / 64 rows)."""
+    reference = torch.load(fsdp_run / tag / "per_tensor.pt")
+    default = torch.load(fsdp_run / tag / "gathered.pt")
+    buckets = torch.load(fsdp_run / tag / "gathered_buckets.pt")
+    for gathered, dtype in ((default, torch.float32), (buckets["float32"], torch.float32),
+                            (buckets["bfloat16"], torch.bfloat16)):
+        assert gathered.keys() == reference.keys()
+        for name, tensor in reference.items():
+            assert gathered[name].dtype == dtype and torch.equal(gathered[name], tensor.to(dtype)), name
+
+
 # ------------------------------------------------------------------------------------------
 # In-process pieces.
 # ------------------------------------------------------------------------------------------

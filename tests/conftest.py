@@ -28,6 +28,7 @@ marker it needs, so a slow test cannot slip into the fast tier unseen.
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -115,6 +116,9 @@ def _fast_tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
         return
     import multiprocessing.process
 
+    # platform.uname() runs `uname -p` once per process and caches it; vLLM's import calls it. Run
+    # it before watching, so the guard does not blame whichever test happens to import vLLM first.
+    platform.processor()
     seen: dict[str, str] = {}
 
     def watch(owner: Any, name: str, what: str, needs: str) -> None:

@@ -49,7 +49,10 @@ class ServedWeights:
         """One request's hold on the served weights: waits out a weight update, then yields the
         version and the adapter it runs on (taken together: the request keeps this adapter to the
         end, even if a newer one is loaded meanwhile), counted in flight until it ends."""
-        await self.accepting.wait()
+        # A request woken by accepting.set() may run only after the next update cleared it again:
+        # it checks once more, so none starts while an update that counted no request in flight runs.
+        while not self.accepting.is_set():
+            await self.accepting.wait()
         version, adapter = self.version, self.adapters.acquire()
         self.inflight += 1
         try:

@@ -1,7 +1,8 @@
-"""A recording stand-in of vLLM's AsyncLLM for the weight-transfer tests: its weight-transfer and
-pause calls, recorded in order with their arguments, and the init and update payloads the tests send
-(tests/inference/test_transfer_pass_through.py, the worker's end;
-tests/trainer/test_weight_sync_transfer.py, the trainer's end against engines that record)."""
+"""A recording stand-in of vLLM's AsyncLLM for the weight-transfer tests: its weight-transfer, pause
+and cache calls, recorded in order with their arguments, and the init and update payloads the tests
+send (tests/inference/test_transfer_pass_through.py and tests/inference/test_object_store_reload.py,
+the worker's end; tests/trainer/test_weight_sync_transfer.py, the trainer's end against engines
+that record)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ if TYPE_CHECKING:  # the tests' collection imports no vLLM
 
 
 class RecordingEngine:
-    """AsyncLLM's weight-transfer and pause calls, recorded as (name, argument) pairs."""
+    """AsyncLLM's weight-transfer, pause and cache calls, recorded as (name, argument) pairs."""
 
     def __init__(self, world_size: int = 2) -> None:
         self.calls: list[tuple[str, Any]] = []
+        self.prefix_cache_resets = True
+        """What reset_prefix_cache answers (vLLM: False when a KV connector could not be reset)."""
         self.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=world_size))
 
     async def init_weight_transfer_engine(self, request: WeightTransferInitRequest) -> None:
@@ -39,6 +42,10 @@ class RecordingEngine:
 
     async def resume_generation(self) -> None:
         self.calls.append(("resume_generation", None))
+
+    async def reset_prefix_cache(self) -> bool:
+        self.calls.append(("reset_prefix_cache", None))
+        return self.prefix_cache_resets
 
 
 INIT = {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 3, "world_size": 5, "packed": True}

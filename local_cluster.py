@@ -29,9 +29,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
-from async_grpo.config.run_config import ConfigError, config_to_flags, flattened, load_config, split_passthrough
+from async_grpo.config.run_config import (
+    ConfigError, config_to_flags, exit_config_error, flattened, load_config, split_passthrough,
+)
 from async_grpo.config.worker_options import (
     EngineConfig, HealthCheckConfig, LogprobBatchingConfig, RestartConfig, VerificationConfig,
 )
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from async_grpo.trainer.config import TrainerConfig
 
 logger = logging.getLogger(__name__)
+PROGRAM = "local_cluster.py"  # how its one-line errors name it
 
 _POLL_S = 0.5  # how often the launcher looks at dispatcher logs while waiting
 
@@ -407,9 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(LocalClusterConfig, own, description=__doc__)
     except ConfigError as error:  # a value its field refuses, or no --run_dir / --log_dir
-        exit_config_error(str(error))
+        exit_config_error(PROGRAM, str(error))
     if not config.run_dir:
-        exit_config_error("--run_dir is required (the trainer's run directory)")
+        exit_config_error(PROGRAM, "--run_dir is required (the trainer's run directory)")
     trainer_args = ["--run_dir", config.run_dir, "--model.model_path", config.model_path, *trainer_args]
     check_environment(config)
     trainer_config = load_trainer_config(trainer_args)  # prints its one line and exits 2 itself
@@ -448,7 +451,7 @@ def plan_or_exit(config: LocalClusterConfig, trainer_config: TrainerConfig) -> t
         placement, run = plan_for(config, trainer_config)
         check_transfer_placement(trainer_config.transfer.weight_transfer, placement)
     except (PlacementError, ValueError, OSError) as error:
-        exit_config_error(str(error))
+        exit_config_error(PROGRAM, str(error))
     return placement, run
 
 
@@ -468,9 +471,9 @@ def with_trainer_transfer(config: LocalClusterConfig, weight_transfer: str) -> L
     if own == weight_transfer:
         return config
     if own != LOCAL_ENGINE.weight_transfer:
-        exit_config_error(f"--weight_transfer {own!r} (the generation engines) differs from the trainer's "
-                          f"--transfer.weight_transfer {weight_transfer!r}: set the trainer's alone, the launcher "
-                          "passes it on")
+        exit_config_error(PROGRAM, f"--weight_transfer {own!r} (the generation engines) differs from the "
+                                   f"trainer's --transfer.weight_transfer {weight_transfer!r}: set the trainer's "
+                                   "alone, the launcher passes it on")
     return dataclasses.replace(config, engine=dataclasses.replace(config.engine, weight_transfer=weight_transfer))
 
 
@@ -494,15 +497,6 @@ def _workers_text(config: LocalClusterConfig) -> str:
     return f"{config.total_workers} worker{'s' if config.total_workers != 1 else ''} ({kinds})"
 
 
-def exit_config_error(message: str) -> NoReturn:
-    """Print one line naming the launcher and exit with the trainer's config-error status (2),
-    before Ray or any worker starts."""
-    from trainer_core import CONFIG_ERROR_EXIT
-
-    print(f"local_cluster.py: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(CONFIG_ERROR_EXIT)
-
-
 def check_environment(config: LocalClusterConfig) -> None:
     """Installed versions, before Ray or any worker starts; exit 2 with one line."""
     from async_grpo.config.versions import WORKER_REQUIREMENTS, VersionError, check_versions
@@ -510,7 +504,7 @@ def check_environment(config: LocalClusterConfig) -> None:
     try:
         check_versions(WORKER_REQUIREMENTS)
     except VersionError as error:
-        exit_config_error(str(error))
+        exit_config_error(PROGRAM, str(error))
 
 
 def check_teacher_model(teacher_path: str, student_path: str) -> None:
@@ -523,10 +517,10 @@ def check_teacher_model(teacher_path: str, student_path: str) -> None:
         check_model_dir(teacher_path)
         same = tokenizer_fingerprint(load_tokenizer(teacher_path)) == tokenizer_fingerprint(load_tokenizer(student_path))
     except ModelPathError as error:
-        exit_config_error(f"teacher: {error}")
+        exit_config_error(PROGRAM, f"teacher: {error}")
     if not same:
-        exit_config_error(f"the teacher ({teacher_path}) and the student ({student_path}) have different "
-                          "tokenizers; distillation needs one tokenizer for both")
+        exit_config_error(PROGRAM, f"the teacher ({teacher_path}) and the student ({student_path}) have "
+                                   "different tokenizers; distillation needs one tokenizer for both")
 
 
 def check_trainer_inputs(trainer_config: TrainerConfig, max_lora_rank: int = 0) -> None:
@@ -539,12 +533,12 @@ def check_trainer_inputs(trainer_config: TrainerConfig, max_lora_rank: int = 0) 
     started = time.monotonic()
     lora_r = trainer_config.model.lora.r
     if lora_r > max_lora_rank:
-        exit_config_error(f"the trainer's model.lora.r={lora_r} needs generation workers that serve LoRA "
-                          f"adapters: pass --max_lora_rank {vllm_lora_rank(lora_r)}")
+        exit_config_error(PROGRAM, f"the trainer's model.lora.r={lora_r} needs generation workers that serve "
+                                   f"LoRA adapters: pass --max_lora_rank {vllm_lora_rank(lora_r)}")
     try:
         inputs = load_run_inputs(trainer_config, with_evaluator=True)
     except InputError as error:
-        exit_config_error(str(error))
+        exit_config_error(PROGRAM, str(error))
     logger.info("trainer inputs checked in %.1f s: %d prompts", time.monotonic() - started, len(inputs.prompts))
 
 

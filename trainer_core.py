@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
 from async_grpo.batching.batcher_config import BatcherConfig
-from async_grpo.config.run_config import ConfigError, load_config, save_config
+from async_grpo.config.run_config import CONFIG_ERROR_EXIT, ConfigError, load_config, save_config
 from async_grpo.config.versions import TRAINER_REQUIREMENTS, VersionError, check_versions
 from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, check_transfer_packages
 from async_grpo.launch.local_processes import exit_without_teardown
@@ -514,8 +514,6 @@ def run_step(step: int, parts: StepParts, config: TrainerConfig, dist: DistInfo)
 
 CONFIG_HINT = ("trainer_core.py needs a config: --config FILE (e.g. configs/demo.yaml) and/or "
                "--model.model_path PATH --data.path FILE; see --help")
-# Exit status for a config that does not load (argparse's, for the same kind of usage error).
-CONFIG_ERROR_EXIT = 2
 CLUSTER_ERROR_EXIT = 1  # the Ray cluster cannot be joined
 
 

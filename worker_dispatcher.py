@@ -49,7 +49,7 @@ from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from async_grpo.config.model_path import ModelPathError, check_model_dir
-from async_grpo.config.run_config import ConfigError, flattened, load_config
+from async_grpo.config.run_config import CONFIG_ERROR_EXIT, ConfigError, flattened, load_config
 from async_grpo.config.versions import (
     LOGPROB_WORKER_REQUIREMENTS, RAY, WORKER_REQUIREMENTS, VersionError, check_versions,
 )
@@ -574,8 +574,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_shared_gpu_memory(cfg, cuda)
             check_engine_transfer(cfg, cuda)
         except (ConfigError, ModelPathError, VersionError, ValueError) as err:
-            print(f"worker_dispatcher.py: {err}", file=sys.stderr)
-            return 2
+            print(f"worker_dispatcher.py: {err}", file=sys.stderr, flush=True)
+            return CONFIG_ERROR_EXIT
         return serve(cfg)
     except (ClusterJoinError, VersionError) as err:
         print(f"worker_dispatcher.py: {err}", file=sys.stderr, flush=True)

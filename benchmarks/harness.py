@@ -52,13 +52,12 @@ def load_bench_config(cls: type[T], argv: list[str] | None, description: str = "
     run_config.load_config. A value the config refuses exits 2 with one line naming the script
     and the field, before anything starts (argparse already does so for unknown flags): no
     traceback."""
-    from async_grpo.config.run_config import ConfigError, load_config
+    from async_grpo.config.run_config import ConfigError, exit_config_error, load_config
 
     try:
         return load_config(cls, sys.argv[1:] if argv is None else argv, description=description)
     except ConfigError as error:
-        print(f"{Path(sys.argv[0]).name}: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        exit_config_error(Path(sys.argv[0]).name, error)
 
 
 def apply_smoke(config: Any, sizes: dict[str, Any]) -> Any:

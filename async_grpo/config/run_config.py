@@ -35,6 +35,9 @@ place, the config class:
     save_config(cfg, run_dir / "config.yaml")
     own, rest = split_passthrough(sys.argv[1:])  # launchers: flags after `--` go to a child
     command, cfg = load_command({"plot": PlotConfig, "compare": CompareConfig}, sys.argv[1:], prog)
+
+A value a config refuses ends an entry point with one line naming the program and the field, exit
+status 2, before anything starts (`exit_config_error`); argparse already does so for unknown flags.
 """
 
 from __future__ import annotations
@@ -45,12 +48,13 @@ import copy
 import dataclasses
 import inspect
 import json
+import sys
 import textwrap
 import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping, TypeVar
+from typing import Any, Iterator, Literal, Mapping, NoReturn, TypeVar
 
 import yaml
 
@@ -59,6 +63,16 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A config file or flag that does not fit the config's schema."""
+
+
+CONFIG_ERROR_EXIT = 2
+"""Exit status of a command line or config that cannot be used (argparse's, for the same kind of error)."""
+
+
+def exit_config_error(program: str, error: Exception | str) -> NoReturn:
+    """`program: error` as one line on stderr, then exit CONFIG_ERROR_EXIT: no traceback."""
+    print(f"{program}: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(CONFIG_ERROR_EXIT)
 
 
 _FLATTEN = "run_config.flatten"  # dataclass field metadata key marking a flattened section

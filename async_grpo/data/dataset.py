@@ -64,7 +64,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from async_grpo.config.run_config import ConfigError, flattened, load_command
+from async_grpo.config.run_config import ConfigError, exit_config_error, flattened, load_command
 from async_grpo.data.arithmetic_data import WriteArithmeticConfig, write_arithmetic_dataset
 from async_grpo.data.prompt_record import (
     DATA_FORMATS, FORMAT_FIELDS, GROUPING_FIELDS, MISSING_ANSWER_POLICIES, TOKEN_IDS_FIELD, DataFormat, DatasetError,
@@ -527,14 +527,14 @@ def _check_command(config: CheckConfig) -> None:
 
 
 _COMMANDS = {"write-arithmetic": WriteArithmeticConfig, "check": CheckConfig}
+_PROG = "python -m async_grpo.data.dataset"
 
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        _, config = load_command(_COMMANDS, list(sys.argv[1:] if argv is None else argv),
-                                 "python -m async_grpo.data.dataset")
+        command, config = load_command(_COMMANDS, list(sys.argv[1:] if argv is None else argv), _PROG)
     except ConfigError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        exit_config_error(_PROG, exc)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if isinstance(config, WriteArithmeticConfig):
         out = write_arithmetic_dataset(
@@ -545,8 +545,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         try:
             _check_command(config)
-        except DatasetError as exc:
-            raise SystemExit(f"error: {exc}") from None
+        except DatasetError as exc:  # a file that does not fit its format: one line
+            exit_config_error(f"{_PROG} {command}", exc)
 
 
 if __name__ == "__main__":

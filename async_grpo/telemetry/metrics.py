@@ -38,11 +38,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, NoReturn, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
-from async_grpo.config.run_config import ConfigError, load_command, positional
+from async_grpo.config.run_config import ConfigError, exit_config_error, load_command, positional
 from async_grpo.rewards.rewards import counts_as_solved
 from async_grpo.rollouts.token_versions import oldest_version, token_staleness
 from async_grpo.telemetry.collapse import CollapseConfig, CollapseWatch
@@ -528,7 +528,6 @@ class CompareConfig:
 
 _COMMANDS = {"plot": PlotConfig, "compare": CompareConfig}
 _PROG = "python -m async_grpo.telemetry.metrics"
-_USAGE_ERROR = 2  # the exit status of a command line or run directory that cannot be used, as argparse's
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -536,7 +535,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         command, config = load_command(_COMMANDS, args, _PROG)
     except ConfigError as err:  # a bad value: one line
-        _exit_usage(args[0], err)
+        exit_config_error(f"metrics.py {args[0]}", err)
     if isinstance(config, PlotConfig):
         print(f"wrote {plot_reward_curve(Path(config.run_dir), Path(config.out), config.title)}")
         return
@@ -544,13 +543,8 @@ def main(argv: list[str] | None = None) -> None:
         print(compare_runs([Path(run) for run in config.run_dirs], Path(config.out), window=config.window,
                            thresholds=config.thresholds))
     except ValueError as err:  # not a run directory, no records: one line
-        _exit_usage(command, err)
+        exit_config_error(f"metrics.py {command}", err)
     print(f"wrote {config.out}")
-
-
-def _exit_usage(command: str, err: Exception) -> NoReturn:
-    print(f"metrics.py {command}: {err}", file=sys.stderr)
-    raise SystemExit(_USAGE_ERROR)
 
 
 if __name__ == "__main__":

@@ -235,7 +235,7 @@ def _gather_to_main(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None
                 full = full_tensor(item.tensor)
                 fulls = {item.name: full.to(device="cpu", dtype=item.dtype, copy=True)} if main else {}
             else:
-                fulls = _all_gather_shards(bucket)
+                fulls = _all_gather_shards(bucket, unpack=main)
             if main:
                 out.update((name, full.to("cpu")) for name, full in fulls.items())
     return out if main else None
@@ -289,12 +289,12 @@ def _gather_buckets(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None
         yield bucket
 
 
-def _all_gather_shards(bucket: list[_GatherItem]) -> dict[str, torch.Tensor]:
-    """Collective: every rank's pieces of a bucket's FSDP shards in one all-gather; the full
-    tensors (on every rank, in their gathered dtype).
+def _all_gather_shards(bucket: list[_GatherItem], unpack: bool) -> dict[str, torch.Tensor]:
+    """Collective: every rank's pieces of a bucket's FSDP shards in one all-gather; with `unpack`
+    (rank 0) the full CPU tensors in their gathered dtype, else {}.
 
-    Each piece is padded to torch.chunk's ceil(n / k) rows along its shard dim (moved first), so
-    every rank sends the same number of elements and rank r's rows start at r * ceil(n / k).
+    Each piece is padded to torch.chunk's rows per shard along its shard dim (moved first), so
+    every rank sends the same number of elements and rank r's rows start at r * rows per shard.
     """
     mesh = bucket[0].tensor.device_mesh
     world = mesh.size()
@@ -302,23 +302,30 @@ def _all_gather_shards(bucket: list[_GatherItem]) -> dict[str, torch.Tensor]:
     for item in bucket:
         local, _, _ = local_piece(item.name, item.tensor)  # checks the torch.chunk layout
         piece = local.movedim(item.shard_dim, 0)
-        rows = -(-item.tensor.shape[item.shard_dim] // world)
-        padded = piece.new_zeros((rows, *piece.shape[1:]), dtype=item.dtype)
+        padded = piece.new_zeros((_rows_per_shard(item.tensor.shape[item.shard_dim], world), *piece.shape[1:]),
+                                 dtype=item.dtype)
         padded[: piece.shape[0]] = piece
         flats.append(padded.reshape(-1))
     sent = torch.cat(flats)
     received = [torch.empty_like(sent) for _ in range(world)]
     dist.all_gather(received, sent, group=mesh.get_group())
+    if not unpack:
+        return {}
+    received = [part.cpu() for part in received]  # one copy off the device per rank's part
     fulls: dict[str, torch.Tensor] = {}
     start = 0
     for item, flat in zip(bucket, flats):
         dim_size = item.tensor.shape[item.shard_dim]
-        rest = [s for d, s in enumerate(item.tensor.shape) if d != item.shard_dim]
-        rows = -(-dim_size // world)
-        pieces = [part[start:start + flat.numel()].view(rows, *rest) for part in received]
+        rest = [size for dim, size in enumerate(item.tensor.shape) if dim != item.shard_dim]
+        pieces = [part[start:start + flat.numel()].view(-1, *rest) for part in received]
         fulls[item.name] = torch.cat(pieces)[:dim_size].movedim(0, item.shard_dim).contiguous()
         start += flat.numel()
     return fulls
+
+
+def _rows_per_shard(dim_size: int, num_shards: int) -> int:
+    """torch.chunk's piece length: ceil(dim_size / num_shards)."""
+    return -(-dim_size // num_shards)
 
 
 def fsdp_shard_extent(dim0_size: int, num_shards: int, shard_index: int) -> tuple[int, int]:
@@ -327,7 +334,7 @@ def fsdp_shard_extent(dim0_size: int, num_shards: int, shard_index: int) -> tupl
 
     torch.chunk cuts ceil(n / k)-row pieces, so with n=5, k=4 the rows are 2, 2, 1, 0.
     """
-    rows_per_shard = -(-dim0_size // num_shards)
+    rows_per_shard = _rows_per_shard(dim0_size, num_shards)
     offset = min(shard_index * rows_per_shard, dim0_size)
     return offset, min(rows_per_shard, dim0_size - offset)
 

@@ -143,8 +143,8 @@ class ObjectStoreReloader:
         With none (`ServedWeights.inflight` 0 once new ones are held back: between the steps of a
         synchronous run), nothing can reach the engine until the load ends, so the pause is
         skipped: it costs a fixed 20 ms sleep for in-flight outputs (AsyncLLM.pause_generation in
-        vLLM 0.32), a third of the demo's 1.2 MB push; the prefix cache is reset after the load
-        instead. Either way, cached KV computed with the old weights is never reused, and
+        vLLM 0.32), a third of the load part of the demo's 1.2 MB push (58 ms); the prefix cache is
+        reset after the load instead. Either way, cached KV computed with the old weights is never reused, and
         requests arriving meanwhile wait, so the version they record is the one they run on.
         The first bucket is fetched before the session starts (starting it takes the engine's
         layers apart for reloading), so an update whose objects are gone leaves the engine

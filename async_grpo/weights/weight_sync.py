@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,11 +204,13 @@ def _cast_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
-GATHER_BUCKET_BYTES = 64 * 2**20
+GATHER_BUCKET_BYTES = 16 * 2**20
 """Most bytes of full tensors (in the gathered dtype) that one all-gather carries when the weights
-are gathered to rank 0: one collective per bucket of FSDP shards instead of one per tensor (the
-demo model's 27 tensors: one, 25 -> ~3 ms a push on 2 CPU ranks), and a rank holds about this
-much extra at most; a tensor bigger than this travels alone, as before."""
+are gathered to rank 0. Gathering each tensor alone costs a collective's latency per tensor: most
+of the demo model's push (27 tensors: 23.7 ms, bucketed 3.3 ms on 2 CPU ranks). A tensor at least
+this big is bandwidth-bound and goes alone through torch's own gather, which copies less (bucketing
+every tensor of a 136M-parameter model made its gather ~15% slower: benchmarks/RESULTS.md, "The
+push in milliseconds")."""
 
 
 def gather_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None,
@@ -265,22 +268,24 @@ def _fsdp_shard_dim(tensor: torch.Tensor) -> int | None:
 
 def _gather_buckets(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
                     bucket_bytes: int) -> Iterator[list[_GatherItem]]:
-    """The tensors in order, in buckets every rank cuts alike: consecutive FSDP shards on one mesh
-    and device, of one gathered dtype, up to bucket_bytes of full tensors (at least one tensor);
-    any other tensor in a bucket of its own."""
+    """The tensors in order, in buckets every rank cuts alike: consecutive FSDP shards smaller than
+    bucket_bytes on one mesh and device, of one gathered dtype, up to bucket_bytes of full tensors;
+    any other tensor in a bucket of its own, marked unsharded (gathered by torch alone)."""
     bucket: list[_GatherItem] = []
     size = 0
     for name, tensor in named.items():
         tensor = tensor.detach()
-        item = _GatherItem(name, tensor, _cast_dtype(tensor, dtype), _fsdp_shard_dim(tensor))
-        nbytes = tensor.numel() * item.dtype.itemsize
+        item_dtype = _cast_dtype(tensor, dtype)
+        nbytes = tensor.numel() * item_dtype.itemsize
+        shard_dim = _fsdp_shard_dim(tensor) if nbytes < bucket_bytes else None
+        item = _GatherItem(name, tensor, item_dtype, shard_dim)
         first = bucket[0] if bucket else None
-        if first is not None and (item.shard_dim is None or size + nbytes > bucket_bytes
-                                  or item.dtype != first.dtype or item.tensor.device != first.tensor.device
-                                  or item.tensor.device_mesh != first.tensor.device_mesh):
+        if first is not None and (shard_dim is None or size + nbytes > bucket_bytes or item.dtype != first.dtype
+                                  or tensor.device != first.tensor.device
+                                  or tensor.device_mesh != first.tensor.device_mesh):
             yield bucket
             bucket, size = [], 0
-        if item.shard_dim is None:
+        if shard_dim is None:
             yield [item]
             continue
         bucket.append(item)
@@ -293,34 +298,41 @@ def _all_gather_shards(bucket: list[_GatherItem], unpack: bool) -> dict[str, tor
     """Collective: every rank's pieces of a bucket's FSDP shards in one all-gather; with `unpack`
     (rank 0) the full CPU tensors in their gathered dtype, else {}.
 
-    Each piece is padded to torch.chunk's rows per shard along its shard dim (moved first), so
-    every rank sends the same number of elements and rank r's rows start at r * rows per shard.
+    Each piece takes torch.chunk's rows per shard along its shard dim (moved first) in one flat
+    buffer, its padding rows zero, so every rank sends the same number of elements and rank r's
+    rows of a tensor start at r * rows per shard.
     """
     mesh = bucket[0].tensor.device_mesh
     world = mesh.size()
-    flats: list[torch.Tensor] = []
-    for item in bucket:
+    shapes = [_padded_shape(item, world) for item in bucket]
+    sizes = [math.prod(shape) for shape in shapes]
+    sent = torch.empty(sum(sizes), dtype=bucket[0].dtype, device=bucket[0].tensor.device)
+    for item, shape, segment in zip(bucket, shapes, sent.split(sizes)):
         local, _, _ = local_piece(item.name, item.tensor)  # checks the torch.chunk layout
         piece = local.movedim(item.shard_dim, 0)
-        padded = piece.new_zeros((_rows_per_shard(item.tensor.shape[item.shard_dim], world), *piece.shape[1:]),
-                                 dtype=item.dtype)
-        padded[: piece.shape[0]] = piece
-        flats.append(padded.reshape(-1))
-    sent = torch.cat(flats)
-    received = [torch.empty_like(sent) for _ in range(world)]
-    dist.all_gather(received, sent, group=mesh.get_group())
+        rows = segment.view(shape)
+        rows[: piece.shape[0]].copy_(piece)  # casts to the gathered dtype
+        rows[piece.shape[0]:].zero_()
+    received = sent.new_empty(world * sent.numel())
+    dist.all_gather_into_tensor(received, sent, group=mesh.get_group())
     if not unpack:
         return {}
-    received = [part.cpu() for part in received]  # one copy off the device per rank's part
+    per_rank = received.cpu().view(world, -1)
     fulls: dict[str, torch.Tensor] = {}
-    start = 0
-    for item, flat in zip(bucket, flats):
-        dim_size = item.tensor.shape[item.shard_dim]
-        rest = [size for dim, size in enumerate(item.tensor.shape) if dim != item.shard_dim]
-        pieces = [part[start:start + flat.numel()].view(-1, *rest) for part in received]
-        fulls[item.name] = torch.cat(pieces)[:dim_size].movedim(0, item.shard_dim).contiguous()
-        start += flat.numel()
+    for item, shape, columns in zip(bucket, shapes, per_rank.split(sizes, dim=1)):
+        # Rank r's rows follow rank r-1's: one copy into the tensor's own storage, padding rows last.
+        stacked = columns.new_empty((world * shape[0], *shape[1:]))
+        stacked.view(world, -1).copy_(columns)
+        full = stacked[: item.tensor.shape[item.shard_dim]]
+        fulls[item.name] = full if item.shard_dim == 0 else full.movedim(0, item.shard_dim).contiguous()
     return fulls
+
+
+def _padded_shape(item: _GatherItem, world: int) -> tuple[int, ...]:
+    """A piece's shape in the flat buffer: rows per shard along the shard dim (moved first), then
+    the other dims in order."""
+    rest = tuple(size for dim, size in enumerate(item.tensor.shape) if dim != item.shard_dim)
+    return (_rows_per_shard(item.tensor.shape[item.shard_dim], world), *rest)
 
 
 def _rows_per_shard(dim_size: int, num_shards: int) -> int:

@@ -314,7 +314,7 @@ def _all_gather_shards(bucket: list[_GatherItem], unpack: bool) -> dict[str, tor
         rows[: piece.shape[0]].copy_(piece)  # casts to the gathered dtype
         rows[piece.shape[0]:].zero_()
     received = sent.new_empty(world * sent.numel())
-    dist.all_gather_into_tensor(received, sent, group=mesh.get_group())
+    _all_gather_single(received, sent, group=mesh.get_group())
     if not unpack:
         return {}
     per_rank = received.cpu().view(world, -1)
@@ -333,6 +333,11 @@ def _padded_shape(item: _GatherItem, world: int) -> tuple[int, ...]:
     the other dims in order."""
     rest = tuple(size for dim, size in enumerate(item.tensor.shape) if dim != item.shard_dim)
     return (_rows_per_shard(item.tensor.shape[item.shard_dim], world), *rest)
+
+
+# torch 2.13 warns that all_gather_into_tensor is deprecated (a FutureWarning on every rank's
+# console) and names all_gather_single; older torch (2.11 on the GPU check's machine) has only the former.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _rows_per_shard(dim_size: int, num_shards: int) -> int:

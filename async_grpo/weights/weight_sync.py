@@ -205,12 +205,10 @@ def _cast_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
 
 
 GATHER_BUCKET_BYTES = 16 * 2**20
-"""Most bytes of full tensors (in the gathered dtype) that one all-gather carries when the weights
-are gathered to rank 0. Gathering each tensor alone costs a collective's latency per tensor: most
-of the demo model's push (27 tensors: 23.7 ms, bucketed 3.3 ms on 2 CPU ranks). A tensor at least
-this big is bandwidth-bound and goes alone through torch's own gather, which copies less (bucketing
-every tensor of a 136M-parameter model made its gather ~15% slower: benchmarks/RESULTS.md, "The
-push in milliseconds")."""
+"""Most bytes of full tensors (gathered dtype) one all-gather carries when weights are gathered to
+rank 0: per-tensor collectives were most of the demo model's push (27 tensors: 23.7 ms, bucketed
+3.3 ms). A tensor this big or bigger is bandwidth-bound and goes alone through torch's own gather,
+which copies less (benchmarks/RESULTS.md, "The push in milliseconds")."""
 
 
 def gather_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None,
@@ -329,14 +327,12 @@ def _all_gather_shards(bucket: list[_GatherItem], unpack: bool) -> dict[str, tor
 
 
 def _padded_shape(item: _GatherItem, world: int) -> tuple[int, ...]:
-    """A piece's shape in the flat buffer: rows per shard along the shard dim (moved first), then
-    the other dims in order."""
+    """A piece's shape in the flat buffer: rows per shard along the shard dim (moved first), then the rest."""
     rest = tuple(size for dim, size in enumerate(item.tensor.shape) if dim != item.shard_dim)
     return (_rows_per_shard(item.tensor.shape[item.shard_dim], world), *rest)
 
 
-# torch 2.13 warns that all_gather_into_tensor is deprecated (a FutureWarning on every rank's
-# console) and names all_gather_single; older torch (2.11 on the GPU check's machine) has only the former.
+# torch 2.13 deprecates all_gather_into_tensor (a FutureWarning on every rank); older torch lacks the new name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 

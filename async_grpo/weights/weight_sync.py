@@ -238,7 +238,7 @@ def _gather_to_main(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None
             else:
                 fulls = _all_gather_shards(bucket, unpack=main)
             if main:
-                out.update((name, full.to("cpu")) for name, full in fulls.items())
+                out.update(fulls)  # CPU copies already
     return out if main else None
 
 
@@ -356,15 +356,15 @@ def local_piece(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, int, int
     """This rank's piece of a parameter: (local tensor, the dim it is cut along, its offset
     along that dim in the full tensor), read from the DTensor's placement. A plain tensor is
     its own whole piece (dim 0, offset 0)."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
     if not isinstance(tensor, DTensor):
         return tensor, 0, 0
-    mesh, placements = tensor.device_mesh, tuple(tensor.placements)
-    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard):
+    dim = _fsdp_shard_dim(tensor)
+    if dim is None:
         raise ValueError(f"weight {name}: only 1-D FSDP meshes with one Shard(dim) placement are supported, "
-                         f"got {placements}")
-    dim = placements[0].dim
+                         f"got {tuple(tensor.placements)}")
+    mesh = tensor.device_mesh
     local = tensor.to_local()
     offset, size = fsdp_shard_extent(tensor.shape[dim], mesh.size(), mesh.get_local_rank())
     if local.shape[dim] != size:

@@ -417,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     check_environment(config)
     trainer_config = load_trainer_config(trainer_args)  # prints its one line and exits 2 itself
     config = with_trainer_transfer(config, trainer_config.transfer.weight_transfer)
+    config = with_trainer_packing(config, trainer_config.model.share_prompts)
     placement, run = plan_or_exit(config, trainer_config)
     # A dry run shows the plan of the machine it describes: a GPU plan gets the CUDA engine settings.
     cuda = cuda_available() or (config.dry_run and placement.on_gpu)
@@ -475,6 +476,19 @@ def with_trainer_transfer(config: LocalClusterConfig, weight_transfer: str) -> L
                                    f"trainer's --transfer.weight_transfer {weight_transfer!r}: set the trainer's "
                                    "alone, the launcher passes it on")
     return dataclasses.replace(config, engine=dataclasses.replace(config.engine, weight_transfer=weight_transfer))
+
+
+def with_trainer_packing(config: LocalClusterConfig, share_prompts: bool) -> LocalClusterConfig:
+    """`config` with the logprob workers' share_prompts set to the trainer's model.share_prompts,
+    so both sides pack a minibatch's samples alike (the same logprobs, bit for bit). Exit 2 with
+    one line when the launcher's own --share_prompts asks for sharing the trainer does not do."""
+    own = config.batching.share_prompts
+    if own == share_prompts:
+        return config
+    if own:
+        exit_config_error(PROGRAM, "--share_prompts true (the logprob workers) but the trainer's "
+                                   "--model.share_prompts is false: set the trainer's alone, the launcher passes it on")
+    return dataclasses.replace(config, batching=dataclasses.replace(config.batching, share_prompts=True))
 
 
 def setup_logging(config: LocalClusterConfig, trainer_config: TrainerConfig) -> None:

@@ -6,7 +6,8 @@ the latter, because a Ray call through the registry costs more CPU than scoring 
 (512 per-sample calls per demo step took ~1.5 core-seconds across registry, worker and batcher).
 Either way every sample is queued on its own. Scoring one sample per forward leaves an
 accelerator mostly idle, so the worker packs queued samples (padding-free,
-`get_input_for_logprobs`) into one forward of at most `max_tokens_per_forward` tokens, as
+`get_input_for_logprobs`; with `share_prompts` the answers of one prompt share it, as in the
+trainer) into one forward of at most `max_tokens_per_forward` tokens, as
 token_budget_queue.TokenBudgetQueue hands them out:
 
     caller -> compute_logprobs(sample) -> queue -> batch (<= token budget, or max_wait_ms after
@@ -47,7 +48,7 @@ from sample_processing_utils import (
     INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs, get_input_for_logprobs, split_per_sample,
 )
 from setup_model import (
-    FLASH_ATTENTION_2, LORA_ADAPTER_NAME, MODEL_DTYPES, TokenLogprobModel, check_attn_dtype,
+    FLASH_ATTENTION_2, LORA_ADAPTER_NAME, MODEL_DTYPES, TokenLogprobModel, check_attn_dtype, check_prompt_sharing,
     default_attn_implementation, load_causal_lm, training_compute_dtype,
 )
 from vllm_registry import Bundle, serve_many
@@ -104,6 +105,8 @@ class LogprobWorkerConfig:
             )
         if self.attn_implementation is not None and not self.attn_implementation:
             raise ValueError("LogprobWorkerConfig.attn_implementation must be None or a non-empty name")
+        if self.batching.share_prompts and self.attn_implementation is not None:
+            check_prompt_sharing(self.attn_implementation, _ATTN_FIELD)
         if self.kind not in LOGPROB_SERVICE_KINDS:
             raise ValueError(f"LogprobWorkerConfig.kind must be one of {LOGPROB_SERVICE_KINDS}, got {self.kind!r}")
         # dtype 'auto' on device 'auto' resolves only on the worker, where resolve_model_settings
@@ -188,7 +191,7 @@ def resolve_model_settings(config: LogprobWorkerConfig, device: torch.device) ->
     """
     dtype = resolve_dtype(config.dtype, device)
     check_attn_dtype(config.attn_implementation, dtype, _ATTN_FIELD)
-    attn = config.attn_implementation or default_attn_implementation(device)
+    attn = config.attn_implementation or default_attn_implementation(device, share_prompts=config.batching.share_prompts)
     if attn == FLASH_ATTENTION_2 and dtype == torch.float32:
         logger.warning("flash-attn does not run float32 models; the float32 logprob worker uses %s", PACKED_SDPA)
         attn = PACKED_SDPA
@@ -475,7 +478,7 @@ class LogprobWorker:
 
     def _score(self, samples: list[Sample]) -> list[list[float]]:
         """One packed forward (runs in a worker thread): per-sample output-token logprobs."""
-        inputs = get_input_for_logprobs(samples)
+        inputs = get_input_for_logprobs(samples, share_prompts=self.config.batching.share_prompts)
         with torch.inference_mode():
             logprobs, _entropy = self.model.score(inputs)
         return split_per_sample(logprobs, inputs.output_lengths)

@@ -6,15 +6,24 @@ sample, so attention never crosses sample boundaries (given `use_cache=False`, s
 
     prompt A | output A | prompt B | output B | ...       input_ids     [T]
     0 1 2 ...  k ...      0 1 2 ...                       position_ids  [T]
-    -100 ...   a1 a2 ... -100 ...  b1 b2 ...               labels        [T] (already shifted)
 
-`labels[t]` is the token that position `t` predicts, i.e. `input_ids[t + 1]`, but only when that
-next token is a *sampled* output token of the same sample; everywhere else it is -100. Output
-positions are listed in `output_indices`, so `logprobs[output_indices]` lines up with the
-concatenation of every sample's sampled output tokens in order (all of `output_token_ids` unless
-`output_mask` marks some as observation tokens: those are context, never labels). Every
-per-output-token tensor below (advantages, logprobs, lengths) therefore counts sampled tokens,
-while `num_tokens` (the packed stream, the batcher's token budgets) counts every token.
+Each *sampled* output token is scored by the position before it: `output_indices[i]` is the
+stream position whose next-token prediction scores `targets[i]`, listed sample after sample, so
+per-output-token tensors line up with the concatenation of every sample's sampled output tokens
+(all of `output_token_ids` unless `output_mask` marks some as observation tokens: those are
+context, never targets). Every per-output-token tensor below (advantages, logprobs, lengths)
+therefore counts sampled tokens, while `num_tokens` (the packed stream) counts every token.
+
+With `share_prompts` the samples of one prompt share it (async_grpo.model.prompt_sharing): the
+prompt once, then each answer without its last token (which predicts nothing), positions
+continuing the prompt's; the prompt's last position then scores every answer's first token.
+
+    prompt A | a1 a2 | a1' | prompt B | b1 ...            input_ids     [T']
+    0 1 2 3    4  5    4     0 1 2 3    4                 position_ids  [T']
+
+The trainer and the logprob worker read the same targets either way; only the stream is shorter.
+The batcher's token budgets count samples whole (`Sample.num_tokens`): a shared stream is
+never longer than that.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     import torch
+
+    from async_grpo.model.prompt_sharing import SharedPromptLayout
 
 IGNORE_INDEX = -100  # the ignore_index of torch's cross-entropy: these positions score nothing
 
@@ -164,13 +175,17 @@ class LogprobInput:
     input_ids: torch.Tensor
     """[T] int64 packed token ids."""
     position_ids: torch.Tensor
-    """[T] int64 positions, restarting at 0 for each sample."""
-    labels: torch.Tensor
-    """[T] int64 next-token targets, IGNORE_INDEX except where the next token is an output."""
+    """[T] int64 positions: restarting at 0 for each sample, or (shared_prompts) for each prompt,
+    an answer's continuing its prompt's."""
     output_indices: torch.Tensor
-    """[O] int64 positions t with labels[t] != IGNORE_INDEX, in sample order."""
+    """[O] int64: for each sampled output token, in sample order, the stream position that predicts it
+    (with shared_prompts, a prompt's last position once per answer)."""
+    targets: torch.Tensor
+    """[O] int64: the sampled output tokens, in the same order."""
     output_lengths: list[int]
     """Sampled output token count of each sample (Sample.num_sampled_tokens), in order; sums to O."""
+    shared_prompts: SharedPromptLayout | None = None
+    """How the stream's answers share their prompts; None: every sample packed whole."""
 
 
 @dataclass(slots=True)
@@ -198,48 +213,82 @@ class PackedBatch:
     """T, real tokens in the packed stream (there is no padding)."""
 
 
-def _shifted_labels(prompt_len: int, output: Sequence[int], output_mask: Sequence[bool] | None) -> list[int]:
-    """One sample's labels over prompt + output: position t predicts token t+1, and only
-    predictions of *sampled* output tokens are scored. The last prompt token predicts the first
-    output token, the last token predicts nothing. Observation tokens (output_mask False) stay in
-    the stream as context for the tokens after them, but the policy did not choose them, so
-    they are never a target."""
-    labels = [IGNORE_INDEX] * (prompt_len + len(output))
-    for j, token in enumerate(output):
-        if output_mask is None or output_mask[j]:
-            labels[prompt_len - 1 + j] = token
-    return labels
+def _scored_positions(sample: Sample, prompt_end: int, answer_start: int) -> list[tuple[int, int]]:
+    """(stream position that predicts it, token) for each sampled output token of `sample`.
+
+    prompt_end: the stream position of the prompt's last token, which predicts the first output
+    token; answer_start: where the output's tokens begin, each predicting the next. Observation
+    tokens (output_mask False) stay in the stream as context for the tokens after them, but the
+    policy did not choose them, so they are never a target."""
+    mask = sample.output_mask
+    return [(prompt_end if j == 0 else answer_start + j - 1, token)
+            for j, token in enumerate(sample.output_token_ids) if mask is None or mask[j]]
 
 
-def get_input_for_logprobs(samples: Sequence[Sample]) -> LogprobInput:
-    """Pack samples into one token stream with restarting positions and shifted output labels.
+def get_input_for_logprobs(samples: Sequence[Sample], share_prompts: bool = False) -> LogprobInput:
+    """Pack samples into one token stream (see the module docstring), each sample whole with its
+    positions restarting at 0, or with share_prompts each distinct prompt once before its answers.
 
-    The trainer and the logprob worker both call this, so both score exactly the same positions.
+    The trainer and the logprob worker both call this, so both score exactly the same tokens.
     """
-    import torch
-
     if not samples:
         raise ValueError("get_input_for_logprobs needs at least one sample")
+    for sample in samples:
+        if not sample.input_token_ids:
+            raise ValueError(f"sample prompt_id={sample.prompt_id} has an empty prompt")
+    if share_prompts:
+        return _shared_prompt_input(samples)
     ids: list[int] = []
     positions: list[int] = []
-    labels: list[int] = []
-    output_lengths: list[int] = []
+    scored: list[tuple[int, int]] = []
     for sample in samples:
-        prompt, output = sample.input_token_ids, sample.output_token_ids
-        if not prompt:
-            raise ValueError(f"sample prompt_id={sample.prompt_id} has an empty prompt")
-        sequence = list(prompt) + list(output)
+        sequence = list(sample.input_token_ids) + list(sample.output_token_ids)
+        answer_start = len(ids) + len(sample.input_token_ids)
+        scored.extend(_scored_positions(sample, answer_start - 1, answer_start))
         ids.extend(sequence)
         positions.extend(range(len(sequence)))
-        labels.extend(_shifted_labels(len(prompt), output, sample.output_mask))
-        output_lengths.append(sample.num_sampled_tokens)
-    labels_t = torch.tensor(labels, dtype=torch.long)
+    return _logprob_input(ids, positions, scored, samples, None)
+
+
+def _shared_prompt_input(samples: Sequence[Sample]) -> LogprobInput:
+    """get_input_for_logprobs with share_prompts: one block per distinct prompt (in order of first
+    appearance), its answers after it in sample order; targets still in sample order."""
+    from async_grpo.model.prompt_sharing import PromptBlock, SharedPromptLayout
+
+    members: dict[tuple[int, ...], list[int]] = {}
+    for index, sample in enumerate(samples):
+        members.setdefault(tuple(sample.input_token_ids), []).append(index)
+    ids: list[int] = []
+    positions: list[int] = []
+    scored_by_sample: list[list[tuple[int, int]]] = [[] for _ in samples]
+    blocks = []
+    for prompt, indices in members.items():
+        start, prompt_length = len(ids), len(prompt)
+        ids.extend(prompt)
+        positions.extend(range(prompt_length))
+        branch_lengths = []
+        for index in indices:
+            branch = samples[index].output_token_ids[:-1]  # the last output token predicts nothing
+            scored_by_sample[index] = _scored_positions(samples[index], start + prompt_length - 1, len(ids))
+            ids.extend(branch)
+            positions.extend(range(prompt_length, prompt_length + len(branch)))
+            branch_lengths.append(len(branch))
+        blocks.append(PromptBlock(start=start, prompt_length=prompt_length, branch_lengths=tuple(branch_lengths)))
+    scored = [pair for pairs in scored_by_sample for pair in pairs]
+    return _logprob_input(ids, positions, scored, samples, SharedPromptLayout(blocks=tuple(blocks)))
+
+
+def _logprob_input(ids: list[int], positions: list[int], scored: list[tuple[int, int]], samples: Sequence[Sample],
+                   layout: SharedPromptLayout | None) -> LogprobInput:
+    import torch
+
     return LogprobInput(
         input_ids=torch.tensor(ids, dtype=torch.long),
         position_ids=torch.tensor(positions, dtype=torch.long),
-        labels=labels_t,
-        output_indices=torch.nonzero(labels_t != IGNORE_INDEX, as_tuple=False).flatten(),
-        output_lengths=output_lengths,
+        output_indices=torch.tensor([position for position, _ in scored], dtype=torch.long),
+        targets=torch.tensor([token for _, token in scored], dtype=torch.long),
+        output_lengths=[sample.num_sampled_tokens for sample in samples],
+        shared_prompts=layout,
     )
 
 
@@ -274,13 +323,14 @@ def _token_advantages(samples: Sequence[Sample]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
-def post_process_batch(samples: Sequence[Sample]) -> PackedBatch:
-    """Build the packed GRPO minibatch: inputs plus per-output-token broadcasts of constants."""
+def post_process_batch(samples: Sequence[Sample], share_prompts: bool = False) -> PackedBatch:
+    """Build the packed GRPO minibatch: inputs (get_input_for_logprobs) plus per-output-token
+    broadcasts of constants."""
     import torch
 
     for sample in samples:
         sample.validate_generated()
-    inputs = get_input_for_logprobs(samples)
+    inputs = get_input_for_logprobs(samples, share_prompts)
     lengths = torch.tensor(inputs.output_lengths, dtype=torch.long)
     sample_index = torch.repeat_interleave(torch.arange(len(samples)), lengths)
     sampling = _concat_optional(samples, "sampling_logprobs")

@@ -21,6 +21,7 @@ from async_grpo.config.worker_options import VLLM_LORA_RANKS
 from async_grpo.model.packed_attention import (
     PACKED_SDPA, PACKED_VARLEN, register_packed_sdpa, register_packed_varlen, varlen_kwargs,
 )
+from async_grpo.model.prompt_sharing import SHARED_PROMPT_LAYOUT_KWARG, SharedPromptLayout
 from grpo_loss import chunked_token_logprobs
 from sample_processing_utils import LogprobInput
 
@@ -34,6 +35,9 @@ FLASH_ATTENTION_2 = "flash_attention_2"
 # kwargs (packed_attention.VARLEN_KWARGS): TokenLogprobModel computes them once per forward for
 # these, instead of each layer rebuilding them from position ids.
 VARLEN_ATTENTIONS = (FLASH_ATTENTION_2, "flash_attention_3", PACKED_SDPA, PACKED_VARLEN)
+# Attention implementations that run a shared-prompt stream (packed_attention.PACKED_SDPA reads
+# its layout; PACKED_VARLEN defers such a stream to it). Others would attend across answers.
+PROMPT_SHARING_ATTENTIONS = (PACKED_SDPA, PACKED_VARLEN)
 # flash-attn's kernels take only these input dtypes: a float32 model fails on its first batch.
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -126,6 +130,11 @@ class ModelConfig:
     """On CUDA, compute in bf16 with fp32 master weights and fp32 gradient reduction. CPU: fp32."""
     reshard_after_forward: bool = True
     """Free each layer's gathered weights after forward (ZeRO-3); False keeps them until backward."""
+    share_prompts: bool = False
+    """Pack the answers of one prompt after a single copy of it (sample_processing_utils), so a
+    minibatch's prompts go through the model once each instead of once per answer: the same
+    logprobs, fewer tokens (GRPO's n answers per prompt). Needs attn_implementation packed_sdpa or
+    packed_varlen; None then picks packed_sdpa."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (lora.r > 0): only they train and are pushed; the base stays frozen."""
 
@@ -136,6 +145,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.logprob_chunk_size must be > 0, got {self.logprob_chunk_size}")
         if self.attn_implementation is not None and not self.attn_implementation:
             raise ValueError("ModelConfig.attn_implementation must be None or a non-empty name")
+        if self.share_prompts and self.attn_implementation is not None:
+            check_prompt_sharing(self.attn_implementation, "ModelConfig.attn_implementation")
 
 
 def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:
@@ -157,14 +168,16 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(json.dumps(content, ensure_ascii=False).encode()).hexdigest()
 
 
-def default_attn_implementation(device: torch.device, compute_dtype: torch.dtype = torch.bfloat16) -> str:
-    """flash_attention_2 on CUDA when flash-attn imports and the model computes in bf16/fp16,
-    else PACKED_SDPA (registered on demand).
+def default_attn_implementation(device: torch.device, compute_dtype: torch.dtype = torch.bfloat16,
+                                share_prompts: bool = False) -> str:
+    """flash_attention_2 on CUDA when flash-attn imports and the model computes in bf16/fp16
+    (and prompts are not shared: flash-attn cannot run that layout), else PACKED_SDPA (registered
+    on demand).
 
     Both cost sum(len_i^2) on packed streams; plain "sdpa" would cost T^2 (see packed_attention.PACKED_SDPA).
     compute_dtype: what the attention inputs are in (bf16 under the trainer's mixed precision).
     """
-    if device.type == "cuda" and compute_dtype in _FLASH_DTYPES:
+    if device.type == "cuda" and compute_dtype in _FLASH_DTYPES and not share_prompts:
         try:
             import flash_attn  # noqa: F401
 
@@ -194,6 +207,16 @@ def check_attn_dtype(attn_implementation: str | None, compute_dtype: torch.dtype
             f"{where}={attn_implementation!r} needs bf16 or fp16 compute, but the model computes in "
             f"{str(compute_dtype).removeprefix('torch.')}: {kernels} does not run float32 models "
             f"(use {PACKED_SDPA!r}, or model.mixed_precision on a GPU)"
+        )
+
+
+def check_prompt_sharing(attn_implementation: str | None, where: str) -> None:
+    """Raise ValueError unless `attn_implementation` runs shared-prompt streams (where: the field
+    that chose it, named in the error)."""
+    if attn_implementation not in PROMPT_SHARING_ATTENTIONS:
+        raise ValueError(
+            f"share_prompts needs {where} to be one of {list(PROMPT_SHARING_ATTENTIONS)}, got "
+            f"{attn_implementation!r}: other attention implementations would let answers attend to each other"
         )
 
 
@@ -260,25 +283,32 @@ class TokenLogprobModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        labels: torch.Tensor,
+        targets: torch.Tensor,
         output_indices: torch.Tensor,
+        shared_prompts: SharedPromptLayout | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids/position_ids/labels: [T]; output_indices: [O]. Returns ([O] logprobs, [O] entropy).
+        """input_ids/position_ids: [T]; targets/output_indices: [O] (LogprobInput's fields).
+        Returns ([O] logprobs of the targets, [O] entropy at the positions that predict them).
 
         With a varlen-aware attention (VARLEN_ATTENTIONS) the samples' boundaries are computed
-        here, once, and every layer receives them (cu_seq_lens_q/k, max_length_q/k).
+        here, once, and every layer receives them (cu_seq_lens_q/k, max_length_q/k). A stream
+        whose answers share their prompts (shared_prompts) passes its layout down instead, which
+        only PROMPT_SHARING_ATTENTIONS honour.
         """
         decoder = self.causal_lm.get_decoder()
         position_ids = position_ids.unsqueeze(0)
-        packed = varlen_kwargs(position_ids) if self.attn_implementation() in VARLEN_ATTENTIONS else {}
+        if shared_prompts is not None:
+            check_prompt_sharing(self.attn_implementation(), "the model's attn_implementation")
+            packed: dict[str, Any] = {SHARED_PROMPT_LAYOUT_KWARG: shared_prompts}
+        elif self.attn_implementation() in VARLEN_ATTENTIONS:
+            packed = varlen_kwargs(position_ids)
+        else:
+            packed = {}
         hidden = decoder(
             input_ids=input_ids.unsqueeze(0), position_ids=position_ids, use_cache=False, **packed
         ).last_hidden_state[0]
         return chunked_token_logprobs(
-            hidden[output_indices],
-            self.causal_lm.get_output_embeddings(),
-            labels[output_indices],
-            self.logprob_chunk_size,
+            hidden[output_indices], self.causal_lm.get_output_embeddings(), targets, self.logprob_chunk_size,
         )
 
     def attn_implementation(self) -> str | None:
@@ -291,6 +321,7 @@ class TokenLogprobModel(nn.Module):
         return self(
             inputs.input_ids.to(device),
             inputs.position_ids.to(device),
-            inputs.labels.to(device),
+            inputs.targets.to(device),
             inputs.output_indices.to(device),
+            inputs.shared_prompts,
         )

@@ -190,7 +190,7 @@ def train_on_step(
             continue
         assert isinstance(message, Minibatch), f"unexpected batcher message {type(message).__name__}"
         compute_start = time.perf_counter()
-        batch = post_process_batch(message.samples)
+        batch = post_process_batch(message.samples, config.model.share_prompts)
         logprobs, entropy, loss, loss_metrics = _forward_backward(model, batch, message.loss_weight, config, dist)
         if message.loss_weight > 0:
             acc.add_minibatch(message.samples, batch, entropy.detach(), loss.detach().item(), loss_metrics)

@@ -176,7 +176,7 @@ def _head_pass(config: BenchConfig, shape: TinyModelConfig, batch: PackedBatch, 
     # RMS-normed hidden states have unit scale per feature (the final norm's gain starts at 1).
     hidden = torch.randn(num_outputs, shape.hidden_size, generator=gen).to(device=device, dtype=dtype)
     hidden.requires_grad_(True)
-    labels = batch.inputs.labels[batch.inputs.output_indices].to(device)
+    labels = batch.inputs.targets.to(device)
 
     def logprobs(variant: str) -> torch.Tensor:
         if variant == "chunked":
@@ -196,15 +196,15 @@ def _model_pass(config: BenchConfig, model_dir: str, batch: PackedBatch, device:
     model = TokenLogprobModel(causal_lm, logprob_chunk_size=config.chunk_size).train()
     inputs = batch.inputs
     input_ids, position_ids = inputs.input_ids.to(device), inputs.position_ids.to(device)
-    labels, output_indices = inputs.labels.to(device), inputs.output_indices.to(device)
+    targets, output_indices = inputs.targets.to(device), inputs.output_indices.to(device)
 
     def logprobs(variant: str) -> torch.Tensor:
         if variant == "chunked":
-            return model(input_ids, position_ids, labels, output_indices)[0]
+            return model(input_ids, position_ids, targets, output_indices)[0]
         hidden = causal_lm.get_decoder()(
             input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), use_cache=False
         ).last_hidden_state[0]
-        return full_logit_logprobs(hidden[output_indices], causal_lm.get_output_embeddings(), labels[output_indices])
+        return full_logit_logprobs(hidden[output_indices], causal_lm.get_output_embeddings(), targets)
 
     return Pass(batch=batch, logprobs=logprobs, leaves=dict(model.named_parameters()))
 

@@ -159,6 +159,31 @@ def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-tied"), TinyModelConfig(tie_word_embeddings=True))
 
 
+@pytest.fixture(scope="session")
+def mha_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model without grouped-query attention (as many kv heads as query heads)."""
+    from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-mha"), TinyModelConfig(num_kv_heads=4))
+
+
+@pytest.fixture(scope="session")
+def sliding_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """The tiny model with a 7-token sliding window on its second layer (Qwen2's max_window_layers)."""
+    import torch
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 7, 1
+    config.layer_types = None  # re-derived from the three fields above
+    config = type(config)(**config.to_dict())
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    torch.manual_seed(1)
+    out = tmp_path_factory.mktemp("tiny-qwen2-sliding")
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    return out
+
+
 # Set by scripts/test.sh to a folder of its own run: the tiers' pytest processes (both lanes) then
 # share one build of the demo's assets (~22 CPU-s each on 2 cores) instead of one each.
 SHARED_ASSETS_ENV = "GRPO_TEST_SHARED_ASSETS"

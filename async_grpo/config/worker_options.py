@@ -199,6 +199,10 @@ class LogprobBatchingConfig:
     max_wait_ms: float = 20.0
     """How long the first queued request waits for company before its batch runs even if not full.
     0 runs whatever is queued as soon as the previous batch is done."""
+    share_prompts: bool = False
+    """Lay the answers of one prompt after a single copy of it in a forward, as the trainer's
+    model.share_prompts does (the same logprobs, fewer tokens); needs the packed_sdpa attention
+    (the default then). The local launcher sets it from the trainer's model.share_prompts."""
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_forward < 1:

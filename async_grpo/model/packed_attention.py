@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from async_grpo.model.prompt_sharing import SHARED_PROMPT_LAYOUT_KWARG, shared_prompt_attention
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -181,13 +183,18 @@ def packed_sdpa_attention(
     query: [B, H, T, D]; key, value: [B, H_kv, T, D] (H_kv divides H: GQA is left to sdpa's
     enable_gqa or transformers' repeat_kv, as plain sdpa does). kwargs carry what the decoder
     layer forwards, position_ids [B or 1, T] among them, and cu_seq_lens_q when the caller
-    computed the samples once (varlen_kwargs): then the samples are read from it. Returns ([B, T, H, D], None) like
+    computed the samples once (varlen_kwargs): then the samples are read from it, or a
+    SharedPromptLayout (prompt_sharing: answers that share their prompt), which it runs. Returns ([B, T, H, D], None) like
     transformers' sdpa_attention_forward, which it defers to when there is a mask to honour,
     no position ids, a KV cache (queries and keys differ in length) or non-causal attention.
     Samples of equal length share one batched sdpa call.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    layout = kwargs.pop(SHARED_PROMPT_LAYOUT_KWARG, None)
+    if layout is not None and attention_mask is None and query.shape[2] == key.shape[2]:
+        return shared_prompt_attention(module, query, key, value, layout, dropout=dropout, scaling=scaling,
+                                       sliding_window=sliding_window, **kwargs)
     position_ids = kwargs.get("position_ids")
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
@@ -295,7 +302,8 @@ def packed_varlen_attention(
 
     cu_seq_lens, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     plain = attention_mask is None and query.shape[2] == key.shape[2] and sliding_window is None and dropout == 0.0
-    # varlen_attn has CUDA kernels only: elsewhere PACKED_SDPA computes the same attention.
+    # varlen_attn has CUDA kernels only: elsewhere PACKED_SDPA computes the same attention. A
+    # shared-prompt stream comes without cu_seq_lens (its answers are not causal runs): PACKED_SDPA too.
     if cu_seq_lens is None or longest is None or not plain or query.shape[0] != 1 or not query.is_cuda:
         return packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                      sliding_window=sliding_window, **kwargs)

@@ -138,7 +138,8 @@ def build_training_model(model_config: ModelConfig, dist_info: DistInfo,
 
     compute_dtype = training_compute_dtype(dist_info.device, model_config.mixed_precision)
     check_attn_dtype(model_config.attn_implementation, compute_dtype, "ModelConfig.attn_implementation")
-    attn = model_config.attn_implementation or default_attn_implementation(dist_info.device, compute_dtype)
+    attn = model_config.attn_implementation or default_attn_implementation(dist_info.device, compute_dtype,
+                                                                           model_config.share_prompts)
     # Only rank 0 reads the checkpoint (on CPU; fully_shard moves each shard to the device); the
     # other ranks build a parameter-less skeleton and receive their shards from it, so host
     # memory holds one full copy per node's rank 0, not one per rank.

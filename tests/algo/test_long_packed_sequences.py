@@ -41,7 +41,7 @@ def test_chunked_logprobs_equal_full_logits_over_many_chunks() -> None:
     gen = torch.Generator().manual_seed(0)
     samples = draw_packed_samples(4096, vocab_size=1000, seed=1, **LENGTHS)
     batch = post_process_batch(samples)
-    labels = batch.inputs.labels[batch.inputs.output_indices]
+    labels = batch.inputs.targets
     lm_head = torch.nn.Linear(32, 1000, bias=False)
     hidden = torch.randn(labels.numel(), 32, generator=gen, requires_grad=True)
     results = {}

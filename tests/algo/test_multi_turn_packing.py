@@ -15,9 +15,7 @@ from async_grpo.algo.algorithm import PreparedSamples, check_prepared
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rollouts.rollout_scoring import shaped_rewards
 from async_grpo.rollouts.sampling import SamplingConfig
-from sample_processing_utils import IGNORE_INDEX, Sample, get_input_for_logprobs, post_process_batch, split_per_sample
-
-X = IGNORE_INDEX
+from sample_processing_utils import Sample, get_input_for_logprobs, post_process_batch, split_per_sample
 
 
 def _multi_turn() -> Sample:
@@ -37,9 +35,9 @@ def test_observation_tokens_are_context_but_never_labels() -> None:
     assert inputs.input_ids.tolist() == [1, 2, 10, 11, 20, 21, 22, 12, 3, 4, 5, 30, 31]
     assert inputs.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4]
     # Position 1 (token 2) predicts 10, 2 predicts 11; 3, 4, 5 predict observation tokens (no
-    # label); 6 (token 22) predicts the sampled 12; 7, the sample's last token, predicts nothing.
-    assert inputs.labels.tolist() == [X, 10, 11, X, X, X, 12, X, X, X, 30, 31, X]
+    # target); 6 (token 22) predicts the sampled 12; 7, the sample's last token, predicts nothing.
     assert inputs.output_indices.tolist() == [1, 2, 6, 10, 11]
+    assert inputs.targets.tolist() == [10, 11, 12, 30, 31]
     assert inputs.output_lengths == [3, 2]
 
 
@@ -49,8 +47,8 @@ def test_without_a_mask_packing_is_unchanged() -> None:
     all_sampled.output_mask = [True, True]
     for sample in (plain, all_sampled):
         inputs = get_input_for_logprobs([sample])
-        assert inputs.labels.tolist() == [X, X, 30, 31, X]
         assert inputs.output_indices.tolist() == [2, 3]
+        assert inputs.targets.tolist() == [30, 31]
         assert inputs.output_lengths == [2]
 
 

@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from async_grpo.model.packed_attention import PACKED_SDPA, PackedSegments, packed_segments
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from grpo_loss import LossConfig, chunked_token_logprobs, grpo_loss
 from sample_processing_utils import IGNORE_INDEX, Sample, get_input_for_logprobs, post_process_batch
 from setup_model import TokenLogprobModel, load_causal_lm
@@ -87,7 +86,7 @@ def test_packed_logprobs_equal_per_sample(logprob_model: TokenLogprobModel, samp
     # Power: the same stream with positions 0..T-1 lets samples attend across boundaries.
     continuous = torch.arange(packed.input_ids.numel())
     with torch.no_grad():
-        crossed_lp, _ = logprob_model(packed.input_ids, continuous, packed.labels, packed.output_indices)
+        crossed_lp, _ = logprob_model(packed.input_ids, continuous, packed.targets, packed.output_indices)
     assert (crossed_lp - alone_lp).abs().max() > CROSS_TALK_MIN_DIFF
 
 
@@ -272,12 +271,11 @@ def test_post_process_batch_layout() -> None:
     a = _sample([10, 11, 12], [20, 21], 1.5, sampling_logprobs=[-1.0, -2.0], ref_logprobs=[-1.1, -2.1])
     b = _sample([30], [40, 41, 42], -0.5, sampling_logprobs=[-3.0, -4.0, -5.0], ref_logprobs=[-3.1, -4.1, -5.1])
     batch = post_process_batch([a, b])
-    ignore = IGNORE_INDEX
     assert batch.inputs.input_ids.tolist() == [10, 11, 12, 20, 21, 30, 40, 41, 42]
     assert batch.inputs.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
-    # Position t holds the label input_ids[t + 1] when that is an output token of the same sample.
-    assert batch.inputs.labels.tolist() == [ignore, ignore, 20, 21, ignore, 40, 41, 42, ignore]
+    # Each output token is scored by the position before it: input_ids[t + 1] == targets at t.
     assert batch.inputs.output_indices.tolist() == [2, 3, 5, 6, 7]
+    assert batch.inputs.targets.tolist() == [20, 21, 40, 41, 42]
     assert batch.inputs.output_lengths == [2, 3]
     assert batch.advantages.tolist() == [1.5, 1.5, -0.5, -0.5, -0.5]
     assert batch.output_lengths.tolist() == [2.0, 2.0, 3.0, 3.0, 3.0]
@@ -329,28 +327,6 @@ def _fixed_shape_samples(vocab: int, seed: int) -> list[Sample]:
         )
         for i, (prompt_len, output_len) in enumerate(_SEGMENT_SHAPES)
     ]
-
-
-@pytest.fixture(scope="module")
-def mha_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model without grouped-query attention (as many kv heads as query heads)."""
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-mha"), TinyModelConfig(num_kv_heads=4))
-
-
-@pytest.fixture(scope="module")
-def sliding_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    """The tiny model with a 7-token sliding window on its second layer (Qwen2's max_window_layers)."""
-    from transformers import AutoConfig, Qwen2ForCausalLM
-
-    config = AutoConfig.from_pretrained(tiny_model_dir)
-    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 7, 1
-    config.layer_types = None  # re-derived from the three fields above
-    config = type(config)(**config.to_dict())
-    assert config.layer_types == ["full_attention", "sliding_attention"]
-    torch.manual_seed(1)
-    out = tmp_path_factory.mktemp("tiny-qwen2-sliding")
-    Qwen2ForCausalLM(config).save_pretrained(out)
-    return out
 
 
 _MODEL_FIXTURES = {"gqa": "tiny_model_dir", "mha": "mha_model_dir", "sliding": "sliding_model_dir"}

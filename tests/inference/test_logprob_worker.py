@@ -59,11 +59,11 @@ def _vocab_size(model_dir: Path) -> int:
     return AutoConfig.from_pretrained(str(model_dir)).vocab_size
 
 
-def _trainer_logprobs(model_dir: Path, samples: list[Sample]) -> list[torch.Tensor]:
+def _trainer_logprobs(model_dir: Path, samples: list[Sample], share_prompts: bool = False) -> list[torch.Tensor]:
     """The trainer's function, one sample per forward."""
     model = TokenLogprobModel(load_causal_lm(model_dir)).eval()
     with torch.no_grad():
-        return [model.score(get_input_for_logprobs([s]))[0] for s in samples]
+        return [model.score(get_input_for_logprobs([s], share_prompts))[0] for s in samples]
 
 
 def _hf_logprobs(model_dir: Path, samples: list[Sample]) -> list[torch.Tensor]:
@@ -139,12 +139,20 @@ def test_attention_defaults_to_the_trainers(monkeypatch: pytest.MonkeyPatch) -> 
     assert resolve_model_settings(config, CUDA) == (torch.bfloat16, default_attn_implementation(CUDA))
     assert resolve_model_settings(LogprobWorkerConfig(model_path="m", device="cpu"), CPU) == (torch.float32, PACKED_SDPA)
     # A CUDA node with flash-attn installed: bf16 runs it; an fp32 worker falls back to packed_sdpa.
-    monkeypatch.setattr(logprob_worker, "default_attn_implementation", lambda device: "flash_attention_2")
+    monkeypatch.setattr(logprob_worker, "default_attn_implementation",
+                        lambda device, share_prompts: PACKED_SDPA if share_prompts else "flash_attention_2")
     assert resolve_model_settings(config, CUDA) == (torch.bfloat16, "flash_attention_2")
+    sharing = LogprobWorkerConfig(model_path="m", device="cuda", batching=LogprobBatchingConfig(share_prompts=True))
+    assert resolve_model_settings(sharing, CUDA) == (torch.bfloat16, PACKED_SDPA)  # flash-attn cannot share
     fp32 = LogprobWorkerConfig(model_path="m", device="cuda", dtype="float32")
     assert resolve_model_settings(fp32, CUDA) == (torch.float32, PACKED_SDPA)
     explicit = LogprobWorkerConfig(model_path="m", device="cuda", attn_implementation="sdpa")
     assert resolve_model_settings(explicit, CUDA) == (torch.bfloat16, "sdpa")
+
+
+def test_prompt_sharing_with_an_attention_that_cannot_run_it_is_refused_at_config_time() -> None:
+    with pytest.raises(ValueError, match="share_prompts needs LogprobWorkerConfig.attn_implementation"):
+        LogprobWorkerConfig(model_path="m", attn_implementation="sdpa", batching=LogprobBatchingConfig(share_prompts=True))
 
 
 @pytest.mark.parametrize("device, dtype", [("cuda", "float32"), ("auto", "float32"), ("cpu", "auto")])
@@ -161,10 +169,11 @@ def test_flash_attention_with_auto_dtype_on_auto_device_is_checked_where_it_reso
         resolve_model_settings(config, CPU)
 
 
-def test_one_at_a_time_equals_trainer_function_and_hf(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_one_at_a_time_equals_trainer_function_and_hf(tiny_model_dir: Path, share_prompts: bool) -> None:
     samples = _build_samples(6, _vocab_size(tiny_model_dir))
     worker = LogprobWorker("logprob-worker-0", LogprobWorkerConfig(model_path=str(tiny_model_dir),
-        batching=LogprobBatchingConfig(max_wait_ms=0.0)))
+        batching=LogprobBatchingConfig(max_wait_ms=0.0, share_prompts=share_prompts)))
 
     async def run() -> list[list[float]]:
         results = await _one_at_a_time(worker, samples)
@@ -174,7 +183,7 @@ def test_one_at_a_time_equals_trainer_function_and_hf(tiny_model_dir: Path) -> N
     results = asyncio.run(run())
     assert (worker.dtype, worker.attn_implementation) == (torch.float32, PACKED_SDPA)  # the CPU trainer's
     # Same module, same single-sample input: the worker must reproduce the trainer bit for bit.
-    for got, want in zip(results, _trainer_logprobs(tiny_model_dir, samples)):
+    for got, want in zip(results, _trainer_logprobs(tiny_model_dir, samples, share_prompts)):
         assert torch.equal(torch.tensor(got), want)
     assert _max_diff(results, _hf_logprobs(tiny_model_dir, samples)) <= FP32_TOLERANCE
     assert worker.stats().batches == len(samples)

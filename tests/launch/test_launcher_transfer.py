@@ -1,7 +1,8 @@
 """local_cluster hands the trainer's transfer.weight_transfer to its generation workers'
 EngineConfig.weight_transfer, so a user sets the backend once (the two ends must agree: a worker
 refuses a transfer by another backend at its first push); a launcher --weight_transfer that
-names another backend is refused with one line before anything starts.
+names another backend is refused with one line before anything starts. The trainer's
+model.share_prompts reaches the logprob workers the same way.
 
     .venv/bin/python -m pytest tests/launch/test_launcher_transfer.py -q
 """
@@ -14,7 +15,7 @@ import pytest
 
 import local_cluster
 from async_grpo.config.run_config import load_config
-from local_cluster import LocalCluster, LocalClusterConfig, with_trainer_transfer
+from local_cluster import LocalCluster, LocalClusterConfig, with_trainer_packing, with_trainer_transfer
 from worker_dispatcher import DispatcherConfig, generation_worker_config, logprob_worker_config
 
 
@@ -58,6 +59,26 @@ def test_a_launcher_backend_the_trainer_does_not_use_is_refused_in_one_line(
     assert f"--weight_transfer '{launcher}'" in err and f"--transfer.weight_transfer '{trainer}'" in err
 
 
+def _workers_share_prompts(config: LocalClusterConfig) -> bool:
+    """The share_prompts a dispatcher started by this launcher gives its logprob worker."""
+    return logprob_worker_config(load_config(DispatcherConfig, LocalCluster(config).dispatcher_args("logprob"))
+                                 ).batching.share_prompts
+
+
+def test_the_trainers_prompt_sharing_reaches_the_logprob_workers(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    default = _launcher(tmp_path)
+    assert with_trainer_packing(default, False) is default and not _workers_share_prompts(default)
+    sharing = with_trainer_packing(default, True)
+    assert _workers_share_prompts(sharing)
+    assert sharing.batching.max_tokens_per_forward == default.batching.max_tokens_per_forward
+    with pytest.raises(SystemExit) as exited:
+        with_trainer_packing(_launcher(tmp_path, "--share_prompts", "true"), False)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--model.share_prompts is false" in err
+
+
 class _RecordingCluster:
     """Stands in for LocalCluster in main(): records the config it was given, starts nothing."""
 
@@ -91,7 +112,9 @@ def test_main_starts_its_workers_with_the_trainers_backend(tmp_path: Path, monke
     monkeypatch.setattr(local_cluster, "setup_logging", lambda config, trainer_config: None)
     monkeypatch.setattr(local_cluster, "_interrupt_on_sigterm", lambda: None)
     code = local_cluster.main(["--model_path", str(tmp_path / "model"), "--run_dir", str(tmp_path / "run"), "--",
-                               "--data.path", str(tmp_path / "prompts.jsonl"), "--transfer.weight_transfer", "nccl"])
+                               "--data.path", str(tmp_path / "prompts.jsonl"), "--transfer.weight_transfer", "nccl",
+                               "--model.share_prompts", "true"])
     assert code == 0
     (config,) = _RecordingCluster.configs
     assert config.engine.weight_transfer == "nccl" and _worker_transfer(config) == "nccl"
+    assert _workers_share_prompts(config)

@@ -138,7 +138,7 @@ def test_varlen_packed_forward_matches_per_sample_sdpa(tiny_model_dir: Path, att
     keep[ends] = False
     output_indices = keep.nonzero().flatten()
     with torch.no_grad():
-        packed, _ = model(input_ids.cuda(), positions.cuda(), labels.cuda(), output_indices.cuda())
+        packed, _ = model(input_ids.cuda(), positions.cuda(), labels[output_indices].cuda(), output_indices.cuda())
     expected = _per_sample_logprobs(tiny_model_dir, lengths, input_ids)
     torch.testing.assert_close(packed.float().cpu(), expected, rtol=0, atol=BF16_LOGPROB_ATOL)
 

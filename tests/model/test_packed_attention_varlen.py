@@ -55,8 +55,8 @@ def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch
     generator = torch.Generator().manual_seed(1)
     total = sum(LENGTHS)
     input_ids = torch.randint(3, vocab, (total,), generator=generator)
-    labels = torch.roll(input_ids, -1)
-    return input_ids, _positions(LENGTHS), labels, torch.arange(total - 1)
+    output_indices = torch.arange(total - 1)
+    return input_ids, _positions(LENGTHS), torch.roll(input_ids, -1)[output_indices], output_indices
 
 
 def test_token_logprob_model_computes_the_boundaries_once_for_every_layer(

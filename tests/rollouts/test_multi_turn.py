@@ -97,7 +97,7 @@ def test_tokens_are_the_engines_plus_observations_verbatim(tokenizer, renderer) 
     s.validate_generated()
     packed = get_input_for_logprobs([s])
     assert packed.output_lengths == [len(turn1) + len(turn2)]
-    assert packed.labels[packed.output_indices].tolist() == turn1 + turn2
+    assert packed.targets.tolist() == turn1 + turn2
 
 
 def test_a_malformed_tool_call_is_an_observation_not_a_crash(tokenizer, renderer) -> None:

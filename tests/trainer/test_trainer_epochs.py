@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from async_grpo.data.dataset import DatasetConfig
+from async_grpo.model.packed_attention import PACKED_SDPA
 from async_grpo.telemetry.metrics import StepAccumulator
 from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.data_path import PerRankDataPath, RayBatcherClient
@@ -36,11 +37,14 @@ CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 PARAM_ATOL = 2e-5
 
 
-def _samples(vocab: int, seed: int) -> list[Sample]:
+def _samples(vocab: int, seed: int, groups_of: int = 1) -> list[Sample]:
+    """Six samples; consecutive ones share their prompt in groups of `groups_of` (GRPO's answers)."""
     gen = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(6):
         prompt = torch.randint(2, vocab, (int(torch.randint(2, 6, (1,), generator=gen)),), generator=gen).tolist()
+        if i % groups_of:
+            prompt = samples[-1].input_token_ids
         output = torch.randint(2, vocab, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
         samples.append(Sample(input_token_ids=prompt, output_token_ids=output, gt_answer="", prompt_id=i,
                               sampling_logprobs=[0.0] * len(output), advantage=float(torch.randn(1, generator=gen))))
@@ -67,12 +71,15 @@ def _reference_two_epochs(causal_lm: torch.nn.Module, samples: list[Sample]) -> 
         optimizer.step()
 
 
+@pytest.mark.parametrize("share_prompts", [False, True], ids=["whole", "shared-prompts"])
 @pytest.mark.parametrize("split", [1, 2], ids=["one-minibatch", "two-minibatches"])
-def test_later_passes_match_a_hand_written_ppo_epoch_loop(tiny_model_dir: Path, monkeypatch, split: int) -> None:
+def test_later_passes_match_a_hand_written_ppo_epoch_loop(tiny_model_dir: Path, monkeypatch, split: int,
+                                                          share_prompts: bool) -> None:
     torch.manual_seed(0)
-    causal_lm = load_causal_lm(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
+    attn = PACKED_SDPA if share_prompts else "eager"
+    causal_lm = load_causal_lm(tiny_model_dir, dtype=torch.float32, attn_implementation=attn)
     reference_lm = copy.deepcopy(causal_lm)
-    samples = _samples(causal_lm.config.vocab_size, seed=split)
+    samples = _samples(causal_lm.config.vocab_size, seed=split, groups_of=3 if share_prompts else 1)
     model = TokenLogprobModel(causal_lm)
 
     # The batcher stand-in: its next_message.remote(...) returns the message itself, and ray.get
@@ -88,7 +95,7 @@ def test_later_passes_match_a_hand_written_ppo_epoch_loop(tiny_model_dir: Path, 
     monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
     optim_config = OptimConfig(lr=LR, weight_decay=0.0, warmup_steps=0, max_grad_norm=1e9)
     config = SimpleNamespace(message_timeout_s=1.0, loss=LossConfig(clip_low=CLIP_LOW, clip_high=CLIP_HIGH),
-                             epochs_per_step=2, optim=optim_config)
+                             epochs_per_step=2, optim=optim_config, model=SimpleNamespace(share_prompts=share_prompts))
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     scheduler = build_scheduler(optimizer, optim_config)

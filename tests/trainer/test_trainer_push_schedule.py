@@ -120,7 +120,7 @@ def _run(tiny_model_dir: Path, tmp_path: Path, monkeypatch, push_every: int, max
     import ray
 
     monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
-    config = TrainerConfig(model=SimpleNamespace(), data=UNUSED_DATA, run_dir=str(tmp_path),
+    config = TrainerConfig(model=SimpleNamespace(share_prompts=False), data=UNUSED_DATA, run_dir=str(tmp_path),
                            num_steps=NUM_STEPS, prompts_per_rank=PROMPTS_PER_RANK,
                            experience=ExperienceConfig(max_lag=max_lag, logprob_role="none"),
                            push_every=push_every, loss=LossConfig(kl_coef=0.0))

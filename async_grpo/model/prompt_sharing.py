@@ -1,0 +1,197 @@
+"""Packed streams in which the answers of one prompt share it: the prompt once, then each answer.
+
+GRPO samples n answers per prompt, and packed whole a minibatch repeats every prompt n times. A
+*block* lays a prompt out once, followed by its answers (branches). Each branch's tokens take the
+positions that continue the prompt's and attend to the prompt and to their own earlier tokens,
+never to a sibling: every answer token sees exactly the context it had packed whole, so the
+logprobs are the same up to float rounding, with fewer tokens through every layer.
+
+    block:  p0 p1 p2 p3 | a0 a1 | b0 a1' ...     (a prompt, then its answers' tokens)
+    positions: 0 1 2 3  | 4  5  | 4  5           (each answer continues the prompt)
+
+`SharedPromptLayout` describes the blocks of a stream (sample_processing_utils builds it);
+`shared_prompt_attention` runs a layer's attention over it (packed_attention.PACKED_SDPA calls it
+when the decoder's kwargs carry a layout): the prompts by causal sdpa, grouped by length, and the
+answers by sdpa over [prompt keys, own keys] under a causal mask aligned to the bottom right,
+grouped by (prompt length, answer length). The cost is sum(m_i * (p + m_i)) over answers: what
+the answers' own attention costs, without the prompt's repeated queries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+SHARED_PROMPT_LAYOUT_KWARG = "shared_prompt_layout"
+"""The decoder (and so every attention call) keyword that carries a stream's SharedPromptLayout."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBlock:
+    """One prompt and the answers laid out after it, at `start` in the stream."""
+
+    start: int
+    """Stream offset of the prompt's first token."""
+    prompt_length: int
+    """Tokens of the prompt (>= 1)."""
+    branch_lengths: tuple[int, ...]
+    """Tokens of each answer as laid out after the prompt, in order (0 for an answer whose only
+    token is predicted by the prompt's last position: its last token is never an input)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the block occupies in the stream."""
+        return self.prompt_length + sum(self.branch_lengths)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPromptLayout:
+    """The blocks of a packed stream, end to end from offset 0 (see the module docstring)."""
+
+    blocks: tuple[PromptBlock, ...]
+
+    def __post_init__(self) -> None:
+        offset = 0
+        for block in self.blocks:
+            if block.start != offset or block.prompt_length < 1 or min(block.branch_lengths, default=0) < 0:
+                raise ValueError(f"SharedPromptLayout: block {block} does not continue the stream at {offset}")
+            offset += block.num_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the whole stream."""
+        return sum(block.num_tokens for block in self.blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """Queries of equal shape that share one sdpa call."""
+
+    count: int
+    query_length: int
+    key_length: int
+    mask: torch.Tensor | None
+    """[1, 1, query_length, key_length] bool (True: attend), or None for plain causal attention."""
+
+
+@dataclass(frozen=True, slots=True)
+class _AttentionPlan:
+    """Index tensors that gather a stream's queries and keys group by group, and put outputs back."""
+
+    query_order: torch.Tensor
+    """[T] long: stream positions of every group's queries, group after group (a permutation)."""
+    key_order: torch.Tensor
+    """[K] long: stream positions of every group's keys (a prompt's once per answer that reads it)."""
+    inverse: torch.Tensor
+    """[T] long: where each stream position landed in query_order."""
+    groups: tuple[_Group, ...]
+
+
+def _answer_mask(prompt_length: int, answer_length: int, sliding_window: int | None,
+                 device: torch.device) -> torch.Tensor:
+    """[1, 1, m, p + m] bool: answer token j (position p + j) sees key k (position k) iff k <= p + j,
+    and, under a sliding window w, k > p + j - w."""
+    query_positions = torch.arange(answer_length, device=device)[:, None] + prompt_length
+    key_positions = torch.arange(prompt_length + answer_length, device=device)[None, :]
+    visible = key_positions <= query_positions
+    if sliding_window is not None:
+        visible &= key_positions > query_positions - sliding_window
+    return visible[None, None]
+
+
+def _prompt_mask(length: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
+    """None (plain causal attention) unless a sliding window is shorter than the prompt."""
+    if sliding_window is None or length <= sliding_window:
+        return None
+    offsets = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)[None, :]
+    return ((offsets >= 0) & (offsets < sliding_window))[None, None]
+
+
+def attention_plan(layout: SharedPromptLayout, sliding_window: int | None, device: torch.device) -> _AttentionPlan:
+    """Group a layout's prompts by length and its answers by (prompt length, answer length)."""
+    prompts: dict[int, list[list[int]]] = {}
+    answers: dict[tuple[int, int], tuple[list[list[int]], list[list[int]]]] = {}
+    for block in layout.blocks:
+        prompt = list(range(block.start, block.start + block.prompt_length))
+        prompts.setdefault(block.prompt_length, []).append(prompt)
+        offset = block.start + block.prompt_length
+        for length in block.branch_lengths:
+            if length:
+                answer = list(range(offset, offset + length))
+                queries, keys = answers.setdefault((block.prompt_length, length), ([], []))
+                queries.append(answer)
+                keys.append(prompt + answer)
+            offset += length
+    query_order: list[int] = []
+    key_order: list[int] = []
+    groups: list[_Group] = []
+    for length, members in prompts.items():
+        for positions in members:
+            query_order.extend(positions)
+            key_order.extend(positions)
+        groups.append(_Group(len(members), length, length, _prompt_mask(length, sliding_window, device)))
+    for (prompt_length, length), (queries, keys) in answers.items():
+        for query_positions, key_positions in zip(queries, keys):
+            query_order.extend(query_positions)
+            key_order.extend(key_positions)
+        groups.append(_Group(len(queries), length, prompt_length + length,
+                             _answer_mask(prompt_length, length, sliding_window, device)))
+    order = torch.tensor(query_order, dtype=torch.long)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return _AttentionPlan(query_order=order.to(device), key_order=torch.tensor(key_order, dtype=torch.long).to(device),
+                          inverse=inverse.to(device), groups=tuple(groups))
+
+
+# The plan of the last layout seen: every decoder layer (and a checkpointed layer's recompute)
+# receives the same layout object, so a forward builds its index tensors once, not per layer.
+_last_plan: tuple[SharedPromptLayout, int | None, torch.device, _AttentionPlan] | None = None
+
+
+def _plan_of(layout: SharedPromptLayout, sliding_window: int | None, device: torch.device) -> _AttentionPlan:
+    global _last_plan
+    cached = _last_plan
+    if cached is not None and cached[0] is layout and cached[1] == sliding_window and cached[2] == device:
+        return cached[3]
+    plan = attention_plan(layout, sliding_window, device)
+    _last_plan = (layout, sliding_window, device, plan)
+    return plan
+
+
+def shared_prompt_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: SharedPromptLayout,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention over a shared-prompt stream. query: [1, H, T, D]; key, value: [1, H_kv, T, D]
+    (GQA left to transformers' sdpa, as packed_sdpa_attention does). Returns ([1, T, H, D], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, length, head_dim = query.shape
+    if batch != 1 or length != layout.num_tokens or key.shape[2] != length:
+        raise ValueError(f"shared_prompt_attention: a [1, H, {layout.num_tokens}, D] stream and its own keys expected, "
+                         f"got query {tuple(query.shape)} and key {tuple(key.shape)}")
+    kwargs.pop("is_causal", None)  # each group says itself: causal prompts, masked answers
+    plan = _plan_of(layout, sliding_window, query.device)
+    q = query[0].transpose(0, 1).index_select(0, plan.query_order)  # [T, H, D], group after group
+    k, v = (t[0].transpose(0, 1).index_select(0, plan.key_order) for t in (key, value))
+    q_groups = torch.split(q, [g.count * g.query_length for g in plan.groups])
+    k_groups = torch.split(k, [g.count * g.key_length for g in plan.groups])
+    v_groups = torch.split(v, [g.count * g.key_length for g in plan.groups])
+    outputs = []
+    for group, q_group, k_group, v_group in zip(plan.groups, q_groups, k_groups, v_groups):
+        q_group = q_group.view(group.count, group.query_length, heads, head_dim).transpose(1, 2)
+        k_group, v_group = (g.view(group.count, group.key_length, g.shape[1], head_dim).transpose(1, 2)
+                            for g in (k_group, v_group))
+        out, _ = sdpa_attention_forward(module, q_group, k_group, v_group, group.mask, dropout=dropout,
+                                        scaling=scaling, is_causal=group.mask is None, **kwargs)  # [n, L, H, D]
+        outputs.append(out.reshape(group.count * group.query_length, heads, head_dim))
+    return torch.cat(outputs).index_select(0, plan.inverse).view(1, length, heads, head_dim), None

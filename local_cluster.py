@@ -416,8 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer_args = ["--run_dir", config.run_dir, "--model.model_path", config.model_path, *trainer_args]
     check_environment(config)
     trainer_config = load_trainer_config(trainer_args)  # prints its one line and exits 2 itself
-    config = with_trainer_transfer(config, trainer_config.transfer.weight_transfer)
-    config = with_trainer_packing(config, trainer_config.model.share_prompts)
+    config = with_trainer_settings(config, trainer_config)
     placement, run = plan_or_exit(config, trainer_config)
     # A dry run shows the plan of the machine it describes: a GPU plan gets the CUDA engine settings.
     cuda = cuda_available() or (config.dry_run and placement.on_gpu)
@@ -461,6 +460,13 @@ def load_trainer_config(trainer_args: list[str]) -> TrainerConfig:
     from trainer_core import load_trainer_config as load
 
     return load(trainer_args)
+
+
+def with_trainer_settings(config: LocalClusterConfig, trainer_config: TrainerConfig) -> LocalClusterConfig:
+    """`config` with what its workers take from the trainer's config (the weight-transfer backend,
+    prompt sharing): with_trainer_transfer, then with_trainer_packing."""
+    config = with_trainer_transfer(config, trainer_config.transfer.weight_transfer)
+    return with_trainer_packing(config, trainer_config.model.share_prompts)
 
 
 def with_trainer_transfer(config: LocalClusterConfig, weight_transfer: str) -> LocalClusterConfig:

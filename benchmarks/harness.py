@@ -172,6 +172,16 @@ def demo_trainer_flags(assets: DemoAssets, run_dir: Path, *, num_steps: int, see
 
 # ---- one trainer run on a local cluster ---------------------------------------------------------
 
+def for_trainer(cluster_config: Any, trainer_args: list[str]) -> Any:
+    """`cluster_config` (a LocalClusterConfig) with what local_cluster.py hands from the trainer's
+    config to the workers (local_cluster.with_trainer_settings), for scripts that start a
+    LocalCluster themselves; trainer_args: the trainer's flags (with --run_dir and --model.model_path)."""
+    from local_cluster import with_trainer_settings
+    from trainer_core import load_trainer_config
+
+    return with_trainer_settings(cluster_config, load_trainer_config(trainer_args))
+
+
 @dataclass(frozen=True)
 class TrainerRun:
     """What a trainer run left behind."""

@@ -41,8 +41,8 @@ from typing import Any
 
 from async_grpo.config.run_config import split_passthrough
 from benchmarks.harness import (
-    apply_smoke, demo_assets, demo_trainer_flags, fresh_run_dir, load_bench_config, run_engine, run_trainer,
-    setup_logging, summary_line,
+    apply_smoke, demo_assets, demo_trainer_flags, for_trainer, fresh_run_dir, load_bench_config, run_engine,
+    run_trainer, setup_logging, summary_line,
 )
 from benchmarks.process_monitor import (
     Counters, environ_rank, process_kind, process_label, read_counters, read_proc,
@@ -184,9 +184,9 @@ def profile_run(config: ProfileConfig, name: str, launcher: dict[str, Any], trai
 
     assets = demo_assets(config.assets)
     run_dir = fresh_run_dir(work / name)
-    cluster_config = LocalClusterConfig(model_path=str(assets.model), log_dir=str(run_dir / "logs"),
-                                        engine=run_engine(config.smoke), **launcher)
     args = demo_trainer_flags(assets, run_dir, num_steps=config.num_steps, seed=config.seed) + trainer_flags
+    cluster_config = for_trainer(LocalClusterConfig(model_path=str(assets.model), log_dir=str(run_dir / "logs"),
+                                                    engine=run_engine(config.smoke), **launcher), args)
     sampler = TreeSampler(config.poll_s)
     with LocalCluster(cluster_config) as cluster:
         cluster.start_workers()

@@ -110,7 +110,9 @@ class StepAccumulator:
         s["response_tokens"] += sum(x.num_sampled_tokens for x in samples)
         s["observation_tokens"] += sum(len(x.output_token_ids) - x.num_sampled_tokens for x in samples)
         s["observed"] += sum(1 for x in samples if len(x.output_token_ids) > x.num_sampled_tokens)
-        s["tokens"] += batch.num_tokens
+        # Every sample's prompt + output, however the minibatch was laid out (model.share_prompts
+        # streams fewer), so counts/tokens and perf/tokens_per_s compare across settings.
+        s["tokens"] += sum(x.num_tokens for x in samples)
         s["truncated"] += sum(1 for x in samples if x.truncated)
         s["reward_failed"] += sum(1 for x in samples if x.reward_failed)
         # A group whose rollouts all scored the same has advantage 0: no policy-gradient signal.

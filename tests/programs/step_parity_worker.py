@@ -11,7 +11,8 @@ SPEC.json (written by the test):
     max_tokens_per_gpu  the packer's token budget (small, so each rank gets several minibatches)
     reorder_window      the packer's best-fit window
     cases               {name: {"epochs_per_step": int, "loss": LossConfig fields,
-                                "optim": OptimConfig fields, "data_path": "per_rank" | "rank0"}}
+                                "optim": OptimConfig fields, "data_path": "per_rank" | "rank0",
+                                "share_prompts": bool}}
 
 For each case every rank builds the FSDP2 model, AdamW and schedule afresh with fsdp_setup's and optimizer's
 builders, packs the samples with the real MinibatchPacker (every rank runs it over the same
@@ -181,7 +182,7 @@ def record_grads_before_each_step(model: torch.nn.Module,
 def trainer_config(spec: dict, case: dict) -> TrainerConfig:
     """A one-step, synchronous run's config (JSON turned OptimConfig.betas into a list)."""
     return TrainerConfig(
-        model=ModelConfig(model_path=spec["model_path"], **spec["model"]),
+        model=ModelConfig(model_path=spec["model_path"], **spec["model"], share_prompts=case["share_prompts"]),
         data=DatasetConfig(path=UNUSED_DATA_PATH, max_prompt_tokens=spec["max_prompt_tokens"]),
         experience=ExperienceConfig(sampling=SamplingConfig(max_tokens=spec["max_output_tokens"]), max_lag=0,
                                     max_tokens_per_gpu=spec["max_tokens_per_gpu"]),

@@ -75,6 +75,8 @@ class Case:
     loss: LossConfig
     optim: OptimConfig
     data_path: str = "per_rank"
+    share_prompts: bool = False
+    """model.share_prompts: the answers of one prompt share it in each packed minibatch."""
 
 
 def optim_config(max_grad_norm: float) -> OptimConfig:
@@ -276,7 +278,7 @@ def run_cases(out_dir: Path, model_dir: Path, samples: list[Sample], cases: dict
         "max_output_tokens": MAX_OUTPUT_TOKENS,
         "reorder_window": REORDER_WINDOW,
         "cases": {name: {"epochs_per_step": c.epochs_per_step, "loss": asdict(c.loss), "optim": asdict(c.optim),
-                         "data_path": c.data_path} for name, c in cases.items()},
+                         "data_path": c.data_path, "share_prompts": c.share_prompts} for name, c in cases.items()},
     }
     launch_worker(spec, out_dir)
     return out_dir

@@ -68,14 +68,15 @@ def _finalized(acc: StepAccumulator) -> dict[str, float]:
     return acc.finalize(dist=dist, end=end, grad_norm=1.0, lr=1e-3, push_s=0.0, step_s=2.0, batcher_stats={})
 
 
-def test_step_record_counts_equal_reward_groups_and_samples() -> None:
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_step_record_counts_equal_reward_groups_and_samples(share_prompts: bool) -> None:
     # Two groups as the batcher's grpo estimator scores them: one all-wrong (advantage 0),
     # one mixed. Only the mixed group carries a policy-gradient signal.
     rewards_adv = [(0.0, 0.0), (0.0, 0.0), (1.0, 1.0), (0.0, -1.0)]
     samples = [Sample(input_token_ids=[5, 6], output_token_ids=[7] * (i + 1), gt_answer="1", prompt_id=i // 2,
                       sampling_logprobs=[-0.5] * (i + 1), reward=r, advantage=a, weight_version=0)
                for i, (r, a) in enumerate(rewards_adv)]
-    batch = post_process_batch(samples)
+    batch = post_process_batch(samples, share_prompts)
     acc = StepAccumulator(step=1)
     acc.add_minibatch(samples, batch, torch.zeros(batch.advantages.numel()), 0.5, {})
     record = _finalized(acc)
@@ -83,6 +84,7 @@ def test_step_record_counts_equal_reward_groups_and_samples() -> None:
     assert record["counts/zero_advantage_samples"] == 2
     assert record["reward/mean"] == 0.25 and record["reward/accuracy"] == 0.25
     assert record["response/length_mean"] == (1 + 2 + 3 + 4) / 4
+    # Every sample's prompt and output, also when the stream laid the shared prompt out once.
     assert record["staleness/max"] == 1.0 and record["counts/tokens"] == 4 * 2 + 10
 
 

@@ -20,7 +20,8 @@ pass's detached logprobs as pi_old. Cases: 1 epoch without KL, 1 epoch with k3 K
 and the loss options of issue 12: the token-mean and constant aggregations (their divisors are
 step totals, so the split over ranks and minibatches must still equal one padded batch) and
 GSPO's sequence-level ratio over 2 epochs; and the two-epoch k3 case again with data_path
-rank0, where rank 0 scatters every rank's minibatches over the process group.
+rank0, where rank 0 scatters every rank's minibatches over the process group, and again with
+model.share_prompts, where each minibatch lays a prompt out once before its answers.
 
 What is compared, and why not only the weights. Adam divides each update by the gradient's own
 running RMS, so its first step is about lr x sign(g) wherever |g| >> eps: the weights alone
@@ -80,6 +81,10 @@ CASES = {
                                                 clip_high=CLIP_HIGH)),
     "gspo_two_epochs": Case(epochs_per_step=2, optim=optim_config(NO_CLIP),
                             loss=LossConfig(ratio_level="sequence", seq_clip_low=GSPO_CLIP, seq_clip_high=GSPO_CLIP)),
+    # model.share_prompts: a minibatch's answers of one prompt after a single copy of it (packed_sdpa).
+    "two_epochs_k3_shared_prompts": Case(epochs_per_step=2, optim=optim_config(CLIPPING_MAX_NORM), share_prompts=True,
+                                         loss=LossConfig(kl_coef=KL_COEF, kl_estimator="k3", clip_low=CLIP_LOW,
+                                                         clip_high=CLIP_HIGH)),
 }
 
 
@@ -113,6 +118,9 @@ def test_every_rank_trains_on_several_packed_minibatches(system_run: Path, sampl
                          for i in mb["samples"])
         assert trained == list(range(len(samples))), f"{name}: not every sample trained exactly once"
         assert run["num_samples"] == len(samples)
+        if CASES[name].share_prompts:  # some minibatch holds answers of one prompt, laid out once
+            assert any(len({tuple(samples[i].input_token_ids) for i in mb["samples"]}) < len(mb["samples"])
+                       for minibatches in per_rank for mb in minibatches)
 
 
 @pytest.mark.distributed

@@ -263,3 +263,45 @@ def summarize_checkpoint_run(records: list[dict[str, Any]], every: int, skip_ste
         "other_step_s": other_steps,
         "time_s": records[-1]["time_s"],
     }
+
+
+# ---- timing two ways of one computation ---------------------------------------------------------
+
+@dataclass(slots=True)
+class Timing:
+    """Median cost of one step."""
+
+    wall_s: float
+    """Wall-clock seconds."""
+    cpu_s: float
+    """CPU seconds of this process (all threads): robust to other jobs sharing the cores."""
+
+
+def interleaved_medians(steps: dict[str, Any], model: Any, *, warmup: int, reps: int,
+                        cuda: bool = False) -> dict[str, Timing]:
+    """Warm up each step (a callable), then time them alternately `reps` times; medians per step.
+
+    model: the torch module every step puts gradients on (zeroed after each step); cuda: wait for
+    the queued kernels before each clock reading. Alternating (a, b, a, b, ...) exposes every
+    step to the same background load.
+    """
+    import torch
+
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+            model.zero_grad(set_to_none=True)
+    wall: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, step in steps.items():
+            if cuda:
+                torch.cuda.synchronize()
+            wall_start, cpu_start = time.perf_counter(), time.process_time()
+            step()
+            if cuda:  # the step's kernels are queued: its time ends when they have run
+                torch.cuda.synchronize()
+            wall[name].append(time.perf_counter() - wall_start)
+            cpu[name].append(time.process_time() - cpu_start)
+            model.zero_grad(set_to_none=True)
+    return {name: Timing(statistics.median(wall[name]), statistics.median(cpu[name])) for name in steps}

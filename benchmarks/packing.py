@@ -31,18 +31,15 @@ query-key pairs the packed side computes to the padded side's.
 from __future__ import annotations
 
 import logging
-import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from async_grpo.model.packed_attention import PACKED_SDPA, PACKED_VARLEN
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
-from benchmarks.harness import apply_smoke, load_bench_config, setup_logging
+from benchmarks.harness import apply_smoke, interleaved_medians, load_bench_config, setup_logging
 from grpo_loss import LossConfig, grpo_loss
 from sample_processing_utils import PackedBatch, Sample, post_process_batch
 from setup_model import TokenLogprobModel, load_causal_lm
@@ -190,46 +187,6 @@ def padded_step(causal_lm: torch.nn.Module, padded: PaddedInputs, batch: PackedB
     return loss.item()
 
 
-@dataclass(slots=True)
-class Timing:
-    """Median cost of one step."""
-
-    wall_s: float
-    """Wall-clock seconds."""
-    cpu_s: float
-    """CPU seconds of this process (all threads): robust to other jobs sharing the cores."""
-
-
-def interleaved_medians(
-    steps: dict[str, Callable[[], float]], model: torch.nn.Module, config: BenchConfig
-) -> dict[str, Timing]:
-    """Warm up each step, then time them alternately `reps` times; medians per step.
-
-    model: everything the steps put gradients on (zeroed after each step).
-
-    Alternating (packed, padded, packed, ...) exposes both sides to the same background load.
-    """
-    for step in steps.values():
-        for _ in range(config.warmup):
-            step()
-            model.zero_grad(set_to_none=True)
-    wall: dict[str, list[float]] = {name: [] for name in steps}
-    cpu: dict[str, list[float]] = {name: [] for name in steps}
-    cuda = config.device == "cuda"
-    for _ in range(config.reps):
-        for name, step in steps.items():
-            if cuda:
-                torch.cuda.synchronize()
-            wall_start, cpu_start = time.perf_counter(), time.process_time()
-            step()
-            if cuda:  # the step's kernels are queued: its time ends when they have run
-                torch.cuda.synchronize()
-            wall[name].append(time.perf_counter() - wall_start)
-            cpu[name].append(time.process_time() - cpu_start)
-            model.zero_grad(set_to_none=True)
-    return {name: Timing(statistics.median(wall[name]), statistics.median(cpu[name])) for name in steps}
-
-
 def run(config: BenchConfig, model_dir: Path) -> dict[str, float]:
     write_tiny_model(model_dir, TinyModelConfig(
         hidden_size=config.hidden_size, num_layers=config.num_layers, num_heads=config.hidden_size // 64,
@@ -253,8 +210,7 @@ def run(config: BenchConfig, model_dir: Path) -> dict[str, float]:
 
     medians = interleaved_medians(
         {"packed": lambda: packed_step(model, batch), "padded": lambda: padded_step(padded_lm, padded, batch)},
-        both,
-        config,
+        both, warmup=config.warmup, reps=config.reps, cuda=config.device == "cuda",
     )
     packed_time, padded_time = medians["packed"], medians["padded"]
     real_tokens = batch.num_tokens

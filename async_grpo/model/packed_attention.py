@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from async_grpo.model.prompt_sharing import SHARED_PROMPT_LAYOUT_KWARG, shared_prompt_attention
+from async_grpo.model.prompt_sharing import SHARED_PROMPT_LAYOUT_KWARG, shared_prompt_attention, sliding_window_mask
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -129,12 +129,6 @@ def _length_groups_of(key: torch.Tensor, batch_size: int, device: torch.device, 
     return by_device[device]
 
 
-def _sliding_window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
-    """[1, 1, L, L] bool: causal, and each query sees only its `window` latest keys (itself included)."""
-    offsets = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)[None, :]
-    return ((offsets >= 0) & (offsets < window))[None, None]
-
-
 @dataclass(frozen=True, slots=True)
 class LengthGroups:
     """The tokens of a packed stream reordered so that samples of equal length sit together.
@@ -223,7 +217,7 @@ def packed_sdpa_attention(
                                      for g in (q_group, k_group, v_group))
         mask = None
         if sliding_window is not None and segment_length > sliding_window:
-            mask = _sliding_window_mask(segment_length, sliding_window, query.device)
+            mask = sliding_window_mask(segment_length, sliding_window, query.device)
         group_out, _ = sdpa_attention_forward(
             module, q_group, k_group, v_group, mask, dropout=dropout, scaling=scaling, **kwargs
         )  # [n, L, H, D]

@@ -6,8 +6,8 @@ positions that continue the prompt's and attend to the prompt and to their own e
 never to a sibling: every answer token sees exactly the context it had packed whole, so the
 logprobs are the same up to float rounding, with fewer tokens through every layer.
 
-    block:  p0 p1 p2 p3 | a0 a1 | b0 a1' ...     (a prompt, then its answers' tokens)
-    positions: 0 1 2 3  | 4  5  | 4  5           (each answer continues the prompt)
+    stream:     p0 p1 p2 p3 | a0 a1 | b0 | q0 q1 ...   (prompt p, its answers a and b, prompt q, ...)
+    positions:   0  1  2  3 |  4  5 |  4 |  0  1       (each answer continues its prompt)
 
 `SharedPromptLayout` describes the blocks of a stream (sample_processing_utils builds it);
 `shared_prompt_attention` runs a layer's attention over it (packed_attention.PACKED_SDPA calls it
@@ -101,12 +101,17 @@ def _answer_mask(prompt_length: int, answer_length: int, sliding_window: int | N
     return visible[None, None]
 
 
+def sliding_window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, L, L] bool: causal, and each query sees only its `window` latest keys (itself included)."""
+    offsets = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)[None, :]
+    return ((offsets >= 0) & (offsets < window))[None, None]
+
+
 def _prompt_mask(length: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
     """None (plain causal attention) unless a sliding window is shorter than the prompt."""
     if sliding_window is None or length <= sliding_window:
         return None
-    offsets = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)[None, :]
-    return ((offsets >= 0) & (offsets < sliding_window))[None, None]
+    return sliding_window_mask(length, sliding_window, device)
 
 
 def attention_plan(layout: SharedPromptLayout, sliding_window: int | None, device: torch.device) -> _AttentionPlan:

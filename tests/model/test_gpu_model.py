@@ -11,6 +11,7 @@
   flash_attention_2 where flash-attn is installed) with the samples' boundaries computed once
   by TokenLogprobModel, against each sample run alone through plain sdpa; boundaries that merge
   two samples change the result, so the kwargs are what isolates the samples.
+- Shared prompts (model.share_prompts) in bf16 against the same samples packed whole.
 """
 
 from __future__ import annotations
@@ -156,3 +157,23 @@ def test_varlen_packed_forward_matches_per_sample_sdpa(tiny_model_dir: Path, att
                                             "max_length_k": lengths[0] + lengths[1]}).last_hidden_state
     second = slice(lengths[0], lengths[0] + lengths[1])
     assert (right[0, second] - wrong[0, second]).abs().max() > 10 * BF16_LOGPROB_ATOL
+
+
+def test_bf16_shared_prompts_match_whole_samples(tiny_model_dir: Path) -> None:
+    """model.share_prompts on the GPU: step_parity's groups (several answers per prompt) scored
+    with each prompt laid out once equal the same samples packed whole through the varlen kernel,
+    within bf16's tolerance; the layout's answers run through sdpa with a mask on CUDA."""
+    from sample_processing_utils import get_input_for_logprobs
+    from setup_model import TokenLogprobModel, load_causal_lm
+    from support.step_parity import build_samples
+
+    model = TokenLogprobModel(load_causal_lm(tiny_model_dir, device=torch.device("cuda"), dtype=torch.bfloat16,
+                                             attn_implementation="packed_varlen")).eval()
+    samples = build_samples(tiny_model_dir, seed=0)
+    whole, shared = get_input_for_logprobs(samples), get_input_for_logprobs(samples, share_prompts=True)
+    assert shared.input_ids.numel() < whole.input_ids.numel()
+    with torch.no_grad():
+        whole_logprobs, _ = model.score(whole)
+        shared_logprobs, _ = model.score(shared)
+    torch.testing.assert_close(shared_logprobs.float().cpu(), whole_logprobs.float().cpu(), rtol=0,
+                               atol=BF16_LOGPROB_ATOL)

@@ -20,7 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from async_grpo.model.prompt_sharing import SHARED_PROMPT_LAYOUT_KWARG, shared_prompt_attention, sliding_window_mask
+from async_grpo.model.prompt_sharing import (
+    SHARED_PROMPT_LAYOUT_KWARG, AttentionPlan, PromptBlock, SharedPromptLayout, attention_plan, run_attention_plan,
+    shared_prompt_attention,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -88,15 +91,15 @@ def _segments_from_cu(cu_seq_lens: torch.Tensor) -> PackedSegments:
 
 # Layout of the last position-id tensor seen, keyed on the tensor object and its in-place
 # version: every decoder layer (and gradient checkpointing's recompute) receives the same tensor,
-# so a forward pays packed_segments' host sync, and builds its length groups, once rather than
+# so a forward pays packed_segments' host sync, and builds its attention plan, once rather than
 # once per layer. A single tuple, so threads that forward concurrently (the logprob worker) at
-# worst recompute it. The dict holds length_groups per device, filled on first use.
-_last_layout: tuple[torch.Tensor, int, int, PackedSegments, dict[torch.device, LengthGroups]] | None = None
+# worst recompute it. The dict holds plans per (device, sliding window), filled on first use.
+_last_layout: tuple[torch.Tensor, int, int, PackedSegments, dict[tuple[torch.device, int | None], AttentionPlan]] | None = None
 
 
 def _layout_of(
     key: torch.Tensor, batch_size: int, from_cu: bool = False
-) -> tuple[torch.Tensor, int, int, PackedSegments, dict[torch.device, LengthGroups]]:
+) -> tuple[torch.Tensor, int, int, PackedSegments, dict[tuple[torch.device, int | None], AttentionPlan]]:
     """The cache entry for `key` (position ids, or cu_seq_lens when from_cu), recomputed unless
     given the same, unmodified tensor."""
     global _last_layout
@@ -121,44 +124,16 @@ def _segments_of(key: torch.Tensor, batch_size: int, from_cu: bool = False) -> P
     return _layout_of(key, batch_size, from_cu)[3]
 
 
-def _length_groups_of(key: torch.Tensor, batch_size: int, device: torch.device, from_cu: bool = False) -> LengthGroups:
-    """length_groups of _segments_of(key, batch_size, from_cu), built once per forward and device."""
-    _, _, _, segments, by_device = _layout_of(key, batch_size, from_cu)
-    if device not in by_device:
-        by_device[device] = length_groups(segments, device)
-    return by_device[device]
-
-
-@dataclass(frozen=True, slots=True)
-class LengthGroups:
-    """The tokens of a packed stream reordered so that samples of equal length sit together.
-
-    Per-sample slices would cost a full-size zero fill each in backward (SliceBackward), which
-    is quadratic in the number of samples; one index_select in and one out costs O(tokens).
-    """
-
-    order: torch.Tensor
-    """[B * T] long: stream positions, grouped by sample length (a permutation)."""
-    inverse: torch.Tensor
-    """[B * T] long: where each stream position landed in `order`."""
-    groups: tuple[tuple[int, int], ...]
-    """(sample length, number of samples) of each group, in `order`'s order."""
-
-
-def length_groups(segments: PackedSegments, device: torch.device) -> LengthGroups:
-    """Group the samples of `segments` by length, as index tensors on `device`."""
-    by_length: dict[int, list[int]] = {}
-    for start, length in zip(segments.starts, segments.lengths):
-        by_length.setdefault(length, []).append(start)
-    pieces, groups = [], []
-    for length, starts in by_length.items():
-        offsets = torch.arange(length, dtype=torch.long)
-        pieces.append((torch.tensor(starts, dtype=torch.long)[:, None] + offsets[None, :]).flatten())
-        groups.append((length, len(starts)))
-    order = torch.cat(pieces)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel())
-    return LengthGroups(order=order.to(device), inverse=inverse.to(device), groups=tuple(groups))
+def _plan_of(key: torch.Tensor, batch_size: int, device: torch.device, sliding_window: int | None,
+             from_cu: bool = False) -> AttentionPlan:
+    """The attention plan of _segments_of(key, batch_size, from_cu), each sample a block of its own
+    (prompt_sharing.attention_plan: samples grouped by length), built once per forward, device and window."""
+    _, _, _, segments, plans = _layout_of(key, batch_size, from_cu)
+    if (device, sliding_window) not in plans:
+        whole = SharedPromptLayout(blocks=tuple(PromptBlock(start=start, prompt_length=length, branch_lengths=())
+                                                for start, length in zip(segments.starts, segments.lengths)))
+        plans[device, sliding_window] = attention_plan(whole, sliding_window, device)
+    return plans[device, sliding_window]
 
 
 def packed_sdpa_attention(
@@ -207,22 +182,9 @@ def packed_sdpa_attention(
 
     # [B, H, T, D] -> [B * T, H, D]: undoes the decoder's transpose, a view in the usual layout.
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (query, key, value))
-    plan = _length_groups_of(key_tensor, batch, query.device, from_cu)
-    group_sizes = [segment_length * count for segment_length, count in plan.groups]
-    q_groups, k_groups, v_groups = (torch.split(t.index_select(0, plan.order), group_sizes) for t in (q, k, v))
-    outputs = []
-    for (segment_length, count), q_group, k_group, v_group in zip(plan.groups, q_groups, k_groups, v_groups):
-        # [n * L, H, D] -> [n, H, L, D]
-        q_group, k_group, v_group = (g.view(count, segment_length, g.shape[1], head_dim).transpose(1, 2)
-                                     for g in (q_group, k_group, v_group))
-        mask = None
-        if sliding_window is not None and segment_length > sliding_window:
-            mask = sliding_window_mask(segment_length, sliding_window, query.device)
-        group_out, _ = sdpa_attention_forward(
-            module, q_group, k_group, v_group, mask, dropout=dropout, scaling=scaling, **kwargs
-        )  # [n, L, H, D]
-        outputs.append(group_out.reshape(count * segment_length, heads, head_dim))
-    return torch.cat(outputs).index_select(0, plan.inverse).view(batch, length, heads, head_dim), None
+    plan = _plan_of(key_tensor, batch, query.device, sliding_window, from_cu)
+    out = run_attention_plan(module, q, k, v, plan, dropout=dropout, scaling=scaling, **kwargs)
+    return out.view(batch, length, heads, head_dim), None
 
 
 def packed_sdpa_mask(

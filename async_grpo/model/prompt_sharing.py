@@ -66,7 +66,7 @@ class SharedPromptLayout:
 
 
 @dataclass(frozen=True, slots=True)
-class _Group:
+class AttentionGroup:
     """Queries of equal shape that share one sdpa call."""
 
     count: int
@@ -77,8 +77,11 @@ class _Group:
 
 
 @dataclass(frozen=True, slots=True)
-class _AttentionPlan:
-    """Index tensors that gather a stream's queries and keys group by group, and put outputs back."""
+class AttentionPlan:
+    """Index tensors that gather a stream's queries and keys group by group, and put outputs back.
+
+    Per-sample slices would cost a full-size zero fill each in backward (SliceBackward), which is
+    quadratic in the number of samples; one index_select in and one out costs O(tokens)."""
 
     query_order: torch.Tensor
     """[T] long: stream positions of every group's queries, group after group (a permutation)."""
@@ -86,7 +89,7 @@ class _AttentionPlan:
     """[K] long: stream positions of every group's keys (a prompt's once per answer that reads it)."""
     inverse: torch.Tensor
     """[T] long: where each stream position landed in query_order."""
-    groups: tuple[_Group, ...]
+    groups: tuple[AttentionGroup, ...]
 
 
 def _answer_mask(prompt_length: int, answer_length: int, sliding_window: int | None,
@@ -101,7 +104,7 @@ def _answer_mask(prompt_length: int, answer_length: int, sliding_window: int | N
     return visible[None, None]
 
 
-def sliding_window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+def _sliding_window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
     """[1, 1, L, L] bool: causal, and each query sees only its `window` latest keys (itself included)."""
     offsets = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)[None, :]
     return ((offsets >= 0) & (offsets < window))[None, None]
@@ -111,51 +114,79 @@ def _prompt_mask(length: int, sliding_window: int | None, device: torch.device) 
     """None (plain causal attention) unless a sliding window is shorter than the prompt."""
     if sliding_window is None or length <= sliding_window:
         return None
-    return sliding_window_mask(length, sliding_window, device)
+    return _sliding_window_mask(length, sliding_window, device)
 
 
-def attention_plan(layout: SharedPromptLayout, sliding_window: int | None, device: torch.device) -> _AttentionPlan:
-    """Group a layout's prompts by length and its answers by (prompt length, answer length)."""
-    prompts: dict[int, list[list[int]]] = {}
-    answers: dict[tuple[int, int], tuple[list[list[int]], list[list[int]]]] = {}
+def attention_plan(layout: SharedPromptLayout, sliding_window: int | None, device: torch.device) -> AttentionPlan:
+    """Group a layout's prompts by length and its answers by (prompt length, answer length). A
+    layout of blocks without answers is a stream of whole samples (packed_attention's)."""
+    prompts: dict[int, list[int]] = {}  # prompt length -> the prompts' starts
+    answers: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # (p, m) -> (prompt starts, answer starts)
     for block in layout.blocks:
-        prompt = list(range(block.start, block.start + block.prompt_length))
-        prompts.setdefault(block.prompt_length, []).append(prompt)
+        prompts.setdefault(block.prompt_length, []).append(block.start)
         offset = block.start + block.prompt_length
         for length in block.branch_lengths:
             if length:
-                answer = list(range(offset, offset + length))
-                queries, keys = answers.setdefault((block.prompt_length, length), ([], []))
-                queries.append(answer)
-                keys.append(prompt + answer)
+                prompt_starts, answer_starts = answers.setdefault((block.prompt_length, length), ([], []))
+                prompt_starts.append(block.start)
+                answer_starts.append(offset)
             offset += length
-    query_order: list[int] = []
-    key_order: list[int] = []
-    groups: list[_Group] = []
-    for length, members in prompts.items():
-        for positions in members:
-            query_order.extend(positions)
-            key_order.extend(positions)
-        groups.append(_Group(len(members), length, length, _prompt_mask(length, sliding_window, device)))
-    for (prompt_length, length), (queries, keys) in answers.items():
-        for query_positions, key_positions in zip(queries, keys):
-            query_order.extend(query_positions)
-            key_order.extend(key_positions)
-        groups.append(_Group(len(queries), length, prompt_length + length,
-                             _answer_mask(prompt_length, length, sliding_window, device)))
-    order = torch.tensor(query_order, dtype=torch.long)
+    query_pieces: list[torch.Tensor] = []
+    key_pieces: list[torch.Tensor] = []
+    groups: list[AttentionGroup] = []
+    for length, starts in prompts.items():
+        positions = _spans(starts, length)
+        query_pieces.append(positions.flatten())
+        key_pieces.append(positions.flatten())
+        groups.append(AttentionGroup(len(starts), length, length, _prompt_mask(length, sliding_window, device)))
+    for (prompt_length, length), (prompt_starts, answer_starts) in answers.items():
+        queries = _spans(answer_starts, length)
+        query_pieces.append(queries.flatten())
+        key_pieces.append(torch.cat([_spans(prompt_starts, prompt_length), queries], dim=1).flatten())
+        groups.append(AttentionGroup(len(answer_starts), length, prompt_length + length,
+                                     _answer_mask(prompt_length, length, sliding_window, device)))
+    order = torch.cat(query_pieces)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel())
-    return _AttentionPlan(query_order=order.to(device), key_order=torch.tensor(key_order, dtype=torch.long).to(device),
-                          inverse=inverse.to(device), groups=tuple(groups))
+    return AttentionPlan(query_order=order.to(device), key_order=torch.cat(key_pieces).to(device),
+                         inverse=inverse.to(device), groups=tuple(groups))
+
+
+def _spans(starts: list[int], length: int) -> torch.Tensor:
+    """[len(starts), length] long: the stream positions of spans of `length` tokens at `starts`."""
+    return torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(length, dtype=torch.long)[None, :]
+
+
+def run_attention_plan(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       plan: AttentionPlan, dropout: float = 0.0, scaling: float | None = None,
+                       **kwargs) -> torch.Tensor:
+    """The plan's groups through transformers' sdpa, one call each. query: [T, H, D]; key, value:
+    [T, H_kv, D] (a stream's tokens; GQA left to transformers' sdpa). Returns [T, H, D]."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs.pop("is_causal", None)  # each group says itself: causal without a mask, else the mask
+    heads, head_dim = query.shape[1:]
+    q_groups = torch.split(query.index_select(0, plan.query_order), [g.count * g.query_length for g in plan.groups])
+    k_groups, v_groups = (torch.split(t.index_select(0, plan.key_order), [g.count * g.key_length for g in plan.groups])
+                          for t in (key, value))
+    outputs = []
+    for group, q_group, k_group, v_group in zip(plan.groups, q_groups, k_groups, v_groups):
+        # [n * L, H, D] -> [n, H, L, D]
+        q_group = q_group.view(group.count, group.query_length, heads, head_dim).transpose(1, 2)
+        k_group, v_group = (g.view(group.count, group.key_length, g.shape[1], head_dim).transpose(1, 2)
+                            for g in (k_group, v_group))
+        out, _ = sdpa_attention_forward(module, q_group, k_group, v_group, group.mask, dropout=dropout,
+                                        scaling=scaling, is_causal=group.mask is None, **kwargs)  # [n, L, H, D]
+        outputs.append(out.reshape(group.count * group.query_length, heads, head_dim))
+    return torch.cat(outputs).index_select(0, plan.inverse)
 
 
 # The plan of the last layout seen: every decoder layer (and a checkpointed layer's recompute)
 # receives the same layout object, so a forward builds its index tensors once, not per layer.
-_last_plan: tuple[SharedPromptLayout, int | None, torch.device, _AttentionPlan] | None = None
+_last_plan: tuple[SharedPromptLayout, int | None, torch.device, AttentionPlan] | None = None
 
 
-def _plan_of(layout: SharedPromptLayout, sliding_window: int | None, device: torch.device) -> _AttentionPlan:
+def _plan_of(layout: SharedPromptLayout, sliding_window: int | None, device: torch.device) -> AttentionPlan:
     global _last_plan
     cached = _last_plan
     if cached is not None and cached[0] is layout and cached[1] == sliding_window and cached[2] == device:
@@ -178,25 +209,11 @@ def shared_prompt_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention over a shared-prompt stream. query: [1, H, T, D]; key, value: [1, H_kv, T, D]
     (GQA left to transformers' sdpa, as packed_sdpa_attention does). Returns ([1, T, H, D], None)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     batch, heads, length, head_dim = query.shape
     if batch != 1 or length != layout.num_tokens or key.shape[2] != length:
         raise ValueError(f"shared_prompt_attention: a [1, H, {layout.num_tokens}, D] stream and its own keys expected, "
                          f"got query {tuple(query.shape)} and key {tuple(key.shape)}")
-    kwargs.pop("is_causal", None)  # each group says itself: causal prompts, masked answers
     plan = _plan_of(layout, sliding_window, query.device)
-    q = query[0].transpose(0, 1).index_select(0, plan.query_order)  # [T, H, D], group after group
-    k, v = (t[0].transpose(0, 1).index_select(0, plan.key_order) for t in (key, value))
-    q_groups = torch.split(q, [g.count * g.query_length for g in plan.groups])
-    k_groups = torch.split(k, [g.count * g.key_length for g in plan.groups])
-    v_groups = torch.split(v, [g.count * g.key_length for g in plan.groups])
-    outputs = []
-    for group, q_group, k_group, v_group in zip(plan.groups, q_groups, k_groups, v_groups):
-        q_group = q_group.view(group.count, group.query_length, heads, head_dim).transpose(1, 2)
-        k_group, v_group = (g.view(group.count, group.key_length, g.shape[1], head_dim).transpose(1, 2)
-                            for g in (k_group, v_group))
-        out, _ = sdpa_attention_forward(module, q_group, k_group, v_group, group.mask, dropout=dropout,
-                                        scaling=scaling, is_causal=group.mask is None, **kwargs)  # [n, L, H, D]
-        outputs.append(out.reshape(group.count * group.query_length, heads, head_dim))
-    return torch.cat(outputs).index_select(0, plan.inverse).view(1, length, heads, head_dim), None
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    out = run_attention_plan(module, q, k, v, plan, dropout=dropout, scaling=scaling, **kwargs)
+    return out.view(1, length, heads, head_dim), None

@@ -130,6 +130,11 @@ class ModelConfig:
     """On CUDA, compute in bf16 with fp32 master weights and fp32 gradient reduction. CPU: fp32."""
     reshard_after_forward: bool = True
     """Free each layer's gathered weights after forward (ZeRO-3); False keeps them until backward."""
+    fsdp_per_layer_min_params: int = 10_000_000
+    """Models with at least this many parameters are sharded one FSDP unit per decoder layer
+    (weights gathered layer by layer); smaller ones as a single unit, gathered whole once per
+    forward and backward: for a tiny model the per-layer collectives cost more than its compute
+    (the demo's 0.3M-parameter model: 0.23 -> 0.17 s of training a step). 0: always per layer."""
     share_prompts: bool = False
     """Pack the answers of one prompt after a single copy of it (sample_processing_utils), so a
     minibatch's prompts go through the model once each instead of once per answer: the same
@@ -141,6 +146,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("ModelConfig.model_path must be set")
+        if self.fsdp_per_layer_min_params < 0:
+            raise ValueError(f"ModelConfig.fsdp_per_layer_min_params must be >= 0, got {self.fsdp_per_layer_min_params}")
         if self.logprob_chunk_size <= 0:
             raise ValueError(f"ModelConfig.logprob_chunk_size must be > 0, got {self.logprob_chunk_size}")
         if self.attn_implementation is not None and not self.attn_implementation:

@@ -19,9 +19,9 @@ with `cores` the kind's CPU seconds per wall second, the machine's total on the 
 step's split (medians over the same steps of timing/step_s, wait_s, train_s, push_s and the
 batcher's generate and logprob means). With `--baseline true` it runs the same steps again with
 the settings of before issue 37 (every process on glibc's 256 KiB mmap and trim thresholds, no
-thread settings, max_lag 0, FSDP resharding after forward, every sample packed whole in training:
-`--tune_processes false -- --max_lag 0 --model.reshard_after_forward true --model.share_prompts
-false`) and prints
+thread settings, max_lag 0, FSDP units per decoder layer resharding after forward, every sample
+packed whole in training: `--tune_processes false -- --max_lag 0 --model.reshard_after_forward true
+--model.share_prompts false --model.fsdp_per_layer_min_params 0`) and prints
 speedup=<baseline median step / current median step>. The runs go one after the other on the
 same machine; absolute times differ between machines, the ratio is what to compare.
 """
@@ -50,8 +50,9 @@ from benchmarks.process_monitor import (
 
 logger = logging.getLogger("benchmarks.step_profile")
 
-# The demo's trainer settings before issue 37, where configs/demo.yaml has changed since.
-BASELINE_TRAINER_FLAGS = ["--max_lag", "0", "--model.reshard_after_forward", "true", "--model.share_prompts", "false"]
+# The demo's trainer settings before issue 37, where configs/demo.yaml or a default has changed since.
+BASELINE_TRAINER_FLAGS = ["--max_lag", "0", "--model.reshard_after_forward", "true", "--model.share_prompts", "false",
+                          "--model.fsdp_per_layer_min_params", "0"]
 
 SMOKE = {"num_steps": 8, "skip": 2, "poll_s": 0.2}  # the demo warms the lr up over 5 steps
 STEP_SPLIT = ("timing/step_s", "timing/wait_s", "timing/train_s", "timing/push_s", "timing/batcher_generate_s_mean",

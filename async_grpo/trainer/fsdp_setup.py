@@ -120,7 +120,8 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
 def build_training_model(model_config: ModelConfig, dist_info: DistInfo,
                          adapter_dir: str | Path | None = None) -> TokenLogprobModel:
     """Load the HF model (rank 0 reads it, the others receive their shards) and shard it with
-    FSDP2: one group per decoder layer, then the root.
+    FSDP2: one group per decoder layer, then the root; a model under
+    model_config.fsdp_per_layer_min_params parameters is the root group alone.
 
     The root group is the TokenLogprobModel wrapper, not the causal LM: its forward reads
     lm_head's weight directly (chunked logprobs), which is gathered only while the root's
@@ -166,7 +167,9 @@ def build_training_model(model_config: ModelConfig, dist_info: DistInfo,
     else:
         mp_policy = MixedPrecisionPolicy()
     placement = _lora_a_on_dim1(causal_lm) if model_config.lora.enabled else None
-    for layer in causal_lm.get_decoder().layers:
+    num_params = sum(p.numel() for p in causal_lm.parameters())
+    per_layer = num_params >= model_config.fsdp_per_layer_min_params
+    for layer in (causal_lm.get_decoder().layers if per_layer else ()):
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=model_config.reshard_after_forward,
                     shard_placement_fn=placement)
     model = TokenLogprobModel(causal_lm, logprob_chunk_size=model_config.logprob_chunk_size)
@@ -177,9 +180,10 @@ def build_training_model(model_config: ModelConfig, dist_info: DistInfo,
         copy_weights_from_rank0(causal_lm, full_weights, dist_info.device)
     del full_weights
     logger.info(
-        "FSDP2 model from %s: %d parameters (%d trainable) over %d ranks",
-        model_config.model_path, sum(p.numel() for p in model.parameters()),
-        sum(p.numel() for p in model.parameters() if p.requires_grad), dist_info.world_size,
+        "FSDP2 model from %s: %d parameters (%d trainable) over %d ranks, %s",
+        model_config.model_path, num_params, sum(p.numel() for p in model.parameters() if p.requires_grad),
+        dist_info.world_size, "one unit per decoder layer" if per_layer else
+        f"one unit (under model.fsdp_per_layer_min_params={model_config.fsdp_per_layer_min_params})",
     )
     return model
 

@@ -12,7 +12,7 @@ SPEC.json (written by the test):
     reorder_window      the packer's best-fit window
     cases               {name: {"epochs_per_step": int, "loss": LossConfig fields,
                                 "optim": OptimConfig fields, "data_path": "per_rank" | "rank0",
-                                "share_prompts": bool}}
+                                "share_prompts": bool, "per_layer_units": bool}}
 
 For each case every rank builds the FSDP2 model, AdamW and schedule afresh with fsdp_setup's and optimizer's
 builders, packs the samples with the real MinibatchPacker (every rank runs it over the same
@@ -28,6 +28,7 @@ WeightPusher would publish. Rank 0 writes OUT/<case>.pt, a dict of
                  an optimizer step pre-hook
     metrics      run_step's metrics record ("optim/grad_norm": the first pass's pre-clip norm)
     minibatches  per rank, per minibatch: {"samples": sample indices, "loss_weight": float}
+    layer_units  whether the decoder layers were FSDP units of their own
     num_samples  EndOfStep.num_samples
     lr_steps     scheduler.last_epoch after the step (1: the schedule advanced once)
     pushed       versions the pusher double was asked to publish
@@ -47,6 +48,7 @@ from typing import Any, Callable, Iterator
 import ray
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 
@@ -182,7 +184,8 @@ def record_grads_before_each_step(model: torch.nn.Module,
 def trainer_config(spec: dict, case: dict) -> TrainerConfig:
     """A one-step, synchronous run's config (JSON turned OptimConfig.betas into a list)."""
     return TrainerConfig(
-        model=ModelConfig(model_path=spec["model_path"], **spec["model"], share_prompts=case["share_prompts"]),
+        model=ModelConfig(model_path=spec["model_path"], **spec["model"], share_prompts=case["share_prompts"],
+                          **({"fsdp_per_layer_min_params": 0} if case["per_layer_units"] else {})),
         data=DatasetConfig(path=UNUSED_DATA_PATH, max_prompt_tokens=spec["max_prompt_tokens"]),
         experience=ExperienceConfig(sampling=SamplingConfig(max_tokens=spec["max_output_tokens"]), max_lag=0,
                                     max_tokens_per_gpu=spec["max_tokens_per_gpu"]),
@@ -225,7 +228,8 @@ def run_case(name: str, case: dict, spec: dict, info: DistInfo, out_dir: Path) -
                      for mb in minibatches if mb.rank == rank] for rank in range(info.world_size)]
         torch.save({"params": pusher.state, "grads": grads, "metrics": metrics, "minibatches": per_rank,
                     "num_samples": packer.num_samples, "lr_steps": scheduler.last_epoch,
-                    "pushed": pusher.versions}, out_dir / f"{name}.pt")
+                    "pushed": pusher.versions, "layer_units": isinstance(model.causal_lm.get_decoder().layers[0],
+                                                                         FSDPModule)}, out_dir / f"{name}.pt")
         logger.info("case %s: %d optimizer steps, minibatches per rank %s", name, len(grads),
                     [len(r) for r in per_rank])
 

@@ -77,6 +77,9 @@ class Case:
     data_path: str = "per_rank"
     share_prompts: bool = False
     """model.share_prompts: the answers of one prompt share it in each packed minibatch."""
+    per_layer_units: bool = False
+    """One FSDP unit per decoder layer (model.fsdp_per_layer_min_params 0); otherwise the tiny
+    model is one unit, as ModelConfig's default shards a model of its size."""
 
 
 def optim_config(max_grad_norm: float) -> OptimConfig:
@@ -278,7 +281,8 @@ def run_cases(out_dir: Path, model_dir: Path, samples: list[Sample], cases: dict
         "max_output_tokens": MAX_OUTPUT_TOKENS,
         "reorder_window": REORDER_WINDOW,
         "cases": {name: {"epochs_per_step": c.epochs_per_step, "loss": asdict(c.loss), "optim": asdict(c.optim),
-                         "data_path": c.data_path, "share_prompts": c.share_prompts} for name, c in cases.items()},
+                         "data_path": c.data_path, "share_prompts": c.share_prompts, "per_layer_units": c.per_layer_units}
+                  for name, c in cases.items()},
     }
     launch_worker(spec, out_dir)
     return out_dir

@@ -305,6 +305,7 @@ def test_optimizer_decays_matrices_only() -> None:
         (lambda: ModelConfig(model_path=""), "model_path"),
         (lambda: ModelConfig(model_path="m", logprob_chunk_size=0), "logprob_chunk_size"),
         (lambda: ModelConfig(model_path="m", attn_implementation=""), "attn_implementation"),
+        (lambda: ModelConfig(model_path="m", fsdp_per_layer_min_params=-1), "fsdp_per_layer_min_params"),
     ],
 )
 def test_config_errors_name_the_field(make, field: str) -> None:

@@ -21,7 +21,9 @@ and the loss options of issue 12: the token-mean and constant aggregations (thei
 step totals, so the split over ranks and minibatches must still equal one padded batch) and
 GSPO's sequence-level ratio over 2 epochs; and the two-epoch k3 case again with data_path
 rank0, where rank 0 scatters every rank's minibatches over the process group, and again with
-model.share_prompts, where each minibatch lays a prompt out once before its answers.
+model.share_prompts, where each minibatch lays a prompt out once before its answers. The
+two-epoch k3 case shards the model one FSDP unit per decoder layer, as a larger model is; the
+others shard the tiny model as one unit (model.fsdp_per_layer_min_params).
 
 What is compared, and why not only the weights. Adam divides each update by the gradient's own
 running RMS, so its first step is about lr x sign(g) wherever |g| >> eps: the weights alone
@@ -66,7 +68,9 @@ CASES = {
                       optim=optim_config(NO_CLIP)),
     "one_epoch_k3": Case(epochs_per_step=1, optim=optim_config(CLIPPING_MAX_NORM),
                          loss=LossConfig(kl_coef=KL_COEF, kl_estimator="k3", clip_low=CLIP_LOW, clip_high=CLIP_HIGH)),
-    "two_epochs_k3": Case(epochs_per_step=2, optim=optim_config(CLIPPING_MAX_NORM),
+    # Sharded one FSDP unit per decoder layer, as a larger model is; the other cases shard the
+    # tiny model as one unit (model.fsdp_per_layer_min_params).
+    "two_epochs_k3": Case(epochs_per_step=2, optim=optim_config(CLIPPING_MAX_NORM), per_layer_units=True,
                           loss=LossConfig(kl_coef=KL_COEF, kl_estimator="k3", clip_low=CLIP_LOW, clip_high=CLIP_HIGH)),
     # loss.aggregation: the step's token mean (DAPO) and Dr. GRPO's constant normaliser, split over
     # 2 ranks x several minibatches, against one padded batch; GSPO's sequence-level ratio.
@@ -118,6 +122,7 @@ def test_every_rank_trains_on_several_packed_minibatches(system_run: Path, sampl
                          for i in mb["samples"])
         assert trained == list(range(len(samples))), f"{name}: not every sample trained exactly once"
         assert run["num_samples"] == len(samples)
+        assert run["layer_units"] == CASES[name].per_layer_units, f"{name}: layer_units {run['layer_units']}"
         if CASES[name].share_prompts:  # some minibatch holds answers of one prompt, laid out once
             assert any(len({tuple(samples[i].input_token_ids) for i in mb["samples"]}) < len(mb["samples"])
                        for minibatches in per_rank for mb in minibatches)

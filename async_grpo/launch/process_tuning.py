@@ -1,15 +1,22 @@
-"""Per-process settings of a run, by process kind: which processes get glibc's fixed malloc
-thresholds, and how many threads each compute process uses.
+"""Per-process settings of a run, by process kind: which allocator each process runs on, and how
+many threads each compute process uses.
 
-The vLLM engine core needs fixed thresholds to keep its heap flat over a long run: by default
-glibc raises its mmap threshold each time a large mmapped block is freed (up to 32 MiB), so later
-blocks of that size come from the heap, whose freed pages stay resident; over steps 50-300 of the
-soak the engine core's heap ([heap] in smaps) grew 548 -> 705 MiB and its RSS 1.09-1.14x, and
-with a fixed 256 KiB mmap and trim threshold 217 -> 249 MiB and 1.03x (benchmarks/soak.py,
-RESULTS.md). The same setting in the trainer ranks made every allocation over 256 KiB a fresh
-mmap, page-faulted in and unmapped again: ~300,000 minor faults per demo step per trainer and a
-third of the ranks' CPU in the kernel (benchmarks/step_profile.py, RESULTS.md), so it is given to
-the engine side only. Ray's GCS and raylet run on jemalloc and ignore these variables.
+Allocators. A generation worker's actor and its vLLM engine core (which inherits the actor's
+environment) run on jemalloc, the copy Ray ships for its own raylet and GCS
+(ray/core/libjemalloc.so), preloaded with LD_PRELOAD. Under glibc the engine core had no good
+setting: by default glibc raises its mmap threshold each time a large mmapped block is freed (up
+to 32 MiB), so later blocks of that size come from the heap, whose freed pages stay resident (over
+steps 50-300 of the soak the heap grew 548 -> 705 MiB, RSS 1.09-1.14x); fixed 256 KiB mmap and
+trim thresholds kept it flat (1.03x) but made every block over 256 KiB a fresh mmap, page-faulted
+in and unmapped again: ~22,000 faults and ~55 ms of kernel time per demo step on the generation
+path; fixed 4 MiB thresholds cut the faults to ~1,500 but the engine core grew 1.15x. Under
+jemalloc: ~1,700 faults a step, the generation call 0.23-0.25 -> 0.20 s, and RSS 1.001x over the
+soak (benchmarks/step_profile.py, benchmarks/soak.py, RESULTS.md). Where Ray's build lacks the
+library the generation worker falls back to the fixed thresholds.
+
+The trainer ranks keep glibc's defaults: the fixed thresholds there made ~300,000 minor faults per
+demo step and a third of the ranks' CPU time kernel time. Ray's GCS and raylet run on jemalloc
+already.
 
 Threads: a local run's compute processes (the trainer ranks, each vLLM engine core, each logprob
 worker) share the machine's cores, and with max_lag >= 1 they are busy at the same time. Each
@@ -18,7 +25,7 @@ which torch reads at start), so they do not oversubscribe the cores and fight: o
 machine, one each, as torchrun (for several ranks) and Ray (for a 1-CPU actor) already chose; on a
 16-core host with 2 ranks, an engine and a logprob worker, four each.
 
-`tune` False restores the settings of before this module (every process on the fixed
+`tune` False restores the settings of before this module (every process on glibc with the fixed
 thresholds, nothing else set): the baseline that benchmarks/step_profile.py measures against.
 """
 
@@ -44,10 +51,22 @@ def launcher_child_env(tune: bool) -> dict[str, str]:
     return {} if tune else _operator_first(FIXED_MALLOC_ENV)
 
 
+def rays_jemalloc() -> str | None:
+    """The jemalloc library Ray ships for its own processes, or None where this Ray build lacks it."""
+    import ray
+
+    path = os.path.join(os.path.dirname(ray.__file__), "core", "libjemalloc.so")
+    return path if os.path.isfile(path) else None
+
+
 def worker_env(kind: str, tune: bool) -> dict[str, str]:
     """What a worker actor of `kind` gets in its runtime env (its children, such as the vLLM
-    engine core, inherit it): the fixed thresholds for generation workers when tuned."""
-    return _operator_first(FIXED_MALLOC_ENV) if tune and kind == GENERATION else {}
+    engine core, inherit it): when tuned, generation workers run on Ray's jemalloc (an operator's
+    own LD_PRELOAD wins), or on the fixed thresholds where Ray ships none."""
+    if not tune or kind != GENERATION:
+        return {}
+    jemalloc = rays_jemalloc()
+    return _operator_first({"LD_PRELOAD": jemalloc} if jemalloc else FIXED_MALLOC_ENV)
 
 
 def usable_cores() -> int:

@@ -132,9 +132,10 @@ class ModelConfig:
     """Free each layer's gathered weights after forward (ZeRO-3); False keeps them until backward."""
     fsdp_per_layer_min_params: int = 10_000_000
     """Models with at least this many parameters are sharded one FSDP unit per decoder layer
-    (weights gathered layer by layer); smaller ones as a single unit, gathered whole once per
-    forward and backward: for a tiny model the per-layer collectives cost more than its compute
-    (the demo's 0.3M-parameter model: 0.23 -> 0.17 s of training a step). 0: always per layer."""
+    (weights gathered layer by layer); smaller ones as a single unit, gathered whole when a
+    forward starts and kept through its backward: for a tiny model the per-layer collectives cost
+    more than its compute (the demo's 0.3M-parameter model: 0.23 -> 0.17 s of training a step).
+    0: always per layer."""
     share_prompts: bool = False
     """Pack the answers of one prompt after a single copy of it (sample_processing_utils), so a
     minibatch's prompts go through the model once each instead of once per answer: the same

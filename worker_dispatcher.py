@@ -114,8 +114,8 @@ class DispatcherConfig:
     num_cpus: float = 1.0
     """CPUs the worker actor reserves in Ray's accounting."""
     tune_processes: bool = True
-    """Give the worker its kind's process settings (async_grpo/launch/process_tuning.py: glibc's
-    fixed malloc thresholds for a generation worker and its engine core). False: none."""
+    """Give the worker its kind's process settings (async_grpo/launch/process_tuning.py: Ray's
+    jemalloc for a generation worker and its engine core). False: none."""
     threads: int | None = None
     """Intra-op threads of the worker (OMP_NUM_THREADS, MKL_NUM_THREADS; the vLLM engine core
     inherits them). None: Ray's default for an actor, its num_cpus (1). The local launcher gives

@@ -15,7 +15,9 @@ every hyperparameter from the same trainer config. With `--model.lora.r` > 0 it 
 PEFT's LoRA (the same r, alpha and target modules) and trains only the adapters.
 
 The *system* is `local_cluster.py` (Ray, a vLLM generation worker, a logprob worker, the
-ExperienceBatcher, 2 FSDP ranks, weight push) with the same config and seed.
+ExperienceBatcher, 2 FSDP ranks, weight push) with the same config and seed; with `--attach
+<Ray address>` its trainers run on that running local cluster instead (benchmarks/clusters.py,
+as the tests' smoke does), which must have the workers local_cluster.py would start.
 
 Printed per seed: the trailing mean reward (over run_report.WINDOW steps) every `--print_every`
 steps for both, the step at which each first reached run_report.THRESHOLDS, samples/s, and
@@ -40,13 +42,16 @@ from typing import Literal
 
 import torch
 
-from async_grpo.config.run_config import load_config, split_passthrough
+from async_grpo.config.run_config import flattened, load_config, split_passthrough
 from async_grpo.data.dataset import load_prompts
 from async_grpo.rewards.math_verifier import score_completion
 from async_grpo.telemetry.run_report import THRESHOLDS, WINDOW, first_reached, moving_average, read_metrics
 from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
-from benchmarks.harness import apply_smoke, launcher_engine_flags, load_bench_config, REPO_ROOT, setup_logging
+from benchmarks.clusters import AttachConfig, local_cluster
+from benchmarks.harness import (
+    apply_smoke, for_trainer, launcher_engine_flags, load_bench_config, REPO_ROOT, run_trainer, setup_logging,
+)
 from sample_processing_utils import Sample
 
 logger = logging.getLogger(__name__)
@@ -91,6 +96,8 @@ class LearningParityConfig:
     """torch threads of the reference loop."""
     smoke: bool = False
     """Smoke mode: seed 0, 2 steps (SMOKE); checks that the command still runs, its figures mean nothing."""
+    cluster: AttachConfig = flattened(AttachConfig())
+    """`--attach`: the system's trainers on that running local cluster instead of local_cluster.py's own."""
 
 
 @dataclass(slots=True)
@@ -340,16 +347,24 @@ def run_reference(config: TrainerConfig, model_dir: Path, seed: int, num_steps: 
 def run_system(args: LearningParityConfig, num_steps: int, trainer_args: list[str], seed: int,
                run_dir: Path) -> list[dict[str, float]]:
     """The full system through local_cluster.py, as the demo runs it (its engine uncompiled in smoke
-    mode); trainer_args go last."""
-    command = [sys.executable, str(REPO_ROOT / "local_cluster.py"), "--model_path", str(args.model_dir),
-               "--run_dir", str(run_dir), "--nproc_per_node", str(args.world_size),
-               *launcher_engine_flags(args.smoke), "--",
-               "--config", str(args.trainer_config), "--data.path", str(args.data), "--seed", str(seed),
+    mode), or on the cluster at args.cluster.attach; trainer_args go last."""
+    trainer = ["--config", str(args.trainer_config), "--data.path", str(args.data), "--seed", str(seed),
                "--num_steps", str(num_steps), "--progress_bar", "false", "--tensorboard", "false",
                "--checkpoint_every", "0", *trainer_args]
-    logger.info("system seed %d: %s", seed, " ".join(command))
     log = run_dir.with_suffix(".log")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
+    if args.cluster.attach:
+        from local_cluster import LocalClusterConfig
+
+        trainer = ["--run_dir", str(run_dir), "--model.model_path", str(args.model_dir), *trainer]
+        logger.info("system seed %d on the cluster at %s: %s", seed, args.cluster.attach, " ".join(trainer))
+        cluster_config = for_trainer(LocalClusterConfig(model_path=str(args.model_dir), log_dir=str(run_dir)), trainer)
+        with local_cluster(cluster_config, args.cluster.attach) as cluster:
+            return run_trainer(cluster, trainer, run_dir, nproc_per_node=args.world_size, log=log).require(num_steps)
+    command = [sys.executable, str(REPO_ROOT / "local_cluster.py"), "--model_path", str(args.model_dir),
+               "--run_dir", str(run_dir), "--nproc_per_node", str(args.world_size),
+               *launcher_engine_flags(args.smoke), "--", *trainer]
+    logger.info("system seed %d: %s", seed, " ".join(command))
     with log.open("w") as f:
         subprocess.run(command, check=True, stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     return read_metrics(run_dir / "metrics.jsonl")

@@ -5,6 +5,7 @@
                                                                # before issue 37: speedup=
     python -m benchmarks.step_profile --smoke true             # plumbing check (a few steps)
     python -m benchmarks.step_profile -- --max_lag 1           # trainer flags after --: the current run's
+    python -m benchmarks.step_profile --attach 127.0.0.1:PORT  # on a running local cluster (benchmarks/clusters.py)
 
 A LocalCluster runs the demo (configs/demo.yaml with its assets; seed 5, no evaluation, no
 checkpoints) for `num_steps` steps. A sampler thread reads /proc/<pid>/stat of every process in
@@ -24,6 +25,12 @@ packed whole in training: `--tune_processes false -- --max_lag 0 --model.reshard
 --model.share_prompts false --model.fsdp_per_layer_min_params 0`) and prints
 speedup=<baseline median step / current median step>. The runs go one after the other on the
 same machine; absolute times differ between machines, the ratio is what to compare.
+
+With `--attach` the run goes to a cluster another process started (the tests' smoke shares one):
+the sampler then reads this process's tree (the trainer) and the attached head's raylet with its
+descendants (the actors and engine cores), not that cluster's dispatchers; the per-kind rows also
+hold whatever else that cluster runs. `--baseline` needs a cluster of its own (its settings are
+the workers' too) and refuses `--attach`.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from async_grpo.config.run_config import split_passthrough
+from async_grpo.config.run_config import flattened, split_passthrough
+from benchmarks.clusters import AttachConfig, local_cluster
 from benchmarks.harness import (
     apply_smoke, demo_assets, demo_trainer_flags, for_trainer, fresh_run_dir, load_bench_config, run_engine,
     run_trainer, setup_logging, summary_line,
@@ -77,8 +85,13 @@ class ProfileConfig:
     """The demo's model, prompts and evaluation table (scripts/prepare_demo.py writes them)."""
     smoke: bool = False
     """Smoke mode (SMOKE): a few steps, uncompiled engines; checks the command runs, its figures mean nothing."""
+    cluster: AttachConfig = flattened(AttachConfig())
+    """`--attach`: run on that running local cluster instead of starting one (not with --baseline)."""
 
     def __post_init__(self) -> None:
+        if self.baseline and self.cluster.attach:
+            raise ValueError("ProfileConfig.baseline runs the workers under other settings: it needs a cluster of its "
+                             "own, leave --attach out")
         if not 0 <= self.skip < self.num_steps:
             raise ValueError(f"ProfileConfig.skip must be in [0, num_steps), got {self.skip}")
         if not self.poll_s > 0:
@@ -90,12 +103,28 @@ def kind_of(label: str) -> str:
     return "launcher (this process)" if label == "step_profile" else process_kind(label)
 
 
-def tree_pids() -> list[int]:
-    """This process and every descendant."""
+def raylet_pids(gcs_address: str) -> list[int]:
+    """The raylet of the Ray head at gcs_address (a cluster another process owns); [] for ''."""
     import psutil
 
-    me = psutil.Process()
-    return [me.pid, *(child.pid for child in me.children(recursive=True))]
+    if not gcs_address:
+        return []
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if (cmdline := p.info["cmdline"] or []) and Path(cmdline[0]).name == "raylet"
+            and f"--gcs-address={gcs_address}" in cmdline]
+
+
+def tree_pids(extra_roots: list[int]) -> list[int]:
+    """This process and every descendant, and each of extra_roots with its descendants."""
+    import psutil
+
+    pids = []
+    for root in [os.getpid(), *extra_roots]:
+        try:
+            pids += [root, *(child.pid for child in psutil.Process(root).children(recursive=True))]
+        except psutil.NoSuchProcess:
+            continue
+    return pids
 
 
 def label_of(pid: int) -> str:
@@ -108,15 +137,16 @@ def label_of(pid: int) -> str:
 class TreeSampler:
     """Polls the tree's counters; `mark()` keeps the current reading of every live process."""
 
-    def __init__(self, poll_s: float) -> None:
+    def __init__(self, poll_s: float, extra_roots: list[int]) -> None:
         self.poll_s = poll_s
+        self.extra_roots = extra_roots
         self.latest: dict[int, tuple[str, Counters]] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="tree-sampler", daemon=True)
 
     def _poll(self) -> None:
-        for pid in tree_pids():
+        for pid in tree_pids(self.extra_roots):
             counters = read_counters(pid)
             if counters is not None:
                 with self._lock:
@@ -181,16 +211,15 @@ class Profile:
 def profile_run(config: ProfileConfig, name: str, launcher: dict[str, Any], trainer_flags: list[str],
                 work: Path) -> Profile:
     """One demo run under `launcher` (LocalClusterConfig fields) and extra trainer flags."""
-    from local_cluster import LocalCluster, LocalClusterConfig
+    from local_cluster import LocalClusterConfig
 
     assets = demo_assets(config.assets)
     run_dir = fresh_run_dir(work / name)
     args = demo_trainer_flags(assets, run_dir, num_steps=config.num_steps, seed=config.seed) + trainer_flags
     cluster_config = for_trainer(LocalClusterConfig(model_path=str(assets.model), log_dir=str(run_dir / "logs"),
                                                     engine=run_engine(config.smoke), **launcher), args)
-    sampler = TreeSampler(config.poll_s)
-    with LocalCluster(cluster_config) as cluster:
-        cluster.start_workers()
+    with local_cluster(cluster_config, config.cluster.attach) as cluster:
+        sampler = TreeSampler(config.poll_s, raylet_pids(config.cluster.attach))
         sampler.start()
         result: dict[str, Any] = {}
         trainer = threading.Thread(target=lambda: result.update(run=run_trainer(cluster, args, run_dir)))

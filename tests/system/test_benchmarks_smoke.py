@@ -7,8 +7,8 @@ run's numbers mean nothing.
 
 Each runs as `python -m benchmarks.NAME --smoke true` (the script's SMOKE sizes: a few steps, tiny
 shapes; a local cluster's vLLM engines uncompiled, harness.SMOKE_ENGINE) plus where its inputs and
-outputs go. The smokes whose workers are the same (algorithms, data_path, distill, and
-checkpoint_async on the demo model) run on one cluster (`--attach`, benchmarks/clusters.py; support.cluster's demo cluster, which the end-to-end
+outputs go. The smokes whose workers are the same (algorithms, data_path, distill, step_profile,
+learning_parity, and checkpoint_async on the demo model) run on one cluster (`--attach`, benchmarks/clusters.py; support.cluster's demo cluster, which the end-to-end
 module then uses too), and so does async_overlap's real mode (its simulated mode starts its own):
 each would start its own otherwise, ~50 CPU-s apiece; the others start theirs as their recorded
 commands do. Already run elsewhere in smoke mode, not repeated
@@ -82,11 +82,6 @@ SMOKES = (
           ("speedup", "keep_token_staleness", "wait_token_staleness", "staleness_source"), ("vllm",)),
     # Local-cluster smokes last: they take minutes each.
     Smoke("weight_push", ("--work_dir", WORK), "", ("gather_gbps", "sharded_gbps", "fraction_of_memcpy"), CLUSTER),
-    Smoke("step_profile", ("--assets", ASSETS), "step_profile", ("median_step_s", "cores", "trainer_faults_per_step"),
-          CLUSTER),
-    Smoke("learning_parity", ("--model_dir", f"{ASSETS}/model", "--data", f"{ASSETS}/arithmetic.jsonl",
-                              "--eval_data", f"{ASSETS}/arithmetic_eval.jsonl", "--out_dir", WORK),
-          "", ("parity",), CLUSTER),
     Smoke("realistic_run", ("--work_dir", WORK), "realistic_run", ("steps", "tokens_per_step", "step_s_median"),
           CLUSTER),
     # Last: these share one cluster (smoke_cluster), kept for the end-to-end module.
@@ -99,6 +94,11 @@ SMOKES = (
     Smoke("distill", (*DEMO, "--out_dir", WORK), "distill", ("teacher", "distill"), CLUSTER, shared=True),
     Smoke("checkpoint_async", ("--work_dir", WORK, "--model_dir", f"{ASSETS}/model"), "checkpoint_async",
           ("weights_mb", "sync_checkpoint_s", "async_checkpoint_s", "blocked_ratio"), CLUSTER, shared=True),
+    Smoke("step_profile", ("--assets", ASSETS), "step_profile", ("median_step_s", "cores", "trainer_faults_per_step"),
+          CLUSTER, shared=True),
+    Smoke("learning_parity", ("--model_dir", f"{ASSETS}/model", "--data", f"{ASSETS}/arithmetic.jsonl",
+                              "--eval_data", f"{ASSETS}/arithmetic_eval.jsonl", "--out_dir", WORK),
+          "", ("parity",), CLUSTER, shared=True),
 )
 
 

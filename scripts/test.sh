@@ -2,9 +2,8 @@
 # The README's test command: install into ./.venv if needed (the CUDA or the CPU builds, as this
 # machine needs), then run the suite, one pytest process per tier (tests/conftest.py says what
 # each tier holds), so no test depends on which modules ran before it in the same process. The
-# system tier is run in three parts, one per lane: the benchmarks' smokes and the end-to-end module
-# (system_lane_files, which share one cluster) in a second lane, the other whole-system runs on
-# local clusters (cluster_lane_tests) in a third, both beside the other tiers (their logs printed
+# system tier is run in two parts, one per lane: the whole-system runs on local clusters and the
+# benchmarks' smokes (system_lane_files) in a second lane beside the other tiers (its log printed
 # at the end), every other system test at the end of the first lane. Every tier's time and exit,
 # each lane's time and the total are printed last.
 #
@@ -24,20 +23,13 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 # The gpu tier's files (tests/project/test_tests_layout.py keeps every gpu test in them).
 gpu_tests=(tests/*/test_gpu_*.py)
-# The system tests the second and third lanes run (the rest of the system tier runs in the first
-# lane); chosen so that the lanes' CPU-seconds are near each other (benchmarks/RESULTS.md, "The test
-# suite"): three lanes on two cores keep both cores busy where two lanes left one idle at times.
-# The smokes and the end-to-end module are next to each other in one process: they share one
-# cluster (tests/support/cluster.py, SHARED_CLUSTER_MODULES). The smokes that start clusters of
-# their own (own_cluster_smokes) run in the third lane.
-system_lane_files=(tests/system/test_benchmarks_smoke.py tests/system/test_end_to_end.py)
-cluster_lane_files=(tests/system/test_cluster_path.py tests/system/test_demo_tools_smoke.py
-                    tests/telemetry/test_console.py tests/system/test_chaos.py tests/system/test_crash_resume.py
-                    tests/system/test_end_to_end_lora.py)
-own_cluster_smokes=()
-for smoke in generation_executor engine_start weight_push realistic_run; do
-    own_cluster_smokes+=("tests/system/test_benchmarks_smoke.py::test_benchmark_smoke_prints_its_summary[$smoke]")
-done
+# The system tests the second lane runs (the rest of the system tier runs in the first lane); chosen
+# so that the lanes end near each other (benchmarks/RESULTS.md, "The test suite").
+# The smokes and the end-to-end module are next to each other: they share one cluster
+# (tests/support/cluster.py, SHARED_CLUSTER_MODULES).
+system_lane_files=(tests/system/test_benchmarks_smoke.py tests/system/test_end_to_end.py
+                   tests/system/test_cluster_path.py tests/system/test_demo_tools_smoke.py
+                   tests/telemetry/test_console.py)
 
 if [[ "${1:-}" == "--gpu" ]]; then
     # The gpu tier alone (tests/*/test_gpu_*.py), with no install: the lent GPU machine has torch
@@ -72,30 +64,27 @@ fi
 
 # tier name, its marker expression, then what pytest collects ('' for the whole suite): each test
 # runs in exactly one tier (the last of ray < vllm < distributed < system < gpu that it carries;
-# unmarked tests are fast). The system tier runs as three parts: `system` is system_lane_files
-# without own_cluster_smokes, `clusters` cluster_lane_files and own_cluster_smokes, `system-rest`
-# every other system test. The gpu tier collects its own files only: collecting the whole suite to
-# deselect it cost ~15 s on 2 cores.
-lane_files=("${system_lane_files[@]}" "${cluster_lane_files[@]}")
+# unmarked tests are fast). The system tier runs as two parts: `system` is system_lane_files,
+# `system-rest` every other system test. The gpu tier collects its own files only: collecting the
+# whole suite to deselect it cost ~15 s on 2 cores.
 tiers=(
     "fast" "not (ray or vllm or distributed or system or gpu)" ""
     "ray" "ray and not (vllm or distributed or system or gpu)" ""
     "vllm" "vllm and not (distributed or system or gpu)" ""
     "distributed" "distributed and not (system or gpu)" ""
-    "system-rest" "system and not gpu" "${lane_files[*]/#/--ignore=}"
+    "system-rest" "system and not gpu" "${system_lane_files[*]/#/--ignore=}"
     "gpu" "gpu" "${gpu_tests[*]}"
-    "system" "system and not gpu" "${system_lane_files[*]} ${own_cluster_smokes[*]/#/--deselect=}"
-    "clusters" "system and not gpu" "${cluster_lane_files[*]} ${own_cluster_smokes[*]}"
+    "system" "system and not gpu" "${system_lane_files[*]}"
 )
 
 # own_files NAME: the test files holding tier NAME's tests, from the list the fast tier wrote
-# (tests/conftest.py, TIER_MANIFEST_ENV); system-rest's without the other lanes' files. Nothing when
+# (tests/conftest.py, TIER_MANIFEST_ENV); system-rest's without system_lane_files. Nothing when
 # there is no list (a fast tier that did not collect): the tier then collects as the table says.
 own_files() {
     local tier=${1%-rest} listed file
     [[ -s "$results/tier_files" ]] || return 0
     while read -r listed file; do
-        if [[ "$listed" == "$tier" && !( "$1" == "system-rest" && " ${lane_files[*]} " == *" $file "* ) ]]; then
+        if [[ "$listed" == "$tier" && !( "$1" == "system-rest" && " ${system_lane_files[*]} " == *" $file "* ) ]]; then
             echo "$file"
         fi
     done < "$results/tier_files"
@@ -135,27 +124,20 @@ started=$SECONDS
 if [[ "${1:-}" == "--fast" ]]; then
     run_tiers main "${tiers[@]:0:3}"
 else
-    # Three lanes: the system tier's system_lane_files (the benchmarks' smokes and the end-to-end
-    # module) and its cluster_lane_files (the other whole programs on local clusters) run beside
-    # the other tiers, each lane's output in a log of its own that is printed when every lane is
-    # done. RESULTS.md ("The test suite") has the times.
+    # Two lanes: the system tier's system_lane_files (whole programs on local clusters, the
+    # benchmarks' smokes) run beside the other tiers, their output in a log of their own that is
+    # printed when both lanes are done. RESULTS.md ("The test suite") has the times.
     logs=runs/test-logs
     mkdir -p "$logs"
     echo "=== lane system: tier system (${system_lane_files[*]}) in the background, its log in $logs/system.log"
     run_tiers system "${tiers[@]:18:3}" > "$logs/system.log" 2>&1 &
     system_lane=$!
-    echo "=== lane clusters: tier clusters (${cluster_lane_files[*]} ${own_cluster_smokes[*]}) in the background, its log in $logs/clusters.log"
-    run_tiers clusters "${tiers[@]:21:3}" > "$logs/clusters.log" 2>&1 &
-    cluster_lane=$!
     run_tiers main "${tiers[@]:0:18}" 2>&1 | tee "$logs/main.log"
     main_s=$((SECONDS - started))
-    wait "$system_lane" "$cluster_lane" || true
-    for lane in system clusters; do
-        echo "=== lane $lane (its log, $logs/$lane.log):"
-        cat "$logs/$lane.log"
-    done
-    echo "=== lanes: main $main_s s, system $(awk '{s += $3} END {print s}' "$results/tiers.system") s," \
-         "clusters $(awk '{s += $3} END {print s}' "$results/tiers.clusters") s"
+    wait "$system_lane" || true
+    echo "=== lane system (its log, $logs/system.log):"
+    cat "$logs/system.log"
+    echo "=== lanes: main $main_s s, system $(awk '{s += $3} END {print s}' "$results/tiers.system") s"
 fi
 
 failed=()

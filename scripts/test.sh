@@ -25,11 +25,11 @@ export PYTHONUNBUFFERED=1
 gpu_tests=(tests/*/test_gpu_*.py)
 # The system tests the second lane runs (the rest of the system tier runs in the first lane); chosen
 # so that the lanes end near each other (benchmarks/RESULTS.md, "The test suite").
-# The smokes and the end-to-end module are next to each other: they share one cluster
-# (tests/support/cluster.py, SHARED_CLUSTER_MODULES).
+# The smokes, the end-to-end and the crash-resume modules are next to each other: they share one
+# cluster (tests/support/cluster.py, SHARED_CLUSTER_MODULES).
 system_lane_files=(tests/system/test_benchmarks_smoke.py tests/system/test_end_to_end.py
-                   tests/system/test_cluster_path.py tests/system/test_demo_tools_smoke.py
-                   tests/telemetry/test_console.py)
+                   tests/system/test_crash_resume.py tests/system/test_cluster_path.py
+                   tests/system/test_demo_tools_smoke.py tests/telemetry/test_console.py)
 
 if [[ "${1:-}" == "--gpu" ]]; then
     # The gpu tier alone (tests/*/test_gpu_*.py), with no install: the lent GPU machine has torch

@@ -57,11 +57,11 @@ def started_cluster(config: LocalClusterConfig) -> Iterator[LocalCluster]:
         yield running
 
 
-SHARED_CLUSTER_MODULES = ("test_benchmarks_smoke.py", "test_end_to_end.py")
+SHARED_CLUSTER_MODULES = ("test_benchmarks_smoke.py", "test_end_to_end.py", "test_crash_resume.py")
 """Modules whose runs share the demo cluster: the benchmarks' smokes that can attach to a running
-cluster, and the end-to-end module. scripts/test.sh runs them one after the other in one pytest
-process, so the cluster starts once (a start costs a Ray head and four workers, ~45 CPU-s);
-tests/conftest.py stops it as soon as the next test is in another module."""
+cluster, the end-to-end module and the crash-resume module. scripts/test.sh runs them one after
+the other in one pytest process, so the cluster starts once (a start costs a Ray head and four
+workers, ~45 CPU-s); tests/conftest.py stops it as soon as the next test is in another module."""
 
 
 class _DemoCluster:

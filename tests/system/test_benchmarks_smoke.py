@@ -8,8 +8,9 @@ run's numbers mean nothing.
 Each runs as `python -m benchmarks.NAME --smoke true` (the script's SMOKE sizes: a few steps, tiny
 shapes; a local cluster's vLLM engines uncompiled, harness.SMOKE_ENGINE) plus where its inputs and
 outputs go. The smokes whose workers are the same (algorithms, data_path, distill, step_profile,
-learning_parity, and checkpoint_async on the demo model) run on one cluster (`--attach`, benchmarks/clusters.py; support.cluster's demo cluster, which the end-to-end
-module then uses too), and so does async_overlap's real mode (its simulated mode starts its own):
+learning_parity, and checkpoint_async on the demo model) run on one cluster (`--attach`,
+benchmarks/clusters.py; support.cluster's demo cluster, which the end-to-end and crash-resume
+modules then use too), and so does async_overlap's real mode (its simulated mode starts its own):
 each would start its own otherwise, ~50 CPU-s apiece; the others start theirs as their recorded
 commands do. Already run elsewhere in smoke mode, not repeated
 here: soak.py (tests/system/test_soak.py) and scale.py (tests/system/test_scale_benchmark.py).

@@ -5,9 +5,9 @@ The real system (vLLM generation worker, registries, batcher, `torchrun --nproc_
 trainer_core.py` with FSDP2 on gloo) on the demo's model: the rewards do not matter here, only
 which prompts train. The runs use the demo cluster the end-to-end module leaves running
 (support.cluster, SHARED_CLUSTER_MODULES: scripts/test.sh runs this module right after it), and
-no logprob worker of it (logprob_role: none). max_lag 1, so at the kill the next step's prompts are in flight (submitted, generating, not
-trained): the crashed run's batcher dies with its rank 0, and the resumed run must generate them
-again. The crashed run has also logged a step after its checkpoint, which the resumed run trains
+no logprob worker of it (logprob_role: none). max_lag 1, so at the kill the next step's prompts
+are in flight (submitted, generating, not trained): the crashed run's batcher dies with its rank
+0, and the resumed run must generate them again. The crashed run has also logged a step after its checkpoint, which the resumed run trains
 again: metrics.jsonl and data_rank*.jsonl must hold it once.
 
     .venv/bin/python -m pytest tests/system/test_crash_resume.py -x -q -s

@@ -16,7 +16,10 @@ count only what they use afterwards.
 
 Prints a table of CPU seconds per kind, the `top_labels` process roles within them with how many
 processes had each, the `top` tests by CPU with their engine starts (vLLM engine-core processes),
-trainer launches (torchrun) and Ray heads (GCS servers), and
+trainer launches (torchrun) and Ray heads (GCS servers), the `top` sets of tests that were running
+while the machine's cores stood idle (each tier's pytest writes when each test starts and ends,
+tests/conftest.py's TIMELINE_ENV; the idle CPU-seconds of every poll go to the tests running at its
+middle), and
 
     suite_profile: wall_s=... machine_cpu_s=... idle_cpu_s=... attributed_cpu_s=... engine_starts=...
     trainer_launches=... ray_heads=... exit=...
@@ -26,11 +29,13 @@ Run it on a quiet machine: every process is counted, the suite's or not.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -50,6 +55,7 @@ SMOKE = {"command": "PYTEST_CURRENT_TEST='suite_profile_smoke (call)' " + shlex.
 _STARTTIME = 19  # in stat_fields: the 22nd field of /proc/<pid>/stat (proc(5))
 _TEST_PHASE = re.compile(r" \((setup|call|teardown)\)$")
 NO_TEST = "(outside any test)"
+TIMELINE_ENV = "GRPO_TEST_TIMELINE"  # tests/conftest.py's: where each pytest writes its tests' starts and ends
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -143,13 +149,33 @@ def machine_cpu_s() -> tuple[float, float]:
     return (sum(values) - idle) / CLOCK_TICKS, idle / CLOCK_TICKS
 
 
+def idle_by_running_tests(idle: list[tuple[float, float, float]], timeline: str) -> dict[str, float]:
+    """Idle CPU-seconds per set of running tests: each (begin, end, idle) poll's idle goes to the
+    tests running at its middle (`timeline`: TIMELINE_ENV's `<time> start|end <node id>` lines)."""
+    spans: list[tuple[float, float, str]] = []
+    started: dict[str, float] = {}
+    for line in timeline.splitlines():
+        at, event, nodeid = line.split(" ", 2)
+        if event == "start":
+            started[nodeid] = float(at)
+        elif nodeid in started:
+            spans.append((started.pop(nodeid), float(at), nodeid))
+    spans += [(at, math.inf, nodeid) for nodeid, at in started.items()]  # still running when the command ended
+    by_tests: dict[str, float] = defaultdict(float)
+    for begin, end, seconds in idle:
+        middle = (begin + end) / 2
+        running = sorted(nodeid for first, last, nodeid in spans if first <= middle <= last)
+        by_tests[" + ".join(running) or "(no test running)"] += seconds
+    return by_tests
+
+
 def kind(label: str) -> str:
     if label.startswith(("pytest", "benchmark script")):
         return label.split(" ", 1)[0] if label.startswith("pytest") else "benchmark scripts"
     return process_kind(label)
 
 
-def report(sampler: SuiteSampler, top: int, top_labels: int) -> dict[str, Any]:
+def report(sampler: SuiteSampler, top: int, top_labels: int, idle_by_tests: dict[str, float]) -> dict[str, Any]:
     """Print the tables; return the totals of the summary line."""
     by_kind: dict[str, float] = defaultdict(float)
     by_label: dict[str, float] = defaultdict(float)
@@ -176,6 +202,8 @@ def report(sampler: SuiteSampler, top: int, top_labels: int) -> dict[str, Any]:
     rows = [[f"{cpu:.0f}", str(starts[test]["engines"]), str(starts[test]["trainer launches"]),
              str(starts[test]["Ray heads"]), test] for test, cpu in sorted(by_test.items(), key=lambda x: -x[1])[:top]]
     print(format_table(["CPU s", "engines", "trainer launches", "Ray heads", "test"], rows))
+    idle_rows = sorted(idle_by_tests.items(), key=lambda x: -x[1])[:top]
+    print(format_table(["idle CPU s", "tests running meanwhile"], [[f"{s:.0f}", tests] for tests, s in idle_rows]))
     total = Counter()
     for counts in starts.values():
         total.update(counts)
@@ -192,14 +220,22 @@ def main(argv: list[str] | None = None) -> None:
     busy0, idle0 = machine_cpu_s()
     began = time.monotonic()
     print(f"suite_profile: running {config.command}", flush=True)
-    command = subprocess.Popen(["bash", "-c", config.command], cwd=REPO_ROOT)
-    while command.poll() is None:
-        time.sleep(config.poll_s)
+    with tempfile.NamedTemporaryFile("r", prefix="suite-timeline-", suffix=".txt") as timeline:
+        command = subprocess.Popen(["bash", "-c", config.command], cwd=REPO_ROOT,
+                                   env={**os.environ, TIMELINE_ENV: timeline.name})
+        idle: list[tuple[float, float, float]] = []  # (begin, end, idle CPU-s) per poll
+        last_at, last_idle = time.time(), idle0
+        while command.poll() is None:
+            time.sleep(config.poll_s)
+            sampler.poll()
+            now, (_, idle_now) = time.time(), machine_cpu_s()
+            idle.append((last_at, now, idle_now - last_idle))
+            last_at, last_idle = now, idle_now
         sampler.poll()
-    sampler.poll()
+        idle_by_tests = idle_by_running_tests(idle, timeline.read())
     busy1, idle1 = machine_cpu_s()
     figures = {"wall_s": round(time.monotonic() - began), "machine_cpu_s": round(busy1 - busy0),
-               "idle_cpu_s": round(idle1 - idle0), **report(sampler, config.top, config.top_labels),
+               "idle_cpu_s": round(idle1 - idle0), **report(sampler, config.top, config.top_labels, idle_by_tests),
                "exit": command.returncode}
     print(summary_line("suite_profile", figures))
     sys.exit(command.returncode)  # a failing suite fails its profile too

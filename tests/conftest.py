@@ -31,6 +31,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,10 @@ TIER_MANIFEST_ENV = "GRPO_TEST_TIER_MANIFEST"
 write `<tier> <test file>` lines to, one per file and tier it holds tests of, so the later tiers'
 pytest processes collect only their own files (~11 CPU-s a collection of the whole suite, ~3-6
 for one tier's files)."""
+TIMELINE_ENV = "GRPO_TEST_TIMELINE"
+"""When set (benchmarks/suite_profile.py sets it): a file every tier's pytest process appends
+`<unix time> start|end <node id>` lines to, one pair per test (setup to teardown), so the profile
+can say which tests were running while the machine's cores stood idle."""
 
 
 def tier_of(item: pytest.Item) -> str:
@@ -76,6 +81,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=gpu)
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
         config.stash[_GPU_DESELECTED] = len(gpu)
+
+
+def _timeline(event: str, nodeid: str) -> None:
+    if path := os.environ.get(TIMELINE_ENV):
+        with open(path, "a") as timeline:  # one short append per line: the lanes' processes do not interleave
+            timeline.write(f"{time.time():.3f} {event} {nodeid}\n")
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    _timeline("start", nodeid)
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
+    _timeline("end", nodeid)
 
 
 @pytest.hookimpl(trylast=True)

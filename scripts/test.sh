@@ -29,7 +29,7 @@ gpu_tests=(tests/*/test_gpu_*.py)
 # cluster (tests/support/cluster.py, SHARED_CLUSTER_MODULES).
 system_lane_files=(tests/system/test_benchmarks_smoke.py tests/system/test_end_to_end.py
                    tests/system/test_crash_resume.py tests/system/test_cluster_path.py
-                   tests/system/test_demo_tools_smoke.py)
+                   tests/system/test_demo_tools_smoke.py tests/system/test_scale_benchmark.py)
 
 if [[ "${1:-}" == "--gpu" ]]; then
     # The gpu tier alone (tests/*/test_gpu_*.py), with no install: the lent GPU machine has torch

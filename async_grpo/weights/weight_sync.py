@@ -32,6 +32,7 @@ import copy
 import logging
 import math
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -463,9 +464,10 @@ def _peft_model(model: nn.Module) -> Any:
 
 def is_lora_model(model: nn.Module) -> bool:
     """True when the policy carries PEFT adapters (fsdp_setup wrapped it under model.lora)."""
-    from peft import PeftModel
-
-    return isinstance(unwrap_causal_lm(model), PeftModel)
+    # A PeftModel exists only once peft is imported: a full-weights run never imports it (~0.14
+    # CPU-s of every trainer rank's start).
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(unwrap_causal_lm(model), peft.PeftModel)
 
 
 def adapter_named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -59,8 +59,7 @@ LORA_RANK = 16
 for _lr in ("3e-3", "5e-3", "7e-3", "1e-2", "1.4e-2"):
     VARIANTS[f"lora_r16_lr{_lr}"] = ["--model.lora.r", str(LORA_RANK), "--model.lora.alpha", str(2 * LORA_RANK),
                                      "--optim.lr", _lr, "--weight_push_mode", "sharded"]
-# 6 steps: a run sets optim.total_steps = num_steps, which the demo's cosine schedule needs above its 5 warm-up steps.
-SMOKE = {"variants": ["baseline"], "seeds": [0], "num_steps": 6, "at_steps": [6], "window": 1}
+SMOKE = {"variants": ["baseline"], "seeds": [0], "num_steps": 3, "at_steps": [3], "window": 1}
 DEFAULT_VARIANTS = ["baseline", "kl_in_reward_adaptive", "dynamic_sampling", "token_mean", "gspo", "rloo"]
 
 
@@ -85,7 +84,7 @@ class AlgorithmsConfig:
     cluster: AttachConfig = flattened(AttachConfig())
     """`--attach` (benchmarks/clusters.py)."""
     smoke: bool = False
-    """Smoke mode: the baseline, seed 0, 6 steps (SMOKE); checks that the command runs, its figures mean nothing."""
+    """Smoke mode: the baseline, seed 0, 3 steps (SMOKE); checks that the command runs, its figures mean nothing."""
 
     def __post_init__(self) -> None:
         unknown = [v for v in self.variants if v not in VARIANTS]

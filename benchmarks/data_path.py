@@ -70,8 +70,7 @@ SMOKE = {"num_steps": 2, "repeats": 1}
 def run_one(cluster: LocalCluster, assets: DemoAssets, path: str, repeat: int,
             config: DataPathBenchConfig) -> list[dict]:
     run_dir = fresh_run_dir(Path(config.out_dir) / f"{path}-{repeat}")
-    args = [*demo_trainer_flags(assets, run_dir, num_steps=config.num_steps, seed=config.seed,
-                                total_steps=max(config.num_steps, 6)), "--data_path", path]
+    args = [*demo_trainer_flags(assets, run_dir, num_steps=config.num_steps, seed=config.seed), "--data_path", path]
     run = run_trainer(cluster, args, run_dir)
     if run.exit_code != 0:
         raise RuntimeError(f"{path} run {repeat} exited {run.exit_code}; see {run.log}")

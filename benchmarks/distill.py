@@ -103,8 +103,8 @@ def variant_args(name: str, config: DistillBenchConfig) -> list[str]:
 def run_one(cluster: LocalCluster, assets: DemoAssets, name: str, seed: int, config: DistillBenchConfig,
             num_steps: int) -> dict:
     run_dir = fresh_run_dir(Path(config.out_dir) / f"{name}-seed{seed}")
-    args = [*demo_trainer_flags(assets, run_dir, num_steps=num_steps, seed=seed, eval_every=config.eval_every,
-                                total_steps=max(num_steps, 6)), *variant_args(name, config)]
+    args = [*demo_trainer_flags(assets, run_dir, num_steps=num_steps, seed=seed, eval_every=config.eval_every),
+            *variant_args(name, config)]
     run = run_trainer(cluster, args, run_dir)
     records = run.records
     evals = {str(r["step"] + 1): r["eval/accuracy"] for r in records if "eval/accuracy" in r}

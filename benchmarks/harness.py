@@ -160,14 +160,24 @@ def demo_trainer_flags(assets: DemoAssets, run_dir: Path, *, num_steps: int, see
                        eval_every: int = 0, total_steps: int | None = None) -> list[str]:
     """trainer_core.py flags for the demo (configs/demo.yaml with its data and evaluation files)
     for `num_steps` steps: no checkpoints, progress bar or TensorBoard; evaluation every
-    `eval_every` steps (0: none); the cosine schedule ends at `total_steps` (default num_steps)."""
+    `eval_every` steps (0: none); the cosine schedule ends at `total_steps` (default num_steps, or
+    just after the demo's lr warm-up for a shorter run: the schedule needs total_steps above it)."""
+    if total_steps is None:
+        total_steps = max(num_steps, _demo_warmup_steps() + 1)
     return ["--config", str(DEMO_CONFIG), "--run_dir", str(run_dir),
             "--model.model_path", str(assets.model), "--data.path", str(assets.prompts),
             "--eval.data.path", str(assets.eval_table), "--eval.every", str(eval_every),
             "--seed", str(seed), "--num_steps", str(num_steps),
-            "--optim.total_steps", str(total_steps if total_steps is not None else num_steps),
+            "--optim.total_steps", str(total_steps),
             "--checkpoint_every", "0", "--checkpoint_at_end", "false",
             "--progress_bar", "false", "--tensorboard", "false"]
+
+
+def _demo_warmup_steps() -> int:
+    """configs/demo.yaml's optim.warmup_steps."""
+    import yaml
+
+    return int(yaml.safe_load(DEMO_CONFIG.read_text())["optim"]["warmup_steps"])
 
 
 # ---- one trainer run on a local cluster ---------------------------------------------------------

@@ -13,7 +13,7 @@ from benchmarks.process_monitor import parse_status
 TARGET_GROWTH = 1.10  # issue 11: RSS at the last step within 10% of RSS at the early step
 
 
-SMOKE = {"num_steps": 12, "early_step": 4, "num_prompts": 500, "poll_s": 2.0, "timeline_every": 4}
+SMOKE = {"num_steps": 8, "early_step": 4, "num_prompts": 500, "poll_s": 2.0, "timeline_every": 4}
 """Sizes of the smoke mode."""
 
 

@@ -62,7 +62,7 @@ logger = logging.getLogger("benchmarks.step_profile")
 BASELINE_TRAINER_FLAGS = ["--max_lag", "0", "--model.reshard_after_forward", "true", "--model.share_prompts", "false",
                           "--model.fsdp_per_layer_min_params", "0"]
 
-SMOKE = {"num_steps": 8, "skip": 2, "poll_s": 0.2}  # the demo warms the lr up over 5 steps
+SMOKE = {"num_steps": 4, "skip": 2, "poll_s": 0.2}
 STEP_SPLIT = ("timing/step_s", "timing/wait_s", "timing/train_s", "timing/push_s", "timing/batcher_generate_s_mean",
               "timing/batcher_logprob_s_mean")
 

@@ -80,7 +80,7 @@ def test_trainer_args_keep_the_demo_config_and_turn_off_checkpoints_and_eval(tmp
 @pytest.mark.distributed
 def test_quick_soak_reports_both_snapshots_per_process(demo_assets: Path, tmp_path: Path) -> None:
     result = subprocess.run(
-        # --smoke true: 12 steps, snapshots at 4 and 12, 500 prompts, every process read every 2 s and
+        # --smoke true: 8 steps, snapshots at 4 and 8, 500 prompts, every process read every 2 s and
         # at every 4th record (soak_parts.SMOKE). The session's demo assets are the ones the soak
         # would write (prepare_demo.py with 500 prompts), so it reuses them.
         [sys.executable, "-m", "benchmarks.soak", "--smoke", "true", "--work_dir", str(tmp_path),
@@ -92,8 +92,9 @@ def test_quick_soak_reports_both_snapshots_per_process(demo_assets: Path, tmp_pa
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["status"] == "ok" and report["steps"] == 12
-    assert report["snapshots"]["early"]["step"] >= 4 and report["snapshots"]["late"]["step"] == 12
+    steps = soak.SMOKE["num_steps"]
+    assert report["status"] == "ok" and report["steps"] == steps
+    assert report["snapshots"]["early"]["step"] >= 4 and report["snapshots"]["late"]["step"] == steps
     rows = {r["label"]: r for r in report["rows"]}
     for label in ("trainer rank 0", "trainer rank 1", "generation worker actor", "vLLM EngineCore"):
         row = rows[label]
@@ -102,7 +103,7 @@ def test_quick_soak_reports_both_snapshots_per_process(demo_assets: Path, tmp_pa
         assert row["ratio"] == round(row["rss_late_kb"] / row["rss_early_kb"], 4)
     assert not any("this benchmark" in label for label in rows)
     timeline = report["rss_timeline"]
-    assert timeline["steps"][0] >= 4 and timeline["steps"][-1] == 12  # about every 4 records
+    assert timeline["steps"][0] >= 4 and timeline["steps"][-1] == steps  # about every 4 records
     assert timeline["steps"] == sorted(set(timeline["steps"]))
     engine = next(r for r in timeline["rows"] if r["label"] == "vLLM EngineCore")
     assert all(v is not None and v > 0 for v in engine["rss_kb"])
@@ -113,5 +114,5 @@ def test_quick_soak_reports_both_snapshots_per_process(demo_assets: Path, tmp_pa
     for name in ("early", "late"):
         assert store[name]["reading"]["capacity_bytes"] > 0 and store[name]["reading"]["used_bytes"] >= 0
     last = result.stdout.strip().splitlines()[-1]
-    assert last.startswith("soak: steps=12 early_step=")
+    assert last.startswith(f"soak: steps={steps} early_step=")
     assert f"rss_growth={report['rss_growth']:.3f} " in last and "target=1.10 met=" in last

@@ -74,16 +74,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.rounds, args.gap_s = SMOKE["steps"], SMOKE["rounds"], SMOKE["gap_s"]
-    root = Path(tempfile.mkdtemp(prefix="trackers-bench-"))
-    os.environ["TRACKIO_DIR"] = str(root / "trackio")  # before trackio is imported
-    os.environ["WANDB_DATA_DIR"] = str(root / "wandb-data")
     results: dict[str, list[tuple[float, float, float]]] = {s: [] for s in SETTINGS}
-    for round_ in range(args.rounds):
-        for setting in SETTINGS:
-            results[setting].append(_one(setting, args.steps, args.gap_s, root))
-            start_s, log_s, close_s = results[setting][-1]
-            print(f"round {round_} {setting}: start {start_s:.2f} s, log {log_s * 1e3:.2f} ms/step, "
-                  f"close {close_s:.2f} s", flush=True)
+    with tempfile.TemporaryDirectory(prefix="trackers-bench-") as temporary:  # the runs' files, removed at the end
+        root = Path(temporary)
+        os.environ["TRACKIO_DIR"] = str(root / "trackio")  # before trackio is imported
+        os.environ["WANDB_DATA_DIR"] = str(root / "wandb-data")
+        for round_ in range(args.rounds):
+            for setting in SETTINGS:
+                results[setting].append(_one(setting, args.steps, args.gap_s, root))
+                start_s, log_s, close_s = results[setting][-1]
+                print(f"round {round_} {setting}: start {start_s:.2f} s, log {log_s * 1e3:.2f} ms/step, "
+                      f"close {close_s:.2f} s", flush=True)
     base_log = statistics.median(r[1] for r in results["jsonl"])
     pairs = []
     for setting, runs in results.items():

@@ -61,6 +61,7 @@ per path comes before it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -137,7 +138,7 @@ class PushBenchConfig:
     role: Literal["driver", "trainer"] = "driver"
     """'driver' runs the benchmark; 'trainer' is what it starts under torchrun."""
     work_dir: str | None = None
-    """Driver: where the model, logs and results go; None: a fresh temp dir."""
+    """Driver: where the model, logs and results go; None: a temporary folder, removed at the end."""
     model_dir: str | None = None
     """Trainer role: the model to shard."""
     out: str | None = None
@@ -595,9 +596,11 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.role == "trainer":
         trainer_main(Path(cfg.model_dir), Path(cfg.out), cfg.repeats, cfg.breakdown_repeats, cfg.lora_r)
         return
-    work = Path(cfg.work_dir) if cfg.work_dir else Path(tempfile.mkdtemp(prefix="weight-push-"))
-    work.mkdir(parents=True, exist_ok=True)
-    drive_engine(cfg, work) if cfg.target == "engine" else drive(cfg, work)
+    with contextlib.ExitStack() as stack:
+        # Without --work_dir the model, logs and results go to a temporary folder, removed at the end.
+        work = Path(cfg.work_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="weight-push-")))
+        work.mkdir(parents=True, exist_ok=True)
+        drive_engine(cfg, work) if cfg.target == "engine" else drive(cfg, work)
 
 
 if __name__ == "__main__":

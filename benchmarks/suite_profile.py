@@ -17,9 +17,9 @@ count only what they use afterwards.
 Prints a table of CPU seconds per kind, the `top_labels` process roles within them with how many
 processes had each, the `top` tests by CPU with their engine starts (vLLM engine-core processes),
 trainer launches (torchrun) and Ray heads (GCS servers), the `top` sets of tests that were running
-while the machine's cores stood idle (each tier's pytest writes when each test starts and ends,
-tests/conftest.py's TIMELINE_ENV; the idle CPU-seconds of every poll go to the tests running at its
-middle), and
+while the machine's cores stood idle (tests/conftest.py writes when each test starts and ends to the
+file TIMELINE_ENV names; the idle CPU-seconds of every poll go to the tests running at its middle),
+and
 
     suite_profile: wall_s=... machine_cpu_s=... idle_cpu_s=... attributed_cpu_s=... engine_starts=...
     trainer_launches=... ray_heads=... exit=...
@@ -55,7 +55,8 @@ SMOKE = {"command": "PYTEST_CURRENT_TEST='suite_profile_smoke (call)' " + shlex.
 _STARTTIME = 19  # in stat_fields: the 22nd field of /proc/<pid>/stat (proc(5))
 _TEST_PHASE = re.compile(r" \((setup|call|teardown)\)$")
 NO_TEST = "(outside any test)"
-TIMELINE_ENV = "GRPO_TEST_TIMELINE"  # tests/conftest.py's: where each pytest writes its tests' starts and ends
+TIMELINE_ENV = "GRPO_TEST_TIMELINE"
+"""The file each tier's pytest appends its tests' starts and ends to (tests/conftest.py), when set."""
 
 
 @dataclass(kw_only=True, frozen=True)

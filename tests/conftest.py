@@ -38,6 +38,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.suite_profile import TIMELINE_ENV
 from support.paths import REPO_ROOT
 from support.ray_session import start_session_ray
 
@@ -50,10 +51,6 @@ TIER_MANIFEST_ENV = "GRPO_TEST_TIER_MANIFEST"
 write `<tier> <test file>` lines to, one per file and tier it holds tests of, so the later tiers'
 pytest processes collect only their own files (~11 CPU-s a collection of the whole suite, ~3-6
 for one tier's files)."""
-TIMELINE_ENV = "GRPO_TEST_TIMELINE"
-"""When set (benchmarks/suite_profile.py sets it): a file every tier's pytest process appends
-`<unix time> start|end <node id>` lines to, one pair per test (setup to teardown), so the profile
-can say which tests were running while the machine's cores stood idle."""
 
 
 def tier_of(item: pytest.Item) -> str:
@@ -84,6 +81,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _timeline(event: str, nodeid: str) -> None:
+    """When benchmarks/suite_profile.py runs the suite: append `<unix time> start|end <node id>` to
+    the file it names (one pair per test, setup to teardown), so that it can say which tests were
+    running while the machine's cores stood idle."""
     if path := os.environ.get(TIMELINE_ENV):
         with open(path, "a") as timeline:  # one short append per line: the lanes' processes do not interleave
             timeline.write(f"{time.time():.3f} {event} {nodeid}\n")

@@ -25,6 +25,9 @@ from typing import Any, TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
+SUITE_TIMELINE_ENV = "GRPO_TEST_TIMELINE"
+"""When set (benchmarks/suite_profile.py sets it), a file each tier's pytest appends its tests' starts
+and ends to (tests/conftest.py): `<unix time> start|end <node id>` lines."""
 DEFAULT_DEMO_ASSETS = REPO_ROOT / "runs" / "demo-assets"
 PREPARE_DEMO = REPO_ROOT / "scripts" / "prepare_demo.py"
 T = TypeVar("T")

@@ -18,8 +18,8 @@ Prints a table of CPU seconds per kind, the `top_labels` process roles within th
 processes had each, the `top` tests by CPU with their engine starts (vLLM engine-core processes),
 trainer launches (torchrun) and Ray heads (GCS servers), the `top` sets of tests that were running
 while the machine's cores stood idle (tests/conftest.py writes when each test starts and ends to the
-file TIMELINE_ENV names; the idle CPU-seconds of every poll go to the tests running at its middle),
-and
+file harness.SUITE_TIMELINE_ENV names; each poll's idle CPU-seconds go to the tests running at its
+middle), and
 
     suite_profile: wall_s=... machine_cpu_s=... idle_cpu_s=... attributed_cpu_s=... engine_starts=...
     trainer_launches=... ray_heads=... exit=...
@@ -42,7 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import apply_smoke, load_bench_config, REPO_ROOT, setup_logging, summary_line
+from benchmarks.harness import (
+    apply_smoke, load_bench_config, REPO_ROOT, setup_logging, SUITE_TIMELINE_ENV, summary_line,
+)
 from benchmarks.process_monitor import (
     CLOCK_TICKS, counters_of, environ_rank, format_table, process_kind, process_label, python_role, read_proc,
     stat_fields,
@@ -55,8 +57,6 @@ SMOKE = {"command": "PYTEST_CURRENT_TEST='suite_profile_smoke (call)' " + shlex.
 _STARTTIME = 19  # in stat_fields: the 22nd field of /proc/<pid>/stat (proc(5))
 _TEST_PHASE = re.compile(r" \((setup|call|teardown)\)$")
 NO_TEST = "(outside any test)"
-TIMELINE_ENV = "GRPO_TEST_TIMELINE"
-"""The file each tier's pytest appends its tests' starts and ends to (tests/conftest.py), when set."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -152,7 +152,7 @@ def machine_cpu_s() -> tuple[float, float]:
 
 def idle_by_running_tests(idle: list[tuple[float, float, float]], timeline: str) -> dict[str, float]:
     """Idle CPU-seconds per set of running tests: each (begin, end, idle) poll's idle goes to the
-    tests running at its middle (`timeline`: TIMELINE_ENV's `<time> start|end <node id>` lines)."""
+    tests running at its middle (`timeline`: SUITE_TIMELINE_ENV's `<time> start|end <node id>` lines)."""
     spans: list[tuple[float, float, str]] = []
     started: dict[str, float] = {}
     for line in timeline.splitlines():
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"suite_profile: running {config.command}", flush=True)
     with tempfile.NamedTemporaryFile("r", prefix="suite-timeline-", suffix=".txt") as timeline:
         command = subprocess.Popen(["bash", "-c", config.command], cwd=REPO_ROOT,
-                                   env={**os.environ, TIMELINE_ENV: timeline.name})
+                                   env={**os.environ, SUITE_TIMELINE_ENV: timeline.name})
         idle: list[tuple[float, float, float]] = []  # (begin, end, idle CPU-s) per poll
         last_at, last_idle = time.time(), idle0
         while command.poll() is None:

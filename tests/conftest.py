@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.suite_profile import TIMELINE_ENV
+from benchmarks.harness import SUITE_TIMELINE_ENV
 from support.paths import REPO_ROOT
 from support.ray_session import start_session_ray
 
@@ -84,7 +84,7 @@ def _timeline(event: str, nodeid: str) -> None:
     """When benchmarks/suite_profile.py runs the suite: append `<unix time> start|end <node id>` to
     the file it names (one pair per test, setup to teardown), so that it can say which tests were
     running while the machine's cores stood idle."""
-    if path := os.environ.get(TIMELINE_ENV):
+    if path := os.environ.get(SUITE_TIMELINE_ENV):
         with open(path, "a") as timeline:  # one short append per line: the lanes' processes do not interleave
             timeline.write(f"{time.time():.3f} {event} {nodeid}\n")
 

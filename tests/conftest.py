@@ -62,7 +62,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """This pytest process computes its own tensors (references, packed losses, tiny models) on one
     intra-op thread: they are a few KB each, and scripts/test.sh runs two lanes of tiers on the
     machine's cores, where a second thread only spins and waits for the other lane (the fast tier
-    alone on 2 cores: 50.5 -> 45.0 CPU-s). The processes the tests start keep their own settings."""
+    alone on 2 cores: 50.5 -> 46.5 CPU-s). The processes the tests start keep their own settings."""
     import torch
 
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """One optimizer step of the system against a single-process, padded, hand-written GRPO step: the
-samples, the reference step written from the loss's definition, the torchrun launch of the system's
-step (tests/programs/step_parity_worker.py) and the checks with their tolerances. Shared by
+samples, the reference step written from the loss's definition, the launch of the system's step
+on two forked ranks (tests/programs/step_parity_worker.py, support.forked_ranks) and the checks with their tolerances. Shared by
 tests/trainer/test_step_parity.py (whose docstring says what is compared and why these tolerances),
 tests/trainer/test_multi_turn_parity.py (the same step on multi-turn samples) and
 tests/model/test_gpu_model.py (the bf16 step against this fp32 reference)."""
@@ -19,11 +19,11 @@ from async_grpo.trainer.optimizer import OptimConfig
 from grpo_loss import LossConfig
 from sample_processing_utils import Sample
 from support.paths import PROGRAMS
-from support.torchrun_launch import run_worker
+from support.forked_ranks import run_ranks
 
 WORKER = PROGRAMS / "step_parity_worker.py"
 WORLD_SIZE = 2
-# Generous bound on the one torchrun launch (~20 s on 2 shared cores); it only stops a hung run.
+# Generous bound on the one launch (~20 s on 2 shared cores); it only stops a hung run.
 LAUNCH_TIMEOUT_S = 600
 
 # The step's batch: NUM_PROMPTS groups of GROUP_SIZE rollouts with varied prompt/output lengths.
@@ -57,7 +57,7 @@ KL_COEF = 0.1
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 GSPO_CLIP = 0.3  # wider than GSPO's 3e-4: one step at lr 1.5e-3 moves these sequence ratios by tenths
 
-# fp32 throughout, on any host: torchrun_launch.run_worker hides the GPUs from the ranks (on CUDA
+# fp32 throughout, on any host: forked_ranks.run_ranks hides the GPUs from the ranks (on CUDA
 # the trainer would compute in bf16; tests/model/test_gpu_model.py compares that step to this
 # reference within bf16's tolerance). Packed vs padded attention, chunked lm_head, FSDP
 # reduce-scatter and gloo sums only reorder float additions (~1e-7 relative on the gradients).
@@ -263,14 +263,15 @@ def build_samples(model_dir: Path, seed: int) -> list[Sample]:
 
 
 def launch_worker(spec: dict, out_dir: Path) -> None:
-    """torchrun the worker on WORLD_SIZE ranks (127.0.0.1, a free port); raise with its output on failure."""
+    """The worker on WORLD_SIZE forked ranks (support.forked_ranks: 127.0.0.1, a free port); raise with
+    its output on failure."""
     spec_path = out_dir / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    run_worker(WORKER, ["--spec", str(spec_path), "--out_dir", str(out_dir)], WORLD_SIZE, LAUNCH_TIMEOUT_S)
+    run_ranks(WORKER, ["--spec", str(spec_path), "--out_dir", str(out_dir)], WORLD_SIZE, LAUNCH_TIMEOUT_S)
 
 
 def run_cases(out_dir: Path, model_dir: Path, samples: list[Sample], cases: dict[str, Case]) -> Path:
-    """One torchrun launch of the worker over `samples`, every case in turn; returns out_dir."""
+    """One launch of the worker over `samples`, every case in turn; returns out_dir."""
     spec = {
         "model_path": str(model_dir),
         "model": {"logprob_chunk_size": LOGPROB_CHUNK_SIZE},

@@ -38,7 +38,7 @@ from sample_processing_utils import Sample
 from support.batcher_fakes import FakeGeneration, FakeLogprob, batcher_config, fake_logprobs, fake_prompts
 from support.data_path_launch import DIST_TIMEOUT_S, check_rank0_gone, launch_pair
 from support.paths import PROGRAMS
-from support.torchrun_launch import run_worker
+from support.forked_ranks import run_ranks
 from vllm_experience_batcher import EndOfStep, ExperienceBatcher, ExperienceBatcherError, Minibatch, PromptRequest
 
 WORKER = PROGRAMS / "data_path_worker.py"
@@ -154,8 +154,8 @@ def _check_steps(messages: list, steps: list[int]) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("slow_rank", [0, 1])
 def test_every_rank_gets_the_batchers_messages_in_order_with_a_slow_rank(tmp_path: Path, slow_rank: int) -> None:
-    run_worker(WORKER, ["--scenario", "ordering", "--slow_rank", str(slow_rank), "--out_dir", str(tmp_path)],
-               nproc=2, timeout_s=LAUNCH_TIMEOUT_S)
+    run_ranks(WORKER, ["--scenario", "ordering", "--slow_rank", str(slow_rank), "--out_dir", str(tmp_path)],
+              nproc=2, timeout_s=LAUNCH_TIMEOUT_S)
     batcher = json.loads((tmp_path / "batcher.json").read_text())
     received = [json.loads((tmp_path / f"received_rank{r}.json").read_text()) for r in range(2)]
     for rank in range(2):
@@ -180,7 +180,7 @@ def test_every_rank_gets_the_batchers_messages_in_order_with_a_slow_rank(tmp_pat
 
 @pytest.mark.distributed
 def test_prompt_requests_are_answered_through_rank_0(tmp_path: Path) -> None:
-    run_worker(WORKER, ["--scenario", "resample", "--out_dir", str(tmp_path)], nproc=2, timeout_s=LAUNCH_TIMEOUT_S)
+    run_ranks(WORKER, ["--scenario", "resample", "--out_dir", str(tmp_path)], nproc=2, timeout_s=LAUNCH_TIMEOUT_S)
     batcher = json.loads((tmp_path / "batcher.json").read_text())
     for rank in range(2):
         messages = _decoded([m["hex"] for m in json.loads((tmp_path / f"received_rank{rank}.json").read_text())])

@@ -1,7 +1,8 @@
 """Training setup: FSDP2 on two gloo ranks against single-process references, plus its pieces.
 
-Distributed tests launch tests/programs/fsdp_worker.py once under torchrun (2 ranks, 127.0.0.1, a free
-port) and check the files its rank 0 writes. What they establish:
+Distributed tests launch tests/programs/fsdp_worker.py once on 2 ranks forked with torchrun's environment
+(support.forked_ranks; 127.0.0.1, a free port) and check the files its rank 0 writes; the stalled-peer
+check runs under torchrun itself. What they establish:
 
 - gradient equivalence: per-microbatch loss x world_size, gradients / total samples on 2 FSDP
   ranks (gradient checkpointing on, small logprob chunks) == one plain process averaging the loss
@@ -36,12 +37,13 @@ from grpo_loss import LossConfig, grpo_loss
 from sample_processing_utils import Sample, get_input_for_logprobs, post_process_batch
 from setup_model import ModelConfig, TokenLogprobModel, load_causal_lm, load_tokenizer
 from support.paths import PROGRAMS
+from support.forked_ranks import run_ranks
 from support.torchrun_launch import run_worker
 
 WORKER = PROGRAMS / "fsdp_worker.py"
 REPO_ROOT = WORKER.parent.parent
 WORLD_SIZE = 2
-# Generous bound on one torchrun launch (two ranks sharing 2 cores take ~1 min); it only stops a
+# Generous bound on one launch (two ranks sharing 2 cores take ~1 min); it only stops a
 # hung run from blocking the suite.
 LAUNCH_TIMEOUT_S = 600
 # fp32 gradients: FSDP reduce-scatter, checkpoint recompute and chunked lm_head change the order
@@ -89,10 +91,10 @@ def _launch(worker_args: list[str], out_dir: Path, nproc: int | None) -> None:
     run_worker(WORKER, ["--out_dir", str(out_dir)] + worker_args, nproc, LAUNCH_TIMEOUT_S)
 
 
-def _launch_spec(spec: dict, out_dir: Path, nproc: int | None) -> None:
+def _write_spec(spec: dict, out_dir: Path) -> Path:
     spec_path = out_dir / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    _launch(["--spec", str(spec_path)], out_dir, nproc)
+    return spec_path
 
 
 def _spec(samples: list[Sample], grad_model: Path, export_models: dict[str, str], microbatches: list) -> dict:
@@ -122,10 +124,11 @@ def samples(tiny_model_dir: Path) -> list[Sample]:
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory, tiny_model_dir: Path, uneven_tied_model_dir: Path, samples: list[Sample]) -> Path:
-    """One 2-rank torchrun of the worker; returns its output folder."""
+    """One launch of the worker on 2 forked ranks (support.forked_ranks); returns its output folder."""
     out_dir = tmp_path_factory.mktemp("fsdp-run")
     exports = {"untied": str(tiny_model_dir), "tied": str(uneven_tied_model_dir)}
-    _launch_spec(_spec(samples, tiny_model_dir, exports, RANK_MICROBATCHES), out_dir, nproc=WORLD_SIZE)
+    spec_path = _write_spec(_spec(samples, tiny_model_dir, exports, RANK_MICROBATCHES), out_dir)
+    run_ranks(WORKER, ["--out_dir", str(out_dir), "--spec", str(spec_path)], WORLD_SIZE, LAUNCH_TIMEOUT_S)
     return out_dir
 
 
@@ -149,7 +152,7 @@ def _assert_grads_match(actual: dict[str, torch.Tensor], expected: dict[str, tor
 @pytest.mark.distributed
 def test_fsdp_gradients_equal_single_process_mean(fsdp_run: Path, tiny_model_dir: Path, samples) -> None:
     info = json.loads((fsdp_run / "dist_info.json").read_text())
-    # gloo and fp32 on any host: run_worker hides the GPUs from this tier's ranks (a CUDA host would
+    # gloo and fp32 on any host: run_ranks hides the GPUs from this tier's ranks (a CUDA host would
     # otherwise pick NCCL and bf16); tests/model/test_gpu_model.py checks the bf16 step on a GPU.
     assert (info["world_size"], info["backend"], info["device"]) == (WORLD_SIZE, "gloo", "cpu")
     expected = _reference_grads(tiny_model_dir, samples)
@@ -160,7 +163,8 @@ def test_fsdp_gradients_equal_single_process_mean(fsdp_run: Path, tiny_model_dir
 def test_single_process_without_torchrun(tmp_path: Path, tiny_model_dir: Path, samples) -> None:
     """init_distributed with no torchrun env: a one-rank group; FSDP2 and the scaling still hold."""
     all_in_one_rank = [[list(range(0, 5)), list(range(5, NUM_SAMPLES))]]
-    _launch_spec(_spec(samples, tiny_model_dir, {}, all_in_one_rank), tmp_path, nproc=None)
+    _launch(["--spec", str(_write_spec(_spec(samples, tiny_model_dir, {}, all_in_one_rank), tmp_path))], tmp_path,
+            nproc=None)
     info = json.loads((tmp_path / "dist_info.json").read_text())
     assert (info["rank"], info["world_size"]) == (0, 1)
     _assert_grads_match(torch.load(tmp_path / "grads.pt"), _reference_grads(tiny_model_dir, samples))

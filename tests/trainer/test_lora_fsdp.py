@@ -22,7 +22,7 @@ from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel
 from support.lora_adapters import LORA, reference_peft
 from support.paths import PROGRAMS
-from support.torchrun_launch import run_worker
+from support.forked_ranks import run_ranks
 
 WORKER = PROGRAMS / "lora_fsdp_worker.py"
 WORLD_SIZE = 2
@@ -81,7 +81,7 @@ def lora_run(tmp_path_factory, tiny_model_dir: Path) -> dict:
     spec = {"model_path": str(tiny_model_dir), "adapter_dir": str(adapter_dir), "lora": LORA,
             "samples": [asdict(s) for s in samples], "lr": LR}
     (out / "spec.json").write_text(json.dumps(spec))
-    run_worker(WORKER, ["--spec", str(out / "spec.json"), "--out_dir", str(out)], WORLD_SIZE, LAUNCH_TIMEOUT_S)
+    run_ranks(WORKER, ["--spec", str(out / "spec.json"), "--out_dir", str(out)], WORLD_SIZE, LAUNCH_TIMEOUT_S)
     return {"out": out, "start": load_file(str(adapter_dir / "adapter_model.safetensors")), "samples": samples,
             "model_dir": tiny_model_dir, "adapter_dir": adapter_dir}
 

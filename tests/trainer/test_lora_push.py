@@ -15,7 +15,7 @@ import torch
 from async_grpo.weights.weight_sync import read_stable_marker
 from support.lora_adapters import LORA, reference_peft
 from support.paths import PROGRAMS
-from support.torchrun_launch import run_worker
+from support.forked_ranks import run_ranks
 
 WORKER = PROGRAMS / "lora_push_worker.py"
 WORLD_SIZE = 2
@@ -34,9 +34,9 @@ def pushed(ray_local, tmp_path_factory, tiny_model_dir: Path) -> dict:
     out = root / "out"
     out.mkdir()
     context = ray_local.get_runtime_context()
-    run_worker(WORKER, ["--ray_address", context.gcs_address, "--namespace", context.namespace, "--out_dir", str(out),
-                        "--model_path", str(tiny_model_dir), "--adapter_dir", str(adapter_dir)],
-               WORLD_SIZE, LAUNCH_TIMEOUT_S)
+    run_ranks(WORKER, ["--ray_address", context.gcs_address, "--namespace", context.namespace, "--out_dir", str(out),
+                       "--model_path", str(tiny_model_dir), "--adapter_dir", str(adapter_dir)],
+              WORLD_SIZE, LAUNCH_TIMEOUT_S)
     return {"received": torch.load(out / "received.pt"), "out": out,
             "expected": load_file(str(adapter_dir / "adapter_model.safetensors")),
             "expected_config": json.loads((adapter_dir / "adapter_config.json").read_text())}

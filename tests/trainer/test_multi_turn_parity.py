@@ -5,7 +5,7 @@
 The samples are multi-turn rollouts: each output is model turns with environment observations
 between them (Sample.output_mask False), so only some output tokens are sampled. The system's step
 runs exactly as in tests/trainer/test_step_parity.py (its worker,
-tests/programs/step_parity_worker.py, under `torchrun --nproc_per_node=2`: the real FSDP2 model,
+tests/programs/step_parity_worker.py, on two forked ranks: the real FSDP2 model,
 MinibatchPacker cutting each rank's share into several token-budgeted packed minibatches,
 trainer_core.run_step); this module reuses that launcher and the step written from its definition
 (support.step_parity's `reference_step`, whose loss reads a PaddedBatch's mask). What is new and written here

@@ -3,9 +3,9 @@
     .venv/bin/python -m pytest tests/trainer/test_step_parity.py -v        # ~1 min on 2 CPU cores
 
 Given one step's samples (rewards, group advantages, reference and sampling logprobs, all
-written here), tests/programs/step_parity_worker.py runs the system's step under
-`torchrun --nproc_per_node=2`: the real FSDP2 model (gloo), build_optimizer's AdamW and
-build_scheduler's schedule, the real MinibatchPacker cutting each rank's share into several
+written here), tests/programs/step_parity_worker.py runs the system's step on two
+ranks (forked with torchrun's environment, support.forked_ranks): the real FSDP2 model (gloo),
+build_optimizer's AdamW and build_scheduler's schedule, the real MinibatchPacker cutting each rank's share into several
 token-budgeted packed minibatches (plus padding minibatches with loss weight 0 where the ranks'
 counts differ), and trainer_core.run_step (train_on_step, train_again, take_gradient_step with
 the gradient scaling: loss x world_size per minibatch, gradients / the step's sample count).
@@ -99,7 +99,7 @@ def samples(tiny_model_dir: Path) -> list[Sample]:
 
 @pytest.fixture(scope="module")
 def system_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, samples: list[Sample]) -> Path:
-    """One torchrun launch that runs every case in turn; returns its output folder."""
+    """One launch that runs every case in turn; returns its output folder."""
     return run_cases(tmp_path_factory.mktemp("step-parity"), tiny_model_dir, samples, CASES)
 
 

@@ -1,6 +1,6 @@
 """Weight pushes in the serving dtype: real WeightPusher pushes from 2 FSDP ranks, both modes.
 
-tests/programs/weight_push_worker.py runs under torchrun (2 gloo ranks on 127.0.0.1) and joins this
+tests/programs/weight_push_worker.py runs on 2 forked ranks (support.forked_ranks; gloo on 127.0.0.1) and joins this
 session's Ray cluster; each rank builds the FSDP2 model from a tiny checkpoint and pushes it with
 WeightPusher in "gather" and "sharded" mode, in float32 and bfloat16, to a recorder that reads
 every update as a worker does (fetch_state_dict and iter_state_dict). The reference is
@@ -18,7 +18,7 @@ import torch
 from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
 from setup_model import load_causal_lm
 from support.paths import PROGRAMS
-from support.torchrun_launch import run_worker
+from support.forked_ranks import run_ranks
 
 WORKER = PROGRAMS / "weight_push_worker.py"
 WORLD_SIZE = 2
@@ -40,8 +40,8 @@ def pushes(ray_local, tmp_path_factory, tiny_model_dir: Path, uneven_tied_model_
     address = ray_local.get_runtime_context().gcs_address
     namespace = ray_local.get_runtime_context().namespace
     models = ["--model_path", str(tiny_model_dir), "--model_path", str(uneven_tied_model_dir)]
-    run_worker(WORKER, ["--ray_address", address, "--namespace", namespace, "--out_dir", str(out_dir), *models],
-               WORLD_SIZE, LAUNCH_TIMEOUT_S)
+    run_ranks(WORKER, ["--ray_address", address, "--namespace", namespace, "--out_dir", str(out_dir), *models],
+              WORLD_SIZE, LAUNCH_TIMEOUT_S)
     return torch.load(out_dir / "received.pt")
 
 

@@ -1,0 +1,57 @@
+"""support.forked_ranks, the launcher of the parity programs' ranks: each rank gets torchrun's
+environment and a seed of its own, and one failing rank fails the launch at once, stopping the
+others, with each rank's output in the error (tests/programs/rank_probe.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from support.forked_ranks import run_ranks
+from support.paths import PROGRAMS
+
+PROBE = PROGRAMS / "rank_probe.py"
+WORLD_SIZE = 2
+LAUNCH_TIMEOUT_S = 300.0
+FAIL_WAIT_S = 120.0  # rank_probe.FAIL_WAIT_S: what the healthy rank would wait if nothing stopped it
+
+pytestmark = [pytest.mark.distributed]
+
+
+def _records(out_dir: Path) -> list[dict]:
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+
+
+def test_each_rank_gets_torchruns_variables_and_its_own_seed(tmp_path: Path) -> None:
+    run_ranks(PROBE, ["--out_dir", str(tmp_path)], WORLD_SIZE, LAUNCH_TIMEOUT_S)
+    records = _records(tmp_path)
+    for rank, record in enumerate(records):
+        env = record["env"]
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
+            str(rank), str(rank), str(WORLD_SIZE), str(WORLD_SIZE)), env
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        assert (env["OMP_NUM_THREADS"], env["CUDA_VISIBLE_DEVICES"], record["threads"]) == ("1", "", 1)
+        assert record["argv"] == ["--out_dir", str(tmp_path)]
+    assert records[0]["env"]["MASTER_PORT"] == records[1]["env"]["MASTER_PORT"]
+    assert records[0]["pid"] != records[1]["pid"]
+    assert records[0]["seed"] != records[1]["seed"]  # forked from one process, seeded apart
+
+
+def test_a_failing_rank_stops_the_others_and_fails_the_launch_with_their_output(tmp_path: Path) -> None:
+    began = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(PROBE, ["--out_dir", str(tmp_path), "--fail_rank", "1"], WORLD_SIZE, LAUNCH_TIMEOUT_S)
+    elapsed = time.monotonic() - began
+    message = str(failed.value)
+    assert "rank exit codes [None, 3]" in message, message
+    assert "--- rank 0:\nrank 0 recorded" in message and "--- rank 1:\nrank 1 recorded" in message, message
+    assert elapsed < FAIL_WAIT_S / 2, f"the launch waited for the healthy rank: {elapsed:.0f} s"
+    healthy = _records(tmp_path)[0]["pid"]
+    assert not psutil.pid_exists(healthy), f"rank 0 (pid {healthy}) still runs after the launch failed"
+    # The server forks the next launch as before.
+    run_ranks(PROBE, ["--out_dir", str(tmp_path)], WORLD_SIZE, LAUNCH_TIMEOUT_S)
+    assert len(_records(tmp_path)) == WORLD_SIZE

@@ -48,8 +48,8 @@ POLL_S = 0.05
 
 
 def _run_rank(request: dict, rank: int) -> int:
-    """In a forked child: become rank `rank` and run the program; returns its exit code."""
-    os.setpgid(0, 0)  # its own group, so that stopping it stops what it starts
+    """In a forked child: become rank `rank` and run the program; returns its exit code. It stays in
+    the server's process group, so that a launcher killing that group on a timeout kills it too."""
     world = request["nproc"]
     os.environ.clear()  # the launching process's environment now, as torchrun would pass it on
     os.environ.update(request["env"])
@@ -85,20 +85,20 @@ def _stop(pids: dict[int, int]) -> None:
     """SIGTERM the ranks still running, then SIGKILL whatever outlives STOP_GRACE_S."""
     for pid in pids:
         with _gone():
-            os.killpg(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
     while pids and time.monotonic() < deadline:
         _reap(pids)
         time.sleep(POLL_S)
     for pid in list(pids):
         with _gone():
-            os.killpg(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         pids.pop(pid)
 
 
 class _gone:
-    """Ignore ProcessLookupError: the process (group) already exited."""
+    """Ignore ProcessLookupError: the process already exited."""
 
     def __enter__(self) -> None:
         return None

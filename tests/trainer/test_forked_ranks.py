@@ -1,6 +1,7 @@
 """support.forked_ranks, the launcher of the parity programs' ranks: each rank gets torchrun's
-environment and a seed of its own, and one failing rank fails the launch at once, stopping the
-others, with each rank's output in the error (tests/programs/rank_probe.py)."""
+environment and a seed of its own; one failing rank fails the launch at once, stopping the others,
+with each rank's output in the error; a launch past its timeout leaves no rank running
+(tests/programs/rank_probe.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ LAUNCH_TIMEOUT_S = 300.0
 FAIL_WAIT_S = 120.0  # rank_probe.FAIL_WAIT_S: what the healthy rank would wait if nothing stopped it
 
 pytestmark = [pytest.mark.distributed]
+
+
+def _running(pid: int) -> bool:
+    """Whether the process runs (a killed one not yet reaped is a zombie: it does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _records(out_dir: Path) -> list[dict]:
@@ -51,7 +60,18 @@ def test_a_failing_rank_stops_the_others_and_fails_the_launch_with_their_output(
     assert "--- rank 0:\nrank 0 recorded" in message and "--- rank 1:\nrank 1 recorded" in message, message
     assert elapsed < FAIL_WAIT_S / 2, f"the launch waited for the healthy rank: {elapsed:.0f} s"
     healthy = _records(tmp_path)[0]["pid"]
-    assert not psutil.pid_exists(healthy), f"rank 0 (pid {healthy}) still runs after the launch failed"
+    assert not _running(healthy), f"rank 0 (pid {healthy}) still runs after the launch failed"
     # The server forks the next launch as before.
     run_ranks(PROBE, ["--out_dir", str(tmp_path)], WORLD_SIZE, LAUNCH_TIMEOUT_S)
     assert len(_records(tmp_path)) == WORLD_SIZE
+
+
+def test_a_launch_past_its_timeout_kills_its_ranks_and_the_next_launch_starts_afresh(tmp_path: Path) -> None:
+    # --fail_rank 9 names no rank: both record, then wait FAIL_WAIT_S, far past this launch's bound.
+    with pytest.raises(AssertionError, match="no reply to rank_probe.py .* within 5 s") as failed:
+        run_ranks(PROBE, ["--out_dir", str(tmp_path), "--fail_rank", "9"], WORLD_SIZE, timeout_s=5.0)
+    assert "rank 0 recorded" in str(failed.value)
+    pids = [record["pid"] for record in _records(tmp_path)]
+    assert not any(_running(pid) for pid in pids), f"ranks {pids} outlived their launch's timeout"
+    run_ranks(PROBE, ["--out_dir", str(tmp_path)], WORLD_SIZE, LAUNCH_TIMEOUT_S)
+    assert [record["pid"] for record in _records(tmp_path)] != pids

@@ -3,8 +3,9 @@
 # machine needs), then run the suite, one pytest process per tier (tests/conftest.py says what
 # each tier holds), so no test depends on which modules ran before it in the same process. The
 # system tier is run in two parts, one per lane: the whole-system runs on local clusters and the
-# benchmarks' smokes (system_lane_files) in a second lane beside the other tiers (its log printed
-# at the end), every other system test at the end of the first lane. Every tier's time and exit,
+# benchmarks' smokes (system_lane_files, but for the smokes first_lane_ids names) in a second lane
+# beside the other tiers (its log printed at the end), every other system test at the end of the
+# first lane. Every tier's time and exit,
 # each lane's time and the total are printed last.
 #
 #   bash scripts/test.sh                 # every tier (what CI runs)
@@ -35,6 +36,13 @@ gpu_tests=(tests/*/test_gpu_*.py)
 system_lane_files=(tests/system/test_benchmarks_smoke.py tests/system/test_end_to_end.py
                    tests/system/test_crash_resume.py tests/system/test_cluster_path.py
                    tests/system/test_demo_tools_smoke.py)
+# Smokes of test_benchmarks_smoke.py (by their ids) that the first lane runs instead, at its end:
+# they start engines of their own, not the shared cluster, and a file is too coarse to balance by.
+first_lane_smokes=(engine_start)
+first_lane_ids=()
+for smoke in "${first_lane_smokes[@]}"; do
+    first_lane_ids+=("tests/system/test_benchmarks_smoke.py::test_benchmark_smoke_prints_its_summary[$smoke]")
+done
 
 if [[ "${1:-}" == "--gpu" ]]; then
     # The gpu tier alone (tests/*/test_gpu_*.py), with no install: the lent GPU machine has torch
@@ -69,17 +77,17 @@ fi
 
 # tier name, its marker expression, then what pytest collects ('' for the whole suite): each test
 # runs in exactly one tier (the last of ray < vllm < distributed < system < gpu that it carries;
-# unmarked tests are fast). The system tier runs as two parts: `system` is system_lane_files,
-# `system-rest` every other system test. The gpu tier collects its own files only: collecting the
+# unmarked tests are fast). The system tier runs as two parts: `system` is system_lane_files but
+# first_lane_ids, `system-rest` every other system test. The gpu tier collects its own files only: collecting the
 # whole suite to deselect it cost ~15 s on 2 cores.
 tiers=(
     "fast" "not (ray or vllm or distributed or system or gpu)" ""
     "ray" "ray and not (vllm or distributed or system or gpu)" ""
     "vllm" "vllm and not (distributed or system or gpu)" ""
     "distributed" "distributed and not (system or gpu)" ""
-    "system-rest" "system and not gpu" "${system_lane_files[*]/#/--ignore=}"
+    "system-rest" "system and not gpu" "${system_lane_files[*]/#/--ignore=} tests ${first_lane_ids[*]}"
     "gpu" "gpu" "${gpu_tests[*]}"
-    "system" "system and not gpu" "${system_lane_files[*]}"
+    "system" "system and not gpu" "${system_lane_files[*]} ${first_lane_ids[*]/#/--deselect=}"
 )
 
 # own_files NAME: the test files holding tier NAME's tests, from the list the fast tier wrote
@@ -109,9 +117,12 @@ run_tiers() {
         shift 3
         case "$name" in
             fast) manifest=(GRPO_TEST_TIER_MANIFEST="$results/tier_files") ;;
-            ray | vllm | distributed | system-rest)
+            ray | vllm | distributed)
                 mapfile -t own < <(own_files "$name")
                 if [[ ${#own[@]} -gt 0 ]]; then paths=("${own[@]}"); fi ;;
+            system-rest)
+                mapfile -t own < <(own_files "$name")
+                if [[ ${#own[@]} -gt 0 ]]; then paths=("${own[@]}" "${first_lane_ids[@]}"); fi ;;
         esac
         echo "=== tier ${name}: -m \"${expression}\" ${paths[*]}"
         env ${manifest[@]+"${manifest[@]}"} .venv/bin/python -m pytest -m "${expression}" --durations=25 \

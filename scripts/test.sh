@@ -5,8 +5,7 @@
 # system tier is run in two parts, one per lane: the whole-system runs on local clusters and the
 # benchmarks' smokes (system_lane_files, but for the smokes first_lane_ids names) in a second lane
 # beside the other tiers (its log printed at the end), every other system test at the end of the
-# first lane. Every tier's time and exit,
-# each lane's time and the total are printed last.
+# first lane. Every tier's time and exit, each lane's time and the total are printed last.
 #
 #   bash scripts/test.sh                 # every tier (what CI runs)
 #   bash scripts/test.sh --fast          # the pure, single-process tier only (a few minutes)
@@ -78,8 +77,8 @@ fi
 # tier name, its marker expression, then what pytest collects ('' for the whole suite): each test
 # runs in exactly one tier (the last of ray < vllm < distributed < system < gpu that it carries;
 # unmarked tests are fast). The system tier runs as two parts: `system` is system_lane_files but
-# first_lane_ids, `system-rest` every other system test. The gpu tier collects its own files only: collecting the
-# whole suite to deselect it cost ~15 s on 2 cores.
+# first_lane_ids, `system-rest` every other system test. The gpu tier collects its own files only:
+# collecting the whole suite to deselect it cost ~15 s on 2 cores.
 tiers=(
     "fast" "not (ray or vllm or distributed or system or gpu)" ""
     "ray" "ray and not (vllm or distributed or system or gpu)" ""

@@ -1,5 +1,5 @@
-"""Forks the ranks of a test program from one process that has already imported torch, transformers,
-Ray and the trainer (support.forked_ranks starts it and says why).
+"""Forks the ranks of a test program from one process that has already imported torch, transformers
+and the trainer's modules (support.forked_ranks starts it and says why).
 
     python tests/programs/rank_forkserver.py      # then one JSON request per line on stdin
 

@@ -1,5 +1,5 @@
-"""Run a test program's ranks forked from a process that has already imported torch, transformers,
-Ray and the trainer (tests/programs/rank_forkserver.py), instead of under torchrun.
+"""Run a test program's ranks forked from a process that has already imported torch, transformers
+and the trainer's modules (tests/programs/rank_forkserver.py), instead of under torchrun.
 
 The parity programs of tests/programs/ (FSDP gradients, the trainer's step, LoRA and weight pushes,
 the data path) spend more of a rank's CPU importing than computing: ~2.5 CPU-s a rank, and ~1.5 more
@@ -24,9 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from async_grpo.launch.ray_env import repo_pythonpath
 from support.paths import PROGRAMS, REPO_ROOT
-from support.torchrun_launch import free_port
+from support.torchrun_launch import free_port, rank_env
 
 SERVER = PROGRAMS / "rank_forkserver.py"
 START_TIMEOUT_S = 300.0  # its imports take a few seconds on 2 idle cores
@@ -35,20 +34,12 @@ LOG_TAIL_CHARS = 8000
 _server: subprocess.Popen | None = None
 
 
-def _rank_env() -> dict[str, str]:
-    """What a rank starts from: this process's environment, as torchrun passes it on, without a rank
-    identity of its own, with this repository importable, one intra-op thread and no GPU."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    return env
-
-
 def _started_server() -> subprocess.Popen:
     """This process's rank server, started on first use (and again if a timeout killed it)."""
     global _server
     if _server is None or _server.poll() is not None:
         # A session of its own: a launch that outlives its timeout is killed with the server's group.
-        _server = subprocess.Popen([sys.executable, str(SERVER)], cwd=REPO_ROOT, env=_rank_env(), text=True,
+        _server = subprocess.Popen([sys.executable, str(SERVER)], cwd=REPO_ROOT, env=rank_env(), text=True,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         atexit.register(_stop_server, _server)
         _read_reply(_server, START_TIMEOUT_S, "start")
@@ -80,7 +71,7 @@ def run_ranks(program: Path, args: list[str], nproc: int, timeout_s: float) -> N
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs_dir:
         logs = [str(Path(logs_dir) / f"rank{rank}.log") for rank in range(nproc)]
         request = {"program": str(program), "args": [str(a) for a in args], "nproc": nproc, "port": free_port(),
-                   "logs": logs, "env": _rank_env()}
+                   "logs": logs, "env": rank_env()}
         server.stdin.write(json.dumps(request) + "\n")
         server.stdin.flush()
         try:

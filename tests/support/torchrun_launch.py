@@ -32,6 +32,17 @@ def free_port() -> int:
             return port
 
 
+def rank_env(cuda: bool = False) -> dict[str, str]:
+    """What a test's rank starts from: this process's environment without a rank identity of its
+    own, with this repository importable, one intra-op thread, MASTER_ADDR 127.0.0.1 and (unless
+    cuda) no GPU."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1", PYTHONPATH=repo_pythonpath())
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
 def run_worker(worker: Path, args: list[str], nproc: int | None, timeout_s: float, *, cuda: bool = False) -> None:
     """Run `worker` with torchrun on nproc ranks (plain python when nproc is None); raise with its
     output if it fails or outlives timeout_s.
@@ -40,10 +51,7 @@ def run_worker(worker: Path, args: list[str], nproc: int | None, timeout_s: floa
     references on any host (on a one-GPU host, two NCCL ranks would also share one device,
     which NCCL refuses); the gpu tier passes cuda=True.
     """
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1", PYTHONPATH=repo_pythonpath())
-    if not cuda:
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    env = rank_env(cuda)
     if nproc is None:
         launcher = [sys.executable]
     else:

@@ -4,9 +4,9 @@ and the trainer's modules (support.forked_ranks starts it and says why).
     python tests/programs/rank_forkserver.py      # then one JSON request per line on stdin
 
 A request names a program, its arguments, the world size, the rendezvous port, the environment
-(the launching process's, as torchrun passes it on) and one log file per rank; the server forks one child per rank, and each child takes the environment torchrun gives a
-rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, one intra-op thread,
-no GPU), sends its output to its log and runs the program as __main__. As under torchrun, the first
+(support.torchrun_launch.rank_env: the launcher's, with MASTER_ADDR, one intra-op thread and no GPU)
+and one log file per rank; the server forks one child per rank, and each child adds the variables
+torchrun gives a rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_PORT), sends its output to its log and runs the program as __main__. As under torchrun, the first
 rank to fail stops the others (SIGTERM, then SIGKILL after STOP_GRACE_S). The server answers each
 request with one JSON line, the ranks' exit codes, and stays single-threaded, so that each fork is
 a clean copy of it. JSON, not pickle, on its pipes: nothing here unpickles what it reads.
@@ -15,6 +15,7 @@ a clean copy of it. JSON, not pickle, on its pipes: nothing here unpickles what 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import runpy
@@ -54,8 +55,7 @@ def _run_rank(request: dict, rank: int) -> int:
     os.environ.clear()  # the launching process's environment now, as torchrun would pass it on
     os.environ.update(request["env"])
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request["port"]),
-                      OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+                      GROUP_RANK="0", MASTER_PORT=str(request["port"]))
     torch.set_num_threads(1)  # OMP_NUM_THREADS is read when torch loads: here, before the fork
     # Fresh seeds, as a new process would have (Python's `random` reseeds itself after a fork).
     torch.seed()
@@ -84,27 +84,17 @@ def _run_rank(request: dict, rank: int) -> int:
 def _stop(pids: dict[int, int]) -> None:
     """SIGTERM the ranks still running, then SIGKILL whatever outlives STOP_GRACE_S."""
     for pid in pids:
-        with _gone():
+        with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
     while pids and time.monotonic() < deadline:
         _reap(pids)
         time.sleep(POLL_S)
     for pid in list(pids):
-        with _gone():
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         pids.pop(pid)
-
-
-class _gone:
-    """Ignore ProcessLookupError: the process already exited."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, value, tb) -> bool:
-        return kind is ProcessLookupError
 
 
 def _reap(pids: dict[int, int], codes: list[int | None] | None = None) -> None:

@@ -340,6 +340,19 @@ class LocalCluster:
             raise TimeoutError(f"{label} worker did not register within {self.config.worker_start_timeout_s:.0f} s; "
                                f"see {log}:\n{_tail(log.read_text(errors='replace'))}")
 
+    def trainer_env(self, nproc_per_node: int) -> dict[str, str]:
+        """The environment run_trainer gives torchrun (and so each of its nproc_per_node ranks): this
+        cluster's (env), the trainer's GPUs, and each rank's intra-op threads."""
+        env = self.env()
+        if self.placement.trainer_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.placement.trainer_gpus))
+        env.update(thread_env(self.threads(nproc_per_node), self.config.tune_processes))
+        if nproc_per_node > 1:
+            # The value torchrun sets itself for several ranks, given here (when no thread count
+            # is) so that torchrun does not print its five-line banner about it on the console.
+            env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
     def run_trainer(self, trainer_args: list[str], nproc_per_node: int, timeout_s: float | None = None,
                     log_path: Path | None = None) -> int:
         """torchrun trainer_core.py on this machine; returns its exit code."""
@@ -353,15 +366,7 @@ class LocalCluster:
         # Its own process group, so that stopping reaches torchrun *and* every rank: killing
         # torchrun alone would orphan the ranks, which then wait on the batcher for up to
         # message_timeout_s.
-        env = self.env()
-        if self.placement.trainer_gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.placement.trainer_gpus))
-        env.update(thread_env(self.threads(nproc_per_node), self.config.tune_processes))
-        if nproc_per_node > 1:
-            # The value torchrun sets itself for several ranks, given here (when no thread count
-            # is) so that torchrun does not print its five-line banner about it on the console.
-            env.setdefault("OMP_NUM_THREADS", "1")
-        process = subprocess.Popen(command, env=env, cwd=REPO_ROOT, start_new_session=True,
+        process = subprocess.Popen(command, env=self.trainer_env(nproc_per_node), cwd=REPO_ROOT, start_new_session=True,
                                    stdout=out, stderr=subprocess.STDOUT if out else None)
         try:
             return process.wait(timeout=timeout_s)

@@ -1,12 +1,14 @@
-"""Forks the ranks of a test program from one process that has already imported torch, transformers
-and the trainer's modules (support.forked_ranks starts it and says why).
+"""Forks the ranks of a test program or of trainer_core.py from one process that has already
+imported torch, transformers and the trainer's modules (support.forked_ranks starts it and says why).
 
     python tests/programs/rank_forkserver.py      # then one JSON request per line on stdin
 
 A request names a program, its arguments, the world size, the rendezvous port, the environment
-(support.torchrun_launch.rank_env: the launcher's, with MASTER_ADDR, one intra-op thread and no GPU)
-and one log file per rank; the server forks one child per rank, and each child adds the variables
-torchrun gives a rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_PORT), sends its output to its log and runs the program as __main__. As under torchrun, the first
+(support.torchrun_launch.rank_env by default: the launcher's, with MASTER_ADDR, one intra-op thread
+and no GPU; a trainer run's is LocalCluster.trainer_env) and one log file per rank; the server forks
+one child per rank, and each child adds the variables torchrun gives a rank (RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_PORT), takes the environment's OMP_NUM_THREADS as its intra-op
+threads, sends its output to its log and runs the program as __main__. As under torchrun, the first
 rank to fail stops the others (SIGTERM, then SIGKILL after STOP_GRACE_S). The server answers each
 request with one JSON line, the ranks' exit codes, and stays single-threaded, so that each fork is
 a clean copy of it. JSON, not pickle, on its pipes: nothing here unpickles what it reads.
@@ -24,9 +26,10 @@ import sys
 import time
 import traceback
 
-# What the programs of tests/programs/ import, loaded once here (the point of this server). Not Ray:
-# its C++ side draws object ids from a generator seeded when it loads, so ranks forked after that
-# would draw the same ids and collide in the object store; each rank that uses Ray imports it itself.
+# What the programs of tests/programs/ and trainer_core.py import, loaded once here (the point of
+# this server). Not Ray: its C++ side draws object ids from a generator seeded when it loads, so
+# ranks forked after that would draw the same ids and collide in the object store; each rank that
+# uses Ray imports it itself (trainer_core.py's imports beyond these cost ~0.3 CPU-s, Ray's most).
 import numpy
 import peft  # noqa: F401
 import torch
@@ -56,7 +59,8 @@ def _run_rank(request: dict, rank: int) -> int:
     os.environ.update(request["env"])
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       GROUP_RANK="0", MASTER_PORT=str(request["port"]))
-    torch.set_num_threads(1)  # OMP_NUM_THREADS is read when torch loads: here, before the fork
+    # OMP_NUM_THREADS is read when torch loads: here, before the fork; the rank's own value applies.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
     # Fresh seeds, as a new process would have (Python's `random` reseeds itself after a fork).
     torch.seed()
     numpy.random.seed()

@@ -1,15 +1,17 @@
-"""Run a test program's ranks forked from a process that has already imported torch, transformers
-and the trainer's modules (tests/programs/rank_forkserver.py), instead of under torchrun.
+"""Run a program's ranks forked from a process that has already imported torch, transformers and
+the trainer's modules (tests/programs/rank_forkserver.py), instead of under torchrun.
 
-The parity programs of tests/programs/ (FSDP gradients, the trainer's step, LoRA and weight pushes,
-the data path) spend more of a rank's CPU importing than computing: ~2.5 CPU-s a rank, and ~1.5 more
-for torchrun itself, which imports torch only to start the ranks. The distributed tier launches them
-about ten times. Here one server per pytest process pays the imports once; each rank is a fork of it,
-a real process with torchrun's environment that joins a real gloo group on 127.0.0.1. As under
-torchrun, the first rank to fail stops the others and the launch fails.
+A trainer rank spends much of its CPU importing: ~2.5-3.8 CPU-s a rank, and ~1.5 more for torchrun
+itself, which imports torch only to start the ranks. The distributed tier launches its parity
+programs (tests/programs/: FSDP gradients, the trainer's step, LoRA and weight pushes, the data
+path) about ten times, and the whole-system tests run trainer_core.py about fifteen times
+(support.cluster.run_forked_trainer). Here one server per pytest process pays the imports once;
+each rank is a fork of it, a real process with torchrun's environment that joins a real gloo group
+on 127.0.0.1. As under torchrun, the first rank to fail stops the others and the launch fails.
 
 Tests of what ranks do when a peer stalls or dies keep torchrun (support.torchrun_launch.run_worker),
-and so does the gpu tier: there torchrun's behaviour is part of what is checked.
+and so do the gpu tier, the cluster path, the crash-resume kills, the chaos test and every demo and
+benchmark command: there torchrun's behaviour is part of what is checked.
 """
 
 from __future__ import annotations
@@ -64,23 +66,30 @@ def _read_reply(server: subprocess.Popen, timeout_s: float, what: str) -> dict:
     return json.loads(line)
 
 
-def run_ranks(program: Path, args: list[str], nproc: int, timeout_s: float) -> None:
+def run_ranks(program: Path, args: list[str], nproc: int, timeout_s: float, *, env: dict[str, str] | None = None,
+              logs: list[Path] | None = None) -> None:
     """Run `program` on nproc forked ranks; raise with each rank's output if one fails or the
-    launch outlives timeout_s (the ranks and the server are then killed)."""
+    launch outlives timeout_s (the ranks and the server are then killed).
+
+    env: what the ranks start from (default rank_env(); the server adds each rank's identity and
+    port); it must hold MASTER_ADDR. logs: one file per rank for its output (default: temporary
+    files, gone after the launch)."""
     server = _started_server()
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs_dir:
-        logs = [str(Path(logs_dir) / f"rank{rank}.log") for rank in range(nproc)]
+        logs = logs or [Path(logs_dir) / f"rank{rank}.log" for rank in range(nproc)]
+        paths = [str(path) for path in logs]
+        assert len(paths) == nproc, f"{len(paths)} log files for {nproc} ranks"
         request = {"program": str(program), "args": [str(a) for a in args], "nproc": nproc, "port": free_port(),
-                   "logs": logs, "env": rank_env()}
+                   "logs": paths, "env": rank_env() if env is None else env}
         server.stdin.write(json.dumps(request) + "\n")
         server.stdin.flush()
         try:
             codes = _read_reply(server, timeout_s, f"{program.name} {' '.join(request['args'])}")["exit_codes"]
         except AssertionError as error:
-            raise AssertionError(f"{error}\n{_outputs(logs)}") from None
+            raise AssertionError(f"{error}\n{_outputs(paths)}") from None
         if any(code != 0 for code in codes):
             raise AssertionError(f"{program.name} {' '.join(request['args'])}: rank exit codes {codes} "
-                                 f"(None: stopped after another failed)\n{_outputs(logs)}")
+                                 f"(None: stopped after another failed)\n{_outputs(paths)}")
 
 
 def _outputs(logs: list[str]) -> str:

@@ -2,8 +2,9 @@
 then `--resume`; every prompt of the data order is trained exactly once.
 
 The real system (vLLM generation worker, registries, batcher, `torchrun --nproc_per_node=2
-trainer_core.py` with FSDP2 on gloo) on the demo's model: the rewards do not matter here, only
-which prompts train. The runs use the demo cluster the end-to-end module leaves running
+trainer_core.py` with FSDP2 on gloo; the resumed run's two ranks are forked instead, as
+support.cluster.run_forked_trainer says why) on the demo's model: the rewards do not matter here,
+only which prompts train. The runs use the demo cluster the end-to-end module leaves running
 (support.cluster, SHARED_CLUSTER_MODULES: scripts/test.sh runs this module right after it), and
 no logprob worker of it (logprob_role: none). max_lag 1, so at the kill the next step's prompts
 are in flight (submitted, generating, not trained): the crashed run's batcher dies with its rank
@@ -31,7 +32,7 @@ from async_grpo.launch.ray_env import BATCHER_ACTOR_NAME, RAY_NAMESPACE
 from async_grpo.trainer.checkpoint import checkpoints_root, latest_checkpoint
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from local_cluster import LocalCluster
-from support.cluster import demo_cluster
+from support.cluster import demo_cluster, run_forked_trainer
 from support.paths import REPO_ROOT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
@@ -65,6 +66,14 @@ def _start_trainer(cluster: LocalCluster, args: list[str], log: Path) -> subproc
                "--ray_address", cluster.address, *args]
     return subprocess.Popen(command, env=cluster.env(), cwd=REPO_ROOT, start_new_session=True,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _resume(cluster: LocalCluster, args: list[str], tmp_path: Path) -> list[Path]:
+    """The crashed run again with --resume, to its end (its ranks forked: support.cluster's
+    run_forked_trainer); returns the ranks' logs."""
+    logs = [tmp_path / f"resumed.rank{rank}.log" for rank in range(WORLD_SIZE)]
+    run_forked_trainer(cluster, [*args, "--resume", "true"], logs)
+    return logs
 
 
 def _raw_records(path: Path, *, torn_last_line_ok: bool = False) -> list[dict]:
@@ -148,10 +157,8 @@ def test_kill_and_resume_trains_every_prompt_exactly_once(cluster: LocalCluster,
     assert max(crashed_steps) < NUM_STEPS - 1
     _wait_for_batcher_gone()
 
-    resumed_log = tmp_path / "resumed.log"
-    resumed = _start_trainer(cluster, [*args, "--resume", "true"], resumed_log)
-    assert resumed.wait(timeout=TRAINER_TIMEOUT_S) == 0, resumed_log.read_text()[-3000:]
-    assert f"resumed from {checkpoints_root(run) / f'step_{RESUME_STEP:06d}'}" in resumed_log.read_text()
+    resumed_logs = _resume(cluster, args, tmp_path)
+    assert f"resumed from {checkpoints_root(run) / f'step_{RESUME_STEP:06d}'}" in resumed_logs[0].read_text()
 
     records = _raw_records(run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(NUM_STEPS))  # each step once, in order
@@ -204,9 +211,7 @@ def test_kill_and_resume_with_dynamic_sampling_draws_every_prompt_once(cluster: 
     crashed_log = tmp_path / "crashed.log"
     _kill_after_checkpoint_and_a_later_step(_start_trainer(cluster, args, crashed_log), run, crashed_log)
     _wait_for_batcher_gone()
-    resumed_log = tmp_path / "resumed.log"
-    resumed = _start_trainer(cluster, [*args, "--resume", "true"], resumed_log)
-    assert resumed.wait(timeout=TRAINER_TIMEOUT_S) == 0, resumed_log.read_text()[-3000:]
+    _resume(cluster, args, tmp_path)
 
     records = _raw_records(run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(NUM_STEPS))

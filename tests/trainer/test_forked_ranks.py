@@ -1,7 +1,7 @@
-"""support.forked_ranks, the launcher of the parity programs' ranks: each rank gets torchrun's
-environment and a seed of its own; one failing rank fails the launch at once, stopping the others,
-with each rank's output in the error; a launch past its timeout leaves no rank running
-(tests/programs/rank_probe.py)."""
+"""support.forked_ranks, the launcher of the parity programs' and the system tests' trainer ranks:
+each rank gets torchrun's variables, the environment it is given and a seed of its own; one failing
+rank fails the launch at once, stopping the others, with each rank's output in the error; a launch
+past its timeout leaves no rank running (tests/programs/rank_probe.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from support.forked_ranks import run_ranks
 from support.paths import PROGRAMS
+from support.torchrun_launch import rank_env
 
 PROBE = PROGRAMS / "rank_probe.py"
 WORLD_SIZE = 2
@@ -62,9 +63,13 @@ def test_a_failing_rank_stops_the_others_and_fails_the_launch_with_their_output(
     assert elapsed < FAIL_WAIT_S / 2, f"the launch waited for the healthy rank: {elapsed:.0f} s"
     healthy = _records(tmp_path)[0]["pid"]
     assert not _running(healthy), f"rank 0 (pid {healthy}) still runs after the launch failed"
-    # The server forks the next launch as before.
-    run_ranks(PROBE, ["--out_dir", str(tmp_path)], WORLD_SIZE, LAUNCH_TIMEOUT_S)
-    assert len(_records(tmp_path)) == WORLD_SIZE
+    # The server forks the next launch as before, with the environment and log files it is given (a
+    # trainer run's: LocalCluster.trainer_env, its thread count included).
+    logs = [tmp_path / f"rank{rank}.out" for rank in range(WORLD_SIZE)]
+    run_ranks(PROBE, ["--out_dir", str(tmp_path)], WORLD_SIZE, LAUNCH_TIMEOUT_S,
+              env={**rank_env(), "OMP_NUM_THREADS": "2"}, logs=logs)
+    assert [(r["env"]["OMP_NUM_THREADS"], r["threads"]) for r in _records(tmp_path)] == [("2", 2)] * WORLD_SIZE
+    assert [log.read_text() for log in logs] == [f"rank {rank} recorded\n" for rank in range(WORLD_SIZE)]
 
 
 def test_a_launch_past_its_timeout_kills_its_ranks_and_the_next_launch_starts_afresh(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ gpu_tests=(tests/*/test_gpu_*.py)
 system_lane_files=(tests/system/test_benchmarks_smoke.py tests/system/test_end_to_end.py
                    tests/system/test_crash_resume.py tests/system/test_cluster_path.py
                    tests/system/test_demo_tools_smoke.py tests/system/test_scale_benchmark.py
-                   tests/launch/test_placement_ray.py)
+                   tests/launch/test_placement_ray.py tests/rewards/test_verifier_slots.py)
 # Smokes of test_benchmarks_smoke.py (by their ids) that the first lane runs instead, at its end:
 # they start engines of their own, not the shared cluster, and a file is too coarse to balance by.
 first_lane_smokes=(engine_start)

@@ -111,9 +111,9 @@ def run_forked_trainer(cluster: LocalCluster, args: list[str], logs: list[Path])
     The ranks are forked from support.forked_ranks' preloaded process, with the environment
     LocalCluster.run_trainer gives torchrun and the variables torchrun gives each rank, instead of
     started by torchrun: ~9 CPU-s less a two-rank run (each rank's imports of torch and
-    transformers, and torchrun's own). What torchrun itself does stays tested where it is the
-    point: the cluster path, the crash-resume kills, the demos and the benchmarks' smokes, which
-    launch through LocalCluster.run_trainer."""
+    transformers, and torchrun's own). Launches under torchrun stay where they are the point: the
+    cluster path, the crash-resume kills, and (through LocalCluster.run_trainer) the chaos test, the
+    demos and the benchmarks' smokes."""
     env = {**cluster.trainer_env(len(logs)), "MASTER_ADDR": "127.0.0.1"}
     run_ranks(REPO_ROOT / "trainer_core.py", ["--ray_address", cluster.address, *args], len(logs), TRAINER_TIMEOUT_S,
               env=env, logs=logs)

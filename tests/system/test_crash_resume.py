@@ -64,7 +64,7 @@ def _start_trainer(cluster: LocalCluster, args: list[str], log: Path) -> subproc
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD_SIZE}",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO_ROOT / "trainer_core.py"),
                "--ray_address", cluster.address, *args]
-    return subprocess.Popen(command, env=cluster.env(), cwd=REPO_ROOT, start_new_session=True,
+    return subprocess.Popen(command, env=cluster.trainer_env(WORLD_SIZE), cwd=REPO_ROOT, start_new_session=True,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 

@@ -114,9 +114,8 @@ def run_forked_trainer(cluster: LocalCluster, args: list[str], logs: list[Path])
     transformers, and torchrun's own). Launches under torchrun stay where they are the point: the
     cluster path, the crash-resume kills, and (through LocalCluster.run_trainer) the chaos test, the
     demos and the benchmarks' smokes."""
-    env = {**cluster.trainer_env(len(logs)), "MASTER_ADDR": "127.0.0.1"}
     run_ranks(REPO_ROOT / "trainer_core.py", ["--ray_address", cluster.address, *args], len(logs), TRAINER_TIMEOUT_S,
-              env=env, logs=logs)
+              env=cluster.trainer_env(len(logs)), logs=logs)
 
 
 def train(cluster: LocalCluster, demo_assets: Path, run_dir: Path, *extra: str) -> list[dict]:

@@ -71,16 +71,17 @@ def run_ranks(program: Path, args: list[str], nproc: int, timeout_s: float, *, e
     """Run `program` on nproc forked ranks; raise with each rank's output if one fails or the
     launch outlives timeout_s (the ranks and the server are then killed).
 
-    env: what the ranks start from (default rank_env(); the server adds each rank's identity and
-    port); it must hold MASTER_ADDR. logs: one file per rank for its output (default: temporary
+    env: what the ranks start from (default rank_env(); MASTER_ADDR is set to 127.0.0.1, where the
+    port is free, and the server adds each rank's identity and port). logs: one file per rank for its output (default: temporary
     files, gone after the launch)."""
     server = _started_server()
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs_dir:
         logs = logs or [Path(logs_dir) / f"rank{rank}.log" for rank in range(nproc)]
         paths = [str(path) for path in logs]
         assert len(paths) == nproc, f"{len(paths)} log files for {nproc} ranks"
+        env = {**(rank_env() if env is None else env), "MASTER_ADDR": "127.0.0.1"}
         request = {"program": str(program), "args": [str(a) for a in args], "nproc": nproc, "port": free_port(),
-                   "logs": paths, "env": rank_env() if env is None else env}
+                   "logs": paths, "env": env}
         server.stdin.write(json.dumps(request) + "\n")
         server.stdin.flush()
         try:

@@ -67,6 +67,7 @@ from async_grpo.inference.generation_stats import GenerationStats
 from async_grpo.inference.object_store_reload import ObjectStoreReloader
 from async_grpo.inference.served_weights import ServedWeights
 from async_grpo.inference.transfer_pass_through import TransferPassThrough
+from async_grpo.launch.compile_needs import missing_compile_needs
 from async_grpo.launch.local_processes import environ
 from async_grpo.launch.ray_cluster import shared_memory_owner
 from async_grpo.launch.ray_env import GENERATION
@@ -180,8 +181,12 @@ def engine_args(config: GenerationWorkerConfig, in_process: bool) -> dict[str, A
 
 def _prepared_engine_args(config: GenerationWorkerConfig, worker_name: str) -> tuple[dict[str, Any], bool]:
     """(engine_args, whether the executor runs in this process) for a start, after the checks it
-    makes first: the weight-transfer backend's device, and the dtype choice (logged)."""
+    makes first: the compiler a compiling engine needs, the weight-transfer backend's device, and
+    the dtype choice (logged)."""
     cfg = config.engine
+    compile_needs = missing_compile_needs(cfg.enforce_eager, on_cpu=_on_cpu_platform())
+    if compile_needs:
+        raise EngineStartError(compile_needs)
     in_process = cfg.cpu_in_process_executor and cfg.tensor_parallel_size == 1 and _on_cpu_platform()
     if in_process:
         # vLLM's CPU platform swaps 'uni' for 'mp' unless V1 multiprocessing is off. The flag
@@ -214,10 +219,10 @@ class EngineStartError(RuntimeError):
 def build_engine(config: GenerationWorkerConfig, worker_name: str) -> tuple[AsyncLLM, str]:
     """The worker's started engine, and how its engine-core process started: 'fork' or 'spawn'
     (EngineConfig.fork_engine_core, inference/engine_process.py)."""
+    engine_kwargs, in_process = _prepared_engine_args(config, worker_name)
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine_kwargs, in_process = _prepared_engine_args(config, worker_name)
     fork = forks_engine_core(enabled=config.engine.fork_engine_core, on_cpu=_on_cpu_platform(),
                              enforce_eager=config.engine.enforce_eager)
     began = time.perf_counter()

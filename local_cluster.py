@@ -39,6 +39,7 @@ from async_grpo.config.worker_options import (
 )
 from async_grpo.launch.dispatcher_logs import DispatcherLogRelay, registered_worker
 from async_grpo.launch.engine_defaults import CPU_ENGINE, resolve_engine
+from async_grpo.launch.host_gpus import HostGpuError, HostGpus, host_gpus
 from async_grpo.launch.local_processes import environ, free_port, make_run_temp_dir, run_environment, stop_process_group
 from async_grpo.launch.placement import (
     GiB, ModelShape, Placement, PlacementError, RunShape, check_transfer_placement, default_trainer_ranks,
@@ -170,12 +171,19 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def plan_gpus(config: LocalClusterConfig) -> HostGpus:
+    """The GPUs the plan places on: `config.host_gpus` of them when given, else those this
+    environment gives the run (host_gpus: the driver's listing or ASYNC_GRPO_HOST_GPUS, narrowed
+    by a scheduler's CUDA_VISIBLE_DEVICES)."""
+    if config.host_gpus is not None:
+        return HostGpus(names=tuple(str(i) for i in range(config.host_gpus)))
+    return host_gpus()
+
+
 def host_gpus_and_memory(config: LocalClusterConfig) -> tuple[int, int]:
     """(GPUs, bytes of one GPU's memory) that the plan is made for: the config's overrides, else
-    what the NVIDIA driver lists and CUDA reports."""
-    from async_grpo.trainer.fsdp_setup import host_gpu_count
-
-    gpus = config.host_gpus if config.host_gpus is not None else host_gpu_count()
+    what this environment gives the run (plan_gpus) and CUDA reports."""
+    gpus = plan_gpus(config).count
     if gpus == 0:
         return 0, 0
     if config.gpu_memory_gib is not None:
@@ -219,6 +227,7 @@ class LocalCluster:
         this machine has it; a plan on Ray's fake GPUs runs CPU engines)."""
         self.config = config
         self.placement = placement if placement is not None else plan_for(config)[0]
+        self.gpus = plan_gpus(config)
         self.engine, self.engine_choices = resolve_engine(
             config.engine, self.placement, cuda_available() if cuda is None else cuda, longest_sample)
         self.address = ""
@@ -232,20 +241,24 @@ class LocalCluster:
             logger.info("%s", line)
         # tempfile also fixes this process's own temp folder (it caches it) before TMPDIR changes.
         self.temp_dir = make_run_temp_dir()
-        head_env = run_environment(self.temp_dir, self.config.tune_processes)
-        worker_gpus = self.placement.worker_gpus
-        if worker_gpus:  # Ray reads the head's CUDA_VISIBLE_DEVICES to know which GPUs it owns
-            head_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, worker_gpus))
         try:
-            with environ(head_env):  # the head's processes inherit it when they start
+            with environ(self.head_env()):  # the head's processes inherit it when they start
                 self.address = init_local_ray(num_cpus=self.config.num_cpus, namespace=RAY_NAMESPACE,
-                                              log_to_driver=False, num_gpus=len(worker_gpus))
+                                              log_to_driver=False, num_gpus=len(self.placement.worker_gpus))
         except BaseException:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             raise
         logger.info("Ray head at %s (127.0.0.1 only, no dashboard); temporary files in %s", self.address,
                     self.temp_dir)
         return self
+
+    def head_env(self) -> dict[str, str]:
+        """What the Ray head starts with: the run's process settings and, on GPUs, the workers'
+        GPUs (Ray reads the head's CUDA_VISIBLE_DEVICES to know which GPUs it may hand out)."""
+        env = run_environment(self.temp_dir, self.config.tune_processes)
+        if self.placement.worker_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus.child_visible_devices(self.placement.worker_gpus)
+        return env
 
     def threads(self, trainer_ranks: int | None = None) -> int:
         """Intra-op threads of each compute process of this run: its trainer ranks, engines and
@@ -345,7 +358,7 @@ class LocalCluster:
         cluster's (env), the trainer's GPUs, and each rank's intra-op threads."""
         env = self.env()
         if self.placement.trainer_gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.placement.trainer_gpus))
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus.child_visible_devices(self.placement.trainer_gpus)
         env.update(thread_env(self.threads(nproc_per_node), self.config.tune_processes))
         if nproc_per_node > 1:
             # The value torchrun sets itself for several ranks, given here (when no thread count
@@ -456,7 +469,7 @@ def plan_or_exit(config: LocalClusterConfig, trainer_config: TrainerConfig) -> t
     try:
         placement, run = plan_for(config, trainer_config)
         check_transfer_placement(trainer_config.transfer.weight_transfer, placement)
-    except (PlacementError, ValueError, OSError) as error:
+    except (PlacementError, HostGpuError, ValueError, OSError) as error:
         exit_config_error(PROGRAM, str(error))
     return placement, run
 

@@ -37,6 +37,7 @@ from async_grpo.config.versions import TRAINER_REQUIREMENTS, VersionError, check
 from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, check_transfer_packages
 from async_grpo.launch.local_processes import exit_without_teardown
 from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
+from async_grpo.launch.host_gpus import listed_gpu_count
 from async_grpo.launch.ray_env import (
     GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name,
 )
@@ -51,9 +52,7 @@ from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.data_path import PerRankDataPath, Rank0DataPath, make_data_path
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from async_grpo.trainer.evaluation import Evaluator
-from async_grpo.trainer.fsdp_setup import (
-    DistInfo, build_training_model, check_trainer_gpus, host_gpu_count, init_distributed,
-)
+from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, check_trainer_gpus, init_distributed
 from async_grpo.trainer.optimizer import build_optimizer, build_scheduler
 from async_grpo.trainer.prompt_feeder import PromptFeeder, last_step_to_submit
 from async_grpo.trainer.run_inputs import InputError, RunInputs, check_teacher_tokenizer, load_run_inputs
@@ -541,7 +540,8 @@ def check_environment(config: TrainerConfig) -> None:
     input is read: one line each."""
     check_versions(TRAINER_REQUIREMENTS)
     try:
-        check_trainer_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count(), host_gpu_count())
+        check_trainer_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count(),
+                           listed_gpu_count())
         check_transfer_pairing(config.transfer.weight_transfer, config.weight_push_mode,
                                has_cuda=torch.cuda.is_available(), lora=config.model.lora.enabled)
         if not config.model.lora.enabled:  # LoRA adapters go through the object store whatever the transfer

@@ -64,16 +64,6 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from err
 
 
-# Where the NVIDIA driver lists the machine's GPUs, whatever CUDA_VISIBLE_DEVICES says: the way
-# to tell "this process was given no GPU" from "this machine has none".
-NVIDIA_GPUS_DIR = Path("/proc/driver/nvidia/gpus")
-
-
-def host_gpu_count(gpus_dir: Path = NVIDIA_GPUS_DIR) -> int:
-    """NVIDIA GPUs installed in this machine (0 without the driver)."""
-    return len(list(gpus_dir.iterdir())) if gpus_dir.is_dir() else 0
-
-
 def check_trainer_gpus(local_world_size: int, visible_gpus: int, host_gpus: int) -> None:
     """ValueError (one line) when the GPU layout leaves a trainer rank on this node without a GPU:
     a machine with GPUs whose CUDA_VISIBLE_DEVICES shows the trainer none (it would train on the

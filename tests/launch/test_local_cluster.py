@@ -110,7 +110,8 @@ def test_the_add_worker_command_joins_this_cluster_on_loopback_and_parses(tmp_pa
     from local_cluster import LocalCluster, LocalClusterConfig
     from worker_dispatcher import DispatcherConfig
 
-    cluster = LocalCluster(LocalClusterConfig(model_path=str(tmp_path / "model"), run_dir=str(tmp_path / "run")))
+    cluster = LocalCluster(LocalClusterConfig(model_path=str(tmp_path / "model"), run_dir=str(tmp_path / "run"),
+                                              host_gpus=0), cuda=False)
     cluster.address = "127.0.0.1:6380"  # as __enter__ sets it
     for kind in ("generation", "logprob"):
         words = shlex.split(cluster.add_worker_command(kind))
@@ -129,9 +130,11 @@ def test_dispatchers_get_the_launchers_engine_and_batching_sections(tmp_path) ->
     from worker_dispatcher import DispatcherConfig, generation_worker_config, logprob_worker_config
 
     engine = local_engine(max_num_seqs=64, enforce_eager=True, max_lora_rank=8)
-    config = LocalClusterConfig(model_path="m", run_dir=str(tmp_path), engine=engine, verification=VerificationConfig(global_num_verifiers=1),
+    # A CPU host's plan, whatever this host lists (the CUDA choices: test_placement.py).
+    config = LocalClusterConfig(model_path="m", run_dir=str(tmp_path), engine=engine, host_gpus=0,
+                                verification=VerificationConfig(global_num_verifiers=1),
                                 batching=LogprobBatchingConfig(max_tokens_per_forward=4096))
-    cluster = LocalCluster(config)
+    cluster = LocalCluster(config, cuda=False)
     generation = load_config(DispatcherConfig, cluster.dispatcher_args("generation"))
     assert generation.engine == generation_worker_config(generation).engine == engine
     assert generation.verification.global_num_verifiers == 1
@@ -141,13 +144,13 @@ def test_dispatchers_get_the_launchers_engine_and_batching_sections(tmp_path) ->
     # The launcher's CPU defaults, as the hand-written flags gave them before the sections existed:
     # on a CPU host the default engine resolves to them (on CUDA to bf16 and the plan's share).
     assert LOCAL_ENGINE == EngineConfig(max_num_seqs=256)
-    default_cluster = LocalCluster(LocalClusterConfig(model_path="m", run_dir=str(tmp_path)))
+    default_cluster = LocalCluster(LocalClusterConfig(model_path="m", run_dir=str(tmp_path), host_gpus=0), cuda=False)
     assert default_cluster.engine == EngineConfig(dtype="float32", kv_cache_memory_bytes=256 * 2**20,
                                                   max_model_len=512, max_num_seqs=256)
     assert default_cluster.dispatcher_args("logprob")[-4:] == ["--dtype", "float32", "--max_tokens_per_forward", "8192"]
     flags = load_config(LocalClusterConfig, ["--model_path", "m", "--run_dir", "r", "--max_num_seqs", "3",
-                                             "--max_tokens_per_forward", "77"])
-    assert LocalCluster(flags).engine == local_engine(max_num_seqs=3) and flags.batching.max_tokens_per_forward == 77
+                                             "--max_tokens_per_forward", "77", "--host_gpus", "0"])
+    assert LocalCluster(flags, cuda=False).engine == local_engine(max_num_seqs=3) and flags.batching.max_tokens_per_forward == 77
 
 
 # What Ray relays from a worker actor into its dispatcher's stdout, from another thread.
@@ -201,7 +204,7 @@ def test_the_launcher_sees_a_registration_behind_relayed_output(tmp_path) -> Non
     log = tmp_path / "logprob-0_worker.log"
     log.write_text(f"starting logprob-worker-1\n{_RAY_FRAGMENT}worker logprob-worker-1 registered\n")
     cluster = LocalCluster(LocalClusterConfig(model_path=str(tmp_path / "model"), run_dir=str(tmp_path / "run"),
-                                              worker_start_timeout_s=5.0))
+                                              worker_start_timeout_s=5.0, host_gpus=0), cuda=False)
     cluster._dispatchers = [("logprob-0", _Running(), log)]
     cluster._wait_registered()  # a TimeoutError after 5 s when the line is missed
 
@@ -209,3 +212,22 @@ def test_the_launcher_sees_a_registration_behind_relayed_output(tmp_path) -> Non
     cluster.config = dataclasses.replace(cluster.config, worker_start_timeout_s=0.5)
     with pytest.raises(TimeoutError, match="logprob-0 worker did not register within"):
         cluster._wait_registered()
+
+
+def test_a_schedulers_gpu_subset_is_where_the_plan_places(tmp_path, tiny_model_dir,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job given GPUs 4-7 of an 8-GPU node plans for four, and its children see those four by
+    their names: the workers 4,5 and the trainer 6,7, never GPUs 0-3 (another job's)."""
+    from local_cluster import LocalCluster, LocalClusterConfig
+
+    monkeypatch.setenv("ASYNC_GRPO_HOST_GPUS", "8")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    cluster = LocalCluster(LocalClusterConfig(model_path=str(tiny_model_dir), run_dir=str(tmp_path)), cuda=False)
+    placement = cluster.placement
+    assert placement.host_gpus == 4 and placement.worker_gpus == (0, 1) and placement.trainer_gpus == (2, 3)
+    assert cluster.head_env()["CUDA_VISIBLE_DEVICES"] == "4,5"
+    assert cluster.trainer_env(2)["CUDA_VISIBLE_DEVICES"] == "6,7"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b")  # a scheduler that names GPUs by UUID
+    cluster = LocalCluster(LocalClusterConfig(model_path=str(tiny_model_dir), run_dir=str(tmp_path)), cuda=False)
+    assert cluster.placement.host_gpus == 2 and cluster.head_env()["CUDA_VISIBLE_DEVICES"] == "GPU-a"
+    assert cluster.trainer_env(1)["CUDA_VISIBLE_DEVICES"] == "GPU-b"

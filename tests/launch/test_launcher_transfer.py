@@ -20,7 +20,8 @@ from worker_dispatcher import DispatcherConfig, generation_worker_config, logpro
 
 
 def _launcher(tmp_path: Path, *flags: str) -> LocalClusterConfig:
-    return load_config(LocalClusterConfig, ["--model_path", "m", "--run_dir", str(tmp_path), *flags])
+    # A CPU host's plan whatever this host lists: these tests follow options, not placement.
+    return load_config(LocalClusterConfig, ["--model_path", "m", "--run_dir", str(tmp_path), "--host_gpus", "0", *flags])
 
 
 def _worker_transfer(config: LocalClusterConfig, kind: str = "generation") -> str:
@@ -111,7 +112,8 @@ def test_main_starts_its_workers_with_the_trainers_backend(tmp_path: Path, monke
     monkeypatch.setattr(local_cluster, "check_trainer_inputs", lambda config, max_lora_rank=0: None)
     monkeypatch.setattr(local_cluster, "setup_logging", lambda config, trainer_config: None)
     monkeypatch.setattr(local_cluster, "_interrupt_on_sigterm", lambda: None)
-    code = local_cluster.main(["--model_path", str(tmp_path / "model"), "--run_dir", str(tmp_path / "run"), "--",
+    code = local_cluster.main(["--model_path", str(tmp_path / "model"), "--run_dir", str(tmp_path / "run"),
+                               "--host_gpus", "0", "--",
                                "--data.path", str(tmp_path / "prompts.jsonl"), "--transfer.weight_transfer", "nccl",
                                "--model.share_prompts", "true"])
     assert code == 0

@@ -14,19 +14,25 @@ shared by the modules in SHARED_CLUSTER_MODULES, kept from one to the next.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from async_grpo.config.worker_options import VerificationConfig
+from async_grpo.config.worker_options import EngineConfig, VerificationConfig
+from async_grpo.launch.host_gpus import host_gpu_count
+from async_grpo.launch.placement import default_trainer_ranks
 from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, registry_name
 from async_grpo.telemetry.metrics import read_metrics
-from local_cluster import LocalCluster, LocalClusterConfig, local_engine
+from local_cluster import LOCAL_ENGINE, LocalCluster, LocalClusterConfig, cuda_available, local_engine
 from support.forked_ranks import run_ranks
 from support.paths import REPO_ROOT
 from support.ray_session import session_ray_set_aside
 
-WORLD_SIZE = 2  # trainer ranks
+DEMO_CLUSTER_WORKERS = 4  # generation, logprob, reference, teacher
+# Trainer ranks, as the launcher's plan gives them on this host: 2 on a CPU host, 1 on one or two
+# GPUs (colocated with the workers on one), a GPU each for the rest of a larger host.
+WORLD_SIZE = default_trainer_ranks(host_gpu_count(), DEMO_CLUSTER_WORKERS)
 # Small steps keep each run to tens of seconds on 2 cores: 2 ranks x 4 prompts x 4 rollouts.
 FAST_RUN = ["--prompts_per_rank", "4", "--sampling.n", "4", "--sampling.max_tokens", "4",
             "--max_tokens_per_gpu", "256", "--progress_bar", "false", "--tensorboard", "false",
@@ -37,14 +43,23 @@ TRAINER_TIMEOUT_S = 600
 ENGINE = dict(kv_cache_memory_bytes=128 * 2**20, max_num_seqs=256, max_model_len=64, enforce_eager=True)
 
 
+def cluster_engine(**changes: Any) -> EngineConfig:
+    """The tests' engine with `changes`: the launcher's CPU engine on a CPU host; on CUDA its
+    default, whose dtype (bf16) and GPU share the launcher picks as for any run."""
+    if cuda_available():
+        return dataclasses.replace(LOCAL_ENGINE, **changes)
+    return local_engine(**changes)
+
+
 def cluster_config(model_path: str | Path, log_dir: str | Path, *, engine: dict[str, Any] | None = None,
                    **changes: Any) -> LocalClusterConfig:
-    """One generation and one logprob worker on model_path, 8 CPUs, one verifier process, the
-    launcher's CPU engine with ENGINE's settings; `engine` changes engine fields, `changes` the
-    cluster's (e.g. logprob_workers=0, teacher_workers=1)."""
+    """One generation and one logprob worker on model_path, 8 CPUs, one verifier process, WORLD_SIZE
+    trainer ranks, the launcher's engine with ENGINE's settings (cluster_engine); `engine` changes
+    engine fields, `changes` the cluster's (e.g. logprob_workers=0, teacher_workers=1)."""
     fields: dict[str, Any] = dict(
         model_path=str(model_path), log_dir=str(log_dir), generation_workers=1, logprob_workers=1, num_cpus=8,
-        verification=VerificationConfig(global_num_verifiers=1), engine=local_engine(**{**ENGINE, **(engine or {})}),
+        nproc_per_node=WORLD_SIZE, verification=VerificationConfig(global_num_verifiers=1),
+        engine=cluster_engine(**{**ENGINE, **(engine or {})}),
     )
     return LocalClusterConfig(**{**fields, **changes})
 

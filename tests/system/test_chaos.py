@@ -42,7 +42,7 @@ from async_grpo.launch.local_processes import RUN_TEMP_PREFIX
 from async_grpo.launch.ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
 from async_grpo.telemetry.metrics import read_metrics
 from local_cluster import LocalCluster
-from support.cluster import cluster_config
+from support.cluster import WORLD_SIZE, cluster_config
 from support.ray_session import session_ray_set_aside
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
@@ -165,7 +165,7 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
                 "--num_steps", str(NUM_STEPS), *RUN]
         result: dict[str, int] = {}
         trainer = threading.Thread(target=lambda: result.update(code=cluster.run_trainer(
-            args, nproc_per_node=2, timeout_s=TRAINER_TIMEOUT_S, log_path=tmp_path / "trainer.log")))
+            args, nproc_per_node=WORLD_SIZE, timeout_s=TRAINER_TIMEOUT_S, log_path=tmp_path / "trainer.log")))
         trainer.start()
         for kind, step in sorted(kill_at.items(), key=lambda item: item[1]):
             _wait(lambda: _steps_logged(run_dir) >= step or not trainer.is_alive(), f"step {step}", STEP_BOUND_S,

@@ -32,12 +32,11 @@ from async_grpo.launch.ray_env import BATCHER_ACTOR_NAME, RAY_NAMESPACE
 from async_grpo.trainer.checkpoint import checkpoints_root, latest_checkpoint
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from local_cluster import LocalCluster
-from support.cluster import demo_cluster, run_forked_trainer
+from support.cluster import WORLD_SIZE, demo_cluster, run_forked_trainer
 from support.paths import REPO_ROOT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.system]
 
-WORLD_SIZE = 2
 PROMPTS_PER_RANK = 4
 ROLLOUTS = 4
 NUM_PROMPTS = 200  # more than the run draws (8 steps x 8 prompts): no prompt repeats across steps

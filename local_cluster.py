@@ -444,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.dry_run:
         print("\n".join(plan_lines), flush=True)
         return 0
+    check_engine_compile(config, cuda)
     setup_logging(config, trainer_config)
     from async_grpo.telemetry.console import CONSOLE, LOG_FILE
     check_trainer_inputs(trainer_config, max_lora_rank=config.engine.max_lora_rank)
@@ -544,6 +545,16 @@ def check_environment(config: LocalClusterConfig) -> None:
         check_versions(WORKER_REQUIREMENTS)
     except VersionError as error:
         exit_config_error(PROGRAM, str(error))
+
+
+def check_engine_compile(config: LocalClusterConfig, cuda: bool) -> None:
+    """A compiling engine (enforce_eager false) needs a C compiler and Python's headers on this
+    host: exit 2 with one line naming what is missing, before Ray or any worker starts."""
+    from async_grpo.launch.compile_needs import missing_compile_needs
+
+    message = missing_compile_needs(config.engine.enforce_eager, on_cpu=not cuda)
+    if message:
+        exit_config_error(PROGRAM, message)
 
 
 def check_teacher_model(teacher_path: str, student_path: str) -> None:

@@ -231,3 +231,17 @@ def test_a_schedulers_gpu_subset_is_where_the_plan_places(tmp_path, tiny_model_d
     cluster = LocalCluster(LocalClusterConfig(model_path=str(tiny_model_dir), run_dir=str(tmp_path)), cuda=False)
     assert cluster.placement.host_gpus == 2 and cluster.head_env()["CUDA_VISIBLE_DEVICES"] == "GPU-a"
     assert cluster.trainer_env(1)["CUDA_VISIBLE_DEVICES"] == "GPU-b"
+
+
+def test_the_launcher_refuses_a_compiling_engine_without_a_compiler(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from local_cluster import LocalClusterConfig, check_engine_compile, local_engine
+
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    compiling = LocalClusterConfig(model_path="m", run_dir=str(tmp_path), engine=local_engine(enforce_eager=False))
+    with pytest.raises(SystemExit) as exited:
+        check_engine_compile(compiling, cuda=False)
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and len(err.splitlines()) == 1
+    assert "no-such-compiler-here" in err and "--enforce_eager true" in err
+    check_engine_compile(dataclasses.replace(compiling, engine=local_engine(enforce_eager=True)), cuda=False)

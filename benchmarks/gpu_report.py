@@ -10,7 +10,10 @@ In order, each as its own process (a failure is a row, not the end of the report
 2. benchmarks.trainer_throughput at each preset (qwen2.5-0.5b, qwen2.5-1.5b) with 16,384 packed
    tokens per minibatch, once per attention implementation (the trainer's default, then
    packed_varlen: torch's flash-attention varlen kernel): tokens/s and MFU against the GPU's dense
-   bf16 datasheet peak (trainer_throughput.GPU_PEAK_BF16_TFLOPS, by device name, with its source);
+   bf16 datasheet peak (trainer_throughput.GPU_PEAK_BF16_TFLOPS, by device name, with its source).
+   Gradient checkpointing is on for a row whose trainer-rank estimate without it
+   (placement.trainer_bytes, the launcher's plan) exceeds the card's memory less the plan's
+   margin, so every row is sized to fit one card; the row's notes say which and why;
 3. benchmarks.logprob_batching: the batched / one-sample-per-forward throughput ratio, through
    LogprobWorkers where Ray is installed, else `--engine model` (TokenLogprobModel alone);
 4. the weight push: the trainer side's first hop, a device-to-host copy of the first preset's
@@ -21,7 +24,9 @@ In order, each as its own process (a failure is a row, not the end of the report
 Parts whose requirements are missing here (the GPU machine has torch and transformers, no Ray,
 no vLLM, no flash-attn) are rows that say "skipped" and why. Without CUDA (and outside smoke
 mode) it stops at once with one line. The table goes to --out and to stdout; the last line is
-`gpu_report: rows=N skipped=M failed=F out=PATH`.
+`gpu_report: rows=N skipped=M failed=F out=PATH`, and the exit status is 1 when any row failed
+(a part that exits non-zero or runs past --part_timeout_s), so a caller cannot read a broken
+report as a pass.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from pathlib import Path
 
 import torch
 
-from async_grpo.model.tiny_model import PRESETS
+from async_grpo.launch.placement import SAFETY_FRACTION, GiB, ModelShape, RunShape, trainer_bytes
+from async_grpo.model.tiny_model import PRESETS, build_chat_tokenizer, build_tiny_tokenizer, hf_config
 from benchmarks.harness import (
     apply_smoke, load_bench_config, parse_summary_line, REPO_ROOT, setup_logging, summary_line,
 )
@@ -49,6 +55,8 @@ BYTES_PER_BF16 = 2
 WEIGHT_COPY_REPS = 5  # timings of the weight copy; the fastest counts (the copy itself does not vary)
 DIAGNOSTIC_CHARS = 300  # the end of a failed part's last line, in its row
 NO_CUDA = "gpu_report: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine"
+FAILED_EXIT = 1  # the exit status when any row failed
+TIMED_OUT = 124  # a part's status when it ran past part_timeout_s (timeout(1)'s)
 
 SMOKE = {"presets": ("tiny",), "attn_implementations": ("",), "steps": 1, "warmup": 0, "tokens_per_rank": 256}
 """Sizes of the smoke mode: the tiny model, one step, the default attention only (logprob_batching
@@ -77,6 +85,9 @@ class ReportConfig:
     """Run benchmarks.logprob_batching (when Ray is importable)."""
     part_timeout_s: float = 1800.0
     """Longest any one part may run before it is a failed row."""
+    gpu_memory_gib: float = 0.0
+    """Card memory the gradient-checkpointing choice fits each trainer_throughput row into; 0: GPU 0's
+    own (without CUDA, smoke mode: no limit, checkpointing off)."""
     smoke: bool = False
     """Smoke mode (SMOKE): the tiny model, one step, on any device; checks the plumbing, figures mean nothing."""
 
@@ -90,6 +101,8 @@ class ReportConfig:
             raise ValueError("ReportConfig: tokens_per_rank >= 2, steps >= 1 and warmup >= 0 required")
         if self.part_timeout_s <= 0:
             raise ValueError(f"ReportConfig.part_timeout_s must be > 0, got {self.part_timeout_s}")
+        if self.gpu_memory_gib < 0:
+            raise ValueError(f"ReportConfig.gpu_memory_gib must be >= 0, got {self.gpu_memory_gib}")
 
 
 @dataclass(slots=True)
@@ -118,13 +131,17 @@ class Report:
     def count(self, prefix: str) -> int:
         return sum(r.status.startswith(prefix) for r in self.rows)
 
+    def failed_parts(self) -> list[str]:
+        """The parts of the rows that failed, in report order."""
+        return [r.part for r in self.rows if r.status.startswith("failed")]
+
 
 def _run(command: list[str], timeout_s: float) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of a part; 124 and what it printed when it timed out."""
     try:
         done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as error:
-        return 124, _text(error.stdout), _text(error.stderr)
+        return TIMED_OUT, _text(error.stdout), _text(error.stderr)
     return done.returncode, done.stdout, done.stderr
 
 
@@ -137,27 +154,70 @@ def _last_line(output: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
+def _failure(status: int, stdout: str, stderr: str, config: ReportConfig) -> str:
+    """A failed row's status: a timeout as such, else the exit status and the output's last line."""
+    if status == TIMED_OUT:
+        return f"failed: timed out after {config.part_timeout_s:g} s (--part_timeout_s)"
+    return f"failed: exit {status}: {_cell(_last_line(stderr or stdout))}"
+
+
 def _cell(text: str) -> str:
     """Text fit for a table cell: its end (errors end with the cause), no pipes."""
     return text[-DIAGNOSTIC_CHARS:].replace("|", "/")
 
 
 def gpu_tier_row(config: ReportConfig) -> Row:
+    part = "gpu test tier (scripts/test.sh --gpu)"
+    if not torch.cuda.is_available():  # smoke mode on a CPU: test.sh --gpu refuses to run without CUDA
+        return Row(part=part, figures="", status="skipped: no CUDA device (scripts/test.sh --gpu needs one)")
     status, stdout, stderr = _run(["bash", "scripts/test.sh", "--gpu"], config.part_timeout_s)
     # pytest's closing line, e.g. "===== 3 passed, 4 skipped in 51.20s =====".
     closing = re.findall(r"^=+ (.+) in [\d.]+s(?: \([\d:]+\))? =+$", stdout, flags=re.MULTILINE)
     figures = closing[-1] if closing else _cell(_last_line(stdout + stderr))
     notes = sorted(set(re.findall(r"SKIPPED \[\d+\] [^:]+:\d+: (.+)", stdout)))
     notes += re.findall(r"^(\d+ gpu tests deselected: .+)$", stdout, flags=re.MULTILINE)
-    state = "ok" if status == 0 else f"failed: exit {status}"
-    return Row(part="gpu test tier (scripts/test.sh --gpu)", figures=figures, status=state, notes="; ".join(notes))
+    state = "ok" if status == 0 else _failure(status, stdout, stderr, config)
+    return Row(part=part, figures=figures, status=state, notes="; ".join(notes))
 
 
-def throughput_row(config: ReportConfig, preset: str, attn: str) -> Row:
+def _preset_shape(preset: str) -> ModelShape:
+    """The memory estimate's view of a preset (its tokenizer fixes the vocabulary of 'tiny')."""
+    shape = PRESETS[preset]
+    tokenizer = build_tiny_tokenizer() if shape.tokenizer == "char" else build_chat_tokenizer()
+    return ModelShape.from_hf_config(hf_config(shape, tokenizer).to_dict())
+
+
+def card_memory_bytes(config: ReportConfig) -> int | None:
+    """The memory each trainer_throughput row must fit: --gpu_memory_gib, else GPU 0's; None without CUDA."""
+    if config.gpu_memory_gib:
+        return int(config.gpu_memory_gib * GiB)
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def checkpointing_choice(preset: str, tokens_per_rank: int, memory_bytes: int | None) -> tuple[bool, str]:
+    """(gradient checkpointing on, why): on when the launcher's trainer-rank estimate without it
+    exceeds the card's memory less the margin the plan leaves on a shared GPU (SAFETY_FRACTION)."""
+    if memory_bytes is None:
+        return False, "gradient checkpointing off (no card memory to fit)"
+    shape = _preset_shape(preset)
+    run = RunShape(trainer_ranks=1, max_tokens_per_gpu=tokens_per_rank)
+    without = trainer_bytes(shape, run)
+    usable = memory_bytes * (1 - SAFETY_FRACTION)
+    if without <= usable:
+        return False, f"gradient checkpointing off (estimate {without / GiB:.1f} GiB fits {usable / GiB:.1f} GiB)"
+    with_it = trainer_bytes(shape, RunShape(trainer_ranks=1, max_tokens_per_gpu=tokens_per_rank,
+                                            gradient_checkpointing=True))
+    fits = "fits" if with_it <= usable else "still exceeds"
+    return True, (f"gradient checkpointing on (estimate {without / GiB:.1f} GiB without it exceeds "
+                  f"{usable / GiB:.1f} GiB; {with_it / GiB:.1f} GiB with it {fits})")
+
+
+def throughput_row(config: ReportConfig, preset: str, attn: str, memory_bytes: int | None) -> Row:
     part = f"trainer_throughput {preset}, attn {attn or 'default'}"
+    checkpointing, why = checkpointing_choice(preset, config.tokens_per_rank, memory_bytes)
     command = [sys.executable, "-m", "benchmarks.trainer_throughput", "--preset", preset,
                "--tokens_per_rank", str(config.tokens_per_rank), "--warmup", str(config.warmup),
-               "--steps", str(config.steps)]
+               "--steps", str(config.steps), "--gradient_checkpointing", str(checkpointing).lower()]
     if attn:
         command += ["--attn_implementation", attn]
     if not torch.cuda.is_available():
@@ -165,11 +225,11 @@ def throughput_row(config: ReportConfig, preset: str, attn: str) -> Row:
     status, stdout, stderr = _run(command, config.part_timeout_s)
     _, figures = parse_summary_line(_last_line(stdout))
     if status != 0 or "tokens_per_s" not in figures:
-        return Row(part=part, figures="", status=f"failed: exit {status}: {_cell(_last_line(stderr or stdout))}")
+        return Row(part=part, figures="", status=_failure(status, stdout, stderr, config), notes=why)
     shown = (f"{float(figures['tokens_per_s']):,.0f} tokens/s, MFU {float(figures['mfu']):.3f}, "
              f"step {float(figures['step_s']):.3f} s (min {float(figures['step_s_min']):.3f}, "
              f"max {float(figures['step_s_max']):.3f}), peak memory {float(figures['peak_mem_gib_max_rank']):.1f} GiB")
-    notes = (f"{figures['tokens_per_step']} packed tokens/step, {figures['compute_dtype']}, attn {figures['attn']}, "
+    notes = (f"{why}; {figures['tokens_per_step']} packed tokens/step, {figures['compute_dtype']}, attn {figures['attn']}, "
              f"peak {figures['peak_tflops']} TFLOPS ({figures['peak_source']}), measured {figures['compute_dtype']} matmul "
              f"{figures['matmul_tflops']} TFLOPS, median of {figures['steps']} steps after {figures['warmup']}")
     return Row(part=part, figures=shown, notes=notes)
@@ -185,7 +245,7 @@ def logprob_row(config: ReportConfig) -> Row:
     status, stdout, stderr = _run(command + (["--smoke", "true"] if config.smoke else []), config.part_timeout_s)
     _, figures = parse_summary_line(_last_line(stdout))
     if status != 0 or "speedup" not in figures:
-        return Row(part=part, figures="", status=f"failed: exit {status}: {_cell(_last_line(stderr or stdout))}")
+        return Row(part=part, figures="", status=_failure(status, stdout, stderr, config))
     return Row(part=part, figures=f"batched / one-per-forward: {figures['speedup']} (wider model), "
                                   f"{figures.get('tiny_speedup', '?')} (tiny)",
                notes=f"engine {engine} ({'LogprobWorker' if engine == 'worker' else 'TokenLogprobModel, no Ray'}), "
@@ -244,10 +304,11 @@ def build_report(config: ReportConfig) -> Report:
     report = Report()
     if config.run_tests:
         report.rows.append(gpu_tier_row(config))
+    memory = card_memory_bytes(config)
     for preset in config.presets:
         for attn in config.attn_implementations:
             logger.info("trainer_throughput %s attn %s", preset, attn or "default")
-            report.rows.append(throughput_row(config, preset, attn))
+            report.rows.append(throughput_row(config, preset, attn, memory))
     report.rows.append(logprob_row(config))
     report.rows.extend(weight_push_rows(config))
     return report
@@ -272,8 +333,12 @@ def main(argv: list[str] | None = None) -> None:
     text = report.markdown(_header(config))
     out.write_text(text)
     print(text, flush=True)
+    for part in report.failed_parts():
+        logger.error("failed row: %s", part)
     print(summary_line("gpu_report", {"rows": len(report.rows), "skipped": report.count("skipped"),
                                       "failed": report.count("failed"), "out": out}), flush=True)
+    if report.count("failed"):
+        sys.exit(FAILED_EXIT)
 
 
 if __name__ == "__main__":

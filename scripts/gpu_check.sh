@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check, sized for the GPU machine this project is lent at times (one H100/H200, torch
-# 2.11 with CUDA, transformers, peft, pytest; no Ray, no vLLM, no network; 15 minutes in all):
+# The GPU check: the GPU's own parts, sized for the GPU machine this project is lent at times (one
+# H100/H200, torch 2.11 with CUDA, transformers, peft, pytest; no Ray, no vLLM, no network; 15
+# minutes in all), then, where Ray and vLLM import (a GPU machine after `bash scripts/install.sh`),
+# the whole system on one GPU:
 #
-#   bash scripts/gpu_check.sh OUT_DIR          # ~5-8 minutes on an H200
+#   bash scripts/gpu_check.sh OUT_DIR
 #
 # writes into OUT_DIR, each part under its own time limit (a part that fails is reported and the
 # next one runs):
@@ -10,11 +12,21 @@
 #   gpu_tier.log    the gpu test tier (scripts/test.sh --gpu): bf16 FSDP2 step against the fp32
 #                   padded reference, the varlen packed forward, the CUDA IPC round trip
 #   gpu_report.md   benchmarks.gpu_report: trainer tokens/s and MFU at the qwen2.5-0.5b and 1.5b
-#                   shapes (default attention and packed_varlen), logprob batching, weight copy
+#                   shapes (default attention and packed_varlen; gradient checkpointing where the
+#                   plan's estimate says a row needs it to fit the card), logprob batching, weight
+#                   copy; its failed rows are listed in summary.md and fail the check
 #   packing.txt     benchmarks.packing on the GPU: packed (varlen) against right-padded, bf16
 #   placement.txt   the local launcher's plan for this machine with the 0.5b and 1.5b shapes
-#   summary.md      one line per part: ok / failed (exit) / timed out, and the key figures
-# Exits 1 when CUDA is missing (one line, nothing run) or when any part failed.
+#   system.log      scripts/gpu_system_check.py: the demo for 40 steps on one GPU with its printed
+#   system/         plan, each process kind's peak GPU memory (nvidia-smi) against the plan's
+#                   estimate, the weight push's timings, and the correctness probe (an engine on
+#                   random weights, one push of the trained ones, its greedy tokens equal to HF's);
+#                   without Ray or vLLM it runs nothing and says so (system/system.md: the details)
+#   summary.md      one line per part: ok / failed (exit) / timed out / ran in part, with its last
+#                   line; then the verdict, also the last line printed:
+#                   `gpu_check: ok: N parts, none failed` or `gpu_check: FAILED: <parts and rows>`,
+#                   followed by `; not run: <what, and what it needs>` when a part ran only in part
+# Exits 1 when CUDA is missing (one line, nothing run) or when any part or row failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bash scripts/gpu_check.sh OUT_DIR}
@@ -22,6 +34,7 @@ mkdir -p "$out"
 python=.venv/bin/python
 [[ -x "$python" ]] || python=python3
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source scripts/gpu_check_parts.sh
 if ! "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "scripts/gpu_check.sh: $python sees no CUDA device (torch $("$python" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo 'not importable')): run it on a GPU machine" >&2
     exit 1
@@ -41,21 +54,11 @@ summary="$out/summary.md"
 echo "# GPU check $(date -u '+%Y-%m-%d %H:%M UTC')" > "$summary"
 cat "$out/env.txt" >> "$summary"
 echo >> "$summary"
-failed=0
-part() {  # part NAME LIMIT_S LOG COMMAND...: run one part, record its outcome
-    local name=$1 limit=$2 log=$3
-    shift 3
-    local began=$SECONDS rc=0
-    timeout "$limit" "$@" > "$log" 2>&1 || rc=$?
-    local took=$((SECONDS - began)) state="ok"
-    if [[ $rc -eq 124 ]]; then state="timed out after ${limit} s"; elif [[ $rc -ne 0 ]]; then state="failed (exit $rc)"; fi
-    [[ $state == ok ]] || failed=1
-    echo "- $name: $state in ${took} s; last line: $(grep -v '^\s*$' "$log" | tail -1 | cut -c1-300)" >> "$summary"
-}
 
 part "gpu test tier" 240 "$out/gpu_tier.log" bash scripts/test.sh --gpu
 part "gpu report" 330 "$out/gpu_report.log" "$python" -m benchmarks.gpu_report --out "$out/gpu_report.md" \
     --run_tests false --warmup 1 --steps 3
+failed_rows "gpu report" "$out/gpu_report.md"
 part "packed vs padded (bf16, packed_varlen)" 120 "$out/packing.txt" "$python" -m benchmarks.packing \
     --device cuda --dtype bfloat16 --packed_attn packed_varlen --num_samples 64 --hidden_size 1024 \
     --num_layers 8 --intermediate_size 2816 --warmup 2 --reps 5 --threads 4
@@ -71,5 +74,10 @@ for preset in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
     print(f"{preset} ({shape.num_params:,} parameters), 1 GPU:")
     print("\n".join(plan_placement(1, memory, shape, run).lines(run)))
 PY
+# Last: it starts Ray, vLLM and the trainer on the GPU the parts above have left.
+part "system check (demo on one GPU, memory against the plan, push, probe)" 1800 "$out/system.log" \
+    "$python" scripts/gpu_system_check.py --out_dir "$out/system"
+finish
+status=$?
 cat "$summary"
-exit $failed
+exit $status

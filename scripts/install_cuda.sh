@@ -30,10 +30,15 @@ nvidia_driver_version() {
     echo "$ASYNC_GRPO_NVIDIA_DRIVER_VERSION"
     return 0
   fi
-  version=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' ') || version=""
+  # The first GPU's line, cut here rather than by `head` (under pipefail, a head that closes the pipe
+  # early fails the pipeline on nvidia-smi's SIGPIPE).
+  version=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null) || true
+  version=${version%%$'\n'*}
+  version=${version// /}
   # A failing nvidia-smi prints its complaint on stdout: only a version counts.
   if ! [[ "$version" =~ $DRIVER_VERSION_RE ]] && [[ -r "$file" ]]; then
-    version=$(grep -o -E '[0-9]{3,}\.[0-9]+(\.[0-9]+)?' "$file" | head -n 1) || version=""
+    version=$(grep -o -E '[0-9]{3,}\.[0-9]+(\.[0-9]+)?' "$file") || true
+    version=${version%%$'\n'*}
   fi
   [[ "$version" =~ $DRIVER_VERSION_RE ]] && echo "$version"
   return 0

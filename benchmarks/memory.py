@@ -4,6 +4,8 @@
     .venv/bin/python -m benchmarks.memory --scope model --token_counts 1024 2048 --gradient_checkpointing
     .venv/bin/python -m benchmarks.memory --model.hidden_size 64 --model.num_heads 4 --token_counts 256 512 \
         --check_tokens 128 --chunk_size 128                                   # seconds
+    .venv/bin/python -m benchmarks.memory --scope model --against plan --model.num_layers 4 \
+        --token_counts 2048 8192 [--gradient_checkpointing]   # a trainer step against the placement plan
 
 One training pass = forward, GRPO loss (grpo_loss.grpo_loss, KL on), backward, on synthetic
 rollouts of realistic lengths packed to exactly T tokens (trainer_throughput.draw_packed_samples,
@@ -36,6 +38,19 @@ Output: the check's line, one line per token count (`tokens=T chunked_mib=.. ful
 output_tokens=O ratio=<full_mib/chunked_mib> ...`, `failed` values where a measurement ran out of
 memory), and last the settings.
 
+Against the plan (--against plan, --scope model, CPU, fp32): no chunked/full comparison; instead
+one trainer step per token count (benchmarks/step_memory.measure_step: a warm-up step, then
+forward, GRPO loss, backward, clipping and AdamW on the preset's checkpoint, in a fresh process)
+against async_grpo/launch/placement.py's estimate for one rank at that token budget in fp32. Per
+row: `pass_mib` (the step's peak RSS over the weights and moments before it) beside its estimate
+(fp32 gradients + trainer_activation_bytes) and `pass_ratio` = estimate / measured, then
+`step_mib` (the weights and moments, counted from the tensors, plus pass_mib) beside the plan's
+state + activations, and `step_ratio`. Before the rows, one `saved` line per compute dtype
+(float32, bfloat16): the bytes per token autograd keeps in the last decoder layer and outside the
+layers (step_memory.saved_bytes_per_token, --check_tokens tokens) against
+placement.layer_activation_bytes and head_activation_bytes. The plan's FSDP2 gathers and
+per-process overhead are GPU terms, not part of either comparison.
+
 Reading the numbers: the full way's peak grows with O (a few fp32 [O, vocab] tensors live at
 once: logits, log_softmax, their gradients); the chunked way's is flat in O, a few fp32
 [chunk_size, vocab] tensors (the chunk's logits, cross-entropy's log-softmax, and the entropy's
@@ -47,12 +62,11 @@ the ratio rises about linearly beyond.
 from __future__ import annotations
 
 import gc
+import json
 import logging
-import multiprocessing
 import resource
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -60,11 +74,17 @@ from typing import Callable, Literal
 
 import torch
 
+from async_grpo.launch.placement import (
+    FP32_BYTES, ModelShape, RunShape, head_activation_bytes, layer_activation_bytes, trainer_memory,
+)
 from async_grpo.model.tiny_model import (
     PRESETS, ShapeOverrides, TinyModelConfig, build_chat_tokenizer, build_tiny_tokenizer, model_shape, write_tiny_model,
 )
 from benchmarks.harness import apply_smoke, load_bench_config, setup_logging
 from benchmarks.packed_samples import draw_packed_samples, full_logit_logprobs
+from benchmarks.step_memory import (
+    StepPeak, in_fresh_process, measure_step, reset_cpu_peak, rss_kib, saved_bytes_per_token,
+)
 from grpo_loss import LossConfig, chunked_token_logprobs, grpo_loss
 from sample_processing_utils import PackedBatch, post_process_batch
 from setup_model import TokenLogprobModel, load_causal_lm
@@ -79,8 +99,6 @@ BYTES_PER_MIB = 2**20
 LOGPROB_TOLERANCE = 1e-4  # absolute, in nats
 GRAD_TOLERANCE = 1e-4  # relative to the gradient tensor's largest magnitude
 CHECK_MIN_CHUNKS = 3  # the equality check spans at least this many chunks
-_CLEAR_REFS = Path("/proc/self/clear_refs")
-_RESET_PEAK_RSS = "5"  # written to clear_refs: reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
 
 
 SMOKE = {"model": ShapeOverrides(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, num_layers=1,
@@ -111,6 +129,9 @@ class BenchConfig:
     """'auto': CUDA when available."""
     gradient_checkpointing: bool = False
     """Model scope: recompute each decoder layer in backward (ModelConfig.gradient_checkpointing)."""
+    against: Literal["full", "plan"] = "full"
+    """'full': the chunked logprobs against full logits; 'plan': a whole trainer step against the
+    placement plan's estimate (needs --scope model; runs on the CPU in fp32)."""
     threads: int = 0
     """torch intra-op threads in each measuring process; 0 keeps torch's default."""
     min_prompt: int = 64
@@ -139,6 +160,10 @@ class BenchConfig:
             raise ValueError("BenchConfig: check_tokens >= 2, chunk_size >= 1 and threads >= 0 required")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("BenchConfig.device is 'cuda' but CUDA is not available")
+        if self.against == "plan" and (self.scope != "model" or self.device == "cuda" or self.dtype == "bfloat16"):
+            raise ValueError("BenchConfig.against 'plan' measures the whole model on the CPU in fp32: it needs "
+                             f"scope 'model', device auto/cpu and dtype auto/float32, got scope {self.scope!r}, "
+                             f"device {self.device!r}, dtype {self.dtype!r}")
 
 
 def resolve_device(config: BenchConfig) -> torch.device:
@@ -243,23 +268,6 @@ def _train(training_pass: Pass, variant: str) -> torch.Tensor:
     return logprobs.detach()
 
 
-def _rss_kib(key: str) -> int:
-    """A field of /proc/self/status in KiB (VmRSS: resident now; VmHWM: peak since start or reset)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {key}")
-
-
-def _reset_cpu_peak() -> bool:
-    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
-    try:
-        _CLEAR_REFS.write_text(_RESET_PEAK_RSS)
-    except OSError:
-        return False
-    return True
-
-
 def measure(config: BenchConfig, variant: str, num_tokens: int, model_dir: str) -> dict[str, float | str]:
     """In a fresh process: build the pass, then the peak growth of memory over one training pass."""
     training_pass, device, _ = _build_pass(config, num_tokens, model_dir)
@@ -273,10 +281,10 @@ def measure(config: BenchConfig, variant: str, num_tokens: int, model_dir: str) 
         torch.cuda.synchronize(device)
         peak, method = torch.cuda.max_memory_allocated(device) - before, "cuda_max_memory_allocated"
     else:
-        before_kib = _rss_kib("VmRSS")
-        if _reset_cpu_peak():
+        before_kib = rss_kib("VmRSS")
+        if reset_cpu_peak():
             _train(training_pass, variant)
-            peak_kib, method = _rss_kib("VmHWM"), "rss_peak_clear_refs"
+            peak_kib, method = rss_kib("VmHWM"), "rss_peak_clear_refs"
         else:
             _train(training_pass, variant)
             peak_kib, method = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "ru_maxrss"
@@ -323,16 +331,10 @@ def check_equal(config: BenchConfig, model_dir: str) -> dict[str, float]:
             "chunk_size": float(chunk_size)}
 
 
-def _in_fresh_process(fn: Callable, *args) -> object:
-    """Run fn(*args) in a newly spawned interpreter (nothing inherited, nothing left behind)."""
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
-
-
 def _measure_or_failure(config: BenchConfig, variant: str, num_tokens: int, model_dir: str) -> dict[str, float | str]:
     """measure() in a fresh process; an out-of-memory failure becomes a result, not a crash."""
     try:
-        return _in_fresh_process(measure, config, variant, num_tokens, model_dir)
+        return in_fresh_process(measure, config, variant, num_tokens, model_dir)
     except BrokenProcessPool:  # killed, most likely by the kernel's OOM killer
         return {"failed": "killed"}
     except torch.cuda.OutOfMemoryError:
@@ -344,7 +346,7 @@ def _format(value: float | str) -> str:
 
 
 def run(config: BenchConfig, model_dir: str) -> None:
-    check = _in_fresh_process(check_equal, config, model_dir)
+    check = in_fresh_process(check_equal, config, model_dir)
     print(f"check tokens={config.check_tokens} " + " ".join(f"{k}={_format(v)}" for k, v in check.items())
           + " equal=true", flush=True)
     for num_tokens in sorted(config.token_counts):
@@ -365,20 +367,87 @@ def run(config: BenchConfig, model_dir: str) -> None:
         print(" ".join(f"{k}={_format(v)}" for k, v in fields.items()), flush=True)
 
 
+def _saved_in_child(config: BenchConfig, model_dir: str, dtype: torch.dtype) -> dict[str, float]:
+    """In a fresh process: saved_bytes_per_token of the checkpoint loaded in `dtype`."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    causal_lm = load_causal_lm(model_dir, dtype=dtype)
+    causal_lm.config.use_cache = False
+    batch = _shape_and_batch(config, config.check_tokens)[1]
+    return saved_bytes_per_token(causal_lm, batch.inputs, config.chunk_size)
+
+
+def _plan_shape(model_dir: str) -> ModelShape:
+    return ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+def _print_saved(config: BenchConfig, model_dir: str, shape: ModelShape) -> None:
+    """One line per compute dtype: autograd's saved bytes per token against the plan's count."""
+    for dtype in (torch.float32, torch.bfloat16):
+        saved = in_fresh_process(_saved_in_child, config, model_dir, dtype)
+        dtype_bytes = torch.finfo(dtype).bits // 8
+        layer, layer_estimate = saved[f"layer{shape.num_layers - 1}"], layer_activation_bytes(shape, dtype_bytes)
+        outside, outside_estimate = saved.get("outside", 0.0), head_activation_bytes(shape, dtype_bytes)
+        print(f"saved dtype={str(dtype).removeprefix('torch.')} tokens={config.check_tokens} "
+              f"layer_bytes_per_token={layer:.0f} layer_estimate={layer_estimate} "
+              f"layer_ratio={layer_estimate / layer:.3f} outside_bytes_per_token={outside:.0f} outside_estimate={outside_estimate}", flush=True)
+
+
+def _step_or_failure(model_dir: str, batch: PackedBatch, config: BenchConfig) -> StepPeak | str:
+    """measure_step, or 'killed' when the kernel's OOM killer ended it."""
+    try:
+        return measure_step(model_dir, batch, config.chunk_size, config.gradient_checkpointing, config.threads)
+    except BrokenProcessPool:
+        return "killed"
+
+
+def run_against_plan(config: BenchConfig, model_dir: str) -> None:
+    """The `saved` lines, then one row per token count: a measured step against the plan."""
+    shape = _plan_shape(model_dir)
+    _print_saved(config, model_dir, shape)
+    for num_tokens in sorted(config.token_counts):
+        batch = _shape_and_batch(config, num_tokens)[1]
+        start_time = time.perf_counter()
+        peak = _step_or_failure(model_dir, batch, config)
+        fields: dict[str, float | str] = {"tokens": num_tokens}
+        if isinstance(peak, str):
+            print(" ".join(f"{k}={_format(v)}" for k, v in {**fields, "failed": peak}.items()), flush=True)
+            continue
+        run = RunShape(trainer_ranks=1, max_tokens_per_gpu=num_tokens, logprob_chunk_size=config.chunk_size,
+                       gradient_checkpointing=config.gradient_checkpointing, compute_dtype_bytes=FP32_BYTES)
+        estimate = trainer_memory(shape, run)
+        pass_estimate = FP32_BYTES * shape.num_params + estimate.activations
+        step_estimate = estimate.state + estimate.activations
+        fields.update({
+            "output_tokens": peak.output_tokens,
+            "pass_mib": peak.pass_bytes / BYTES_PER_MIB, "pass_estimate_mib": pass_estimate / BYTES_PER_MIB,
+            "pass_ratio": pass_estimate / peak.pass_bytes,
+            "step_mib": peak.step_bytes / BYTES_PER_MIB, "step_estimate_mib": step_estimate / BYTES_PER_MIB,
+            "step_ratio": step_estimate / peak.step_bytes,
+            "activations_estimate_mib": estimate.activations / BYTES_PER_MIB,
+            "seconds": time.perf_counter() - start_time, "method": peak.method,
+        })
+        print(" ".join(f"{k}={_format(v)}" for k, v in fields.items()), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     config = load_bench_config(BenchConfig, argv, description=__doc__)
     config = apply_smoke(config, SMOKE)
     setup_logging(logging.WARNING)
     shape = model_shape(config.preset, config.model)
-    device = resolve_device(config)
+    device = torch.device("cpu") if config.against == "plan" else resolve_device(config)
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         model_dir = str(write_tiny_model(Path(tmp) / "model", shape)) if config.scope == "model" else ""
-        run(config, model_dir)
+        if config.against == "plan":
+            run_against_plan(config, model_dir)
+        else:
+            run(config, model_dir)
     print(
         f"scope={config.scope} preset={config.preset} hidden={shape.hidden_size} layers={shape.num_layers} "
         f"vocab={shape.vocab_size} chunk_size={config.chunk_size} device={device.type} "
         f"dtype={str(resolve_dtype(config, device)).removeprefix('torch.')} "
-        f"gradient_checkpointing={config.gradient_checkpointing} threads={config.threads or 'default'} "
+        f"gradient_checkpointing={config.gradient_checkpointing} against={config.against} "
+        f"threads={config.threads or 'default'} "
         f"token_counts={','.join(map(str, sorted(config.token_counts)))}",
         flush=True,
     )

@@ -17,9 +17,13 @@ run (the model's shape, trainer ranks and token budget, the workers) where every
   when there are enough (as before), else shared as on GPU 0 above.
 
 A plan that cannot fit raises PlacementError in one line that names the numbers. Memory figures
-are estimates from the model's config.json (parameters, width, depth, vocabulary); the plan's
-printed block says so. The launcher prints the plan before anything starts (`--dry_run`: only
-the plan); docs/real_models.md shows the plans for one, two and eight GPUs.
+are estimates from the model's config.json (parameters, width, MLP width, heads, depth,
+vocabulary); the plan's printed block says so. The trainer's activations are counted tensor by
+tensor from what autograd keeps in a Qwen2/Llama decoder layer (`layer_activation_bytes`);
+benchmarks/memory.py (`--against plan`) measures a real training step against the estimate
+(benchmarks/RESULTS.md, "Trainer memory estimate against a measured step"). The launcher prints
+the plan before anything starts (`--dry_run`: only the plan); docs/real_models.md shows the plans
+for one, two and eight GPUs.
 """
 
 from __future__ import annotations
@@ -33,15 +37,23 @@ FP32_BYTES = 4
 BF16_BYTES = 2
 # FSDP2 with fp32 master weights and AdamW: parameters, gradients and the two moments in fp32.
 TRAIN_STATE_BYTES_PER_PARAM = 4 * FP32_BYTES
-# Activations kept for backward per token and layer, in bytes, for a transformer layer computed in
-# bf16 with memory-efficient attention (no seq^2 term): Korthikanti et al. 2022's 34 * hidden.
-ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
-# With gradient checkpointing only each layer's bf16 input is kept (2 bytes per hidden unit), plus
-# one layer's full activations while it is recomputed.
-CHECKPOINTED_BYTES_PER_TOKEN_HIDDEN = 2
+# gate_proj's and up_proj's outputs, the SiLU of the first and the product, each [tokens, intermediate]:
+# what a gated MLP keeps for backward.
+MLP_SAVED_TENSORS = 4
+# sdpa's backward keeps its query and output and packed_sdpa's o_proj input is a third [tokens,
+# heads * head_dim] copy (the [T, H, D] regrouping); keys and values are kept at the KV heads' width.
+ATTENTION_QUERY_WIDTH_TENSORS = 3
+# RMSNorm keeps two compute-dtype tensors: the normalised input of its gain and its output, the
+# next projections' input (and its input in fp32: _norm_bytes).
+NORM_COMPUTE_DTYPE_TENSORS = 2
+# Freshly built models (and hand-built shapes) without these in their config: the classic
+# transformer's 4 x hidden MLP and 64-wide heads, without grouped KV heads.
+DEFAULT_MLP_RATIO = 4
+DEFAULT_HEAD_DIM = 64
 # The logprob pass works on chunks of logits: the fp32 logits, their log-softmax and its gradient.
 LOGIT_COPIES = 3
-# A forward-only pass (logprob workers) keeps about one layer's activations at a time.
+# A forward-only pass (logprob workers) holds about one layer's intermediates at a time; two leave
+# room for the residual stream and the allocator's reuse.
 FORWARD_ONLY_LAYERS = 2
 # CUDA context, cuBLAS workspaces and allocator slack per process on a GPU: measured contexts are
 # 0.3-0.6 GiB; 1 GiB leaves room for fragmentation.
@@ -68,6 +80,28 @@ class ModelShape:
     hidden_size: int
     num_layers: int
     vocab_size: int
+    intermediate_size: int = 0
+    """MLP width; 0: DEFAULT_MLP_RATIO x hidden_size (shapes built by hand)."""
+    num_heads: int = 0
+    """Attention (query) heads; 0: hidden_size // DEFAULT_HEAD_DIM."""
+    num_kv_heads: int = 0
+    """Key/value heads (grouped-query attention); 0: num_heads."""
+    head_dim: int = 0
+    """Width of one head; 0: hidden_size // num_heads."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_params", "hidden_size", "num_layers", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelShape.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ModelShape.{name} must be >= 0 (0: derived), got {getattr(self, name)}")
+        heads = self.num_heads or max(1, self.hidden_size // DEFAULT_HEAD_DIM)
+        derived = {"intermediate_size": DEFAULT_MLP_RATIO * self.hidden_size, "num_heads": heads,
+                   "num_kv_heads": heads, "head_dim": self.hidden_size // heads}
+        for name, value in derived.items():
+            if not getattr(self, name):
+                object.__setattr__(self, name, value)  # frozen: the defaults are filled in once, here
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
@@ -77,14 +111,15 @@ class ModelShape:
         hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
         vocab, inter = int(config["vocab_size"]), int(config["intermediate_size"])
         heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads", heads))
+        kv_heads = int(config.get("num_key_value_heads") or heads)
         head_dim = int(config.get("head_dim") or hidden // heads)
         attention = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
         attention += heads * head_dim + 2 * kv_heads * head_dim  # q/k/v biases (Qwen2)
         per_layer = attention + 3 * hidden * inter + 2 * hidden
         embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings", False) else 2)
         return cls(num_params=layers * per_layer + embeddings + hidden, hidden_size=hidden, num_layers=layers,
-                   vocab_size=vocab)
+                   vocab_size=vocab, intermediate_size=inter, num_heads=heads, num_kv_heads=kv_heads,
+                   head_dim=head_dim)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -100,36 +135,122 @@ class RunShape:
     logprob_workers: int = 0
     """Every worker that holds an HF model for logprobs: logprob, reference and teacher workers."""
     max_tokens_per_forward: int = 16384
+    compute_dtype_bytes: int = BF16_BYTES
+    """Bytes per element the trainer computes in: 2 for bf16 (mixed precision, the GPU default), 4
+    for fp32 (model.mixed_precision off, or the CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype_bytes not in (BF16_BYTES, FP32_BYTES):
+            raise ValueError(f"RunShape.compute_dtype_bytes must be {BF16_BYTES} or {FP32_BYTES}, "
+                             f"got {self.compute_dtype_bytes}")
 
     @property
     def workers(self) -> int:
         return self.generation_workers + self.logprob_workers
 
 
-def trainer_bytes(model: ModelShape, run: RunShape) -> int:
-    """Estimated peak memory of one trainer rank: sharded training state, the bf16 weights FSDP2
-    gathers for the layers in flight and the embeddings, activations of a full token budget, the
-    logit chunks, and the process overhead."""
-    state = TRAIN_STATE_BYTES_PER_PARAM * model.num_params // run.trainer_ranks
+def _norm_bytes(hidden_size: int, dtype_bytes: int) -> int:
+    """Bytes per token an RMSNorm keeps: its input in fp32 (a new upcast when computing in bf16, the
+    input itself in fp32) and its fp32 inverse RMS, then the normalised input of its gain and its
+    output (the next projections' input) in the compute dtype."""
+    return FP32_BYTES * (hidden_size + 1) + NORM_COMPUTE_DTYPE_TENSORS * dtype_bytes * hidden_size
+
+
+def layer_activation_bytes(model: ModelShape, dtype_bytes: int) -> int:
+    """Bytes per token that autograd keeps for one Qwen2/Llama decoder layer's backward, computed
+    in `dtype_bytes` (what a training forward saves; the trainer's packed_sdpa path)."""
+    h, b = model.hidden_size, dtype_bytes
+    query_width, kv_width = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    norms = 2 * _norm_bytes(h, b)
+    # Attention: the rotated queries, sdpa's output and o_proj's input copy, at the query width...
+    attention = ATTENTION_QUERY_WIDTH_TENSORS * b * query_width
+    attention += 2 * b * kv_width  # ...the rotated keys and the values, at the KV heads' width...
+    attention += FP32_BYTES * model.num_heads  # ...and sdpa's fp32 log-sum-exp per head
+    # The gated MLP: gate and up outputs, the SiLU, their product (down_proj's input).
+    mlp = MLP_SAVED_TENSORS * b * model.intermediate_size
+    return norms + attention + mlp
+
+
+def layer_backward_bytes(model: ModelShape, dtype_bytes: int) -> int:
+    """Bytes per token a decoder layer's backward holds beyond what the layer keeps: the gradients
+    of the residual stream and of the norm's output, and at the MLP's widest, down_proj's input
+    gradient and the two it splits into while their factors are still held (the product's own
+    copy is freed by then)."""
+    return dtype_bytes * (2 * model.hidden_size + 2 * model.intermediate_size)
+
+
+def head_activation_bytes(model: ModelShape, dtype_bytes: int) -> int:
+    """Bytes per token kept outside the decoder layers: the final RMSNorm's, with the hidden states
+    of the scored positions (at most every token, the logit chunks' input) in place of its output,
+    and the rotary cos/sin tables."""
+    return _norm_bytes(model.hidden_size, dtype_bytes) + 2 * dtype_bytes * model.head_dim
+
+
+def logit_chunk_bytes(model: ModelShape, chunk_size: int, tokens: int) -> int:
+    """The fp32 logit chunks of grpo_loss.chunked_token_logprobs (LOGIT_COPIES at once)."""
+    return min(chunk_size, tokens) * model.vocab_size * FP32_BYTES * LOGIT_COPIES
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainerMemory:
+    """One trainer rank's estimated peak, by part (bytes)."""
+
+    state: int
+    """Sharded fp32 weights, gradients and AdamW's two moments."""
+    gathered: int
+    """Compute-dtype copies FSDP2 gathers: the embeddings and two layers' weights and gradients."""
+    activations: int
+    """A training pass's peak over the weights and gradients (trainer_activation_bytes)."""
+    overhead: int
+    """CUDA context, workspaces and allocator slack (PROCESS_OVERHEAD_BYTES)."""
+
+    @property
+    def total(self) -> int:
+        return self.state + self.gathered + self.activations + self.overhead
+
+
+def trainer_activation_bytes(model: ModelShape, run: RunShape) -> int:
+    """Peak bytes of a training pass over max_tokens_per_gpu tokens beyond the weights and their
+    gradients: what every layer keeps (with checkpointing, each layer's input), plus the larger of
+    two moments: backward's start (the head's tensors and the logit chunks) and a layer's backward
+    (that layer recomputed first when checkpointing), by when the head's tensors are freed."""
+    tokens, b = run.max_tokens_per_gpu, run.compute_dtype_bytes
+    layer = layer_activation_bytes(model, b)
+    if run.gradient_checkpointing:
+        kept = tokens * model.num_layers * b * model.hidden_size
+        in_a_layer = tokens * (layer + layer_backward_bytes(model, b))
+    else:
+        kept = tokens * model.num_layers * layer
+        in_a_layer = tokens * layer_backward_bytes(model, b)
+    at_start = tokens * head_activation_bytes(model, b) + logit_chunk_bytes(model, run.logprob_chunk_size, tokens)
+    return kept + max(at_start, in_a_layer)
+
+
+def trainer_memory(model: ModelShape, run: RunShape) -> TrainerMemory:
+    """Estimated peak memory of one trainer rank, by part (TrainerMemory)."""
     embedding = model.vocab_size * model.hidden_size
     layer = (model.num_params - 2 * embedding) // model.num_layers
-    gathered = BF16_BYTES * (2 * embedding + 2 * max(layer, 0))
-    per_token_hidden = (CHECKPOINTED_BYTES_PER_TOKEN_HIDDEN if run.gradient_checkpointing
-                        else ACTIVATION_BYTES_PER_TOKEN_HIDDEN)
-    activations = run.max_tokens_per_gpu * model.hidden_size * model.num_layers * per_token_hidden
-    if run.gradient_checkpointing:
-        activations += run.max_tokens_per_gpu * model.hidden_size * ACTIVATION_BYTES_PER_TOKEN_HIDDEN
-    logits = min(run.logprob_chunk_size, run.max_tokens_per_gpu) * model.vocab_size * FP32_BYTES * LOGIT_COPIES
-    return state + gathered + activations + logits + PROCESS_OVERHEAD_BYTES
+    return TrainerMemory(
+        state=TRAIN_STATE_BYTES_PER_PARAM * model.num_params // run.trainer_ranks,
+        gathered=run.compute_dtype_bytes * (2 * embedding + 2 * max(layer, 0)),
+        activations=trainer_activation_bytes(model, run),
+        overhead=PROCESS_OVERHEAD_BYTES,
+    )
+
+
+def trainer_bytes(model: ModelShape, run: RunShape) -> int:
+    """Estimated peak memory of one trainer rank: sharded training state, the weights FSDP2
+    gathers for the layers in flight and the embeddings, activations of a full token budget, the
+    logit chunks, and the process overhead (trainer_memory's parts)."""
+    return trainer_memory(model, run).total
 
 
 def logprob_worker_bytes(model: ModelShape, run: RunShape) -> int:
     """Estimated peak memory of one logprob-type worker: bf16 weights, a forward's activations over
     its token budget for about FORWARD_ONLY_LAYERS layers, its logit chunks, the overhead."""
     weights = BF16_BYTES * model.num_params
-    activations = (run.max_tokens_per_forward * model.hidden_size * FORWARD_ONLY_LAYERS
-                   * ACTIVATION_BYTES_PER_TOKEN_HIDDEN)
-    logits = min(run.logprob_chunk_size, run.max_tokens_per_forward) * model.vocab_size * FP32_BYTES * LOGIT_COPIES
+    activations = run.max_tokens_per_forward * FORWARD_ONLY_LAYERS * layer_activation_bytes(model, BF16_BYTES)
+    logits = logit_chunk_bytes(model, run.logprob_chunk_size, run.max_tokens_per_forward)
     return weights + activations + logits + PROCESS_OVERHEAD_BYTES
 
 

@@ -1,5 +1,6 @@
 """The local launcher's placement plan (async_grpo/launch/placement.py) for 0, 1, 2, 4 and 8 GPUs
-and for runs that do not fit, checked against hand-computed numbers (issue 36, item 2)."""
+and for runs that do not fit, checked against hand-computed numbers (issue 36, item 2; the
+trainer's activations issue 56, item 3, measured in test_placement_memory.py)."""
 
 from __future__ import annotations
 
@@ -22,14 +23,46 @@ def test_the_parameter_count_is_qwens() -> None:
     assert QWEN_0_5B.num_params == 494_032_768
 
 
+def test_the_shape_is_read_from_the_config() -> None:
+    assert (QWEN_0_5B.intermediate_size, QWEN_0_5B.num_heads, QWEN_0_5B.num_kv_heads, QWEN_0_5B.head_dim) == (
+        4864, 14, 2, 64)
+    by_hand = ModelShape(num_params=1000, hidden_size=256, num_layers=2, vocab_size=10)
+    assert (by_hand.intermediate_size, by_hand.num_heads, by_hand.num_kv_heads, by_hand.head_dim) == (1024, 4, 4, 64)
+
+
 def test_trainer_estimate_by_hand() -> None:
-    p, h, layers, vocab = 494_032_768, 896, 24, 151936
+    """The 0.5B shape at 8,192 tokens in bf16, tensor by tensor of what a decoder layer keeps."""
+    p, h, layers, vocab, inter, heads, head_dim, tokens = 494_032_768, 896, 24, 151936, 4864, 14, 64, 8192
     state = 16 * p
     embedding = vocab * h
     gathered = 2 * (2 * embedding + 2 * ((p - 2 * embedding) // layers))
-    activations = 8192 * h * layers * 34
-    logits = 1024 * vocab * 4 * 3
-    assert trainer_bytes(QWEN_0_5B, DEFAULT_RUN) == state + gathered + activations + logits + GiB
+    norm = 4 * h + 4 + 2 * h + 2 * h  # fp32 upcast and inverse RMS; normalised input, output in bf16
+    attention = 3 * 2 * heads * head_dim + 2 * 2 * 2 * head_dim + 4 * heads  # q, out, o_proj input; k, v; lse
+    mlp = 4 * 2 * inter  # gate, up, SiLU, product
+    kept = tokens * layers * (2 * norm + attention + mlp)
+    at_start = tokens * (norm + 2 * 2 * head_dim) + 1024 * vocab * 4 * 3  # final norm, cos/sin; logit chunks
+    in_a_layer = tokens * 2 * (2 * h + 2 * inter)
+    activations = kept + max(at_start, in_a_layer)
+    assert trainer_bytes(QWEN_0_5B, DEFAULT_RUN) == state + gathered + activations + GiB
+
+
+def test_the_half_billion_shape_at_16k_tokens_needs_over_30_gib() -> None:
+    """What a Qwen2 layer keeps (~66 x hidden bytes per token in bf16, not the 34 x hidden of a
+    plain MLP) is most of the trainer's peak at a long token budget."""
+    run = RunShape(trainer_ranks=1, max_tokens_per_gpu=16384)
+    assert trainer_bytes(QWEN_0_5B, run) >= 30 * GiB
+    assert trainer_bytes(QWEN_0_5B, RunShape(trainer_ranks=1, max_tokens_per_gpu=16384, gradient_checkpointing=True)
+                         ) < 15 * GiB
+
+
+@pytest.mark.parametrize("gpus, gib, refusal", [
+    (1, 32, "the plan does not fit GPU 0 (shared with the trainer): 32.0 GiB, 30.4 GiB usable; trainer rank 32.4 GiB"),
+    (2, 24, "a trainer rank needs about 32.4 GiB (estimate) and a GPU has 24.0 GiB"),
+])
+def test_a_trainer_that_would_not_fit_is_refused_before_start(gpus: int, gib: int, refusal: str) -> None:
+    with pytest.raises(PlacementError) as failure:
+        plan_placement(gpus, gib * GiB, QWEN_0_5B, RunShape(trainer_ranks=1, max_tokens_per_gpu=16384))
+    assert str(failure.value).startswith(refusal)
 
 
 def test_no_gpu_is_the_cpu_plan() -> None:
@@ -93,12 +126,13 @@ def test_too_many_ranks_for_the_gpus_is_refused() -> None:
 
 
 def test_the_bundled_tiny_model_fits_one_small_gpu() -> None:
-    tiny = ModelShape(num_params=321_152, hidden_size=128, num_layers=2, vocab_size=101)
+    tiny = ModelShape(num_params=321_152, hidden_size=128, num_layers=2, vocab_size=101, intermediate_size=256,
+                      num_heads=4, num_kv_heads=2)
     run = RunShape(trainer_ranks=1, max_tokens_per_gpu=4096, generation_workers=1, logprob_workers=1,
                    max_tokens_per_forward=8192)
     plan = plan_placement(1, 8 * GiB, tiny, run)
-    need = trainer_bytes(tiny, run) + logprob_worker_bytes(tiny, run)  # 1.04 + 1.07 GiB, mostly the overheads
-    assert plan.colocated and plan.engine_memory_fraction == round((int(0.95 * 8 * GiB) - need) / (8 * GiB), 3) == 0.687
+    need = trainer_bytes(tiny, run) + logprob_worker_bytes(tiny, run)  # 1.05 + 1.08 GiB, mostly the overheads
+    assert plan.colocated and plan.engine_memory_fraction == round((int(0.95 * 8 * GiB) - need) / (8 * GiB), 3) == 0.684
 
 
 def test_cuda_engines_get_bf16_the_plans_share_and_the_runs_longest_sample() -> None:

@@ -38,11 +38,11 @@ from async_grpo.config.worker_options import (
     EngineConfig, HealthCheckConfig, LogprobBatchingConfig, RestartConfig, VerificationConfig,
 )
 from async_grpo.launch.dispatcher_logs import DispatcherLogRelay, registered_worker
-from async_grpo.launch.engine_defaults import CPU_ENGINE, resolve_engine
-from async_grpo.launch.host_gpus import HostGpuError, HostGpus, host_gpus
+from async_grpo.launch.engine_defaults import CPU_ENGINE, LAUNCHER_MAX_NUM_SEQS, resolve_engine
+from async_grpo.launch.host_gpus import HostGpuError, gpu_memory_bytes, planned_gpus
 from async_grpo.launch.local_processes import environ, free_port, make_run_temp_dir, run_environment, stop_process_group
 from async_grpo.launch.placement import (
-    GiB, ModelShape, Placement, PlacementError, RunShape, check_transfer_placement, default_trainer_ranks,
+    ModelShape, Placement, PlacementError, RunShape, check_transfer_placement, default_trainer_ranks,
     plan_placement,
 )
 from async_grpo.launch.process_tuning import thread_env, threads_per_process
@@ -60,7 +60,7 @@ _POLL_S = 0.5  # how often the launcher looks at dispatcher logs while waiting
 
 # The launcher's engine default: 256 sequences per step; dtype, KV cache and max_model_len are
 # left unset and chosen per device when the cluster starts (resolve_engine), each choice logged.
-LOCAL_ENGINE = EngineConfig(max_num_seqs=256)
+LOCAL_ENGINE = EngineConfig(max_num_seqs=LAUNCHER_MAX_NUM_SEQS)
 # The launcher's logprob budget since it was written (half the worker's default; the demo's
 # minibatch budget, max_tokens_per_gpu, is 4096); no measurement behind it is recorded.
 LOCAL_BATCHING = LogprobBatchingConfig(max_tokens_per_forward=8192)
@@ -158,62 +158,45 @@ class LocalClusterConfig:
             raise ValueError("LocalClusterConfig.teacher_workers needs teacher_model_path (--teacher_model_path)")
 
 
-
-
-# What a plan assumes of a GPU that this machine lacks (host_gpus given without CUDA here): the
-# memory of an 80 GB A100/H100, the most common training GPU.
-ASSUMED_GPU_MEMORY_BYTES = 80 * GiB
-
-
 def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
 
 
-def plan_gpus(config: LocalClusterConfig) -> HostGpus:
-    """The GPUs the plan places on: `config.host_gpus` of them when given, else those this
-    environment gives the run (host_gpus: the driver's listing or ASYNC_GRPO_HOST_GPUS, narrowed
-    by a scheduler's CUDA_VISIBLE_DEVICES)."""
-    if config.host_gpus is not None:
-        return HostGpus(names=tuple(str(i) for i in range(config.host_gpus)))
-    return host_gpus()
-
-
-def host_gpus_and_memory(config: LocalClusterConfig) -> tuple[int, int]:
-    """(GPUs, bytes of one GPU's memory) that the plan is made for: the config's overrides, else
-    what this environment gives the run (plan_gpus) and CUDA reports."""
-    gpus = plan_gpus(config).count
-    if gpus == 0:
-        return 0, 0
-    if config.gpu_memory_gib is not None:
-        return gpus, int(config.gpu_memory_gib * GiB)
-    if cuda_available():
-        import torch
-
-        return gpus, torch.cuda.get_device_properties(0).total_memory
-    return gpus, ASSUMED_GPU_MEMORY_BYTES
-
-
 def plan_for(config: LocalClusterConfig, trainer_config: TrainerConfig | None = None) -> tuple[Placement, RunShape]:
     """The placement of this run (PlacementError when it does not fit), and what it was planned for;
-    without the trainer's config, its defaults stand in for the token budget and model options."""
-    gpus, memory = host_gpus_and_memory(config)
+    without the trainer's config, its defaults stand in for the token budget and model options,
+    and the engines' KV cache is not sized to the run."""
+    gpus = planned_gpus(config.host_gpus).count
+    memory = gpu_memory_bytes(gpus, config.gpu_memory_gib)
     model_options = trainer_config.model if trainer_config is not None else None
+    ranks = config.nproc_per_node or default_trainer_ranks(
+        gpus, config.generation_workers * config.engine.tensor_parallel_size + config.total_workers
+        - config.generation_workers)
     run = RunShape(
-        trainer_ranks=config.nproc_per_node or default_trainer_ranks(
-            gpus, config.generation_workers * config.engine.tensor_parallel_size + config.total_workers
-            - config.generation_workers),
+        trainer_ranks=ranks,
         max_tokens_per_gpu=trainer_config.experience.max_tokens_per_gpu if trainer_config is not None else 8192,
         logprob_chunk_size=model_options.logprob_chunk_size if model_options else 1024,
         gradient_checkpointing=model_options.gradient_checkpointing if model_options else False,
         generation_workers=config.generation_workers, tensor_parallel_size=config.engine.tensor_parallel_size,
         logprob_workers=config.total_workers - config.generation_workers,
-        max_tokens_per_forward=config.batching.max_tokens_per_forward)
+        max_tokens_per_forward=config.batching.max_tokens_per_forward,
+        **(_run_load(trainer_config, ranks) if trainer_config is not None else {}))
     if gpus == 0:
         return Placement(), run
     shape = ModelShape.from_hf_config(json.loads((Path(config.model_path) / "config.json").read_text()))
     return plan_placement(gpus, memory, shape, run), run
+
+
+def _run_load(trainer_config: TrainerConfig, ranks: int) -> dict[str, int]:
+    """RunShape's fields for what the trainer can have in flight and computes in: sequences at
+    once ((max_lag + 1) steps of every rank's prompts x n), the longest sample, the compute dtype."""
+    experience = trainer_config.experience
+    steps = experience.max_lag + 1
+    return dict(sequences_in_flight=steps * ranks * trainer_config.prompts_per_rank * experience.sampling.n,
+                max_model_len=trainer_config.longest_sample,
+                compute_dtype_bytes=2 if trainer_config.model.mixed_precision else 4)
 
 
 class LocalCluster:
@@ -227,7 +210,7 @@ class LocalCluster:
         this machine has it; a plan on Ray's fake GPUs runs CPU engines)."""
         self.config = config
         self.placement = placement if placement is not None else plan_for(config)[0]
-        self.gpus = plan_gpus(config)
+        self.gpus = planned_gpus(config.host_gpus)
         self.engine, self.engine_choices = resolve_engine(
             config.engine, self.placement, cuda_available() if cuda is None else cuda, longest_sample)
         self.address = ""

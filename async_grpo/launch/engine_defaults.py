@@ -23,8 +23,12 @@ from async_grpo.launch.placement import Placement
 CPU_ENGINE: dict[str, Any] = dict(dtype="float32", kv_cache_memory_bytes=256 * 2**20, max_model_len=512)
 # On CUDA: bf16, the trainer's compute dtype under mixed precision (vLLM's own 'auto' picks bf16
 # for an fp32 checkpoint on Ampere and newer, but a float16 checkpoint's own dtype); the KV cache
-# sized by vLLM within the plan's share of the GPU; max_model_len the run's longest sample.
+# and max_num_seqs sized to the run (launch/kv_cache_plan.py) within the plan's share of the GPU;
+# max_model_len the run's longest sample.
 CUDA_ENGINE_DTYPE = "bfloat16"
+# The launcher's max_num_seqs: on CUDA it follows the KV cache sized to the run; a user's other
+# value is kept.
+LAUNCHER_MAX_NUM_SEQS = 256
 
 
 def resolve_engine(engine: EngineConfig, placement: Placement, cuda: bool,
@@ -44,8 +48,7 @@ def resolve_engine(engine: EngineConfig, placement: Placement, cuda: bool,
     else:
         if engine.dtype == "auto":
             chosen["dtype"] = (CUDA_ENGINE_DTYPE, "the trainer's compute dtype")
-        if memory_unset and placement.engine_memory_fraction is not None:
-            chosen["gpu_memory_utilization"] = (placement.engine_memory_fraction, "the plan's share of the GPU")
+        chosen.update(_cuda_memory(engine, placement))
         if engine.max_model_len is None and longest_sample is not None:
             chosen["max_model_len"] = (longest_sample, "the run's longest sample")
     if not chosen:
@@ -54,3 +57,21 @@ def resolve_engine(engine: EngineConfig, placement: Placement, cuda: bool,
     line = (f"engine settings for {device} (flags of the same name change them): "
             + ", ".join(f"{name} {value} ({why})" for name, (value, why) in chosen.items()))
     return dataclasses.replace(engine, **{name: value for name, (value, _) in chosen.items()}), [line]
+
+
+def _cuda_memory(engine: EngineConfig, placement: Placement) -> dict[str, tuple[Any, str]]:
+    """A CUDA engine's memory settings left unset: the KV cache and max_num_seqs sized to the run
+    with the share that implies, else the plan's share; a KV size given alone gets the share too,
+    so that vLLM's start-up check asks for what the plan gave, not its 0.92 default."""
+    chosen: dict[str, tuple[Any, str]] = {}
+    sizing, fraction = placement.engine_sizing, placement.engine_memory_fraction
+    if engine.gpu_memory_utilization is None and fraction is not None:
+        chosen["gpu_memory_utilization"] = (fraction, "the plan's share of the GPU")
+    if engine.kv_cache_memory_bytes is None and engine.gpu_memory_utilization is None and sizing is not None:
+        # A share too small for the run: vLLM sizes the cache within it from its own profile,
+        # which knows the engine's activations better than the plan's estimate does.
+        if not sizing.capped:
+            chosen["kv_cache_memory_bytes"] = (sizing.kv_cache_bytes, "the run's sequences in flight")
+        if engine.max_num_seqs == LAUNCHER_MAX_NUM_SEQS:
+            chosen["max_num_seqs"] = (sizing.max_num_seqs, "what the KV cache holds")
+    return chosen

@@ -92,6 +92,33 @@ def host_gpu_count(environ: Mapping[str, str] | None = None) -> int:
     return host_gpus(environ).count
 
 
+def planned_gpus(count: int | None = None) -> HostGpus:
+    """The GPUs a plan places on: `count` of them by index when given (a plan for another
+    machine, or Ray's fake GPUs on this one), else host_gpus()."""
+    if count is not None:
+        return HostGpus(names=tuple(str(i) for i in range(count)))
+    return host_gpus()
+
+
+# What a plan assumes of a GPU that this machine lacks (a count given without CUDA here): the
+# memory of an 80 GB A100/H100, the most common training GPU.
+ASSUMED_GPU_MEMORY_BYTES = 80 * 2**30
+
+
+def gpu_memory_bytes(gpus: int, memory_gib: float | None = None) -> int:
+    """Memory of one of `gpus` GPUs for the plan: `memory_gib` when given, else what CUDA reports
+    for the first visible GPU, else ASSUMED_GPU_MEMORY_BYTES (0 without GPUs)."""
+    if gpus == 0:
+        return 0
+    if memory_gib is not None:
+        return int(memory_gib * 2**30)
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return ASSUMED_GPU_MEMORY_BYTES
+
+
 def main() -> None:
     """Print how many GPUs a run may use (for shell scripts)."""
     print(host_gpu_count())

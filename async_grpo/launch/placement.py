@@ -7,7 +7,8 @@ run (the model's shape, trainer ranks and token budget, the workers) where every
 - one GPU: everything shares GPU 0. The trainer (one rank) takes what it needs (estimated
   below), each logprob-type worker its bf16 weights and one forward's activations, and the
   generation engines split the rest: vLLM's `gpu_memory_utilization` is computed from those
-  needs, not its fixed default. Ray gives each worker a fraction of the GPU, so all land on it.
+  needs, not its fixed default, and an engine whose run's load is known takes only the KV cache
+  that load needs (launch/kv_cache_plan.py), on any number of GPUs. Ray gives each worker a fraction of the GPU, so all land on it.
   All of them are sized to be resident at once: the trainer trains each minibatch as soon as it
   fills, while the rest of the step is still being generated (even at max_lag 0), so the
   engines' KV cache is in use while the trainer computes, and vLLM's sleep mode (which frees the
@@ -31,6 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from async_grpo.launch.kv_cache_plan import EngineSizing, RunLoad, kv_bytes_per_token, size_engine
 
 GiB = 2**30
 FP32_BYTES = 4
@@ -138,6 +141,11 @@ class RunShape:
     compute_dtype_bytes: int = BF16_BYTES
     """Bytes per element the trainer computes in: 2 for bf16 (mixed precision, the GPU default), 4
     for fp32 (model.mixed_precision off, or the CPU)."""
+    sequences_in_flight: int = 0
+    """Samples generated at once at most ((max_lag + 1) x ranks x prompts per rank x n); 0: not
+    known, and each engine takes the plan's whole share for its KV cache."""
+    max_model_len: int = 0
+    """The run's longest sample in tokens (with sequences_in_flight, sizes the engines' KV cache)."""
 
     def __post_init__(self) -> None:
         if self.compute_dtype_bytes not in (BF16_BYTES, FP32_BYTES):
@@ -273,6 +281,8 @@ class Placement:
     """Ray's num_gpus of each worker: 1 for a whole GPU, a fraction when workers share one."""
     engine_memory_fraction: float | None = None
     """Each generation engine's gpu_memory_utilization; None: vLLM's default (a whole GPU each)."""
+    engine_sizing: EngineSizing | None = None
+    """Each engine's KV cache and max_num_seqs sized to the run (None: the run's load is unknown)."""
     estimates: dict[str, int] = field(default_factory=dict)
     """Bytes per process kind that the plan assumed."""
 
@@ -299,6 +309,8 @@ class Placement:
         if self.engine_memory_fraction is not None:
             lines.append(f"  vLLM     gpu_memory_utilization {self.engine_memory_fraction:.3f} per engine "
                          f"({self.engine_memory_fraction * gib:.1f} GiB: weights, activations, KV cache)")
+        if self.engine_sizing is not None:
+            lines.append(self.engine_sizing.line())
         lines.append(f"  trainer  GPU(s) {_ids(self.trainer_gpus)}: {run.trainer_ranks} rank(s)")
         if self.estimates:
             lines.append("  estimated peak memory: " + ", ".join(
@@ -331,9 +343,13 @@ def plan_placement(host_gpus: int, gpu_memory_bytes: int, model: ModelShape, run
         raise PlacementError(_too_big("a trainer rank", estimates["trainer rank"], gpu_memory_bytes))
     whole_gpus_needed = run.generation_workers * run.tensor_parallel_size + run.logprob_workers
     if inference >= whole_gpus_needed:
+        sizing = _sized_engine(model, run, int(MAX_ENGINE_FRACTION * gpu_memory_bytes))
+        fraction = None if sizing is None else _fraction_of(sizing.engine_bytes, gpu_memory_bytes)
+        if sizing is not None:
+            estimates["engine"] = sizing.engine_bytes
         return Placement(host_gpus=host_gpus, gpu_memory_bytes=gpu_memory_bytes,
                          worker_gpus=tuple(range(whole_gpus_needed)), trainer_gpus=trainer, worker_gpu_share=1.0,
-                         estimates=estimates)
+                         engine_memory_fraction=fraction, engine_sizing=sizing, estimates=estimates)
     return _shared_inference(host_gpus, gpu_memory_bytes, model, run, tuple(range(inference)), trainer, estimates)
 
 
@@ -385,13 +401,34 @@ def _fit_engines(engines: int, gpu_memory_bytes: int, model: ModelShape, run: Ru
             f"overhead = {need / GiB:.1f} GiB (estimates: lower max_tokens_per_gpu or max_tokens_per_forward, "
             f"turn on model.gradient_checkpointing, or use more GPUs)")
     fraction = per_engine / gpu_memory_bytes if engines else None
+    sizing = None
     if fraction is not None:
         fraction = round(max(min(fraction, MAX_ENGINE_FRACTION), MIN_ENGINE_FRACTION), 3)
-        estimates["engine"] = int(fraction * gpu_memory_bytes)
+        sizing = _sized_engine(model, run, int(fraction * gpu_memory_bytes))
+        if sizing is not None:
+            fraction = min(fraction, _fraction_of(sizing.engine_bytes, gpu_memory_bytes))
+        estimates["engine"] = sizing.engine_bytes if sizing is not None else int(fraction * gpu_memory_bytes)
     workers_on_a_gpu = math.ceil(run.workers / len(worker_gpus))
     return Placement(host_gpus=host_gpus, gpu_memory_bytes=gpu_memory_bytes, worker_gpus=worker_gpus,
                      trainer_gpus=trainer_gpus, worker_gpu_share=_ray_share(workers_on_a_gpu),
-                     engine_memory_fraction=fraction, estimates=estimates)
+                     engine_memory_fraction=fraction, engine_sizing=sizing, estimates=estimates)
+
+
+def _sized_engine(model: ModelShape, run: RunShape, share_bytes: int) -> EngineSizing | None:
+    """One engine's KV cache sized to the run's sequences in flight within `share_bytes`
+    (kv_cache_plan); None when the run's load is unknown."""
+    if not (run.sequences_in_flight and run.max_model_len):
+        return None
+    load = RunLoad(sequences_in_flight=run.sequences_in_flight, max_model_len=run.max_model_len,
+                   generation_workers=run.generation_workers)
+    return size_engine(load, kv_token_bytes=kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
+                                                               BF16_BYTES),
+                       weight_bytes=BF16_BYTES * model.num_params, vocab_size=model.vocab_size, share_bytes=share_bytes)
+
+
+def _fraction_of(engine_bytes: int, gpu_memory_bytes: int) -> float:
+    """gpu_memory_utilization covering `engine_bytes`, rounded up to vLLM-readable thousandths."""
+    return math.ceil(engine_bytes / gpu_memory_bytes * 1000) / 1000
 
 
 def _ray_share(workers_on_a_gpu: int) -> float:

@@ -65,6 +65,7 @@ SMOKES = (
     Smoke("logprob_batching", (), "", ("speedup", "tiny_speedup", "batched_tok_s", "sequential_tok_s")),
     Smoke("memory", (), "", ("tokens", "chunked_mib", "full_mib", "ratio")),
     Smoke("packing", (), "", ("speedup", "cpu_speedup", "packed_s", "padded_s")),
+    Smoke("prefix_cache_reset", (), "prefix_cache_reset", ("ns_per_block", "sized_blocks", "card_blocks", "ratio")),
     Smoke("shared_prompts", (), "shared_prompts", ("speedup", "cpu_speedup", "whole_tokens", "shared_tokens")),
     Smoke("raylet_idle", (), "raylet_idle", ("start_mb", "end_mb", "growth")),
     Smoke("reward", (), "", ("hostile_over_clean", "clean_samples_per_s", "hostile_samples_per_s")),

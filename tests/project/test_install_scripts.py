@@ -50,6 +50,17 @@ def test_the_override_wins_and_a_bad_one_is_refused(tmp_path: Path) -> None:
     assert bad.returncode != 0 and "ASYNC_GRPO_DEVICE must be 'cpu' or 'cuda', got 'rocm'" in bad.stderr
 
 
+def test_the_host_gpu_count_override_picks_the_build_as_the_launcher_counts(tmp_path: Path) -> None:
+    """ASYNC_GRPO_HOST_GPUS (async_grpo/launch/host_gpus.py) decides here too; ASYNC_GRPO_DEVICE still wins."""
+    listing = tmp_path / "gpus"
+    (listing / "0000:3b:00.0").mkdir(parents=True)
+    assert _detect(ASYNC_GRPO_HOST_GPUS="0", ASYNC_GRPO_NVIDIA_GPUS_DIR=str(listing)).stdout.strip() == "cpu"
+    assert _detect(ASYNC_GRPO_HOST_GPUS="8", ASYNC_GRPO_NVIDIA_GPUS_DIR=str(tmp_path / "none")).stdout.strip() == "cuda"
+    assert _detect(ASYNC_GRPO_HOST_GPUS="8", ASYNC_GRPO_DEVICE="cpu").stdout.strip() == "cpu"
+    bad = _detect(ASYNC_GRPO_HOST_GPUS="two")
+    assert bad.returncode != 0 and "ASYNC_GRPO_HOST_GPUS must be an integer >= 0, got 'two'" in bad.stderr
+
+
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_install_runs_the_installer_of_the_detected_device(tmp_path: Path, device: str) -> None:
     """scripts/install.sh in a copy whose two installers only say which of them ran."""

@@ -53,11 +53,11 @@ class LossConfig:
     kl_estimator: KLEstimator = "k3"
     """Per-token KL in the loss. k1: log(pi/ref); k2: 0.5 log(pi/ref)^2; k3: ref/pi - log(ref/pi) - 1
     (unbiased, >= 0). The KL in the reward is always the sequence's sum of k1 (see algorithm.py)."""
+    # The reference's logprobs come from logprob_role: reference workers or, beside old-policy
+    # logprob workers, from reference_pool workers.
     kl_in_reward: bool = False
-    """Move the KL out of the loss into the reward: each rollout's reward becomes
-    reward - beta * sum_t (log pi(t) - log pi_ref(t)) before advantages are computed, with pi's
-    logprobs as kl_policy_logprobs says and the reference's from logprob_role: reference workers
-    (or, beside old-policy logprob workers, from reference_pool workers). Metrics: kl/beta,
+    """Move the KL out of the loss into the reward: reward - beta * sum_t (log pi(t) - log
+    pi_ref(t)) before advantages, pi's logprobs as kl_policy_logprobs says. Metrics: kl/beta,
     kl/in_reward_mean."""
     kl_policy_logprobs: Literal["sampler", "old_policy"] = "sampler"
     """kl_in_reward: the policy's logprobs in the KL: the sampler's (vLLM's sampled-token

@@ -120,9 +120,8 @@ class LocalClusterConfig:
     host_gpus names GPUs this machine lacks)."""
     tune_processes: bool = True
     """Per-kind process settings (async_grpo/launch/process_tuning.py): Ray's jemalloc for the
-    generation workers and their engine cores, intra-op threads from the machine's cores. False:
-    every process on glibc's fixed 256 KiB malloc thresholds and nothing else set, the settings
-    before that module (benchmarks/step_profile.py's baseline)."""
+    generation path, intra-op threads from the machine's cores. False: every process on glibc with
+    fixed 256 KiB malloc thresholds (benchmarks/step_profile.py's baseline)."""
     dry_run: bool = False
     """Print the placement plan and the engine settings it implies, then exit without starting
     anything."""

@@ -130,17 +130,16 @@ class ModelConfig:
     """On CUDA, compute in bf16 with fp32 master weights and fp32 gradient reduction. CPU: fp32."""
     reshard_after_forward: bool = True
     """Free each layer's gathered weights after forward (ZeRO-3); False keeps them until backward."""
+    # For a tiny model the per-layer collectives cost more than its compute (benchmarks/RESULTS.md,
+    # "One FSDP unit for a tiny model, jemalloc on the generation path").
     fsdp_per_layer_min_params: int = 10_000_000
-    """Models with at least this many parameters are sharded one FSDP unit per decoder layer
-    (weights gathered layer by layer); smaller ones as a single unit, gathered whole when a
-    forward starts and kept through its backward: for a tiny model the per-layer collectives cost
-    more than its compute (the demo's 0.3M-parameter model: 0.23 -> 0.17 s of training a step).
-    0: always per layer."""
+    """Models with at least this many parameters get one FSDP unit per decoder layer; smaller ones a
+    single unit, gathered whole when a forward starts and kept through its backward. 0: always per
+    layer."""
     share_prompts: bool = False
-    """Pack the answers of one prompt after a single copy of it (sample_processing_utils), so a
-    minibatch's prompts go through the model once each instead of once per answer: the same
-    logprobs, fewer tokens (GRPO's n answers per prompt). Needs attn_implementation packed_sdpa or
-    packed_varlen; None then picks packed_sdpa."""
+    """Pack the answers of one prompt after a single copy of it (sample_processing_utils): the same
+    logprobs from fewer tokens. Needs attn_implementation packed_sdpa or packed_varlen; None then
+    picks packed_sdpa."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (lora.r > 0): only they train and are pushed; the base stays frozen."""
 

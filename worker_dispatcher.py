@@ -120,12 +120,12 @@ class DispatcherConfig:
     """Intra-op threads of the worker (OMP_NUM_THREADS, MKL_NUM_THREADS; the vLLM engine core
     inherits them). None: Ray's default for an actor, its num_cpus (1). The local launcher gives
     each compute process its share of the machine's cores (process_tuning.threads_per_process)."""
+    # The local launcher's plan shares GPUs so on one or two GPUs. A shared GPU needs the engine's
+    # memory sized because vLLM's default takes 0.92 of the GPU.
     num_gpus: float | None = None
-    """GPUs the worker takes in Ray's accounting on a node with GPUs. None: whole GPUs (the
-    engine's tensor_parallel_size, else 1). A fraction below 1 lets workers share one GPU, as the
-    local launcher's plan does on one or two GPUs; a generation worker sharing a CUDA GPU then
-    needs --gpu_memory_utilization (or --kv_cache_memory_bytes) sized to fit beside the others,
-    since vLLM's default takes 0.92 of the GPU."""
+    """GPUs the worker takes in Ray's accounting on a GPU node. None: the engine's
+    tensor_parallel_size, else 1. A fraction below 1 shares a GPU; a generation worker then needs
+    --gpu_memory_utilization or --kv_cache_memory_bytes sized to fit beside the others."""
     connection: RayConnectionConfig = flattened(RayConnectionConfig())
     """Which cluster to join and how long to try (worker_options.RayConnectionConfig)."""
     ray_temp_dir: str = ""

@@ -71,10 +71,9 @@ def apply_smoke(config: Any, sizes: dict[str, Any]) -> Any:
 
 
 # A smoke run's vLLM engines start uncompiled (enforce_eager): a smoke checks that the command
-# works, and compiling is most of what eager skips at each engine start: the torch.compile warm-up
-# took 12 s of a 38 s worker start on 2 quiet cores (the demo, 2026-11-25), every time, because
-# vLLM 0.32's AOT compile cache fails to load here ("'function' object has no attribute
-# 'finalize_loading'") and it compiles afresh.
+# works, and the torch.compile warm-up is a large part of every compiled engine's start, paid each
+# time because vLLM 0.32's AOT compile cache fails to load here ("'function' object has no
+# attribute 'finalize_loading'").
 SMOKE_ENGINE = {"enforce_eager": True}
 
 

@@ -140,12 +140,13 @@ class DistillConfig:
     use_reward: bool = True
     """Add the estimator's advantage from the reward (GRPO + distillation); false distils alone:
     the reward only shows in the metrics."""
+    # group_mean is a baseline as GRPO's group mean is for the reward: on the student's samples the
+    # sampled-token term is mostly negative (a wrong token costs a lot, a right one gains little),
+    # and the baseline turns the better-than-the-group samples' tokens positive.
     baseline: Literal["none", "group_mean"] = "none"
-    """none: each token's term is coef x (log p_teacher - log p_student) as is. group_mean:
-    minus coef x the mean over the sample's group ((group_id, run_id)) of the samples' token-mean
-    reverse KL, a baseline as GRPO's group mean is for the reward: on the student's samples the
-    sampled-token term is mostly negative (a wrong token costs a lot, a right one gains little),
-    and the baseline turns the better-than-the-group samples' tokens positive."""
+    """none: each token's term is coef x (log p_teacher - log p_student) as is. group_mean: minus
+    coef x the mean token-mean reverse KL of the sample's group ((group_id, run_id));
+    docs/distillation.md."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.coef) and self.coef > 0):

@@ -31,13 +31,13 @@ class ExperienceConfig:
     """A prompt not finished (generation + logprobs) this long after its rank submitted it is
     cancelled, reported and counted (`batcher/timed_out_prompts`). Queueing behind earlier steps
     counts too, so leave room for max_lag steps of generation."""
+    # The lag is step - the version of the rollout's oldest token: a rollout that straddles a push
+    # counts from the weights it started on. A step's prompts are submitted as soon as a version >=
+    # step - max_lag is published. Staler rollouts come e.g. from a worker that missed a push.
     max_lag: int = 1
-    """Most optimizer steps a rollout's weights may lag the step that trains on it (step - the
-    version of its oldest token: a rollout that straddles a push counts from the weights it
-    started on; 0 = synchronous, on-policy). A step's prompts are submitted as soon as weights
-    recent enough for it are published (version >= step - max_lag), so generation runs up to
-    max_lag steps ahead of training; rollouts staler than this (e.g. from a worker that missed a
-    push) are dropped and counted. Must be >= push_every - 1 (see push_every)."""
+    """Most optimizer steps a rollout's weights may lag the step that trains on it (0: synchronous,
+    on-policy); generation runs up to max_lag steps ahead of training, and staler rollouts are
+    dropped and counted. Must be >= push_every - 1 (see push_every)."""
     logprob_role: LogprobRole = "reference"
     """What the logprob workers compute: reference logprobs (fixed weights, for the KL term; they
     fill ref_logprobs), old-policy logprobs (they receive weight pushes; old_logprobs), or nothing

@@ -97,39 +97,43 @@ class EngineConfig:
     engine process's own memory, so small fractions fail at start."""
     max_model_len: int | None = None
     """Longest prompt + completion in tokens; None takes the model's own limit."""
+    # vLLM's 'init engine' step on 2 cores: 8.7 s compiled on the demo's tiny model, 0.04-0.2 s
+    # eager on the tests'. Eager also turns torch.compile off in the engine-core process, whose
+    # sampler would otherwise build two inductor kernels (g++) on its first sampled batch
+    # (inference/engine_process.engine_process_env; benchmarks/RESULTS.md, "The suite on ...: run 4,
+    # and what each engine start and trainer launch costs").
     enforce_eager: bool = False
-    """Skip CUDA-graph capture and torch.compile: faster start, slower decoding (vLLM's 'init
-    engine' step, 2 cores: 8.7 s compiled on the demo's tiny model, 0.04-0.2 s eager on the
-    tests' tiny model). Eager also turns torch.compile off in the engine-core process, whose
-    sampler would otherwise build two inductor kernels on its first sampled batch
-    (inference/engine_process.engine_process_env: 10-17 s of g++ per engine)."""
+    """Skip CUDA-graph capture and torch.compile, in the engine-core process too: a faster start,
+    slower decoding. Worth it where engines start often and decode little (tests, smoke runs);
+    fork_engine_core needs it."""
+    # 'auto' on CPU is float32, what the CPU trainer computes in: vLLM's own 'auto' would pick
+    # bf16, which crashes vLLM 0.32's CPU build on AMX CPUs (inference/engine_dtype.py). On GPU,
+    # vLLM's 'auto' serves an fp32 checkpoint in bfloat16 (Ampere and newer) and others in their
+    # own dtype; the local launcher passes bfloat16 on CUDA, the trainer's compute dtype.
+    # worker_dispatcher.py and local_cluster.py give the same value to logprob workers.
     dtype: str = "auto"
-    """Dtype the engine serves the model in. 'auto': float32 on a CPU engine (what the CPU trainer
-    computes in; vLLM's own 'auto' would pick bf16, which crashes vLLM 0.32's CPU build on AMX
-    CPUs: inference/engine_dtype.py); on GPU vLLM's own 'auto', which serves an fp32 checkpoint
-    in bfloat16 (Ampere and newer) and others in their own dtype (the local launcher passes
-    bfloat16 on CUDA, the trainer's compute dtype). worker_dispatcher.py and local_cluster.py give
-    the same value to logprob workers, whose 'auto' is the trainer's compute dtype (bfloat16 on a
-    GPU node, float32 on CPU) and which accept 'auto', 'float32', 'bfloat16' or 'float16'."""
+    """Dtype the engine, and a logprob worker, serves the model in. 'auto': float32 on CPU, vLLM's
+    'auto' on GPU; a logprob worker's 'auto' is the trainer's compute dtype (bfloat16 on a GPU
+    node), and it takes 'auto', 'float32', 'bfloat16' or 'float16' only."""
     engine_seed: int = 0
     """Seed of the engine's own random state (unseeded requests draw from it)."""
+    # vLLM-CPU's 'mp' executor's extra worker process busy-polls shared memory for a second after
+    # every step: several times the engine's CPU per step at no gain in latency, CPU that trainer
+    # ranks sharing the machine then lack (benchmarks/RESULTS.md, "vLLM-CPU executor: default (mp)
+    # vs in process").
     cpu_in_process_executor: bool = True
     """On vLLM's CPU backend with tensor_parallel_size 1, run the model inside the engine-core
-    process (vLLM's 'uni' executor). vLLM-CPU otherwise forces its 'mp' executor, whose extra
-    worker process busy-polls shared memory for a second after every step: on a 512-rollout
-    demo step, 1.45 CPU-seconds against 0.26 in process, at the same latency (measured on the
-    2-core machine), CPU that the trainer ranks sharing the machine then lack. No effect on GPUs,
-    where vLLM already runs a single-GPU engine in process."""
+    process (vLLM's 'uni' executor) instead of the 'mp' executor vLLM-CPU forces, whose extra
+    process busy-polls after every step. No effect on GPUs (in process already)."""
+    # Forked, a worker starts several seconds sooner with the same seeded rollouts, but its
+    # generation steps run up to ~15% slower (benchmarks/RESULTS.md, "A generation worker's start:
+    # engine core spawned vs forked"): a trade made for an eager engine, which is chosen for its
+    # start. A compiled or GPU engine always spawns, as does one whose torch OpenMP runtime cannot
+    # release its threads before the fork (inference/engine_process.py says why).
     fork_engine_core: bool = True
     """On vLLM's CPU backend with enforce_eager, start the engine-core process as a fork of the
-    worker's process (its Ray actor, or any process a worker is built in), which has imported torch
-    and vLLM already, instead of vLLM's spawn, whose fresh interpreter imports them again.
-    benchmarks/engine_start.py, 4 runs on the 2-core machine: a worker's start 15.7-20.4 s
-    spawned, 9.3-13.0 s forked, ~6.5 CPU-s less; the same
-    seeded rollouts; but its generation steps up to ~15% slower (longest run: medians 0.29 against
-    0.25 s), a trade made for an eager engine, which is chosen for its start. A compiled engine and
-    a GPU engine always spawn, as does any engine where torch's OpenMP runtime cannot release its
-    threads before the fork (inference/engine_process.py says why). false: vLLM's spawn everywhere."""
+    worker's process, which has torch and vLLM imported, instead of vLLM's spawn: a faster start,
+    slower steps. false (for a long eager run): vLLM's spawn everywhere."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Which distribution `sampling_logprobs` come from: the model's raw softmax (what the
     trainer's logprob pass computes) or the one after temperature/top-p (the true sampler)."""
@@ -138,19 +142,21 @@ class EngineConfig:
     accepts, one of vLLM's 1, 8, 16, 32, 64, 128, 256, 320, 512 (at least model.lora.r). 0: LoRA
     off; the worker then takes full-weight updates only."""
 
+    # 'object_store' is ours: the worker fetches the update from Ray's object store and streams it
+    # into the engine bucket by bucket through anonymous memory files. The CUDA ones are vLLM's:
+    # 'nccl' (trainer rank 0 broadcasts the gathered weights), 'nccl_m2n' (every trainer rank sends
+    # its own FSDP shards), 'ipc' (CUDA IPC handles). LoRA adapters always load as vLLM adapters.
     weight_transfer: Literal["object_store", "nccl", "nccl_m2n", "ipc"] = "object_store"
-    """How pushed full weights reach the engine, through vLLM's weight-transfer API:
-    'object_store' (ours, any device: the worker fetches the update from Ray's object store and
-    streams it into the engine bucket by bucket through anonymous memory files), or, on CUDA
-    only, one of vLLM's engines: 'nccl' (trainer rank 0 broadcasts the gathered weights),
-    'nccl_m2n' (every trainer rank sends its own FSDP shards), 'ipc' (CUDA IPC handles, trainer
-    and engine on the same GPUs). LoRA adapters always load as vLLM adapters."""
+    """How pushed full weights reach the engine (vLLM's weight-transfer API): 'object_store' (any
+    device, through Ray's object store), or on CUDA only 'nccl', 'nccl_m2n' (per-rank FSDP shards)
+    or 'ipc' (trainer and engine on the same GPUs). Must equal the trainer's transfer."""
+    # openai_endpoint.py serves /v1/chat/completions, /inference/v1/generate and /v1/models, with
+    # exact token ids, logprobs and weight versions (e.g. for verifiers environments' train
+    # client). Its requests count in the worker's stats and wait out weight pushes.
     openai_endpoint_port: int | None = None
-    """Serve an OpenAI-compatible endpoint over this engine (openai_endpoint.py: /v1/chat/completions,
-    /inference/v1/generate, /v1/models, with exact token ids, logprobs and weight versions) on
-    127.0.0.1 only, e.g. for verifiers environments' train client. None: off; 0: a free port
-    (the worker logs it and its health detail names it; use 0 when several workers share a node);
-    else that port. Requests count in the worker's stats and wait out weight pushes."""
+    """Port of an OpenAI-compatible endpoint over this engine, on 127.0.0.1 only (openai_endpoint.py).
+    None: off; 0: a free port, logged and named in the worker's health detail (use 0 when several
+    workers share a node); else that port."""
 
     def __post_init__(self) -> None:
         if self.weight_transfer not in WEIGHT_TRANSFER_BACKENDS:
@@ -188,14 +194,14 @@ class EngineConfig:
 class LogprobBatchingConfig:
     """How a logprob worker packs queued requests into forwards."""
 
+    # Attention cost follows each sample's own length (flash_attention_2, or packed_attention's
+    # packed_sdpa without flash-attn), so larger budgets amortise more per-forward overhead;
+    # benchmarks/logprob_batching.py sweeps it (benchmarks/RESULTS.md, "Logprob worker: batched vs
+    # one-at-a-time").
     max_tokens_per_forward: int = 16384
-    """Token budget of one packed logprob forward (prompt + output tokens of all samples in it);
-    not the trainer's max_tokens_per_gpu, its minibatch budget. A single sample longer than this
-    still runs, alone, and is counted in stats().oversized_samples. Attention cost follows each
-    sample's own length (flash_attention_2, or packed_attention's packed_sdpa without
-    flash-attn), so larger budgets amortise more per-forward overhead;
-    benchmarks/logprob_batching.py sweeps it (on the 2-core CPU: 1.0x / 1.19x / 1.27x at 512 /
-    1024 / 2048 tokens)."""
+    """Token budget of one packed logprob forward (prompt + output tokens of all its samples; not
+    the trainer's max_tokens_per_gpu). A longer sample still runs, alone, counted in
+    stats().oversized_samples. Larger: fewer forwards, more memory each."""
     max_wait_ms: float = 20.0
     """How long the first queued request waits for company before its batch runs even if not full.
     0 runs whatever is queued as soon as the previous batch is done."""
@@ -217,11 +223,12 @@ class VerificationConfig:
     """The cluster-wide math-verify pool that generation workers score with (created by the first
     worker to ask; later workers join it as it is)."""
 
+    # Without nodes that offer `verification_slot`, the pool runs in one process outside Ray's
+    # accounting (verifier_cluster.VerifierPoolActor).
     global_num_verifiers: int | None = None
-    """Processes of the pool, spread over the nodes that advertise the `verification_slot`
-    resource, one slot each (capped at the slots offered); without such nodes, all in one process
-    outside Ray's accounting (see verifier_cluster.VerifierPoolActor). None: one per usable core,
-    2 to 32 (verifier_pool.VerifierPoolConfig), so a few slow verifications cannot hold up the rest."""
+    """Processes of the pool, each taking one `verification_slot` resource on the nodes that offer
+    it (capped at the slots offered). None: one per usable core, 2 to 32
+    (verifier_pool.VerifierPoolConfig), so a few slow verifications cannot hold up the rest."""
     verifier_timeout_s: float | None = None
     """Hard deadline per verification; a verifier that passes it is killed and the reward is 0.
     None: verifier_pool.VerifierPoolConfig's default (1 s, from the measured clean p99)."""
@@ -279,11 +286,11 @@ class HealthCheckConfig:
 class RestartConfig:
     """How a dispatcher replaces its worker after it died or reported FAILED while serving."""
 
+    # A worker that fails to start or register is not replaced: such failures (a bad flag, too
+    # little memory, a model that does not load) repeat, so the dispatcher reports the cause once.
     max_restarts: int = 3
     """How many times the worker is replaced before the dispatcher gives up and exits 1 (0: exit
-    on the first failure). A worker that fails to start or register is not replaced: such
-    failures (a bad flag, too little memory, a model that does not load) repeat, so the
-    dispatcher reports the cause once and exits 1."""
+    on the first failure). A worker that fails to start or register exits 1 at once."""
     restart_backoff_s: float = 5.0
     """Wait before the first restart; it doubles on each further one, up to 60 s."""
 

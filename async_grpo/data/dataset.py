@@ -107,17 +107,16 @@ class DatasetConfig:
     path: str
     """Prompt file: JSON Lines (.jsonl/.json/.ndjson) or Parquet (.parquet), by suffix (see the
     module docstring for the record formats); "" with format reasoning_gym (generated prompts)."""
+    # The module docstring has each layout's fields and gold answer. "auto" picks generic if the
+    # first record has `prompt`/`input_token_ids`/`gt_answer`, gsm8k if `question`+`answer`, math if
+    # `problem`+`solution`, verl if `prompt` is a list of chat messages and `reward_model` is
+    # present; none or several: an error. verl's chat-message prompts always go through the
+    # tokenizer's chat template; its gold answer is `reward_model.ground_truth`.
     format: DataFormat = "auto"
-    """Record layout: "generic" (`prompt` text or `input_token_ids`, plus `gt_answer` verbatim),
-    "gsm8k" (`question`; `answer` with the final answer after its last `####`, commas and
-    whitespace removed), "math" (`problem`; `solution` whose last `\\boxed{...}`/`\\fbox{...}`
-    holds the answer), or "auto": chosen from the first record's fields (generic if it has
-    `prompt`/`input_token_ids`/`gt_answer`, gsm8k if `question`+`answer`, math if
-    `problem`+`solution`, verl if `prompt` is a list of chat messages and `reward_model` is
-    present; none or several: an error) and logged. "verl": verl's published Parquet layout
-    (`prompt` as chat messages, always put through the tokenizer's chat template; the gold
-    answer under `reward_model.ground_truth`; `data_source`). eval.data is read with the same
-    settings unless eval.data.format is set."""
+    """Record layout: "generic" (`prompt` or `input_token_ids`; `gt_answer`), "gsm8k" (`question`;
+    `answer` after `####`), "math" (`problem`; `solution`'s last `\\boxed{}`), "verl" (verl's
+    Parquet), or "auto" from the first record's fields (docs/data.md). eval.data follows it unless
+    eval.data.format is set."""
     prompt_field: str | None = None
     """Field holding the prompt text, replacing the format's own (`prompt`, `question`,
     `problem`); needs an explicit `format`."""

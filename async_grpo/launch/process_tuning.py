@@ -1,32 +1,23 @@
 """Per-process settings of a run, by process kind: which allocator each process runs on, and how
-many threads each compute process uses.
+many intra-op threads each compute process uses.
 
-Allocators. A generation worker's actor and its vLLM engine core (which inherits the actor's
-environment) run on jemalloc, the copy Ray ships for its own raylet and GCS
-(ray/core/libjemalloc.so), preloaded with LD_PRELOAD. Under glibc the engine core had no good
-setting: by default glibc raises its mmap threshold each time a large mmapped block is freed (up
-to 32 MiB), so later blocks of that size come from the heap, whose freed pages stay resident (over
-steps 50-300 of the soak the heap grew 548 -> 705 MiB, RSS 1.09-1.14x); fixed 256 KiB mmap and
-trim thresholds kept it flat (1.03x) but made every block over 256 KiB a fresh mmap, page-faulted
-in and unmapped again: ~22,000 faults and ~55 ms of kernel time per demo step on the generation
-path; fixed 4 MiB thresholds cut the faults to ~1,500 but the engine core grew 1.15x. Under
-jemalloc: ~1,700 faults a step, the generation call 0.23-0.25 -> 0.20 s, and RSS 1.001x over the
-soak (benchmarks/step_profile.py, benchmarks/soak.py, RESULTS.md). Where Ray's build lacks the
-library the generation worker falls back to the fixed thresholds.
-
-The trainer ranks keep glibc's defaults: the fixed thresholds there made ~300,000 minor faults per
-demo step and a third of the ranks' CPU time kernel time. Ray's GCS and raylet run on jemalloc
-already.
+Allocators: a generation worker's actor and its vLLM engine core (which inherits the actor's
+environment) run on the jemalloc Ray ships for its raylet and GCS (ray/core/libjemalloc.so),
+preloaded with LD_PRELOAD. Under glibc the engine core had no good setting: the default dynamic
+mmap threshold lets its heap grow with freed pages, and fixed thresholds either make every large
+block a fresh mmap, page-faulted in and out on the generation path, or still let it grow. Where
+Ray's build lacks the library the generation worker falls back to fixed 256 KiB thresholds. The
+trainer ranks keep glibc's defaults: fixed thresholds made them fault far more. Figures:
+benchmarks/RESULTS.md, "One FSDP unit for a tiny model, jemalloc on the generation path" and
+"Where a demo step goes now, and the settings of before".
 
 Threads: a local run's compute processes (the trainer ranks, each vLLM engine core, each logprob
-worker) share the machine's cores, and with max_lag >= 1 they are busy at the same time. Each
-gets max(1, cores // compute processes) intra-op threads (OMP_NUM_THREADS and MKL_NUM_THREADS,
-which torch reads at start), so they do not oversubscribe the cores and fight: on the 2-core
-machine, one each, as torchrun (for several ranks) and Ray (for a 1-CPU actor) already chose; on a
-16-core host with 2 ranks, an engine and a logprob worker, four each.
+worker) share the machine's cores, and with max_lag >= 1 they are busy at the same time. Each gets
+max(1, cores // compute processes) intra-op threads (OMP_NUM_THREADS and MKL_NUM_THREADS, which
+torch reads at start), so they do not oversubscribe the cores.
 
-`tune` False restores the settings of before this module (every process on glibc with the fixed
-thresholds, nothing else set): the baseline that benchmarks/step_profile.py measures against.
+`tune` False restores the earlier settings (every process on glibc with the fixed thresholds,
+nothing else set): the baseline that benchmarks/step_profile.py measures against.
 """
 
 from __future__ import annotations

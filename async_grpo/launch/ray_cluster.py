@@ -159,21 +159,19 @@ def join_cluster(address: str, *, namespace: str, timeout_s: float, log_to_drive
 
 
 def init_local_ray(*, num_cpus: int, namespace: str, log_to_driver: bool, num_gpus: int = 0) -> str:
-    """Start a private Ray head owned by this process; returns its GCS address.
+    """Start a private Ray head owned by this process; returns its GCS address. LocalCluster and
+    the tests' Ray fixture both start their heads here.
 
     Loopback only (use_loopback_only_ray), dashboard off, this repository importable in every
-    worker, and Ray's own metrics off: nothing reads them here, and their OpenTelemetry collector
-    thread once segfaulted a fresh actor process during start-up (Ray 2.60, a demo run on
-    2026-11-21). Task events off (`task_events_report_interval_ms: 0`, "0 disables the task
-    event recording and reporting" in Ray's config): only the dashboard's task list and the
-    state API read them, both off here, and the system makes ~145 actor calls per demo step;
-    keeping Ray's last 100,000 grew the GCS from 57 to 190 MB over 300 steps, keeping the last
-    10,000 still 58 -> 68 MB, and with none 30.1 -> 30.3 MB (benchmarks/soak.py,
-    RESULTS.md). No worker processes prestarted for this driver (`prestart_worker_first_driver`):
-    its few actors start their own, and the two idle ones Ray kept per head cost ~80 MB each,
-    ~1 CPU-s to start and ~0.9 CPU-s a minute between them (2-core machine; a head and one actor,
-    20 s idle: 6.8-8.3 CPU-s with them, 6.1-7.1 without). LocalCluster and the tests' Ray fixture
-    both start their heads here.
+    worker, and off what nothing here reads:
+    - Ray's own metrics: their OpenTelemetry collector thread has segfaulted a fresh actor process
+      during start-up (Ray 2.60).
+    - task events (`task_events_report_interval_ms: 0`): only the dashboard and the state API read
+      them, and kept they grow the GCS with every actor call (benchmarks/RESULTS.md, "Why the
+      engine core, the GCS and the raylet grew; what changed").
+    - worker processes prestarted for this driver (`prestart_worker_first_driver`): its actors
+      start their own, and the idle ones cost memory and CPU (benchmarks/RESULTS.md, "The suite on
+      ..., third session (issue 35): lighter exits and starts, one more shared smoke").
     """
     use_loopback_only_ray()
     ray.init(

@@ -81,18 +81,20 @@ class RewardConfig:
     """Subtracted from the reward of a completion that does not match format_pattern; >= 0. A
     correct but unformatted answer then scores below 1, while accuracy metrics count the verdict
     (`solved`), so it still counts as solved there."""
+    # Called in the verifier pool's processes; each is imported and its signature checked when this
+    # config is built. Empty gives the verdict of "async_grpo.rewards.math_verifier:math_verify_reward",
+    # with the pool's cache and fast path.
     functions: tuple[str, ...] = ()
-    """Reward functions as "module:function" (reward_functions.py; docs/rewards.md), importable
-    on every node, called in the verifier pool's processes; the verdict is their weighted sum.
-    Each is imported and its signature checked when this config is built. Empty: math-verify
-    (the same verdict as "async_grpo.rewards.math_verifier:math_verify_reward", with the pool's cache and fast path)."""
+    """Reward functions as "module:function", importable on every node (docs/rewards.md); the
+    verdict is their weighted sum. Empty: math-verify."""
     weights: tuple[float, ...] = ()
     """One finite weight per entry of `functions`; empty: 1.0 each."""
+    # Other prompts: `functions`, or math-verify, or for data.format reasoning_gym the task's own
+    # scorer (async_grpo.rewards.reasoning_gym_reward:score).
     by_data_source: tuple[str, ...] = ()
     """verl-style routing, "data_source=module:function" entries: a prompt whose record's
-    `data_source` field (dataset format verl) is named here is scored by that function alone
-    (weight 1); every other prompt by `functions` (or math-verify; or, for prompts of data.format reasoning_gym, the task's own scorer,
-    async_grpo.rewards.reasoning_gym_reward:score). Checked like `functions`."""
+    `data_source` (data.format verl) is named here is scored by that function alone (weight 1);
+    other prompts as without it. Checked like `functions`."""
     function_timeout_s: float | None = None
     """Deadline of one reward-function call (a batched function: one batch), after which its
     process is killed and the completion scores 0 for it; None: the verifier pool's deadline."""

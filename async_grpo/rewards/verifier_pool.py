@@ -58,16 +58,13 @@ _LOG_SNIPPET_CHARS = 80
 _MAX_CACHED_COMPLETION_CHARS = 1024
 # Default pool size: one process per usable core, but never one (a lone process that is killed at
 # the deadline stalls every other result for the deadline plus a restart), and at most 32 (each
-# process holds ~57 MB RSS, ~27 MB PSS, with sympy loaded, measured; 32 verify ~10k samples/s at
-# ~3 ms each).
+# process holds tens of MB with sympy loaded; benchmarks/RESULTS.md, "Reward verification").
 _MIN_DEFAULT_PROCESSES = 2
 _MAX_DEFAULT_PROCESSES = 32
-# Default deadline per verification. benchmarks/reward.py --fast_path false on the 2-core machine
-# (2 processes, 32 completions in flight, half of them ~4k-character reasoning texts, all through
-# math-verify): clean p99 latency, queueing included, 24-29 ms on a quiet machine and up to 166 ms
-# while other test suites ran (2026-11-24; 53-183 ms in earlier runs; RESULTS.md "Reward
-# verification"). 1 s is >5x the worst of those, headroom for a machine shared with generation and
-# training, while a hostile input that evades the pre-checks holds a process for 1 s, not 10.
+# Default deadline per verification: over 5x the worst clean p99 latency (queueing included) that
+# benchmarks/reward.py has measured (benchmarks/RESULTS.md, "Reward verification"), headroom for a
+# machine shared with generation and training, while a hostile input that evades the pre-checks
+# holds a process for 1 s, not 10.
 DEFAULT_TIMEOUT_S = 1.0
 
 # stats()'s counters, in the order it reports them.

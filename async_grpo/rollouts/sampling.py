@@ -154,18 +154,20 @@ class SamplingConfig:
     """Nucleus-sampling mass in (0, 1]."""
     max_tokens: int = 512
     """Most tokens one completion may generate; a completion that reaches it is truncated."""
+    # The request for prompt k uses request_seed(seed, k, n) and vLLM gives its i-th completion
+    # that seed + i. The trainer's batcher sends each step its own seed, derive_seed(seed, step),
+    # so a prompt drawn again at a later step gets fresh randomness.
     seed: int | None = None
-    """Seed of a request's sampling: the request for prompt k uses request_seed(seed, k, n) and
-    vLLM gives its i-th completion that seed + i, so the same (seed, prompt, weights) give the
-    same rollouts. The trainer sets it from TrainerConfig.seed, and its batcher sends each step
-    its own seed, derive_seed(seed, step), so a prompt drawn again at a later step gets fresh
-    randomness. None samples unseeded (from the engine's own random state)."""
+    """Seed of a request's sampling: the same (seed, prompt, weights) give the same rollouts. The
+    trainer sets it from TrainerConfig.seed (see seed_sampling). None: unseeded, from the engine's
+    own random state."""
+    # The batcher asks the ranks for more prompts (drawn from their data order) until the step has
+    # as many informative prompts as it was submitted. Counted: counts/dropped_zero_variance_groups,
+    # counts/resampled_prompts.
     drop_zero_variance_groups: bool = False
     """DAPO's dynamic sampling: a group whose rollouts all scored the same (no learning signal) is
-    not trained on and does not count in the gradient divisor; the batcher asks the ranks for more
-    prompts (drawn from their data order) until the step has as many informative prompts as it
-    was submitted, for at most max_resample_rounds rounds. Counted: counts/dropped_zero_variance_groups,
-    counts/resampled_prompts."""
+    not trained on nor counted in the gradient divisor, and is replaced by fresh prompts, for at
+    most max_resample_rounds rounds."""
     max_resample_rounds: int = 3
     """Most rounds of extra prompts one step asks for under drop_zero_variance_groups."""
     mask_truncated: bool = False

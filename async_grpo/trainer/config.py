@@ -55,45 +55,42 @@ class TrainerConfig:
     prompts_per_rank: int = 8
     """Prompts each rank submits per step (the step's batch is world_size x this x n samples)."""
     oversized_sample_policy: Literal["refuse", "train_alone"] = "refuse"
-    """refuse: a config under which one sample could exceed max_tokens_per_gpu
-    (data.max_prompt_tokens + sampling.max_tokens > max_tokens_per_gpu) is an error at load time,
-    so the budget bounds every minibatch. train_alone: accept it; a sample over the budget is
-    trained alone in its own minibatch, over the bound (counts/oversized_samples per step)."""
+    """refuse: a config whose longest sample (data.max_prompt_tokens + sampling.max_tokens) exceeds
+    max_tokens_per_gpu is an error at load time. train_alone: accept it; a sample over the budget
+    trains alone in its own minibatch (counts/oversized_samples)."""
+    # Passes after the first take the first pass's logprobs as pi_old (unless the samples carry
+    # old-policy logprobs), so the clipped ratio bounds how far one batch moves the policy.
     epochs_per_step: int = 1
     """Passes over each step's samples, each ending in an optimizer step (PPO epochs; TRL's
-    num_iterations). Passes after the first take the first pass's logprobs as pi_old (unless
-    the samples carry old-policy logprobs), so the clipped ratio bounds how far one batch moves
-    the policy. Weights are pushed, and the lr schedule advances, once per step."""
+    num_iterations). Weights are pushed, and the lr schedule advances, once per step."""
     weight_push_mode: Literal["gather", "sharded", "lora_files"] = "gather"
-    """gather: rank 0 publishes the full state (with model.lora: the adapter); sharded: every
-    rank publishes its own FSDP shards (of the adapter, with model.lora); lora_files (model.lora
-    only): rank 0 writes the adapter to <run_dir>/weights/step_N/ and workers load it from there
-    (a filesystem every worker reads). LoRA pushes are made loadable by <run_dir>/weights/STABLE,
-    which workers must be able to read in every mode."""
+    """gather: rank 0 publishes the full state; sharded: every rank its own FSDP shards (with
+    model.lora, both of the adapter); lora_files (model.lora only): rank 0 writes the adapter to
+    <run_dir>/weights/step_N/. With LoRA, workers must read <run_dir>/weights/ in every mode."""
     transfer: TrainerTransferConfig = field(default_factory=TrainerTransferConfig)
-    """How full weights reach the generation engines: weight_transfer 'object_store' (the
-    WeightUpdate path), or on CUDA one of vLLM's engines driven from the trainer's GPUs ('nccl'
-    with weight_push_mode gather, 'nccl_m2n' with sharded, 'ipc' with gather on the engines'
-    GPUs); must equal the generation workers' EngineConfig.weight_transfer."""
+    """How full weights reach the generation engines: 'object_store', or on CUDA one of vLLM's
+    engines ('nccl' with weight_push_mode gather, 'nccl_m2n' with sharded, 'ipc' with gather on the
+    engines' GPUs); must equal the workers' EngineConfig.weight_transfer."""
+    # 'auto' sends workers what the trainer computed with; in bf16 a push moves half fp32's bytes.
     weight_push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Dtype of the weights pushed to the inference workers (cast on each rank before they leave
-    it; checkpoints stay fp32). auto: bfloat16 when the trainer computes in bf16 (on CUDA with
-    model.mixed_precision), else float32, so workers receive what the trainer computed with and
-    a push moves half the bytes of fp32 on GPU."""
+    """Dtype of the weights pushed to the inference workers (cast on each rank; checkpoints stay
+    fp32). auto: bfloat16 when the trainer computes in bf16 (CUDA with model.mixed_precision),
+    else float32."""
+    # Only versions that are multiples of push_every are published (plus the start). The staleness
+    # bound stays max_lag steps, counted against the published versions: step s's prompts wait for
+    # a published version >= s - max_lag, so step push_every - 1 can only use version 0. With
+    # max_lag == push_every - 1 the prompts of the step right after a push are generated only after
+    # that push, while nothing trains.
     push_every: int = 1
-    """Publish weights to the inference workers after every this many steps (and after the last
-    step), i.e. only versions that are multiples of push_every (plus the start). The staleness
-    bound stays max_lag steps, counted against the published versions: step s's prompts wait for
-    a published version >= s - max_lag. That needs max_lag >= push_every - 1 (step
-    push_every - 1 can only use version 0). With max_lag == push_every - 1 the prompts of the step
-    right after a push are generated only after that push, while nothing trains; from max_lag >=
-    push_every on, generation overlaps training at every step."""
+    """Publish weights to the inference workers after every this many steps and after the last.
+    Needs max_lag >= push_every - 1; generation overlaps training at every step from max_lag >=
+    push_every on."""
+    # rank0: rank 0 reads every rank's minibatches and acknowledges them, so the other ranks never
+    # receive data over Ray (benchmarks/RESULTS.md, "Data path: `per_rank` vs `rank0`").
     data_path: Literal["per_rank", "rank0"] = "per_rank"
     """How ranks exchange prompts and minibatches with the batcher (data_path.py). per_rank: each
-    rank submits its prompts and pulls its minibatches over Ray. rank0: only rank 0 talks to the
-    batcher; it reads every rank's minibatches, acknowledges them, and scatters each rank its
-    share over the trainer's process group (gloo/NCCL), so the other ranks never receive data
-    over Ray. Both give every rank the same minibatches."""
+    rank over Ray. rank0: only rank 0 talks to the batcher and scatters each rank its share over
+    the process group (gloo/NCCL). Both give every rank the same minibatches."""
     checkpoint_every: int = 0
     """Checkpoint every N steps (0: only at the end of the run, see checkpoint_at_end)."""
     checkpoint_at_end: bool = True
@@ -101,24 +98,25 @@ class TrainerConfig:
     (for AdamW, twice the fp32 weights): turn it off for throwaway runs where host memory is short."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept on disk (older ones are deleted)."""
+    # One save at a time: the loop also waits for a previous save still writing. Still atomic (a
+    # tmp directory renamed into place); the trainer waits for the last save before it exits.
+    # `timing/checkpoint_s` is the time the loop was blocked by checkpointing, in either mode
+    # (benchmarks/RESULTS.md, "Background checkpoints: `checkpoint_async` false vs true").
     checkpoint_async: bool = False
-    """Write checkpoints on a background thread of rank 0 while training goes on. The loop then
-    blocks only for the snapshot (weights and optimizer state gathered into CPU copies) and, when
-    the previous save is still writing, for that one: one save at a time. Rank 0 holds the copies
-    (for AdamW about 3x the fp32 weights of host memory) until they are written. Still atomic (a
-    tmp directory renamed into place); the trainer waits for the last save before it exits.
-    `timing/checkpoint_s` is the time the loop was blocked by checkpointing, in either mode."""
+    """Write checkpoints on a background thread of rank 0 while training goes on; the loop blocks
+    only for the snapshot into CPU copies, which rank 0 holds until written (for AdamW about 3x
+    the fp32 weights of host memory)."""
     resume: bool = False
     """Continue from the latest complete checkpoint in run_dir."""
     seed: int = 0
     """Seed of the data order, the torch RNG and (see seed_sampling) rollout sampling."""
+    # Each step still gets its own seed (vllm_experience_batcher.step_sampling). vLLM draws a
+    # seeded request's noise from its own generator, one request at a time in every decoding step
+    # (a loop vLLM marks as slow), which can cost throughput on large batches.
     seed_sampling: bool = True
     """Seed rollout sampling with `seed` when sampling.seed is unset, so a rerun or a resumed run
-    samples the same rollouts (within float-level kernel differences); each step still gets its
-    own seed (vllm_experience_batcher.step_sampling). False samples unseeded, and then
-    sampling.seed must stay unset: vLLM draws a seeded request's noise from its own generator, one
-    request at a time in every decoding step (a loop vLLM marks as slow), which can cost
-    throughput on large batches."""
+    samples the same rollouts (within float-level kernel differences). False: unseeded, which can
+    be faster on large batches; sampling.seed must then stay unset."""
     message_timeout_s: float = 1800.0
     """Longest wait for the next minibatch before the trainer gives up with an error."""
     dist_timeout_s: float = 1800.0
@@ -139,11 +137,9 @@ class TrainerConfig:
     """Rank 0's progress on the console: a bar (reward, its 10-step mean, the last evaluation's
     accuracy, step time) on a terminal, a line every tenth of the run elsewhere (docs/console.md)."""
     log_level: LogLevel = "warning"
-    """What rank 0's console shows besides the progress, evaluation lines and the end-of-run
-    summary. warning: warnings and errors only; every INFO line (per step: metrics, weight push)
-    goes to run_dir/run.log. info: the INFO lines on the console too, as well as Ray's start-up
-    lines; debug: DEBUG lines as well, in both. local_cluster.py's console follows it too. Other
-    ranks show warnings only."""
+    """What rank 0's console (and local_cluster.py's) shows besides progress, evaluations and the
+    summary. warning: warnings and errors; INFO lines go to run_dir/run.log only. info: INFO and
+    Ray's start-up lines on the console too; debug: DEBUG lines too. Other ranks: warnings."""
 
     def __post_init__(self) -> None:
         # The experience section has checked its own fields (max_tokens_per_gpu >= 1, max_lag >= 0, ...).

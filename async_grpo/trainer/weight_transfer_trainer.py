@@ -113,11 +113,12 @@ _PAIRING_WHY = {
 class TrainerTransferConfig:
     """How the trainer sends full weights to the generation engines."""
 
+    # A worker refuses a transfer by another backend at its first push. 'object_store': the
+    # WeightUpdate path.
     weight_transfer: Literal["object_store", "nccl", "nccl_m2n", "ipc"] = "object_store"
-    """Must equal the generation workers' EngineConfig.weight_transfer (a worker refuses a
-    transfer by another backend at its first push): local_cluster.py passes it to the workers it
-    starts; workers started by hand (worker_dispatcher.py) need `--weight_transfer` set to the same
-    value. 'object_store': the WeightUpdate path."""
+    """Must equal the generation workers' EngineConfig.weight_transfer: local_cluster.py passes it
+    to the workers it starts; workers started by hand (worker_dispatcher.py) need the same
+    `--weight_transfer`."""
     rendezvous_address: str = "127.0.0.1"
     """Address of trainer rank 0's NCCL rendezvous (vLLM's TCPStore), which every engine must
     reach. 127.0.0.1 serves engines on the trainer's node; another address exposes the store to

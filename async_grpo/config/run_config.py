@@ -37,7 +37,8 @@ place, the config class:
     command, cfg = load_command({"plot": PlotConfig, "compare": CompareConfig}, sys.argv[1:], prog)
 
 A value a config refuses ends an entry point with one line naming the program and the field, exit
-status 2, before anything starts (`exit_config_error`); argparse already does so for unknown flags.
+status 2, before anything starts (`exit_config_error`); so does a command-line error, an unknown
+flag naming the closest known ones.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import argparse
 import ast
 import copy
 import dataclasses
+import difflib
 import inspect
 import json
 import sys
@@ -333,9 +335,26 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
     return list(argv[:cut]), list(argv[cut + 1 :])
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse with its command-line errors as one line (no usage block): an unknown flag names
+    the closest known ones, as a user who misspelt one expects."""
+
+    def error(self, message: str) -> NoReturn:
+        unknown = message.partition("unrecognized arguments: ")[2].split()
+        flags = [word for word in unknown if word.startswith("-")]
+        if flags:
+            known = [option for action in self._actions for option in action.option_strings]
+            hints = []
+            for flag in flags:
+                close = difflib.get_close_matches(flag.split("=", 1)[0], known, n=2)
+                hints.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
+            message = f"unknown flag{'s' if len(flags) > 1 else ''} {', '.join(hints)}"
+        exit_config_error(self.prog, f"{message}; --help lists the flags")
+
+
 def load_config(cls: type[T], argv: list[str], description: str = "") -> T:
     """Build `cls` from defaults, then `--config FILE` (YAML or TOML), then `--key value` flags."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _OneLineErrors(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, help="YAML or TOML file with config values")
     positional = _positional_name(cls)
     for dotted, tp, help_text in _flags(cls):

@@ -292,3 +292,18 @@ def test_load_command_picks_the_config_by_the_first_word(capsys) -> None:
     with pytest.raises(SystemExit) as info:
         load_command(commands, ["--help"], "prog")
     assert info.value.code == 0 and "  compare: Compare runs." in capsys.readouterr().out
+
+
+def test_a_misspelt_flag_is_one_line_naming_the_closest(capsys: pytest.CaptureFixture[str]) -> None:
+    """A user's typo gets one line, exit 2, and the flag meant; not argparse's usage block."""
+    from async_grpo.trainer.config import TrainerConfig
+
+    with pytest.raises(SystemExit) as info:
+        load_config(TrainerConfig, ["--num_stepz", "10", "--max_lagg", "1"])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "unknown flags --num_stepz (did you mean --num_steps?), --max_lagg (did you mean --max_lag?)" in err
+    with pytest.raises(SystemExit) as info:
+        load_config(TrainerConfig, ["--num_steps"])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and len(err.splitlines()) == 1 and "--num_steps: expected one argument" in err

@@ -17,12 +17,9 @@ The peak RSS helpers (`rss_kib`, `reset_cpu_peak`) are shared with memory.py's o
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import multiprocessing
-import os
 import resource
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from async_grpo.launch.local_processes import environ
 from async_grpo.launch.process_tuning import FIXED_MALLOC_ENV
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer
 from benchmarks.packed_samples import draw_packed_samples
@@ -65,25 +63,10 @@ def reset_cpu_peak() -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """os.environ with `values` set for the block (a spawned child reads it at its start)."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def in_fresh_process(fn: Callable, *args, env: dict[str, str] | None = None) -> object:
     """Run fn(*args) in a newly spawned interpreter (nothing inherited, nothing left behind), with
     `env` added to its environment."""
-    with _environment(env or {}), ProcessPoolExecutor(
+    with environ(env or {}), ProcessPoolExecutor(
             max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
 

@@ -5,7 +5,6 @@ Pure functions, checked against hand-written expectations."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 

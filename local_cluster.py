@@ -42,8 +42,8 @@ from async_grpo.launch.engine_defaults import CPU_ENGINE, LAUNCHER_MAX_NUM_SEQS,
 from async_grpo.launch.host_gpus import HostGpuError, gpu_memory_bytes, planned_gpus
 from async_grpo.launch.local_processes import environ, free_port, make_run_temp_dir, run_environment, stop_process_group
 from async_grpo.launch.placement import (
-    ModelShape, Placement, PlacementError, RunShape, check_transfer_placement, default_trainer_ranks,
-    plan_placement,
+    BF16_BYTES, FP32_BYTES, ModelShape, Placement, PlacementError, RunShape, check_transfer_placement,
+    default_trainer_ranks, plan_placement,
 )
 from async_grpo.launch.process_tuning import thread_env, threads_per_process
 from async_grpo.launch.ray_cluster import init_local_ray
@@ -195,7 +195,7 @@ def _run_load(trainer_config: TrainerConfig, ranks: int) -> dict[str, int]:
     steps = experience.max_lag + 1
     return dict(sequences_in_flight=steps * ranks * trainer_config.prompts_per_rank * experience.sampling.n,
                 max_model_len=trainer_config.longest_sample,
-                compute_dtype_bytes=2 if trainer_config.model.mixed_precision else 4)
+                compute_dtype_bytes=BF16_BYTES if trainer_config.model.mixed_precision else FP32_BYTES)
 
 
 class LocalCluster:

@@ -343,9 +343,10 @@ def plan_placement(host_gpus: int, gpu_memory_bytes: int, model: ModelShape, run
         raise PlacementError(_too_big("a trainer rank", estimates["trainer rank"], gpu_memory_bytes))
     whole_gpus_needed = run.generation_workers * run.tensor_parallel_size + run.logprob_workers
     if inference >= whole_gpus_needed:
-        sizing = _sized_engine(model, run, int(MAX_ENGINE_FRACTION * gpu_memory_bytes))
-        fraction = None if sizing is None else _fraction_of(sizing.engine_bytes, gpu_memory_bytes)
-        if sizing is not None:
+        fraction, sizing = _sized_share(model, run, MAX_ENGINE_FRACTION, gpu_memory_bytes)
+        if sizing is None:
+            fraction = None  # the run's load unknown: vLLM's own default on a whole GPU
+        else:
             estimates["engine"] = sizing.engine_bytes
         return Placement(host_gpus=host_gpus, gpu_memory_bytes=gpu_memory_bytes,
                          worker_gpus=tuple(range(whole_gpus_needed)), trainer_gpus=trainer, worker_gpu_share=1.0,
@@ -403,10 +404,8 @@ def _fit_engines(engines: int, gpu_memory_bytes: int, model: ModelShape, run: Ru
     fraction = per_engine / gpu_memory_bytes if engines else None
     sizing = None
     if fraction is not None:
-        fraction = round(max(min(fraction, MAX_ENGINE_FRACTION), MIN_ENGINE_FRACTION), 3)
-        sizing = _sized_engine(model, run, int(fraction * gpu_memory_bytes))
-        if sizing is not None:
-            fraction = min(fraction, _fraction_of(sizing.engine_bytes, gpu_memory_bytes))
+        cap = round(max(min(fraction, MAX_ENGINE_FRACTION), MIN_ENGINE_FRACTION), 3)
+        fraction, sizing = _sized_share(model, run, cap, gpu_memory_bytes)
         estimates["engine"] = sizing.engine_bytes if sizing is not None else int(fraction * gpu_memory_bytes)
     workers_on_a_gpu = math.ceil(run.workers / len(worker_gpus))
     return Placement(host_gpus=host_gpus, gpu_memory_bytes=gpu_memory_bytes, worker_gpus=worker_gpus,
@@ -414,21 +413,19 @@ def _fit_engines(engines: int, gpu_memory_bytes: int, model: ModelShape, run: Ru
                      engine_memory_fraction=fraction, engine_sizing=sizing, estimates=estimates)
 
 
-def _sized_engine(model: ModelShape, run: RunShape, share_bytes: int) -> EngineSizing | None:
-    """One engine's KV cache sized to the run's sequences in flight within `share_bytes`
-    (kv_cache_plan); None when the run's load is unknown."""
+def _sized_share(model: ModelShape, run: RunShape, cap: float,
+                 gpu_memory_bytes: int) -> tuple[float, EngineSizing | None]:
+    """An engine's gpu_memory_utilization within `cap` of a GPU, and its KV cache sized to the
+    run's sequences in flight (kv_cache_plan): the share that cache needs, rounded up to vLLM-readable
+    thousandths; `cap` itself, and no sizing, when the run's load is unknown."""
     if not (run.sequences_in_flight and run.max_model_len):
-        return None
+        return cap, None
     load = RunLoad(sequences_in_flight=run.sequences_in_flight, max_model_len=run.max_model_len,
                    generation_workers=run.generation_workers)
-    return size_engine(load, kv_token_bytes=kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
-                                                               BF16_BYTES),
-                       weight_bytes=BF16_BYTES * model.num_params, vocab_size=model.vocab_size, share_bytes=share_bytes)
-
-
-def _fraction_of(engine_bytes: int, gpu_memory_bytes: int) -> float:
-    """gpu_memory_utilization covering `engine_bytes`, rounded up to vLLM-readable thousandths."""
-    return math.ceil(engine_bytes / gpu_memory_bytes * 1000) / 1000
+    token_bytes = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, BF16_BYTES)
+    sizing = size_engine(load, kv_token_bytes=token_bytes, weight_bytes=BF16_BYTES * model.num_params,
+                         vocab_size=model.vocab_size, share_bytes=int(cap * gpu_memory_bytes))
+    return min(cap, math.ceil(sizing.engine_bytes / gpu_memory_bytes * 1000) / 1000), sizing
 
 
 def _ray_share(workers_on_a_gpu: int) -> float:

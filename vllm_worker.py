@@ -72,8 +72,8 @@ from async_grpo.launch.local_processes import environ
 from async_grpo.launch.ray_cluster import shared_memory_owner
 from async_grpo.launch.ray_env import GENERATION
 from async_grpo.rewards.math_verifier import RewardResult
-from async_grpo.rewards.rewards import ShapedReward
-from async_grpo.rewards.verifier_cluster import connect_verifier_pool
+from async_grpo.rewards.shaping import ShapedReward
+from async_grpo.rewards.math_verify_cluster import connect_verifier_pool
 from async_grpo.rollouts.multi_turn import ChatRenderer, MultiTurnStats, engine_generate, run_rollouts
 from async_grpo.rollouts.rollout_scoring import RewardScorer, RolloutScorer, shaped_rewards
 from async_grpo.rollouts.sampling import SamplingConfig

@@ -139,7 +139,7 @@ def run(args: EngineStartConfig) -> dict[str, Any]:
     import ray
 
     from async_grpo.launch.ray_cluster import init_local_ray
-    from async_grpo.rewards.verifier_cluster import connect_verifier_pool
+    from async_grpo.rewards.math_verify_cluster import connect_verifier_pool
     from sample_processing_utils import Sample
     from setup_model import load_tokenizer
 

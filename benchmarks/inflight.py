@@ -185,7 +185,7 @@ async def run_all(cfg: InflightConfig, work: Path) -> list[RunResult]:
     import ray
 
     from async_grpo.config.worker_options import EngineConfig
-    from async_grpo.rewards.verifier_pool import VerifierPool
+    from async_grpo.rewards.math_verify_pool import VerifierPool
     from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
     from vllm_worker import GenerationWorker, GenerationWorkerConfig
 

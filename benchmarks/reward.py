@@ -64,7 +64,7 @@ from typing import Literal
 
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rewards.reward_functions import FunctionScore
-from async_grpo.rewards.verifier_pool import VerifierPool
+from async_grpo.rewards.math_verify_pool import VerifierPool
 from benchmarks.harness import apply_smoke, load_bench_config, setup_logging
 
 # Target length of a long reasoning completion: ~1k tokens, a typical math rollout.

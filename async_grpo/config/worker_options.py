@@ -224,14 +224,14 @@ class VerificationConfig:
     worker to ask; later workers join it as it is)."""
 
     # Without nodes that offer `verification_slot`, the pool runs in one process outside Ray's
-    # accounting (verifier_cluster.VerifierPoolActor).
+    # accounting (math_verify_cluster.VerifierPoolActor).
     global_num_verifiers: int | None = None
     """Processes of the pool, each taking one `verification_slot` resource on the nodes that offer
     it (capped at the slots offered). None: one per usable core, 2 to 32
-    (verifier_pool.VerifierPoolConfig), so a few slow verifications cannot hold up the rest."""
+    (math_verify_pool.VerifierPoolConfig), so a few slow verifications cannot hold up the rest."""
     verifier_timeout_s: float | None = None
     """Hard deadline per verification; a verifier that passes it is killed and the reward is 0.
-    None: verifier_pool.VerifierPoolConfig's default (1 s, from the measured clean p99)."""
+    None: math_verify_pool.VerifierPoolConfig's default (1 s, from the measured clean p99)."""
 
     def __post_init__(self) -> None:
         if self.global_num_verifiers is not None and self.global_num_verifiers < 1:

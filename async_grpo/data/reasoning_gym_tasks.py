@@ -1,6 +1,6 @@
 """Procedural prompts from the `reasoning-gym` package (data.format reasoning_gym): the config and the records.
 
-dataset.py turns the records into Samples (the question is the prompt text); rewards.py routes
+dataset.py turns the records into Samples (the question is the prompt text); shaping.py routes
 their data_source to reasoning_gym_reward.py, the task's own scorer. Imports reasoning_gym only
 when records are generated.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 from async_grpo.data.prompt_record import DatasetError
 
-# data_source of the prompts of data.format reasoning_gym (rewards.py routes it to the task's scorer).
+# data_source of the prompts of data.format reasoning_gym (shaping.py routes it to the task's scorer).
 REASONING_GYM_SOURCE_PREFIX = "reasoning_gym/"
 
 

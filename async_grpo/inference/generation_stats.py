@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from async_grpo.rewards.rewards import ShapedReward
+from async_grpo.rewards.shaping import ShapedReward
 from sample_processing_utils import Sample
 
 

@@ -1,6 +1,6 @@
 """Answer checks with math-verify: which answer of a completion counts, the cheap pre-checks
 that turn hostile shapes away, the plain-number fast path, and math-verify's verdict. Pure: no
-processes, no Ray; the verifier pool (verifier_pool.py) runs `verify_with_math_verify` in processes
+processes, no Ray; the verifier pool (math_verify_pool.py) runs `verify_with_math_verify` in processes
 it can kill at a deadline, since math-verify itself cannot be interrupted (see there).
 
     result = score_completion("so the sum is \\boxed{7}", "7")   # RewardResult(1.0, False, "")

@@ -4,7 +4,7 @@ score through.
 
 On a Ray cluster all generation workers share one pool actor, created by the first call to
 `get_or_create_verifier_pool`; that first caller's `num_processes` (the dispatcher's
---global_num_verifiers; None: from the cores, verifier_pool.VerifierPoolConfig) and `timeout_s`
+--global_num_verifiers; None: from the cores, math_verify_pool.VerifierPoolConfig) and `timeout_s`
 size it, later callers get the existing actor whatever they pass. Each process uses about one CPU
 core. Nodes offer that capacity through the `verification_slot` custom resource
 (`ray start --resources='{"verification_slot": 100}'`): the processes are then spread over those
@@ -23,8 +23,8 @@ from typing import Any, Mapping, Sequence
 
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rewards.reward_functions import FunctionScore
-from async_grpo.rewards.verifier_pool import DEFAULT_TIMEOUT_S, VerifierPool, VerifierPoolConfig, default_num_processes
-from async_grpo.rewards.verifier_process import STARTUP_TIMEOUT_S, WorkerStartError
+from async_grpo.rewards.math_verify_pool import DEFAULT_TIMEOUT_S, VerifierPool, VerifierPoolConfig, default_num_processes
+from async_grpo.rewards.math_verify_process import STARTUP_TIMEOUT_S, WorkerStartError
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ and plug-in reward functions (VerifierPool.score_function), in processes that ca
 
 math-verify cannot be interrupted from inside (math_verifier.py; an exponent tower such as
 `\\boxed{5^{5^{5^{5^5}}}}` or a megabyte of LaTeX can hang it for minutes), so each verification
-runs in the main thread of a worker process of its own (verifier_process.py). One dispatcher
+runs in the main thread of a worker process of its own (math_verify_process.py). One dispatcher
 thread per process sends it one task at a time as JSON over a pipe and waits at most `timeout_s`;
 a process that overruns is killed, its sample scores 0 with error "timeout", and a replacement
 process is started. A hostile output thus costs one deadline and one process restart, never a
@@ -24,7 +24,7 @@ math-verify in a process under the deadline.
     pool.close()
 
 Failures are counted by their typed kind (reward_failure.FailureKind) in stats(). On a Ray
-cluster the processes are shared and spread over nodes by verifier_cluster.py.
+cluster the processes are shared and spread over nodes by math_verify_cluster.py.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from async_grpo.rewards import reward_functions
 from async_grpo.rewards.math_verifier import DEFAULT_LIMITS, AnswerLimits, RewardResult, failure, quick_verdict
 from async_grpo.rewards.reward_failure import FailureKind
 from async_grpo.rewards.reward_functions import FunctionScore
-from async_grpo.rewards.verifier_process import (
+from async_grpo.rewards.math_verify_process import (
     FORKSERVER_PRELOAD, MAX_FUNCTION_REPLY_BYTES, WorkerSlot, WorkerStartError, decode_result,
 )
 

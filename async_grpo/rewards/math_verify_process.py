@@ -5,7 +5,7 @@ threads drive (`WorkerSlot`: start, wait until ready, run a task under a deadlin
 Each verification runs in the main thread of a process of its own because math-verify enforces
 its timeouts with `signal.alarm`, which raises outside the main thread and cannot interrupt long
 C-level work: the parent waits at most the deadline for a reply and kills the process when it
-does not come (verifier_pool.VerifierPool). Replies are small JSON objects with a size cap;
+does not come (math_verify_pool.VerifierPool). Replies are small JSON objects with a size cap;
 nothing from a pipe is unpickled.
 """
 
@@ -32,8 +32,8 @@ _SHUTDOWN_GRACE_S = 5.0
 _MAX_REPLY_BYTES = 1 << 16
 MAX_FUNCTION_REPLY_BYTES = 1 << 22
 # Imported once by the forkserver so that every process forked from it starts with them loaded,
-# and warm (verifier_warmup verifies one answer: a replacement process then starts in ~0.03 s).
-FORKSERVER_PRELOAD = ["verifier_process", "math_verify", "sympy", "verifier_warmup"]
+# and warm (math_verify_warmup verifies one answer: a replacement process then starts in ~0.03 s).
+FORKSERVER_PRELOAD = ["math_verify_process", "math_verify", "sympy", "math_verify_warmup"]
 _READY_MESSAGE = b'{"ready": true}'
 
 

@@ -1,8 +1,8 @@
 """Warms math-verify once in the verifier pool's forkserver, so that every process forked from it
 starts warm.
 
-verifier_pool.VerifierPool lists this module last in its forkserver preload
-(verifier_process.FORKSERVER_PRELOAD). Importing it parses and verifies one answer: the first
+math_verify_pool.VerifierPool lists this module last in its forkserver preload
+(math_verify_process.FORKSERVER_PRELOAD). Importing it parses and verifies one answer: the first
 verification in a fresh interpreter builds math-verify's LaTeX parser and sympy's caches (~0.18 s
 on a quiet 2-core machine, measured), the ones after it take ~0.01 s, and a child forked from a
 warmed process ~0.03 s. Without it every replacement process (after a timeout or a crash) paid

@@ -1,6 +1,6 @@
 """Why a reward could not be computed: one vocabulary for the verifier's results
 (math_verifier.RewardResult), the reward functions' scores (reward_functions.FunctionScore), the
-pool's counters (verifier_pool.VerifierCounts) and the per-reason step metrics
+pool's counters (math_verify_pool.VerifierCounts) and the per-reason step metrics
 (`counts/reward_failures/<function>/<reason>`, rewards.combine_scores).
 
 The kind travels as this typed value from where a failure happens to where it is counted; the

@@ -1,6 +1,6 @@
 """Reward functions as plug-ins: load `module:function`, check its signature, call it, validate what
-it returns. The verifier pool's processes call them (verifier_pool.VerifierPool.score_function)
-under the pool's deadline; a run names them in `RewardConfig.functions` (rewards.py).
+it returns. The verifier pool's processes call them (math_verify_pool.VerifierPool.score_function)
+under the pool's deadline; a run names them in `RewardConfig.functions` (shaping.py).
 
 A reward function takes the prompt record (every field of the dataset record, plus `gt_answer`),
 the completion's text, its token ids and the sample's metadata (prompt_id, group_id, run_id,

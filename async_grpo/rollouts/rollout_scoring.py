@@ -3,7 +3,7 @@
 A group's completions get math-verify's verdict (the cluster's verifier pool) or the reward
 functions of `SamplingConfig.reward`, run in the same pool's processes; completions cut off at
 max_tokens may get `truncated_reward` instead; the format bonus or penalty and the soft overlong
-punishment shape the final reward (rewards.py). No engine here: GenerationWorker hands its
+punishment shape the final reward (shaping.py). No engine here: GenerationWorker hands its
 completed samples to a RolloutScorer, which tests can build with any RewardScorer.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Callable, Protocol
 from async_grpo.rewards.math_verifier import RewardResult, quick_verdict
 from async_grpo.rewards.reward_failure import FailureKind
 from async_grpo.rewards.reward_functions import FunctionScore, failure, function_name
-from async_grpo.rewards.rewards import (
+from async_grpo.rewards.shaping import (
     CORRECT_VERDICT, DEFAULT_REWARD_NAME, CombinedScore, ShapedReward, combine_scores, overlong_penalty, shape_reward,
 )
 from async_grpo.rollouts.sampling import SamplingConfig
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 class RewardScorer(Protocol):
-    """What the worker needs from a verifier: verifier_pool.VerifierPool or verifier_cluster.VerifierPoolClient."""
+    """What the worker needs from a verifier: math_verify_pool.VerifierPool or math_verify_cluster.VerifierPoolClient."""
 
     async def score(self, completions: list[str], gt_answer: str) -> list[RewardResult]: ...
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from async_grpo.rewards.rewards import RewardConfig
+from async_grpo.rewards.shaping import RewardConfig
 from async_grpo.rollouts.environments import EnvironmentConfig, check_episode_limits, check_options_object
 
 # A verifiers seat's harness and runtime when VerifiersEnvConfig.options pins none: verifiers'

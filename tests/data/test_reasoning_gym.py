@@ -15,8 +15,8 @@ import reasoning_gym  # noqa: E402
 from async_grpo.data.dataset import DatasetConfig, DatasetError, load_prompt_file  # noqa: E402
 from async_grpo.data.reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records  # noqa: E402
 from async_grpo.rewards.reasoning_gym_reward import FUNCTION, extract_answer, score  # noqa: E402
-from async_grpo.rewards.rewards import RewardConfig  # noqa: E402
-from async_grpo.rewards.verifier_pool import VerifierPool  # noqa: E402
+from async_grpo.rewards.shaping import RewardConfig  # noqa: E402
+from async_grpo.rewards.math_verify_pool import VerifierPool  # noqa: E402
 from setup_model import load_tokenizer  # noqa: E402
 
 TASKS = ("basic_arithmetic", "leg_counting")

@@ -33,7 +33,7 @@ def run_cluster_scenario(spec: dict) -> dict:
     from ray.cluster_utils import Cluster
 
     from async_grpo.launch.ray_env import actor_runtime_env
-    from async_grpo.rewards.verifier_cluster import (
+    from async_grpo.rewards.math_verify_cluster import (
         VERIFICATION_SLOT, connect_verifier_pool, get_or_create_verifier_pool, shutdown_verifier_pool,
     )
 

@@ -178,7 +178,7 @@ LIGHT_ENTRY_POINTS = ("worker_dispatcher", "local_cluster")
 """Processes that check their flags and inputs before they do anything heavy: importing them
 reaches no torch, so a bad flag is one line in ~0.5 s instead of ~2 s (torch's import)."""
 HEAVY_LIBRARIES = ("torch", "transformers", "vllm")
-TENSOR_FREE_ACTORS = ("vllm_experience_batcher", "vllm_registry", "async_grpo.rewards.verifier_pool")
+TENSOR_FREE_ACTORS = ("vllm_experience_batcher", "vllm_registry", "async_grpo.rewards.math_verify_pool")
 """Ray actors that handle no tensors, started once per run (and once per cluster in the suite):
 their processes import none of the heavy libraries, ~1.5 CPU-s each (torch alone ~1.1)."""
 

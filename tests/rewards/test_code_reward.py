@@ -10,7 +10,7 @@ import time
 import pytest
 
 from async_grpo.rewards import code_reward
-from async_grpo.rewards.verifier_pool import VerifierPool
+from async_grpo.rewards.math_verify_pool import VerifierPool
 
 SQUARE_TESTS = [{"input": "3\n", "output": "9\n"}, {"input": "12\n", "output": "144\n"},
                 {"input": "-2\n", "output": "4"}]

@@ -1,5 +1,5 @@
-"""The answer checks (math_verifier.py), the process pool (verifier_pool.py) and its Ray actors
-(verifier_cluster.py): real math-verify in worker processes, which answer of a long text counts, the
+"""The answer checks (math_verifier.py), the process pool (math_verify_pool.py) and its Ray actors
+(math_verify_cluster.py): real math-verify in worker processes, which answer of a long text counts, the
 pre-checks and the plain-number fast path (checked against math-verify itself), deadlines,
 replacement, the Ray actor path (the verification_slot path: tests/rewards/test_verifier_slots.py;
 the typed failure kinds: tests/rewards/test_reward_failure.py)."""
@@ -24,10 +24,10 @@ from async_grpo.rewards.math_verifier import (
     plain_number_verdict, precheck, quick_verdict, score_completion, verify_with_math_verify,
 )
 from async_grpo.rewards.reward_failure import FailureKind
-from async_grpo.rewards.verifier_cluster import (
+from async_grpo.rewards.math_verify_cluster import (
     VerifierPoolActor, connect_verifier_pool, get_or_create_verifier_pool, plan_verifier_shards, shutdown_verifier_pool,
 )
-from async_grpo.rewards.verifier_pool import VerifierPool, VerifierPoolConfig, default_num_processes
+from async_grpo.rewards.math_verify_pool import VerifierPool, VerifierPoolConfig, default_num_processes
 
 # Deadline of the pools that only see well-behaved completions: far above math-verify's ~2 ms per
 # sample, so a loaded shared machine never turns a normal sample into a timeout.
@@ -516,10 +516,10 @@ def test_processes_are_dealt_over_the_nodes_with_slots(node_slots, num_processes
 
 def test_without_verification_slots_the_pool_runs_in_its_actor_and_says_so(ray_local, caplog) -> None:
     """The fixture's cluster offers no verification_slot: today's behaviour, logged as unaccounted."""
-    with caplog.at_level(logging.WARNING, logger="async_grpo.rewards.verifier_cluster"):
+    with caplog.at_level(logging.WARNING, logger="async_grpo.rewards.math_verify_cluster"):
         actor = VerifierPoolActor(num_processes=1, timeout_s=NORMAL_TIMEOUT_S)  # the plain class, in process
     try:
-        warnings = [r.getMessage() for r in caplog.records if r.name == "async_grpo.rewards.verifier_cluster"]
+        warnings = [r.getMessage() for r in caplog.records if r.name == "async_grpo.rewards.math_verify_cluster"]
         assert len(warnings) == 1 and "outside Ray's CPU accounting" in warnings[0] and "verification_slot" in warnings[0]
         assert asyncio.run(actor.shards()) == []
         assert asyncio.run(actor.placement()) == {ray_local.get_runtime_context().get_node_id(): 1}

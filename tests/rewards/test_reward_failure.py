@@ -13,9 +13,9 @@ from async_grpo.rewards import reward_functions
 from async_grpo.rewards.math_verifier import RewardResult, failure
 from async_grpo.rewards.reward_failure import FailureKind
 from async_grpo.rewards.reward_functions import FunctionScore
-from async_grpo.rewards.rewards import combine_scores
-from async_grpo.rewards.verifier_pool import ResultCache, VerifierCounts
-from async_grpo.rewards.verifier_process import decode_result, encode_result
+from async_grpo.rewards.shaping import combine_scores
+from async_grpo.rewards.math_verify_pool import ResultCache, VerifierCounts
+from async_grpo.rewards.math_verify_process import decode_result, encode_result
 
 # The kinds a math-verify result can fail with, and the pool counter each one adds to.
 RESULT_COUNTERS = {FailureKind.TIMEOUT: "timeouts", FailureKind.PARSE_ERROR: "parse_errors",

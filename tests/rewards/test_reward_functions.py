@@ -12,8 +12,8 @@ import pytest
 
 from async_grpo.rewards import reward_functions
 from async_grpo.rewards.reward_functions import FunctionScore, RewardFunctionError, check_function, to_score
-from async_grpo.rewards.rewards import RewardConfig, combine_scores, counts_as_solved
-from async_grpo.rewards.verifier_pool import VerifierPool
+from async_grpo.rewards.shaping import RewardConfig, combine_scores, counts_as_solved
+from async_grpo.rewards.math_verify_pool import VerifierPool
 
 PLUGINS = "reward_plugins_for_tests"
 DEADLINE_S = 1.0

@@ -1,6 +1,6 @@
-"""Reward shaping (rewards.py) and the sampling config's stop and reward sections: pure, no engine.
+"""Reward shaping (shaping.py) and the sampling config's stop and reward sections: pure, no engine.
 
-    .venv/bin/python -m pytest tests/rewards/test_rewards.py -q
+    .venv/bin/python -m pytest tests/rewards/test_shaping.py -q
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from async_grpo.config.run_config import ConfigError, config_to_dict, load_config
-from async_grpo.rewards.rewards import RewardConfig, ShapedReward, format_matches, shape_reward
+from async_grpo.rewards.shaping import RewardConfig, ShapedReward, format_matches, shape_reward
 from async_grpo.rollouts.sampling import SamplingConfig
 
 BOXED = r"\\boxed\{.+\}"

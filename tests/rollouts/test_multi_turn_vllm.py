@@ -24,7 +24,7 @@ import pytest
 
 from async_grpo.inference.engine_requests import sampling_params
 from async_grpo.model.tiny_model import IM_END
-from async_grpo.rewards.verifier_pool import VerifierPool
+from async_grpo.rewards.math_verify_pool import VerifierPool
 from async_grpo.rollouts.environments import EnvironmentConfig, StepResult, Turn
 from async_grpo.rollouts.multi_turn import (
     ChatRenderer, GenerateFn, Generation, MultiTurnStats, engine_generate, run_rollouts,

@@ -20,6 +20,13 @@ own clip range. Without old logprobs pi_old is pi itself, detached, so r_t = 1 a
 exactly that of on-policy GRPO's -A_i log pi(t). w_t corrects for the sampler (vLLM, possibly stale
 weights) differing from the trainer (is_mode): 1 (none), min(rho_t, is_cap) (tis, truncated) or
 rho_t if rho_t <= is_cap else 0 (mis, masked), with rho_t = pi_old(t) / pi_sampler(t).
+
+Stale tokens (sampled by weights older than the trainer's, `policy_version`) and the decoupled
+objective (AReaL, arXiv 2505.24298): pi_old is the proximal policy, the trainer's weights before
+the step's first update (old-policy logprob workers' logprobs, else this step's first pass), so
+the clip bounds the move from the current weights, while the sampler enters only through rho_t.
+With `decoupled` on, every stale token gets rho_t's weight (is_mode's rule, tis when is_mode is
+none) and fresh tokens keep today's weight, so a step with no stale token is today's loss exactly.
 """
 
 from __future__ import annotations
@@ -91,6 +98,10 @@ class LossConfig:
     mismatch/kl, mismatch/is_weight_mean, mismatch/masked_frac."""
     is_cap: float = 2.0
     """Cap C of tis and mis."""
+    decoupled: bool | None = None
+    """Decoupled objective for stale tokens: weight each token sampled by older weights by
+    pi_old/pi_sampler (is_mode's rule and cap; tis under is_mode none), clip around pi_old.
+    Unset: on when max_lag >= 1."""
 
     def __post_init__(self) -> None:
         if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
@@ -215,46 +226,76 @@ def _policy_ratio(logprobs: torch.Tensor, old: torch.Tensor, batch: PackedBatch,
     return ratio, ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
 
 
-def _mismatch_weights(old: torch.Tensor, sampling: torch.Tensor, config: LossConfig,
+def _capped_weights(rho: torch.Tensor, mode: ISMode, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, capped flags) of importance ratios rho under tis (truncate at cap) or mis (mask
+    above cap)."""
+    capped = (rho > cap).float()
+    if mode == "tis":
+        return rho.clamp(max=cap), capped
+    return rho * (1.0 - capped), capped
+
+
+def _mismatch_weights(rho: torch.Tensor, log_rho: torch.Tensor, config: LossConfig,
                       metrics: dict[str, float]) -> torch.Tensor | None:
     """Importance weights against the sampler (None for is_mode none); logs the mismatch."""
-    log_rho = (old.detach() - sampling).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # log pi_old / pi_sampler
-    rho = torch.exp(log_rho)
     # KL(sampler || trainer) estimated on the sampler's own tokens (k3: unbiased, >= 0).
     metrics["mismatch/kl"] = (rho - log_rho - 1.0).mean().item()
     if config.is_mode == "none":
         metrics["mismatch/is_weight_mean"] = 1.0
         metrics["mismatch/masked_frac"] = 0.0
         return None
-    if config.is_mode == "tis":
-        weights = rho.clamp(max=config.is_cap)
-        masked = torch.zeros_like(rho)
-    else:  # mis
-        masked = (rho > config.is_cap).float()
-        weights = rho * (1.0 - masked)
+    weights, capped = _capped_weights(rho, config.is_mode, config.is_cap)
     metrics["mismatch/is_weight_mean"] = weights.mean().item()
-    metrics["mismatch/masked_frac"] = masked.mean().item()
+    metrics["mismatch/masked_frac"] = capped.mean().item() if config.is_mode == "mis" else 0.0
     return weights
 
 
+def _behaviour_weights(rho: torch.Tensor, stale: torch.Tensor, weights: torch.Tensor | None,
+                       config: LossConfig, metrics: dict[str, float]) -> torch.Tensor | None:
+    """The decoupled objective's weights: stale tokens get rho's weight under is_mode (tis when
+    none), fresh ones keep `weights` (is_mode's, or 1). Logs them (behaviour/*) whether or not
+    config.decoupled applies them, so runs without it show what they would be; returns the
+    weights the loss applies."""
+    stale_weights, capped = _capped_weights(rho, config.is_mode if config.is_mode != "none" else "tis",
+                                            config.is_cap)
+    applied = torch.where(stale, stale_weights, weights if weights is not None else torch.ones_like(rho))
+    stale_f = stale.float()
+    metrics["behaviour/stale_frac"] = stale_f.mean().item()
+    metrics["behaviour/weight_mean"] = applied.mean().item()
+    metrics["behaviour/weight_sq_mean"] = applied.square().mean().item()
+    metrics["behaviour/capped_frac"] = (capped * stale_f).mean().item()
+    if not config.decoupled or not bool(stale.any()):
+        return weights  # no stale token: exactly the loss without the decoupled objective
+    return applied
+
+
 def grpo_loss(
-    logprobs: torch.Tensor, batch: PackedBatch, config: LossConfig
+    logprobs: torch.Tensor, batch: PackedBatch, config: LossConfig, policy_version: int | None = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO loss summed over the batch: each sample's token mean (sample_mean) or every token
     (token_mean, constant); the trainer divides by the step's divisor (see `step_divisor`).
 
     logprobs: [O] trainer logprobs of the output tokens, aligned with batch.advantages.
+    policy_version: the weight version the trainer's weights are at (the step); tokens of older
+    versions are stale. Needed by config.decoupled; without it every token counts as fresh.
     Returns (loss, metrics); metrics are token means over the batch, as python floats.
     """
     if logprobs.shape != batch.advantages.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)} vs advantages {tuple(batch.advantages.shape)}")
+    if config.decoupled and policy_version is None:
+        raise ValueError("LossConfig.decoupled needs the trainer's policy_version to tell stale tokens")
     advantages = batch.advantages.to(logprobs.device)
     old = batch.old_logprobs.to(logprobs.device) if batch.old_logprobs is not None else logprobs.detach()
     ratio, clipped_ratio = _policy_ratio(logprobs, old, batch, config)
     unclipped_term, clipped_term = ratio * advantages, clipped_ratio * advantages
     pg = -torch.minimum(unclipped_term, clipped_term)
     metrics: dict[str, float] = {}
-    weights = _mismatch_weights(old, batch.sampling_logprobs.to(logprobs.device), config, metrics)
+    log_rho = (old.detach() - batch.sampling_logprobs.to(logprobs.device)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    rho = torch.exp(log_rho)  # pi_old / pi_sampler
+    weights = _mismatch_weights(rho, log_rho, config, metrics)
+    if policy_version is not None:
+        stale = batch.token_versions.to(logprobs.device) < policy_version
+        weights = _behaviour_weights(rho, stale, weights, config, metrics)
     if weights is not None:
         pg = pg * weights
 

@@ -208,6 +208,9 @@ class PackedBatch:
     """[O] float32 reference-policy logprobs, or None when no sample carries them."""
     old_logprobs: torch.Tensor | None
     """[O] float32 old-policy logprobs, or None when no sample carries them."""
+    token_versions: torch.Tensor
+    """[O] int64, the weight version that sampled each output token (Sample.token_versions, else
+    its weight_version): the loss weighs tokens older than the trainer's weights (grpo_loss)."""
     num_samples: int
     num_tokens: int
     """T, real tokens in the packed stream (there is no padding)."""
@@ -323,6 +326,18 @@ def _token_advantages(samples: Sequence[Sample]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
+def _token_versions(samples: Sequence[Sample]) -> torch.Tensor:
+    """[O] int64: each sampled token's weight version, expanded from the samples' (version, count) runs."""
+    import torch
+
+    versions: list[int] = []
+    for s in samples:
+        runs = s.token_versions if s.token_versions is not None else [(s.weight_version, s.num_sampled_tokens)]
+        for version, count in runs:
+            versions.extend([version] * count)
+    return torch.tensor(versions, dtype=torch.long)
+
+
 def post_process_batch(samples: Sequence[Sample], share_prompts: bool = False) -> PackedBatch:
     """Build the packed GRPO minibatch: inputs (get_input_for_logprobs) plus per-output-token
     broadcasts of constants."""
@@ -345,6 +360,7 @@ def post_process_batch(samples: Sequence[Sample], share_prompts: bool = False) -
         sampling_logprobs=sampling,
         ref_logprobs=_concat_optional(samples, "ref_logprobs"),
         old_logprobs=_concat_optional(samples, "old_logprobs"),
+        token_versions=_token_versions(samples),
         num_samples=len(samples),
         num_tokens=int(inputs.input_ids.numel()),
     )

@@ -152,14 +152,18 @@ class KeptMinibatch:
     """Its packed tensors, old_logprobs set to pi_old."""
     loss_weight: float
     """The batcher's loss weight (0 for a rank's padding minibatch)."""
+    step: int
+    """The step it belongs to: the weight version its tokens' staleness counts from."""
 
 
-def _forward_backward(model: torch.nn.Module, batch: PackedBatch, loss_weight: float, config: TrainerConfig,
-                      dist: DistInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+def _forward_backward(
+    model: torch.nn.Module, batch: PackedBatch, loss_weight: float, step: int, config: TrainerConfig, dist: DistInfo
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
     """Score one minibatch, backward its GRPO loss (x world_size x loss_weight: see the module
-    docstring); returns (logprobs, entropy, loss, loss metrics)."""
+    docstring); returns (logprobs, entropy, loss, loss metrics). The weights at step s are
+    version s (pushed versions count steps), so tokens of older versions are stale."""
     logprobs, entropy = model.score(batch.inputs)
-    loss, loss_metrics = grpo_loss(logprobs, batch, config.loss)
+    loss, loss_metrics = grpo_loss(logprobs, batch, config.loss, policy_version=step)
     (loss * dist.world_size * loss_weight).backward()
     return logprobs, entropy, loss, loss_metrics
 
@@ -190,13 +194,13 @@ def train_on_step(
         assert isinstance(message, Minibatch), f"unexpected batcher message {type(message).__name__}"
         compute_start = time.perf_counter()
         batch = post_process_batch(message.samples, config.model.share_prompts)
-        logprobs, entropy, loss, loss_metrics = _forward_backward(model, batch, message.loss_weight, config, dist)
+        logprobs, entropy, loss, loss_metrics = _forward_backward(model, batch, message.loss_weight, step, config, dist)
         if message.loss_weight > 0:
             acc.add_minibatch(message.samples, batch, entropy.detach(), loss.detach().item(), loss_metrics)
         if keep is not None:
             if batch.old_logprobs is None:
                 batch = replace(batch, old_logprobs=logprobs.detach())
-            keep.append(KeptMinibatch(batch=batch, loss_weight=message.loss_weight))
+            keep.append(KeptMinibatch(batch=batch, loss_weight=message.loss_weight, step=step))
         acc.add_time("train_s", time.perf_counter() - compute_start)
 
 
@@ -205,7 +209,8 @@ def train_again(model: torch.nn.Module, kept: list[KeptMinibatch], config: Train
     """Another forward/backward pass over a step's kept minibatches (every rank has as many)."""
     for minibatch in kept:
         compute_start = time.perf_counter()
-        logprobs, _, _, loss_metrics = _forward_backward(model, minibatch.batch, minibatch.loss_weight, config, dist)
+        logprobs, _, _, loss_metrics = _forward_backward(model, minibatch.batch, minibatch.loss_weight,
+                                                         minibatch.step, config, dist)
         if minibatch.loss_weight > 0:
             acc.add_later_epoch(loss_metrics, num_tokens=int(logprobs.numel()))
         acc.add_time("train_s", time.perf_counter() - compute_start)

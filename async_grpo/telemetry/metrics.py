@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ _SUM_KEYS = (
     "first_entropy_sum", "ratio_sum", "wait_s", "train_s", "later_clip_sum", "later_ratio_sum", "later_tokens",
     "zero_advantage", "mismatch_kl_sum", "mismatch_weight_sum", "mismatch_masked_sum", "ray_bytes", "scatter_bytes",
     "token_staleness_sum", "sampled_tokens", "observation_tokens", "observed",
+    "stale_sum", "behaviour_weight_sum", "behaviour_weight_sq_sum", "behaviour_capped_sum",
 )
 # grpo_loss's per-minibatch token means, logged per step as token means: (metric, its sum key).
 _TOKEN_MEANS = (
@@ -74,8 +76,20 @@ _TOKEN_MEANS = (
     ("mismatch/kl", "mismatch_kl_sum"),
     ("mismatch/is_weight_mean", "mismatch_weight_sum"),
     ("mismatch/masked_frac", "mismatch_masked_sum"),
+    ("behaviour/stale_frac", "stale_sum"),
+    ("behaviour/weight_mean", "behaviour_weight_sum"),
+    ("behaviour/capped_frac", "behaviour_capped_sum"),
 )
-_TOKEN_MEAN_DEFAULTS = {"loss/ratio_mean": 1.0, "mismatch/is_weight_mean": 1.0}
+# Summed like _TOKEN_MEANS but logged through another metric (behaviour/weight_std).
+_TOKEN_SUMS_ONLY = (("behaviour/weight_sq_mean", "behaviour_weight_sq_sum"),)
+_TOKEN_MEAN_DEFAULTS = {"loss/ratio_mean": 1.0, "mismatch/is_weight_mean": 1.0, "behaviour/weight_mean": 1.0,
+                        "behaviour/weight_sq_mean": 1.0}
+
+
+def _std(total: float, total_sq: float, count: float) -> float:
+    """Standard deviation from a sum and a sum of squares over count values."""
+    mean = total / count
+    return math.sqrt(max(total_sq / count - mean * mean, 0.0))
 
 
 @dataclass
@@ -129,7 +143,7 @@ class StepAccumulator:
         s["loss_sum"] += loss_value
         n_out = float(entropy.numel())
         s["output_tokens"] += n_out
-        for metric, key in _TOKEN_MEANS:
+        for metric, key in _TOKEN_MEANS + _TOKEN_SUMS_ONLY:
             s[key] += loss_metrics.get(metric, _TOKEN_MEAN_DEFAULTS.get(metric, 0.0)) * n_out
         s["entropy_sum"] += float(entropy.sum())
         first_positions = torch.cumsum(torch.tensor([0] + batch.inputs.output_lengths[:-1]), 0)
@@ -185,6 +199,8 @@ class StepAccumulator:
             "staleness/mean": s["staleness_sum"] / n,
             "staleness/max": float(max_staleness),
             "staleness/token_mean": s["token_staleness_sum"] / max(s["sampled_tokens"], 1.0),
+            # The decoupled objective's importance weights over the step's tokens (fresh ones 1).
+            "behaviour/weight_std": _std(s["behaviour_weight_sum"], s["behaviour_weight_sq_sum"], out_tokens),
             "counts/samples": s["samples"],
             "counts/tokens": s["tokens"],
             "counts/dropped_stale": float(end.dropped_stale),

@@ -161,6 +161,9 @@ class TrainerConfig:
         if self.checkpoint_every < 0:
             raise ValueError(f"TrainerConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         self._check_logprob_sources()
+        if self.loss.decoupled is None:
+            # Derived: stale tokens exist only with max_lag >= 1; config.yaml records the choice.
+            object.__setattr__(self, "loss", replace(self.loss, decoupled=max_lag >= 1))
         sampling = self.experience.sampling
         if not self.seed_sampling and sampling.seed is not None:
             raise ValueError(

@@ -10,11 +10,13 @@ the model, saved so HF can load each: every completion's tokens are scored by HF
 version of each run in Sample.token_versions, and must match vLLM's sampling logprobs there (and
 differ from the other version's, so the check can tell them apart). The token at a boundary is
 the one sampled in the engine step that raced with the pause: it must belong to the old run.
+The decoupled loss then weighs each segment by its own version's importance weight.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,8 @@ from async_grpo.config.worker_options import EngineConfig, VerificationConfig
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.rollouts.token_versions import version_runs
 from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
-from sample_processing_utils import Sample
+from grpo_loss import LossConfig, grpo_loss
+from sample_processing_utils import Sample, post_process_batch
 from support.generation_worker import perturbed_copy
 from support.reference_logprobs import reference_logprobs
 from vllm_worker import GenerationWorkerActor, GenerationWorkerConfig
@@ -47,6 +50,8 @@ COMPLETIONS = 4
 # A push lands after the request entered the worker; if it landed before any token was sampled
 # (or after all finished), no completion straddles it and the request is tried again.
 ATTEMPTS = 5
+# The decoupled objective's cap on a stale token's weight pi_old / pi_sampler in this test.
+BEHAVIOUR_CAP = 2.0
 HEALTH_POLLS = 10_000  # health calls while waiting for the request to be in flight (bound, not timing)
 
 
@@ -68,6 +73,26 @@ def _check_segments(rollout: Sample, version_dirs: dict[int, Path]) -> None:
         assert float((got - own[position:position + count]).abs().max()) <= LOGPROB_ATOL, (version, position, count)
         if count >= MIN_GAP_TOKENS:
             assert float((got - other_hf[position:position + count]).abs().max()) >= MIN_OTHER_VERSION_GAP
+        position += count
+
+
+def _check_segment_weights(rollout: Sample, version_dirs: dict[int, Path], newest: int) -> None:
+    """The decoupled loss weighs each segment by its own version: at the trainer's version `newest`
+    (pi_old = that version's HF logprobs), tokens of the older segment by min(pi_old / pi_sampler,
+    cap), the newest segment's by 1. Read from the gradient: at ratio 1 it is -A x weight / |o|."""
+    proximal = reference_logprobs(version_dirs[newest], rollout.input_token_ids, rollout.output_token_ids)
+    batch = post_process_batch([replace(rollout, old_logprobs=proximal.tolist(), advantage=1.0)])
+    logprobs = batch.old_logprobs.clone().requires_grad_(True)
+    loss, _ = grpo_loss(logprobs, batch, LossConfig(decoupled=True, is_cap=BEHAVIOUR_CAP), policy_version=newest)
+    loss.backward()
+    weights = -logprobs.grad * len(rollout.output_token_ids)
+    sampling = torch.tensor(rollout.sampling_logprobs)
+    position = 0
+    for version, count in version_runs(rollout):
+        segment = slice(position, position + count)
+        expected = (torch.ones(count) if version == newest
+                    else torch.exp(proximal[segment] - sampling[segment]).clamp(max=BEHAVIOUR_CAP))
+        torch.testing.assert_close(weights[segment], expected, rtol=1e-5, atol=1e-6)
         position += count
 
 
@@ -105,6 +130,8 @@ def test_a_rollout_straddling_a_push_has_per_token_versions_and_logprobs(ray_loc
                 assert rollout.weight_version == runs[0][0]
                 _check_segments(rollout, version_dirs)
             straddled += [r for r in rollouts if len(version_runs(r)) == 2]
+            for rollout in straddled:
+                _check_segment_weights(rollout, version_dirs, newest=version)
             if straddled:
                 break
             logger.warning("attempt %d: the push straddled no completion (lengths %s); trying again", attempt,

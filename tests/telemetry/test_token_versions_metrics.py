@@ -6,12 +6,15 @@ from each sample's oldest token, staleness/token_mean weighs every sampled token
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from async_grpo.telemetry.metrics import StepAccumulator
 from async_grpo.trainer.fsdp_setup import DistInfo
+from grpo_loss import LossConfig, grpo_loss
 from sample_processing_utils import Sample, post_process_batch
 
 
@@ -49,3 +52,34 @@ def test_without_token_versions_the_token_mean_is_the_sample_lag() -> None:
     record = _record(3, [_sample(2, 3), _sample(4, 1)])
     assert record["staleness/mean"] == 1.0 and record["staleness/max"] == 2.0
     assert record["staleness/token_mean"] == (0 * 2 + 2 * 4) / 6
+
+
+def test_behaviour_weights_are_logged_over_the_steps_tokens() -> None:
+    """behaviour/*: the decoupled objective's weights, token-weighted over two minibatches, against
+    the weights written out token by token (stale: min(pi_old / pi_sampler, cap); fresh: 1)."""
+    minibatches = [[_sample(2, 4), _sample(3, 2, [(2, 1), (5, 2)])], [_sample(4, 5)]]
+    for k, samples in enumerate(minibatches):
+        for j, sample in enumerate(samples):
+            n = len(sample.output_token_ids)
+            sample.old_logprobs = [-0.5 + 0.4 * ((t + j + k) % 3) for t in range(n)]
+    acc = StepAccumulator(step=5)
+    expected: list[float] = []
+    config = LossConfig(decoupled=True, is_cap=1.3)
+    for samples in minibatches:
+        batch = post_process_batch(samples)
+        loss, metrics = grpo_loss(batch.old_logprobs.clone(), batch, config, policy_version=5)
+        acc.add_minibatch(samples, batch, torch.zeros(batch.advantages.numel()), float(loss), metrics)
+        for sample in samples:
+            versions = [v for v, c in (sample.token_versions or [(sample.weight_version, 10)]) for _ in range(c)]
+            for t, old in enumerate(sample.old_logprobs):
+                rho = math.exp(old - sample.sampling_logprobs[t])
+                expected.append(min(rho, 1.3) if versions[t] < 5 else 1.0)
+    end = SimpleNamespace(dropped_stale=0, timed_out_prompts=0, oversized_samples=0, num_minibatches=2)
+    dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    record = acc.finalize(dist=dist, end=end, grad_norm=1.0, lr=1e-3, push_s=0.0, step_s=1.0, batcher_stats={})
+    weights = torch.tensor(expected, dtype=torch.float64)
+    assert record["behaviour/stale_frac"] == pytest.approx((2 + 1) / 9)
+    assert record["behaviour/weight_mean"] == pytest.approx(float(weights.mean()), rel=1e-6)
+    assert record["behaviour/weight_std"] == pytest.approx(float(weights.std(unbiased=False)), rel=1e-5)
+    assert record["behaviour/capped_frac"] == pytest.approx(sum(1 for w in expected if w == 1.3) / 9)
+    assert 0 < record["behaviour/capped_frac"] < record["behaviour/stale_frac"]

@@ -161,6 +161,8 @@ class TrainerConfig:
         if self.checkpoint_every < 0:
             raise ValueError(f"TrainerConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         self._check_logprob_sources()
+        if self.optim.total_steps is None:  # the schedule ends with the run unless set
+            object.__setattr__(self, "optim", replace(self.optim, total_steps=self.num_steps))
         if self.loss.decoupled is None:
             # Derived: stale tokens exist only with max_lag >= 1; config.yaml records the choice.
             object.__setattr__(self, "loss", replace(self.loss, decoupled=max_lag >= 1))

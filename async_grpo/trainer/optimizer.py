@@ -30,8 +30,9 @@ class OptimConfig:
     """Optimizer steps of linear warmup: step s (0-based) uses lr * (s + 1) / warmup_steps."""
     schedule: Literal["constant", "cosine"] = "constant"
     """After warmup: 'constant' keeps lr; 'cosine' decays to lr * min_lr_ratio at total_steps."""
-    total_steps: int = 1000
-    """Step at which the cosine schedule reaches its floor (it stays there afterwards)."""
+    total_steps: int | None = None
+    """Step at which the cosine schedule reaches its floor (it stays there afterwards). Unset: the
+    run's num_steps."""
     min_lr_ratio: float = 0.0
     """Cosine floor as a fraction of lr."""
     max_grad_norm: float = 1.0
@@ -50,7 +51,7 @@ class OptimConfig:
             raise ValueError(f"OptimConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.schedule not in _SCHEDULES:
             raise ValueError(f"OptimConfig.schedule must be one of {_SCHEDULES}, got {self.schedule!r}")
-        if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
+        if self.schedule == "cosine" and self.total_steps is not None and self.total_steps <= self.warmup_steps:
             raise ValueError(
                 f"OptimConfig.total_steps ({self.total_steps}) must exceed warmup_steps "
                 f"({self.warmup_steps}) for the cosine schedule"
@@ -83,6 +84,8 @@ def lr_factor(step: int, config: OptimConfig) -> float:
         return (step + 1) / config.warmup_steps
     if config.schedule == "constant":
         return 1.0
+    if config.total_steps is None:
+        raise ValueError("OptimConfig.total_steps is unset: TrainerConfig sets it to num_steps")
     progress = min(1.0, (step - config.warmup_steps) / (config.total_steps - config.warmup_steps))
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 

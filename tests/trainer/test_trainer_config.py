@@ -178,3 +178,15 @@ def test_old_policy_with_a_reference_pool_serves_the_kl_from_either_side() -> No
                          loss=LossConfig(kl_coef=0.1, kl_in_reward=True, kl_policy_logprobs=policy))
         assert make_batcher_config(config, world_size=2).kl_in_reward.kl_policy_logprobs == policy
     assert _config(logprob_role="old_policy", reference_pool=True, loss=LossConfig(kl_coef=0.1)).loss.kl_in_loss
+
+
+@pytest.mark.parametrize("num_steps, total_steps, expected", [(120, None, 120), (120, 450, 450)])
+def test_the_cosine_schedule_ends_with_the_run_unless_set(num_steps: int, total_steps: int | None,
+                                                          expected: int) -> None:
+    from async_grpo.trainer.optimizer import OptimConfig, lr_factor
+
+    optim = OptimConfig(lr=1.0, schedule="cosine", min_lr_ratio=0.1, total_steps=total_steps)
+    config = _config(num_steps=num_steps, optim=optim)
+    assert config.optim.total_steps == expected
+    assert lr_factor(expected, config.optim) == pytest.approx(0.1)
+    assert lr_factor(expected - 1, config.optim) > 0.1

@@ -10,6 +10,7 @@ enforces these rules; the README's "How the code is laid out" says what each fol
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("config",),
+    ("demo_assets",),
     ("launch", "algo", "routing", "model", "data"),
     ("weights",),
     ("rewards",),
@@ -18,11 +19,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainer",),
 )
 """The package's folders, lowest first; a folder may import its own layer's folders only
-through its own modules (no sideways import between folders of one layer)."""
+through its own modules (no sideways import between folders of one layer). demo_assets sits
+low because data/dataset.py's write-arithmetic command imports it."""
 
-PURE: tuple[str, ...] = ("config", "algo", "data", "model")
+PURE: tuple[str, ...] = ("config", "demo_assets", "algo", "data", "model")
 """Folders that reach no Ray, vLLM or torch.distributed, at any depth: records, maths, config
-loading, prompt data, model helpers. They run and test in any process."""
+loading, the demo's assets, prompt data, model helpers. They run and test in any process."""
 WORKER_SIDE: tuple[str, ...] = ("inference",)
 """Folders that run inside the inference workers and their engines: never reach the trainer side."""
 TRAINER_SIDE: tuple[str, ...] = ("trainer", "telemetry")

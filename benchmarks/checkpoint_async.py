@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from async_grpo.config.run_config import flattened
-from async_grpo.data.arithmetic_data import write_arithmetic_dataset
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.demo_assets.arithmetic_data import write_arithmetic_dataset
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 from benchmarks.clusters import AttachConfig, local_cluster
 from benchmarks.harness import (
     apply_smoke, load_bench_config, run_engine, run_trainer, setup_logging, summarize_checkpoint_run, summary_line,

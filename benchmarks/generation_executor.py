@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result))
         return
 
-    from async_grpo.model.tiny_model import write_tiny_model
+    from async_grpo.demo_assets.tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(write_tiny_model(Path(tmp) / "model"))

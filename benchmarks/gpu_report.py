@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from async_grpo.launch.placement import SAFETY_FRACTION, GiB, ModelShape, RunShape, trainer_bytes
-from async_grpo.model.tiny_model import PRESETS, build_chat_tokenizer, build_tiny_tokenizer, hf_config
+from async_grpo.demo_assets.tiny_model import PRESETS, build_chat_tokenizer, build_tiny_tokenizer, hf_config
 from benchmarks.harness import (
     apply_smoke, load_bench_config, parse_summary_line, REPO_ROOT, setup_logging, summary_line,
 )

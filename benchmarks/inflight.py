@@ -121,7 +121,7 @@ class RunResult:
 
 def write_models(work: Path) -> tuple[Path, list[dict[str, torch.Tensor]]]:
     """The bundled tiny Qwen2 and the two state dicts the pushes alternate between."""
-    from async_grpo.model.tiny_model import write_tiny_model
+    from async_grpo.demo_assets.tiny_model import write_tiny_model
     from setup_model import load_causal_lm
 
     model_dir = write_tiny_model(work / "model")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 from benchmarks.harness import apply_smoke, load_bench_config, load_prepare_demo
 from setup_model import load_causal_lm, load_tokenizer
 

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Awaitable
 import torch
 from transformers import AutoConfig
 
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 from benchmarks.harness import apply_smoke, load_bench_config, setup_logging
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, default_attn_implementation, load_causal_lm

@@ -77,7 +77,7 @@ import torch
 from async_grpo.launch.placement import (
     FP32_BYTES, ModelShape, RunShape, head_activation_bytes, layer_activation_bytes, trainer_memory,
 )
-from async_grpo.model.tiny_model import (
+from async_grpo.demo_assets.tiny_model import (
     PRESETS, ShapeOverrides, TinyModelConfig, build_chat_tokenizer, build_tiny_tokenizer, model_shape, write_tiny_model,
 )
 from benchmarks.harness import apply_smoke, load_bench_config, setup_logging

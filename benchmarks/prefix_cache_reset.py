@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from async_grpo.launch.kv_cache_plan import BLOCK_TOKENS, RunLoad, kv_bytes_per_token, size_engine
-from async_grpo.model.tiny_model import PRESETS
+from async_grpo.demo_assets.tiny_model import PRESETS
 from benchmarks.harness import apply_smoke, load_bench_config, setup_logging, summary_line
 
 logger = logging.getLogger("benchmarks.prefix_cache_reset")

@@ -55,7 +55,7 @@ _RAY_TITLES = {  # ray:: process titles (the actor class; Ray appends the runnin
 _SCRIPT_LABELS = (  # (substring of the command line, label), first match wins
     ("torch.distributed.run", "torchrun"),  # before trainer_core.py, which its command line names
     ("local_cluster.py", "local_cluster.py (Ray head driver)"),
-    ("async_grpo.model.tiny_model", "prepare: model writer (tiny_model)"),
+    ("async_grpo.demo_assets.tiny_model", "prepare: model writer (tiny_model)"),
     ("gcs_server", "Ray GCS server"),
     ("dashboard/dashboard.py", "Ray dashboard head"),
     ("log_monitor.py", "Ray log monitor"),

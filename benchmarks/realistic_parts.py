@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from async_grpo.model.tiny_model import PRESETS, ShapeOverrides
+from async_grpo.demo_assets.tiny_model import PRESETS, ShapeOverrides
 from benchmarks.harness import REPO_ROOT
 from benchmarks.process_monitor import format_table
 
@@ -191,7 +191,7 @@ def model_dir_name(spec: dict[str, Any]) -> str:
 
 
 def model_writer_command(spec: dict[str, Any], out_dir: Path) -> list[str]:
-    command = [sys.executable, "-m", "async_grpo.model.tiny_model", "--out_dir", str(out_dir),
+    command = [sys.executable, "-m", "async_grpo.demo_assets.tiny_model", "--out_dir", str(out_dir),
                "--preset", spec["preset"], "--dtype", spec["dtype"]]
     for key, value in spec["overrides"].items():
         command += [f"--model.{key}", str(value).lower() if isinstance(value, bool) else str(value)]

@@ -109,7 +109,7 @@ def prepare_model(config: RealisticRunConfig, work_dir: Path, monitor: ProcessMo
     log = work_dir / "model_writer.log"
     rc = run_polled(command, log, monitor, timeout_s=config.timeout_s, phase=lambda: "prepare", poll_s=config.poll_s)
     if rc != 0:
-        raise RunFailed(f"async_grpo.model.tiny_model exited with {rc}; last lines of {log}:\n{tail(log)}")
+        raise RunFailed(f"async_grpo.demo_assets.tiny_model exited with {rc}; last lines of {log}:\n{tail(log)}")
     spec_path.write_text(json.dumps(spec, indent=1))
     return model_dir, False
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from async_grpo.model.packed_attention import PACKED_SDPA
-from async_grpo.model.tiny_model import write_tiny_model
+from async_grpo.demo_assets.tiny_model import write_tiny_model
 from benchmarks.harness import apply_smoke, interleaved_medians, load_bench_config, setup_logging, summary_line
 from grpo_loss import LossConfig, grpo_loss
 from sample_processing_utils import PackedBatch, Sample, post_process_batch

@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 
-from async_grpo.model.tiny_model import PRESETS, ShapeOverrides, model_shape, write_tiny_model
+from async_grpo.demo_assets.tiny_model import PRESETS, ShapeOverrides, model_shape, write_tiny_model
 from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, init_distributed
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer
 from benchmarks.harness import apply_smoke, load_bench_config, setup_logging

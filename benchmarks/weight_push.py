@@ -80,7 +80,7 @@ import torch
 
 from async_grpo.launch.local_processes import free_port
 from async_grpo.launch.ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, worker_actor_name
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 from benchmarks.harness import apply_smoke, load_bench_config, REPO_ROOT
 from local_cluster import LocalCluster, LocalClusterConfig
 from vllm_registry import get_or_create_registry

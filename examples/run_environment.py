@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="tiny-chat-") as scratch:
         model_path = config.model_path
         if not model_path:
-            from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+            from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 
             model_path = str(write_tiny_model(scratch, TinyModelConfig(tokenizer="bpe")))
         asyncio.run(_run(config, model_path))

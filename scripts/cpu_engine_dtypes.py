@@ -73,7 +73,7 @@ def run_case(model_dir: Path, dtype: str, eager: bool) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(ProbeConfig, argv, description=__doc__)
-    from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+    from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 
     print(f"cpu flags: {' '.join(cpu_flags()) or '(none of avx2/avx512_bf16/amx_bf16/amx_tile)'}", flush=True)
     eagers = {"true": (True,), "false": (False,), "both": (True, False)}[config.eager]

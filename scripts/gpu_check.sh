@@ -65,7 +65,7 @@ part "packed vs padded (bf16, packed_varlen)" 120 "$out/packing.txt" "$python" -
 part "placement plan" 60 "$out/placement.txt" "$python" - <<'PY'
 import torch
 from async_grpo.launch.placement import ModelShape, RunShape, plan_placement
-from async_grpo.model.tiny_model import PRESETS, hf_config, build_chat_tokenizer
+from async_grpo.demo_assets.tiny_model import PRESETS, hf_config, build_chat_tokenizer
 memory = torch.cuda.get_device_properties(0).total_memory
 tokenizer = build_chat_tokenizer()
 for preset in ("qwen2.5-0.5b", "qwen2.5-1.5b"):

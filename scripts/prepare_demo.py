@@ -34,8 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from async_grpo.config.run_config import load_config  # noqa: E402
-from async_grpo.data.arithmetic_data import write_arithmetic_dataset, write_arithmetic_table  # noqa: E402
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
+from async_grpo.demo_assets.arithmetic_data import write_arithmetic_dataset, write_arithmetic_table  # noqa: E402
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
 from sample_processing_utils import Sample, get_input_for_logprobs  # noqa: E402
 from setup_model import TokenLogprobModel, load_causal_lm, load_tokenizer  # noqa: E402
 

@@ -40,7 +40,7 @@ from prepare_demo import supervised_warm_up  # noqa: E402
 
 from async_grpo.config.run_config import load_config  # noqa: E402
 from async_grpo.data.reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records  # noqa: E402
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
 from setup_model import load_causal_lm, load_tokenizer  # noqa: E402
 

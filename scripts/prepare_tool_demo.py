@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # prepare_demo, also w
 from prepare_demo import supervised_warm_up  # noqa: E402
 
 from async_grpo.config.run_config import load_config  # noqa: E402
-from async_grpo.data.arithmetic_data import write_arithmetic_dataset  # noqa: E402
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
+from async_grpo.demo_assets.arithmetic_data import write_arithmetic_dataset  # noqa: E402
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
 from async_grpo.rollouts.tool_environment import tool_call_text, tool_response_text  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
 

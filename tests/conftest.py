@@ -175,7 +175,7 @@ def _fast_tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bundled tiny Qwen2 (untied embeddings), written once and loaded via from_pretrained."""
-    from async_grpo.model.tiny_model import write_tiny_model
+    from async_grpo.demo_assets.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
 
@@ -183,7 +183,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2 with tied input/output embeddings (as Qwen2.5 0.5B/1.5B)."""
-    from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+    from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-tied"), TinyModelConfig(tie_word_embeddings=True))
 
@@ -191,7 +191,7 @@ def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def mha_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model without grouped-query attention (as many kv heads as query heads)."""
-    from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+    from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-mha"), TinyModelConfig(num_kv_heads=4))
 

@@ -1,3 +1,3 @@
-"""Prompt data: record formats, JSONL/Parquet files, the demo's arithmetic prompts, reasoning-gym
-tasks.
+"""Prompt data: record formats, JSONL/Parquet files, reasoning-gym tasks (the demo's arithmetic
+prompts are demo_assets').
 """

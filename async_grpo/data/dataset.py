@@ -44,8 +44,8 @@ final answer.
 
 The record formats' fields, detection and gold answers are prompt_record.py's; reading the files
 (JSON Lines, Parquet) into records is record_files.py's; the demo's arithmetic files are
-arithmetic_data.py's, the reasoning-gym records reasoning_gym_tasks.py's, and the trainer's sampler
-is distributed_sampler.py's. Write the demo's single-digit addition prompts,
+demo_assets/arithmetic_data.py's, the reasoning-gym records reasoning_gym_tasks.py's, and the
+trainer's sampler is distributed_sampler.py's. Write the demo's single-digit addition prompts,
 or check a prompt file against a tokenizer:
 
     python -m async_grpo.data.dataset write-arithmetic --out data.jsonl --num_samples 1000 --seed 0
@@ -65,7 +65,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from async_grpo.config.run_config import ConfigError, exit_config_error, flattened, load_command
-from async_grpo.data.arithmetic_data import WriteArithmeticConfig, write_arithmetic_dataset
+from async_grpo.demo_assets.arithmetic_data import WriteArithmeticConfig, write_arithmetic_dataset
 from async_grpo.data.prompt_record import (
     DATA_FORMATS, FORMAT_FIELDS, GROUPING_FIELDS, MISSING_ANSWER_POLICIES, TOKEN_IDS_FIELD, DataFormat, DatasetError,
     MissingAnswerPolicy, RecordSchema, chat_messages, detect_format, gold_answer, no_answer_problem, quote,

@@ -1,3 +1,3 @@
-"""Model-side helpers shared by trainer and workers: packed (padding-free) attention and the offline
-tiny/preset checkpoints.
+"""Model-side helpers shared by trainer and workers: packed (padding-free) attention and shared-prompt
+batches.
 """

@@ -74,7 +74,7 @@ class VerifiersEnvConfig:
     taskset: str = ""
     """The verifiers taskset id: an importable module exporting one `vf.Taskset` subclass in
     `__all__`, importable on the generation workers: a top-level name or a dotted module path
-    (e.g. "async_grpo.rollouts.verifiers_arith", the example). "": off."""
+    (e.g. "async_grpo.demo_assets.verifiers_arith", the example). "": off."""
     env: str = ""
     """The verifiers Env id: "" for the taskset's own (else verifiers' SingleAgentEnv, one agent,
     single- or multi-turn as its harness plays it), or a shipped/installed one such as "user-sim"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from async_grpo.config.run_config import ConfigError, config_to_flags, load_config
-from async_grpo.data.arithmetic_data import write_arithmetic_dataset, write_arithmetic_table
+from async_grpo.demo_assets.arithmetic_data import write_arithmetic_dataset, write_arithmetic_table
 from async_grpo.data.dataset import CheckConfig, DatasetConfig, DatasetError, load_prompt_file, load_prompts
 from setup_model import load_tokenizer
 from support.chat_tokenizer import CHATML_TEMPLATE, IM_END, IM_START, write_chat_model

@@ -19,7 +19,7 @@ import logprob_worker
 from async_grpo.config.worker_options import LogprobBatchingConfig
 from async_grpo.launch.ray_env import LOGPROB
 from async_grpo.model.packed_attention import PACKED_SDPA
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs, tensor_to_blob
 from logprob_worker import LogprobWorker, LogprobWorkerActor, LogprobWorkerConfig, resolve_dtype, resolve_model_settings
 from sample_processing_utils import Sample, get_input_for_logprobs
@@ -436,7 +436,7 @@ def test_full_weights_and_a_lora_adapter_in_either_order(
     (streamed, sharded), in either order: each time it scores as HF does with those weights."""
     from peft import PeftModel
 
-    from async_grpo.model.tiny_model import write_random_adapter as _write_adapter
+    from async_grpo.demo_assets.tiny_model import write_random_adapter as _write_adapter
 
     samples = _build_samples(5, _vocab_size(tiny_model_dir), seed=11)
     adapter = _write_adapter(tiny_model_dir, tmp_path / "a1", 8, seed=1)

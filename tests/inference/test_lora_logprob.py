@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from async_grpo.config.worker_options import LogprobBatchingConfig
-from async_grpo.model.tiny_model import write_random_adapter as _write_adapter
+from async_grpo.demo_assets.tiny_model import write_random_adapter as _write_adapter
 from async_grpo.weights.weight_sync import UnstableVersionError, WeightUpdate, state_dict_to_blobs
 from logprob_worker import LogprobWorker, LogprobWorkerConfig
 from sample_processing_utils import Sample

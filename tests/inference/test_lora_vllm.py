@@ -25,7 +25,7 @@ import torch
 
 from async_grpo.config.worker_options import EngineConfig
 from async_grpo.inference.weight_files import weights_file_dir
-from async_grpo.model.tiny_model import write_random_adapter as _write_adapter
+from async_grpo.demo_assets.tiny_model import write_random_adapter as _write_adapter
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.weights.weight_sync import (

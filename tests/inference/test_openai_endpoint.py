@@ -18,7 +18,7 @@ import pytest
 
 from async_grpo.config.worker_options import EngineConfig
 from async_grpo.inference.openai_endpoint import Endpoint, EndpointConfig, SamplingRequest
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 from async_grpo.rollouts.multi_turn import Generation
 from async_grpo.rollouts.verifiers_rollouts import (
     PrefixDriftError, Turn, VerifiersRolloutConfig, VerifiersRollouts, VerifiersStats, sample_from_turns,

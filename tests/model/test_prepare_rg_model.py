@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from async_grpo.data.reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 from setup_model import load_causal_lm, load_tokenizer
 from support.paths import REPO_ROOT
 

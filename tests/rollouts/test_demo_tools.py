@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import demo_tools_report  # noqa: E402
 import prepare_tool_demo  # noqa: E402
 
-from async_grpo.model.tiny_model import build_tiny_tokenizer  # noqa: E402
+from async_grpo.demo_assets.tiny_model import build_tiny_tokenizer  # noqa: E402
 from async_grpo.rollouts.environments import EnvPrompt, Turn  # noqa: E402
 from async_grpo.rollouts.tool_environment import ToolEnvironment  # noqa: E402
 

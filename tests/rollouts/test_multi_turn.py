@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from async_grpo.model.tiny_model import IM_END, build_chat_tokenizer
+from async_grpo.demo_assets.tiny_model import IM_END, build_chat_tokenizer
 from async_grpo.rollouts.environments import EnvironmentConfig, EnvPrompt, Reset, StepResult, Turn
 from async_grpo.rollouts.multi_turn import (
     ENVIRONMENT_FAILURE, ChatRenderer, Generation, MultiTurnStats, run_rollout, run_rollouts,
@@ -204,7 +204,7 @@ def test_the_engine_serves_other_rollouts_while_one_waits_on_its_environment(tok
 def test_text_observations_need_no_chat_template_and_are_appended_as_encoded() -> None:
     """The tool demo's path: a char tokenizer without a chat template, the dataset's prompt kept
     (Reset()), the tool's answer appended as plain text (ToolEnvironment format "text")."""
-    from async_grpo.model.tiny_model import build_tiny_tokenizer
+    from async_grpo.demo_assets.tiny_model import build_tiny_tokenizer
 
     char = build_tiny_tokenizer()
     assert not getattr(char, "chat_template", None)
@@ -236,7 +236,7 @@ def test_text_observations_need_no_chat_template_and_are_appended_as_encoded() -
 
 
 def test_messages_without_a_chat_template_fail_the_rollout_with_a_clear_error() -> None:
-    from async_grpo.model.tiny_model import build_tiny_tokenizer
+    from async_grpo.demo_assets.tiny_model import build_tiny_tokenizer
 
     renderer = ChatRenderer(build_tiny_tokenizer())
     with pytest.raises(ValueError, match="StepResult\\(text=...\\)"):

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from async_grpo.inference.engine_requests import sampling_params
-from async_grpo.model.tiny_model import IM_END
+from async_grpo.demo_assets.tiny_model import IM_END
 from async_grpo.rewards.math_verify_pool import VerifierPool
 from async_grpo.rollouts.environments import EnvironmentConfig, StepResult, Turn
 from async_grpo.rollouts.multi_turn import (

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from async_grpo.inference.openai_endpoint import Endpoint, EndpointConfig
-from async_grpo.model.tiny_model import IM_END, TinyModelConfig, write_tiny_model
+from async_grpo.demo_assets.tiny_model import IM_END, TinyModelConfig, write_tiny_model
 from async_grpo.rollouts.environments import EnvironmentConfig
 from async_grpo.rollouts.multi_turn import Generation
 from async_grpo.rollouts.sampling import SamplingConfig, VerifiersEnvConfig
@@ -78,7 +78,7 @@ async def _run(model_dir: Path, env: str, options: dict) -> tuple[list, list[Sam
     tokenizer = load_tokenizer(model_dir)
     endpoint = Endpoint(EndpointConfig(), tokenizer, MixedBackend(tokenizer))
     await endpoint.start()
-    runner = VerifiersEnvRunner(VerifiersEnvConfig(taskset="async_grpo.rollouts.verifiers_arith", env=env, options=options),
+    runner = VerifiersEnvRunner(VerifiersEnvConfig(taskset="async_grpo.demo_assets.verifiers_arith", env=env, options=options),
                                 endpoint, str(model_dir))
     try:
         await runner.start()
@@ -167,14 +167,14 @@ def test_spans_the_endpoint_did_not_serve_are_refused_as_drifted(runs: dict, mod
 
 
 def test_the_config_names_the_source_and_checks_it_in_one_line() -> None:
-    assert VerifiersEnvConfig(taskset="async_grpo.rollouts.verifiers_arith").check() == "SingleAgentEnv"
-    assert VerifiersEnvConfig(taskset="async_grpo.rollouts.verifiers_arith", env="user-sim").check() == "UserSimEnv"
-    resolved = VerifiersEnvConfig(taskset="async_grpo.rollouts.verifiers_arith", env="user-sim", max_turns=2,
+    assert VerifiersEnvConfig(taskset="async_grpo.demo_assets.verifiers_arith").check() == "SingleAgentEnv"
+    assert VerifiersEnvConfig(taskset="async_grpo.demo_assets.verifiers_arith", env="user-sim").check() == "UserSimEnv"
+    resolved = VerifiersEnvConfig(taskset="async_grpo.demo_assets.verifiers_arith", env="user-sim", max_turns=2,
                                   options={"user": {"max_turns": 3}}).resolve()
     assert resolved.user.max_turns == 3 and resolved.assistant.max_turns == 2  # options win over the defaults
     assert resolved.assistant.harness.id == "null" and resolved.assistant.runtime.type == "subprocess"
     for bad, words in ((dict(taskset="no_such_taskset"), "cannot import"),
-                       (dict(taskset="async_grpo.rollouts.verifiers_arith", env="no-such-env"), "cannot import"),
+                       (dict(taskset="async_grpo.demo_assets.verifiers_arith", env="no-such-env"), "cannot import"),
                        (dict(taskset="sampling"), "__all__")):
         with pytest.raises(ValueError, match=words) as error:
             VerifiersEnvConfig(**bad).check()
@@ -185,5 +185,5 @@ def test_the_config_names_the_source_and_checks_it_in_one_line() -> None:
         with pytest.raises(ValueError, match=field):
             VerifiersEnvConfig(**bad)
     with pytest.raises(ValueError, match="one of them"):
-        SamplingConfig(verifiers=VerifiersEnvConfig(taskset="async_grpo.rollouts.verifiers_arith"),
+        SamplingConfig(verifiers=VerifiersEnvConfig(taskset="async_grpo.demo_assets.verifiers_arith"),
                        environment=EnvironmentConfig(name="async_grpo.rollouts.tool_environment:ToolEnvironment"))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from async_grpo.model.tiny_model import IM_END
+from async_grpo.demo_assets.tiny_model import IM_END
 from async_grpo.rewards.math_verify_pool import VerifierPool
 from async_grpo.rollouts.sampling import SamplingConfig, VerifiersEnvConfig
 from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
@@ -43,8 +43,8 @@ USER_TURNS = 2
 SEED = 2024
 PROMPT_IDS = (3, 8)
 PUSHED_VERSION = 4
-ENVS = {"single": VerifiersEnvConfig(taskset="async_grpo.rollouts.verifiers_arith", max_total_tokens=256),
-        "multi": VerifiersEnvConfig(taskset="async_grpo.rollouts.verifiers_arith", env="user-sim", max_total_tokens=512,
+ENVS = {"single": VerifiersEnvConfig(taskset="async_grpo.demo_assets.verifiers_arith", max_total_tokens=256),
+        "multi": VerifiersEnvConfig(taskset="async_grpo.demo_assets.verifiers_arith", env="user-sim", max_total_tokens=512,
                                     options={"user": {"max_turns": USER_TURNS}})}
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from async_grpo.model.tiny_model import IM_END
+from async_grpo.demo_assets.tiny_model import IM_END
 from async_grpo.rewards.math_verify_pool import VerifierPool
 from async_grpo.rollouts.verifiers_rollouts import VerifiersRolloutConfig, VerifiersRollouts
 from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs

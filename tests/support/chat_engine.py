@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from async_grpo.config.worker_options import EngineConfig, VerificationConfig
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, load_causal_lm
 from vllm_worker import GenerationWorkerConfig

@@ -1,7 +1,7 @@
 """A chat tokenizer for the data tests (tests/data/test_dataset.py,
 tests/data/test_dataset_formats.py): the tiny model's char-level tokenizer given ChatML markers and
 a ChatML template written here, as a user's instruct model carries them (independent of
-async_grpo.model.tiny_model's own chat tokenizer, whose template adds Qwen's default system
+async_grpo.demo_assets.tiny_model's own chat tokenizer, whose template adds Qwen's default system
 prompt)."""
 
 from __future__ import annotations

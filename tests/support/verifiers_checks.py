@@ -25,7 +25,7 @@ def task_answer(index: int) -> str:
     """The answer of the task a prompt id picks (verifiers_arith's tasks, as the worker lists them)."""
     from verifiers.v1.utils.loaders import load_taskset
 
-    tasks = list(load_taskset(VerifiersEnvConfig(taskset="async_grpo.rollouts.verifiers_arith").resolve().taskset))
+    tasks = list(load_taskset(VerifiersEnvConfig(taskset="async_grpo.demo_assets.verifiers_arith").resolve().taskset))
     return tasks[index % len(tasks)].data.answer
 
 

@@ -35,7 +35,7 @@ import psutil
 import pytest
 
 from async_grpo.config.worker_options import HealthCheckConfig, RestartConfig
-from async_grpo.data.arithmetic_data import write_arithmetic_dataset
+from async_grpo.demo_assets.arithmetic_data import write_arithmetic_dataset
 from async_grpo.inference.weight_files import weights_file_dir
 from async_grpo.launch.dispatcher_logs import REGISTERED_PATTERN
 from async_grpo.launch.local_processes import RUN_TEMP_PREFIX

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from async_grpo.data.arithmetic_data import write_arithmetic_dataset
+from async_grpo.demo_assets.arithmetic_data import write_arithmetic_dataset
 from async_grpo.launch.local_processes import free_port
 from async_grpo.launch.ray_env import BATCHER_ACTOR_NAME, RAY_NAMESPACE
 from async_grpo.trainer.checkpoint import checkpoints_root, latest_checkpoint

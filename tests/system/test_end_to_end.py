@@ -96,7 +96,7 @@ def _finished(cluster: LocalCluster, demo_assets: Path, run_dir: Path, *extra: s
 
 @pytest.fixture(scope="module")
 def eval_table(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from async_grpo.data.arithmetic_data import write_arithmetic_table
+    from async_grpo.demo_assets.arithmetic_data import write_arithmetic_table
 
     return write_arithmetic_table(tmp_path_factory.mktemp("eval") / "eval.jsonl", max_operand=2)  # 9 prompts
 
@@ -353,7 +353,7 @@ LEARNING_MARGIN = 0.10
 
 
 def test_reward_rises_on_the_easiest_setting(cluster: LocalCluster, demo_assets: Path, tmp_path: Path) -> None:
-    from async_grpo.data.arithmetic_data import write_arithmetic_dataset
+    from async_grpo.demo_assets.arithmetic_data import write_arithmetic_dataset
 
     easy = write_arithmetic_dataset(tmp_path / "easy.jsonl", num_samples=300, seed=1, max_operand=2)
     records = train(cluster, demo_assets, tmp_path / "run", "--num_steps", str(LEARNING_STEPS),

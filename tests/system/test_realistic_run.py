@@ -16,7 +16,7 @@ import yaml
 from async_grpo.config.run_config import load_config
 from async_grpo.data.dataset import DatasetConfig, load_prompts
 from async_grpo.data.prompt_record import extract_gsm8k_answer
-from async_grpo.model.tiny_model import PRESETS, build_chat_tokenizer, build_model, hf_config
+from async_grpo.demo_assets.tiny_model import PRESETS, build_chat_tokenizer, build_model, hf_config
 from async_grpo.trainer.config import TrainerConfig
 from benchmarks import process_monitor as pm
 from benchmarks import realistic_parts as rr

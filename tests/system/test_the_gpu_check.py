@@ -20,7 +20,7 @@ from types import ModuleType
 import pytest
 
 from async_grpo.launch.placement import GiB, ModelShape, RunShape, trainer_bytes
-from async_grpo.model.tiny_model import PRESETS, build_tiny_tokenizer, hf_config
+from async_grpo.demo_assets.tiny_model import PRESETS, build_tiny_tokenizer, hf_config
 from benchmarks.harness import parse_summary_line
 from support.paths import REPO_ROOT
 

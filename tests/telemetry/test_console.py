@@ -300,7 +300,7 @@ _INFO_RECORD = re.compile(r"\bINFO ([\w.]+: |[\w.]+\.py:\d+ |\d\d-\d\d )")
 @pytest.mark.distributed
 @pytest.mark.system
 def test_a_real_run_prints_progress_evaluations_and_the_summary_only(demo_assets: Path, tmp_path: Path) -> None:
-    from async_grpo.data.arithmetic_data import write_arithmetic_table
+    from async_grpo.demo_assets.arithmetic_data import write_arithmetic_table
 
     table = write_arithmetic_table(tmp_path / "eval.jsonl", max_operand=2)  # 9 held-out prompts
     run = tmp_path / "run"

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from async_grpo.data.arithmetic_data import write_arithmetic_table
+from async_grpo.demo_assets.arithmetic_data import write_arithmetic_table
 from async_grpo.data.dataset import DatasetConfig, DatasetError
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.trainer.evaluation import (

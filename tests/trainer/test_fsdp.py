@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler, lr_factor
 from async_grpo.weights.weight_loading import assemble_state_dict, load_state_dict_into
 from async_grpo.weights.weight_sync import fsdp_shard_extent, gather_full_state_dict, local_shard_blobs

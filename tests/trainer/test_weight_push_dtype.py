@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 from setup_model import load_causal_lm
 from support.paths import PROGRAMS
 from support.forked_ranks import run_ranks

@@ -1,7 +1,7 @@
 """The demo's arithmetic task as prompt files: sampled problems for training, every problem once for evaluation.
 
-Records are generic-format JSONL ({"prompt": "3+4=", "gt_answer": "7"}, prompt_record.py); the
-command line is dataset.py's:
+Records are generic-format JSONL ({"prompt": "3+4=", "gt_answer": "7"}, data/prompt_record.py); the
+command line is data/dataset.py's:
 
     python -m async_grpo.data.dataset write-arithmetic --out data.jsonl --num_samples 1000 --seed 0
 """
@@ -16,9 +16,11 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from async_grpo.data.prompt_record import ANSWER_FIELD, PROMPT_TEXT_FIELD
-
 logger = logging.getLogger(__name__)
+
+# The generic format's fields (data/prompt_record.py), spelt out here: data/dataset.py's
+# write-arithmetic command imports this module, so it cannot import data/ (async_grpo.LAYERS).
+PROMPT_TEXT_FIELD, ANSWER_FIELD = "prompt", "gt_answer"
 
 ARITHMETIC_OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 

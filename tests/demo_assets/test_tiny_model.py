@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from async_grpo.model import tiny_model
-from async_grpo.model.tiny_model import (
+from async_grpo.demo_assets import tiny_model
+from async_grpo.demo_assets.tiny_model import (
     CHATML_TEMPLATE, ENDOFTEXT, IM_END, IM_START, PRESETS, ShapeOverrides, TinyModelConfig, build_chat_tokenizer,
     build_model, model_shape, write_tiny_model,
 )
@@ -141,7 +141,7 @@ def test_chat_template_renders_chatml(small_qwen_dir: Path) -> None:
 
 @pytest.mark.system
 def test_chat_tokenizer_training_is_deterministic_across_processes() -> None:
-    probe = "from async_grpo.model import tiny_model; print(tiny_model.build_chat_tokenizer().backend_tokenizer.to_str())"
+    probe = "from async_grpo.demo_assets import tiny_model; print(tiny_model.build_chat_tokenizer().backend_tokenizer.to_str())"
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
                           timeout=300)
     assert done.stdout.strip() == build_chat_tokenizer().backend_tokenizer.to_str()

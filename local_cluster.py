@@ -37,6 +37,7 @@ from async_grpo.config.run_config import (
 from async_grpo.config.worker_options import (
     EngineConfig, HealthCheckConfig, LogprobBatchingConfig, RestartConfig, VerificationConfig,
 )
+from async_grpo.launch.cpu_plan import CpuPlan, CpuPlanConfig, pinned_thread, plan_cpu, usable_core_ids
 from async_grpo.launch.dispatcher_logs import DispatcherLogRelay, registered_worker
 from async_grpo.launch.engine_defaults import CPU_ENGINE, LAUNCHER_MAX_NUM_SEQS, resolve_engine
 from async_grpo.launch.host_gpus import HostGpuError, gpu_memory_bytes, planned_gpus
@@ -45,7 +46,7 @@ from async_grpo.launch.placement import (
     BF16_BYTES, FP32_BYTES, ModelShape, Placement, PlacementError, RunShape, check_transfer_placement,
     default_trainer_ranks, plan_placement,
 )
-from async_grpo.launch.process_tuning import thread_env, threads_per_process
+from async_grpo.launch.process_tuning import thread_env
 from async_grpo.launch.ray_cluster import init_local_ray
 from async_grpo.launch.ray_env import LOOPBACK_ONLY_ENV, RAY_NAMESPACE, REPO_ROOT, repo_pythonpath
 
@@ -122,6 +123,8 @@ class LocalClusterConfig:
     """Per-kind process settings (async_grpo/launch/process_tuning.py): Ray's jemalloc for the
     generation path, intra-op threads from the machine's cores. False: every process on glibc with
     fixed 256 KiB malloc thresholds (benchmarks/step_profile.py's baseline)."""
+    cpu: CpuPlanConfig = flattened(CpuPlanConfig())
+    """How a CPU run's processes share the host's cores (launch/cpu_plan.py; --cpu_split split: their own)."""
     dry_run: bool = False
     """Print the placement plan and the engine settings it implies, then exit without starting
     anything."""
@@ -202,13 +205,14 @@ class LocalCluster:
     """Context manager owning a Ray head and the dispatcher processes started into it."""
 
     def __init__(self, config: LocalClusterConfig, placement: Placement | None = None,
-                 longest_sample: int | None = None, cuda: bool | None = None) -> None:
-        """`placement`: where everything goes (main passes the plan it printed); None plans from
-        this host's GPUs and the config alone. `longest_sample`: the run's longest prompt + response,
+                 longest_sample: int | None = None, cuda: bool | None = None, cpu_plan: CpuPlan | None = None) -> None:
+        """`placement`, `cpu_plan`: where everything goes, on GPUs and on the CPU's cores (main
+        passes the plans it printed); None plans from this host and the config alone. `longest_sample`: the run's longest prompt + response,
         the engines' max_model_len on CUDA. `cuda`: whether the engines run on CUDA (None: whether
         this machine has it; a plan on Ray's fake GPUs runs CPU engines)."""
         self.config = config
         self.placement = placement if placement is not None else plan_for(config)[0]
+        self.cpu_plan = cpu_plan or cpu_plan_for(config, self.placement)
         self.gpus = planned_gpus(config.host_gpus)
         self.engine, self.engine_choices = resolve_engine(
             config.engine, self.placement, cuda_available() if cuda is None else cuda, longest_sample)
@@ -224,7 +228,8 @@ class LocalCluster:
         # tempfile also fixes this process's own temp folder (it caches it) before TMPDIR changes.
         self.temp_dir = make_run_temp_dir()
         try:
-            with environ(self.head_env()):  # the head's processes inherit it when they start
+            # The head's processes (and the actors its raylet starts) inherit its environment and cores.
+            with environ(self.head_env()), pinned_thread(self.cpu_plan.pinned(self.cpu_plan.driver)):
                 self.address = init_local_ray(num_cpus=self.config.num_cpus, namespace=RAY_NAMESPACE,
                                               log_to_driver=False, num_gpus=len(self.placement.worker_gpus))
         except BaseException:
@@ -242,12 +247,6 @@ class LocalCluster:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus.child_visible_devices(self.placement.worker_gpus)
         return env
 
-    def threads(self, trainer_ranks: int | None = None) -> int:
-        """Intra-op threads of each compute process of this run: its trainer ranks, engines and
-        logprob-type workers share the machine's cores (process_tuning.threads_per_process)."""
-        ranks = trainer_ranks if trainer_ranks is not None else self.config.nproc_per_node or 2
-        return threads_per_process(ranks + self.config.total_workers)
-
     def env(self) -> dict[str, str]:
         """Environment for child processes: join this cluster, import this repo."""
         env = dict(os.environ)
@@ -257,8 +256,8 @@ class LocalCluster:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def dispatcher_args(self, kind: str) -> list[str]:
-        """worker_dispatcher.py's flags for one worker of `kind` ('generation', 'logprob',
+    def dispatcher_args(self, kind: str, index: int = 0) -> list[str]:
+        """worker_dispatcher.py's flags for worker `index` of `kind` ('generation', 'logprob',
         'reference' or 'teacher'; the teacher loads teacher_model_path, the others model_path):
         the sections this config shares with the dispatcher, as flags (run_config.config_to_flags),
         where they differ from the dispatcher's defaults."""
@@ -268,7 +267,7 @@ class LocalCluster:
         if not c.tune_processes:
             common += ["--tune_processes", "false"]
         else:
-            common += ["--threads", str(self.threads())]
+            common += ["--threads", str(self.cpu_plan.threads_of(f"{kind}-{index}"))]
         if self.placement.on_gpu and self.placement.worker_gpu_share < 1:
             common += ["--num_gpus", f"{self.placement.worker_gpu_share:g}"]
         if kind == "generation":
@@ -294,7 +293,7 @@ class LocalCluster:
         one_by_one = self.placement.on_gpu and self.placement.worker_gpu_share < 1
         for kind, count in counts.items():
             for i in range(count):
-                self._dispatch(f"{kind}-{i}", self.dispatcher_args(kind))
+                self._dispatch(f"{kind}-{i}", self.dispatcher_args(kind, i))
                 if one_by_one:
                     self._wait_registered()
         self._relay = DispatcherLogRelay([(label, log) for label, _, log in self._dispatchers])
@@ -307,10 +306,10 @@ class LocalCluster:
     def _dispatch(self, label: str, args: list[str]) -> None:
         log = Path(self.config.log_dir) / f"{label}_worker.log"
         handle = log.open("w")
-        process = subprocess.Popen(
-            [sys.executable, str(REPO_ROOT / "worker_dispatcher.py"), *args],
-            stdout=handle, stderr=subprocess.STDOUT, env=self.env(), cwd=REPO_ROOT,
-        )
+        with pinned_thread(self.cpu_plan.pinned(self.cpu_plan.driver)):  # its worker's cores go in its env
+            process = subprocess.Popen([sys.executable, str(REPO_ROOT / "worker_dispatcher.py"), *args],
+                                       stdout=handle, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                       env={**self.env(), **self.cpu_plan.dispatcher_env(label)})
         self._dispatchers.append((label, process, log))
         logger.info("dispatching %s worker (log: %s)", label, log)
 
@@ -341,7 +340,7 @@ class LocalCluster:
         env = self.env()
         if self.placement.trainer_gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus.child_visible_devices(self.placement.trainer_gpus)
-        env.update(thread_env(self.threads(nproc_per_node), self.config.tune_processes))
+        env.update(thread_env(self.cpu_plan.trainer_threads(nproc_per_node), self.config.tune_processes))
         if nproc_per_node > 1:
             # The value torchrun sets itself for several ranks, given here (when no thread count
             # is) so that torchrun does not print its five-line banner about it on the console.
@@ -361,8 +360,9 @@ class LocalCluster:
         # Its own process group, so that stopping reaches torchrun *and* every rank: killing
         # torchrun alone would orphan the ranks, which then wait on the batcher for up to
         # message_timeout_s.
-        process = subprocess.Popen(command, env=self.trainer_env(nproc_per_node), cwd=REPO_ROOT, start_new_session=True,
-                                   stdout=out, stderr=subprocess.STDOUT if out else None)
+        with pinned_thread(self.cpu_plan.pinned(self.cpu_plan.trainer)):  # torchrun's ranks inherit the cores
+            process = subprocess.Popen(command, env=self.trainer_env(nproc_per_node), cwd=REPO_ROOT,
+                                       start_new_session=True, stdout=out, stderr=subprocess.STDOUT if out else None)
         try:
             return process.wait(timeout=timeout_s)
         except BaseException:  # Ctrl-C, SIGTERM (see main), timeout
@@ -418,11 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     check_environment(config)
     trainer_config = load_trainer_config(trainer_args)  # prints its one line and exits 2 itself
     config = with_trainer_settings(config, trainer_config)
-    placement, run = plan_or_exit(config, trainer_config)
+    placement, run, cpu_plan = plan_or_exit(config, trainer_config)
     # A dry run shows the plan of the machine it describes: a GPU plan gets the CUDA engine settings.
     cuda = cuda_available() or (config.dry_run and placement.on_gpu)
-    cluster = LocalCluster(config, placement, trainer_config.longest_sample, cuda=cuda)
-    plan_lines = placement.lines(run) + cluster.engine_choices
+    cluster = LocalCluster(config, placement, trainer_config.longest_sample, cuda=cuda, cpu_plan=cpu_plan)
+    cpu_lines = cpu_plan.lines() if not placement.on_gpu else []
+    plan_lines = placement.lines(run) + cpu_lines + cluster.engine_choices
     if config.dry_run:
         print("\n".join(plan_lines), flush=True)
         return 0
@@ -434,8 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         check_teacher_model(config.teacher_model_path, config.model_path)
     Path(config.run_dir).mkdir(parents=True, exist_ok=True)  # the checks passed: run.log can start
     _interrupt_on_sigterm()
-    for line in plan_lines:  # one record each: every console line carries its clock
-        logger.info("%s", line, extra=CONSOLE)
+    for line in plan_lines:  # one record each: every console line carries its clock; the default plan's
+        logger.info("%s", line, extra=CONSOLE if cpu_plan.split or line not in cpu_lines else None)  # in run.log
     logger.info("starting Ray (127.0.0.1 only), %s, then the trainer (%d ranks); logs in %s", _workers_text(config),
                 run.trainer_ranks, config.log_dir, extra=CONSOLE)
     with cluster:
@@ -446,15 +447,21 @@ def main(argv: list[str] | None = None) -> int:
         return cluster.run_trainer(trainer_args, run.trainer_ranks)
 
 
-def plan_or_exit(config: LocalClusterConfig, trainer_config: TrainerConfig) -> tuple[Placement, RunShape]:
-    """The placement plan, checked against the trainer's weight transfer; exit 2 with one line
-    when the run does not fit or the transfer cannot work on it."""
+def plan_or_exit(config: LocalClusterConfig, trainer_config: TrainerConfig) -> tuple[Placement, RunShape, CpuPlan]:
+    """The placement plan, checked against the trainer's weight transfer, and the CPU plan; exit 2
+    with one line when the run does not fit, the transfer cannot work on it, or the cores not split."""
     try:
         placement, run = plan_for(config, trainer_config)
         check_transfer_placement(trainer_config.transfer.weight_transfer, placement)
+        return placement, run, cpu_plan_for(config, placement, run.trainer_ranks)
     except (PlacementError, HostGpuError, ValueError, OSError) as error:
         exit_config_error(PROGRAM, str(error))
-    return placement, run
+
+
+def cpu_plan_for(config: LocalClusterConfig, placement: Placement, ranks: int | None = None) -> CpuPlan:
+    """The CPU plan (launch/cpu_plan.py) on this host's usable cores; CpuPlanError when its split cannot be made."""
+    return plan_cpu(config.cpu, usable_core_ids(), config.worker_counts, ranks or config.nproc_per_node or 2,
+                    placement.host_gpus)
 
 
 def load_trainer_config(trainer_args: list[str]) -> TrainerConfig:

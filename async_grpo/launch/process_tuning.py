@@ -14,7 +14,8 @@ benchmarks/RESULTS.md, "One FSDP unit for a tiny model, jemalloc on the generati
 Threads: a local run's compute processes (the trainer ranks, each vLLM engine core, each logprob
 worker) share the machine's cores, and with max_lag >= 1 they are busy at the same time. Each gets
 max(1, cores // compute processes) intra-op threads (OMP_NUM_THREADS and MKL_NUM_THREADS, which
-torch reads at start), so they do not oversubscribe the cores.
+torch reads at start), so they do not oversubscribe the cores. That is the CPU plan's shared
+mode; its split mode gives each process its own cores and as many threads (launch/cpu_plan.py).
 
 `tune` False restores the earlier settings (every process on glibc with the fixed thresholds,
 nothing else set): the baseline that benchmarks/step_profile.py measures against.

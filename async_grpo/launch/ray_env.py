@@ -79,8 +79,15 @@ def repo_pythonpath(inherited: str | None = None) -> str:
 
 
 def actor_runtime_env() -> dict[str, Any]:
-    """Ray runtime_env of every project actor and of ray.init: this repository importable."""
-    return {"env_vars": {"PYTHONPATH": repo_pythonpath()}}
+    """Ray runtime_env of every project actor and of ray.init: this repository importable; in a
+    process the local launcher gave a worker's cores (cpu_plan.CPU_CORES_ENV: a dispatcher), the
+    actors it starts run on those cores from their first instruction (cpu_plan.pinned_python)."""
+    from async_grpo.launch.cpu_plan import CPU_CORES_ENV, pinned_python
+
+    runtime_env: dict[str, Any] = {"env_vars": {"PYTHONPATH": repo_pythonpath()}}
+    if os.environ.get(CPU_CORES_ENV):
+        runtime_env["py_executable"] = pinned_python(os.environ[CPU_CORES_ENV])
+    return runtime_env
 
 
 # Ray 2.60 turns a node IP of 127.0.0.1 into the host's routable address

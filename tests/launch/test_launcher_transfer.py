@@ -87,7 +87,7 @@ class _RecordingCluster:
     engine_choices: list[str] = []
 
     def __init__(self, config: LocalClusterConfig, placement: object = None, longest_sample: int | None = None,
-                 cuda: bool | None = None) -> None:
+                 cuda: bool | None = None, cpu_plan: object = None) -> None:
         self.configs.append(config)
 
     def __enter__(self) -> "_RecordingCluster":

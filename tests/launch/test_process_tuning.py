@@ -104,9 +104,9 @@ def test_the_launcher_gives_workers_and_ranks_their_share(tmp_path, monkeypatch:
     import local_cluster
     from local_cluster import LocalCluster, LocalClusterConfig
 
-    monkeypatch.setattr(local_cluster, "threads_per_process", lambda n: 16 // n)  # a 16-core machine
+    monkeypatch.setattr(local_cluster, "usable_core_ids", lambda: tuple(range(16)))  # a 16-core machine
     cluster = LocalCluster(LocalClusterConfig(model_path="m", run_dir=str(tmp_path), host_gpus=0))  # 2 ranks, 2 workers
-    assert cluster.threads() == 4
+    assert cluster.cpu_plan.trainer_threads(2) == 4
     args = cluster.dispatcher_args("logprob")
     assert args[args.index("--threads") + 1] == "4"
     untuned = LocalCluster(LocalClusterConfig(model_path="m", run_dir=str(tmp_path), tune_processes=False, host_gpus=0))

@@ -1,11 +1,12 @@
 """Step time with generation overlapped with training (max_lag=1) vs synchronous (max_lag=0).
 
-    cd /work/main && .venv/bin/python -m benchmarks.async_overlap                 # both modes, 9-15 min on 2 cores
+    cd /work/main && .venv/bin/python -m benchmarks.async_overlap                 # all three modes
     .venv/bin/python -m benchmarks.async_overlap --modes simulated                # simulated engine only, ~4-6 min
+    .venv/bin/python -m benchmarks.async_overlap --modes split --cpu_generation_cores 1  # real engine, own cores
     .venv/bin/python -m benchmarks.async_overlap --assets_dir runs/demo-assets    # reuse prepared demo assets
     .venv/bin/python -m benchmarks.async_overlap ... --attach 127.0.0.1:PORT       # real mode on a running cluster
 
-Both modes run `torchrun --nproc_per_node=2 trainer_core.py` (FSDP2 on gloo) in one local
+Every mode runs `torchrun --nproc_per_node=2 trainer_core.py` (FSDP2 on gloo) in one local
 cluster, alternating max_lag=0 and max_lag=1 runs of `--num_steps` steps (`--rounds` pairs),
 each from step 0 with settings otherwise identical. Alternating spreads slow drifts in the
 machine's load over both settings. Per setting, the median `timing/step_s` is taken over the
@@ -19,6 +20,12 @@ steps noisy.
   demo model (scripts/prepare_demo.py, short format warm-up), launched by LocalCluster. On a
   2-core machine generation, logprobs and both trainer ranks compete for the same cores, so
   overlapping them cannot shorten a step much: expect a speedup near 1.
+- split: the same real workers with generation and training on cores of their own (the launcher's
+  `--cpu_split split`, launch/cpu_plan.py: `--cpu_generation_cores` for generation, engine and
+  logprob worker with Ray and the batcher; the rest for both trainer ranks), in a cluster of its
+  own. Its max_lag=0 runs measure G, the trainer's wait per step (generation, logprobs and
+  batching: the demo's step fills one minibatch per rank, trained once it is full) and T, the
+  rest of its step (`timing/step_s - timing/wait_s`); the ideal speedup is (G + T) / max(G, T).
 - simulated: the generation engine is SIMULATED: a small Ray actor registered in the generation
   registry that sleeps a fixed latency G per request (all of a step's requests sleep
   concurrently, like one engine batch on hardware of its own), then returns uniformly random
@@ -34,8 +41,9 @@ Reference points: one-step-off async GRPO reports 1.2-1.4x (verl), fully async 2
 scale (AReaL, many generation GPUs per trainer GPU); with one pipeline stage each the ceiling
 is 2x, reached when generation and training take equal time.
 
-The LAST line is key=value pairs:
-`speedup=<real> simulated_speedup=<x> simulated_ideal=<y> overlap_efficiency=<z> G_s=... T_s=...`
+The LAST line is key=value pairs: `speedup=<real> split_speedup=... split_ideal=...
+split_efficiency=... split_G_s=... split_T_s=... simulated_speedup=<x> simulated_ideal=<y>
+overlap_efficiency=<z> G_s=... T_s=...` (the simulated mode's G and T), each for the modes run.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from typing import Any, AsyncIterator, Literal
 from async_grpo.algo.advantages import group_advantages  # the batcher's default, grpo
 from async_grpo.config.run_config import flattened
 from async_grpo.config.worker_options import VerificationConfig
+from async_grpo.launch.cpu_plan import CpuPlanConfig
 from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, worker_actor_name
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.routing.batch_calls import Bundle, serve_many
@@ -95,8 +104,9 @@ SMOKE = {"num_steps": 3, "rounds": 1, "skip_steps": 1, "prompts_per_rank": 2, "n
 class AsyncOverlapConfig:
     """Command line of `python -m benchmarks.async_overlap`."""
 
-    modes: list[Literal["real", "simulated"]] = field(default_factory=lambda: ["real", "simulated"])
-    """Which engines to measure: the real vLLM worker, the SIMULATED one, or both."""
+    modes: list[Literal["real", "split", "simulated"]] = field(default_factory=lambda: ["real", "split", "simulated"])
+    """Which engines to measure: the real vLLM worker on shared cores, the real one with generation and
+    training on cores of their own, the SIMULATED one; any of them."""
     assets_dir: str | None = None
     """Existing scripts/prepare_demo.py output; None: prepare one in the work dir."""
     work_dir: str | None = None
@@ -117,15 +127,17 @@ class AsyncOverlapConfig:
     """Simulated mode's completion length (the simulated engine always emits exactly this many)."""
     sim_latency_s: float | None = None
     """Simulated G, seconds per request; None: T measured by the calibration run."""
+    cpu_generation_cores: int | None = None
+    """Split mode: the cores generation gets (local_cluster.py's --cpu_generation_cores); None: half."""
     calibration_steps: int = 6
     """Steps of the simulated mode's calibration run (max_lag=0, tiny G; only when sim_latency_s is None)."""
     trainer_timeout_s: float = 600.0
     """Kill a trainer run that takes longer than this."""
     cluster: AttachConfig = flattened(AttachConfig())
-    """`--attach` (benchmarks/clusters.py), for the real mode's runs: the simulated mode always starts its
-    own cluster (its engine is the only generation worker)."""
+    """`--attach` (benchmarks/clusters.py), for the real mode's runs: the split and simulated modes always
+    start their own cluster (their cores are planned at start; the simulated engine is the only worker)."""
     smoke: bool = False
-    """Smoke mode: both modes, one round of 3-step runs of 2 prompts x 2 rollouts, a fixed simulated G (no
+    """Smoke mode: every mode, one round of 3-step runs of 2 prompts x 2 rollouts, a fixed simulated G (no
     calibration run), the real engine uncompiled (SMOKE); checks that the command runs, its figures mean nothing."""
 
     def bench(self, max_tokens: int) -> BenchConfig:
@@ -323,16 +335,52 @@ def run_schedule(cluster: LocalCluster, assets: Path, work: Path, prefix: str, c
     return {lag: summarise(records) for lag, records in pooled.items()}
 
 
-def run_real(assets: Path, work: Path, cfg: BenchConfig, smoke: bool, attach: str) -> dict[int, RunTimes]:
-    """Real vLLM generation worker + real logprob worker (reference logprobs); uncompiled in smoke
-    mode; on the running cluster at `attach` when given."""
-    cluster_config = LocalClusterConfig(
-        model_path=str(assets / "model"), log_dir=str(work / "real-workers"), generation_workers=1,
-        logprob_workers=1, engine=run_engine(smoke, kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN),
-        verification=VerificationConfig(global_num_verifiers=1),
+def real_cluster_config(assets: Path, log_dir: Path, smoke: bool, cpu: CpuPlanConfig) -> LocalClusterConfig:
+    """Real vLLM generation worker + real logprob worker (reference logprobs), uncompiled in smoke
+    mode, on the cores `cpu` plans."""
+    return LocalClusterConfig(
+        model_path=str(assets / "model"), log_dir=str(log_dir), generation_workers=1, logprob_workers=1,
+        engine=run_engine(smoke, kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN),
+        verification=VerificationConfig(global_num_verifiers=1), cpu=cpu,
     )
-    with local_cluster(cluster_config, attach) as cluster:
+
+
+def run_real(assets: Path, work: Path, cfg: BenchConfig, smoke: bool, attach: str) -> dict[int, RunTimes]:
+    """The real workers on shared cores; on the running cluster at `attach` when given."""
+    with local_cluster(real_cluster_config(assets, work / "real-workers", smoke, CpuPlanConfig()), attach) as cluster:
         return run_schedule(cluster, assets, work, "real", cfg, [])
+
+
+@dataclass(slots=True)
+class SplitResult:
+    times: dict[int, RunTimes]
+
+    @property
+    def generation_s(self) -> float:
+        """G: what the trainer waits per step at max_lag 0 (generation, logprobs, batching)."""
+        return self.times[0].wait_s
+
+    @property
+    def trainer_s(self) -> float:
+        """T: the rest of the max_lag 0 step (the trainer's busy time)."""
+        return self.times[0].busy_s
+
+    @property
+    def ideal(self) -> float:
+        return (self.generation_s + self.trainer_s) / max(self.generation_s, self.trainer_s)
+
+    @property
+    def speedup(self) -> float:
+        return self.times[0].step_s / self.times[1].step_s
+
+
+def run_split(assets: Path, work: Path, cfg: BenchConfig, smoke: bool, generation_cores: int | None) -> SplitResult:
+    """The real workers and the trainer on cores of their own (the launcher's split CPU plan)."""
+    cpu = CpuPlanConfig(cpu_split="split", cpu_generation_cores=generation_cores)
+    with local_cluster(real_cluster_config(assets, work / "split-workers", smoke, cpu)) as cluster:
+        for line in cluster.cpu_plan.lines():
+            print(line)
+        return SplitResult(times=run_schedule(cluster, assets, work, "split", cfg, []))
 
 
 def start_simulated_engine(vocab_size: int, latency_s: float):
@@ -420,6 +468,14 @@ def main(argv: list[str] | None = None) -> None:
         print("real: vLLM generation, the logprob worker and both trainer ranks share "
               f"{os.cpu_count()} cores, so overlap can only fill time when the cores would otherwise idle")
         summary["speedup"] = f"{real[0].step_s / real[1].step_s:.3f}"
+    if "split" in args.modes:
+        split = run_split(assets, work, args.bench(args.max_tokens), args.smoke, args.cpu_generation_cores)
+        describe("split", split.times)
+        print(f"split: G = {split.generation_s:.3f} s (trainer wait, max_lag=0), T = {split.trainer_s:.3f} s "
+              f"(the rest of its step); speedup {split.speedup:.3f}, ideal (G + T) / max(G, T) = {split.ideal:.3f}")
+        summary.update(split_speedup=f"{split.speedup:.3f}", split_ideal=f"{split.ideal:.3f}",
+                       split_efficiency=f"{split.speedup / split.ideal:.3f}", split_G_s=f"{split.generation_s:.3f}",
+                       split_T_s=f"{split.trainer_s:.3f}")
     if "simulated" in args.modes:
         sim = run_simulated(assets, work, args.bench(args.sim_max_tokens), args.sim_latency_s,
                             args.calibration_steps)

@@ -10,7 +10,7 @@ shapes; a local cluster's vLLM engines uncompiled, harness.SMOKE_ENGINE) plus wh
 outputs go. The smokes whose workers are the same (algorithms, data_path, distill, step_profile,
 learning_parity, and checkpoint_async on the demo model) run on one cluster (`--attach`,
 benchmarks/clusters.py; support.cluster's demo cluster, which the end-to-end and crash-resume
-modules then use too), and so does async_overlap's real mode (its simulated mode starts its own):
+modules then use too), and so does async_overlap's real mode (its split and simulated modes start their own):
 each would start its own otherwise, ~50 CPU-s apiece; the others start theirs as their recorded
 commands do. Already run elsewhere in smoke mode, not repeated
 here: soak.py (tests/system/test_soak.py) and scale.py (tests/system/test_scale_benchmark.py).
@@ -88,7 +88,8 @@ SMOKES = (
           CLUSTER),
     # Last: these share one cluster (smoke_cluster), kept for the end-to-end module.
     Smoke("async_overlap", (*DEMO, "--work_dir", WORK), "async_overlap",
-          ("speedup", "simulated_speedup", "simulated_ideal", "overlap_efficiency", "G_s", "T_s"), CLUSTER,
+          ("speedup", "split_speedup", "split_ideal", "split_G_s", "split_T_s", "simulated_speedup", "simulated_ideal",
+           "overlap_efficiency", "G_s", "T_s"), CLUSTER,
           shared=True),
     Smoke("algorithms", (*DEMO, "--out_dir", WORK), "algorithms", ("baseline",), CLUSTER, shared=True),
     Smoke("data_path", (*DEMO, "--out_dir", WORK), "data_path",

@@ -26,7 +26,7 @@ SIGTERM it deregisters the worker, stops it and exits 0. The worker is owned by 
 so killing the dispatcher outright takes the worker with it (the registry then drops it at its
 next health check or failed request).
 
-Operators see every pool's workers with:
+Operators see every pool's workers with (async_grpo/launch/status_command.py):
 
     python worker_dispatcher.py status
 
@@ -51,7 +51,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from async_grpo.config.model_path import ModelPathError, check_model_dir
 from async_grpo.config.run_config import CONFIG_ERROR_EXIT, ConfigError, flattened, load_config
 from async_grpo.config.versions import (
-    LOGPROB_WORKER_REQUIREMENTS, RAY, WORKER_REQUIREMENTS, VersionError, check_versions,
+    LOGPROB_WORKER_REQUIREMENTS, WORKER_REQUIREMENTS, VersionError, check_versions,
 )
 from async_grpo.config.worker_options import (
     VLLM_GPU_MEMORY_UTILIZATION, EngineConfig, FailedSamplesConfig, HealthCheckConfig, LogprobBatchingConfig,
@@ -69,14 +69,13 @@ from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster, shared
 from async_grpo.launch.ray_env import (
     GENERATION, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, worker_actor_name,
 )
-from async_grpo.launch.status_table import format_status
-from vllm_registry import RegistryConfig, WorkerState, WorkerStatus, get_or_create_registry
+from async_grpo.launch.status_command import STATUS_COMMAND, run_status
+from vllm_registry import RegistryConfig, WorkerState, get_or_create_registry
 
 logger = logging.getLogger(__name__)
 
 RESTARTING_LINE = "worker {name} restarting ({restart} of {max_restarts}): {reason}"
 _MAX_BACKOFF_S = 60.0
-STATUS_COMMAND = "status"
 # A worker holds a request's cost while it also scores the finished group, so a cap of twice
 # the engine's batch keeps the engine fed while earlier groups are being verified.
 _GENERATION_CAP_PER_SEQ_SLOT = 2
@@ -521,41 +520,6 @@ def _one_line(error: BaseException, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def print_status(connection: RayConnectionConfig) -> int:
-    """Print every existing registry's workers (creates no registry); 0 if any registry exists."""
-    connect(connection, log_to_driver=False)
-    rows: list[WorkerStatus] = []
-    notes: list[str] = []
-    found = 0
-    for kind in WORKER_KINDS:
-        try:
-            registry = ray.get_actor(registry_name(kind), namespace=RAY_NAMESPACE)
-        except ValueError:
-            notes.append(f"{registry_name(kind)}: not running")
-            continue
-        found += 1
-        kind_rows = ray.get(registry.status.remote())
-        if not kind_rows:
-            notes.append(f"{registry_name(kind)}: no live workers")
-        queued = ray.get(registry.queued_requests.remote())
-        if queued:
-            notes.append(f"{registry_name(kind)}: {queued} requests queued for capacity")
-        rows.extend(kind_rows)
-    if rows:
-        print(format_status(rows))
-    for note in notes:
-        print(note)
-    return 0 if found else 1
-
-
-@dataclass(kw_only=True, frozen=True)
-class StatusConfig:
-    """`python worker_dispatcher.py status`: print every pool's workers."""
-
-    connection: RayConnectionConfig = flattened(RayConnectionConfig())
-    """Which cluster to join and how long to try (worker_options.RayConnectionConfig)."""
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """`worker_dispatcher.py [serve] --mode ... --model_path ...` or `worker_dispatcher.py status`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -563,9 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.pop(0) if args and args[0] in ("serve", STATUS_COMMAND) else "serve"
     try:
         if command == STATUS_COMMAND:
-            check_versions((RAY,))
-            status = load_config(StatusConfig, args, description=StatusConfig.__doc__)
-            return print_status(status.connection)
+            return run_status(args)
         try:
             cfg = load_config(DispatcherConfig, args, description=__doc__)
             check_versions(WORKER_REQUIREMENTS if cfg.mode == GENERATION else LOGPROB_WORKER_REQUIREMENTS)

@@ -33,9 +33,10 @@ when the run starts. How to pass them: `run_config.py`'s docstring.
 
 def render() -> str:
     from async_grpo.config.run_config import config_reference
+    from async_grpo.launch.status_command import StatusConfig
     from async_grpo.trainer.config import TrainerConfig
     from local_cluster import LocalClusterConfig
-    from worker_dispatcher import DispatcherConfig, StatusConfig
+    from worker_dispatcher import DispatcherConfig
 
     entry_points = [
         ("`torchrun trainer_core.py` (and everything after `--` of `local_cluster.py`)", TrainerConfig),

@@ -38,9 +38,10 @@ def _code_files() -> list[Path]:
 
 def _entry_points() -> list[type]:
     """The classes scripts/config_docs.py documents (its render())."""
+    from async_grpo.launch.status_command import StatusConfig
     from async_grpo.trainer.config import TrainerConfig
     from local_cluster import LocalClusterConfig
-    from worker_dispatcher import DispatcherConfig, StatusConfig
+    from worker_dispatcher import DispatcherConfig
     return [TrainerConfig, LocalClusterConfig, DispatcherConfig, StatusConfig]
 
 

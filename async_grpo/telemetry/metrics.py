@@ -44,7 +44,7 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 
 from async_grpo.config.run_config import ConfigError, exit_config_error, load_command, positional
-from async_grpo.rewards.rewards import counts_as_solved
+from async_grpo.rewards.shaping import counts_as_solved
 from async_grpo.rollouts.token_versions import oldest_version, token_staleness
 from async_grpo.telemetry.collapse import CollapseConfig, CollapseWatch
 from async_grpo.telemetry.console import CONSOLE, ConsoleProgress, DropWarnings, eval_line

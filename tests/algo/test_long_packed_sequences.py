@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 from benchmarks.packed_samples import draw_packed_samples, full_logit_logprobs, training_flops
 from grpo_loss import LossConfig, chunked_token_logprobs, grpo_loss
 from sample_processing_utils import Sample, post_process_batch

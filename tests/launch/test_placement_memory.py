@@ -13,7 +13,7 @@ import torch
 from async_grpo.launch.placement import (
     BF16_BYTES, FP32_BYTES, ModelShape, RunShape, head_activation_bytes, layer_activation_bytes, trainer_memory,
 )
-from async_grpo.model.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 from benchmarks.packed_samples import draw_packed_samples
 from benchmarks.step_memory import measure_step, saved_bytes_per_token
 from sample_processing_utils import PackedBatch, post_process_batch

@@ -33,7 +33,8 @@ _MAX_REPLY_BYTES = 1 << 16
 MAX_FUNCTION_REPLY_BYTES = 1 << 22
 # Imported once by the forkserver so that every process forked from it starts with them loaded,
 # and warm (math_verify_warmup verifies one answer: a replacement process then starts in ~0.03 s).
-FORKSERVER_PRELOAD = ["math_verify_process", "math_verify", "sympy", "math_verify_warmup"]
+FORKSERVER_PRELOAD = ["async_grpo.rewards.math_verify_process", "math_verify", "sympy",
+                      "async_grpo.rewards.math_verify_warmup"]
 _READY_MESSAGE = b'{"ready": true}'
 
 

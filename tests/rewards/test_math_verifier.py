@@ -555,3 +555,14 @@ def test_ray_actor_is_shared_and_sized_by_first_caller(ray_local) -> None:
     while VERIFIER_POOL_ACTOR_NAME in {a["name"] for a in ray_local.util.list_named_actors(all_namespaces=True)}:
         assert time.monotonic() < deadline, "the pool actor outlived shutdown_verifier_pool()"
         time.sleep(0.2)
+
+
+def test_every_forkserver_preload_module_imports() -> None:
+    """multiprocessing's forkserver skips a preload that fails to import without a word, so a
+    stale name would leave every forked verifier cold: each must import from the repository root."""
+    import importlib.util
+
+    from async_grpo.rewards.math_verify_process import FORKSERVER_PRELOAD
+
+    for name in FORKSERVER_PRELOAD:
+        assert importlib.util.find_spec(name) is not None, name

@@ -32,6 +32,7 @@ none) and fresh tokens keep today's weight, so a step with no stale token is tod
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,6 +43,8 @@ from torch.utils.checkpoint import checkpoint
 from sample_processing_utils import IGNORE_INDEX, PackedBatch
 
 _MAX_LOG_RATIO = 20.0  # keeps exp() finite when a stale logprob is wildly off
+SUMMED_METRICS = ("loss/pg",)
+"""grpo_loss metrics that are sums over the batch; every other one is a mean over its output tokens."""
 
 KLEstimator = Literal["k1", "k2", "k3"]
 Aggregation = Literal["sample_mean", "token_mean", "constant"]
@@ -179,14 +182,15 @@ def chunked_token_logprobs(
     hidden_states: [T, H] final hidden states; labels: [T] with IGNORE_INDEX where unscored.
     Returns (logprobs [T] fp32, entropy [T] fp32, no grad). Each chunk's [chunk, vocab] logits are
     recomputed in backward (activation checkpointing), so the full [T, vocab] fp32 logits never
-    exist at once, in forward or backward.
+    exist at once, in forward or backward. T may be 0 (a context-parallel rank that scores no
+    token): the empty result still hangs off hidden_states, so that rank's backward runs too.
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
     if hidden_states.shape[0] != labels.shape[0]:
         raise ValueError(f"{hidden_states.shape[0]} hidden states for {labels.shape[0]} labels")
     logprob_chunks, entropy_chunks = [], []
-    for start in range(0, hidden_states.shape[0], chunk_size):
+    for start in range(0, max(hidden_states.shape[0], 1), chunk_size):
         stop = start + chunk_size
         args = (hidden_states[start:stop], lm_head.weight, lm_head.bias, labels[start:stop])
         if torch.is_grad_enabled() and hidden_states.requires_grad:
@@ -208,19 +212,26 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KL
     return torch.exp(-log_ratio) + log_ratio - 1.0
 
 
-def _sequence_mean(values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+SampleSums = Callable[[torch.Tensor], torch.Tensor]
+"""Completes [num_samples] per-sample sums over the parts of a batch held elsewhere (differentiably):
+a context-parallel group's sum. None: the batch is whole."""
+
+
+def _sequence_mean(values: torch.Tensor, batch: PackedBatch, sample_sums: SampleSums | None) -> torch.Tensor:
     """Each sample's mean of a [O] per-token tensor, broadcast back over its tokens ([O])."""
     index = batch.sample_index.to(values.device)
     sums = torch.zeros(batch.num_samples, dtype=values.dtype, device=values.device).index_add(0, index, values)
+    if sample_sums is not None:
+        sums = sample_sums(sums)
     return (sums / batch.output_lengths_per_sample.to(values.device))[index]
 
 
-def _policy_ratio(logprobs: torch.Tensor, old: torch.Tensor, batch: PackedBatch,
-                  config: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _policy_ratio(logprobs: torch.Tensor, old: torch.Tensor, batch: PackedBatch, config: LossConfig,
+                  sample_sums: SampleSums | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(ratio, clipped ratio) per output token, token- or sequence-level (GSPO)."""
     log_ratio = (logprobs - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     if config.ratio_level == "sequence":
-        ratio = torch.exp(_sequence_mean(log_ratio, batch))
+        ratio = torch.exp(_sequence_mean(log_ratio, batch, sample_sums))
         return ratio, ratio.clamp(1.0 - config.seq_clip_low, 1.0 + config.seq_clip_high)
     ratio = torch.exp(log_ratio)
     return ratio, ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
@@ -270,7 +281,8 @@ def _behaviour_weights(rho: torch.Tensor, stale: torch.Tensor, weights: torch.Te
 
 
 def grpo_loss(
-    logprobs: torch.Tensor, batch: PackedBatch, config: LossConfig, policy_version: int | None = None
+    logprobs: torch.Tensor, batch: PackedBatch, config: LossConfig, policy_version: int | None = None,
+    sample_sums: SampleSums | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO loss summed over the batch: each sample's token mean (sample_mean) or every token
     (token_mean, constant); the trainer divides by the step's divisor (see `step_divisor`).
@@ -278,7 +290,12 @@ def grpo_loss(
     logprobs: [O] trainer logprobs of the output tokens, aligned with batch.advantages.
     policy_version: the weight version the trainer's weights are at (the step); tokens of older
     versions are stale. Needed by config.decoupled; without it every token counts as fresh.
-    Returns (loss, metrics); metrics are token means over the batch, as python floats.
+    sample_sums: for part of a batch (a context-parallel rank's output tokens, whose
+    output_lengths still count whole samples), completes the per-sample sums that span the parts
+    (GSPO's sequence log-ratio); every other term is per token, so the parts' losses add up to
+    the whole batch's.
+    Returns (loss, metrics); metrics are token means over the batch (SUMMED_METRICS: sums), as
+    python floats.
     """
     if logprobs.shape != batch.advantages.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)} vs advantages {tuple(batch.advantages.shape)}")
@@ -286,7 +303,7 @@ def grpo_loss(
         raise ValueError("LossConfig.decoupled needs the trainer's policy_version to tell stale tokens")
     advantages = batch.advantages.to(logprobs.device)
     old = batch.old_logprobs.to(logprobs.device) if batch.old_logprobs is not None else logprobs.detach()
-    ratio, clipped_ratio = _policy_ratio(logprobs, old, batch, config)
+    ratio, clipped_ratio = _policy_ratio(logprobs, old, batch, config, sample_sums)
     unclipped_term, clipped_term = ratio * advantages, clipped_ratio * advantages
     pg = -torch.minimum(unclipped_term, clipped_term)
     metrics: dict[str, float] = {}

@@ -18,6 +18,7 @@ from torch import nn
 
 from async_grpo.config.model_path import check_model_dir
 from async_grpo.config.worker_options import VLLM_LORA_RANKS
+from async_grpo.model.context_parallel import CONTEXT_SHARD_KWARG, ContextGroup, kv_repeat, shard_stream
 from async_grpo.model.packed_attention import (
     PACKED_SDPA, PACKED_VARLEN, register_packed_sdpa, register_packed_varlen, varlen_kwargs,
 )
@@ -38,6 +39,10 @@ VARLEN_ATTENTIONS = (FLASH_ATTENTION_2, "flash_attention_3", PACKED_SDPA, PACKED
 # Attention implementations that run a shared-prompt stream (packed_attention.PACKED_SDPA reads
 # its layout; PACKED_VARLEN defers such a stream to it). Others would attend across answers.
 PROMPT_SHARING_ATTENTIONS = (PACKED_SDPA, PACKED_VARLEN)
+# Attention implementations that run a context-parallel rank's share of a stream (they call
+# context_parallel.ulysses_attention when the decoder's kwargs carry a ContextShard). Others would
+# attend over this rank's tokens only.
+CONTEXT_PARALLEL_ATTENTIONS = (PACKED_SDPA, PACKED_VARLEN)
 # flash-attn's kernels take only these input dtypes: a float32 model fails on its first batch.
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -142,6 +147,11 @@ class ModelConfig:
     picks packed_sdpa."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (lora.r > 0): only they train and are pushed; the base stays frozen."""
+    # What the loop still lacks is listed in docs/training.md, "Context parallelism".
+    context_parallel: int = 1
+    """Ranks that split each minibatch's tokens (Ulysses, async_grpo/model/context_parallel.py), for
+    samples longer than one rank's activations hold. Must divide the world size and the attention
+    heads; not with share_prompts. Values above 1 are refused: not wired into the loop yet."""
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -154,6 +164,20 @@ class ModelConfig:
             raise ValueError("ModelConfig.attn_implementation must be None or a non-empty name")
         if self.share_prompts and self.attn_implementation is not None:
             check_prompt_sharing(self.attn_implementation, "ModelConfig.attn_implementation")
+        self._check_context_parallel()
+
+    def _check_context_parallel(self) -> None:
+        if self.context_parallel < 1:
+            raise ValueError(f"ModelConfig.context_parallel must be >= 1, got {self.context_parallel}")
+        if self.context_parallel == 1:
+            return
+        if self.share_prompts:
+            raise ValueError("ModelConfig.share_prompts cannot run with context_parallel > 1 (a shared prompt's "
+                             "answers would need its keys on every rank): turn one off")
+        if self.attn_implementation is not None:
+            check_context_parallel(self.attn_implementation, "ModelConfig.attn_implementation")
+        raise ValueError(f"ModelConfig.context_parallel={self.context_parallel}: context parallelism is not wired "
+                         f"into the training loop yet (trainer_core.py, the batcher); use 1")
 
 
 def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:
@@ -176,15 +200,15 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def default_attn_implementation(device: torch.device, compute_dtype: torch.dtype = torch.bfloat16,
-                                share_prompts: bool = False) -> str:
+                                share_prompts: bool = False, context_parallel: int = 1) -> str:
     """flash_attention_2 on CUDA when flash-attn imports and the model computes in bf16/fp16
-    (and prompts are not shared: flash-attn cannot run that layout), else PACKED_SDPA (registered
-    on demand).
+    (and prompts are not shared nor tokens split over ranks: flash-attn runs neither), else
+    PACKED_SDPA (registered on demand).
 
     Both cost sum(len_i^2) on packed streams; plain "sdpa" would cost T^2 (see packed_attention.PACKED_SDPA).
     compute_dtype: what the attention inputs are in (bf16 under the trainer's mixed precision).
     """
-    if device.type == "cuda" and compute_dtype in _FLASH_DTYPES and not share_prompts:
+    if device.type == "cuda" and compute_dtype in _FLASH_DTYPES and not share_prompts and context_parallel == 1:
         try:
             import flash_attn  # noqa: F401
 
@@ -224,6 +248,16 @@ def check_prompt_sharing(attn_implementation: str | None, where: str) -> None:
         raise ValueError(
             f"share_prompts needs {where} to be one of {list(PROMPT_SHARING_ATTENTIONS)}, got "
             f"{attn_implementation!r}: other attention implementations would let answers attend to each other"
+        )
+
+
+def check_context_parallel(attn_implementation: str | None, where: str) -> None:
+    """Raise ValueError unless `attn_implementation` runs a context-parallel rank's share of a
+    stream (where: the field that chose it, named in the error)."""
+    if attn_implementation not in CONTEXT_PARALLEL_ATTENTIONS:
+        raise ValueError(
+            f"context parallelism needs {where} to be one of {list(CONTEXT_PARALLEL_ATTENTIONS)}, got "
+            f"{attn_implementation!r}: other attention implementations would see this rank's tokens only"
         )
 
 
@@ -279,12 +313,21 @@ class TokenLogprobModel(nn.Module):
     This module is the FSDP root in training, so its forward drives FSDP2's unshard hooks.
     causal_lm may be a PEFT LoRA model (ModelConfig.lora): PeftModel forwards get_decoder and
     get_output_embeddings to the wrapped model, whose linear layers then carry the adapters.
+    With a `context` group (ModelConfig.context_parallel > 1; fsdp_setup builds it) every rank of
+    the group receives the same inputs, runs the decoder on its share of the stream and returns
+    the logprobs of the output tokens it scores (async_grpo.model.context_parallel.local_batch
+    cuts the loss's tensors to match).
     """
 
-    def __init__(self, causal_lm: nn.Module, logprob_chunk_size: int = 1024) -> None:
+    def __init__(self, causal_lm: nn.Module, logprob_chunk_size: int = 1024,
+                 context: ContextGroup | None = None) -> None:
         super().__init__()
         self.causal_lm = causal_lm
         self.logprob_chunk_size = logprob_chunk_size
+        self.context = context
+        if context is not None:
+            config = causal_lm.config
+            kv_repeat(config.num_attention_heads, config.num_key_value_heads, context.size)
 
     def forward(
         self,
@@ -303,6 +346,8 @@ class TokenLogprobModel(nn.Module):
         only PROMPT_SHARING_ATTENTIONS honour.
         """
         decoder = self.causal_lm.get_decoder()
+        if self.context is not None and self.context.size > 1:
+            return self._split_forward(decoder, input_ids, position_ids, targets, output_indices, shared_prompts)
         position_ids = position_ids.unsqueeze(0)
         if shared_prompts is not None:
             check_prompt_sharing(self.attn_implementation(), "the model's attn_implementation")
@@ -316,6 +361,25 @@ class TokenLogprobModel(nn.Module):
         ).last_hidden_state[0]
         return chunked_token_logprobs(
             hidden[output_indices], self.causal_lm.get_output_embeddings(), targets, self.logprob_chunk_size,
+        )
+
+    def _split_forward(self, decoder: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                       targets: torch.Tensor, output_indices: torch.Tensor,
+                       shared_prompts: SharedPromptLayout | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward on this rank's share of the stream: ([O_local] logprobs, [O_local] entropy)."""
+        if shared_prompts is not None:
+            raise ValueError("a shared-prompt stream cannot be split over ranks (ModelConfig.share_prompts "
+                             "with context_parallel > 1)")
+        check_context_parallel(self.attn_implementation(), "the model's attn_implementation")
+        shard = shard_stream(position_ids, self.context, varlen_kwargs(position_ids))
+        mine = shard.positions
+        hidden = decoder(
+            input_ids=input_ids[mine].unsqueeze(0), position_ids=position_ids[mine].unsqueeze(0), use_cache=False,
+            **{CONTEXT_SHARD_KWARG: shard},
+        ).last_hidden_state[0]
+        scored, rows = shard.scored_here(output_indices)
+        return chunked_token_logprobs(
+            hidden[rows], self.causal_lm.get_output_embeddings(), targets[scored], self.logprob_chunk_size,
         )
 
     def attn_implementation(self) -> str | None:

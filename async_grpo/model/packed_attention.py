@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from async_grpo.model.context_parallel import CONTEXT_SHARD_KWARG, ulysses_attention
 from async_grpo.model.prompt_sharing import (
     SHARED_PROMPT_LAYOUT_KWARG, AttentionPlan, PromptBlock, SharedPromptLayout, attention_plan, run_attention_plan,
     shared_prompt_attention,
@@ -153,13 +154,18 @@ def packed_sdpa_attention(
     enable_gqa or transformers' repeat_kv, as plain sdpa does). kwargs carry what the decoder
     layer forwards, position_ids [B or 1, T] among them, and cu_seq_lens_q when the caller
     computed the samples once (varlen_kwargs): then the samples are read from it, or a
-    SharedPromptLayout (prompt_sharing: answers that share their prompt), which it runs. Returns ([B, T, H, D], None) like
+    SharedPromptLayout (prompt_sharing: answers that share their prompt), which it runs, or a
+    ContextShard (context_parallel: this rank's tokens of a stream split over ranks). Returns ([B, T, H, D], None) like
     transformers' sdpa_attention_forward, which it defers to when there is a mask to honour,
     no position ids, a KV cache (queries and keys differ in length) or non-causal attention.
     Samples of equal length share one batched sdpa call.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    shard = kwargs.pop(CONTEXT_SHARD_KWARG, None)
+    if shard is not None:  # this rank's share of a split stream: Ulysses around this same attention
+        return ulysses_attention(packed_sdpa_attention, module, query, key, value, shard, dropout=dropout,
+                                 scaling=scaling, sliding_window=sliding_window, **kwargs)
     layout = kwargs.pop(SHARED_PROMPT_LAYOUT_KWARG, None)
     if layout is not None and attention_mask is None and query.shape[2] == key.shape[2]:
         return shared_prompt_attention(module, query, key, value, layout, dropout=dropout, scaling=scaling,
@@ -256,6 +262,10 @@ def packed_varlen_attention(
     stream. Shapes as packed_sdpa_attention; key/value heads are repeated to the query's (GQA)."""
     from torch.nn.attention.varlen import varlen_attn
 
+    shard = kwargs.pop(CONTEXT_SHARD_KWARG, None)
+    if shard is not None:  # as in packed_sdpa_attention
+        return ulysses_attention(packed_varlen_attention, module, query, key, value, shard, dropout=dropout,
+                                 scaling=scaling, sliding_window=sliding_window, **kwargs)
     cu_seq_lens, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     plain = attention_mask is None and query.shape[2] == key.shape[2] and sliding_window is None and dropout == 0.0
     # varlen_attn has CUDA kernels only: elsewhere PACKED_SDPA computes the same attention. A

@@ -249,3 +249,49 @@ def test_zigzag_shares_and_head_repeats() -> None:
     assert (kv_repeat(14, 2, 2), kv_repeat(4, 1, 2), kv_repeat(14, 2, 7), kv_repeat(8, 8, 4)) == (1, 2, 7, 1)
     with pytest.raises(ValueError, match="not divisible"):
         kv_repeat(14, 2, 4)
+
+
+def test_the_trainer_refuses_context_parallel_until_the_loop_splits_minibatches() -> None:
+    from setup_model import ModelConfig
+
+    assert ModelConfig(model_path="m").context_parallel == 1
+    with pytest.raises(ValueError, match="not wired into the training loop yet"):
+        ModelConfig(model_path="m", context_parallel=2)
+    with pytest.raises(ValueError, match="share_prompts cannot run with context_parallel > 1"):
+        ModelConfig(model_path="m", context_parallel=2, share_prompts=True)
+    with pytest.raises(ValueError, match="context parallelism needs ModelConfig.attn_implementation"):
+        ModelConfig(model_path="m", context_parallel=2, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="must be >= 1"):
+        ModelConfig(model_path="m", context_parallel=0)
+
+
+def test_world_size_must_be_a_multiple_of_context_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
+    from async_grpo.trainer.fsdp_setup import init_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="context_parallel=2 must divide the trainer's 3 ranks"):
+        init_distributed(context_parallel=2)
+
+
+def test_each_output_token_is_scored_by_exactly_one_rank_in_output_order() -> None:
+    """local_batch (the loss's tensors) and ContextShard.scored_here (the model's rows) agree,
+    and the group's shares partition the minibatch's output tokens."""
+    from async_grpo.model.context_parallel import ContextGroup, local_batch, shard_stream
+    from sample_processing_utils import post_process_batch
+
+    samples = [Sample(input_token_ids=[1] * prompt, output_token_ids=list(range(2, 2 + output)), gt_answer="",
+                      sampling_logprobs=[0.0] * output, advantage=1.0)
+               for prompt, output in SHAPES[0] + SHAPES[2]]
+    batch = post_process_batch(samples)
+    order = torch.arange(batch.advantages.numel(), dtype=torch.float32)
+    batch.advantages = order  # each output token's index, to follow it through the split
+    seen = []
+    for rank in range(2):
+        group = ContextGroup(size=2, rank=rank, all_to_all=lambda chunks, rows: chunks, sum_over_group=lambda t: t)
+        mine = local_batch(batch, group)
+        scored, rows = shard_stream(batch.inputs.position_ids, group, {}).scored_here(batch.inputs.output_indices)
+        assert torch.equal(mine.advantages, order[scored])
+        assert torch.equal(shard_stream(batch.inputs.position_ids, group, {}).positions[rows],
+                           batch.inputs.output_indices[scored])
+        seen.append(mine.advantages)
+    assert sorted(torch.cat(seen).tolist()) == order.tolist() and all(part.numel() for part in seen)

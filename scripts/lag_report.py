@@ -50,7 +50,7 @@ def _cell(value: float | None, fmt: str = "{:.3f}") -> str:
 def _run_row(run: Path) -> tuple[int, int | None, str]:
     """(max_lag, first step at LEVEL or None, the run's table row)."""
     config = yaml.safe_load((run / "config.yaml").read_text())
-    lag, decoupled = config["experience"]["max_lag"], config["loss"].get("decoupled")
+    lag, decoupled = config["max_lag"], config["loss"].get("decoupled")  # config.yaml keeps max_lag top-level
     records = read_metrics(run / "metrics.jsonl")
     summary = summarize_run(run)
     reached = summary.reached.get(LEVEL)

@@ -26,7 +26,8 @@ def _run(root: Path, name: str, lag: int, rewards: list[float], staleness: list[
                 "behaviour/weight_std": 0.1, "behaviour/capped_frac": 0.0}
                for step, (reward, lagged) in enumerate(zip(rewards, staleness))]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (run / "config.yaml").write_text(f"seed: 3\nexperience:\n  max_lag: {lag}\nloss:\n  decoupled: {str(lag > 0).lower()}\n")
+    # As the trainer saves it: the experience section's fields are top-level (flattened).
+    (run / "config.yaml").write_text(f"seed: 3\nmax_lag: {lag}\nloss:\n  decoupled: {str(lag > 0).lower()}\n")
     return run
 
 

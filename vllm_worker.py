@@ -187,7 +187,11 @@ def _prepared_engine_args(config: GenerationWorkerConfig, worker_name: str) -> t
     compile_needs = missing_compile_needs(cfg.enforce_eager, on_cpu=_on_cpu_platform())
     if compile_needs:
         raise EngineStartError(compile_needs)
-    in_process = cfg.cpu_in_process_executor and cfg.tensor_parallel_size == 1 and _on_cpu_platform()
+    # On CPU with one rank the model runs inside the engine-core process (vLLM's 'uni' executor):
+    # vLLM-CPU's forced 'mp' executor adds a process that busy-polls shared memory for a second after
+    # every step, CPU that trainer ranks sharing the machine then lack (benchmarks/RESULTS.md,
+    # "vLLM-CPU executor: default (mp) vs in process"). GPUs run in process already.
+    in_process = cfg.tensor_parallel_size == 1 and _on_cpu_platform()
     if in_process:
         # vLLM's CPU platform swaps 'uni' for 'mp' unless V1 multiprocessing is off. The flag
         # only matters to the synchronous LLMEngine besides; AsyncLLM keeps its engine-core

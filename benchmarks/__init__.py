@@ -7,6 +7,4 @@ Shared modules (no `__main__` entry; scripts import these, never each other):
 - process_monitor.py: peak memory of every process in a run's tree, log events, run_polled;
 - packed_samples.py: packed minibatches of realistic lengths and their training FLOPs;
 - realistic_parts.py, soak_parts.py: those scripts' pure parts (config, data, sizing, comparisons).
-- legacy_weight_reload.py: the generation worker's weight push before vLLM's weight-transfer API
-  (weight_push.py's baseline).
 """

@@ -39,23 +39,19 @@ breakdown is skipped.
 The LAST line is key=value pairs:
 `fraction_of_memcpy=<x> best_mode=<m> gather_s=... sharded_s=... gather_gbps=... sharded_gbps=... memcpy_gbps=... model_gb=...`
 
-Engine transport (`--target engine`): old against new push into one vLLM engine, in this process
-(no torchrun, no cluster: the trainer side is the same for both). The update (the model's own
-tensors, perturbed, as one 'gather' object in a private Ray store) is pushed alternately by
-
-- old: the generation worker's path before issue 23 (benchmarks/legacy_weight_reload.py): per
-  bucket a safetensors file in /dev/shm and `collective_rpc` of a reload method in the engine;
-- new: GenerationWorker.update_weights, vLLM's weight-transfer API with our object-store backend
-  (per bucket an anonymous memory file the engine maps; one layerwise reload per push).
-
-push_s is the median over `--repeats` pushes per path (after one warm-up each), paused
-generation, buckets and version label included; fraction_of_memcpy as above, for each path.
+Engine transport (`--target engine`): pushes into one vLLM engine, in this process (no torchrun,
+no cluster). The update (the model's own tensors, perturbed, as one 'gather' object in a private
+Ray store) is pushed by GenerationWorker.update_weights, vLLM's weight-transfer API with our
+object-store backend (per bucket an anonymous memory file the engine maps; one layerwise reload
+per push). push_s is the median over `--repeats` pushes (after one warm-up), paused generation,
+buckets and version label included; fraction_of_memcpy as above.
 
     .venv/bin/python -m benchmarks.weight_push --target engine --repeats 7
 
-Its LAST line: `fraction_of_memcpy=<new> old_fraction_of_memcpy=<old> new_over_old=<speed-up>
-old_s=... new_s=... memcpy_gbps=... model_gb=...`; one `path=<p> fraction_of_memcpy=...` line
-per path comes before it.
+Its LAST line: `fraction_of_memcpy=... new_s=... memcpy_gbps=... model_gb=...`, after a
+`path=new fraction_of_memcpy=...` line. (The old file-per-bucket path it was compared with until
+issue 58, benchmarks/legacy_weight_reload.py, last ran at commit 54714e4; RESULTS.md keeps its
+figures.)
 """
 
 from __future__ import annotations
@@ -93,7 +89,7 @@ LORA_MODES = ("gather", "sharded", "lora_files")
 GB = 1e9  # decimal gigabytes, for bytes and bytes per second alike
 PROBE_ACTOR_NAME = "weight-push-receiver-probe"  # the breakdown's receiver, next to the real ones
 MEMCPY_REPEATS = 5  # best of: the first copies also pay page faults of the allocator's fresh pages
-ENGINE_PATHS = ("old", "new")
+ENGINE_PATHS = ("new",)  # the old file-per-bucket path was retired (module docstring)
 ENGINE_WORKER_NAME = "weight-push-bench-engine"
 # The engine only needs room for the canary: the model's bytes are what is measured.
 ENGINE_KV_CACHE_BYTES = 64 << 20
@@ -134,7 +130,7 @@ class PushBenchConfig:
     """Step-by-step timed pushes per mode (0: skip the breakdown)."""
     target: Literal["logprob", "engine"] = "logprob"
     """'logprob': pushes from a torchrun trainer to logprob workers (both push modes); 'engine':
-    old against new transport into one vLLM engine (see the module docstring)."""
+    pushes into one vLLM engine (see the module docstring)."""
     role: Literal["driver", "trainer"] = "driver"
     """'driver' runs the benchmark; 'trainer' is what it starts under torchrun."""
     work_dir: str | None = None
@@ -364,7 +360,7 @@ def drive(cfg: PushBenchConfig, work: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Engine target: old against new transport into one vLLM engine, in this process.
+# Engine target: pushes into one vLLM engine, in this process.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -389,26 +385,21 @@ def _perturbed_update(base: dict[str, torch.Tensor], version: int) -> Any:
 
 
 async def _engine_pushes(model_dir: Path, repeats: int) -> dict[str, list[float]]:
-    """One engine (old RPC and new backend both registered), pushed alternately by both paths."""
+    """One engine, pushed `repeats` times (after a warm-up) through the generation worker's update path."""
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from async_grpo.config.worker_options import EngineConfig
-    from async_grpo.inference.weight_files import reload_buckets
-    from async_grpo.weights.weight_loading import iter_state_dict
-    from benchmarks.legacy_weight_reload import LEGACY_EXTENSION, legacy_push
     from vllm_worker import GenerationWorker, GenerationWorkerConfig, engine_args
 
     config = GenerationWorkerConfig(model_path=str(model_dir), engine=EngineConfig(
         max_num_seqs=8, kv_cache_memory_bytes=ENGINE_KV_CACHE_BYTES, max_model_len=ENGINE_MAX_MODEL_LEN,
         enforce_eager=True, dtype="float32"))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the in-process executor, as GenerationWorker.start sets it
-    args = {**engine_args(config, in_process=True), "worker_extension_cls": LEGACY_EXTENSION}
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(config, in_process=True)))
     await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
-    # The worker's own update path over this engine (GenerationWorker.start would build one
-    # without the old RPC, which the baseline needs).
+    # The worker's own update path over this engine (no start(): its canary and registry are not timed).
     worker = GenerationWorker(ENGINE_WORKER_NAME, config, verifier=_CanaryVerifier())
     worker._engine = engine
     from safetensors.torch import load_file
@@ -418,16 +409,12 @@ async def _engine_pushes(model_dir: Path, repeats: int) -> dict[str, list[float]
     version = 0
     try:
         for round_index in range(repeats + 1):
-            for path in ENGINE_PATHS:  # alternating, so load from other processes hits both alike
+            for path in ENGINE_PATHS:
                 version += 1
                 # Made before the clock starts, one at a time: the store holds one update.
                 update = await asyncio.to_thread(_perturbed_update, base, version)
                 began = time.perf_counter()
-                if path == "old":
-                    buckets = reload_buckets(iter_state_dict(update), config.weight_reload_bucket_bytes)
-                    await legacy_push(engine, buckets, update.version)
-                else:
-                    await worker.update_weights(update)
+                await worker.update_weights(update)
                 if round_index:  # the first round is the warm-up
                     timings[path].append(time.perf_counter() - began)
         if await engine.get_weight_version() != str(update.version):
@@ -451,8 +438,7 @@ def report_engine(timings: dict[str, list[float]], num_bytes: int, memcpy_by_thr
         print(f"path={path} fraction_of_memcpy={fraction[path]:.3f} push_s={push:.3f} min_s={min(values):.3f} "
               f"max_s={max(values):.3f} pushes={len(values)} gbps={model_gb / push:.3f}")
     fields = {
-        "fraction_of_memcpy": f"{fraction['new']:.3f}", "old_fraction_of_memcpy": f"{fraction['old']:.3f}",
-        "new_over_old": f"{fraction['new'] / fraction['old']:.3f}",
+        "fraction_of_memcpy": f"{fraction['new']:.3f}",
         **{f"{p}_s": f"{_median(timings[p]):.3f}" for p in ENGINE_PATHS},
         "memcpy_gbps": f"{copy_gbps:.3f}", "model_gb": f"{model_gb:.3f}",
     }

@@ -117,14 +117,6 @@ class EngineConfig:
     node), and it takes 'auto', 'float32', 'bfloat16' or 'float16' only."""
     engine_seed: int = 0
     """Seed of the engine's own random state (unseeded requests draw from it)."""
-    # vLLM-CPU's 'mp' executor's extra worker process busy-polls shared memory for a second after
-    # every step: several times the engine's CPU per step at no gain in latency, CPU that trainer
-    # ranks sharing the machine then lack (benchmarks/RESULTS.md, "vLLM-CPU executor: default (mp)
-    # vs in process").
-    cpu_in_process_executor: bool = True
-    """On vLLM's CPU backend with tensor_parallel_size 1, run the model inside the engine-core
-    process (vLLM's 'uni' executor) instead of the 'mp' executor vLLM-CPU forces, whose extra
-    process busy-polls after every step. No effect on GPUs (in process already)."""
     # Forked, a worker starts several seconds sooner with the same seeded rollouts, but its
     # generation steps run up to ~15% slower (benchmarks/RESULTS.md, "A generation worker's start:
     # engine core spawned vs forked"): a trade made for an eager engine, which is chosen for its

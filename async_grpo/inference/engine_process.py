@@ -4,9 +4,9 @@ worker instead of a fresh interpreter where that is safe.
 vLLM 0.32 starts the engine core with multiprocessing's spawn whenever it runs inside a Ray actor
 or on its CPU platform (vllm.utils.system_utils._maybe_force_spawn, vllm.platforms.cpu), so the
 new interpreter imports torch and vLLM all over again, although the worker actor that starts it
-has imported both already. A fork starts the engine core from the worker's imports instead:
-`benchmarks/engine_start.py` measures the two ways (a worker's start ~6.5 s and CPU-s shorter,
-the same seeded rollouts, but steps up to ~15% slower in some runs: benchmarks/RESULTS.md).
+has imported both already. A fork starts the engine core from the worker's imports instead: a
+shorter start with the same seeded rollouts, but slower steps in some runs (benchmarks/RESULTS.md,
+"A generation worker's start: engine core spawned vs forked").
 
 A fork is only safe where three things hold, which `forks_engine_core` checks:
 

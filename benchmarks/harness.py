@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 SUITE_TIMELINE_ENV = "GRPO_TEST_TIMELINE"
-"""When set (benchmarks/suite_profile.py sets it), a file each tier's pytest appends its tests' starts
+"""When set (scripts/suite_profile.py sets it), a file each tier's pytest appends its tests' starts
 and ends to (tests/conftest.py): `<unix time> start|end <node id>` lines."""
 DEFAULT_DEMO_ASSETS = REPO_ROOT / "runs" / "demo-assets"
 PREPARE_DEMO = REPO_ROOT / "scripts" / "prepare_demo.py"

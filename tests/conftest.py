@@ -91,7 +91,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _timeline(event: str, nodeid: str) -> None:
-    """When benchmarks/suite_profile.py runs the suite: append `<unix time> start|end <node id>` to
+    """When scripts/suite_profile.py runs the suite: append `<unix time> start|end <node id>` to
     the file it names (one pair per test, setup to teardown), so that it can say which tests were
     running while the machine's cores stood idle."""
     if path := os.environ.get(SUITE_TIMELINE_ENV):

@@ -14,6 +14,7 @@ modules then use too), and so does async_overlap's real mode (its split and simu
 each would start its own otherwise, ~50 CPU-s apiece; the others start theirs as their recorded
 commands do. Already run elsewhere in smoke mode, not repeated
 here: soak.py (tests/system/test_soak.py) and scale.py (tests/system/test_scale_benchmark.py).
+scripts/suite_profile.py, which profiles the suite, has its smoke here too (run by its path).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class Smoke:
     """Tiers beyond system (vllm, distributed)."""
     shared: bool = False
     """Runs on the module's shared cluster (`--attach`, the smoke_cluster fixture) instead of starting its own."""
+    script: str = ""
+    """A script run by its path from the repository root (scripts/suite_profile.py), not as `-m benchmarks.<module>`."""
 
 
 CLUSTER = ("vllm", "distributed")  # a local cluster: a vLLM worker and torchrun ranks
@@ -70,7 +73,8 @@ SMOKES = (
     Smoke("trainer_throughput", (), "", ("tokens_per_s", "mfu", "step_s")),
     Smoke("gpu_report", ("--out", f"{WORK}/gpu_report.md"), "gpu_report", ("rows", "skipped", "failed")),
     Smoke("suite_profile", (), "suite_profile",
-          ("wall_s", "machine_cpu_s", "attributed_cpu_s", "engine_starts", "trainer_launches", "ray_heads")),
+          ("wall_s", "machine_cpu_s", "attributed_cpu_s", "engine_starts", "trainer_launches", "ray_heads"),
+          script="scripts/suite_profile.py"),
     Smoke("inflight", ("--work_dir", WORK), "inflight",
           ("speedup", "keep_token_staleness", "wait_token_staleness", "staleness_source"), ("vllm",)),
     # Local-cluster smokes last: they take minutes each.
@@ -98,7 +102,8 @@ SMOKES = (
 
 def _command(smoke: Smoke, assets: Path, work: Path) -> list[str]:
     args = [a.replace(ASSETS, str(assets)).replace(WORK, str(work)) for a in smoke.args]
-    return [sys.executable, "-m", f"benchmarks.{smoke.module}", "--smoke", "true", *args]
+    entry = [smoke.script] if smoke.script else ["-m", f"benchmarks.{smoke.module}"]
+    return [sys.executable, *entry, "--smoke", "true", *args]
 
 
 def _summary(stdout: str, smoke: Smoke) -> dict[str, str]:

@@ -1,9 +1,9 @@
 """Where the test suite's CPU goes: per process kind, per test, and how many vLLM engines, trainer
 launches and Ray heads each test started.
 
-    python -m benchmarks.suite_profile                      # the README's `bash scripts/test.sh` (~40 min on 2 cores)
-    python -m benchmarks.suite_profile --command "bash scripts/test.sh tests/system/test_end_to_end.py"
-    python -m benchmarks.suite_profile --smoke true         # plumbing check (a two-second command)
+    .venv/bin/python scripts/suite_profile.py               # the README's `bash scripts/test.sh` (~40 min on 2 cores)
+    .venv/bin/python scripts/suite_profile.py --command "bash scripts/test.sh tests/system/test_end_to_end.py"
+    .venv/bin/python scripts/suite_profile.py --smoke true  # plumbing check (a two-second command)
 
 It runs `command` and, until it exits, reads every process on the machine once per `poll_s`:
 its user and kernel CPU seconds (/proc/<pid>/stat), its role (benchmarks/process_monitor.py's
@@ -42,10 +42,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import (
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: scripts/ is no package
+
+from benchmarks.harness import (  # noqa: E402
     apply_smoke, load_bench_config, REPO_ROOT, setup_logging, SUITE_TIMELINE_ENV, summary_line,
 )
-from benchmarks.process_monitor import (
+from benchmarks.process_monitor import (  # noqa: E402
     CLOCK_TICKS, counters_of, environ_rank, format_table, process_kind, process_label, python_role, read_proc,
     stat_fields,
 )
@@ -61,7 +63,7 @@ NO_TEST = "(outside any test)"
 
 @dataclass(kw_only=True, frozen=True)
 class SuiteProfileConfig:
-    """What to run and how to read it: the command line of `python -m benchmarks.suite_profile`."""
+    """What to run and how to read it: the command line of `scripts/suite_profile.py`."""
 
     command: str = "bash scripts/test.sh"
     """The command to profile (run by bash from the repository root)."""

@@ -4,7 +4,8 @@
     .venv/bin/python -m benchmarks.checkpoint_async --hidden_size 256 --num_layers 2 --num_steps 8
     .venv/bin/python -m benchmarks.checkpoint_async --model_dir M --attach 127.0.0.1:PORT   # on a running cluster serving M
 
-One local cluster (one real vLLM generation worker, no logprob worker: logprob_role none) serves
+A preset of the A/B runner (benchmarks/ab_parts.py) on a job of its own instead of the demo: one
+local cluster (one real vLLM generation worker, no logprob worker: logprob_role none) serves
 `torchrun --nproc_per_node=2 trainer_core.py` runs of the same short job, alternating
 checkpoint_async false and true (`--rounds` pairs), each from step 0 in its own run_dir with a
 checkpoint every `--checkpoint_every` steps. The model is a random-weight Qwen2 wider than the
@@ -39,15 +40,17 @@ from typing import Any
 from async_grpo.config.run_config import flattened
 from async_grpo.demo_assets.arithmetic_data import write_arithmetic_dataset
 from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
-from benchmarks.clusters import AttachConfig, local_cluster
+from benchmarks.ab_parts import AbPlan, run_ab, Side
+from benchmarks.clusters import AttachConfig
 from benchmarks.harness import (
-    apply_smoke, load_bench_config, run_engine, run_trainer, setup_logging, summarize_checkpoint_run, summary_line,
+    apply_smoke, load_bench_config, run_engine, setup_logging, summarize_checkpoint_run, summary_line,
 )
-from local_cluster import LocalCluster, LocalClusterConfig
+from local_cluster import LocalClusterConfig
 
 logger = logging.getLogger(__name__)
 
-WORLD_SIZE = 2  # trainer ranks, as in the demo and the end-to-end tests
+SYNC = Side("sync", ("--checkpoint_async", "false"))
+BACKGROUND = Side("async", ("--checkpoint_async", "true"))
 MAX_MODEL_LEN = 64  # arithmetic prompts are <= 16 tokens; completions are 4 tokens
 KV_CACHE_BYTES = 128 * 2**20  # plenty for 64-token sequences; small enough on a busy machine
 TRAINER_TIMEOUT_S = 1200
@@ -113,18 +116,15 @@ def _prepare(config: CheckpointBenchConfig, work: Path) -> tuple[Path, Path]:
     return model, data
 
 
-def _run(cluster: LocalCluster, config: CheckpointBenchConfig, model: Path, data: Path, run_dir: Path,
-         background: bool) -> list[dict[str, Any]]:
-    args = ["--run_dir", str(run_dir), "--model.model_path", str(model), "--data.path", str(data),
+def _job(config: CheckpointBenchConfig, model: Path, data: Path, run_dir: Path) -> list[str]:
+    """The trainer flags both modes share (the mode's --checkpoint_async comes from its Side)."""
+    return ["--run_dir", str(run_dir), "--model.model_path", str(model), "--data.path", str(data),
             "--num_steps", str(config.num_steps), "--checkpoint_every", str(config.checkpoint_every),
-            "--checkpoint_async", str(background).lower(), "--keep_checkpoints", "2",
+            "--keep_checkpoints", "2",
             "--prompts_per_rank", str(config.prompts_per_rank), "--sampling.n", str(config.rollouts),
             "--sampling.max_tokens", "4", "--data.max_prompt_tokens", "16", "--max_tokens_per_gpu", "256",
             "--max_lag", "1", "--logprob_role", "none", "--loss.kl_coef", "0",
             "--progress_bar", "false", "--tensorboard", "false"]
-    run = run_trainer(cluster, args, run_dir, nproc_per_node=WORLD_SIZE, timeout_s=TRAINER_TIMEOUT_S,
-                      log=run_dir.parent / f"{run_dir.name}.trainer.log")
-    return run.require(config.num_steps)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,17 +139,17 @@ def main(argv: list[str] | None = None) -> None:
         model_path=str(model), log_dir=str(work / "logs"), generation_workers=1, logprob_workers=0,
         engine=run_engine(config.smoke, kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN),
     )
-    runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
-    with local_cluster(cluster_config, config.cluster.attach) as cluster:
-        for round_index in range(config.rounds):
-            for mode in ("sync", "async"):
-                records = _run(cluster, config, model, data, work / f"{mode}-{round_index}", mode == "async")
-                summary = summarize_checkpoint_run(records, config.checkpoint_every, config.skip_steps)
-                runs[mode].append(summary)
-                print(f"{mode} round {round_index}: checkpoint_s {[round(x, 3) for x in summary['checkpoint_s']]}, "
-                      f"step after a checkpoint {_median(summary['step_after_checkpoint_s']):.3f} s, "
-                      f"other steps {_median(summary['other_step_s']):.3f} s, run {summary['time_s']:.1f} s",
-                      flush=True)
+    plan = AbPlan(a=SYNC, b=BACKGROUND, rounds=config.rounds, num_steps=config.num_steps, skip=0, out_dir=str(work),
+                  smoke=config.smoke, attach=config.cluster.attach, cluster=cluster_config,
+                  job=lambda run_dir: _job(config, model, data, run_dir), timeout_s=TRAINER_TIMEOUT_S)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for mode, mode_runs in run_ab(plan).items():
+        runs[mode] = [summarize_checkpoint_run(records, config.checkpoint_every, config.skip_steps)
+                      for records in mode_runs]
+        for round_index, summary in enumerate(runs[mode]):
+            print(f"{mode} round {round_index}: checkpoint_s {[round(x, 3) for x in summary['checkpoint_s']]}, "
+                  f"step after a checkpoint {_median(summary['step_after_checkpoint_s']):.3f} s, "
+                  f"other steps {_median(summary['other_step_s']):.3f} s, run {summary['time_s']:.1f} s")
     out: dict[str, float] = {"weights_mb": round(weights_mb, 1)}
     for mode, summaries in runs.items():
         checkpoint_s = [x for s in summaries for x in s["checkpoint_s"]]

@@ -7,7 +7,7 @@ run's numbers mean nothing.
 
 Each runs as `python -m benchmarks.NAME --smoke true` (the script's SMOKE sizes: a few steps, tiny
 shapes; a local cluster's vLLM engines uncompiled, harness.SMOKE_ENGINE) plus where its inputs and
-outputs go. The smokes whose workers are the same (algorithms, data_path, distill, step_profile,
+outputs go. The smokes whose workers are the same (algorithms, data_path, demo_ab, distill, step_profile,
 learning_parity, and checkpoint_async on the demo model) run on one cluster (`--attach`,
 benchmarks/clusters.py; support.cluster's demo cluster, which the end-to-end and crash-resume
 modules then use too), and so does async_overlap's real mode (its split and simulated modes start their own):
@@ -89,6 +89,8 @@ SMOKES = (
     Smoke("algorithms", (*DEMO, "--out_dir", WORK), "algorithms", ("baseline",), CLUSTER, shared=True),
     Smoke("data_path", (*DEMO, "--out_dir", WORK), "data_path",
           ("wait_ratio", "step_ratio", "ray_bytes_per_step", "scatter_bytes_per_step"), CLUSTER, shared=True),
+    Smoke("demo_ab", (*DEMO, "--out_dir", WORK, "--a", "", "--b", "--max_lag 1"), "demo_ab",
+          ("step_s_ratio", "a_step_s", "b_step_s", "wait_s_ratio"), CLUSTER, shared=True),
     Smoke("distill", (*DEMO, "--out_dir", WORK), "distill", ("teacher", "distill"), CLUSTER, shared=True),
     Smoke("checkpoint_async", ("--work_dir", WORK, "--model_dir", f"{ASSETS}/model"), "checkpoint_async",
           ("weights_mb", "sync_checkpoint_s", "async_checkpoint_s", "blocked_ratio"), CLUSTER, shared=True),

@@ -58,7 +58,7 @@ MEMORY_PUSHES = 150
 MEMORY_SAMPLE_EVERY = 3
 MEMORY_WINDOWS = ((30, 90), (90, 150))
 # Allowed slope, as a fraction of one adapter per push. Measured (2026-11-25, 2-core machine):
-# 6-60 KiB/push, under 6% of the 1028 KiB adapter, in this test and benchmarks/lora_push_memory.py;
+# 6-60 KiB/push, under 6% of the 1028 KiB adapter, in this test and the retired lora_push_memory benchmark;
 # with a leak injected (every update's Ray objects, or every assembled adapter, kept) 1048-1087
 # KiB/push in each window (benchmarks/RESULTS.md, issue 21).
 MEMORY_LEAK_FRACTION = 0.25

@@ -5,7 +5,17 @@ nested section as `--section.name`. Precedence: defaults < config file < CLI fla
 (in the file or on the command line) are errors that name the key, and each section's own
 `__post_init__` validation runs on the final values. A bool flag alone means true
 (`--enforce_eager`, or `--enforce_eager false`); a list field takes one or more values
-(`--seeds 0 1 2`, or JSON: `--seeds "[0, 1, 2]"`).
+(`--seeds 0 1 2`, or JSON: `--seeds "[0, 1, 2]"`); `none` sets an optional field to None.
+
+Parsing is tyro's (requirements_base.txt pins it), chosen over jsonargparse and pydantic-settings
+because it takes our plain frozen dataclasses as they are (pydantic-settings wants pydantic
+models), reads each field's docstring as its help, and names nested fields `--section.name` with
+a list's values as separate words (jsonargparse: JSON or `--name+`, and no bare bool flag). Its
+constructor registry adds what it lacks: flattened and positional fields, bare-or-valued bools,
+`none`. A config file goes to tyro as the flags it stands for, ahead of the command line's, so
+both are typed and checked alike and the later flag wins; tyro's boxed error paragraphs become
+one line through its parse-error hook (`tyro._errors`, private: hence the exact pin). What a
+config class declares, walked, and a config written back out are config_schema.py's.
 
 A field declared with `flattened(default)` embeds a section whose fields stay at the top level
 of the embedding config: no `--section.` prefix on its flags, no `section:` mapping in a file,
@@ -43,22 +53,32 @@ flag naming the closest known ones.
 
 from __future__ import annotations
 
-import argparse
-import ast
-import copy
+import contextlib
 import dataclasses
 import difflib
 import inspect
+import io
 import json
 import sys
-import textwrap
 import tomllib
-import types
 import typing
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping, NoReturn, TypeVar
+from typing import Annotated, Any, Mapping, NoReturn, TypeVar
 
+import tyro
 import yaml
+from tyro.constructors import (
+    MISSING_NONPROP, ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo, StructConstructorSpec,
+    StructFieldSpec, StructTypeInfo,
+)
+
+from async_grpo.config.config_schema import (
+    _default_hint, _field, _field_default, _field_docs, _field_types, _flag_words, _flags, _is_dataclass_type,
+    _is_flattened, _is_list_type, _is_positional, _keys, _leaves, _positional_label, _positional_name, _type_name,
+)
+from async_grpo.config.config_schema import (  # noqa: F401 (re-exported: the entry points import them from here)
+    config_reference, config_to_dict, config_to_flags, flattened, positional, save_config,
+)
 
 T = TypeVar("T")
 
@@ -77,256 +97,6 @@ def exit_config_error(program: str, error: Exception | str) -> NoReturn:
     raise SystemExit(CONFIG_ERROR_EXIT)
 
 
-_FLATTEN = "run_config.flatten"  # dataclass field metadata key marking a flattened section
-_POSITIONAL = "run_config.positional"  # dataclass field metadata key marking a positional field
-
-
-def flattened(default: Any) -> Any:
-    """A dataclass field embedding the section `default` (a frozen config dataclass instance),
-    whose fields are top-level flags and file keys of the embedding config (module docstring).
-    Given the section's class instead, the field is required and its fields take the class's
-    defaults (its required fields: required flags)."""
-    if not dataclasses.is_dataclass(default):
-        raise TypeError(f"flattened() needs a config dataclass instance or class, got {default!r}")
-    if isinstance(default, type):
-        return dataclasses.field(metadata={_FLATTEN: True})
-    return dataclasses.field(default_factory=lambda: default, metadata={_FLATTEN: True})
-
-
-def positional() -> Any:
-    """A required dataclass field given on the command line without a flag: a list field takes
-    one or more words, any other field one. A config has at most one (module docstring)."""
-    return dataclasses.field(metadata={_POSITIONAL: True})
-
-
-def _is_flattened(f: dataclasses.Field) -> bool:
-    return bool(f.metadata.get(_FLATTEN))
-
-
-def _is_positional(f: dataclasses.Field) -> bool:
-    return bool(f.metadata.get(_POSITIONAL))
-
-
-def _is_dataclass_type(tp: Any) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Convert a value from YAML/TOML/CLI text to the field's annotated type."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            if type(None) in args:
-                return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(f"{where}: {value!r} fits none of {tp}: {'; '.join(errors)}")
-    if origin is Literal:
-        for choice in args:
-            if value == choice or str(value) == str(choice):
-                return choice
-        raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
-    if origin in (list, tuple):
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) and value[0].startswith("["):
-            value = value[0]  # one JSON list given to a multi-value flag
-        try:
-            items = json.loads(value) if isinstance(value, str) else value
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}: expected a list, got {value!r} ({exc})") from None
-        if not isinstance(items, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        item_type = args[0] if args else Any
-        converted = [_coerce(v, item_type, f"{where}[{i}]") for i, v in enumerate(items)]
-        return tuple(converted) if origin is tuple else converted
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("1", "true", "yes", "on"):
-            return True
-        if str(value).lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
-    if tp in (int, float, str):
-        try:
-            if tp is int and isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return tp(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
-    return value
-
-
-def _flat_sections(cls: type) -> dict[str, tuple[type, Any]]:
-    """{field name: (section class, default instance)} of cls's flattened sections."""
-    types_by_name = _field_types(cls)
-    return {f.name: (types_by_name[f.name], _field_default(f)) for f in dataclasses.fields(cls)
-            if f.init and _is_flattened(f)}
-
-
-def _keys(cls: type) -> list[str]:
-    """The keys cls takes in a file or as flags: its own fields, a flattened section's fields in
-    its place. TypeError when two of them share a name (a flag would mean two things)."""
-    keys: list[str] = []
-    sections = _flat_sections(cls)
-    for name in _field_types(cls):
-        keys += _keys(sections[name][0]) if name in sections else [name]
-    repeated = sorted({k for k in keys if keys.count(k) > 1})
-    if repeated:
-        raise TypeError(f"{cls.__name__}: flattened sections repeat the key(s) {repeated}")
-    return keys
-
-
-def _build(cls: type[T], values: dict[str, Any], where: str, base: Any = None) -> T:
-    """Instantiate a (possibly nested) config dataclass from a dict of raw values; fields that
-    `values` leaves out take `base`'s values when given, else their defaults."""
-    types_by_name = _field_types(cls)
-    unknown = set(values) - set(_keys(cls))
-    if unknown:
-        raise ConfigError(f"{where or 'config'}: unknown key(s) {sorted(unknown)}; known: {sorted(_keys(cls))}")
-    kwargs: dict[str, Any] = {}
-    for name, (section_cls, default) in _flat_sections(cls).items():
-        own = {key: values[key] for key in _keys(section_cls) if key in values}
-        section_base = getattr(base, name) if base is not None else default
-        required = section_base is dataclasses.MISSING
-        if own or required:  # at the embedding's level: errors name the keys as the user wrote them
-            kwargs[name] = _build(section_cls, own, where, base=None if required else section_base)
-    for name, tp in types_by_name.items():
-        if name not in values or name in kwargs:
-            continue
-        key = f"{where}.{name}" if where else name
-        if _is_dataclass_type(tp):
-            section = values[name]
-            if not isinstance(section, dict):
-                raise ConfigError(f"{key}: expected a section (mapping), got {section!r}")
-            kwargs[name] = _build(tp, section, key)
-        else:
-            kwargs[name] = _coerce(values[name], tp, key)
-    if base is not None:
-        kwargs = {name: kwargs[name] if name in kwargs else getattr(base, name) for name in types_by_name}
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where or cls.__name__}: {exc}") from exc
-
-
-def _read_file(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
-    try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config file {path}: {exc}") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: top level must be a mapping")
-    return data
-
-
-def _set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    for key in keys[:-1]:
-        target = target.setdefault(key, {})
-        if not isinstance(target, dict):
-            raise ConfigError(f"--{dotted}: {key} is not a section")
-    target[keys[-1]] = value
-
-
-def _field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass (our configs document every field so)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, SyntaxError):  # no source (e.g. built in a REPL): flags without help
-        return {}
-    docs: dict[str, str] = {}
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    for field_node, doc_node in zip(body, body[1:]):
-        if (isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name)
-                and isinstance(doc_node, ast.Expr) and isinstance(doc_node.value, ast.Constant)
-                and isinstance(doc_node.value.value, str)):
-            docs[field_node.target.id] = " ".join(doc_node.value.value.split())
-    return docs
-
-
-def _field_default(f: dataclasses.Field) -> Any:
-    """The field's default value (its factory called), or dataclasses.MISSING when required."""
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-
-
-def _leaves(cls: type, base: Any = None) -> Iterator[tuple[dataclasses.Field, Any, str, Any]]:
-    """(field, annotated type, docstring, default) of cls's fields, a flattened section's fields
-    in its place (their defaults: the section instance the embedding gives). A nested section's
-    default is its class's defaults; `base` (a section instance) overrides every default."""
-    docs = _field_docs(cls)
-    types_by_name = _field_types(cls)
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        default = getattr(base, f.name) if base is not None else _field_default(f)
-        if _is_flattened(f):  # a required section (no default): its class's own defaults
-            yield from _leaves(types_by_name[f.name], None if default is dataclasses.MISSING else default)
-        else:
-            yield f, types_by_name[f.name], docs.get(f.name, ""), default
-
-
-def _flags(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
-    """(dotted flag name, annotated type, help) of every leaf field, nested sections flattened."""
-    _keys(cls)  # refuse repeated keys before building a parser
-    flags = []
-    for f, tp, doc, default in _leaves(cls):
-        dotted = f"{prefix}{f.name}"
-        if _is_dataclass_type(tp):
-            flags.extend(_flags(tp, dotted + "."))
-            continue
-        shown = "required" if default is dataclasses.MISSING else f"default: {default!r}"
-        # argparse formats help with %: escape it so docs may mention percentages.
-        flags.append((dotted, tp, f"{doc} ({shown})".strip().replace("%", "%%")))
-    return flags
-
-
-def _positional_name(cls: type) -> str | None:
-    """The name of cls's positional field (flattened sections' included), or None; TypeError when
-    it has several (which words would go where is then unclear) or one inside a nested section."""
-    names = _positional_fields(cls)
-    if len(names) > 1 or any("." in name for name in names):
-        raise TypeError(f"{cls.__name__}: one positional field at most, at the top level; got {names}")
-    return names[0] if names else None
-
-
-def _positional_fields(cls: type, prefix: str = "") -> list[str]:
-    """Dotted names of every positional field of cls, nested sections' included."""
-    names = []
-    for f, tp, _, _ in _leaves(cls):
-        if _is_positional(f):
-            names.append(f"{prefix}{f.name}")
-        if _is_dataclass_type(tp):
-            names += _positional_fields(tp, f"{prefix}{f.name}.")
-    return names
-
-
-def _positional_label(name: str, tp: Any) -> str:
-    """How the reference shows a positional field (argparse writes --help's): `RUN_DIRS ...` for a list."""
-    return name.upper() + (" ..." if _is_list_type(tp) else "")
-
-
-def _is_list_type(tp: Any) -> bool:
-    """list[...] or tuple[...], also inside `| None`."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return any(_is_list_type(arg) for arg in typing.get_args(tp) if arg is not type(None))
-    return typing.get_origin(tp) in (list, tuple)
-
-
 def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
     """(flags before the first `--`, everything after it): a launcher's own flags and its child's."""
     if "--" not in argv:
@@ -335,47 +105,279 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
     return list(argv[:cut]), list(argv[cut + 1 :])
 
 
-class _OneLineErrors(argparse.ArgumentParser):
-    """argparse with its command-line errors as one line (no usage block): an unknown flag names
-    the closest known ones, as a user who misspelt one expects."""
-
-    def error(self, message: str) -> NoReturn:
-        unknown = message.partition("unrecognized arguments: ")[2].split()
-        flags = [word for word in unknown if word.startswith("-")]
-        if flags:
-            known = [option for action in self._actions for option in action.option_strings]
-            hints = []
-            for flag in flags:
-                close = difflib.get_close_matches(flag.split("=", 1)[0], known, n=2)
-                hints.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
-            message = f"unknown flag{'s' if len(flags) > 1 else ''} {', '.join(hints)}"
-        exit_config_error(self.prog, f"{message}; --help lists the flags")
+_CONFIG_HELP = "--config FILE: a YAML or TOML file of these keys (defaults < file < flags)."
 
 
 def load_config(cls: type[T], argv: list[str], description: str = "") -> T:
     """Build `cls` from defaults, then `--config FILE` (YAML or TOML), then `--key value` flags."""
-    parser = _OneLineErrors(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, help="YAML or TOML file with config values")
-    positional = _positional_name(cls)
-    for dotted, tp, help_text in _flags(cls):
-        if dotted == positional:  # absent from the command line: a file may give it
-            parser.add_argument(dotted, default=argparse.SUPPRESS, metavar=dotted.upper(),
-                                nargs="*" if _is_list_type(tp) else "?", help=help_text)
-        elif tp is bool:
-            parser.add_argument(f"--{dotted}", dest=dotted, default=argparse.SUPPRESS, metavar="BOOL",
-                                nargs="?", const="true", help=help_text)
-        elif _is_list_type(tp):
-            parser.add_argument(f"--{dotted}", dest=dotted, default=argparse.SUPPRESS, metavar="VALUE", nargs="+",
-                                help=help_text)
+    _keys(cls)  # refuse repeated keys and a second positional field before parsing anything
+    positional_name = _positional_name(cls)
+    file, argv = _pop_config_file(list(argv))
+    values = _read_file(file) if file is not None else {}
+    try:
+        file_words = _file_words(cls, values)
+    except ConfigError as exc:
+        raise ConfigError(f"config file {file}: {exc}") from None
+    from_file = values.get(positional_name, dataclasses.MISSING) if positional_name else dataclasses.MISSING
+    prog = Path(sys.argv[0]).name
+    shown = io.StringIO()  # --help, written at once: `--help | head` then ends without a BrokenPipeError
+    try:
+        with tyro._errors.on_parse_error(_OneLineErrors(cls, prog, argv, file_words, file)), \
+                contextlib.redirect_stdout(shown):
+            unbuilt = tyro.cli(cls, args=_json_lists_split(cls, file_words + argv), prog=prog,
+                               description=f"{description}\n\n{_CONFIG_HELP}".strip(), registry=_registry(from_file),
+                               config=(tyro.conf.FlagConversionOff,), use_underscores=True)
+    except SystemExit:
+        with contextlib.suppress(BrokenPipeError):
+            sys.stdout.write(shown.getvalue())
+            sys.stdout.flush()
+        raise
+    required = positional_name and _field_default(_field(cls, positional_name)) is dataclasses.MISSING
+    if required and from_file is dataclasses.MISSING and unbuilt.kwargs.get(positional_name) == []:
+        # tyro takes no words for a list (nargs "*"); a required one needs at least one.
+        _missing(cls, [positional_name], [_positional_label(positional_name, _field_types(cls)[positional_name])])
+    return unbuilt.build("")
+
+
+def _missing(cls: type, names: list[str], flags: list[str]) -> NoReturn:
+    """A ConfigError for required fields left out, caused by the TypeError the dataclass's own
+    __init__ would raise: an entry point tells "nothing given" by it (trainer_core.config_error_line)."""
+    message = (f"{cls.__name__}: missing {len(names)} required keyword-only argument{'s' if len(names) > 1 else ''}: "
+               f"{' and '.join(repr(name.rsplit('.', 1)[-1]) for name in names)} ({', '.join(flags)})")
+    raise ConfigError(message) from TypeError(message)
+
+
+def _pop_config_file(argv: list[str]) -> tuple[Path | None, list[str]]:
+    """(the `--config FILE` path or None, argv without it)."""
+    for i, word in enumerate(argv):
+        if word == "--config" and i + 1 < len(argv):
+            return Path(argv[i + 1]), argv[:i] + argv[i + 2 :]
+        if word.startswith("--config="):
+            return Path(word.partition("=")[2]), argv[:i] + argv[i + 1 :]
+    return None, argv
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        with path.open("rb" if path.suffix == ".toml" else "r") as stream:  # YAML's errors then name the file
+            data = tomllib.load(stream) if path.suffix == ".toml" else yaml.safe_load(stream)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {path}: {' '.join(str(exc).split())}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping")
+    return data
+
+
+def _yaml_lines(path: Path) -> dict[str, int]:
+    """{dotted key: its line} of a YAML file, for errors that name the line (TOML: none)."""
+    lines: dict[str, int] = {}
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        for key, value in node.value if isinstance(node, yaml.MappingNode) else ():
+            lines[f"{prefix}{key.value}"] = key.start_mark.line + 1
+            walk(value, f"{prefix}{key.value}.")
+
+    if path.suffix != ".toml":
+        with path.open() as stream:
+            walk(yaml.compose(stream), "")
+    return lines
+
+
+def _file_words(cls: type, values: dict[str, Any], prefix: str = "") -> list[str]:
+    """The flags a file's mapping for cls stands for (its positional field left out), to go before
+    the command line's: unknown keys and a value where a section belongs are ConfigErrors."""
+    known = _keys(cls)
+    unknown = set(values) - set(known)
+    if unknown:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+    words: list[str] = []
+    for f, tp, _, _ in _leaves(cls):
+        if f.name not in values or _is_positional(f):
+            continue
+        if not _is_dataclass_type(tp):
+            words += [f"--{prefix}{f.name}", *_flag_words(values[f.name])]
+        elif isinstance(values[f.name], dict):
+            words += _file_words(tp, values[f.name], f"{prefix}{f.name}.")
         else:
-            parser.add_argument(f"--{dotted}", dest=dotted, default=argparse.SUPPRESS, metavar="VALUE",
-                                help=help_text)
-    args = vars(parser.parse_args(argv))
-    file_path = args.pop("config", None)
-    values = _read_file(file_path) if file_path else {}
-    for dotted, raw in args.items():
-        _set_dotted(values, dotted, raw)
-    return _build(cls, values, "")
+            raise ConfigError(f"{prefix}{f.name}: expected a section (mapping), got {values[f.name]!r}")
+    return words
+
+
+def _json_lists_split(cls: type, argv: list[str]) -> list[str]:
+    """argv with a JSON list after a list flag (`--seeds "[0, 1]"`) as the words tyro takes (`0 1`)."""
+    list_flags = {f"--{dotted}" for dotted, tp, _ in _flags(cls) if _is_list_type(tp)}
+    words: list[str] = []
+    for previous, word in zip([""] + argv, argv):
+        items = None
+        if previous in list_flags and word.startswith("["):
+            with contextlib.suppress(json.JSONDecodeError):
+                items = json.loads(word)
+        words += [str(item) for item in items] if isinstance(items, list) else [word]
+    return words
+
+
+@dataclasses.dataclass
+class _Unbuilt:
+    """A section's parsed values, built by load_config rather than by tyro, so that a section's own
+    validation error names where the section sits (`sampling.reward: ...`)."""
+
+    cls: type
+    kwargs: dict[str, Any]
+
+    def build(self, where: str) -> Any:
+        kwargs = {name: value.build(where if _is_flattened(_field(self.cls, name)) else f"{where}.{name}".lstrip("."))
+                  if isinstance(value, _Unbuilt) else value for name, value in self.kwargs.items()}
+        try:
+            return self.cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where or self.cls.__name__}: {exc}") from exc
+
+
+def _registry(positional_from_file: Any) -> ConstructorRegistry:
+    """tyro's rules for our config dataclasses (_field_spec); the positional field defaults to a
+    config file's value when it gives one."""
+    registry = ConstructorRegistry()
+    registry.primitive_rule(_our_primitives)
+
+    @registry.struct_rule
+    def _config_fields(info: StructTypeInfo) -> StructConstructorSpec | None:
+        if not _is_dataclass_type(info.type):
+            return None
+        base = info.default if dataclasses.is_dataclass(info.default) else None
+        docs, types_by_name = _field_docs(info.type), _field_types(info.type)
+        specs = []
+        for f in (f for f in dataclasses.fields(info.type) if f.init):
+            default = getattr(base, f.name) if base is not None else _field_default(f)
+            if _is_positional(f) and positional_from_file is not dataclasses.MISSING:
+                default = positional_from_file
+            specs.append(_field_spec(f, types_by_name[f.name], docs.get(f.name, ""), default))
+        return StructConstructorSpec(instantiate=lambda **kwargs: _Unbuilt(info.type, kwargs), fields=tuple(specs))
+
+    return registry
+
+
+def _field_spec(f: dataclasses.Field, tp: Any, doc: str, default: Any) -> StructFieldSpec:
+    """One field for tyro: a flattened section without its prefix, a positional field without a
+    flag, a value's help ending in _default_hint."""
+    hint, default = _default_hint(default), MISSING_NONPROP if default is dataclasses.MISSING else default
+    if _is_flattened(f):
+        return StructFieldSpec(name=f.name, type=Annotated[tp, tyro.conf.arg(name="")], default=default, helptext=doc)
+    if _is_dataclass_type(tp):
+        return StructFieldSpec(name=f.name, type=tp, default=default, helptext=doc)
+    markers: list[Any] = [tyro.conf.arg(help_behavior_hint=hint)]
+    if _is_positional(f):  # in brackets when a list: a config file may give it instead
+        label = _positional_label(f.name, tp)
+        markers = [tyro.conf.Positional,
+                   tyro.conf.arg(help_behavior_hint=hint, metavar=f"[{label}]" if _is_list_type(tp) else label)]
+    return StructFieldSpec(name=f.name, type=Annotated[(tp, *markers)], default=default, helptext=doc)
+
+
+_TRUE_WORDS, _FALSE_WORDS, _NONE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off"), ("none", "null")
+
+
+def _our_primitives(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
+    """What our flags take beyond tyro's own: a bool flag alone or with true/false (tyro: a
+    --flag/--no-flag pair), `none` for None (tyro: `None`), a JSON object for a dict field."""
+    if info.type is bool:
+        return PrimitiveConstructorSpec(nargs=(0, 1), metavar="[BOOL]", instance_from_str=_bool_from_words,
+                                        is_instance=lambda x: isinstance(x, bool),
+                                        str_from_instance=lambda x: [str(x).lower()])
+    if info.type is type(None):
+        return PrimitiveConstructorSpec(nargs=1, metavar="none", instance_from_str=_none_from_words,
+                                        is_instance=lambda x: x is None, str_from_instance=lambda x: ["none"])
+    if typing.get_origin(info.type) is dict:
+        return PrimitiveConstructorSpec(nargs=1, metavar="JSON", instance_from_str=lambda words: json.loads(words[0]),
+                                        is_instance=lambda x: isinstance(x, dict),
+                                        str_from_instance=lambda x: [json.dumps(x)])
+    return None
+
+
+def _bool_from_words(words: list[str]) -> bool:
+    if not words:  # the bare flag
+        return True
+    if words[0].lower() not in _TRUE_WORDS + _FALSE_WORDS:
+        raise ValueError(f"expected true/false, got {words[0]!r}")
+    return words[0].lower() in _TRUE_WORDS
+
+
+def _none_from_words(words: list[str]) -> None:
+    if words[0].lower() not in _NONE_WORDS:
+        raise ValueError(f"expected none, got {words[0]!r}")
+
+
+class _OneLineErrors:
+    """tyro's parse-error hook (tyro._errors is private: requirements_base.txt pins tyro exactly):
+    each error as one line naming the flag, or the config file that set it. A command-line error
+    (an unknown flag, a flag without its value) ends the program with exit_config_error; a value a
+    field refuses raises ConfigError for the entry point to report."""
+
+    def __init__(self, cls: type, prog: str, argv: list[str], file_words: list[str], file: Path | None):
+        self.cls, self.prog, self.argv, self.file_words, self.file = cls, prog, argv, file_words, file
+        self.file_lines = _yaml_lines(file) if file is not None else {}
+
+    def __call__(self, event: tyro._errors.ParseErrorEvent) -> None:
+        unrecognized = getattr(event, "tokens", None) or getattr(event, "unrecognized_tokens", None)
+        if unrecognized:
+            self._unknown(unrecognized)
+        if isinstance(event, tyro._errors.MissingArgs):
+            self._missing_args(event.missing_arguments)
+        if isinstance(event, tyro._errors.InvalidChoice):
+            raise ConfigError(f"{self._where(event.argument, event.value)}: {event.value!r} is not one of "
+                              f"{list(event.choices)}")
+        if isinstance(event, (tyro._errors.BadValue, tyro._errors.InstantiationFailure)) and event.argument:
+            self._bad_value(event.argument, getattr(event, "reason", None) or event.message)
+
+    def _unknown(self, tokens: list[str]) -> NoReturn:
+        flags = [token for token in tokens if token.startswith("-")]
+        known = [f"--{dotted}" for dotted, _, _ in _flags(self.cls)]
+        hints = []
+        for flag in flags:
+            close = difflib.get_close_matches(flag.split("=", 1)[0], known, n=2)
+            hints.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
+        what = f"unknown flag{'s' if len(flags) > 1 else ''} {', '.join(hints)}" if flags else f"extra words {tokens}"
+        exit_config_error(self.prog, f"{what}; --help lists the flags")
+
+    def _missing_args(self, arguments: list[Any]) -> NoReturn:
+        names = [_name(arg.arg) for arg in arguments]
+        given = [name for name in names if f"--{name}" in self.argv + self.file_words]
+        if given:  # the flag is there, its value is not
+            exit_config_error(self.prog, f"--{given[0]}: expected one argument; --help lists the flags")
+        _missing(self.cls, names, [f"--{name}" for name in names])
+
+    def _bad_value(self, argument: Any, reason: str) -> NoReturn:
+        given = self._given(argument)
+        if not given:
+            exit_config_error(self.prog, f"--{_name(argument)}: expected one argument; --help lists the flags")
+        if not reason.startswith("expected"):  # tyro's words are int()'s and float()'s: ours name the type
+            reason = f"expected {_type_name(argument.field.type_stripped)}, got {' '.join(given)!r}"
+        raise ConfigError(f"{self._where(argument)}: {reason}")
+
+    def _given(self, argument: Any) -> list[str]:
+        """The words after the argument's flag where it was last given (a list flag: all of them)."""
+        words, flag = self.file_words + self.argv, f"--{_name(argument)}"
+        given = words[len(words) - words[::-1].index(flag) :] if flag in words else []
+        return given[: next((i for i, word in enumerate(given) if word.startswith("--")), len(given))]
+
+    def _where(self, argument: Any, item: str | None = None) -> str:
+        """The field's dotted name (with the index of `item`, a list's refused item), after the
+        config file's name and the key's line when the file, not a flag, gave it."""
+        name, given = _name(argument), self._given(argument)
+        if item is not None and _is_list_type(argument.field.type_stripped) and item in given:
+            name += f"[{given.index(item)}]"
+        flag = f"--{_name(argument)}"
+        from_file = self.file is not None and not any(w == flag or w.startswith(f"{flag}=") for w in self.argv)
+        line = f":{self.file_lines[_name(argument)]}" if _name(argument) in self.file_lines else ""
+        return f"config file {self.file}{line}: {name}" if from_file else name
+
+
+def _name(argument: Any) -> str:
+    """The dotted field name of a tyro argument (`inner.lr`; a positional one's own name)."""
+    flags = argument.lowered.name_or_flags
+    return flags[0].lstrip("-") if flags and flags[0].startswith("--") else argument.field.intern_name
 
 
 def _first_line(cls: type) -> str:
@@ -395,113 +397,3 @@ def load_command(commands: Mapping[str, type], argv: list[str], prog: str) -> tu
         raise SystemExit("\n".join(lines))
     command, rest = argv[0], list(argv[1:])
     return command, load_config(commands[command], rest, description=inspect.getdoc(commands[command]) or "")
-
-
-def _as_dict(config: Any) -> dict[str, Any]:
-    """dataclasses.asdict, with a flattened section's fields in the section's place."""
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if _is_flattened(f):
-            values.update(_as_dict(value))
-        elif dataclasses.is_dataclass(value):
-            values[f.name] = _as_dict(value)
-        else:
-            values[f.name] = copy.deepcopy(value)
-    return values
-
-
-def config_to_dict(config: Any) -> dict[str, Any]:
-    """Plain nested dict of a config (tuples as lists), for saving and logging; flattened
-    sections' fields at the level of the config that embeds them, as in a file."""
-    return json.loads(json.dumps(_as_dict(config)))
-
-
-def _flag_words(value: Any) -> list[str]:
-    """A value as the words after its flag: load_config reads them back to the same value."""
-    if value is None:
-        return ["none"]
-    if isinstance(value, bool):
-        return ["true" if value else "false"]
-    if isinstance(value, (list, tuple)):
-        return [json.dumps(list(value))]
-    return [str(value)]
-
-
-def config_to_flags(config: Any, baseline: Any = None) -> list[str]:
-    """The flags that give `config` to a program loading its class: one `--name value` per field
-    whose value differs from `baseline`'s (default: the class's own defaults; a field without a
-    default always), in field order; a bool that is true as the bare flag. A nested section's
-    flags are `--section.name`; a flattened section's are its fields' own."""
-    words = _to_flags(config, baseline, "")
-    positional = _positional_name(type(config))
-    if positional is None:
-        return words
-    # The positional field's words lead: argparse takes them before the first flag.
-    value = _as_dict(config)[positional]
-    return [str(v) for v in value] + words if isinstance(value, (list, tuple)) else [str(value)] + words
-
-
-def _to_flags(config: Any, baseline: Any, prefix: str) -> list[str]:
-    words: list[str] = []
-    for f in dataclasses.fields(config):
-        if not f.init or _is_positional(f):
-            continue
-        value = getattr(config, f.name)
-        default = getattr(baseline, f.name) if baseline is not None else _field_default(f)
-        if dataclasses.is_dataclass(value):
-            section_base = default if dataclasses.is_dataclass(default) else None
-            words += _to_flags(value, section_base, prefix if _is_flattened(f) else f"{prefix}{f.name}.")
-        elif default is dataclasses.MISSING or value != default:
-            flag = f"--{prefix}{f.name}"
-            words += [flag] if value is True else [flag, *_flag_words(value)]
-    return words
-
-
-def save_config(config: Any, path: Path) -> None:
-    """Write the resolved config as YAML (loadable again with --config)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-
-
-def _type_name(tp: Any) -> str:
-    """A type as a reader writes it: `int`, `str | None`, `list[str]`, `'a' | 'b'`."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(arg) for arg in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(arg) for arg in typing.get_args(tp))
-    if origin is not None:
-        args = ", ".join(_type_name(arg) for arg in typing.get_args(tp))
-        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
-    if tp is type(None):
-        return "None"
-    if tp is Ellipsis:
-        return "..."
-    return getattr(tp, "__name__", str(tp))
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def config_reference(cls: type, prefix: str = "") -> list[str]:
-    """Markdown for `cls` and each nested section: a heading, the class's docstring, and a table
-    of its fields (flag, type, default, the field's docstring). docs/config.md is made of these
-    (scripts/config_docs.py), so the reference cannot drift from the classes."""
-    heading = f"`{prefix.rstrip('.')}` ({cls.__name__})" if prefix else cls.__name__
-    summary = " ".join((inspect.getdoc(cls) or "").split("\n\n")[0].split())
-    lines = [f"### {heading}", "", summary, "", "| flag | type | default | meaning |", "|---|---|---|---|"]
-    sections: list[tuple[str, type]] = []
-    for f, tp, doc, value in _leaves(cls):
-        if _is_dataclass_type(tp):
-            sections.append((f"{prefix}{f.name}.", tp))
-            lines.append(f"| `--{prefix}{f.name}.*` | section | | {_cell(doc)} (below) |")
-            continue
-        default = "required" if value is dataclasses.MISSING else f"`{value!r}`"
-        flag = f"`{_positional_label(f.name, tp)}` (positional)" if _is_positional(f) else f"`--{prefix}{f.name}`"
-        lines.append(f"| {flag} | `{_cell(_type_name(tp))}` | {_cell(default)} | {_cell(doc)} |")
-    lines.append("")
-    for section_prefix, section_cls in sections:
-        lines += config_reference(section_cls, section_prefix)
-    return lines

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -307,3 +308,15 @@ def test_a_misspelt_flag_is_one_line_naming_the_closest(capsys: pytest.CaptureFi
         load_config(TrainerConfig, ["--num_steps"])
     err = capsys.readouterr().err.strip()
     assert info.value.code == 2 and len(err.splitlines()) == 1 and "--num_steps: expected one argument" in err
+
+
+def test_a_file_value_is_checked_as_a_flag_and_its_error_names_the_file(tmp_path: Path) -> None:
+    """The file's keys go to the parser as the flags they stand for, ahead of the command line's."""
+    cfg_file = _write(tmp_path / "c.yaml", "path: a\nsteps: ten\n")
+    with pytest.raises(ConfigError, match=re.escape(f"config file {cfg_file}:2: steps: expected int, got 'ten'")):
+        load_config(_Outer, ["--config", str(cfg_file)])
+    assert load_config(_Outer, ["--config", str(cfg_file), "--steps", "3"]).steps == 3  # the flag wins
+    with pytest.raises(ConfigError, match=r"^inner: _Inner.lr must be > 0"):  # a section's error names the section
+        load_config(_Outer, ["--path", "p", "--inner.lr", "-1"])
+    with pytest.raises(ConfigError, match=re.escape(f"config file {cfg_file}: inner: expected a section")):
+        load_config(_Outer, ["--config", str(_write(cfg_file, "path: a\ninner: 3\n"))])

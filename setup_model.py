@@ -147,11 +147,12 @@ class ModelConfig:
     picks packed_sdpa."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (lora.r > 0): only they train and are pushed; the base stays frozen."""
-    # What the loop still lacks is listed in docs/training.md, "Context parallelism".
+    # What does not run with it yet is refused at load (TrainerConfig; docs/training.md).
     context_parallel: int = 1
     """Ranks that split each minibatch's tokens (Ulysses, async_grpo/model/context_parallel.py), for
-    samples longer than one rank's activations hold. Must divide the world size and the attention
-    heads; not with share_prompts. Values above 1 are refused: not wired into the loop yet."""
+    samples longer than one rank's activations hold: a group's minibatch holds up to this x
+    max_tokens_per_gpu tokens. Must divide the world size and the attention heads; not with
+    share_prompts."""
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -176,8 +177,6 @@ class ModelConfig:
                              "answers would need its keys on every rank): turn one off")
         if self.attn_implementation is not None:
             check_context_parallel(self.attn_implementation, "ModelConfig.attn_implementation")
-        raise ValueError(f"ModelConfig.context_parallel={self.context_parallel}: context parallelism is not wired "
-                         f"into the training loop yet (trainer_core.py, the batcher); use 1")
 
 
 def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:

@@ -12,6 +12,10 @@ samples (or tokens, see loss.aggregation); it is multiplied by world_size (FSDP 
 gradients over ranks) and the summed gradients are divided by the step's divisor (its total
 sample count, output-token count, or samples x max_tokens: grpo_loss.step_divisor), which equals
 one backward over the loss of all the step's samples at once.
+
+Context parallelism (model.context_parallel = cp): a group of cp ranks shares each minibatch, each
+rank scoring its share of the tokens; the group's first rank submits its prompts and counts its
+samples (once, not cp times).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from async_grpo.launch.host_gpus import listed_gpu_count
 from async_grpo.launch.ray_env import (
     GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name,
 )
+from async_grpo.model.context_parallel import gather_outputs, local_batch, reduce_loss_metrics
 from async_grpo.telemetry.console import CONSOLE, LOG_FILE, configure_logging, log_run_summary
 from async_grpo.telemetry.metrics import (
     DiscardedMetrics, MetricsLogger, StepAccumulator, StepDataLog, open_metrics_sink,
@@ -158,14 +163,23 @@ class KeptMinibatch:
 
 def _forward_backward(
     model: torch.nn.Module, batch: PackedBatch, loss_weight: float, step: int, config: TrainerConfig, dist: DistInfo
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, torch.Tensor, float, dict[str, float]]:
     """Score one minibatch, backward its GRPO loss (x world_size x loss_weight: see the module
-    docstring); returns (logprobs, entropy, loss, loss metrics). The weights at step s are
-    version s (pushed versions count steps), so tokens of older versions are stale."""
+    docstring); returns the whole minibatch's (logprobs, entropy, loss, loss metrics), detached.
+    The weights at step s are version s (pushed versions count steps), so tokens of older
+    versions are stale. With context parallelism this rank scores and backwards its share of the
+    tokens, and the figures are put back together within its group (collective there)."""
     logprobs, entropy = model.score(batch.inputs)
-    loss, loss_metrics = grpo_loss(logprobs, batch, config.loss, policy_version=step)
+    group = model.context if dist.context_parallel > 1 else None
+    if group is None:
+        loss, loss_metrics = grpo_loss(logprobs, batch, config.loss, policy_version=step)
+        (loss * dist.world_size * loss_weight).backward()
+        return logprobs.detach(), entropy.detach(), float(loss.detach()), loss_metrics
+    loss, local_metrics = grpo_loss(logprobs, local_batch(batch, group), config.loss, policy_version=step,
+                                    sample_sums=group.sum_over_group)
     (loss * dist.world_size * loss_weight).backward()
-    return logprobs, entropy, loss, loss_metrics
+    loss_value, loss_metrics = reduce_loss_metrics(loss, local_metrics, logprobs.numel(), group)
+    return gather_outputs(logprobs, batch, group), gather_outputs(entropy, batch, group), loss_value, loss_metrics
 
 
 def train_on_step(
@@ -176,7 +190,8 @@ def train_on_step(
 
     With `keep`, each minibatch is appended to it for later passes, with this pass's logprobs as
     its old_logprobs when the samples carry none. A PromptRequest (dynamic sampling) is answered
-    through `feeder`.
+    through `feeder`. Only the first rank of a context-parallel group counts the minibatches in
+    `acc` (every rank of the group trains on them).
     """
     while True:
         wait_start = time.perf_counter()
@@ -195,11 +210,11 @@ def train_on_step(
         compute_start = time.perf_counter()
         batch = post_process_batch(message.samples, config.model.share_prompts)
         logprobs, entropy, loss, loss_metrics = _forward_backward(model, batch, message.loss_weight, step, config, dist)
-        if message.loss_weight > 0:
-            acc.add_minibatch(message.samples, batch, entropy.detach(), loss.detach().item(), loss_metrics)
+        if message.loss_weight > 0 and dist.leads_group:
+            acc.add_minibatch(message.samples, batch, entropy, loss, loss_metrics)
         if keep is not None:
             if batch.old_logprobs is None:
-                batch = replace(batch, old_logprobs=logprobs.detach())
+                batch = replace(batch, old_logprobs=logprobs)
             keep.append(KeptMinibatch(batch=batch, loss_weight=message.loss_weight, step=step))
         acc.add_time("train_s", time.perf_counter() - compute_start)
 
@@ -211,7 +226,7 @@ def train_again(model: torch.nn.Module, kept: list[KeptMinibatch], config: Train
         compute_start = time.perf_counter()
         logprobs, _, _, loss_metrics = _forward_backward(model, minibatch.batch, minibatch.loss_weight,
                                                          minibatch.step, config, dist)
-        if minibatch.loss_weight > 0:
+        if minibatch.loss_weight > 0 and dist.leads_group:
             acc.add_later_epoch(loss_metrics, num_tokens=int(logprobs.numel()))
         acc.add_time("train_s", time.perf_counter() - compute_start)
 
@@ -318,7 +333,8 @@ def start_run(config: TrainerConfig) -> Run:
     recent enough for, the metrics sink and the checkpoint writer."""
     inputs, dist = _join_run(config)
     run_dir = Path(config.run_dir)
-    sampler = InfiniteDistributedSampler(len(inputs.prompts), dist.rank, dist.world_size, config.seed)
+    # The ranks of a context-parallel group draw the same prompts; the group's first rank submits them.
+    sampler = InfiniteDistributedSampler(len(inputs.prompts), dist.data_rank, dist.data_parallel, config.seed)
     model, optimizer, scheduler = build_policy(config, dist)
     restored = _restore(config, dist, model, optimizer, scheduler, sampler)
     start_step = restored.step
@@ -329,7 +345,7 @@ def start_run(config: TrainerConfig) -> Run:
     batcher = _make_batcher(config, dist, restored.algorithm_state)
     data_path = make_data_path(config.data_path, batcher, inputs.prompts, dist)
     pusher = make_weight_pusher(config, dist)
-    data_log = StepDataLog(run_dir, dist.rank, resume_step=resume_step)
+    data_log = StepDataLog(run_dir, dist.rank, resume_step=resume_step) if dist.leads_group else None
     feeder = PromptFeeder(sampler, data_path, config, dist, first_step=start_step, data_log=data_log)
     start_generation(model, pusher, feeder, start_step, config)
     parts = StepParts(model=model, optimizer=optimizer, scheduler=scheduler, batcher=batcher, data_path=data_path,
@@ -356,7 +372,7 @@ def _join_run(config: TrainerConfig) -> tuple[RunInputs, DistInfo]:
                        "inside equal-reward groups up to unit advantages, which can swamp the reward signal "
                        "(benchmarks/RESULTS.md, 'Algorithm variants'); dr_grpo or reinforce_pp keep them small")
     _connect_ray(config)  # before the process group: a cluster we cannot join fails in seconds, not at a collective
-    dist = init_distributed(config.dist_timeout_s)
+    dist = init_distributed(config.dist_timeout_s, config.model.context_parallel)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if dist.is_main:
@@ -447,8 +463,10 @@ def _should_checkpoint(step: int, config: TrainerConfig) -> bool:
 
 
 def make_batcher_config(config: TrainerConfig, world_size: int) -> BatcherConfig:
-    """The batcher's settings: the trainer's experience section, its KL-in-reward and rank count."""
+    """The batcher's settings: the trainer's experience section, its KL-in-reward, rank count and
+    context-parallel groups."""
     return BatcherConfig(world_size=world_size, experience=config.experience,
+                         context_parallel=config.model.context_parallel,
                          kl_in_reward=config.loss if config.loss.kl_in_reward else None)
 
 

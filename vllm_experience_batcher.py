@@ -22,6 +22,11 @@ the step's `EndOfStep` (batcher_messages.py). Rollouts never disappear without a
 timed-out, oversized and missing rollouts are all reported in `EndOfStep` and `stats()`
 (step_stats.py).
 
+With context parallelism (BatcherConfig.context_parallel = cp > 1) a group of cp consecutive
+ranks is one consumer: its first rank submits the group's prompts, the packer cuts minibatches of
+up to cp x max_tokens_per_gpu tokens per group, and each rank of the group receives the same
+message stream (the ranks then split each minibatch's tokens among themselves).
+
 Benchmark of the packing alone: `python -m benchmarks.batcher`.
 """
 
@@ -98,11 +103,11 @@ class _StepState:
     kl_beta: float | None = None
     """beta of the KL in the reward for this step (None: not in the reward)."""
     submitted: set[int] = field(default_factory=set)
-    """Ranks that have submitted their prompts."""
+    """Groups (consumers: ranks when context_parallel is 1) that have submitted their prompts."""
     round_index: int = 0
     """Resampling round (dynamic sampling): 0 until the step first asks the ranks for more prompts."""
     round_submitted: set[int] = field(default_factory=set)
-    """Ranks that have submitted their prompts of the current resampling round."""
+    """Groups that have submitted their prompts of the current resampling round."""
     target_prompts: int = 0
     """Prompts submitted in round 0: how many informative prompts dynamic sampling aims for."""
     informative_prompts: int = 0
@@ -124,8 +129,8 @@ class _StepState:
     ended_ranks: set[int] = field(default_factory=set)
     """Ranks that have received EndOfStep; when all have, the step is retired."""
 
-    def record_submit(self, rank: int, count: int, round_index: int, world_size: int) -> None:
-        """Check and count one submit_prompts call of `count` prompts."""
+    def record_submit(self, rank: int, count: int, round_index: int, groups: int) -> None:
+        """Check and count one submit_prompts call of `count` prompts by a group (its index)."""
         now = time.monotonic()
         if round_index == 0:
             if rank in self.submitted:
@@ -133,7 +138,7 @@ class _StepState:
             if not self.submitted:
                 self.stats.first_submit_s = now
             self.submitted.add(rank)
-            if len(self.submitted) == world_size:
+            if len(self.submitted) == groups:
                 self.stats.last_submit_s = now
             self.target_prompts += count
         else:
@@ -144,9 +149,9 @@ class _StepState:
             self.stats.resampled_prompts += count
         self.stats.num_prompts += count
 
-    def all_submitted(self, world_size: int) -> bool:
-        """Every rank has submitted the step's prompts (and those of its current resampling round)."""
-        return len(self.submitted) == world_size and (self.round_index == 0 or len(self.round_submitted) == world_size)
+    def all_submitted(self, groups: int) -> bool:
+        """Every group has submitted the step's prompts (and those of its current resampling round)."""
+        return len(self.submitted) == groups and (self.round_index == 0 or len(self.round_submitted) == groups)
 
     def record_result(self, key: tuple[int, int], result: PromptRollouts) -> None:
         """Count one finished prompt's rollouts (stale, missing, dropped, timings) and keep its
@@ -211,9 +216,14 @@ class ExperienceBatcher:
 
     async def submit_prompts(self, rank: int, step: int, samples: list[Sample], round_index: int = 0) -> None:
         """Start generating `rank`'s prompts for `step` (once per rank and step; again once per
-        resampling round, with the round a PromptRequest named)."""
+        resampling round, with the round a PromptRequest named). With context_parallel > 1 only
+        the first rank of each group submits, for its group."""
         state = self._state(rank, step)
-        state.record_submit(rank, len(samples), round_index, self.config.world_size)
+        cp = self.config.context_parallel
+        if rank % cp:
+            raise ValueError(f"rank {rank} submitted prompts, but with context_parallel={cp} only the first rank of "
+                             f"each group does ({rank - rank % cp} for this one)")
+        state.record_submit(rank // cp, len(samples), round_index, self.config.groups)
         deadline = asyncio.get_running_loop().time() + self._experience.prompt_deadline_s
         for sample in samples:
             key = sample.group_key
@@ -223,7 +233,7 @@ class ExperienceBatcher:
             task = asyncio.create_task(self._run_prompt(state, sample, deadline))
             state.tasks.add(task)
             task.add_done_callback(state.tasks.discard)
-        if state.all_submitted(self.config.world_size):
+        if state.all_submitted(self.config.groups):
             for key in [k for k, pending in state.pending_by_key.items() if pending == 0]:
                 self._release_group(state, key)
         self._maybe_finish(state)
@@ -292,7 +302,7 @@ class ExperienceBatcher:
             stats = self._stats[step]
         else:
             return {}
-        return {"batcher/step": float(stats.step), **stats.as_metrics(self._experience.max_tokens_per_gpu)}
+        return {"batcher/step": float(stats.step), **stats.as_metrics(self.config.group_tokens)}
 
     def _state(self, rank: int, step: int) -> _StepState:
         """The step's state, created on first use; raises if the step cannot be used."""
@@ -312,8 +322,8 @@ class ExperienceBatcher:
     def _new_state(self, step: int) -> _StepState:
         packer = MinibatchPacker(
             step=step,
-            world_size=self.config.world_size,
-            max_tokens_per_gpu=self._experience.max_tokens_per_gpu,
+            world_size=self.config.groups,
+            max_tokens_per_gpu=self.config.group_tokens,
             reorder_window=self.config.reorder_window,
         )
         beta = self._kl_schedule.beta_for(step) if self._kl_schedule is not None else None
@@ -352,7 +362,7 @@ class ExperienceBatcher:
             state.pending_prompts -= 1
             state.pending_by_key[sample.group_key] -= 1
         try:
-            if state.all_submitted(self.config.world_size) and state.pending_by_key[sample.group_key] == 0:
+            if state.all_submitted(self.config.groups) and state.pending_by_key[sample.group_key] == 0:
                 self._release_group(state, sample.group_key)
             self._maybe_finish(state)
         except Exception as exc:  # a prepare function's error fails the step, naming it
@@ -394,7 +404,9 @@ class ExperienceBatcher:
     def _deliver(self, state: _StepState, minibatch: Minibatch) -> None:
         if not state.stats.first_minibatch_s:
             state.stats.first_minibatch_s = time.monotonic()
-        state.mailboxes.put(minibatch.rank, minibatch)
+        cp = self.config.context_parallel
+        for rank in range(minibatch.rank * cp, (minibatch.rank + 1) * cp):  # minibatch.rank is the group
+            state.mailboxes.put(rank, minibatch)
 
     def _count_timeout(self, state: _StepState, sample: Sample) -> None:
         state.stats.timed_out_prompts += 1
@@ -424,10 +436,10 @@ class ExperienceBatcher:
         state.mailboxes.fail()
 
     def _request_prompts(self, state: _StepState) -> None:
-        """Ask every rank for an equal share of the missing informative prompts (rounded up, so
-        all ranks draw alike and their data orders stay in step)."""
+        """Ask every group for an equal share of the missing informative prompts (rounded up, so
+        all groups draw alike and their data orders stay in step)."""
         missing = state.target_prompts - state.informative_prompts
-        per_rank = -(-missing // self.config.world_size)
+        per_rank = -(-missing // self.config.groups)
         state.round_index += 1
         state.round_submitted = set()
         # Equal minibatch counts first: a rank blocked in a collective of a minibatch its peer
@@ -442,7 +454,7 @@ class ExperienceBatcher:
         """Close the step once every rank has submitted and no prompt is running."""
         if state.finished or state.error is not None or state.pending_prompts:
             return
-        if not state.all_submitted(self.config.world_size):
+        if not state.all_submitted(self.config.groups):
             return
         if state.needs_more_prompts(self._experience.sampling):
             self._request_prompts(state)

@@ -7,6 +7,10 @@ Each option is declared here once. The trainer embeds ExperienceConfig flat in T
 it creates (trainer_core.make_batcher_config):
 
     BatcherConfig(world_size=dist.world_size, experience=trainer_config.experience)
+
+With context parallelism a group of `context_parallel` consecutive trainer ranks is one consumer:
+the packer cuts minibatches for the groups, each up to the group's budget (`group_tokens`), and
+every rank of a group receives its group's minibatches.
 """
 
 from __future__ import annotations
@@ -74,7 +78,10 @@ class BatcherConfig:
     """How the batcher requests experience and cuts it into minibatches."""
 
     world_size: int
-    """Number of trainer ranks that submit prompts and receive minibatches."""
+    """Number of trainer ranks that receive minibatches."""
+    context_parallel: int = 1
+    """Trainer ranks per consumer (the trainer's model.context_parallel): a group's first rank
+    submits its prompts, and every rank of the group receives the same minibatches."""
     experience: ExperienceConfig
     """The options the batcher shares with the trainer (token budget, prompt deadline, lag bound,
     logprob sources, sampling, advantages, distillation): the trainer's own, handed over whole."""
@@ -89,6 +96,9 @@ class BatcherConfig:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"BatcherConfig.world_size must be >= 1, got {self.world_size}")
+        if self.context_parallel < 1 or self.world_size % self.context_parallel:
+            raise ValueError(f"BatcherConfig.context_parallel={self.context_parallel} must be >= 1 and divide "
+                             f"world_size={self.world_size}")
         if not isinstance(self.experience, ExperienceConfig):
             raise ValueError(
                 f"BatcherConfig.experience must be an ExperienceConfig, got {type(self.experience).__name__}")
@@ -98,3 +108,13 @@ class BatcherConfig:
             raise ValueError("BatcherConfig.kl_in_reward must be a loss config with kl_in_reward true, or None")
         check_logprob_sources("BatcherConfig", self.experience.logprob_role, self.experience.reference_pool,
                               self.kl_in_reward)
+
+    @property
+    def groups(self) -> int:
+        """Consumers: groups of context_parallel ranks that each take their own minibatches."""
+        return self.world_size // self.context_parallel
+
+    @property
+    def group_tokens(self) -> int:
+        """Token budget of one minibatch: max_tokens_per_gpu on each rank of its group."""
+        return self.context_parallel * self.experience.max_tokens_per_gpu

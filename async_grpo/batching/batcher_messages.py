@@ -25,12 +25,12 @@ class Minibatch:
     step: int
     """Training step (= the weight version it trains at) the samples belong to."""
     rank: int
-    """Trainer rank that receives it."""
+    """Trainer rank that receives it; with context parallelism the group (its cp ranks all receive it)."""
     index: int
     """Position among this (step, rank)'s minibatches, from 0."""
     samples: list[Sample]
-    """The samples, packed by the trainer into one token stream (total <= max_tokens_per_gpu,
-    except a single oversized sample, which travels alone)."""
+    """The samples, packed by the trainer into one token stream (total <= max_tokens_per_gpu, x
+    context_parallel for a group, except a single oversized sample, which travels alone)."""
     loss_weight: float
     """LOSS_WEIGHT, or PADDING_LOSS_WEIGHT for a padding minibatch (its loss must not count)."""
 
@@ -54,7 +54,8 @@ class PromptRequest:
 
     step: int
     count: int
-    """Prompts this rank is asked for (every rank is asked for the same number)."""
+    """Prompts this rank is asked for (every rank is asked for the same number; with context
+    parallelism the group's first rank submits them for its group)."""
     round_index: int
     """1 for the first resampling round, 2 for the second, ..."""
 

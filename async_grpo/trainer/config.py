@@ -53,7 +53,8 @@ class TrainerConfig:
     num_steps: int = 100
     """Optimizer steps to train for (a resumed run continues up to this total)."""
     prompts_per_rank: int = 8
-    """Prompts each rank submits per step (the step's batch is world_size x this x n samples)."""
+    """Prompts each rank submits per step (the step's batch is world_size x this x n samples); with
+    model.context_parallel, each group of ranks (world_size / context_parallel groups)."""
     oversized_sample_policy: Literal["refuse", "train_alone"] = "refuse"
     """refuse: a config whose longest sample (data.max_prompt_tokens + sampling.max_tokens) exceeds
     max_tokens_per_gpu is an error at load time. train_alone: accept it; a sample over the budget
@@ -155,6 +156,7 @@ class TrainerConfig:
                 f"max_lag to at least {self.push_every - 1} (to {self.push_every} for full overlap) or lower push_every"
             )
         self._check_sample_budget()
+        self._check_context_parallel()
         if self.weight_push_mode == "lora_files" and not self.model.lora.enabled:
             raise ValueError("TrainerConfig.weight_push_mode lora_files pushes LoRA adapters: set model.lora.r > 0, "
                              "or use gather/sharded for full weights")
@@ -192,22 +194,39 @@ class TrainerConfig:
             return environment.max_total_tokens
         return self.data.max_prompt_tokens + sampling.max_tokens
 
+    def _check_context_parallel(self) -> None:
+        """Refuse, in one line, what has not run with context parallelism yet."""
+        cp = self.model.context_parallel
+        if cp == 1:
+            return
+        unsupported = {"data_path rank0": self.data_path == "rank0", "resume": self.resume,
+                       "model.lora": self.model.lora.enabled,
+                       "sampling.drop_zero_variance_groups": self.experience.sampling.drop_zero_variance_groups}
+        for name, chosen in unsupported.items():
+            if chosen:
+                raise ValueError(f"TrainerConfig: {name} does not run with model.context_parallel={cp} yet "
+                                 f"(docs/training.md, 'Context parallelism'): turn one off")
+
     def _check_sample_budget(self) -> None:
-        """Refuse (unless oversized_sample_policy allows it) a budget one sample could exceed."""
-        sampling, budget = self.experience.sampling, self.experience.max_tokens_per_gpu
+        """Refuse (unless oversized_sample_policy allows it) a budget one sample could exceed: a
+        minibatch's, max_tokens_per_gpu on each rank of a context-parallel group."""
+        sampling, per_gpu, cp = self.experience.sampling, self.experience.max_tokens_per_gpu, self.model.context_parallel
+        budget = per_gpu * cp
+        what = (f"max_tokens_per_gpu={budget}" if cp == 1
+                else f"max_tokens_per_gpu x model.context_parallel = {per_gpu} x {cp} = {budget}")
         longest = self.longest_sample
         environment = sampling.environment if sampling.environment.enabled else sampling.verifiers
         if environment.enabled:
             if self.oversized_sample_policy == "refuse" and longest > budget:
                 raise ValueError(
-                    f"TrainerConfig.max_tokens_per_gpu={budget} is below "
+                    f"TrainerConfig.{what} is below "
                     f"sampling.{'environment' if environment is sampling.environment else 'verifiers'}"
                     f".max_total_tokens={longest}: one multi-turn rollout could exceed the "
                     f"minibatch budget; raise max_tokens_per_gpu or lower max_total_tokens")
         if self.oversized_sample_policy == "refuse" and longest > budget:
             raise ValueError(
-                f"TrainerConfig.max_tokens_per_gpu={budget} is below data.max_prompt_tokens + "
+                f"TrainerConfig.{what} is below data.max_prompt_tokens + "
                 f"sampling.max_tokens = {self.data.max_prompt_tokens} + {sampling.max_tokens} = {longest}: "
-                f"one sample could exceed the minibatch budget; raise max_tokens_per_gpu to at least {longest}, "
+                f"one sample could exceed the minibatch budget; raise max_tokens_per_gpu to at least {-(-longest // cp)}, "
                 f"lower data.max_prompt_tokens or sampling.max_tokens, or set oversized_sample_policy: train_alone"
             )

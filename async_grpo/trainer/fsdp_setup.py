@@ -68,6 +68,12 @@ class DistInfo:
         return self.world_size // self.context_parallel
 
     @property
+    def leads_group(self) -> bool:
+        """True on the first rank of its context-parallel group (every rank when context_parallel
+        is 1): the rank that submits the group's prompts and counts its samples."""
+        return self.rank % self.context_parallel == 0
+
+    @property
     def data_rank(self) -> int:
         """This rank's group, 0 .. data_parallel - 1 (the ranks of one group share its minibatches)."""
         return self.rank // self.context_parallel

@@ -5,6 +5,9 @@ the batcher in step order, each step once, as soon as published weights are rece
 trainer_core submits through it after every push (and the first steps at start), and answers the
 batcher's PromptRequests (dynamic sampling) with `submit_extra`; a checkpoint saves
 `resume_state`, where a resumed run's sampler starts.
+
+With context parallelism every rank of a group draws the group's prompts (so their samplers stay
+in step), and only the group's first rank submits and records them.
 """
 
 from __future__ import annotations
@@ -27,14 +30,15 @@ def last_step_to_submit(published_version: int, config: TrainerConfig) -> int:
 
 
 class PromptFeeder:
-    """Draws each step's prompts from this rank's shard and submits them to the batcher, in step
-    order, each step once."""
+    """Draws each step's prompts from this rank's shard (its group's, under context parallelism)
+    and submits them to the batcher, in step order, each step once."""
 
     def __init__(self, sampler: InfiniteDistributedSampler, data_path: PerRankDataPath | Rank0DataPath,
                  config: TrainerConfig, dist: DistInfo, first_step: int, data_log: StepDataLog | None = None) -> None:
         self._sampler = sampler
         self._data_path = data_path
         self._per_rank = config.prompts_per_rank
+        self._submits = dist.leads_group
         self._data_log = data_log if data_log is not None else StepDataLog(Path(config.run_dir), dist.rank)
         """Told the prompts of each submitted step; run_step records them once the step trains."""
         self.sampler_state_at_step: dict[int, dict[str, Any]] = {}
@@ -52,8 +56,9 @@ class PromptFeeder:
     def _submit(self, step: int) -> None:
         self.sampler_state_at_step[step] = self._sampler.state_dict()
         indices = self._sampler.next_batch(self._per_rank)
-        self._data_path.submit_prompts(step, indices)
-        self._data_log.drawn(step, indices)
+        if self._submits:
+            self._data_path.submit_prompts(step, indices)
+            self._data_log.drawn(step, indices)
 
     def submit_extra(self, request: PromptRequest) -> None:
         """Draw and submit the extra prompts a step asks for (dynamic sampling). They come from the
@@ -61,8 +66,9 @@ class PromptFeeder:
         drawn = self._sampler.next_drawn(request.count)
         self._extra_draws.extend((request.step, where) for _, where in drawn)
         indices = [index for index, _ in drawn]
-        self._data_path.submit_prompts(request.step, indices, request.round_index)
-        self._data_log.drawn_more(request.step, indices)
+        if self._submits:
+            self._data_path.submit_prompts(request.step, indices, request.round_index)
+            self._data_log.drawn_more(request.step, indices)
 
     def resume_state(self, step: int) -> dict[str, Any]:
         """Sampler state for a run resuming at `step`: where step's prompts were drawn from, passing

@@ -152,7 +152,7 @@ def test_packer_with_no_samples_sends_nothing() -> None:
 @pytest.mark.parametrize(
     "field, value",
     [("world_size", 0), ("max_tokens_per_gpu", 0), ("prompt_deadline_s", 0.0), ("logprob_role", "new"),
-     ("max_lag", -1), ("reorder_window", -1)],
+     ("max_lag", -1), ("reorder_window", -1), ("context_parallel", 0), ("context_parallel", 3)],
 )
 def test_config_rejects_bad_values_naming_the_field(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=field):
@@ -200,6 +200,33 @@ def test_batcher_fills_the_roles_logprobs_and_reports_step_totals(role: str, fie
         assert (stats["batcher/step"], stats["batcher/num_samples"], stats["batcher/num_prompts"]) == (0, 5 * _N, 5)
         assert all(value >= 0 for key, value in stats.items() if key.startswith("timing/"))
         assert batcher.stats(7) == {}
+
+    asyncio.run(scenario())
+
+
+def test_a_context_parallel_group_is_one_consumer_with_the_group_budget() -> None:
+    """4 ranks, context_parallel 2: groups {0, 1} and {2, 3}. A group's first rank submits, both
+    of its ranks receive the same minibatches of up to 2 x 40 tokens, and every sample (41-51
+    tokens: over one rank's budget, within the group's) trains once, none counted oversized."""
+    async def scenario() -> None:
+        batcher = ExperienceBatcher(batcher_config(world_size=4, context_parallel=2), FakeGeneration({}, {}),
+                                    FakeLogprob())
+        with pytest.raises(ValueError, match="only the first rank of each group"):
+            await batcher.submit_prompts(1, 0, [])
+        await batcher.submit_prompts(0, 0, fake_prompts(range(0, 3), prompt_len=40))
+        await batcher.submit_prompts(2, 0, fake_prompts(range(3, 5), prompt_len=40))
+        drained = await asyncio.gather(*(_drain(batcher, rank, 0) for rank in range(4)))
+        (group0, end), (copy0, _), (group1, _), (copy1, _) = drained
+        assert all(rank_end == end for _, rank_end in drained)
+        assert copy0 == group0 and copy1 == group1  # the same messages to each rank of a group
+        assert {mb.rank for mb in group0} == {0} and {mb.rank for mb in group1} == {1}
+        assert len(group0) == len(group1) == end.num_minibatches
+        real = [s for mb in group0 + group1 if mb.loss_weight == LOSS_WEIGHT for s in mb.samples]
+        assert Counter(s.prompt_id for s in real) == {pid: _N for pid in range(5)}
+        assert (end.num_prompts, end.num_samples, end.num_tokens, end.oversized_samples) == (
+            5, 5 * _N, _expected_tokens(list(range(5)), prompt_len=40), 0)
+        assert all(s.num_tokens > 40 for s in real) and all(mb.num_tokens <= 80 for mb in group0 + group1)
+        assert 0 < batcher.stats(0)["batcher/fill"] <= 1  # against the group's budget
 
     asyncio.run(scenario())
 

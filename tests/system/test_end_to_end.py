@@ -34,7 +34,7 @@ from async_grpo.telemetry.trackers import flatten_config, mlflow_key
 from async_grpo.trainer.checkpoint import latest_checkpoint
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from local_cluster import LocalCluster
-from support.cluster import WORLD_SIZE, demo_cluster, generation_versions, train
+from support.cluster import FAST_RUN, WORLD_SIZE, demo_cluster, generation_versions, run_forked_trainer, train
 from support.paths import REPO_ROOT
 from support.tracker_readers import trackio_run, wandb_offline_runs
 
@@ -343,6 +343,47 @@ def test_rank0_data_path_trains_like_per_rank(cluster: LocalCluster, demo_assets
     for got, want in zip(records["rank0"], records["per_rank"]):
         assert got["data/ray_bytes"] == want["data/ray_bytes"] and 0 < got["data/scatter_bytes"] < got["data/ray_bytes"]
     _assert_same_checkpoint(latest_checkpoint(runs["rank0"]), latest_checkpoint(runs["per_rank"]))
+
+
+# Context parallelism: the two ranks as one group (model.context_parallel 2) against one rank
+# without it, on the same prompts (one data shard of 8 per step) and the same seeded rollouts. The
+# group's per-rank budget, 12 tokens, is below the longest sample (16 + 4): only the group's 24
+# holds it; the single rank gets those 24 itself, so both pack the same minibatches.
+CP_RUN = ["--num_steps", "2", "--prompts_per_rank", "8", "--model.share_prompts", "false", "--epochs_per_step", "2",
+          "--checkpoint_every", "0"]
+CP_COUNTS = ("counts/samples", "counts/tokens", "counts/oversized_samples", "batcher/num_prompts")
+
+
+@pytest.mark.skipif(WORLD_SIZE != 2, reason="the host's plan gives the trainer no two ranks to group")
+def test_context_parallel_group_trains_like_one_rank(cluster: LocalCluster, demo_assets: Path,
+                                                     tmp_path: Path) -> None:
+    split_dir, single_dir = tmp_path / "cp2", tmp_path / "cp1"
+    split = train(cluster, demo_assets, split_dir, *CP_RUN, "--model.context_parallel", "2",
+                  "--max_tokens_per_gpu", "12")
+    run_forked_trainer(cluster, ["--config", str(REPO_ROOT / "configs" / "demo.yaml"), "--run_dir", str(single_dir),
+                                 "--model.model_path", str(demo_assets / "model"),
+                                 "--data.path", str(demo_assets / "arithmetic.jsonl"), *FAST_RUN, *CP_RUN,
+                                 "--max_tokens_per_gpu", "24", "--checkpoint_at_end", "false"],
+                       [tmp_path / "cp1.rank0.log"])
+    single = read_metrics(single_dir / "metrics.jsonl")
+    assert [r["step"] for r in split] == [r["step"] for r in single] == [0, 1]
+    # One data log, the group's first rank's; every drawn prompt's rollouts trained once.
+    assert not (split_dir / "data_rank1.jsonl").exists()
+    logs = [[json.loads(line) for line in (run / "data_rank0.jsonl").read_text().splitlines()]
+            for run in (split_dir, single_dir)]
+    assert logs[0] == logs[1]
+    for entry in logs[0]:
+        assert entry["trained_prompt_ids"] == sorted(entry["prompt_ids"] * 4)  # FAST_RUN's 4 rollouts
+    worst = {}
+    for got, want in zip(split, single, strict=True):
+        assert {k: got[k] for k in CP_COUNTS} == {k: want[k] for k in CP_COUNTS}
+        assert got["counts/samples"] == 8 * 4 and got["counts/oversized_samples"] == 0
+        assert got["counts/tokens"] == got["batcher/num_tokens"]  # each sample counted once, not per rank
+        for key in RESUME_METRICS:
+            worst[key] = max(worst.get(key, 0.0), abs(got[key] - want[key]) / max(abs(want[key]), METRIC_FLOOR))
+    print(f"context_parallel 2 vs 1 metrics, worst relative difference over steps 0-1: {worst}")
+    assert max(worst.values()) <= METRIC_RTOL, worst
+    assert latest_checkpoint(split_dir) is not None  # the end-of-run checkpoint saves under the split
 
 
 # The easiest demo setting: operands 0-2 (9 prompts), so each prompt gets many rollouts per step.

@@ -251,18 +251,44 @@ def test_zigzag_shares_and_head_repeats() -> None:
         kv_repeat(14, 2, 4)
 
 
-def test_the_trainer_refuses_context_parallel_until_the_loop_splits_minibatches() -> None:
-    from setup_model import ModelConfig
+def test_context_parallel_at_load_the_group_budget_and_what_is_refused() -> None:
+    from async_grpo.batching.batcher_config import ExperienceConfig
+    from async_grpo.data.dataset import DatasetConfig
+    from async_grpo.rollouts.sampling import SamplingConfig
+    from async_grpo.trainer.config import TrainerConfig
+    from setup_model import LoraConfig, ModelConfig
+    from trainer_core import make_batcher_config
 
     assert ModelConfig(model_path="m").context_parallel == 1
-    with pytest.raises(ValueError, match="not wired into the training loop yet"):
-        ModelConfig(model_path="m", context_parallel=2)
     with pytest.raises(ValueError, match="share_prompts cannot run with context_parallel > 1"):
         ModelConfig(model_path="m", context_parallel=2, share_prompts=True)
     with pytest.raises(ValueError, match="context parallelism needs ModelConfig.attn_implementation"):
         ModelConfig(model_path="m", context_parallel=2, attn_implementation="sdpa")
     with pytest.raises(ValueError, match="must be >= 1"):
         ModelConfig(model_path="m", context_parallel=0)
+
+    def config(cp: int, budget: int = 64, **overrides) -> TrainerConfig:
+        sampling = SamplingConfig(max_tokens=80, drop_zero_variance_groups=overrides.pop("dynamic", False))
+        experience = ExperienceConfig(max_tokens_per_gpu=budget, sampling=sampling)
+        model = ModelConfig(model_path="m", context_parallel=cp, lora=overrides.pop("lora", LoraConfig()))
+        return TrainerConfig(model=model, data=DatasetConfig(path="d.jsonl", max_prompt_tokens=20),
+                             experience=experience, **overrides)
+
+    # A 100-token sample: over one rank's 64, within a group of two's 128.
+    with pytest.raises(ValueError, match=r"max_tokens_per_gpu=64 is below .* = 100"):
+        config(1)
+    batcher = make_batcher_config(config(2), world_size=4)
+    assert (batcher.context_parallel, batcher.groups, batcher.group_tokens) == (2, 2, 128)
+    with pytest.raises(ValueError, match=r"max_tokens_per_gpu x model.context_parallel = 40 x 2 = 80 is below .*"
+                                         r"raise max_tokens_per_gpu to at least 50"):
+        config(2, budget=40)
+    refused = {"data_path rank0": dict(data_path="rank0"), "resume": dict(resume=True),
+               "model.lora": dict(lora=LoraConfig(r=4)),
+               "sampling.drop_zero_variance_groups": dict(dynamic=True)}
+    for name, overrides in refused.items():
+        with pytest.raises(ValueError, match=f"{name} does not run with model.context_parallel=2 yet"):
+            config(2, **overrides)
+        config(1, budget=100, **overrides)  # each is fine without context parallelism
 
 
 def test_world_size_must_be_a_multiple_of_context_parallel(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import pytest
@@ -29,7 +28,7 @@ from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_sch
 from async_grpo.trainer.prompt_feeder import PromptFeeder
 from grpo_loss import LossConfig
 from sample_processing_utils import Sample
-from setup_model import TokenLogprobModel, load_causal_lm
+from setup_model import ModelConfig, TokenLogprobModel, load_causal_lm
 from trainer_core import StepParts, run_step, start_generation
 from vllm_experience_batcher import EndOfStep, Minibatch
 
@@ -120,7 +119,7 @@ def _run(tiny_model_dir: Path, tmp_path: Path, monkeypatch, push_every: int, max
     import ray
 
     monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
-    config = TrainerConfig(model=SimpleNamespace(share_prompts=False), data=UNUSED_DATA, run_dir=str(tmp_path),
+    config = TrainerConfig(model=ModelConfig(model_path="unused"), data=UNUSED_DATA, run_dir=str(tmp_path),
                            num_steps=NUM_STEPS, prompts_per_rank=PROMPTS_PER_RANK,
                            experience=ExperienceConfig(max_lag=max_lag, logprob_role="none"),
                            push_every=push_every, loss=LossConfig(kl_coef=0.0))
@@ -174,7 +173,7 @@ def test_full_overlap_from_max_lag_equal_push_every(tiny_model_dir: Path, tmp_pa
 @pytest.mark.parametrize("push_every, max_lag", [(2, 0), (3, 1), (5, 3)])
 def test_max_lag_below_push_every_minus_one_is_refused(push_every: int, max_lag: int) -> None:
     with pytest.raises(ValueError, match=f"TrainerConfig.max_lag={max_lag} is below push_every - 1"):
-        TrainerConfig(model=SimpleNamespace(), data=UNUSED_DATA, push_every=push_every,
+        TrainerConfig(model=ModelConfig(model_path="unused"), data=UNUSED_DATA, push_every=push_every,
                       experience=ExperienceConfig(max_lag=max_lag))
-    TrainerConfig(model=SimpleNamespace(), data=UNUSED_DATA, push_every=push_every,
+    TrainerConfig(model=ModelConfig(model_path="unused"), data=UNUSED_DATA, push_every=push_every,
                   experience=ExperienceConfig(max_lag=push_every - 1))

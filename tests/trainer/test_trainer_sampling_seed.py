@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -21,6 +20,7 @@ from async_grpo.data.dataset import DatasetConfig
 from async_grpo.rollouts.sampling import SEED_BOUND, SamplingConfig, derive_seed
 from async_grpo.trainer.config import TrainerConfig
 from sample_processing_utils import Sample
+from setup_model import ModelConfig
 from vllm_experience_batcher import ExperienceBatcher, Minibatch
 from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
@@ -30,7 +30,7 @@ STEPS = range(3)
 
 
 def _config(**overrides) -> TrainerConfig:
-    return TrainerConfig(model=SimpleNamespace(), data=DatasetConfig(path="unused.jsonl"), **overrides)
+    return TrainerConfig(model=ModelConfig(model_path="unused"), data=DatasetConfig(path="unused.jsonl"), **overrides)
 
 
 def test_trainer_seeds_sampling_from_the_run_seed_unless_told_otherwise() -> None:

@@ -199,12 +199,12 @@ class TrainerConfig:
         cp = self.model.context_parallel
         if cp == 1:
             return
-        unsupported = {"data_path rank0": self.data_path == "rank0", "resume": self.resume,
+        unsupported = {"data_path=rank0": self.data_path == "rank0", "resume": self.resume,
                        "model.lora": self.model.lora.enabled,
                        "sampling.drop_zero_variance_groups": self.experience.sampling.drop_zero_variance_groups}
         for name, chosen in unsupported.items():
             if chosen:
-                raise ValueError(f"TrainerConfig: {name} does not run with model.context_parallel={cp} yet "
+                raise ValueError(f"TrainerConfig.{name} does not run with model.context_parallel={cp} yet "
                                  f"(docs/training.md, 'Context parallelism'): turn one off")
 
     def _check_sample_budget(self) -> None:

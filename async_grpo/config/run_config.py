@@ -124,7 +124,7 @@ def load_config(cls: type[T], argv: list[str], description: str = "") -> T:
     try:
         with tyro._errors.on_parse_error(_OneLineErrors(cls, prog, argv, file_words, file)), \
                 contextlib.redirect_stdout(shown):
-            unbuilt = tyro.cli(cls, args=_json_lists_split(cls, file_words + argv), prog=prog,
+            unbuilt = tyro.cli(cls, args=_json_lists_split(cls, _spaced_values_attached(file_words + argv)), prog=prog,
                                description=f"{description}\n\n{_CONFIG_HELP}".strip(), registry=_registry(from_file),
                                config=(tyro.conf.FlagConversionOff,), use_underscores=True)
     except SystemExit:
@@ -204,6 +204,19 @@ def _file_words(cls: type, values: dict[str, Any], prefix: str = "") -> list[str
             words += _file_words(tp, values[f.name], f"{prefix}{f.name}.")
         else:
             raise ConfigError(f"{prefix}{f.name}: expected a section (mapping), got {values[f.name]!r}")
+    return words
+
+
+def _spaced_values_attached(argv: list[str]) -> list[str]:
+    """argv with a value that starts with '-' and holds a space (`--b "--max_lag 1"`) joined to its
+    flag (`--b=--max_lag 1`): argparse's rule (such a word is never a flag), which tyro lacks."""
+    words: list[str] = []
+    for word in argv:
+        previous = words[-1] if words else ""
+        if word.startswith("-") and " " in word and previous.startswith("--") and "=" not in previous:
+            words[-1] = f"{previous}={word}"
+        else:
+            words.append(word)
     return words
 
 

@@ -320,3 +320,11 @@ def test_a_file_value_is_checked_as_a_flag_and_its_error_names_the_file(tmp_path
         load_config(_Outer, ["--path", "p", "--inner.lr", "-1"])
     with pytest.raises(ConfigError, match=re.escape(f"config file {cfg_file}: inner: expected a section")):
         load_config(_Outer, ["--config", str(_write(cfg_file, "path: a\ninner: 3\n"))])
+
+
+def test_a_value_that_starts_with_dashes_and_holds_a_space_is_a_value() -> None:
+    """`--path "--max_lag 1"` (benchmarks/demo_ab.py passes trainer flags so) is argparse's value,
+    never a flag; the `=` form and a bool flag before a flag keep working."""
+    assert load_config(_Outer, ["--path", "--max_lag 1", "--steps", "3"]).path == "--max_lag 1"
+    assert load_config(_Outer, ["--path=--x=1"]).path == "--x=1"
+    assert load_config(_Outer, ["--resume", "--path", "a"]) == _Outer(path="a", resume=True)

@@ -122,6 +122,13 @@ class Sample:
             return len(self.output_token_ids)
         return sum(1 for sampled in self.output_mask if sampled)
 
+    def version_runs(self) -> list[tuple[int, int]]:
+        """The sampled tokens as (version, count) runs: token_versions, else one run of weight_version."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        n = self.num_sampled_tokens
+        return [(self.weight_version, n)] if n else []
+
     @property
     def num_tokens(self) -> int:
         """Tokens this sample occupies in a packed batch (prompt + output)."""
@@ -332,8 +339,7 @@ def _token_versions(samples: Sequence[Sample]) -> torch.Tensor:
 
     versions: list[int] = []
     for s in samples:
-        runs = s.token_versions if s.token_versions is not None else [(s.weight_version, s.num_sampled_tokens)]
-        for version, count in runs:
+        for version, count in s.version_runs():
             versions.extend([version] * count)
     return torch.tensor(versions, dtype=torch.long)
 

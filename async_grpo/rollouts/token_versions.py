@@ -179,10 +179,7 @@ class TokenVersionTracker:
 
 def version_runs(sample: Sample) -> VersionRuns:
     """The sample's sampled tokens as (version, count) runs (one run when token_versions is None)."""
-    if sample.token_versions is not None:
-        return list(sample.token_versions)
-    n = sample.num_sampled_tokens
-    return [(sample.weight_version, n)] if n else []
+    return sample.version_runs()
 
 
 def oldest_version(sample: Sample) -> int:

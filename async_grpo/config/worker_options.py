@@ -100,8 +100,8 @@ class EngineConfig:
     # vLLM's 'init engine' step on 2 cores: 8.7 s compiled on the demo's tiny model, 0.04-0.2 s
     # eager on the tests'. Eager also turns torch.compile off in the engine-core process, whose
     # sampler would otherwise build two inductor kernels (g++) on its first sampled batch
-    # (inference/engine_process.engine_process_env; benchmarks/RESULTS.md, "The suite on ...: run 4,
-    # and what each engine start and trainer launch costs").
+    # (inference/engine_process.engine_process_env; docs/notes/test_suite_time.md, "What each engine
+    # start and trainer launch cost").
     enforce_eager: bool = False
     """Skip CUDA-graph capture and torch.compile, in the engine-core process too: a faster start,
     slower decoding. Worth it where engines start often and decode little (tests, smoke runs);

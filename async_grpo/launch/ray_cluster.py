@@ -167,11 +167,10 @@ def init_local_ray(*, num_cpus: int, namespace: str, log_to_driver: bool, num_gp
     - Ray's own metrics: their OpenTelemetry collector thread has segfaulted a fresh actor process
       during start-up (Ray 2.60).
     - task events (`task_events_report_interval_ms: 0`): only the dashboard and the state API read
-      them, and kept they grow the GCS with every actor call (benchmarks/RESULTS.md, "Why the
-      engine core, the GCS and the raylet grew; what changed").
+      them, and kept they grow the GCS with every actor call (docs/notes/soak_memory_growth.md).
     - worker processes prestarted for this driver (`prestart_worker_first_driver`): its actors
-      start their own, and the idle ones cost memory and CPU (benchmarks/RESULTS.md, "The suite on
-      ..., third session (issue 35): lighter exits and starts, one more shared smoke").
+      start their own, and the idle ones cost memory and CPU (docs/notes/test_suite_time.md,
+      "Lighter exits and starts").
     """
     use_loopback_only_ray()
     ray.init(

@@ -71,6 +71,8 @@ SMOKES = (
     Smoke("reward", (), "", ("hostile_over_clean", "clean_samples_per_s", "hostile_samples_per_s")),
     Smoke("trackers", (), "", ("jsonl_log_ms", "tensorboard_log_ratio")),
     Smoke("trainer_throughput", (), "", ("tokens_per_s", "mfu", "step_s")),
+    Smoke("long_context", (), "long_context", ("mem_ratio", "rss_ratio", "step_ratio", "longest_ratio", "packer_takes"),
+          ("distributed",)),
     Smoke("gpu_report", ("--out", f"{WORK}/gpu_report.md"), "gpu_report", ("rows", "skipped", "failed")),
     Smoke("suite_profile", (), "suite_profile",
           ("wall_s", "machine_cpu_s", "attributed_cpu_s", "engine_starts", "trainer_launches", "ray_heads"),

@@ -59,7 +59,11 @@ class RealisticRunConfig:
     max_prompt_tokens: int = 256
     """data.max_prompt_tokens (after the chat template; the generated prompts take ~60-90)."""
     max_tokens_per_gpu: int | None = None
-    """Trainer minibatch budget; None: max_prompt_tokens + max_tokens (one longest sample)."""
+    """Trainer minibatch budget per rank; None: max_prompt_tokens + max_tokens (one longest sample),
+    divided over the context_parallel ranks that split it."""
+    context_parallel: int = 1
+    """model.context_parallel: ranks that split each minibatch's tokens (2: an 8k-token response
+    trains where one rank's budget refuses it)."""
     max_lag: int = 1
     """Trainer max_lag (1: generation of the next step overlaps training, the system's default)."""
     gradient_checkpointing: bool = True
@@ -113,6 +117,9 @@ class RealisticRunConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"RealisticRunConfig.{name} must be >= 1 or None, got {value}")
+        if self.context_parallel < 1 or self.nproc_per_node % self.context_parallel:
+            raise ValueError(f"RealisticRunConfig.context_parallel must be >= 1 and divide nproc_per_node="
+                             f"{self.nproc_per_node}, got {self.context_parallel}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"RealisticRunConfig.dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.malloc_mmap_threshold_bytes < 0:
@@ -203,7 +210,8 @@ def trainer_yaml(config: RealisticRunConfig, data_path: Path) -> dict[str, Any]:
     return {
         "num_steps": config.num_steps,
         "prompts_per_rank": config.prompts_per_rank,
-        "max_tokens_per_gpu": config.max_tokens_per_gpu or config.max_prompt_tokens + config.max_tokens,
+        "max_tokens_per_gpu": config.max_tokens_per_gpu or -(-(config.max_prompt_tokens + config.max_tokens)
+                                                               // config.context_parallel),
         "max_lag": config.max_lag,
         "logprob_role": "reference",
         "checkpoint_every": 0,
@@ -214,7 +222,7 @@ def trainer_yaml(config: RealisticRunConfig, data_path: Path) -> dict[str, Any]:
         "tensorboard": False,
         "progress_bar": False,
         "model": {"gradient_checkpointing": config.gradient_checkpointing,
-                  "logprob_chunk_size": config.logprob_chunk_size},
+                  "logprob_chunk_size": config.logprob_chunk_size, "context_parallel": config.context_parallel},
         "optim": {"lr": config.lr},
         "loss": {"kl_coef": config.kl_coef, "kl_estimator": "k3"},
         "sampling": {"n": config.n, "max_tokens": config.max_tokens, "temperature": 1.0},
@@ -256,7 +264,9 @@ def cluster_sizing(config: RealisticRunConfig, trainer: Any, hf_config: dict[str
     """Engine settings for `trainer` (a TrainerConfig): room for every sequence that can be in flight."""
     experience = trainer.experience
     max_model_len = trainer.data.max_prompt_tokens + experience.sampling.max_tokens
-    in_flight = (experience.max_lag + 1) * config.nproc_per_node * trainer.prompts_per_rank * experience.sampling.n
+    # Only the first rank of a context-parallel group submits prompts.
+    groups = config.nproc_per_node // trainer.model.context_parallel
+    in_flight = (experience.max_lag + 1) * groups * trainer.prompts_per_rank * experience.sampling.n
     max_num_seqs = config.max_num_seqs or in_flight
     kv_bytes = config.kv_cache_memory_bytes or max(
         MIN_KV_CACHE_BYTES,

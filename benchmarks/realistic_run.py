@@ -4,6 +4,10 @@
     .venv/bin/python -m benchmarks.realistic_run --preset tiny --max_tokens 32 --num_steps 2 --work_dir runs/realistic-tiny
                                                                                   # ~3-5 min: checks the plumbing
     .venv/bin/python -m benchmarks.realistic_run ... -- --weight_push_mode sharded # trainer flags go after `--`
+    .venv/bin/python -m benchmarks.realistic_run --model.num_layers 2 --max_tokens 8192 --context_parallel 2 \
+        --num_steps 2 --work_dir runs/realistic-cp2     # 8k-token responses, each split over the 2 ranks
+    .venv/bin/python -m benchmarks.realistic_run --model.num_layers 2 --max_tokens 8192 --max_tokens_per_gpu 4224 \
+        --work_dir runs/realistic-cp1                   # the same budget without the split: refused at once
 
 What runs: `local_cluster.py`, exactly as the demo starts it (a private Ray head on 127.0.0.1, one
 vLLM generation worker, one logprob worker computing reference logprobs, `torchrun
@@ -20,14 +24,17 @@ vLLM generation worker, one logprob worker computing reference logprobs, `torchr
 
 Sizing (defaults fit the 2-core, 24 GiB CPU machine): 2 ranks x `--prompts_per_rank` 1 x `--n` 2
 samples per step; the trainer's `max_tokens_per_gpu` defaults to `--max_prompt_tokens` +
-`--max_tokens` (one longest sample per minibatch, the least memory the budget rule allows);
+`--max_tokens` (one longest sample per minibatch, the least memory the budget rule allows),
+divided by `--context_parallel` (model.context_parallel: that many ranks split each minibatch's
+tokens, so a response one rank's budget refuses trains over the group's);
 gradient checkpointing on; `model.logprob_chunk_size` 256 (an lm_head chunk costs chunk x vocab x
 4 bytes: 156 MB at 256 x 151,936); reference logprobs with a small k3 KL (`--kl_coef`); no
 evaluation, TensorBoard or progress bar; trainer timeouts (`message_timeout_s`,
 `prompt_deadline_s`, `dist_timeout_s`) of `--patience_s` (CPU decoding of 2048 tokens at 0.5B
 takes many minutes). The engines are sized from the resolved trainer config: `max_model_len` =
 `data.max_prompt_tokens + sampling.max_tokens`; `max_num_seqs` = the sequences that can be in
-flight at once, `(max_lag + 1) x ranks x prompts_per_rank x n`; the KV cache holds all of them
+flight at once, `(max_lag + 1) x ranks / context_parallel x prompts_per_rank x n` (a group's first
+rank submits its prompts); the KV cache holds all of them
 (from the model's layers, KV heads and head size, x1.25); the logprob worker's batch budget holds
 one group (`n x max_model_len`). Trainer flags after `--` override the generated
 `<work_dir>/trainer.yaml` (flags win), and the sizing follows them.
@@ -152,13 +159,16 @@ def run(config: RealisticRunConfig, passthrough: list[str]) -> dict[str, Any]:
     prepare: dict[str, float] = {}
 
     t = time.monotonic()
-    model_dir, reused = prepare_model(config, work_dir, monitor)
-    prepare["model_s"] = time.monotonic() - t
-    t = time.monotonic()
     data_path = write_gsm8k(work_dir / "gsm8k_synthetic.jsonl", config.num_problems, config.data_seed)
     yaml_path = work_dir / "trainer.yaml"
     yaml_path.write_text(yaml.safe_dump(trainer_yaml(config, data_path), sort_keys=False))
-    trainer = resolve_trainer(config, yaml_path, run_dir, model_dir, passthrough)
+    # Before the model is written: a config the trainer refuses (a sample over the budget) stops here.
+    trainer = resolve_trainer(config, yaml_path, run_dir, work_dir / model_dir_name(model_spec(config)), passthrough)
+    prepare["config_s"] = time.monotonic() - t
+    t = time.monotonic()
+    model_dir, reused = prepare_model(config, work_dir, monitor)
+    prepare["model_s"] = time.monotonic() - t
+    t = time.monotonic()
     hf_config = json.loads((model_dir / "config.json").read_text())
     sizing = cluster_sizing(config, trainer, hf_config)
     if sizing.max_model_len > hf_config.get("max_position_embeddings", sizing.max_model_len):
@@ -166,7 +176,7 @@ def run(config: RealisticRunConfig, passthrough: list[str]) -> dict[str, Any]:
                         f"the model's max_position_embeddings {hf_config['max_position_embeddings']}; pass "
                         f"--model.max_position_embeddings or lower --max_tokens / --max_prompt_tokens")
     lengths = prompt_lengths(trainer)
-    prepare["data_and_config_s"] = time.monotonic() - t
+    prepare["prompts_s"] = time.monotonic() - t
     monitor.sample("prepare")
     logger.info("prompts: %d, %d-%d tokens; engines: %s", len(lengths), min(lengths), max(lengths), sizing)
 

@@ -68,7 +68,8 @@ def test_default_trainer_config_resolves_and_fits_the_sample_budget(tmp_path: Pa
 
 def test_engine_sizing_holds_every_sequence_in_flight() -> None:
     trainer = SimpleNamespace(data=SimpleNamespace(max_prompt_tokens=256), prompts_per_rank=1,
-                              experience=SimpleNamespace(sampling=SimpleNamespace(max_tokens=2048, n=2), max_lag=1))
+                              experience=SimpleNamespace(sampling=SimpleNamespace(max_tokens=2048, n=2), max_lag=1),
+                              model=SimpleNamespace(context_parallel=1))
     qwen = {"hidden_size": 896, "num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24}
     assert rr.kv_bytes_per_token(qwen, "float32") == 2 * 24 * 2 * 64 * 4
     sizing = rr.cluster_sizing(rr.RealisticRunConfig(), trainer, qwen)
@@ -80,6 +81,22 @@ def test_engine_sizing_holds_every_sequence_in_flight() -> None:
     explicit = rr.RealisticRunConfig(kv_cache_memory_bytes=2**30, max_num_seqs=3, logprob_max_tokens=999)
     sizing = rr.cluster_sizing(explicit, trainer, qwen)
     assert (sizing.kv_cache_memory_bytes, sizing.max_num_seqs, sizing.logprob_max_tokens) == (2**30, 3, 999)
+
+
+def test_context_parallel_trains_8k_responses_that_one_ranks_budget_refuses(tmp_path: Path) -> None:
+    """--context_parallel 2 at 8192-token responses: each rank's budget is half the longest sample
+    (256 + 8192 = 8448 -> 4224), which the trainer accepts with cp 2 and refuses with cp 1."""
+    config = rr.RealisticRunConfig(max_tokens=8192, context_parallel=2)
+    path = tmp_path / "trainer.yaml"
+    path.write_text(yaml.safe_dump(rr.trainer_yaml(config, tmp_path / "data.jsonl")))
+    trainer = load_config(TrainerConfig, ["--config", str(path), "--model.model_path", "m"])
+    assert (trainer.model.context_parallel, trainer.experience.max_tokens_per_gpu) == (2, 4224)
+    with pytest.raises(ValueError, match=r"max_tokens_per_gpu=4224 is below .* = 8448"):
+        load_config(TrainerConfig, ["--config", str(path), "--model.model_path", "m", "--model.context_parallel", "1"])
+    qwen = {"hidden_size": 896, "num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 2}
+    assert rr.cluster_sizing(config, trainer, qwen).max_num_seqs == 4  # 2 steps x 1 group x 1 prompt x 2 rollouts
+    with pytest.raises(ValueError, match="context_parallel must be >= 1 and divide nproc_per_node=2"):
+        rr.RealisticRunConfig(context_parallel=3)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen2.5-0.5b"])

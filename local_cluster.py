@@ -37,6 +37,7 @@ from async_grpo.config.run_config import (
 from async_grpo.config.worker_options import (
     EngineConfig, HealthCheckConfig, LogprobBatchingConfig, RestartConfig, VerificationConfig,
 )
+from async_grpo.launch.context_plan import check_context_plan
 from async_grpo.launch.cpu_plan import CpuPlan, CpuPlanConfig, pinned_thread, plan_cpu, usable_core_ids
 from async_grpo.launch.dispatcher_logs import DispatcherLogRelay, registered_worker
 from async_grpo.launch.engine_defaults import CPU_ENGINE, LAUNCHER_MAX_NUM_SEQS, resolve_engine
@@ -184,19 +185,22 @@ def plan_for(config: LocalClusterConfig, trainer_config: TrainerConfig | None = 
         generation_workers=config.generation_workers, tensor_parallel_size=config.engine.tensor_parallel_size,
         logprob_workers=config.total_workers - config.generation_workers,
         max_tokens_per_forward=config.batching.max_tokens_per_forward,
+        context_parallel=model_options.context_parallel if model_options else 1,
         **(_run_load(trainer_config, ranks) if trainer_config is not None else {}))
-    if gpus == 0:
+    if gpus == 0 and run.context_parallel == 1:
         return Placement(), run
     shape = ModelShape.from_hf_config(json.loads((Path(config.model_path) / "config.json").read_text()))
+    check_context_plan(gpus, memory, shape, run)  # cp's heads, ranks and the smallest cp that fits, first
     return plan_placement(gpus, memory, shape, run), run
 
 
 def _run_load(trainer_config: TrainerConfig, ranks: int) -> dict[str, int]:
     """RunShape's fields for what the trainer can have in flight and computes in: sequences at
-    once ((max_lag + 1) steps of every rank's prompts x n), the longest sample, the compute dtype."""
+    once ((max_lag + 1) steps of every consumer's prompts x n: a rank's, or a context-parallel
+    group's), the longest sample, the compute dtype."""
     experience = trainer_config.experience
-    steps = experience.max_lag + 1
-    return dict(sequences_in_flight=steps * ranks * trainer_config.prompts_per_rank * experience.sampling.n,
+    steps, consumers = experience.max_lag + 1, ranks // trainer_config.model.context_parallel
+    return dict(sequences_in_flight=steps * consumers * trainer_config.prompts_per_rank * experience.sampling.n,
                 max_model_len=trainer_config.longest_sample,
                 compute_dtype_bytes=BF16_BYTES if trainer_config.model.mixed_precision else FP32_BYTES)
 

@@ -22,9 +22,13 @@ are estimates from the model's config.json (parameters, width, MLP width, heads,
 vocabulary); the plan's printed block says so. The trainer's activations are counted tensor by
 tensor from what autograd keeps in a Qwen2/Llama decoder layer (`layer_activation_bytes`);
 benchmarks/memory.py (`--against plan`) measures a real training step against the estimate
-(benchmarks/RESULTS.md, "Trainer memory estimate against a measured step"). The launcher prints
-the plan before anything starts (`--dry_run`: only the plan); docs/real_models.md shows the plans
-for one, two and eight GPUs.
+(benchmarks/RESULTS.md, "Trainer memory estimate against a measured step"). Under context
+parallelism (RunShape.context_parallel) a rank holds its share of its group's minibatch,
+max_tokens_per_gpu tokens, with the key/value heads repeated as Ulysses repeats them;
+launch/context_plan.py checks the degree and, when a rank cannot hold the run's longest sample,
+names the smallest degree that can. The launcher prints the plan before anything starts
+(`--dry_run`: only the plan); docs/real_models.md shows the plans for one, two and eight GPUs,
+docs/training.md a context-parallel one.
 """
 
 from __future__ import annotations
@@ -49,6 +53,11 @@ ATTENTION_QUERY_WIDTH_TENSORS = 3
 # RMSNorm keeps two compute-dtype tensors: the normalised input of its gain and its output, the
 # next projections' input (and its input in fp32: _norm_bytes).
 NORM_COMPUTE_DTYPE_TENSORS = 2
+# A context-parallel layer's exchange (model/context_parallel.ulysses_attention) holds at once its
+# q/k/v share's send buffer, the pieces received and their concatenation in stream order, and the
+# same three copies of the attention output on the way back; transient, so counted at a layer's
+# moment, not per layer (the MLP's backward is larger for Qwen2/Llama shapes).
+EXCHANGE_COPIES = 3
 # Freshly built models (and hand-built shapes) without these in their config: the classic
 # transformer's 4 x hidden MLP and 64-wide heads, without grouped KV heads.
 DEFAULT_MLP_RATIO = 4
@@ -145,9 +154,15 @@ class RunShape:
     """Samples generated at once at most ((max_lag + 1) x ranks x prompts per rank x n); 0: not
     known, and each engine takes the plan's whole share for its KV cache."""
     max_model_len: int = 0
-    """The run's longest sample in tokens (with sequences_in_flight, sizes the engines' KV cache)."""
+    """The run's longest sample in tokens (with sequences_in_flight, sizes the engines' KV cache; a
+    sample over the group's budget, under oversized_sample_policy train_alone, sets tokens_per_rank)."""
+    context_parallel: int = 1
+    """Ranks that split each minibatch (model.context_parallel): a group takes up to
+    context_parallel x max_tokens_per_gpu tokens, each rank holds max_tokens_per_gpu of them."""
 
     def __post_init__(self) -> None:
+        if self.context_parallel < 1:
+            raise ValueError(f"RunShape.context_parallel must be >= 1, got {self.context_parallel}")
         if self.compute_dtype_bytes not in (BF16_BYTES, FP32_BYTES):
             raise ValueError(f"RunShape.compute_dtype_bytes must be {BF16_BYTES} or {FP32_BYTES}, "
                              f"got {self.compute_dtype_bytes}")
@@ -155,6 +170,18 @@ class RunShape:
     @property
     def workers(self) -> int:
         return self.generation_workers + self.logprob_workers
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens one rank's activations hold at most: its share of a full group minibatch (the zigzag
+        split gives every rank max_tokens_per_gpu of cp x max_tokens_per_gpu), or of a longer lone sample."""
+        return max(self.max_tokens_per_gpu, -(-self.max_model_len // self.context_parallel))
+
+
+def ulysses_kv_repeat(model: ModelShape, context_parallel: int) -> int:
+    """How many times a context-parallel rank repeats each key/value head (the rule of
+    model/context_parallel.kv_repeat, which this layer cannot import): 1 without context parallelism."""
+    return context_parallel // math.gcd(model.num_kv_heads, context_parallel)
 
 
 def _norm_bytes(hidden_size: int, dtype_bytes: int) -> int:
@@ -164,11 +191,14 @@ def _norm_bytes(hidden_size: int, dtype_bytes: int) -> int:
     return FP32_BYTES * (hidden_size + 1) + NORM_COMPUTE_DTYPE_TENSORS * dtype_bytes * hidden_size
 
 
-def layer_activation_bytes(model: ModelShape, dtype_bytes: int) -> int:
+def layer_activation_bytes(model: ModelShape, dtype_bytes: int, context_parallel: int = 1) -> int:
     """Bytes per token that autograd keeps for one Qwen2/Llama decoder layer's backward, computed
-    in `dtype_bytes` (what a training forward saves; the trainer's packed_sdpa path)."""
+    in `dtype_bytes` (what a training forward saves; the trainer's packed_sdpa path). Under context
+    parallelism a rank keeps its heads' share of the whole stream, the same bytes per token it
+    holds, with the key/value heads repeated as Ulysses repeats them (ulysses_kv_repeat)."""
     h, b = model.hidden_size, dtype_bytes
-    query_width, kv_width = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    query_width = model.num_heads * model.head_dim
+    kv_width = model.num_kv_heads * ulysses_kv_repeat(model, context_parallel) * model.head_dim
     norms = 2 * _norm_bytes(h, b)
     # Attention: the rotated queries, sdpa's output and o_proj's input copy, at the query width...
     attention = ATTENTION_QUERY_WIDTH_TENSORS * b * query_width
@@ -185,6 +215,15 @@ def layer_backward_bytes(model: ModelShape, dtype_bytes: int) -> int:
     gradient and the two it splits into while their factors are still held (the product's own
     copy is freed by then)."""
     return dtype_bytes * (2 * model.hidden_size + 2 * model.intermediate_size)
+
+
+def exchange_bytes(model: ModelShape, dtype_bytes: int, context_parallel: int) -> int:
+    """Bytes per token a context-parallel layer's all-to-alls hold at once (EXCHANGE_COPIES of its
+    q/k/v share and of its output); 0 without context parallelism."""
+    if context_parallel == 1:
+        return 0
+    kv_width = model.num_kv_heads * ulysses_kv_repeat(model, context_parallel) * model.head_dim
+    return EXCHANGE_COPIES * dtype_bytes * (2 * model.num_heads * model.head_dim + 2 * kv_width)
 
 
 def head_activation_bytes(model: ModelShape, dtype_bytes: int) -> int:
@@ -218,18 +257,20 @@ class TrainerMemory:
 
 
 def trainer_activation_bytes(model: ModelShape, run: RunShape) -> int:
-    """Peak bytes of a training pass over max_tokens_per_gpu tokens beyond the weights and their
-    gradients: what every layer keeps (with checkpointing, each layer's input), plus the larger of
-    two moments: backward's start (the head's tensors and the logit chunks) and a layer's backward
-    (that layer recomputed first when checkpointing), by when the head's tensors are freed."""
-    tokens, b = run.max_tokens_per_gpu, run.compute_dtype_bytes
-    layer = layer_activation_bytes(model, b)
+    """Peak bytes of a training pass over a rank's tokens (RunShape.tokens_per_rank) beyond the
+    weights and their gradients: what every layer keeps (with checkpointing, each layer's input),
+    plus the larger of two moments: backward's start (the head's tensors and the logit chunks) and a
+    layer's backward (that layer recomputed first when checkpointing; under context parallelism the
+    larger of its backward and its exchange), by when the head's tensors are freed."""
+    tokens, b, cp = run.tokens_per_rank, run.compute_dtype_bytes, run.context_parallel
+    layer = layer_activation_bytes(model, b, cp)
+    in_layer = max(layer_backward_bytes(model, b), exchange_bytes(model, b, cp))
     if run.gradient_checkpointing:
         kept = tokens * model.num_layers * b * model.hidden_size
-        in_a_layer = tokens * (layer + layer_backward_bytes(model, b))
+        in_a_layer = tokens * (layer + in_layer)
     else:
         kept = tokens * model.num_layers * layer
-        in_a_layer = tokens * layer_backward_bytes(model, b)
+        in_a_layer = tokens * in_layer
     at_start = tokens * head_activation_bytes(model, b) + logit_chunk_bytes(model, run.logprob_chunk_size, tokens)
     return kept + max(at_start, in_a_layer)
 
@@ -298,7 +339,8 @@ class Placement:
     def lines(self, run: RunShape) -> list[str]:
         """The plan as the launcher prints it, one block."""
         if not self.on_gpu:
-            return ["placement: CPU only (no GPU found): every process on the CPU"]
+            return ["placement: CPU only (no GPU found): every process on the CPU"] + (
+                [f"  trainer  {trainer_ranks_text(run)}"] if run.context_parallel > 1 else [])
         gib = self.gpu_memory_bytes / GiB
         lines = [f"placement: {self.host_gpus} GPU(s) of {gib:.1f} GiB "
                  f"({'colocated: trainer and workers share GPU 0' if self.colocated else 'trainer and workers apart'})"]
@@ -311,11 +353,21 @@ class Placement:
                          f"({self.engine_memory_fraction * gib:.1f} GiB: weights, activations, KV cache)")
         if self.engine_sizing is not None:
             lines.append(self.engine_sizing.line())
-        lines.append(f"  trainer  GPU(s) {_ids(self.trainer_gpus)}: {run.trainer_ranks} rank(s)")
+        lines.append(f"  trainer  GPU(s) {_ids(self.trainer_gpus)}: {trainer_ranks_text(run)}")
         if self.estimates:
             lines.append("  estimated peak memory: " + ", ".join(
                 f"{name} {value / GiB:.1f} GiB" for name, value in self.estimates.items()))
         return lines
+
+
+def trainer_ranks_text(run: RunShape) -> str:
+    """The trainer's ranks as the plan prints them: with context parallelism, its dp x cp mesh and
+    the tokens each rank holds."""
+    cp = run.context_parallel
+    if cp == 1:
+        return f"{run.trainer_ranks} rank(s)"
+    return (f"{run.trainer_ranks} ranks = {run.trainer_ranks // cp} data-parallel x {cp} context-parallel, "
+            f"{run.tokens_per_rank} tokens per rank ({cp * run.max_tokens_per_gpu} per group minibatch)")
 
 
 def _ids(gpus: tuple[int, ...]) -> str:

@@ -1,10 +1,11 @@
 """The trainer's memory estimate (async_grpo/launch/placement.py) against measurements on the CPU:
 what autograd keeps per token in a decoder layer (in fp32 and bf16), and the peak memory of a real
-training step (issue 56, item 3)."""
+training step (issue 56, item 3), and a context-parallel rank's layer (issue 59, item 4)."""
 
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,12 @@ from async_grpo.launch.placement import (
     BF16_BYTES, FP32_BYTES, ModelShape, RunShape, head_activation_bytes, layer_activation_bytes, trainer_memory,
 )
 from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
+from async_grpo.model.context_parallel import ContextGroup
+from benchmarks import step_memory
 from benchmarks.packed_samples import draw_packed_samples
 from benchmarks.step_memory import measure_step, saved_bytes_per_token
 from sample_processing_utils import PackedBatch, post_process_batch
-from setup_model import load_causal_lm
+from setup_model import TokenLogprobModel, load_causal_lm
 
 # The estimate may exceed what is measured by this much, and never fall short of it.
 ESTIMATE_SLACK = 1.15
@@ -58,6 +61,24 @@ def test_a_layers_estimate_is_what_autograd_keeps(small_model_dir: Path, dtype: 
     last_layer = f"layer{SMALL_SHAPE.num_layers - 1}"  # the first layer also saves what all layers share
     _assert_holds(layer_activation_bytes(shape, dtype_bytes), saved[last_layer], f"{dtype} layer")
     assert saved["outside"] <= head_activation_bytes(shape, dtype_bytes)
+
+
+def test_a_context_parallel_layer_keeps_what_the_estimate_says(small_model_dir: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of a group of 4, in one process: SMALL_SHAPE's 2 key/value heads are repeated twice
+    for the split, and each rank keeps its heads' share of the whole stream. The all-to-alls stand
+    in by returning what this rank sends (every rank's share has the same shape when the stream's
+    1,024 tokens split evenly), so the saved tensors have the shapes a real group's would."""
+    size = 4
+    group = ContextGroup(size=size, rank=0, all_to_all=lambda chunks, rows: list(chunks), sum_over_group=lambda t: t)
+    monkeypatch.setattr(step_memory, "TokenLogprobModel", partial(TokenLogprobModel, context=group))
+    causal_lm = load_causal_lm(small_model_dir, dtype=torch.float32)
+    causal_lm.config.use_cache = False
+    saved = saved_bytes_per_token(causal_lm, _batch(1024, SMALL_SHAPE.vocab_size).inputs, CHUNK_SIZE)
+    per_rank_token = size * saved[f"layer{SMALL_SHAPE.num_layers - 1}"]  # measured per token of the stream
+    shape = _shape(small_model_dir)
+    _assert_holds(layer_activation_bytes(shape, FP32_BYTES, context_parallel=size), per_rank_token, "cp 4 layer")
+    assert per_rank_token > layer_activation_bytes(shape, FP32_BYTES)  # the repeated keys and values are seen
 
 
 @pytest.mark.system  # each measurement runs in a fresh process

@@ -227,6 +227,8 @@ class TrainerConfig:
             raise ValueError(
                 f"TrainerConfig.{what} is below data.max_prompt_tokens + "
                 f"sampling.max_tokens = {self.data.max_prompt_tokens} + {sampling.max_tokens} = {longest}: "
-                f"one sample could exceed the minibatch budget; raise max_tokens_per_gpu to at least {-(-longest // cp)}, "
-                f"lower data.max_prompt_tokens or sampling.max_tokens, or set oversized_sample_policy: train_alone"
+                f"one sample could exceed the minibatch budget; raise max_tokens_per_gpu to at least {-(-longest // cp)} "
+                f"or model.context_parallel to at least {-(-longest // per_gpu)} (a divisor of the attention heads: "
+                f"docs/training.md, 'Context parallelism'), lower data.max_prompt_tokens or sampling.max_tokens, "
+                f"or set oversized_sample_policy: train_alone"
             )

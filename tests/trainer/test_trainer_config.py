@@ -47,6 +47,10 @@ def test_budget_must_hold_the_longest_sample() -> None:
     with pytest.raises(ValueError, match=r"TrainerConfig.max_tokens_per_gpu=127 is below data.max_prompt_tokens \+ "
                                          r"sampling.max_tokens = 100 \+ 28 = 128.*oversized_sample_policy"):
         _budget_config(100, 28, 127)
+    # 128 tokens over a 50-token budget: one rank of 128 or a context-parallel group of 3 holds them.
+    with pytest.raises(ValueError, match="raise max_tokens_per_gpu to at least 128 or model.context_parallel to at "
+                                         "least 3 "):
+        _budget_config(100, 28, 50)
     # An explicit policy accepts it: such a sample trains alone, over the budget, and is counted.
     assert _budget_config(100, 28, 127, oversized_sample_policy="train_alone").experience.max_tokens_per_gpu == 127
     assert _config().oversized_sample_policy == "refuse"

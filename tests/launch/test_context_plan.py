@@ -223,3 +223,17 @@ def test_the_training_docs_context_parallel_plans_are_what_the_launcher_prints(
         printed = (captured.out + captured.err).strip()
         assert printed == pasted, f"exit {code}:\n{printed}"
         assert code == (0 if "context-parallel" in pasted else 2)
+
+
+def test_the_engines_sequences_in_flight_count_a_groups_prompts_once(tmp_path: Path) -> None:
+    """Only a group's first rank submits prompts: 4 ranks in groups of 2 are 2 consumers, so
+    (max_lag 1 + 1) steps x 2 x 32 prompts x 8 samples = 1,024 sequences, not 2,048."""
+    import local_cluster
+
+    args = ["--config", str(REPO_ROOT / "configs" / "qwen2.5-1.5b-gsm8k.yaml"), "--run_dir", str(tmp_path),
+            "--model.model_path", str(tmp_path)]
+    one = local_cluster.load_trainer_config(args)
+    split = local_cluster.load_trainer_config([*args, "--model.context_parallel", "2"])
+    assert (one.prompts_per_rank, one.experience.sampling.n, one.experience.max_lag) == (32, 8, 1)
+    assert local_cluster._run_load(one, 4)["sequences_in_flight"] == 2 * 4 * 32 * 8
+    assert local_cluster._run_load(split, 4)["sequences_in_flight"] == 2 * 2 * 32 * 8

@@ -33,4 +33,8 @@ class FailureKind(StrEnum):
     infinite, or a batch of the wrong length."""
     CRASH = "crash"
     """The process running a reward function died (e.g. the function called os._exit), or the
-    pool could not be reached."""
+    pool could not be reached; for the judge (judge_reward.py), its pool failed the call after
+    the registry's retries."""
+    UNPARSABLE = "unparsable"
+    """The judge's reply held no verdict its rule reads (judge_template.py): garbage, a number out
+    of range, or a group-wise reply missing an answer's score."""

@@ -35,7 +35,7 @@ def _misleading(kind: FailureKind) -> str:
 def test_kind_values_are_the_metric_reasons() -> None:
     # counts/reward_failures/<function>/<reason> and the error texts use these names; they must not move.
     assert {kind.value for kind in FailureKind} == {"timeout", "parse_error", "verify_error", "rejected", "raised",
-                                                    "bad_return", "crash"}
+                                                    "bad_return", "crash", "unparsable"}
     assert f"{FailureKind.BAD_RETURN}" == "bad_return" and str(FailureKind.PARSE_ERROR) == "parse_error"
 
 

@@ -96,6 +96,10 @@ class Sample:
     None: every sampled token came from `weight_version`."""
     reward_failed: bool = False
     """True when verification timed out or could not parse; reward is then 0."""
+    reward_masked: bool = False
+    """True when scoring failed under a masking policy (RewardConfig.on_function_failure, the
+    judge's on_failure): `reward` is then no score, and the batcher leaves the sample out of its
+    group's baseline and the loss (counted: reward/masked_samples)."""
     solved: bool | None = None
     """The verdict's own "solved" (math-verify's match, or every reward function's; never the
     format bonus), set by the generation worker; None: not scored (accuracy then reads reward >= 1)."""

@@ -377,8 +377,9 @@ class ExperienceBatcher:
             )
 
     def _release_group(self, state: _StepState, key: tuple[int, int]) -> None:
-        """A group whose prompts have all finished: drop it (no reward variance, under dynamic
-        sampling), hold it (step-scoped prepare) or prepare and pack it now."""
+        """A group whose prompts have all finished: drop it (too few scored samples after masking,
+        or no reward variance under dynamic sampling: GroupPreparer.admit), hold it (step-scoped
+        prepare) or prepare and pack it now."""
         if state.error is not None or state.finished:
             return
         del state.pending_by_key[key]
@@ -387,8 +388,7 @@ class ExperienceBatcher:
         if not samples:  # every rollout stale, missing or timed out: counted where that happened
             return
         state.stats.record_released(samples)
-        if self._experience.sampling.drop_zero_variance_groups and len({s.reward for s in samples}) == 1:
-            state.stats.dropped_zero_variance_groups += 1
+        if not self._preparer.admit(samples, state.stats):  # too few scored samples, or no reward variance
             return
         state.informative_prompts += prompts
         if self._experience.algorithm.scope == "step":

@@ -71,6 +71,10 @@ class ExperienceConfig:
             raise ValueError(f"ExperienceConfig.max_lag must be >= 0, got {self.max_lag}")
         if not isinstance(self.sampling, SamplingConfig):  # SamplingConfig validates its own fields
             raise ValueError(f"ExperienceConfig.sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
+        reward = self.sampling.reward
+        if reward.may_mask and reward.min_scored_samples > self.sampling.n:
+            raise ValueError(f"ExperienceConfig.sampling.reward.min_scored_samples ({reward.min_scored_samples}) "
+                             f"exceeds sampling.n ({self.sampling.n}): every group with a masked sample would be dropped")
 
 
 @dataclass(kw_only=True, frozen=True)

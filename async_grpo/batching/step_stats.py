@@ -78,7 +78,13 @@ class StepStats(StepCounts):
     # Over every generated rollout, like reward/mean_generated (the trainer's counts/reward_failed
     # counts the trained ones).
     reward_failed: int = counter("counts/reward_failures")
-    """Released rollouts whose scoring failed (reward 0 from the failed function)."""
+    """Released rollouts whose scoring failed (reward 0 from the failed function, or masked)."""
+    masked_samples: int = counter("reward/masked_samples")
+    """Released rollouts whose failed reward masked them (Sample.reward_masked): out of their
+    group's baseline and the loss, and out of reward/mean_generated and the reward/<function> means."""
+    dropped_groups_masked: int = counter("counts/dropped_groups_masked")
+    """Groups not trained on because masking left fewer than sampling.reward.min_scored_samples
+    scored samples."""
     failed: bool = False
     first_submit_s: float = 0.0
     """time.monotonic() of the step's first submit_prompts."""
@@ -98,7 +104,8 @@ class StepStats(StepCounts):
     """Time trainer ranks spent blocked in next_message for this step, summed over ranks."""
     generated_reward_sum: float = 0.0
     """Sum of the rewards of every rollout whose group was released (trained, dropped for zero
-    variance, masked or dropped by a prepare function alike)."""
+    variance, masked for truncation or dropped by a prepare function alike), except those whose
+    failed reward masked them (no score)."""
     generated_samples: int = 0
     reward_part_sums: dict[str, float] = field(default_factory=dict)
     """Per reward function (and named part): the sum over released rollouts that carry it."""
@@ -119,13 +126,16 @@ class StepStats(StepCounts):
         return {f.name: getattr(self, f.name) for f in fields(StepCounts)}
 
     def record_released(self, samples: list[Sample]) -> None:
-        """Count the rewards of a released group (whatever becomes of it next)."""
-        self.generated_reward_sum += sum(s.reward for s in samples)
-        self.generated_samples += len(samples)
-        for s in samples:
+        """Count the rewards of a released group (whatever becomes of it next); a masked sample's
+        failures count, its reward (no score) does not."""
+        scored = [s for s in samples if not s.reward_masked]
+        self.generated_reward_sum += sum(s.reward for s in scored)
+        self.generated_samples += len(scored)
+        for s in scored:
             for name, value in (s.reward_parts or {}).items():
                 self.reward_part_sums[name] = self.reward_part_sums.get(name, 0.0) + value
                 self.reward_part_counts[name] = self.reward_part_counts.get(name, 0) + 1
+        for s in samples:
             self.reward_failed += s.reward_failed
             for reason in s.reward_failure_reasons or ():
                 self.reward_failure_counts[reason] = self.reward_failure_counts.get(reason, 0) + 1

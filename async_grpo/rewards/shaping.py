@@ -26,7 +26,12 @@ plug-in reward functions (reward_functions.py, docs/rewards.md), each weighted:
     verdict = sum_i weights[i] * functions[i](prompt, completion, token_ids, metadata)
 
 run in the verifier pool's processes under its deadline; a function that fails scores 0 for that
-completion (the others still count) and the sample is flagged reward_failed. `solved` (what
+completion (the others still count) and the sample is flagged reward_failed. The name `judge`
+(judge_config.JUDGE_FUNCTION) stands for a model judge instead (judge_reward.py), run from the
+generation worker. Under `on_function_failure: mask` (the judge's own `judge.on_failure`, mask by
+default) a failure masks the sample instead (CombinedScore.masked, Sample.reward_masked): the
+batcher leaves it out of its group's baseline and the loss, and drops a group left with fewer
+than `min_scored_samples` scored samples (batching/group_preparer.py). `solved` (what
 `reward/accuracy` and `eval/accuracy` count) is the verdict's, never the shaping's: math-verify's
 match, or every function's own notion of solved (its `solved` part, else its reward >= 1).
 
@@ -39,11 +44,12 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from async_grpo.data.reasoning_gym_tasks import REASONING_GYM_SOURCE_PREFIX
 from async_grpo.rewards import reward_functions
+from async_grpo.rewards.judge_config import FAILURE_POLICIES, JUDGE_FUNCTION, FailurePolicy, JudgeConfig
 from async_grpo.rewards.reward_functions import FunctionScore
 
 # The verifier's reward for a correct answer; `reward/accuracy` and `eval/accuracy` count a
@@ -98,10 +104,28 @@ class RewardConfig:
     function_timeout_s: float | None = None
     """Deadline of one reward-function call (a batched function: one batch), after which its
     process is killed and the completion scores 0 for it; None: the verifier pool's deadline."""
+    on_function_failure: FailurePolicy = "zero"
+    """A reward function that fails (timeout, crash, raised, bad return): zero scores 0 for it (the
+    others still count); mask leaves the sample out of its group's baseline and the loss, counted
+    in reward/masked_samples. The judge has its own: judge.on_failure."""
+    min_scored_samples: int = 2
+    """A group that masking leaves with fewer scored samples than this is dropped, counted in
+    counts/dropped_groups_masked (a group without masked samples is never dropped for it)."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The model judge that the reward function named `judge` in functions or by_data_source
+    calls (judge_config.py); unused otherwise."""
 
     def __post_init__(self) -> None:
         self._check_functions()
         self._check_routes()
+        if self.on_function_failure not in FAILURE_POLICIES:
+            raise ValueError(f"RewardConfig.on_function_failure must be one of {list(FAILURE_POLICIES)}, "
+                             f"got {self.on_function_failure!r}")
+        if isinstance(self.min_scored_samples, bool) or not isinstance(self.min_scored_samples, int) \
+                or self.min_scored_samples < 1:
+            raise ValueError(f"RewardConfig.min_scored_samples must be an int >= 1, got {self.min_scored_samples!r}")
+        if not isinstance(self.judge, JudgeConfig):  # JudgeConfig validates its own fields
+            raise ValueError(f"RewardConfig.judge must be a JudgeConfig, got {type(self.judge).__name__}")
         for name in ("format_bonus", "format_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -144,6 +168,8 @@ class RewardConfig:
                                     or not math.isfinite(timeout) or timeout <= 0):
             raise ValueError(f"RewardConfig.function_timeout_s must be a finite number > 0 or None, got {timeout!r}")
         for ref in self.functions:
+            if ref == JUDGE_FUNCTION:  # the model judge: no function to import
+                continue
             try:
                 reward_functions.check_function(ref)
             except reward_functions.RewardFunctionError as exc:
@@ -160,7 +186,8 @@ class RewardConfig:
                 raise ValueError(f"RewardConfig.by_data_source entries are 'data_source=module:function', got {entry!r}")
             sources.append(source)
             try:
-                reward_functions.check_function(ref)
+                if ref != JUDGE_FUNCTION:
+                    reward_functions.check_function(ref)
             except reward_functions.RewardFunctionError as exc:
                 raise ValueError(f"RewardConfig.by_data_source: {exc}") from None
             if reward_functions.function_name(ref) in _RESERVED_METRIC_NAMES:
@@ -180,6 +207,21 @@ class RewardConfig:
             # data.format reasoning_gym: the task's own scorer is the default reward.
             return (REASONING_GYM_FUNCTION,), (1.0,)
         return self.functions, self.function_weights()
+
+    @property
+    def uses_judge(self) -> bool:
+        """Whether some prompt is scored by the model judge (JUDGE_FUNCTION)."""
+        return JUDGE_FUNCTION in self.functions or any(e.partition("=")[2] == JUDGE_FUNCTION for e in self.by_data_source)
+
+    @property
+    def may_mask(self) -> bool:
+        """Whether a failure can mask a sample under this config (masks_failure of some function)."""
+        return self.on_function_failure == "mask" or (self.uses_judge and self.judge.on_failure == "mask")
+
+    def masks_failure(self, ref: str) -> bool:
+        """Whether a failure of the function `ref` masks its sample rather than scoring 0 for it."""
+        policy = self.judge.on_failure if ref == JUDGE_FUNCTION else self.on_function_failure
+        return policy == "mask"
 
     def function_weights(self) -> tuple[float, ...]:
         """The weight of each function (1.0 each when `weights` is empty)."""
@@ -201,27 +243,33 @@ class CombinedScore:
     """"<name>: <error>" of each failed function; empty when none failed."""
     failure_reasons: tuple[str, ...] = ()
     """"<name>/<kind>" of each failed function (kind: raised, bad_return, timeout, crash,
-    rejected), for the per-reason counts of the step metrics."""
+    rejected, unparsable), for the per-reason counts of the step metrics."""
+    masked: bool = False
+    """A function whose failures mask (RewardConfig.masks_failure) failed: `reward` is no score,
+    and the sample stays out of its group's baseline and the loss."""
 
 
-def combine_scores(names: Sequence[str], weights: Sequence[float],
-                   scores: Sequence[FunctionScore]) -> CombinedScore:
-    """One completion's verdict from its functions' scores (names, weights, scores aligned)."""
+def combine_scores(names: Sequence[str], weights: Sequence[float], scores: Sequence[FunctionScore],
+                   masking: Sequence[bool] | None = None) -> CombinedScore:
+    """One completion's verdict from its functions' scores (names, weights, scores aligned);
+    masking[i]: a failure of function i masks the completion (None: no function masks)."""
     parts: dict[str, float] = {}
     errors = []
     reasons = []
     solved = True
-    for name, score in zip(names, scores, strict=True):
+    masked = False
+    for i, (name, score) in enumerate(zip(names, scores, strict=True)):
         parts[name] = score.reward
         parts.update({f"{name}/{part}": value for part, value in score.parts.items()})
         if score.failed:
             errors.append(f"{name}: {score.error}")
             reasons.append(f"{name}/{score.kind}")
+            masked = masked or (masking is not None and masking[i])
         solved = solved and not score.failed and (
             score.solved if score.solved is not None else score.reward >= CORRECT_VERDICT)
     reward = sum(w * s.reward for w, s in zip(weights, scores, strict=True))
     return CombinedScore(reward=reward, solved=solved, parts=parts, errors=tuple(errors),
-                         failure_reasons=tuple(reasons))
+                         failure_reasons=tuple(reasons), masked=masked)
 
 
 def counts_as_solved(solved: bool | None, reward: float) -> bool:

@@ -66,8 +66,8 @@ _BOOL_LIST_FIELDS = ("output_mask",)
 _FLOAT_LIST_FIELDS = ("sampling_logprobs", "ref_logprobs", "old_logprobs", "teacher_logprobs", "token_advantages")
 """Sample fields that are lists of floats or None: float64 (exact for Python floats), lengths -1 for None."""
 _SCALAR_FIELDS = ("gt_answer", "prompt_id", "group_id", "run_id", "output_text", "finish_reason", "truncated",
-                  "reward", "advantage", "weight_version", "reward_failed", "solved", "record", "reward_parts",
-                  "reward_failure_reasons", "token_versions")
+                  "reward", "advantage", "weight_version", "reward_failed", "reward_masked", "solved", "record",
+                  "reward_parts", "reward_failure_reasons", "token_versions")
 """Sample fields carried in the JSON metadata (Python's JSON round-trips floats exactly)."""
 
 _ALL_FIELDS = set(_INT_LIST_FIELDS) | set(_BOOL_LIST_FIELDS) | set(_FLOAT_LIST_FIELDS) | set(_SCALAR_FIELDS)

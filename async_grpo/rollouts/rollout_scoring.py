@@ -1,7 +1,8 @@
 """Scoring a generation worker's completed rollouts: verdicts, reward shaping, the verifier pool.
 
 A group's completions get math-verify's verdict (the cluster's verifier pool) or the reward
-functions of `SamplingConfig.reward`, run in the same pool's processes; completions cut off at
+functions of `SamplingConfig.reward`, run in the same pool's processes (the model judge, the
+function named `judge`, through a judge client here: judge_reward.py); completions cut off at
 max_tokens may get `truncated_reward` instead; the format bonus or penalty and the soft overlong
 punishment shape the final reward (shaping.py). No engine here: GenerationWorker hands its
 completed samples to a RolloutScorer, which tests can build with any RewardScorer.
@@ -14,11 +15,14 @@ import dataclasses
 import logging
 from typing import Any, Callable, Protocol
 
+from async_grpo.rewards.judge_config import JUDGE_FUNCTION, JudgeConfig
+from async_grpo.rewards.judge_reward import JudgeClient, JudgeItem, JudgeReward, JudgeStats
 from async_grpo.rewards.math_verifier import RewardResult, quick_verdict
 from async_grpo.rewards.reward_failure import FailureKind
 from async_grpo.rewards.reward_functions import FunctionScore, failure, function_name
 from async_grpo.rewards.shaping import (
-    CORRECT_VERDICT, DEFAULT_REWARD_NAME, CombinedScore, ShapedReward, combine_scores, overlong_penalty, shape_reward,
+    CORRECT_VERDICT, DEFAULT_REWARD_NAME, CombinedScore, RewardConfig, ShapedReward, combine_scores, overlong_penalty,
+    shape_reward,
 )
 from async_grpo.rollouts.sampling import SamplingConfig
 from sample_processing_utils import Sample
@@ -72,13 +76,21 @@ class RolloutScorer:
     """
 
     def __init__(self, worker_name: str, connect: Callable[[], RewardScorer], verifier: RewardScorer | None = None,
-                 count_in_worker: Callable[[int], None] | None = None) -> None:
-        """count_in_worker: told how many verdicts each call decided here (the worker's counter)."""
+                 count_in_worker: Callable[[int], None] | None = None,
+                 connect_judge: Callable[[], JudgeClient] | None = None) -> None:
+        """count_in_worker: told how many verdicts each call decided here (the worker's counter);
+        connect_judge: the judge pool's client, connected on the first judged group (None: a
+        config that names the judge fails its samples with kind crash)."""
         self.worker_name = worker_name
         self._connect = connect
         self._verifier = verifier
         self._decide_quick_verdicts = verifier is None
         self._count_in_worker = count_in_worker
+        self._connect_judge = connect_judge
+        self._judge_client: JudgeClient | None = None
+        self._judges: dict[JudgeConfig, JudgeReward] = {}
+        self.judge_stats = JudgeStats()
+        """The judge's counters over every config this worker judged with (judge/* metrics)."""
 
     def _verifier_client(self) -> RewardScorer:
         if self._verifier is None:
@@ -102,11 +114,11 @@ class RolloutScorer:
         results = [RewardResult(reward=float(sampling.truncated_reward), failed=False, error="") if cut else None
                    for cut in fixed]
         pending = [i for i, cut in enumerate(fixed) if not cut]
-        combined = await self._score_functions([samples[i] for i in pending], functions, weights,
-                                               sampling.reward.function_timeout_s)
+        combined = await self._score_functions([samples[i] for i in pending], functions, weights, sampling.reward)
         for i, verdict in zip(pending, combined):
             samples[i].reward_parts = verdict.parts
             samples[i].reward_failure_reasons = list(verdict.failure_reasons) or None
+            samples[i].reward_masked = verdict.masked
             results[i] = RewardResult(reward=verdict.reward, failed=bool(verdict.errors), error="; ".join(verdict.errors))
         for s, verdict in zip((samples[i] for i in pending), combined):
             s.solved = verdict.solved
@@ -115,20 +127,42 @@ class RolloutScorer:
         return [r for r in results if r is not None]
 
     async def _score_functions(self, samples: list[Sample], functions: tuple[str, ...], weights: tuple[float, ...],
-                               timeout_s: float | None) -> list[CombinedScore]:
-        """The reward functions' combined verdicts on samples, from the verifier pool's processes."""
+                               reward: RewardConfig) -> list[CombinedScore]:
+        """The reward functions' combined verdicts on samples (one group), from the verifier pool's
+        processes and the judge; a failure masks a sample where reward.masks_failure says so."""
         if not samples:
             return []
         calls = [reward_call(s) for s in samples]
+        per_function = await asyncio.gather(*(
+            self._judge_scores(samples, reward.judge) if ref == JUDGE_FUNCTION
+            else self._function_scores(ref, calls, reward.function_timeout_s) for ref in functions))
+        names = [function_name(ref) for ref in functions]
+        masking = [reward.masks_failure(ref) for ref in functions]
+        return [combine_scores(names, weights, [scores[j] for scores in per_function], masking)
+                for j in range(len(calls))]
+
+    async def _function_scores(self, ref: str, calls: list[dict[str, Any]], timeout_s: float | None) -> list[FunctionScore]:
         try:
-            per_function = await asyncio.gather(*(
-                self._verifier_client().score_function(ref, calls, timeout_s) for ref in functions))
+            return await self._verifier_client().score_function(ref, calls, timeout_s)
         except Exception as exc:
             logger.exception("%s: verifier pool call failed", self.worker_name)
-            lost = failure("crash", f"verifier pool failed: {type(exc).__name__}: {exc}")
-            per_function = [[lost] * len(calls) for _ in functions]
-        names = [function_name(ref) for ref in functions]
-        return [combine_scores(names, weights, [scores[j] for scores in per_function]) for j in range(len(calls))]
+            return [failure("crash", f"verifier pool failed: {type(exc).__name__}: {exc}")] * len(calls)
+
+    async def _judge_scores(self, samples: list[Sample], config: JudgeConfig) -> list[FunctionScore]:
+        """The judge's scores of one group's samples (JudgeReward: per sample, or the group in one request)."""
+        try:
+            judge = self._judges.get(config)
+            if judge is None:
+                if self._connect_judge is None:
+                    raise RuntimeError("the reward names the judge but this worker has no judge client")
+                if self._judge_client is None:
+                    self._judge_client = self._connect_judge()
+                judge = self._judges[config] = JudgeReward(config, self._judge_client, self.judge_stats)
+            return await judge.score([JudgeItem(record=s.record, completion=s.output_text, gt_answer=s.gt_answer)
+                                      for s in samples])
+        except Exception as exc:
+            logger.exception("%s: judge call failed", self.worker_name)
+            return [failure("crash", f"judge failed: {type(exc).__name__}: {exc}")] * len(samples)
 
     async def score_completions(
         self, completions: list[str], truncated: list[bool], gt_answer: str, truncated_reward: float | None

@@ -290,6 +290,9 @@ DROP_COUNTS = (
     ("batcher/missing_rollouts", "rollouts missing from generation"),
     ("batcher/dropped_logprob_version", "rollouts dropped for logprobs of other weights"),
     ("counts/redispatched_requests", "requests re-sent after their worker failed"),
+    # Masking (RewardConfig.on_function_failure, the judge's on_failure) is a choice, but a group
+    # it empties lost its rewards to failures: worth a warning, unlike a zero-variance group.
+    ("counts/dropped_groups_masked", "groups dropped for too few scored samples"),
 )
 
 

@@ -186,10 +186,12 @@ def test_drop_warnings_come_at_once_then_at_most_every_twenty_steps() -> None:
 def test_drop_counts_ignore_routine_and_zero_counts() -> None:
     records = [_record(0.5, **{"counts/dropped_stale": 0.0, "counts/reward_failed": 15.0}),
                _record(0.5, **{"counts/redispatched_requests": 3.0, "batcher/missing_rollouts": 1.0}),
-               _record(0.5, **{"counts/redispatched_requests": 1.0})]
+               _record(0.5, **{"counts/redispatched_requests": 1.0, "counts/dropped_groups_masked": 2.0})]
     totals = drop_counts(records)
-    assert totals == {"batcher/missing_rollouts": 1.0, "counts/redispatched_requests": 4.0}
-    assert drops_text(totals) == "1 rollouts missing from generation, 4 requests re-sent after their worker failed"
+    assert totals == {"batcher/missing_rollouts": 1.0, "counts/redispatched_requests": 4.0,
+                      "counts/dropped_groups_masked": 2.0}
+    assert drops_text(totals) == ("1 rollouts missing from generation, 4 requests re-sent after their worker failed, "
+                                  "2 groups dropped for too few scored samples")
 
 
 def _write_run(run_dir: Path) -> Path:

@@ -66,7 +66,7 @@ DATA_SOURCE_FIELD = "data_source"
 # the task's own scorer (named here, so that this pure module does not import the scorer's module).
 REASONING_GYM_FUNCTION = "async_grpo.rewards.reasoning_gym_reward:score"
 # Metric names under reward/ that a reward function's name (reward/<name>) must not take.
-_RESERVED_METRIC_NAMES = ("mean", "accuracy", "mean_generated")
+_RESERVED_METRIC_NAMES = ("mean", "accuracy", "mean_generated", "masked_samples")
 # Patterns are searched over the whole completion with "." matching newlines too: reasoning
 # texts span many lines, and a format such as r"\\boxed\{.+\}" must not stop at the first one.
 FORMAT_FLAGS = re.DOTALL

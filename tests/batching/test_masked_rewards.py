@@ -113,6 +113,11 @@ def test_min_scored_samples_above_n_is_refused_when_something_masks() -> None:
     ExperienceConfig(max_tokens_per_gpu=64, sampling=SamplingConfig(n=2, reward=RewardConfig(min_scored_samples=3)))
 
 
+def test_a_reward_function_cannot_take_the_masked_count_metric_name() -> None:
+    with pytest.raises(ValueError, match="reward/masked_samples"):
+        RewardConfig(functions=("my_rewards:masked_samples",))
+
+
 # ------------------------------------------------------------------------------------------
 # Through the batcher
 # ------------------------------------------------------------------------------------------

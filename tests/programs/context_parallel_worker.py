@@ -1,5 +1,6 @@
-"""One rank of tests/trainer/test_context_parallel.py: the GRPO loss and its gradients with each
-minibatch's tokens split over a context-parallel group, and the same minibatches unsplit.
+"""One rank of tests/trainer/test_context_parallel.py (gloo) and tests/trainer/test_gpu_context_parallel.py
+(NCCL): the GRPO loss and its gradients with each minibatch's tokens split over a context-parallel
+group, and the same minibatches unsplit.
 
     torchrun --nproc_per_node=2 tests/programs/context_parallel_worker.py --spec SPEC.json --out_dir OUT
 
@@ -13,8 +14,9 @@ Per case, both passes on one FSDP2 model over all ranks, the trainer's rules:
     split:   each group's minibatches, each rank its share (local_batch), loss x world_size
     unsplit: every rank every minibatch whole (model.context None), loss x 1, so FSDP's average
              over ranks is that one pass
-then gradients / grpo_loss.step_divisor. Rank 0 writes OUT/<case>.pt: both passes' summed loss,
-group 0's per-minibatch metrics and whole-minibatch logprobs, and every parameter's full gradient.
+then gradients / grpo_loss.step_divisor, in fp32 on gloo (CPU) or NCCL (a GPU per rank, when
+visible). Rank 0 writes OUT/<case>.pt: both passes' summed loss, group 0's per-minibatch metrics
+and whole-minibatch logprobs, every parameter's full gradient, and the backend.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ CHUNK_SIZE = 7
 
 def _build(spec: dict, info: DistInfo) -> TokenLogprobModel:
     lora = LoraConfig(**spec["lora"]) if spec["lora"] else LoraConfig()
+    # fp32 on every device (no bf16 mixed precision on CUDA): the parity tolerances are fp32's.
     config = ModelConfig(model_path=spec["model_path"], lora=lora, logprob_chunk_size=CHUNK_SIZE,
-                         gradient_checkpointing=spec["gradient_checkpointing"],
+                         gradient_checkpointing=spec["gradient_checkpointing"], mixed_precision=False,
                          fsdp_per_layer_min_params=spec["fsdp_per_layer_min_params"])
     return build_training_model(config, info, adapter_dir=spec["adapter_dir"])
 
@@ -73,7 +76,7 @@ def _split_pass(model: TokenLogprobModel, batches: list[PackedBatch], case: dict
         metrics.append(reduced)
         logprobs.append(gather_outputs(local_logprobs, batch, group).cpu())
     # Each group's total is on each of its ranks: the sum over all ranks counts it size times.
-    summed = torch.tensor([total], dtype=torch.float64)
+    summed = torch.tensor([total], dtype=torch.float64, device=info.device)  # NCCL reduces CUDA tensors only
     dist.all_reduce(summed)
     return {"loss": summed.item() / group.size, "metrics": metrics, "logprobs": logprobs}
 
@@ -117,7 +120,8 @@ def main() -> None:
         unsplit["grads"] = _full_grads(model, divisor)
         unsplit["metrics"], unsplit["logprobs"] = unsplit["metrics"][:len(groups[0])], unsplit["logprobs"][:len(groups[0])]
         if info.is_main:
-            torch.save({"split": split, "unsplit": unsplit}, args.out_dir / f"{case['name']}.pt")
+            result = {"split": split, "unsplit": unsplit, "backend": info.backend}
+            torch.save(result, args.out_dir / f"{case['name']}.pt")
     dist.destroy_process_group()
 
 

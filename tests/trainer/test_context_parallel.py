@@ -14,9 +14,7 @@ tests/programs/context_parallel_worker.py.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -24,119 +22,34 @@ import torch
 
 from async_grpo.model.context_parallel import kv_repeat, zigzag_positions
 from sample_processing_utils import Sample
+from support.context_parallel_parity import (
+    CASES, GRAD_RTOL, GSPO, LOGPROB_ATOL, LOSS_RTOL, PASSING, SHAPES, SHAPES_FLAT, WORKER, case_result,
+    check_loss_and_gradients, grad_error, minibatches, parity_samples, per_sample_logprobs, relative, write_gqa_model,
+    write_spec,
+)
 from support.forked_ranks import run_ranks
-from support.lora_adapters import LORA, reference_peft
-from support.paths import PROGRAMS
+from support.lora_adapters import reference_peft
 
-WORKER = PROGRAMS / "context_parallel_worker.py"
 LAUNCH_TIMEOUT_S = 600
-LOSS_RTOL = 1e-6
-GRAD_RTOL = 1e-5  # of the parameter's largest gradient entry
-LOGPROB_ATOL = 1e-5  # packed and split against one sample at a time: float rounding only
-MAX_TOKENS = 24  # Dr. GRPO's constant divisor: samples x this
-POLICY_VERSION = 5  # the decoupled case: samples of version 4 are stale
-# (prompt, output) lengths. Minibatch 0 (31 + 32 tokens, shares of ~16 in 4 chunks) mixes samples
-# longer than a chunk, crossing the split, with ones inside one chunk; minibatch 1 is one long
-# sample over every chunk; in minibatch 2 (9 tokens) one rank scores no output token.
-SHAPES = [[(4, 14), (3, 2), (5, 3), (2, 19), (3, 4), (3, 2)], [(6, 40)], [(8, 1)]]
-GRPO = {"kl_coef": 0.05, "is_mode": "tis", "is_cap": 1.5, "decoupled": True}
-GSPO = {"ratio_level": "sequence", "seq_clip_low": 0.05, "seq_clip_high": 0.05, "kl_coef": 0.05}
-CASES = [
-    {"name": "grpo", "model": "gqa", "loss": GRPO, "policy_version": POLICY_VERSION},
-    {"name": "gspo", "model": "gqa", "loss": GSPO},
-    {"name": "dr_grpo", "model": "gqa", "loss": {"aggregation": "constant", "kl_coef": 0.05}},
-    {"name": "token_mean", "model": "gqa", "loss": {"aggregation": "token_mean", "kl_coef": 0.05, "is_mode": "mis",
-                                                     "is_cap": 1.5}},
-    {"name": "sliding_window", "model": "sliding", "loss": GRPO, "policy_version": POLICY_VERSION},
-    {"name": "lora", "model": "lora", "loss": GRPO, "policy_version": POLICY_VERSION},
-    {"name": "gspo_unreduced", "model": "gqa", "loss": GSPO, "sum_over_group": False},
-]
-PASSING = [case["name"] for case in CASES if case.get("sum_over_group", True)]
 DP_CASES = ("grpo", "gspo")
-SHAPES_FLAT = [shape for minibatch in SHAPES for shape in minibatch]
 
 
 @pytest.fixture(scope="module")
 def gqa_model_dir(tmp_path_factory) -> Path:
-    """The tiny model with one key/value head for 4 query heads: fewer than the 2 ranks."""
-    from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-mqa"), TinyModelConfig(num_kv_heads=1))
-
-
-def _per_sample_logprobs(model_dir: Path, samples: list[Sample]) -> list[torch.Tensor]:
-    """Hand-written reference: each sample alone through the plain HF model (eager attention)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
-    out = []
-    with torch.no_grad():
-        for sample in samples:
-            ids = torch.tensor(sample.input_token_ids + sample.output_token_ids)
-            logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1]
-            prompt = len(sample.input_token_ids)
-            out.append(torch.log_softmax(logits[prompt - 1:], dim=-1).gather(
-                -1, torch.tensor(sample.output_token_ids)[:, None])[:, 0])
-    return out
-
-
-def _samples(model_dir: Path, vocab: int, copies: int) -> list[Sample]:
-    """`copies` x the samples of SHAPES with sampler, old-policy and reference logprobs near the
-    model's own (so some ratios clip and some do not), advantages of both signs, and stale and
-    fresh tokens."""
-    gen = torch.Generator().manual_seed(11)
-    samples = []
-    shapes = [shape for minibatch in SHAPES for shape in minibatch] * copies
-    for index, (prompt, output) in enumerate(shapes):
-        samples.append(Sample(input_token_ids=torch.randint(2, vocab, (prompt,), generator=gen).tolist(),
-                              output_token_ids=torch.randint(2, vocab, (output,), generator=gen).tolist(),
-                              gt_answer="", prompt_id=index, advantage=[1.0, -0.5, 0.8][index % 3],
-                              weight_version=POLICY_VERSION - index % 2))
-    for sample, logprobs in zip(samples, _per_sample_logprobs(model_dir, samples)):
-        def near(scale: float) -> list[float]:
-            return (logprobs + scale * torch.randn(logprobs.shape, generator=gen)).tolist()
-        sample.sampling_logprobs, sample.old_logprobs, sample.ref_logprobs = near(0.3), near(0.1), near(0.3)
-        if len(sample.output_token_ids) > 2:  # a rollout that straddles a weight push
-            half = len(sample.output_token_ids) // 2
-            sample.token_versions = [(POLICY_VERSION - 1, half), (POLICY_VERSION, len(sample.output_token_ids) - half)]
-    return samples
-
-
-def _minibatches(offset: int = 0) -> list[list[int]]:
-    out, start = [], offset
-    for minibatch in SHAPES:
-        out.append(list(range(start, start + len(minibatch))))
-        start += len(minibatch)
-    return out
+    return write_gqa_model(tmp_path_factory.mktemp("tiny-qwen2-mqa"))
 
 
 def _launch(root: Path, models: dict[str, Path], samples: list[Sample], group_minibatches: list, cases: list[dict],
             context_parallel: int, world_size: int) -> Path:
     out = root / f"out-{world_size}"
-    out.mkdir()
-    plain = {"lora": None, "adapter_dir": None, "gradient_checkpointing": False, "fsdp_per_layer_min_params": 10_000_000}
-    model_specs = {
-        # One FSDP unit per layer, each recomputed in backward: collectives inside FSDP's hooks.
-        "gqa": {**plain, "model_path": str(models["gqa"]), "gradient_checkpointing": True,
-                "fsdp_per_layer_min_params": 0},
-        "sliding": {**plain, "model_path": str(models.get("sliding"))},
-        "lora": {**plain, "model_path": str(models["gqa"]), "lora": LORA, "adapter_dir": str(models.get("adapter"))},
-    }
-    used = sorted({case["model"] for case in cases})
-    spec = {"context_parallel": context_parallel, "samples": [asdict(s) for s in samples],
-            "group_minibatches": group_minibatches, "models": [{"tag": tag, **model_specs[tag]} for tag in used],
-            "cases": [{"policy_version": None, "sum_over_group": True, "max_tokens": MAX_TOKENS, **case}
-                      for case in cases]}
-    (out / "spec.json").write_text(json.dumps(spec))
-    run_ranks(WORKER, ["--spec", str(out / "spec.json"), "--out_dir", str(out)], world_size, LAUNCH_TIMEOUT_S)
+    args = write_spec(out, models, samples, group_minibatches, cases, context_parallel)
+    run_ranks(WORKER, args, world_size, LAUNCH_TIMEOUT_S)
     return out
 
 
 @pytest.fixture(scope="module")
 def samples(gqa_model_dir: Path) -> list[Sample]:
-    from transformers import AutoConfig
-
-    return _samples(gqa_model_dir, AutoConfig.from_pretrained(str(gqa_model_dir)).vocab_size, copies=2)
+    return parity_samples(gqa_model_dir, copies=2)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +59,7 @@ def cp_run(tmp_path_factory, gqa_model_dir: Path, sliding_model_dir: Path, sampl
     adapter = root / "adapter"  # nonzero: a fresh adapter's zero lora_B would leave lora_A without gradient
     reference_peft(gqa_model_dir).save_pretrained(str(adapter))
     models = {"gqa": gqa_model_dir, "sliding": sliding_model_dir, "adapter": adapter}
-    out = _launch(root, models, samples, [_minibatches()], CASES, context_parallel=2, world_size=2)
+    out = _launch(root, models, samples, [minibatches()], CASES, context_parallel=2, world_size=2)
     return {"out": out, "samples": samples[:len(SHAPES_FLAT)], "model_dir": gqa_model_dir}
 
 
@@ -154,46 +67,25 @@ def cp_run(tmp_path_factory, gqa_model_dir: Path, sliding_model_dir: Path, sampl
 def dp_cp_run(tmp_path_factory, gqa_model_dir: Path, samples: list[Sample]) -> dict:
     """4 ranks, 2 groups of 2 on different minibatches: FSDP over all 4 adds each group's once."""
     root = tmp_path_factory.mktemp("context-parallel-dp")
-    groups = [_minibatches(), _minibatches(offset=len(SHAPES_FLAT))]
+    groups = [minibatches(), minibatches(offset=len(SHAPES_FLAT))]
     cases = [case for case in CASES if case["name"] in DP_CASES]
     return {"out": _launch(root, {"gqa": gqa_model_dir}, samples, groups, cases, context_parallel=2, world_size=4)}
 
 
-def _relative(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
-def _grad_error(split: dict[str, torch.Tensor], unsplit: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """The largest per-parameter |split - unsplit| / max |unsplit|, and which parameter."""
-    assert split.keys() == unsplit.keys() and split
-    worst = max((float((split[n] - unsplit[n]).abs().max() / unsplit[n].abs().max().clamp_min(1e-12)), n)
-                for n in split)
-    return worst
-
-
 def _result(run: dict, name: str) -> dict:
-    return torch.load(run["out"] / f"{name}.pt")
-
-
-def _check_loss_and_gradients(result: dict, name: str) -> None:
-    split, unsplit = result["split"], result["unsplit"]
-    assert abs(unsplit["loss"]) > 0.1, "a loss near zero would make the relative check vacuous"
-    assert _relative(split["loss"], unsplit["loss"]) <= LOSS_RTOL, (split["loss"], unsplit["loss"])
-    error, where = _grad_error(split["grads"], unsplit["grads"])
-    assert error <= GRAD_RTOL, f"{name}: gradient of {where} off by {error:.2e} of its largest entry"
-    assert all(g.abs().max() > 0 for g in unsplit["grads"].values())
+    return case_result(run["out"], name)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", PASSING)
 def test_split_loss_and_gradients_equal_unsplit(cp_run: dict, name: str) -> None:
-    _check_loss_and_gradients(_result(cp_run, name), name)
+    check_loss_and_gradients(_result(cp_run, name), name)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", DP_CASES)
 def test_two_groups_loss_and_gradients_equal_unsplit(dp_cp_run: dict, name: str) -> None:
-    _check_loss_and_gradients(_result(dp_cp_run, name), name)
+    check_loss_and_gradients(_result(dp_cp_run, name), name)
 
 
 @pytest.mark.distributed
@@ -209,7 +101,7 @@ def test_split_metrics_equal_unsplit(cp_run: dict, name: str) -> None:
 @pytest.mark.distributed
 def test_split_logprobs_equal_a_per_sample_forward(cp_run: dict) -> None:
     got = torch.cat(_result(cp_run, "grpo")["split"]["logprobs"])  # the minibatches hold the samples in order
-    expected = torch.cat(_per_sample_logprobs(cp_run["model_dir"], cp_run["samples"]))
+    expected = torch.cat(per_sample_logprobs(cp_run["model_dir"], cp_run["samples"]))
     assert (got - expected).abs().max() <= LOGPROB_ATOL
 
 
@@ -231,14 +123,14 @@ def _hand_gspo_loss(samples: list[Sample], logprobs: list[torch.Tensor]) -> floa
 def test_split_gspo_loss_equals_a_hand_written_one(cp_run: dict) -> None:
     split = _result(cp_run, "gspo")["split"]
     logprobs = torch.cat(split["logprobs"]).split([len(s.output_token_ids) for s in cp_run["samples"]])
-    assert _relative(split["loss"], _hand_gspo_loss(cp_run["samples"], list(logprobs))) <= LOSS_RTOL
+    assert relative(split["loss"], _hand_gspo_loss(cp_run["samples"], list(logprobs))) <= LOSS_RTOL
 
 
 @pytest.mark.distributed
 def test_gspo_without_the_groups_sums_is_caught(cp_run: dict) -> None:
     """The check can fail: GSPO's sequence ratio from one rank's tokens alone is another loss."""
     result = _result(cp_run, "gspo_unreduced")
-    error, _ = _grad_error(result["split"]["grads"], result["unsplit"]["grads"])
+    error, _ = grad_error(result["split"]["grads"], result["unsplit"]["grads"])
     assert error > 100 * GRAD_RTOL
 
 

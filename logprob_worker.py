@@ -39,11 +39,11 @@ from async_grpo.inference.token_budget_queue import QueuedRequest, TokenBudgetQu
 from async_grpo.launch.ray_env import FROZEN_KINDS, LOGPROB, LOGPROB_SERVICE_KINDS
 from async_grpo.model.packed_attention import PACKED_SDPA
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
-from async_grpo.weights.weight_loading import (
+from async_grpo.weights.weight_sync import ADAPTER_WEIGHTS_FILE, TensorBlob, WeightUpdate, check_stable
+from async_grpo.weights.worker_loader import (
     assemble_state_dict, iter_assembled, iter_checkpoint_tensors, load_state_dict_into, load_streamed_into,
     update_shapes,
 )
-from async_grpo.weights.weight_sync import ADAPTER_WEIGHTS_FILE, TensorBlob, WeightUpdate, check_stable
 from sample_processing_utils import (
     INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs, get_input_for_logprobs, split_per_sample,
 )

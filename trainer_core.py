@@ -39,9 +39,9 @@ from async_grpo.batching.batcher_config import BatcherConfig
 from async_grpo.config.run_config import CONFIG_ERROR_EXIT, ConfigError, load_config, save_config
 from async_grpo.config.versions import TRAINER_REQUIREMENTS, VersionError, check_versions
 from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, check_transfer_packages
+from async_grpo.launch.host_gpus import listed_gpu_count
 from async_grpo.launch.local_processes import exit_without_teardown
 from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
-from async_grpo.launch.host_gpus import listed_gpu_count
 from async_grpo.launch.ray_env import (
     GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name,
 )
@@ -61,8 +61,8 @@ from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, check_
 from async_grpo.trainer.optimizer import build_optimizer, build_scheduler
 from async_grpo.trainer.prompt_feeder import PromptFeeder, last_step_to_submit
 from async_grpo.trainer.run_inputs import InputError, RunInputs, check_teacher_tokenizer, load_run_inputs
-from async_grpo.trainer.weight_pusher import WeightPusher, resolve_push_dtype
-from async_grpo.trainer.weight_transfer_trainer import EngineWeightSender, check_transfer_pairing
+from async_grpo.weights.trainer_cuda_transfer import EngineWeightSender, check_transfer_pairing
+from async_grpo.weights.trainer_pusher import WeightPusher, resolve_push_dtype
 from async_grpo.weights.weight_sync import weights_dir
 from grpo_loss import grpo_loss, step_divisor
 from sample_processing_utils import PackedBatch, post_process_batch
@@ -99,7 +99,7 @@ def _registry(kind: str) -> ActorHandle:
 
 
 class Publisher(Protocol):
-    """What the loop needs from a weight pusher (weight_pusher.WeightPusher; tests of run_step pass
+    """What the loop needs from a weight pusher (trainer_pusher.WeightPusher; tests of run_step pass
     stand-ins that only push)."""
 
     def push(self, model: torch.nn.Module, version: int, initial: bool = False) -> float: ...

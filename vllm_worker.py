@@ -13,17 +13,17 @@ The worker's other jobs are plain classes in async_grpo/inference/ that it compo
 served_weights.ServedWeights (the version and LoRA adapter the engine serves, and the requests
 running on them):
 
-- object_store_reload.ObjectStoreReloader: a `weight_sync.WeightUpdate` of full weights into the
+- worker_object_store.ObjectStoreReloader: a `weight_sync.WeightUpdate` of full weights into the
   engine through vLLM's weight-transfer API with our object-store backend, in buckets of whole
   decoder layers, scheduling paused;
-- adapter_loader.AdapterLoader: a LoRA policy's update (`WeightUpdate.is_adapter`) as a new vLLM
+- worker_adapter.AdapterLoader: a LoRA policy's update (`WeightUpdate.is_adapter`) as a new vLLM
   adapter once the run's STABLE marker names it;
-- transfer_pass_through.TransferPassThrough: the trainer's CUDA weight transfers (nccl, nccl_m2n,
+- worker_cuda_transfer.TransferPassThrough: the trainer's CUDA weight transfers (nccl, nccl_m2n,
   ipc), passed through to the engine;
 - endpoint_host.EndpointHost: the loopback OpenAI-compatible endpoint over the engine.
 
 The dispatcher starts it as a Ray actor (the engine-core process must be able to import
-weight_transfer_engine.py, so the actor's runtime env carries the repository on PYTHONPATH). On
+worker_transfer_backend.py, so the actor's runtime env carries the repository on PYTHONPATH). On
 CPU an eager engine's core process is a fork of the actor (engine_process.py, build_engine):
 
     worker = GenerationWorkerActor.options(name="generation-worker-0").remote(
@@ -54,7 +54,6 @@ from async_grpo.config.run_config import flattened
 from async_grpo.config.worker_options import (
     WEIGHT_TRANSFER_BACKENDS, EngineConfig, FailedSamplesConfig, VerificationConfig, check_weight_transfer_device,
 )
-from async_grpo.inference.adapter_loader import AdapterLoader
 from async_grpo.inference.endpoint_host import EndpointHost
 from async_grpo.inference.engine_diagnostics import StderrTail, root_cause_line
 from async_grpo.inference.engine_dtype import (
@@ -64,22 +63,23 @@ from async_grpo.inference.engine_process import engine_process_env, forked_engin
 from async_grpo.inference.engine_requests import canary_tokens, completed_sample, sampling_params
 from async_grpo.inference.failed_samples import FailedSampleLog
 from async_grpo.inference.generation_stats import GenerationStats
-from async_grpo.inference.object_store_reload import ObjectStoreReloader
 from async_grpo.inference.served_weights import ServedWeights
-from async_grpo.inference.transfer_pass_through import TransferPassThrough
 from async_grpo.launch.compile_needs import missing_compile_needs
 from async_grpo.launch.local_processes import environ
 from async_grpo.launch.ray_cluster import shared_memory_owner
 from async_grpo.launch.ray_env import GENERATION
 from async_grpo.rewards.math_verifier import RewardResult
-from async_grpo.rewards.shaping import ShapedReward
 from async_grpo.rewards.math_verify_cluster import connect_verifier_pool
+from async_grpo.rewards.shaping import ShapedReward
 from async_grpo.rollouts.multi_turn import ChatRenderer, MultiTurnStats, engine_generate, run_rollouts
 from async_grpo.rollouts.rollout_scoring import RewardScorer, RolloutScorer, shaped_rewards
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.rollouts.token_versions import CompletionVersions
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
 from async_grpo.weights.weight_sync import WeightUpdate
+from async_grpo.weights.worker_adapter import AdapterLoader
+from async_grpo.weights.worker_cuda_transfer import TransferPassThrough
+from async_grpo.weights.worker_object_store import ObjectStoreReloader
 from sample_processing_utils import Sample
 from vllm_registry import Bundle, serve_many
 
@@ -101,7 +101,7 @@ ACTOR_MAX_CONCURRENCY = 1024
 # vLLM's worker_extension_cls: a class with no methods whose module's import registers our
 # weight-transfer backend in the engine-core process (named as a string: importing it here
 # would import vLLM into every process that imports this module).
-_WEIGHT_TRANSFER_REGISTRATION = "async_grpo.inference.weight_transfer_engine.WeightTransferRegistration"
+_WEIGHT_TRANSFER_REGISTRATION = "async_grpo.weights.worker_transfer_backend.WeightTransferRegistration"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -497,7 +497,7 @@ class GenerationWorker:
             return self.served.version
 
     # ---- vLLM's CUDA weight transfers (EngineConfig.weight_transfer nccl / nccl_m2n / ipc): the
-    # trainer drives them (weight_transfer_trainer.EngineWeightSender); TransferPassThrough passes them on.
+    # trainer drives them (trainer_cuda_transfer.EngineWeightSender); TransferPassThrough passes them on.
 
     def transfer_describe(self) -> dict[str, Any]:
         return self.transfer.describe()

@@ -2,7 +2,7 @@
 
 Out of the trainer: `gather_full_state_dict` (rank 0 gets full tensors), `local_shard_blobs`
 (each FSDP rank its own rows) and `export_hf_checkpoint` (a Hugging Face folder on disk).
-`weight_pusher.WeightPusher` runs one push per weight version; both publishing modes produce the
+`trainer_pusher.WeightPusher` runs one push per weight version; both publishing modes produce the
 same `WeightUpdate` record, so workers have one loading path:
 
 - "gather": rank 0 gathers the full (unsharded) state dict and `ray.put`s it as one shard.
@@ -10,7 +10,7 @@ same `WeightUpdate` record, so workers have one loading path:
   fetches all ranks' objects and concatenates each tensor's pieces in dim-0 offset order
   (a fan-in: no rank holds the whole model, for full weights).
 
-Pushes carry the serving dtype (`weight_pusher.resolve_push_dtype`: bf16 when the trainer computes in bf16,
+Pushes carry the serving dtype (`trainer_pusher.resolve_push_dtype`: bf16 when the trainer computes in bf16,
 else fp32), cast on each rank before anything leaves it; checkpoints keep the fp32 weights.
 
 A LoRA policy (model.lora) pushes only its adapter, under PEFT names, in the same two modes or
@@ -19,7 +19,7 @@ along (FSDP2 shards LoRA A matrices on dim 1), and workers reassemble by it. Eve
 made loadable by the STABLE marker (<run_dir>/weights/STABLE, written atomically by rank 0 once
 every part is in place): workers load only a version it names (`check_stable`).
 
-Into a worker: weight_loading.py assembles an update's pieces into full tensors (one at a
+Into a worker: worker_loader.py assembles an update's pieces into full tensors (one at a
 time) and loads them into a plain model; the pieces decode with `blob_tensor`.
 
 Tensors are stored as raw uint8 numpy buffers plus dtype and shape: numpy has no bfloat16, and
@@ -143,7 +143,7 @@ def write_safetensors(state_dict: Mapping[str, torch.Tensor], path: Path) -> Pat
 
 
 # --------------------------------------------------------------------------------------------
-# Out of the trainer: gather, per-rank shards, Hugging Face export (in: weight_loading.py).
+# Out of the trainer: gather, per-rank shards, Hugging Face export (in: worker_loader.py).
 # --------------------------------------------------------------------------------------------
 
 # Attribute prefix of the causal LM inside TokenLogprobModel; HF checkpoint names lack it.

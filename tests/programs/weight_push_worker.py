@@ -6,7 +6,7 @@ recorder.
 
 Each rank joins the test's Ray cluster and the gloo group, builds the FSDP2 model of every
 --model_path (build_training_model, as the trainer does), and pushes it with
-weight_pusher.WeightPusher in each mode ("gather", "sharded") and each dtype (float32, bfloat16).
+trainer_pusher.WeightPusher in each mode ("gather", "sharded") and each dtype (float32, bfloat16).
 Rank 0 hands the pushers a recorder actor in place of the registries: its `publish` receives
 the WeightUpdate exactly as a registry would and reads it the two ways a worker can
 (`fetch_state_dict`, and `iter_state_dict`, one tensor at a time).
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 from async_grpo.launch.ray_cluster import join_cluster
 from async_grpo.launch.ray_env import actor_runtime_env  # noqa: E402
 from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed  # noqa: E402
-from async_grpo.trainer.weight_pusher import WeightPusher  # noqa: E402
+from async_grpo.weights.trainer_pusher import WeightPusher  # noqa: E402
 from async_grpo.weights.weight_sync import WeightUpdate  # noqa: E402
 from setup_model import ModelConfig  # noqa: E402
 
@@ -52,7 +52,7 @@ class Recorder:
         self.received: dict[int, dict] = {}
 
     def publish(self, update: WeightUpdate) -> dict[str, int]:
-        from async_grpo.weights.weight_loading import fetch_state_dict, iter_state_dict
+        from async_grpo.weights.worker_loader import fetch_state_dict, iter_state_dict
 
         streamed = list(iter_state_dict(update))
         self.received[update.version] = {

@@ -9,14 +9,16 @@ TRAINER_SIDE); the README's layout section describes them. Here they are enforce
 - a package folder imports only folders of earlier layers, and of the spine only its shared files
   (grpo_loss, sample_processing_utils, setup_model), never a service or launcher;
 - the pure folders reach no Ray, vLLM or torch.distributed;
-- worker-side folders never reach trainer-side ones, and the reverse; the trainer reaches no
-  worker module;
+- worker-side folders (or modules, in a folder split between the sides) never reach trainer-side
+  ones, and the reverse; the trainer reaches no worker module; a split folder's other modules
+  reach neither side;
 - project imports form no cycle.
 """
 
 from __future__ import annotations
 
 import ast
+import fnmatch
 import os
 import shutil
 import subprocess
@@ -57,6 +59,20 @@ def folder_of(module: str) -> str | None:
     """The package folder holding `module` ('rewards' for 'async_grpo.rewards.sandbox'), else None."""
     parts = module.split(".")
     return parts[1] if parts[0] == PACKAGE and len(parts) > 2 else None
+
+
+def on_side(module: str, side: tuple[str, ...]) -> bool:
+    """True when `module` runs on `side` (async_grpo.WORKER_SIDE or TRAINER_SIDE): its folder is
+    listed, or it matches a 'folder.pattern' entry of a folder split between the sides."""
+    folder = folder_of(module)
+    local = module.removeprefix(f"{PACKAGE}.")
+    return folder is not None and any(entry == folder or ("." in entry and fnmatch.fnmatchcase(local, entry))
+                                       for entry in side)
+
+
+SPLIT_FOLDERS = tuple(sorted({entry.split(".")[0] for entry in (*async_grpo.WORKER_SIDE, *async_grpo.TRAINER_SIDE)
+                              if "." in entry}))
+"""Folders holding both sides' modules (weights/: each transport's publisher and receiver)."""
 
 
 def layer_of(folder: str) -> int:
@@ -106,7 +122,9 @@ def test_the_root_holds_the_spine_and_the_package_its_folders():
 
 def test_the_rules_name_existing_folders():
     for name in (*async_grpo.PURE, *async_grpo.WORKER_SIDE, *async_grpo.TRAINER_SIDE):
-        assert name in FOLDERS, f"async_grpo/__init__.py names folder {name!r}, which LAYERS lacks"
+        assert name.split(".")[0] in FOLDERS, f"async_grpo/__init__.py names folder {name!r}, which LAYERS lacks"
+    for entry in (e for e in (*async_grpo.WORKER_SIDE, *async_grpo.TRAINER_SIDE) if "." in e):
+        assert any(on_side(m, (entry,)) for m in MODULES), f"async_grpo/__init__.py's {entry!r} matches no module"
     assert len(set(FOLDERS)) == len(FOLDERS), "a folder appears in two layers"
     on_disk = {p.name for p in (REPO_ROOT / PACKAGE).iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert on_disk == set(FOLDERS), f"folders on disk {sorted(on_disk)} != LAYERS {sorted(FOLDERS)}"
@@ -134,22 +152,30 @@ def test_pure_folders_reach_no_ray_vllm_or_torch_distributed(module):
         assert not bad, f"{module} reaches {reached}, which imports {bad}"
 
 
-def _reaches(module: str, folders: tuple[str, ...], spine: tuple[str, ...] = ()) -> list[str]:
-    return sorted(m for m in closure(module) if folder_of(m) in folders or m in spine)
+def _reaches(module: str, side: tuple[str, ...], spine: tuple[str, ...] = ()) -> list[str]:
+    return sorted(m for m in closure(module) if on_side(m, side) or m in spine)
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if folder_of(m) in async_grpo.WORKER_SIDE)
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if on_side(m, async_grpo.WORKER_SIDE))
                          + list(SPINE_WORKERS))
 def test_worker_side_reaches_no_trainer_side(module):
     bad = _reaches(module, async_grpo.TRAINER_SIDE, ("trainer_core",))
     assert not bad, f"{module} (worker side) reaches trainer-side {bad}"
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if folder_of(m) in async_grpo.TRAINER_SIDE)
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if on_side(m, async_grpo.TRAINER_SIDE))
                          + ["trainer_core"])
 def test_trainer_side_reaches_no_worker_side(module):
     bad = _reaches(module, async_grpo.WORKER_SIDE, SPINE_WORKERS)
     assert not bad, f"{module} (trainer side) reaches worker-side {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if folder_of(m) in SPLIT_FOLDERS
+                                          and not on_side(m, async_grpo.WORKER_SIDE)
+                                          and not on_side(m, async_grpo.TRAINER_SIDE)))
+def test_a_split_folders_shared_modules_reach_neither_side(module):
+    bad = _reaches(module, (*async_grpo.WORKER_SIDE, *async_grpo.TRAINER_SIDE), (*SPINE_WORKERS, "trainer_core"))
+    assert not bad, f"{module} (shared by both sides) reaches {bad}"
 
 
 def _import_time_names(module: str) -> set[str]:

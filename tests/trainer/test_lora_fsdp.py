@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from async_grpo.weights.weight_loading import iter_assembled
 from async_grpo.weights.weight_sync import TensorBlob, tensor_to_blob
+from async_grpo.weights.worker_loader import iter_assembled
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel
+from support.forked_ranks import run_ranks
 from support.lora_adapters import LORA, reference_peft
 from support.paths import PROGRAMS
-from support.forked_ranks import run_ranks
 
 WORKER = PROGRAMS / "lora_fsdp_worker.py"
 WORLD_SIZE = 2

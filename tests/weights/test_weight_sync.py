@@ -1,4 +1,4 @@
-"""weight_loading's assembly of dim-0 pieces into full tensors (all at once or one at a time),
+"""worker_loader's assembly of dim-0 pieces into full tensors (all at once or one at a time),
 against torch.chunk slicing, and the dtype pushes carry."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from async_grpo.trainer.weight_pusher import WeightPusher, resolve_push_dtype
-from async_grpo.weights.weight_loading import assemble_state_dict, fetch_state_dict, iter_assembled, iter_state_dict
+from async_grpo.weights.trainer_pusher import WeightPusher, resolve_push_dtype
 from async_grpo.weights.weight_sync import (
     WeightUpdate, fsdp_shard_extent, gather_full_state_dict, local_shard_blobs, tensor_to_blob,
 )
+from async_grpo.weights.worker_loader import assemble_state_dict, fetch_state_dict, iter_assembled, iter_state_dict
 
 
 def _pieces(tensor: torch.Tensor, num_shards: int) -> list[dict]:

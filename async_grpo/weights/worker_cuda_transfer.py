@@ -1,7 +1,7 @@
 """A generation worker's end of the trainer's CUDA weight transfers (EngineConfig.weight_transfer
 nccl / nccl_m2n / ipc).
 
-The trainer drives these transfers (weight_transfer_trainer.EngineWeightSender) by calling the
+The trainer drives these transfers (trainer_cuda_transfer.EngineWeightSender) by calling the
 worker actor's transfer_describe / transfer_init / transfer_start / transfer_update /
 transfer_finish; `TransferPassThrough` passes each call on to the engine through
 `EngineTransferReceiver`, the engine's end, in order: init (join the trainer's group), then per
@@ -35,7 +35,7 @@ class TransferOrderError(RuntimeError):
 
 class EngineTransferReceiver:
     """The generation worker's end of one of vLLM's CUDA weight transfers: the trainer's calls
-    (weight_transfer_trainer.EngineWorkersClient) passed through to the worker's AsyncLLM.
+    (trainer_cuda_transfer.EngineWorkersClient) passed through to the worker's AsyncLLM.
 
     Order: `init` once per transfer group (again when the trainer rebuilds its group: the old
     one is shut down first), then per push `start`, one or more `update`, `finish`. A call out

@@ -1,4 +1,4 @@
-"""What the trainer puts on the wire in one of vLLM's CUDA weight transfers (weight_transfer_trainer.py).
+"""What the trainer puts on the wire in one of vLLM's CUDA weight transfers (trainer_cuda_transfer.py).
 
 nccl and ipc send `HFWeightSource`: the policy's tensors under HF names (each tied tensor once, as
 the object store's pushes name them), each all-gathered in turn and cast to the push dtype on

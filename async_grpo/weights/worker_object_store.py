@@ -3,10 +3,10 @@
 An object-store push (a `weight_sync.WeightUpdate`, EngineConfig.weight_transfer 'object_store')
 is streamed into the engine through vLLM's weight-transfer API: start_weight_update, one
 update_weights per bucket of whole decoder layers, finish_weight_update. Each bucket is copied
-from Ray's object store into an anonymous memory file (weight_files.BucketBuffer) that the
-engine-core process maps and loads from (weight_transfer_engine.ObjectStoreWeightTransferEngine).
+from Ray's object store into an anonymous memory file (worker_bucket_files.BucketBuffer) that the
+engine-core process maps and loads from (worker_transfer_backend.ObjectStoreWeightTransferEngine).
 The checkpoint's own weights are restored the same way, from model_path, before a LoRA adapter
-goes onto an engine that held pushed full weights (adapter_loader.py).
+goes onto an engine that held pushed full weights (worker_adapter.py).
 
 Worker side: vLLM is imported when a bucket is sent, not at import.
 """
@@ -23,10 +23,10 @@ import ray
 from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER
 from async_grpo.inference.generation_stats import GenerationStats
 from async_grpo.inference.served_weights import ServedWeights
-from async_grpo.inference.weight_files import BucketBuffer, reload_buckets
 from async_grpo.routing.worker_lifecycle import WorkerLifecycle
-from async_grpo.weights.weight_loading import iter_checkpoint_tensors, iter_state_dict
 from async_grpo.weights.weight_sync import WeightUpdate
+from async_grpo.weights.worker_bucket_files import BucketBuffer, reload_buckets
+from async_grpo.weights.worker_loader import iter_checkpoint_tensors, iter_state_dict
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Bucket = tuple[dict[str, "torch.Tensor"], bool]
-"""(HF name -> tensor, is_last): one reload call's tensors (weight_files.reload_buckets)."""
+"""(HF name -> tensor, is_last): one reload call's tensors (worker_bucket_files.reload_buckets)."""
 
 
 class WeightsUnreachable(Exception):

@@ -4,7 +4,7 @@ dtype pushes carry (`resolve_push_dtype`).
 
 Full weights travel through Ray's object store as a `weight_sync.WeightUpdate` that the
 registries announce to their workers, or, when the generation engines run one of vLLM's CUDA
-weight-transfer engines, straight from the trainer's GPUs (weight_transfer_trainer.
+weight-transfer engines, straight from the trainer's GPUs (trainer_cuda_transfer.
 EngineWeightSender, given as `engine_transfer`); LoRA adapters always take the object store (or
 a shared folder). What is published is built in weight_sync.py.
 """
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from async_grpo.launch.ray_env import ON_HEAD_NODE, RAY_NAMESPACE, SHARD_STAGER_NAME
-from async_grpo.trainer.weight_transfer_trainer import TRANSFER_PUSH_MODE, EngineWeightSender
+from async_grpo.weights.trainer_cuda_transfer import TRANSFER_PUSH_MODE, EngineWeightSender
 from async_grpo.weights.weight_sync import (
     STABLE_MARKER_FILE, StableMarker, WeightUpdate, adapter_config_json, adapter_step_dir, gather_adapter,
     gather_full_state_dict, is_lora_model, local_adapter_blobs, local_shard_blobs, state_dict_to_blobs, update_parts,
@@ -132,7 +132,7 @@ class WeightPusher:
         weights_root: <run_dir>/weights, where LoRA pushes keep their STABLE marker (and their
         folders in lora_files mode); required for LoRA policies; engine_transfer: sends full
         weights to the generation engines (its mode must pair with `mode`:
-        weight_transfer_trainer.check_transfer_pairing); object_store_weights: with
+        trainer_cuda_transfer.check_transfer_pairing); object_store_weights: with
         engine_transfer, whether full weights also go through the object store to the
         registries it does not own (the same value on every rank: the gather is collective)."""
         if mode not in PUSH_MODES:

@@ -5,7 +5,7 @@ id per version) once the run's STABLE marker names them, and served from the nex
 requests started before the switch finish on their adapter, which is then removed
 (served_adapters.AdapterBook). The adapter's PEFT folder is the trainer's (lora_files) or one
 reassembled from the object store into shared memory, checked for room first. An engine that
-held pushed full weights gets the checkpoint's own back first (object_store_reload.py): every
+held pushed full weights gets the checkpoint's own back first (worker_object_store.py): every
 adapter is trained on the checkpoint.
 
 Worker side: vLLM is imported when an adapter is loaded, not at import.
@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from async_grpo.inference.generation_stats import GenerationStats
-from async_grpo.inference.object_store_reload import ObjectStoreReloader
 from async_grpo.inference.served_weights import ServedWeights
-from async_grpo.inference.weight_files import adapter_dir_path, check_free_space
-from async_grpo.weights.weight_loading import iter_state_dict
 from async_grpo.weights.weight_sync import UnstableVersionError, WeightUpdate, check_stable, write_adapter_folder
+from async_grpo.weights.worker_bucket_files import adapter_dir_path, check_free_space
+from async_grpo.weights.worker_loader import iter_state_dict
+from async_grpo.weights.worker_object_store import ObjectStoreReloader
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM

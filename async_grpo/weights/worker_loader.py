@@ -5,7 +5,7 @@ only when reached (a 'gather' update's one shard holds whole tensors; a 'sharded
 pieces, cut along the dim each records, are put back together), so a consumer that drops each
 tensor before taking the next holds one full tensor beyond the shards. They are streamed into a
 plain model by `load_streamed_into` (logprob worker) or cut into buckets for vLLM's
-weight-transfer API (generation worker, object_store_reload.py); `fetch_state_dict` /
+weight-transfer API (generation worker, worker_object_store.py); `fetch_state_dict` /
 `assemble_state_dict` build all tensors at once. `iter_checkpoint_tensors` reads a checkpoint
 folder's own tensors the same way.
 

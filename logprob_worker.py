@@ -39,7 +39,8 @@ from async_grpo.inference.token_budget_queue import QueuedRequest, TokenBudgetQu
 from async_grpo.launch.ray_env import FROZEN_KINDS, LOGPROB, LOGPROB_SERVICE_KINDS
 from async_grpo.model.packed_attention import PACKED_SDPA
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
-from async_grpo.weights.weight_sync import ADAPTER_WEIGHTS_FILE, TensorBlob, WeightUpdate, check_stable
+from async_grpo.weights.adapter_files import ADAPTER_WEIGHTS_FILE, check_stable
+from async_grpo.weights.update import TensorBlob, WeightUpdate
 from async_grpo.weights.worker_loader import (
     assemble_state_dict, iter_assembled, iter_checkpoint_tensors, load_state_dict_into, load_streamed_into,
     update_shapes,
@@ -331,7 +332,7 @@ class LogprobWorker:
         """Load full weights from a WeightUpdate between two batches; returns the version now served.
 
         A LoRA update (update.is_adapter) is loaded only while the STABLE marker names it
-        (weight_sync.UnstableVersionError otherwise), as an adapter on this worker's base model.
+        (adapter_files.UnstableVersionError otherwise), as an adapter on this worker's base model.
 
         Fetching fails cleanly (the model is untouched); a load that fails part-way leaves a mix
         of versions, so the worker enters FAILED (WorkerFailedError) and is replaced.

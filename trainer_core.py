@@ -61,9 +61,9 @@ from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, check_
 from async_grpo.trainer.optimizer import build_optimizer, build_scheduler
 from async_grpo.trainer.prompt_feeder import PromptFeeder, last_step_to_submit
 from async_grpo.trainer.run_inputs import InputError, RunInputs, check_teacher_tokenizer, load_run_inputs
+from async_grpo.weights.adapter_files import weights_dir
 from async_grpo.weights.trainer_cuda_transfer import EngineWeightSender, check_transfer_pairing
 from async_grpo.weights.trainer_pusher import WeightPusher, resolve_push_dtype
-from async_grpo.weights.weight_sync import weights_dir
 from grpo_loss import grpo_loss, step_divisor
 from sample_processing_utils import PackedBatch, post_process_batch
 from setup_model import TokenLogprobModel

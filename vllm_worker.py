@@ -13,7 +13,7 @@ The worker's other jobs are plain classes in async_grpo/inference/ that it compo
 served_weights.ServedWeights (the version and LoRA adapter the engine serves, and the requests
 running on them):
 
-- worker_object_store.ObjectStoreReloader: a `weight_sync.WeightUpdate` of full weights into the
+- worker_object_store.ObjectStoreReloader: an `update.WeightUpdate` of full weights into the
   engine through vLLM's weight-transfer API with our object-store backend, in buckets of whole
   decoder layers, scheduling paused;
 - worker_adapter.AdapterLoader: a LoRA policy's update (`WeightUpdate.is_adapter`) as a new vLLM
@@ -76,7 +76,7 @@ from async_grpo.rollouts.rollout_scoring import RewardScorer, RolloutScorer, sha
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.rollouts.token_versions import CompletionVersions
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
-from async_grpo.weights.weight_sync import WeightUpdate
+from async_grpo.weights.update import WeightUpdate
 from async_grpo.weights.worker_adapter import AdapterLoader
 from async_grpo.weights.worker_cuda_transfer import TransferPassThrough
 from async_grpo.weights.worker_object_store import ObjectStoreReloader

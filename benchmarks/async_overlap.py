@@ -67,7 +67,7 @@ from async_grpo.launch.cpu_plan import CpuPlanConfig
 from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, worker_actor_name
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.routing.batch_calls import Bundle, serve_many
-from async_grpo.weights.weight_sync import WeightUpdate
+from async_grpo.weights.update import WeightUpdate
 from async_grpo.weights.worker_loader import assemble_state_dict
 from benchmarks.clusters import AttachConfig, local_cluster
 from benchmarks.harness import (

@@ -377,7 +377,7 @@ def _perturbed_update(base: dict[str, torch.Tensor], version: int) -> Any:
     """The model's own tensors with noise of their own, as one 'gather' object in the store."""
     import ray
 
-    from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
+    from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs
 
     noise = torch.Generator().manual_seed(version)
     state = {k: v + PERTURBATION * torch.randn(v.shape, generator=noise, dtype=v.dtype) for k, v in base.items()}
@@ -477,8 +477,8 @@ class TrainerRole:
         from async_grpo.launch.ray_cluster import join_cluster
         from async_grpo.trainer.config import TrainerConfig
         from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed
+        from async_grpo.weights.trainer_adapter import adapter_named_tensors
         from async_grpo.weights.trainer_pusher import get_or_create_shard_stager
-        from async_grpo.weights.weight_sync import adapter_named_tensors
         from setup_model import LoraConfig, ModelConfig
         from trainer_core import make_weight_pusher
 
@@ -521,9 +521,8 @@ class TrainerRole:
         import ray
         import torch.distributed as torch_dist
 
-        from async_grpo.weights.weight_sync import (
-            WeightUpdate, gather_full_state_dict, local_shard_blobs, state_dict_to_blobs,
-        )
+        from async_grpo.weights.trainer_gather import gather_full_state_dict, local_shard_blobs
+        from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs
 
         version = self.next_version()
         began = time.perf_counter()

@@ -2,11 +2,11 @@
 trainer ranks), the shard stager that collects every rank's shard ref in "sharded" mode, and the
 dtype pushes carry (`resolve_push_dtype`).
 
-Full weights travel through Ray's object store as a `weight_sync.WeightUpdate` that the
+Full weights travel through Ray's object store as an `update.WeightUpdate` that the
 registries announce to their workers, or, when the generation engines run one of vLLM's CUDA
 weight-transfer engines, straight from the trainer's GPUs (trainer_cuda_transfer.
 EngineWeightSender, given as `engine_transfer`); LoRA adapters always take the object store (or
-a shared folder). What is published is built in weight_sync.py.
+a shared folder). What is published is built in trainer_gather.py and trainer_adapter.py.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ import torch.distributed as dist
 from torch import nn
 
 from async_grpo.launch.ray_env import ON_HEAD_NODE, RAY_NAMESPACE, SHARD_STAGER_NAME
-from async_grpo.weights.trainer_cuda_transfer import TRANSFER_PUSH_MODE, EngineWeightSender
-from async_grpo.weights.weight_sync import (
-    STABLE_MARKER_FILE, StableMarker, WeightUpdate, adapter_config_json, adapter_step_dir, gather_adapter,
-    gather_full_state_dict, is_lora_model, local_adapter_blobs, local_shard_blobs, state_dict_to_blobs, update_parts,
-    write_adapter_folder, write_stable_marker,
+from async_grpo.weights.adapter_files import (
+    STABLE_MARKER_FILE, StableMarker, adapter_step_dir, update_parts, write_adapter_folder, write_stable_marker,
 )
+from async_grpo.weights.trainer_adapter import adapter_config_json, gather_adapter, is_lora_model, local_adapter_blobs
+from async_grpo.weights.trainer_cuda_transfer import TRANSFER_PUSH_MODE, EngineWeightSender
+from async_grpo.weights.trainer_gather import gather_full_state_dict, local_shard_blobs
+from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs
 from setup_model import MODEL_DTYPES, training_compute_dtype
 
 logger = logging.getLogger(__name__)

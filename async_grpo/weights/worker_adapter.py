@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Callable
 
 from async_grpo.inference.generation_stats import GenerationStats
 from async_grpo.inference.served_weights import ServedWeights
-from async_grpo.weights.weight_sync import UnstableVersionError, WeightUpdate, check_stable, write_adapter_folder
+from async_grpo.weights.adapter_files import UnstableVersionError, check_stable, write_adapter_folder
+from async_grpo.weights.update import WeightUpdate
 from async_grpo.weights.worker_bucket_files import adapter_dir_path, check_free_space
 from async_grpo.weights.worker_loader import iter_state_dict
 from async_grpo.weights.worker_object_store import ObjectStoreReloader

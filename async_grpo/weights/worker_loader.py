@@ -9,7 +9,7 @@ weight-transfer API (generation worker, worker_object_store.py); `fetch_state_di
 `assemble_state_dict` build all tensors at once. `iter_checkpoint_tensors` reads a checkpoint
 folder's own tensors the same way.
 
-The records, the blobs' byte format and the trainer's side are in weight_sync.py.
+The records and the blobs' byte format are update.py's; the trainer's side is trainer_gather.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from async_grpo.weights.weight_sync import BLOB_DTYPES, TensorBlob, WeightUpdate, blob_tensor, hf_tensors
+from async_grpo.weights.hf_checkpoint import hf_tensors
+from async_grpo.weights.update import BLOB_DTYPES, TensorBlob, WeightUpdate, blob_tensor
 
 
 def _pieces_by_name(shards: Iterable[Mapping[str, TensorBlob]]) -> dict[str, list[TensorBlob]]:

@@ -1,6 +1,6 @@
 """Full weights into a generation worker's engine through our object-store weight transport.
 
-An object-store push (a `weight_sync.WeightUpdate`, EngineConfig.weight_transfer 'object_store')
+An object-store push (an `update.WeightUpdate`, EngineConfig.weight_transfer 'object_store')
 is streamed into the engine through vLLM's weight-transfer API: start_weight_update, one
 update_weights per bucket of whole decoder layers, finish_weight_update. Each bucket is copied
 from Ray's object store into an anonymous memory file (worker_bucket_files.BucketBuffer) that the
@@ -24,7 +24,7 @@ from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER
 from async_grpo.inference.generation_stats import GenerationStats
 from async_grpo.inference.served_weights import ServedWeights
 from async_grpo.routing.worker_lifecycle import WorkerLifecycle
-from async_grpo.weights.weight_sync import WeightUpdate
+from async_grpo.weights.update import WeightUpdate
 from async_grpo.weights.worker_bucket_files import BucketBuffer, reload_buckets
 from async_grpo.weights.worker_loader import iter_checkpoint_tensors, iter_state_dict
 

@@ -33,7 +33,7 @@ from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rewards.reward_failure import FailureKind
 from async_grpo.rewards.shaping import RewardConfig
 from async_grpo.rollouts.sampling import SamplingConfig
-from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
+from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs
 from async_grpo.weights.worker_bucket_files import reload_buckets
 from async_grpo.weights.worker_reload_fixes import with_tied_lm_head
 from sample_processing_utils import Sample

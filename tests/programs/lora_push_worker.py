@@ -30,7 +30,7 @@ from async_grpo.launch.ray_cluster import join_cluster
 from async_grpo.launch.ray_env import actor_runtime_env  # noqa: E402
 from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed  # noqa: E402
 from async_grpo.weights.trainer_pusher import WeightPusher  # noqa: E402
-from async_grpo.weights.weight_sync import WeightUpdate  # noqa: E402
+from async_grpo.weights.update import WeightUpdate
 from setup_model import LoraConfig, ModelConfig  # noqa: E402
 
 DIST_TIMEOUT_S = 120.0  # a crashed peer turns into an error well inside the test's own timeout
@@ -49,7 +49,7 @@ class Recorder:
     def publish(self, update: WeightUpdate) -> dict[str, int]:
         from safetensors.torch import load_file
 
-        from async_grpo.weights.weight_sync import ADAPTER_WEIGHTS_FILE, check_stable, read_stable_marker
+        from async_grpo.weights.adapter_files import ADAPTER_WEIGHTS_FILE, check_stable, read_stable_marker
         from async_grpo.weights.worker_loader import fetch_state_dict
 
         check_stable(update)

@@ -32,7 +32,7 @@ from async_grpo.launch.ray_cluster import join_cluster
 from async_grpo.launch.ray_env import actor_runtime_env  # noqa: E402
 from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed  # noqa: E402
 from async_grpo.weights.trainer_pusher import WeightPusher  # noqa: E402
-from async_grpo.weights.weight_sync import WeightUpdate  # noqa: E402
+from async_grpo.weights.update import WeightUpdate
 from setup_model import ModelConfig  # noqa: E402
 
 DIST_TIMEOUT_S = 120.0  # a crashed peer turns into an error well inside the test's own timeout

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from async_grpo.weights.weight_sync import StableMarker, WeightUpdate, update_parts, write_stable_marker
+from async_grpo.weights.adapter_files import StableMarker, update_parts, write_stable_marker
+from async_grpo.weights.update import WeightUpdate
 
 LORA = {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                   "gate_proj", "up_proj", "down_proj"]}

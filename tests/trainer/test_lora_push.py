@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from async_grpo.weights.weight_sync import read_stable_marker
+from async_grpo.weights.adapter_files import read_stable_marker
+from support.forked_ranks import run_ranks
 from support.lora_adapters import LORA, reference_peft
 from support.paths import PROGRAMS
-from support.forked_ranks import run_ranks
 
 WORKER = PROGRAMS / "lora_push_worker.py"
 WORLD_SIZE = 2

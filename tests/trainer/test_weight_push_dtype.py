@@ -4,7 +4,7 @@ tests/programs/weight_push_worker.py runs on 2 forked ranks (support.forked_rank
 session's Ray cluster; each rank builds the FSDP2 model from a tiny checkpoint and pushes it with
 WeightPusher in "gather" and "sharded" mode, in float32 and bfloat16, to a recorder that reads
 every update as a worker does (fetch_state_dict and iter_state_dict). The reference is
-independent of weight_sync: the checkpoint's fp32 tensors, loaded with from_pretrained, and
+independent of weights/: the checkpoint's fp32 tensors, loaded with from_pretrained, and
 `tensor.to(torch.bfloat16)` of them.
 """
 

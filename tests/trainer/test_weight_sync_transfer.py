@@ -23,8 +23,8 @@ from async_grpo.weights.trainer_cuda_transfer import (
     EngineWorkersClient, GroupPlan, TrainerTransferConfig, WorkerCallError, check_transfer_pairing,
     engines_from_answers, init_payloads, plan_group,
 )
+from async_grpo.weights.trainer_gather import gather_full_state_dict
 from async_grpo.weights.trainer_pusher import WeightPusher
-from async_grpo.weights.weight_sync import gather_full_state_dict
 from async_grpo.weights.worker_cuda_transfer import EngineTransferReceiver
 from setup_model import TokenLogprobModel, load_causal_lm
 from support.recording_engine import INIT, UPDATE, RecordingEngine

@@ -20,7 +20,7 @@ from torch import nn
 from async_grpo.config.worker_options import (
     WEIGHT_TRANSFER_BACKENDS, EngineConfig, check_transfer_packages, check_weight_transfer_device, module_available,
 )
-from async_grpo.weights.weight_sync import state_dict_to_blobs, tensor_to_blob
+from async_grpo.weights.update import state_dict_to_blobs, tensor_to_blob
 from async_grpo.weights.worker_bucket_files import BucketBuffer, SharedMemoryFullError, check_free_space, read_bucket
 from async_grpo.weights.worker_loader import iter_assembled, load_streamed_into, update_shapes
 from support.paths import REPO_ROOT

@@ -9,17 +9,14 @@ bonus or penalty of `SamplingConfig.reward` and the optional soft overlong punis
 tokens and text hold when a stop string, stop token or EOS ends a completion is set out in
 sampling.py.
 
-The worker's other jobs are plain classes in async_grpo/inference/ that it composes, sharing
-served_weights.ServedWeights (the version and LoRA adapter the engine serves, and the requests
-running on them):
+The worker's other jobs are plain classes that it composes, sharing served_weights.ServedWeights
+(the version and LoRA adapter the engine serves, and the requests running on them):
 
-- worker_object_store.ObjectStoreReloader: an `update.WeightUpdate` of full weights into the
-  engine through vLLM's weight-transfer API with our object-store backend, in buckets of whole
-  decoder layers, scheduling paused;
-- worker_adapter.AdapterLoader: a LoRA policy's update (`WeightUpdate.is_adapter`) as a new vLLM
-  adapter once the run's STABLE marker names it;
-- worker_cuda_transfer.TransferPassThrough: the trainer's CUDA weight transfers (nccl, nccl_m2n,
-  ipc), passed through to the engine;
+- its weight receivers (async_grpo/weights/, each a transport.WeightReceiver): full weights by the
+  engine's transport, worker_object_store.ObjectStoreReloader (from the object store, in buckets of
+  whole decoder layers, scheduling paused) or worker_cuda_transfer.TransferPassThrough (the
+  trainer's CUDA transfers), and worker_adapter.AdapterLoader (a LoRA update as a new vLLM adapter
+  once the run's STABLE marker names it);
 - endpoint_host.EndpointHost: the loopback OpenAI-compatible endpoint over the engine.
 
 The dispatcher starts it as a Ray actor (the engine-core process must be able to import
@@ -52,7 +49,8 @@ import ray
 
 from async_grpo.config.run_config import flattened
 from async_grpo.config.worker_options import (
-    WEIGHT_TRANSFER_BACKENDS, EngineConfig, FailedSamplesConfig, VerificationConfig, check_weight_transfer_device,
+    OBJECT_STORE_TRANSFER, WEIGHT_TRANSFER_BACKENDS, EngineConfig, FailedSamplesConfig, VerificationConfig,
+    check_weight_transfer_device,
 )
 from async_grpo.inference.endpoint_host import EndpointHost
 from async_grpo.inference.engine_diagnostics import StderrTail, root_cause_line
@@ -76,6 +74,7 @@ from async_grpo.rollouts.rollout_scoring import RewardScorer, RolloutScorer, sha
 from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.rollouts.token_versions import CompletionVersions
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
+from async_grpo.weights.transport import WeightReceiver
 from async_grpo.weights.update import WeightUpdate
 from async_grpo.weights.worker_adapter import AdapterLoader
 from async_grpo.weights.worker_cuda_transfer import TransferPassThrough
@@ -293,6 +292,8 @@ class GenerationWorker:
         self.transfer = TransferPassThrough(
             worker_name, backend=config.engine.weight_transfer, pause_mode=config.weight_update_pause_mode,
             engine=self._require_engine, served=self.served, stats=self.stats, life=self.life)
+        self.full_weights: WeightReceiver = (
+            self.reloader if config.engine.weight_transfer == OBJECT_STORE_TRANSFER else self.transfer)
         self.endpoint_host = EndpointHost(
             worker_name, model_path=config.model_path, port=config.engine.openai_endpoint_port,
             engine=self._require_engine, served=self.served, stats=self.stats, life=self.life,
@@ -316,7 +317,7 @@ class GenerationWorker:
         except EngineStartError as exc:
             self._start_error = str(exc)
             raise self.life.fail(f"engine did not start: {exc}") from exc.__cause__
-        await self.reloader.init_engine(self._engine)
+        await self.full_weights.init_engine(self._engine)
         await self._self_check()
         await self.endpoint_host.start()
 
@@ -480,7 +481,7 @@ class GenerationWorker:
             self.stats.adapters_removed += 1
 
     async def update_weights(self, update: WeightUpdate) -> int:
-        """Load a new weight version into the engine (ObjectStoreReloader), or a LoRA update as a new
+        """Load a new weight version into the engine (`full_weights`), or a LoRA update as a new
         adapter (AdapterLoader); returns the version now served. A load that fails part-way leaves
         the engine with a mix of versions: the worker enters FAILED, and its dispatcher replaces it."""
         self.life.require_alive()
@@ -490,10 +491,7 @@ class GenerationWorker:
                 raise ValueError(
                     f"{self.worker_name}: update to version {update.version} is older than served {self.served.version}"
                 )
-            if update.is_adapter:
-                await self.adapter_loader.load(engine, update)
-            else:
-                await self.reloader.load(engine, update)
+            await (self.adapter_loader if update.is_adapter else self.full_weights).receive(engine, update)
             return self.served.version
 
     # ---- vLLM's CUDA weight transfers (EngineConfig.weight_transfer nccl / nccl_m2n / ipc): the

@@ -478,7 +478,7 @@ class TrainerRole:
         from async_grpo.trainer.config import TrainerConfig
         from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed
         from async_grpo.weights.trainer_adapter import adapter_named_tensors
-        from async_grpo.weights.trainer_pusher import get_or_create_shard_stager
+        from async_grpo.weights.trainer_object_store import get_or_create_shard_stager
         from setup_model import LoraConfig, ModelConfig
         from trainer_core import make_weight_pusher
 

@@ -7,7 +7,7 @@ finds actors by these names, so `ray list actors` reads the same everywhere:
     generation-worker-0, logprob-worker-0, ...   one per worker (worker_dispatcher.py)
     experience-batcher                           one per run (vllm_experience_batcher.py)
     math-verifier-pool                           one per cluster (math_verify_cluster.py)
-    weight-shard-stager                          "sharded" weight pushes (weights/trainer_pusher.py)
+    weight-shard-stager                          "sharded" weight pushes (weights/trainer_object_store.py)
 
 Actors import project modules (vLLM's engine-core process too), so they run with this
 repository first on their PYTHONPATH: `actor_runtime_env()`.

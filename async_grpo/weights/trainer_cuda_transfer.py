@@ -334,7 +334,8 @@ class PushOutcome:
 
 
 class EngineWeightSender:
-    """Sends full weights to the generation engines through one of vLLM's CUDA transfers.
+    """Sends full weights to the generation engines through one of vLLM's CUDA transfers (the
+    trainer's end of that transport, a transport.WeightPublisher).
 
     Collective: every trainer rank builds one and calls `send` together. Rank 0 holds the
     generation registries (their live workers are the group) and drives the workers; the other
@@ -492,6 +493,14 @@ class EngineWeightSender:
     def shutdown(self) -> None:
         """Release the group at the end of training."""
         self._teardown()
+
+    def publish(self, model: nn.Module, version: int, initial: bool = False) -> None:
+        """transport.WeightPublisher: `send` (a first push goes to the live engines like any other)."""
+        self.send(model, version)
+
+    def close(self) -> None:
+        """transport.WeightPublisher: `shutdown`."""
+        self.shutdown()
 
     def _discover_from_registries(self) -> tuple[list[EngineRanks], WorkerCalls]:
         """Rank 0: the registries' live workers, in name order, with their engines' ranks."""

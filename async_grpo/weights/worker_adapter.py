@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 
 class AdapterLoader:
-    """Loads a LoRA update as a new vLLM adapter and serves it from the next request on.
+    """Loads a LoRA update as a new vLLM adapter and serves it from the next request on (the
+    worker's end of the adapter transport, a transport.WeightReceiver).
 
     Only a version the STABLE marker names is loaded (UnstableVersionError otherwise; the worker
     keeps serving its adapter and stays healthy). No pause: requests in flight finish on the
@@ -58,7 +59,10 @@ class AdapterLoader:
         self._reloader = reloader
         self._on_engine_error = on_engine_error
 
-    async def load(self, engine: AsyncLLM, update: WeightUpdate) -> None:
+    async def init_engine(self, engine: AsyncLLM) -> None:
+        """Nothing to ready: vLLM takes adapters once started with max_lora_rank > 0."""
+
+    async def receive(self, engine: AsyncLLM, update: WeightUpdate) -> None:
         """Load `update`'s adapter; the engine serves it (and its version) to new requests after."""
         from vllm.lora.request import LoRARequest
 

@@ -66,7 +66,8 @@ async def _send_bucket(engine: AsyncLLM, worker_name: str, bucket: dict[str, tor
 
 class ObjectStoreReloader:
     """Loads full weights into the engine in buckets, within one paused weight-transfer session:
-    a pushed WeightUpdate (`load`), or the checkpoint's own weights (`restore_checkpoint`).
+    a pushed WeightUpdate (`receive`: the worker's end of the object-store transport, a
+    transport.WeightReceiver), or the checkpoint's own weights (`restore_checkpoint`).
 
     A load that fails part-way leaves the engine with a mix of versions: the worker then enters
     FAILED (WorkerFailedError), and its dispatcher replaces it.
@@ -95,7 +96,7 @@ class ObjectStoreReloader:
 
             await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
 
-    async def load(self, engine: AsyncLLM, update: WeightUpdate) -> None:
+    async def receive(self, engine: AsyncLLM, update: WeightUpdate) -> None:
         """Load a full-weight update from the object store; the engine serves its version after.
         Objects gone before anything was loaded raise ObjectLostError and leave the worker healthy."""
         if self._weight_transfer != OBJECT_STORE_TRANSFER:

@@ -82,7 +82,7 @@ def test_push_phases_split_rank_zeros_push_time(pushes: list[dict]) -> None:
     """WeightPusher.phases (the trainer logs them as timing/push_<phase>_s): every phase on every
     push, none negative, together within the push's own time, and the registry's publish (the
     recorder holds each one PUBLISH_HOLD_S, as a worker loading into its engine would) inside 'load'."""
-    from async_grpo.weights.trainer_pusher import PUSH_PHASES
+    from async_grpo.weights.trainer_object_store import PUSH_PHASES
 
     for push in pushes:
         phases = push["phases"]

@@ -27,7 +27,6 @@ import json
 import logging
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import AsyncIterator, Sequence
 
 import ray
@@ -39,11 +38,11 @@ from async_grpo.inference.token_budget_queue import QueuedRequest, TokenBudgetQu
 from async_grpo.launch.ray_env import FROZEN_KINDS, LOGPROB, LOGPROB_SERVICE_KINDS
 from async_grpo.model.packed_attention import PACKED_SDPA
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
-from async_grpo.weights.adapter_files import ADAPTER_WEIGHTS_FILE, check_stable
+from async_grpo.weights.adapter_files import check_stable, read_adapter_folder
 from async_grpo.weights.update import TensorBlob, WeightUpdate
 from async_grpo.weights.worker_loader import (
-    assemble_state_dict, iter_assembled, iter_checkpoint_tensors, load_state_dict_into, load_streamed_into,
-    update_shapes,
+    assemble_state_dict, fetch_shards, iter_assembled, iter_checkpoint_tensors, load_state_dict_into,
+    load_streamed_into, update_shapes,
 )
 from sample_processing_utils import (
     INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs, get_input_for_logprobs, split_per_sample,
@@ -216,15 +215,6 @@ def check_sample(sample: Sample, vocab_size: int) -> None:
         )
 
 
-def _read_adapter_file(folder: str | None) -> dict[str, torch.Tensor]:
-    """The tensors of a lora_files update's PEFT folder."""
-    from safetensors.torch import load_file
-
-    if folder is None:
-        raise ValueError("lora_files update without adapter_path")
-    return load_file(str(Path(folder) / ADAPTER_WEIGHTS_FILE))
-
-
 def _current_node_id() -> str:
     """Ray node id (hex) of this process, or '' outside Ray."""
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
@@ -344,15 +334,14 @@ class LogprobWorker:
         self._ensure_batcher()
         if update.is_adapter:  # a LoRA policy's old-policy logprobs: its adapter on our base
             await asyncio.to_thread(check_stable, update)
-        # The object refs are awaited rather than ray.get: a blocking get would stall (and warn
-        # about) the actor's event loop while the shards arrive. Ray maps them from its object
-        # store without copying; full weights are then assembled one tensor at a time as they
-        # are copied in (_load_weights), never as a whole second copy of the model.
+        # The object-store loader the generation workers use (worker_loader.fetch_shards); full
+        # weights are then assembled one tensor at a time as they are copied in (_load_weights),
+        # never as a whole second copy of the model.
         if update.mode == "lora_files":
-            adapter = await asyncio.to_thread(_read_adapter_file, update.adapter_path)
+            adapter = await asyncio.to_thread(read_adapter_folder, update.adapter_path)
             load = partial(self._load_adapter, update.adapter_config, adapter)
         else:
-            shards = await asyncio.gather(*update.shard_refs)
+            shards = await fetch_shards(update)
             load = (partial(self._load_adapter_shards, update.adapter_config, shards) if update.is_adapter
                     else partial(self._load_weights, shards))
         async with self._model_lock:

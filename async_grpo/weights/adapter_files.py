@@ -40,6 +40,15 @@ def write_adapter_folder(tensors: Mapping[str, torch.Tensor], config_json: str, 
     return out
 
 
+def read_adapter_folder(folder: str | None) -> dict[str, torch.Tensor]:
+    """The tensors of a PEFT folder (a lora_files update's adapter_path): write_adapter_folder's inverse."""
+    from safetensors.torch import load_file
+
+    if folder is None:
+        raise ValueError("lora_files update without adapter_path")
+    return load_file(str(Path(folder) / ADAPTER_WEIGHTS_FILE))
+
+
 def weights_dir(run_dir: str | Path) -> Path:
     """<run_dir>/weights: the STABLE marker and (lora_files mode) the adapter folders."""
     return Path(run_dir) / WEIGHTS_SUBDIR

@@ -26,7 +26,7 @@ from async_grpo.inference.served_weights import ServedWeights
 from async_grpo.weights.adapter_files import UnstableVersionError, check_stable, write_adapter_folder
 from async_grpo.weights.update import WeightUpdate
 from async_grpo.weights.worker_bucket_files import adapter_dir_path, check_free_space
-from async_grpo.weights.worker_loader import iter_state_dict
+from async_grpo.weights.worker_loader import assemble_state_dict, fetch_shards
 from async_grpo.weights.worker_object_store import ObjectStoreReloader
 
 if TYPE_CHECKING:
@@ -117,15 +117,16 @@ async def adapter_folder(worker_name: str, update: WeightUpdate, files_owner: st
             raise ValueError(f"{worker_name}: lora_files update v{update.version} has no adapter_path")
         return Path(update.adapter_path), False
     folder = adapter_dir_path(files_owner or worker_name, update.version)
+    shards = await fetch_shards(update)
 
-    def fetch_and_write() -> None:
-        tensors = dict(iter_state_dict(update))
+    def assemble_and_write() -> None:
+        tensors = assemble_state_dict(shards)
         needed = sum(t.numel() * t.element_size() for t in tensors.values())
         check_free_space(folder.parent, needed, f"{worker_name}'s adapter v{update.version}")
         write_adapter_folder(tensors, update.adapter_config or "", folder)
 
     try:
-        await asyncio.to_thread(fetch_and_write)
+        await asyncio.to_thread(assemble_and_write)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise

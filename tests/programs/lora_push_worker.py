@@ -1,4 +1,4 @@
-"""One trainer rank of tests/trainer/test_lora_push.py: the real WeightPusher pushing a LoRA policy.
+"""One trainer rank of tests/weights/test_lora_push.py: the real WeightPusher pushing a LoRA policy.
 
     torchrun --nproc_per_node=2 tests/programs/lora_push_worker.py --ray_address HOST:PORT --namespace NS \
         --out_dir OUT --model_path BASE --adapter_dir START_ADAPTER

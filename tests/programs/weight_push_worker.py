@@ -1,4 +1,4 @@
-"""One trainer rank of tests/trainer/test_weight_push_dtype.py: real WeightPusher pushes into a
+"""One trainer rank of tests/weights/test_weight_push_dtype.py: real WeightPusher pushes into a
 recorder.
 
     torchrun --nproc_per_node=2 tests/programs/weight_push_worker.py --ray_address HOST:PORT \
@@ -40,7 +40,7 @@ PUSH_TIMEOUT_S = 120.0  # the shard stager's wait for every rank's shard
 MODES = ("gather", "sharded")
 DTYPES = (torch.float32, torch.bfloat16)
 # How long the recorder holds each publish, as a worker loading into its engine would: the
-# pusher's 'load' phase must contain it (tests/trainer/test_weight_push_dtype.py).
+# pusher's 'load' phase must contain it (tests/weights/test_weight_push_dtype.py).
 PUBLISH_HOLD_S = 0.2
 
 

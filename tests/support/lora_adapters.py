@@ -1,5 +1,5 @@
 """LoRA adapters as the tests use them: the training tests' LoRA settings and a nonzero starting
-adapter (tests/trainer/test_lora_fsdp.py, tests/trainer/test_lora_push.py), and the lora_files
+adapter (tests/trainer/test_lora_fsdp.py, tests/weights/test_lora_push.py), and the lora_files
 weight updates a worker takes, with the STABLE marker that names them (the vLLM and logprob worker
 tests)."""
 

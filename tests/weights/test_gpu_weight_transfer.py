@@ -15,7 +15,7 @@ processes (gpu tier), in two tests sized to the machines they can run on:
   (-rs), where vLLM is absent or there is one GPU (NCCL refuses two ranks on one device).
 
 The CPU half (pairing, plan, call order through vLLM's engine with the wire stubbed) is
-tests/trainer/test_weight_sync_transfer.py. `scripts/test.sh --gpu` runs this tier.
+tests/weights/test_weight_sync_transfer.py. `scripts/test.sh --gpu` runs this tier.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ pass-through makes, in which order, with which arguments, and what it refuses be
 it. The real engines need CUDA; the object-store backend's engine path runs in
 tests/inference/test_vllm_worker.py.
 
-    .venv/bin/python -m pytest tests/inference/test_transfer_pass_through.py -q
+    .venv/bin/python -m pytest tests/weights/test_transfer_pass_through.py -q
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ AsyncLLM, and that no request starts while a load runs (served_weights.ServedWei
 path itself, with real vLLM, runs in tests/inference/test_vllm_worker.py and
 tests/rollouts/test_token_versions_engine.py (a push in the middle of a rollout).
 
-    .venv/bin/python -m pytest tests/inference/test_object_store_reload.py -q
+    .venv/bin/python -m pytest tests/weights/test_object_store_reload.py -q
 """
 
 from __future__ import annotations

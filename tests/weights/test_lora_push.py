@@ -1,7 +1,7 @@
 """The real WeightPusher pushing a LoRA policy from 2 FSDP2 ranks, in every mode, read back as a
 worker reads it (STABLE check, then the shards or the lora_files folder).
 
-    .venv/bin/python -m pytest tests/trainer/test_lora_push.py -q
+    .venv/bin/python -m pytest tests/weights/test_lora_push.py -q
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ mode each transfer pairs with, the group plan (world size, each engine's rank of
 rank sends, the weight source's names/dtypes/shapes, and a whole push driven by vLLM's own NCCL
 trainer engine (NCCLTrainerWeightTransferEngine: its call order, its update messages) with only
 the wire stubbed, into real EngineTransferReceivers over recording AsyncLLM stand-ins. The
-NCCL wire itself needs CUDA: tests/trainer/test_gpu_weight_transfer.py.
-`.venv/bin/python -m pytest tests/trainer/test_weight_sync_transfer.py -q`.
+NCCL wire itself needs CUDA: tests/weights/test_gpu_weight_transfer.py.
+`.venv/bin/python -m pytest tests/weights/test_weight_sync_transfer.py -q`.
 """
 
 from __future__ import annotations

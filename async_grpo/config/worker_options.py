@@ -309,3 +309,21 @@ class RayConnectionConfig:
             raise ValueError("RayConnectionConfig.ray_address must be 'auto' or host:port, got ''")
         if not self.connect_timeout_s > 0:
             raise ValueError(f"RayConnectionConfig.connect_timeout_s must be > 0, got {self.connect_timeout_s}")
+
+
+JudgeKind = Literal["generative", "reward_model"]
+JUDGE_KINDS: tuple[str, ...] = ("generative", "reward_model")
+
+
+@dataclass(kw_only=True, frozen=True)
+class JudgeServingConfig:
+    """How a judge worker answers judge requests (`worker_dispatcher.py --mode judge`)."""
+
+    judge_kind: JudgeKind = "generative"
+    """generative: a vLLM engine (the engine options) writes a reply to the judge's chat, read by
+    sampling.reward.judge.verdict; reward_model: an HF sequence-classification head (one label)
+    scores the chat, batched to max_tokens_per_forward, its score the reply (read with verdict: number)."""
+
+    def __post_init__(self) -> None:
+        if self.judge_kind not in JUDGE_KINDS:
+            raise ValueError(f"JudgeServingConfig.judge_kind must be one of {list(JUDGE_KINDS)}, got {self.judge_kind!r}")

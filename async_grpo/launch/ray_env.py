@@ -3,7 +3,7 @@
 Every process that talks to the cluster (trainer ranks, dispatchers, the batcher, the tests)
 finds actors by these names, so `ray list actors` reads the same everywhere:
 
-    generation-registry, logprob-registry, ...   one per worker kind (vllm_registry.py)
+    generation-registry, logprob-registry, ...   one per worker kind (vllm_registry.py; judge-registry too)
     generation-worker-0, logprob-worker-0, ...   one per worker (worker_dispatcher.py)
     experience-batcher                           one per run (vllm_experience_batcher.py)
     math-verifier-pool                           one per cluster (math_verify_cluster.py)
@@ -32,11 +32,14 @@ whose logprob workers compute old-policy logprobs and that also need reference l
 TEACHER = "teacher"
 """A logprob service on a teacher model (another model sharing the student's tokenizer) that
 never receives weight pushes: on-policy distillation (algorithm.DistillConfig)."""
-WORKER_KINDS = (GENERATION, LOGPROB, REFERENCE, TEACHER)
+JUDGE = "judge"
+"""A model judge (a vLLM engine or a reward-model head) that answers judge requests for the reward
+named `judge` (inference/judge_worker.py); frozen: it never receives the policy's weight pushes."""
+WORKER_KINDS = (GENERATION, LOGPROB, REFERENCE, TEACHER, JUDGE)
 LOGPROB_SERVICE_KINDS = (LOGPROB, REFERENCE, TEACHER)
 """Kinds served by the logprob worker class (logprob_worker.py)."""
-FROZEN_KINDS = (REFERENCE, TEACHER)
-"""Logprob services whose weights never change: they refuse weight pushes."""
+FROZEN_KINDS = (REFERENCE, TEACHER, JUDGE)
+"""Services whose weights never change: they refuse weight pushes."""
 # The resource only Ray's head node offers (Ray Train pins its state actor with it too). The
 # cluster's bookkeeping actors (registries, the batcher, the verifier pool, the shard stager) ask
 # for a sliver of it: they must live where the cluster itself lives, not on a worker node that

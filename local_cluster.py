@@ -35,14 +35,15 @@ from async_grpo.config.run_config import (
     ConfigError, config_to_flags, exit_config_error, flattened, load_config, split_passthrough,
 )
 from async_grpo.config.worker_options import (
-    EngineConfig, HealthCheckConfig, LogprobBatchingConfig, RestartConfig, VerificationConfig,
+    EngineConfig, HealthCheckConfig, JudgeServingConfig, LogprobBatchingConfig, RestartConfig, VerificationConfig,
 )
 from async_grpo.launch.context_plan import check_context_plan
 from async_grpo.launch.cpu_plan import CpuPlan, CpuPlanConfig, pinned_thread, plan_cpu, usable_core_ids
 from async_grpo.launch.dispatcher_logs import DispatcherLogRelay, registered_worker
-from async_grpo.launch.engine_defaults import CPU_ENGINE, LAUNCHER_MAX_NUM_SEQS, resolve_engine
+from async_grpo.launch.engine_defaults import CPU_ENGINE, LAUNCHER_MAX_NUM_SEQS, judge_engine, resolve_engine
 from async_grpo.launch.host_gpus import HostGpuError, gpu_memory_bytes, planned_gpus
 from async_grpo.launch.local_processes import environ, free_port, make_run_temp_dir, run_environment, stop_process_group
+from async_grpo.launch.pool_checks import check_judge_pool, check_teacher_model
 from async_grpo.launch.placement import (
     BF16_BYTES, FP32_BYTES, ModelShape, Placement, PlacementError, RunShape, check_transfer_placement,
     default_trainer_ranks, plan_placement,
@@ -98,6 +99,12 @@ class LocalClusterConfig:
     """Teacher workers on teacher_model_path (`--mode teacher`), for a trainer with distill.teacher."""
     teacher_model_path: str = ""
     """The teacher's model folder (needed when teacher_workers > 0)."""
+    judge_workers: int = 0
+    """Judge workers (`--mode judge`, a frozen model of their own) for a reward that names the judge."""
+    judge_model_path: str = ""
+    """The judge's model folder; '': model_path (the policy's checkpoint, in an engine of its own)."""
+    judge: JudgeServingConfig = flattened(JudgeServingConfig())
+    """A generative judge or a reward-model head (worker_options.JudgeServingConfig)."""
     num_cpus: int = 8
     """CPU slots Ray advertises (actors are light; real cores are shared)."""
     engine: EngineConfig = flattened(LOCAL_ENGINE)
@@ -132,9 +139,9 @@ class LocalClusterConfig:
 
     @property
     def worker_counts(self) -> dict[str, int]:
-        """Workers to start of each kind ('generation', 'logprob', 'reference', 'teacher'), in start order."""
+        """Workers to start of each kind ('generation', 'logprob', 'reference', 'teacher', 'judge'), in start order."""
         return {"generation": self.generation_workers, "logprob": self.logprob_workers,
-                "reference": self.reference_workers, "teacher": self.teacher_workers}
+                "reference": self.reference_workers, "teacher": self.teacher_workers, "judge": self.judge_workers}
 
     @property
     def total_workers(self) -> int:
@@ -154,7 +161,7 @@ class LocalClusterConfig:
             raise ValueError(f"LocalClusterConfig.gpu_memory_gib must be > 0 or None, got {self.gpu_memory_gib}")
         if self.generation_workers < 1:
             raise ValueError(f"LocalClusterConfig.generation_workers must be >= 1, got {self.generation_workers}")
-        for name in ("logprob_workers", "reference_workers", "teacher_workers"):
+        for name in ("logprob_workers", "reference_workers", "teacher_workers", "judge_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LocalClusterConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.teacher_workers and not self.teacher_model_path:
@@ -183,7 +190,7 @@ def plan_for(config: LocalClusterConfig, trainer_config: TrainerConfig | None = 
         logprob_chunk_size=model_options.logprob_chunk_size if model_options else 1024,
         gradient_checkpointing=model_options.gradient_checkpointing if model_options else False,
         generation_workers=config.generation_workers, tensor_parallel_size=config.engine.tensor_parallel_size,
-        logprob_workers=config.total_workers - config.generation_workers,
+        logprob_workers=config.total_workers - config.generation_workers, judge_workers=config.judge_workers,
         max_tokens_per_forward=config.batching.max_tokens_per_forward,
         context_parallel=model_options.context_parallel if model_options else 1,
         **(_run_load(trainer_config, ranks) if trainer_config is not None else {}))
@@ -218,8 +225,9 @@ class LocalCluster:
         self.placement = placement if placement is not None else plan_for(config)[0]
         self.cpu_plan = cpu_plan or cpu_plan_for(config, self.placement)
         self.gpus = planned_gpus(config.host_gpus)
-        self.engine, self.engine_choices = resolve_engine(
-            config.engine, self.placement, cuda_available() if cuda is None else cuda, longest_sample)
+        cuda = cuda_available() if cuda is None else cuda
+        self.engine, self.engine_choices = resolve_engine(config.engine, self.placement, cuda, longest_sample)
+        self.judge_engine = judge_engine(config.engine, self.engine, self.placement, cuda)
         self.address = ""
         self.temp_dir = ""
         self._dispatchers: list[tuple[str, subprocess.Popen, Path]] = []
@@ -262,11 +270,12 @@ class LocalCluster:
 
     def dispatcher_args(self, kind: str, index: int = 0) -> list[str]:
         """worker_dispatcher.py's flags for worker `index` of `kind` ('generation', 'logprob',
-        'reference' or 'teacher'; the teacher loads teacher_model_path, the others model_path):
+        'reference', 'teacher' or 'judge'; the teacher and the judge load their own model paths):
         the sections this config shares with the dispatcher, as flags (run_config.config_to_flags),
         where they differ from the dispatcher's defaults."""
         c = self.config
-        common = ["--mode", kind, "--model_path", c.teacher_model_path if kind == "teacher" else c.model_path,
+        path = {"teacher": c.teacher_model_path, "judge": c.judge_model_path}.get(kind) or c.model_path
+        common = ["--mode", kind, "--model_path", path,
                   *config_to_flags(c.health), *config_to_flags(c.restart)]
         if not c.tune_processes:
             common += ["--tune_processes", "false"]
@@ -276,6 +285,8 @@ class LocalCluster:
             common += ["--num_gpus", f"{self.placement.worker_gpu_share:g}"]
         if kind == "generation":
             return common + config_to_flags(c.verification) + config_to_flags(self.engine)
+        if kind == "judge":  # a generative judge's engine (judge_engine), a reward-model head's batching
+            return common + config_to_flags(c.judge) + config_to_flags(self.judge_engine) + config_to_flags(c.batching)
         if kind in ("logprob", "reference", "teacher"):
             return common + ["--dtype", self.engine.dtype] + config_to_flags(c.batching)
         raise ValueError(f"unknown worker kind {kind!r}")
@@ -421,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer_args = ["--run_dir", config.run_dir, "--model.model_path", config.model_path, *trainer_args]
     check_environment(config)
     trainer_config = load_trainer_config(trainer_args)  # prints its one line and exits 2 itself
+    check_judge_pool(PROGRAM, config.judge_workers, trainer_config.experience.sampling.reward.uses_judge)
     config = with_trainer_settings(config, trainer_config)
     placement, run, cpu_plan = plan_or_exit(config, trainer_config)
     # A dry run shows the plan of the machine it describes: a GPU plan gets the CUDA engine settings.
@@ -436,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     from async_grpo.telemetry.console import CONSOLE, LOG_FILE
     check_trainer_inputs(trainer_config, max_lora_rank=config.engine.max_lora_rank)
     if config.teacher_workers:
-        check_teacher_model(config.teacher_model_path, config.model_path)
+        check_teacher_model(PROGRAM, config.teacher_model_path, config.model_path)
     Path(config.run_dir).mkdir(parents=True, exist_ok=True)  # the checks passed: run.log can start
     _interrupt_on_sigterm()
     for line in plan_lines:  # one record each: every console line carries its clock; the default plan's
@@ -524,9 +536,7 @@ def setup_logging(config: LocalClusterConfig, trainer_config: TrainerConfig) -> 
 
 def _workers_text(config: LocalClusterConfig) -> str:
     """'2 workers (1 generation, 1 logprob)'."""
-    counts = {"generation": config.generation_workers, "logprob": config.logprob_workers,
-              "reference": config.reference_workers, "teacher": config.teacher_workers}
-    kinds = ", ".join(f"{count} {kind}" for kind, count in counts.items() if count)
+    kinds = ", ".join(f"{count} {kind}" for kind, count in config.worker_counts.items() if count)
     return f"{config.total_workers} worker{'s' if config.total_workers != 1 else ''} ({kinds})"
 
 
@@ -548,22 +558,6 @@ def check_engine_compile(config: LocalClusterConfig, cuda: bool) -> None:
     message = missing_compile_needs(config.engine.enforce_eager, on_cpu=not cuda)
     if message:
         exit_config_error(PROGRAM, message)
-
-
-def check_teacher_model(teacher_path: str, student_path: str) -> None:
-    """The teacher folder loads and shares the student's tokenizer (what the trainer checks again
-    against the running teacher workers); exit 2 with one line naming both models otherwise."""
-    from async_grpo.config.model_path import ModelPathError, check_model_dir
-    from setup_model import load_tokenizer, tokenizer_fingerprint
-
-    try:
-        check_model_dir(teacher_path)
-        same = tokenizer_fingerprint(load_tokenizer(teacher_path)) == tokenizer_fingerprint(load_tokenizer(student_path))
-    except ModelPathError as error:
-        exit_config_error(PROGRAM, f"teacher: {error}")
-    if not same:
-        exit_config_error(PROGRAM, f"the teacher ({teacher_path}) and the student ({student_path}) have "
-                                   "different tokenizers; distillation needs one tokenizer for both")
 
 
 def check_trainer_inputs(trainer_config: TrainerConfig, max_lora_rank: int = 0) -> None:

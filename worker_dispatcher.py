@@ -11,7 +11,9 @@ Run one dispatcher per worker, on the node that should host it, after the Ray cl
 
 (`--mode reference` starts a logprob worker on the frozen reference model, for runs whose logprob
 workers compute old-policy logprobs and that need reference logprobs too: trainer
-`logprob_role: old_policy` with `reference_pool: true`.)
+`logprob_role: old_policy` with `reference_pool: true`. `--mode judge` starts a judge of the
+reward named `judge`: `--judge_kind generative` a vLLM engine, `reward_model` an HF
+sequence-classification head; a judge never receives weight pushes.)
 
 Each dispatcher joins the cluster (RAY_ADDRESS, else --ray_address), gets or creates the
 registry of its kind, claims the next free worker name ("generation-worker-3"), starts the
@@ -54,8 +56,9 @@ from async_grpo.config.versions import (
     LOGPROB_WORKER_REQUIREMENTS, WORKER_REQUIREMENTS, VersionError, check_versions,
 )
 from async_grpo.config.worker_options import (
-    VLLM_GPU_MEMORY_UTILIZATION, EngineConfig, FailedSamplesConfig, HealthCheckConfig, LogprobBatchingConfig,
-    RayConnectionConfig, RestartConfig, VerificationConfig, check_transfer_packages, check_weight_transfer_device,
+    VLLM_GPU_MEMORY_UTILIZATION, EngineConfig, FailedSamplesConfig, HealthCheckConfig, JudgeServingConfig,
+    LogprobBatchingConfig, RayConnectionConfig, RestartConfig, VerificationConfig, check_transfer_packages,
+    check_weight_transfer_device,
 )
 from async_grpo.inference.engine_dtype import AUTO_DTYPE, dtype_choice_line, resolve_engine_dtype
 from async_grpo.launch.dispatcher_logs import REGISTERED_LINE, write_line
@@ -67,7 +70,7 @@ from async_grpo.launch.node_resources import (
 from async_grpo.launch.process_tuning import thread_env, worker_env
 from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster, shared_memory_owner
 from async_grpo.launch.ray_env import (
-    GENERATION, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, worker_actor_name,
+    GENERATION, JUDGE, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, worker_actor_name,
 )
 from async_grpo.launch.status_command import STATUS_COMMAND, run_status
 from vllm_registry import RegistryConfig, WorkerState, get_or_create_registry
@@ -98,14 +101,16 @@ class DispatcherConfig:
 
     mode: str = ""
     """Worker kind: 'generation' (vLLM rollouts + rewards), 'logprob' (reference or old-policy
-    logprobs, per the trainer's logprob_role) or 'reference' (frozen reference logprobs beside
-    old-policy logprob workers; never receives weight pushes)."""
+    logprobs), 'reference' (the frozen reference model), 'teacher' (a distillation teacher) or
+    'judge' (the reward's model judge); the last three never receive weight pushes."""
     model_path: str = ""
     """Hugging Face model folder, readable at the same path on this node."""
     engine: EngineConfig = flattened(EngineConfig())
     """Generation: the vLLM engine's options (its dtype also serves logprob workers)."""
     batching: LogprobBatchingConfig = flattened(LogprobBatchingConfig())
-    """Logprob: how requests are packed into forwards."""
+    """Logprob (and a reward-model judge): how requests are packed into forwards."""
+    judge: JudgeServingConfig = flattened(JudgeServingConfig())
+    """Judge: a generative judge or a reward-model head (worker_options.JudgeServingConfig)."""
     verification: VerificationConfig = flattened(VerificationConfig())
     """Generation: the cluster-wide math-verify pool (worker_options.VerificationConfig)."""
     failed_samples: FailedSamplesConfig = flattened(FailedSamplesConfig())
@@ -159,17 +164,32 @@ class DispatcherConfig:
 
 
 def generation_worker_config(cfg: DispatcherConfig, cuda: bool = True) -> Any:
-    """vllm_worker.GenerationWorkerConfig for this dispatcher (paths made absolute for the actor).
-
-    On a node without CUDA (`cuda` False) the engine's dtype 'auto' becomes float32
-    (inference/engine_dtype.py) and, with no KV-cache size or memory fraction given, the KV cache
-    gets cpu_kv_cache_bytes of the memory free now; both choices are logged.
-    """
+    """vllm_worker.GenerationWorkerConfig for this dispatcher (paths made absolute for the
+    actor), its engine chosen for this node (engine_for_node)."""
     from vllm_worker import GenerationWorkerConfig
 
     failed = dataclasses.replace(cfg.failed_samples,
                                  failed_samples_path=str(Path(cfg.failed_samples.failed_samples_path).resolve()))
-    engine = cfg.engine
+    return GenerationWorkerConfig(
+        model_path=str(Path(cfg.model_path).resolve()), engine=engine_for_node(cfg.engine, cuda), failed_samples=failed,
+        verification=cfg.verification,
+    )
+
+
+def judge_worker_config(cfg: DispatcherConfig, cuda: bool = True) -> Any:
+    """judge_worker.JudgeWorkerConfig for this dispatcher: a generative judge's engine chosen for
+    this node as a generation worker's is (engine_for_node); the path made absolute."""
+    from async_grpo.inference.judge_worker import JudgeWorkerConfig
+
+    engine = engine_for_node(cfg.engine, cuda) if cfg.judge.judge_kind == "generative" else cfg.engine
+    return JudgeWorkerConfig(model_path=str(Path(cfg.model_path).resolve()), serving=cfg.judge, engine=engine,
+                             batching=cfg.batching)
+
+
+def engine_for_node(engine: EngineConfig, cuda: bool) -> EngineConfig:
+    """`engine` as a vLLM engine on this node starts it: on a node without CUDA (`cuda` False) its
+    dtype 'auto' becomes float32 (inference/engine_dtype.py) and, with no KV-cache size or memory
+    fraction given, the KV cache gets cpu_kv_cache_bytes of the memory free now; both choices are logged."""
     if not cuda and engine.dtype == AUTO_DTYPE:
         engine = dataclasses.replace(engine, dtype=resolve_engine_dtype(engine.dtype, on_cpu=True))
         logger.info("CPU node: %s", dtype_choice_line(AUTO_DTYPE, engine.dtype, on_cpu=True))
@@ -182,10 +202,7 @@ def generation_worker_config(cfg: DispatcherConfig, cuda: bool = True) -> Any:
                     "--kv_cache_memory_bytes or --gpu_memory_utilization to change)",
                     engine.kv_cache_memory_bytes / 2**30, available / 2**30, CPU_KV_CACHE_MIN_BYTES / 2**30,
                     CPU_KV_CACHE_MAX_BYTES / 2**30)
-    return GenerationWorkerConfig(
-        model_path=str(Path(cfg.model_path).resolve()), engine=engine, failed_samples=failed,
-        verification=cfg.verification,
-    )
+    return engine
 
 
 def logprob_worker_config(cfg: DispatcherConfig) -> Any:
@@ -201,10 +218,16 @@ def logprob_worker_config(cfg: DispatcherConfig) -> Any:
 
 
 def registry_config_for(mode: str, worker_config: Any) -> RegistryConfig:
-    """Per-worker cap in the pool's cost unit: sequences (generation) or tokens (logprob)."""
-    if mode == GENERATION:
+    """Per-worker cap in the pool's cost unit: sequences (generation, judge: a judge request is
+    one) or tokens (logprob)."""
+    if mode in (GENERATION, JUDGE):
         return RegistryConfig(max_inflight_cost_per_worker=_GENERATION_CAP_PER_SEQ_SLOT * worker_config.engine.max_num_seqs)
     return RegistryConfig(max_inflight_cost_per_worker=_LOGPROB_CAP_PER_BATCH * worker_config.batching.max_tokens_per_forward)
+
+
+def _judge_engine(cfg: DispatcherConfig) -> bool:
+    """The dispatcher starts a generative judge (a vLLM engine)."""
+    return cfg.mode == JUDGE and cfg.judge.judge_kind == "generative"
 
 
 def check_shared_gpu_memory(cfg: DispatcherConfig, cuda: bool) -> None:
@@ -212,7 +235,7 @@ def check_shared_gpu_memory(cfg: DispatcherConfig, cuda: bool) -> None:
     default memory share, which would claim 0.92 of the GPU and fail beside the other processes."""
     engine = cfg.engine
     sharing = cfg.num_gpus is not None and cfg.num_gpus < 1
-    if (cuda and sharing and cfg.mode == GENERATION and engine.gpu_memory_utilization is None
+    if (cuda and sharing and (cfg.mode == GENERATION or _judge_engine(cfg)) and engine.gpu_memory_utilization is None
             and engine.kv_cache_memory_bytes is None):
         raise ValueError(f"--num_gpus {cfg.num_gpus:g} shares a GPU, and vLLM's default gpu_memory_utilization "
                          f"({VLLM_GPU_MEMORY_UTILIZATION}) takes nearly all of it: set --gpu_memory_utilization to "
@@ -260,6 +283,8 @@ def create_worker_actor(cfg: DispatcherConfig, name: str, worker_config: Any, no
     """The worker actor, pinned to this node, importing this repository (vLLM's engine-core too)."""
     if cfg.mode == GENERATION:
         from vllm_worker import GenerationWorkerActor as actor_class
+    elif cfg.mode == JUDGE:
+        from async_grpo.inference.judge_worker import JudgeWorkerActor as actor_class
     else:
         from logprob_worker import LogprobWorkerActor as actor_class
     return actor_class.options(
@@ -424,6 +449,8 @@ def serve(cfg: DispatcherConfig) -> int:
         return 1
     if cfg.mode == GENERATION:
         worker_config = generation_worker_config(cfg, cuda=node_runs_cuda())
+    elif cfg.mode == JUDGE:
+        worker_config = judge_worker_config(cfg, cuda=node_runs_cuda())
     else:
         worker_config = logprob_worker_config(cfg)
     spec = WorkerSpec(worker_config=worker_config, gpus=gpus, node_id=node_id,
@@ -530,7 +557,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_status(args)
         try:
             cfg = load_config(DispatcherConfig, args, description=__doc__)
-            check_versions(WORKER_REQUIREMENTS if cfg.mode == GENERATION else LOGPROB_WORKER_REQUIREMENTS)
+            check_versions(WORKER_REQUIREMENTS if cfg.mode == GENERATION or _judge_engine(cfg)
+                           else LOGPROB_WORKER_REQUIREMENTS)
             check_model_dir(cfg.model_path)  # before joining the cluster or starting an engine
             cuda = node_runs_cuda()
             check_shared_gpu_memory(cfg, cuda)

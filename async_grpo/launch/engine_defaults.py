@@ -75,3 +75,16 @@ def _cuda_memory(engine: EngineConfig, placement: Placement) -> dict[str, tuple[
         if engine.max_num_seqs == LAUNCHER_MAX_NUM_SEQS:
             chosen["max_num_seqs"] = (sizing.max_num_seqs, "what the KV cache holds")
     return chosen
+
+
+def judge_engine(given: EngineConfig, resolved: EngineConfig, placement: Placement, cuda: bool) -> EngineConfig:
+    """A generative judge's engine: the generation engines' device choices (`resolved`: dtype, the
+    CPU sizes), but on CUDA none of what the plan sized to the policy's run: its KV cache,
+    max_num_seqs and max_model_len stay as `given` (vLLM's defaults when unset), since a judge's
+    prompt holds a rubric, the question and the answer, longer than the run's longest sample; and
+    the plan's memory share only where the judge shares a GPU (a whole GPU: vLLM's own default)."""
+    if not cuda:
+        return resolved
+    share = resolved.gpu_memory_utilization if placement.worker_gpu_share < 1 else given.gpu_memory_utilization
+    return dataclasses.replace(resolved, kv_cache_memory_bytes=given.kv_cache_memory_bytes, max_num_seqs=given.max_num_seqs,
+                               max_model_len=given.max_model_len, gpu_memory_utilization=share)

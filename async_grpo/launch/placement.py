@@ -145,7 +145,9 @@ class RunShape:
     generation_workers: int = 1
     tensor_parallel_size: int = 1
     logprob_workers: int = 0
-    """Every worker that holds an HF model for logprobs: logprob, reference and teacher workers."""
+    """Every other worker, each placed as a logprob worker is: logprob, reference, teacher and judge workers."""
+    judge_workers: int = 0
+    """Of logprob_workers, the judges (the plan names them apart)."""
     max_tokens_per_forward: int = 16384
     compute_dtype_bytes: int = BF16_BYTES
     """Bytes per element the trainer computes in: 2 for bf16 (mixed precision, the GPU default), 4
@@ -346,8 +348,9 @@ class Placement:
                  f"({'colocated: trainer and workers share GPU 0' if self.colocated else 'trainer and workers apart'})"]
         share = ("a whole GPU each" if self.worker_gpu_share >= 1
                  else f"{self.worker_gpu_share:g} of a GPU each in Ray")
+        judges = f", {run.judge_workers} judge" if run.judge_workers else ""
         lines.append(f"  workers  GPU(s) {_ids(self.worker_gpus)}: {run.generation_workers} generation, "
-                     f"{run.logprob_workers} logprob-type; {share}")
+                     f"{run.logprob_workers - run.judge_workers} logprob-type{judges}; {share}")
         if self.engine_memory_fraction is not None:
             lines.append(f"  vLLM     gpu_memory_utilization {self.engine_memory_fraction:.3f} per engine "
                          f"({self.engine_memory_fraction * gib:.1f} GiB: weights, activations, KV cache)")

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import pytest
 
-from async_grpo.config.run_config import load_config
+from async_grpo.config.run_config import ConfigError, load_config
 from async_grpo.config.worker_options import EngineConfig, LogprobBatchingConfig
 from async_grpo.launch.dispatcher_logs import REGISTERED_LINE
 from async_grpo.launch.ray_env import (
@@ -187,6 +187,21 @@ def test_the_engine_and_batching_sections_reach_the_workers_as_given():
     assert registry_config_for("logprob", logprob).max_inflight_cost_per_worker == 2 * 512
     unset = generation_worker_config(load_config(DispatcherConfig, ["--mode", "generation", "--model_path", "m"]))
     assert unset.engine == EngineConfig()  # the worker's own defaults; on a CUDA node nothing is sized
+
+
+def test_a_judge_dispatcher_gives_its_worker_the_engine_or_the_batching_of_its_kind():
+    from worker_dispatcher import judge_worker_config, registry_config_for
+
+    flags = ["--mode", "judge", "--model_path", "m", "--max_num_seqs", "8", "--kv_cache_memory_bytes", "1024",
+             "--max_tokens_per_forward", "512"]
+    generative = judge_worker_config(load_config(DispatcherConfig, flags), cuda=False)
+    assert generative.serving.judge_kind == "generative" and generative.engine.dtype == "float32"  # CPU: fp32
+    assert generative.engine.kv_cache_memory_bytes == 1024 and generative.batching.max_tokens_per_forward == 512
+    assert registry_config_for("judge", generative).max_inflight_cost_per_worker == 2 * 8  # 1 per request
+    head = judge_worker_config(load_config(DispatcherConfig, [*flags, "--judge_kind", "reward_model"]), cuda=False)
+    assert head.serving.judge_kind == "reward_model" and head.engine.dtype == "auto"  # no engine to size
+    with pytest.raises(ConfigError, match="judge_kind"):
+        load_config(DispatcherConfig, [*flags, "--judge_kind", "critic"])
 
 
 @pytest.mark.system

@@ -245,3 +245,37 @@ def test_the_launcher_refuses_a_compiling_engine_without_a_compiler(tmp_path, mo
     assert exited.value.code == 2 and len(err.splitlines()) == 1
     assert "no-such-compiler-here" in err and "--enforce_eager true" in err
     check_engine_compile(dataclasses.replace(compiling, engine=local_engine(enforce_eager=True)), cuda=False)
+
+
+def test_the_launcher_refuses_a_judged_reward_without_judge_workers(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One line, exit 2, before Ray, a worker or the run directory exists."""
+    import local_cluster
+
+    trainer = ["--config", "configs/demo.yaml", "--data.path", "p.jsonl", "--eval.data.path", "e.jsonl",
+               "--sampling.reward.functions", "judge"]
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exited:
+        local_cluster.main(["--model_path", "m", "--run_dir", str(run_dir), "--", *trainer])
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and len(err.splitlines()) == 1
+    assert "names the judge" in err and "--judge_workers" in err
+    assert not run_dir.exists()
+    local_cluster.check_judge_pool(local_cluster.PROGRAM, judge_workers=1, uses_judge=True)  # passes
+    local_cluster.check_judge_pool(local_cluster.PROGRAM, judge_workers=0, uses_judge=False)
+
+
+def test_judge_workers_load_their_own_model_or_the_policys(tiny_model_dir, tmp_path) -> None:
+    from async_grpo.config.worker_options import JudgeServingConfig
+    from local_cluster import LocalCluster, LocalClusterConfig
+
+    def args(**judge) -> list[str]:
+        config = LocalClusterConfig(model_path=str(tiny_model_dir), run_dir=str(tmp_path), judge_workers=1, **judge)
+        assert config.worker_counts["judge"] == 1
+        return LocalCluster(config, cuda=False).dispatcher_args("judge", 0)
+
+    shared = args()
+    assert shared[:4] == ["--mode", "judge", "--model_path", str(tiny_model_dir)]
+    assert "--max_tokens_per_forward" in shared and "--max_num_seqs" in shared  # batching and engine options
+    own = args(judge_model_path="rm", judge=JudgeServingConfig(judge_kind="reward_model"))
+    assert own[:4] == ["--mode", "judge", "--model_path", "rm"]
+    assert own[own.index("--judge_kind") + 1] == "reward_model"

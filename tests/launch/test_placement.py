@@ -162,6 +162,34 @@ def test_cpu_engines_keep_the_cpu_settings() -> None:
     assert len(lines) == 1 and lines[0].startswith("engine settings for CPU") and "max_model_len 512" in lines[0]
 
 
+def test_a_judge_engine_keeps_the_device_choices_but_not_the_runs_sizes() -> None:
+    """A judge's prompt (rubric, question, answer) outgrows the policy's longest sample: on CUDA its
+    engine gets the dtype, and the plan's share only where it shares a GPU; on CPU the CPU sizes."""
+    import dataclasses
+
+    from async_grpo.config.worker_options import EngineConfig
+    from async_grpo.launch.engine_defaults import judge_engine, resolve_engine
+
+    given = EngineConfig(max_num_seqs=256)
+    shared = plan_placement(1, H200, QWEN_0_5B, DEFAULT_RUN)
+    resolved, _ = resolve_engine(given, shared, cuda=True, longest_sample=1536)
+    judge = judge_engine(given, resolved, shared, cuda=True)
+    assert (judge.dtype, judge.max_model_len, judge.kv_cache_memory_bytes, judge.max_num_seqs) == ("bfloat16", None, None, 256)
+    assert shared.worker_gpu_share < 1 and judge.gpu_memory_utilization == shared.engine_memory_fraction
+    whole = dataclasses.replace(shared, worker_gpu_share=1.0)
+    assert judge_engine(given, resolved, whole, cuda=True).gpu_memory_utilization is None  # vLLM's own default
+    on_cpu, _ = resolve_engine(given, plan_placement(0, 0, QWEN_0_5B, DEFAULT_RUN), cuda=False, longest_sample=20)
+    assert judge_engine(given, on_cpu, plan_placement(0, 0, QWEN_0_5B, DEFAULT_RUN), cuda=False) == on_cpu
+
+
+def test_the_plan_names_the_judges_apart() -> None:
+    import dataclasses
+
+    run = dataclasses.replace(DEFAULT_RUN, logprob_workers=2, judge_workers=1)
+    (line,) = [line for line in plan_placement(4, H200, QWEN_0_5B, run).lines(run) if "workers  GPU" in line]
+    assert "1 generation, 1 logprob-type, 1 judge;" in line
+
+
 def test_the_transfer_must_suit_the_plan() -> None:
     from async_grpo.launch.placement import check_transfer_placement
 

@@ -53,8 +53,9 @@ from async_grpo.inference.failed_samples import FailedSampleLog
 from async_grpo.inference.generation_stats import GenerationStats
 from async_grpo.inference.served_weights import ServedWeights
 from async_grpo.launch.ray_cluster import shared_memory_owner
-from async_grpo.launch.ray_env import GENERATION
+from async_grpo.launch.ray_env import GENERATION, JUDGE
 from async_grpo.rewards.math_verifier import RewardResult
+from async_grpo.rewards.judge_reward import RegistryJudgeClient
 from async_grpo.rewards.math_verify_cluster import connect_verifier_pool
 from async_grpo.rewards.shaping import ShapedReward
 from async_grpo.rollouts.multi_turn import ChatRenderer, MultiTurnStats, engine_generate, run_rollouts
@@ -68,7 +69,7 @@ from async_grpo.weights.worker_adapter import AdapterLoader
 from async_grpo.weights.worker_cuda_transfer import TransferPassThrough
 from async_grpo.weights.worker_object_store import ObjectStoreReloader
 from sample_processing_utils import Sample
-from vllm_registry import Bundle, serve_many
+from vllm_registry import BatchedRegistryClient, Bundle, get_or_create_registry, serve_many
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
@@ -124,6 +125,11 @@ class GenerationWorkerConfig:
 _ENGINE_DEAD = "engine dead"
 
 
+def connect_judge_pool() -> RegistryJudgeClient:
+    """The judge pool's client (its registry's leases), made on the first group a judge scores."""
+    return RegistryJudgeClient(BatchedRegistryClient(get_or_create_registry(JUDGE)))
+
+
 class GenerationWorker:
     """One vLLM AsyncLLM engine and the rollouts it serves, scored by the verifier pool; new
     weights and the endpoint are the jobs of the plain classes it composes (module docstring).
@@ -142,7 +148,8 @@ class GenerationWorker:
         self.stats = GenerationStats()
         connect = functools.partial(connect_verifier_pool, config.verification.global_num_verifiers,
                                     config.verification.verifier_timeout_s)
-        self.scorer = RolloutScorer(worker_name, connect, verifier, count_in_worker=self._count_verdicts_in_worker)
+        self.scorer = RolloutScorer(worker_name, connect, verifier, count_in_worker=self._count_verdicts_in_worker,
+                                    connect_judge=connect_judge_pool)
         self._failed = FailedSampleLog(config.failed_samples.path, worker_name)
         self._engine: AsyncLLM | None = None
         self._renderer: ChatRenderer | None = None
@@ -391,8 +398,8 @@ class GenerationWorker:
         problem = self._engine_problem()
         if problem == _ENGINE_DEAD:
             self.life.fail("vLLM engine died (engine-core process gone)")
-        note = ", ".join(f"{k}={int(v)}" for k, v in {**self.stats.as_metrics(), **self.multi_turn.metrics(),
-                                                     **self.verifiers.metrics()}.items())
+        note = ", ".join(f"{k}={v:g}" for k, v in {**self.stats.as_metrics(), **self.multi_turn.metrics(),
+                                                   **self.verifiers.metrics(), **self.scorer.judge_stats.as_metrics()}.items())
         if self.engine_core_start:
             note += f", engine_core={self.engine_core_start}"
         if self.endpoint_host.endpoint is not None:

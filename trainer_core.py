@@ -43,7 +43,7 @@ from async_grpo.launch.host_gpus import listed_gpu_count
 from async_grpo.launch.local_processes import exit_without_teardown
 from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
 from async_grpo.launch.ray_env import (
-    GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name,
+    GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, actor_runtime_env, registry_name,
 )
 from async_grpo.model.context_parallel import gather_outputs, local_batch, reduce_loss_metrics
 from async_grpo.telemetry.console import CONSOLE, LOG_FILE, configure_logging, log_run_summary
@@ -60,7 +60,7 @@ from async_grpo.trainer.evaluation import Evaluator
 from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, check_trainer_gpus, init_distributed
 from async_grpo.trainer.optimizer import build_optimizer, build_scheduler
 from async_grpo.trainer.prompt_feeder import PromptFeeder, last_step_to_submit
-from async_grpo.trainer.run_inputs import InputError, RunInputs, check_teacher_tokenizer, load_run_inputs
+from async_grpo.trainer.run_inputs import InputError, RunInputs, check_service_pools, load_run_inputs
 from async_grpo.weights.adapter_files import weights_dir
 from async_grpo.weights.trainer_cuda_transfer import EngineWeightSender, check_transfer_pairing
 from async_grpo.weights.trainer_pusher import WeightPusher, resolve_push_dtype
@@ -481,8 +481,7 @@ def _make_batcher(config: TrainerConfig, dist: DistInfo,
             _registry(LOGPROB)
         if config.experience.reference_pool:
             _registry(REFERENCE)
-        if config.experience.distill.teacher:
-            check_teacher_tokenizer(_registry(TEACHER), config.model.model_path)
+        check_service_pools(config, _registry)
         batcher = get_or_create_batcher(batcher_config)
         ray.get(batcher.stats.remote())  # wait until it is up
         if algorithm_state:

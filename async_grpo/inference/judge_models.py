@@ -159,8 +159,9 @@ class SequenceScorer(Protocol):
 
 
 class HfSequenceScorer:
-    """SequenceScorer over an HF AutoModelForSequenceClassification with one label: right-padded
-    batches with an attention mask, the head read at each sequence's last real token."""
+    """SequenceScorer over a decoder-only HF AutoModelForSequenceClassification with one label and
+    a `score` head (Llama, Qwen2, Mistral, Gemma reward models): right-padded batches with an
+    attention mask, the head read at each sequence's last real token."""
 
     def __init__(self, model_path: str, dtype: str) -> None:
         import torch
@@ -176,6 +177,9 @@ class HfSequenceScorer:
         if self.model.config.num_labels != 1:
             raise ValueError(f"{model_path}: a reward-model judge needs a sequence-classification head with one "
                              f"label (its score), this one has num_labels={self.model.config.num_labels}")
+        if not isinstance(getattr(self.model, "score", None), torch.nn.Module):
+            raise ValueError(f"{model_path}: a reward-model judge reads a decoder's `score` head at the last token; "
+                             f"{type(self.model).__name__} has none")
         self.tokenizer = load_tokenizer(model_path)
 
     def score(self, sequences: list[list[int]]) -> list[float]:
@@ -192,10 +196,9 @@ class HfSequenceScorer:
             # on a pad id (HF's pooling looks for the last non-pad token, which a pad id equal to
             # a real last token would misplace).
             hidden = self.model.base_model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
-            head = getattr(self.model, "score", None) or getattr(self.model, "classifier")
             last = torch.tensor([len(s) - 1 for s in sequences], device=self.device)
             states = hidden.last_hidden_state[torch.arange(len(sequences), device=self.device), last]
-            return [float(v) for v in head(states).float()[:, 0].cpu()]
+            return [float(v) for v in self.model.score(states).float()[:, 0].cpu()]
 
 
 class RewardModelJudge:

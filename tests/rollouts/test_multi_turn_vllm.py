@@ -23,6 +23,9 @@ from pathlib import Path
 import pytest
 
 from async_grpo.inference.engine_requests import sampling_params
+from async_grpo.inference.judge_models import GenerativeJudge, VllmTextEngine
+from async_grpo.inference.judge_worker import JudgeWorker, JudgeWorkerConfig
+from async_grpo.rewards.judge_reward import JudgeReply, JudgeRequest
 from async_grpo.demo_assets.tiny_model import IM_END
 from async_grpo.rewards.math_verify_pool import VerifierPool
 from async_grpo.rollouts.environments import EnvironmentConfig, StepResult, Turn
@@ -100,7 +103,8 @@ async def _rollouts(model_dir: Path, tokenizer):
             worker_sampling = SamplingConfig(n=WORKER_ROLLOUTS, max_tokens=TURN_MAX_TOKENS, seed=SEED + 1,
                                              environment=config)
             worker_samples = await worker.generate(sample, worker_sampling)
-            return samples, logs, stats, worker_samples, worker.multi_turn.metrics()
+            judged = await _judge_on(engine, tokenizer)
+            return samples, logs, stats, worker_samples, worker.multi_turn.metrics(), judged
         finally:
             worker.shutdown()
 
@@ -131,7 +135,7 @@ def _expected_observation(tokenizer, last_token: int, content: str) -> list[int]
 
 
 def test_the_stream_is_the_engines_tokens_plus_observations_verbatim(rollouts) -> None:
-    tokenizer, samples, logs, stats, _, _ = rollouts
+    tokenizer, samples, logs, stats, _, _, _ = rollouts
     env = ToolEnvironment(tools=["calculator"])
     env.gt_answer = "42"
     prompt_text = (f"<|im_start|>system\n{env.system_prompt()}<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n"
@@ -173,7 +177,7 @@ def test_the_stream_is_the_engines_tokens_plus_observations_verbatim(rollouts) -
 def test_the_trainers_packed_logprobs_reproduce_the_engines(rollouts, chat_model_dir: Path) -> None:
     """The trainer's logprob pass over the packed, masked samples gives each sampled token the
     logprob the engine sampled it with: the context it scores is the engine's, token for token."""
-    _, samples, _, _, _, _ = rollouts
+    _, samples, _, _, _, _, _ = rollouts
     assert_trainer_logprobs_match_engine(chat_model_dir, samples)
 
 
@@ -181,7 +185,7 @@ def test_the_generation_worker_runs_the_configured_environment(rollouts) -> None
     """GenerationWorker.generate with sampling.environment set: n multi-turn rollouts of the
     prompt, each a stream whose sampled tokens are the masked-in ones, with the environment's
     reward, its record dropped after scoring, and the worker's multi_turn counters."""
-    tokenizer, _, _, _, worker_samples, metrics = rollouts
+    tokenizer, _, _, _, worker_samples, metrics, _ = rollouts
     assert len(worker_samples) == WORKER_ROLLOUTS
     env = ToolEnvironment(tools=["calculator"])
     prompt_text = (f"<|im_start|>system\n{env.system_prompt()}<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n"
@@ -198,3 +202,35 @@ def test_the_generation_worker_runs_the_configured_environment(rollouts) -> None
     assert metrics["multi_turn/rollouts"] == WORKER_ROLLOUTS
     assert metrics["multi_turn/observation_tokens"] == observation_tokens > 0
     assert metrics["multi_turn/sampled_tokens"] == sum(s.num_sampled_tokens for s in worker_samples)
+
+
+JUDGE_MESSAGES = [{"role": "system", "content": "Grade the answer."}, {"role": "user", "content": QUESTION + " 42"}]
+JUDGE_MAX_TOKENS = 8
+
+
+async def _judge_on(engine, tokenizer) -> JudgeReply:
+    """A judge worker's generative judge over this module's engine (a judge has an engine of its
+    own in a run; its requests are what matter here): one greedy request."""
+    worker = JudgeWorker("judge-worker-0", JudgeWorkerConfig(model_path="m"),
+                         model=GenerativeJudge("judge-worker-0", tokenizer, VllmTextEngine(engine)))
+    await worker.start()
+    worker.mark_ready()
+    return await worker.judge(JudgeRequest(messages=JUDGE_MESSAGES, max_tokens=JUDGE_MAX_TOKENS, temperature=0.0))
+
+
+def test_a_generative_judge_replies_as_the_model_greedily_continues_its_chat(rollouts, chat_model_dir: Path) -> None:
+    """The judge's reply is HF's greedy continuation of the hand-written ChatML of its request."""
+    import torch
+
+    from setup_model import load_causal_lm
+
+    tokenizer, *_, reply = rollouts
+    chat = ("<|im_start|>system\nGrade the answer.<|im_end|>\n<|im_start|>user\n" + QUESTION
+            + " 42<|im_end|>\n<|im_start|>assistant\n")
+    ids = tokenizer.encode(chat, add_special_tokens=False)
+    model = load_causal_lm(chat_model_dir).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=JUDGE_MAX_TOKENS, do_sample=False)
+    expected = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    assert reply.text == expected and reply.prompt_tokens == len(ids)
+    assert 1 <= reply.completion_tokens <= JUDGE_MAX_TOKENS

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Protocol
 
 import ray
 
@@ -27,7 +27,6 @@ from async_grpo.launch.ray_env import JUDGE
 from async_grpo.rewards.judge_reward import JUDGE_METHOD, JudgeReply, JudgeRequest
 from async_grpo.routing.batch_calls import Bundle, serve_many
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
-from async_grpo.weights.weight_sync import WeightUpdate
 from sample_processing_utils import INITIAL_WEIGHT_VERSION
 
 logger = logging.getLogger(__name__)
@@ -138,8 +137,8 @@ class JudgeWorker:
         self.tokens_out += reply.completion_tokens
         return reply
 
-    async def update_weights(self, update: WeightUpdate) -> int:
-        """Refused: a judge is frozen; the policy's pushes never reach it."""
+    async def update_weights(self, update: Any) -> int:
+        """Refused (`update`: a weights.update.WeightUpdate): a judge is frozen; the policy's pushes never reach it."""
         raise ValueError(f"{self.worker_name} serves a frozen judge and never loads pushed weights "
                          f"(v{update.version} offered)")
 
@@ -187,7 +186,7 @@ class JudgeWorkerActor:
         async for chunk in serve_many(self._worker, (JUDGE_METHOD,), method, calls):
             yield chunk
 
-    async def update_weights(self, update: WeightUpdate) -> int:
+    async def update_weights(self, update: Any) -> int:
         return await self._worker.update_weights(update)
 
     async def model_info(self) -> dict[str, str]:

@@ -18,7 +18,7 @@ from async_grpo.inference.judge_worker import JudgeWorker, JudgeWorkerConfig
 from async_grpo.rewards.judge_reward import JudgeReply, JudgeRequest
 from async_grpo.routing.batch_calls import Bundle, WorkerFailedError, serve_many
 from async_grpo.routing.worker_lifecycle import WorkerState
-from async_grpo.weights.weight_sync import WeightUpdate
+from async_grpo.weights.update import WeightUpdate
 
 MESSAGES = [{"role": "system", "content": "Grade it."}, {"role": "user", "content": "Is 3+4=7 right?"}]
 # The ChatML layout written out by hand: what the judge's engine must be sent for MESSAGES.

@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from async_grpo.config.run_config import (
-    ConfigError, config_to_flags, exit_config_error, flattened, load_config, split_passthrough,
+    ConfigError, config_to_flags, derived, exit_config_error, flattened, load_config, split_passthrough,
 )
 from async_grpo.config.worker_options import (
-    EngineConfig, HealthCheckConfig, LogprobBatchingConfig, RestartConfig, VerificationConfig,
+    EngineConfig, EngineTransferConfig, HealthCheckConfig, LogprobBatchingConfig, PromptSharingConfig, RestartConfig,
+    VerificationConfig, shared_part,
 )
 from async_grpo.launch.context_plan import check_context_plan
 from async_grpo.launch.cpu_plan import CpuPlan, CpuPlanConfig, pinned_thread, plan_cpu, usable_core_ids
@@ -107,6 +108,12 @@ class LocalClusterConfig:
     """The generation workers' math-verify pool (worker_options.VerificationConfig)."""
     batching: LogprobBatchingConfig = flattened(LOCAL_BATCHING)
     """How the logprob workers pack requests (worker_options.LogprobBatchingConfig)."""
+    transfer: EngineTransferConfig = derived(EngineTransferConfig())
+    """The generation engines' weight transfer: the trainer's --transfer.weight_transfer, set by
+    with_trainer_settings (no flag here: the option has one source)."""
+    sharing: PromptSharingConfig = derived(PromptSharingConfig())
+    """The logprob workers' prompt sharing: the trainer's --model.share_prompts, set by
+    with_trainer_settings."""
     worker_start_timeout_s: float = 600.0
     """Give up if a worker has not registered by then (vLLM on CPU takes ~1 min)."""
     health: HealthCheckConfig = flattened(HealthCheckConfig())
@@ -275,9 +282,10 @@ class LocalCluster:
         if self.placement.on_gpu and self.placement.worker_gpu_share < 1:
             common += ["--num_gpus", f"{self.placement.worker_gpu_share:g}"]
         if kind == "generation":
-            return common + config_to_flags(c.verification) + config_to_flags(self.engine)
+            return [*common, *config_to_flags(c.verification), *config_to_flags(self.engine),
+                    *config_to_flags(c.transfer)]
         if kind in ("logprob", "reference", "teacher"):
-            return common + ["--dtype", self.engine.dtype] + config_to_flags(c.batching)
+            return [*common, "--dtype", self.engine.dtype, *config_to_flags(c.batching), *config_to_flags(c.sharing)]
         raise ValueError(f"unknown worker kind {kind!r}")
 
     def add_worker_command(self, kind: str) -> str:
@@ -476,38 +484,10 @@ def load_trainer_config(trainer_args: list[str]) -> TrainerConfig:
 
 
 def with_trainer_settings(config: LocalClusterConfig, trainer_config: TrainerConfig) -> LocalClusterConfig:
-    """`config` with what its workers take from the trainer's config (the weight-transfer backend,
-    prompt sharing): with_trainer_transfer, then with_trainer_packing."""
-    config = with_trainer_transfer(config, trainer_config.transfer.weight_transfer)
-    return with_trainer_packing(config, trainer_config.model.share_prompts)
-
-
-def with_trainer_transfer(config: LocalClusterConfig, weight_transfer: str) -> LocalClusterConfig:
-    """`config` with the generation engines' weight_transfer set to the trainer's
-    transfer.weight_transfer: both ends must name the same backend, so a user sets the trainer's
-    and the launcher hands it to the workers. Exit 2 with one line when the launcher's own
-    --weight_transfer was set to another backend."""
-    own = config.engine.weight_transfer
-    if own == weight_transfer:
-        return config
-    if own != LOCAL_ENGINE.weight_transfer:
-        exit_config_error(PROGRAM, f"--weight_transfer {own!r} (the generation engines) differs from the "
-                                   f"trainer's --transfer.weight_transfer {weight_transfer!r}: set the trainer's "
-                                   "alone, the launcher passes it on")
-    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, weight_transfer=weight_transfer))
-
-
-def with_trainer_packing(config: LocalClusterConfig, share_prompts: bool) -> LocalClusterConfig:
-    """`config` with the logprob workers' share_prompts set to the trainer's model.share_prompts,
-    so both sides pack a minibatch's samples alike (the same logprobs, bit for bit). Exit 2 with
-    one line when the launcher's own --share_prompts asks for sharing the trainer does not do."""
-    own = config.batching.share_prompts
-    if own == share_prompts:
-        return config
-    if own:
-        exit_config_error(PROGRAM, "--share_prompts true (the logprob workers) but the trainer's "
-                                   "--model.share_prompts is false: set the trainer's alone, the launcher passes it on")
-    return dataclasses.replace(config, batching=dataclasses.replace(config.batching, share_prompts=True))
+    """`config` with the options its workers read from the trainer's config (the weight-transfer
+    backend, prompt sharing; each declared once, in worker_options), so both ends agree."""
+    return dataclasses.replace(config, transfer=shared_part(EngineTransferConfig, trainer_config.transfer),
+                               sharing=shared_part(PromptSharingConfig, trainer_config.model))
 
 
 def setup_logging(config: LocalClusterConfig, trainer_config: TrainerConfig) -> None:

@@ -4,10 +4,9 @@ One worker owns one engine (continuous batching, many concurrent requests). A re
 dataset `Sample` plus the trainer's `SamplingConfig`; the answer is n completed copies of the
 sample (tokens, sampling logprobs, reward, weight version). The group's advantages are computed
 by the experience batcher once the group's reference logprobs are in (algorithm.py). Rewards
-come from rollout_scoring.RolloutScorer (the verifier pool's verdict plus the optional format
-bonus or penalty of `SamplingConfig.reward` and the optional soft overlong punishment); what the
-tokens and text hold when a stop string, stop token or EOS ends a completion is set out in
-sampling.py.
+come from rollout_scoring.RolloutScorer (the verifier pool's verdict, shaped by
+`SamplingConfig.reward` and the soft overlong punishment); sampling.py says what the tokens and
+text hold when a stop string, stop token or EOS ends a completion.
 
 The worker's other jobs are plain classes in async_grpo/inference/ that it composes, sharing
 served_weights.ServedWeights (the version and LoRA adapter the engine serves, and the requests
@@ -51,9 +50,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
 import ray
 
 from async_grpo.config.run_config import flattened
-from async_grpo.config.worker_options import (
-    WEIGHT_TRANSFER_BACKENDS, EngineConfig, FailedSamplesConfig, VerificationConfig, check_weight_transfer_device,
-)
+from async_grpo.config.worker_options import EngineConfig, EngineTransferConfig, FailedSamplesConfig, VerificationConfig
+from async_grpo.config.worker_options import WEIGHT_TRANSFER_BACKENDS, check_weight_transfer_device
 from async_grpo.inference.adapter_loader import AdapterLoader
 from async_grpo.inference.endpoint_host import EndpointHost
 from async_grpo.inference.engine_diagnostics import StderrTail, root_cause_line
@@ -112,6 +110,8 @@ class GenerationWorkerConfig:
     """Hugging Face model folder the engine loads (safetensors + tokenizer)."""
     engine: EngineConfig = flattened(EngineConfig())
     """The vLLM engine's options (worker_options.EngineConfig; top-level flags and keys)."""
+    transfer: EngineTransferConfig = flattened(EngineTransferConfig())
+    """How the trainer's weights reach the engine: the trainer's choice (worker_options.EngineTransferConfig)."""
     weight_reload_bucket_bytes: int = 512 * 2**20
     """Most bytes of weights one update_weights call hands the engine (weight_transfer
     object_store). A push streams the update into the engine in buckets of whole decoder layers
@@ -172,7 +172,7 @@ def engine_args(config: GenerationWorkerConfig, in_process: bool) -> dict[str, A
         seed=cfg.engine_seed,
         logprobs_mode=cfg.logprobs_mode,
         worker_extension_cls=_WEIGHT_TRANSFER_REGISTRATION,
-        weight_transfer_config={"backend": WEIGHT_TRANSFER_BACKENDS[cfg.weight_transfer]},
+        weight_transfer_config={"backend": WEIGHT_TRANSFER_BACKENDS[config.transfer.weight_transfer]},
         disable_log_stats=True,
         distributed_executor_backend="uni" if in_process else None,
         **lora,
@@ -197,7 +197,7 @@ def _prepared_engine_args(config: GenerationWorkerConfig, worker_name: str) -> t
         # only matters to the synchronous LLMEngine besides; AsyncLLM keeps its engine-core
         # process either way.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    check_weight_transfer_device(cfg.weight_transfer, has_cuda=not _on_cpu_platform())
+    check_weight_transfer_device(config.transfer.weight_transfer, has_cuda=not _on_cpu_platform())
     engine_kwargs = engine_args(config, in_process)
     logger.info("%s: %s", worker_name, dtype_choice_line(cfg.dtype, engine_kwargs["dtype"], _on_cpu_platform()))
     return engine_kwargs, in_process
@@ -284,14 +284,14 @@ class GenerationWorker:
         self.served = ServedWeights(self._remove_adapter)
         """The version and adapter the engine serves, and the requests running on them."""
         self.reloader = ObjectStoreReloader(
-            worker_name, model_path=config.model_path, weight_transfer=config.engine.weight_transfer,
+            worker_name, model_path=config.model_path, weight_transfer=config.transfer.weight_transfer,
             bucket_bytes=config.weight_reload_bucket_bytes, pause_mode=config.weight_update_pause_mode,
             served=self.served, stats=self.stats, life=self.life)
         self.adapter_loader = AdapterLoader(
             worker_name, max_lora_rank=config.engine.max_lora_rank, reloader=self.reloader, served=self.served,
             stats=self.stats, on_engine_error=self._fail_if_engine_dead, files_owner=files_owner)
         self.transfer = TransferPassThrough(
-            worker_name, backend=config.engine.weight_transfer, pause_mode=config.weight_update_pause_mode,
+            worker_name, backend=config.transfer.weight_transfer, pause_mode=config.weight_update_pause_mode,
             engine=self._require_engine, served=self.served, stats=self.stats, life=self.life)
         self.endpoint_host = EndpointHost(
             worker_name, model_path=config.model_path, port=config.engine.openai_endpoint_port,
@@ -496,7 +496,7 @@ class GenerationWorker:
                 await self.reloader.load(engine, update)
             return self.served.version
 
-    # ---- vLLM's CUDA weight transfers (EngineConfig.weight_transfer nccl / nccl_m2n / ipc): the
+    # ---- vLLM's CUDA weight transfers (EngineTransferConfig.weight_transfer nccl / nccl_m2n / ipc): the
     # trainer drives them (weight_transfer_trainer.EngineWeightSender); TransferPassThrough passes them on.
 
     def transfer_describe(self) -> dict[str, Any]:

@@ -54,8 +54,9 @@ from async_grpo.config.versions import (
     LOGPROB_WORKER_REQUIREMENTS, WORKER_REQUIREMENTS, VersionError, check_versions,
 )
 from async_grpo.config.worker_options import (
-    VLLM_GPU_MEMORY_UTILIZATION, EngineConfig, FailedSamplesConfig, HealthCheckConfig, LogprobBatchingConfig,
-    RayConnectionConfig, RestartConfig, VerificationConfig, check_transfer_packages, check_weight_transfer_device,
+    VLLM_GPU_MEMORY_UTILIZATION, EngineConfig, EngineTransferConfig, FailedSamplesConfig, HealthCheckConfig,
+    LogprobBatchingConfig, PromptSharingConfig, RayConnectionConfig, RestartConfig, VerificationConfig,
+    check_transfer_packages, check_weight_transfer_device,
 )
 from async_grpo.inference.engine_dtype import AUTO_DTYPE, dtype_choice_line, resolve_engine_dtype
 from async_grpo.launch.dispatcher_logs import REGISTERED_LINE, write_line
@@ -104,8 +105,14 @@ class DispatcherConfig:
     """Hugging Face model folder, readable at the same path on this node."""
     engine: EngineConfig = flattened(EngineConfig())
     """Generation: the vLLM engine's options (its dtype also serves logprob workers)."""
+    transfer: EngineTransferConfig = flattened(EngineTransferConfig())
+    """Generation: how the trainer's full weights reach the engine (the trainer's
+    --transfer.weight_transfer; the local launcher passes it on)."""
     batching: LogprobBatchingConfig = flattened(LogprobBatchingConfig())
     """Logprob: how requests are packed into forwards."""
+    sharing: PromptSharingConfig = flattened(PromptSharingConfig())
+    """Logprob: whether a forward lays a prompt out once (the trainer's --model.share_prompts;
+    the local launcher passes it on)."""
     verification: VerificationConfig = flattened(VerificationConfig())
     """Generation: the cluster-wide math-verify pool (worker_options.VerificationConfig)."""
     failed_samples: FailedSamplesConfig = flattened(FailedSamplesConfig())
@@ -183,7 +190,7 @@ def generation_worker_config(cfg: DispatcherConfig, cuda: bool = True) -> Any:
                     engine.kv_cache_memory_bytes / 2**30, available / 2**30, CPU_KV_CACHE_MIN_BYTES / 2**30,
                     CPU_KV_CACHE_MAX_BYTES / 2**30)
     return GenerationWorkerConfig(
-        model_path=str(Path(cfg.model_path).resolve()), engine=engine, failed_samples=failed,
+        model_path=str(Path(cfg.model_path).resolve()), engine=engine, transfer=cfg.transfer, failed_samples=failed,
         verification=cfg.verification,
     )
 
@@ -197,7 +204,7 @@ def logprob_worker_config(cfg: DispatcherConfig) -> Any:
     from logprob_worker import LogprobWorkerConfig
 
     return LogprobWorkerConfig(model_path=str(Path(cfg.model_path).resolve()), device="auto", kind=cfg.mode,
-                               batching=cfg.batching, dtype=cfg.engine.dtype)
+                               batching=cfg.batching, sharing=cfg.sharing, dtype=cfg.engine.dtype)
 
 
 def registry_config_for(mode: str, worker_config: Any) -> RegistryConfig:
@@ -223,8 +230,8 @@ def check_engine_transfer(cfg: DispatcherConfig, cuda: bool) -> None:
     """ValueError (one line) when this node cannot serve the generation engine's weight transfer:
     a CUDA transfer without CUDA, or a package it imports missing (nccl_m2n's nccl.m2n)."""
     if cfg.mode == GENERATION:
-        check_weight_transfer_device(cfg.engine.weight_transfer, has_cuda=cuda)
-        check_transfer_packages(cfg.engine.weight_transfer, "generation worker's node")
+        check_weight_transfer_device(cfg.transfer.weight_transfer, has_cuda=cuda)
+        check_transfer_packages(cfg.transfer.weight_transfer, "generation worker's node")
 
 
 def claim_worker_name(registry: ActorHandle, kind: str) -> str:
@@ -251,7 +258,7 @@ def worker_runtime_env(cfg: DispatcherConfig) -> dict[str, Any]:
     runtime_env["env_vars"] = {**runtime_env["env_vars"], **worker_env(cfg.mode, cfg.tune_processes)}
     if cfg.threads is not None:
         runtime_env["env_vars"].update(thread_env(cfg.threads, tune=True))
-    if cfg.mode == GENERATION and cfg.engine.weight_transfer == "ipc":
+    if cfg.mode == GENERATION and cfg.transfer.weight_transfer == "ipc":
         runtime_env["env_vars"] = {**runtime_env["env_vars"], **IPC_TRANSFER_ENV}
     return runtime_env
 

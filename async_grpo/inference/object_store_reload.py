@@ -1,6 +1,6 @@
 """Full weights into a generation worker's engine through our object-store weight transport.
 
-An object-store push (a `weight_sync.WeightUpdate`, EngineConfig.weight_transfer 'object_store')
+An object-store push (a `weight_sync.WeightUpdate`, EngineTransferConfig.weight_transfer 'object_store')
 is streamed into the engine through vLLM's weight-transfer API: start_weight_update, one
 update_weights per bucket of whole decoder layers, finish_weight_update. Each bucket is copied
 from Ray's object store into an anonymous memory file (weight_files.BucketBuffer) that the
@@ -100,7 +100,7 @@ class ObjectStoreReloader:
         Objects gone before anything was loaded raise ObjectLostError and leave the worker healthy."""
         if self._weight_transfer != OBJECT_STORE_TRANSFER:
             raise ValueError(f"{self.worker_name}: a WeightUpdate travels through the object store, but this engine "
-                             f"takes weights by EngineConfig.weight_transfer {self._weight_transfer!r}")
+                             f"takes weights by EngineTransferConfig.weight_transfer {self._weight_transfer!r}")
         began = time.perf_counter()
         # views: a tensor that travelled whole is copied straight from the object store into its bucket.
         buckets = reload_buckets(iter_state_dict(update, views=True), self._bucket_bytes)

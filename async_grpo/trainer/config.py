@@ -71,7 +71,7 @@ class TrainerConfig:
     transfer: TrainerTransferConfig = field(default_factory=TrainerTransferConfig)
     """How full weights reach the generation engines: 'object_store', or on CUDA one of vLLM's
     engines ('nccl' with weight_push_mode gather, 'nccl_m2n' with sharded, 'ipc' with gather on the
-    engines' GPUs); must equal the workers' EngineConfig.weight_transfer."""
+    engines' GPUs); the workers read the same option (worker_options.EngineTransferConfig)."""
     # 'auto' sends workers what the trainer computed with; in bf16 a push moves half fp32's bytes.
     weight_push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of the weights pushed to the inference workers (cast on each rank; checkpoints stay

@@ -42,15 +42,18 @@ from async_grpo.launch.context_plan import check_context_plan
 from async_grpo.launch.cpu_plan import CpuPlan, CpuPlanConfig, pinned_thread, plan_cpu, usable_core_ids
 from async_grpo.launch.dispatcher_logs import DispatcherLogRelay, registered_worker
 from async_grpo.launch.engine_defaults import CPU_ENGINE, LAUNCHER_MAX_NUM_SEQS, resolve_engine
-from async_grpo.launch.host_gpus import HostGpuError, gpu_memory_bytes, planned_gpus
-from async_grpo.launch.local_processes import environ, free_port, make_run_temp_dir, run_environment, stop_process_group
+from async_grpo.runtime.host_gpus import HostGpuError, gpu_memory_bytes, planned_gpus
+from async_grpo.launch.local_processes import free_port, make_run_temp_dir, run_environment, stop_process_group
+from async_grpo.runtime.processes import environ
 from async_grpo.launch.placement import (
     BF16_BYTES, FP32_BYTES, ModelShape, Placement, PlacementError, RunShape, check_transfer_placement,
     default_trainer_ranks, plan_placement,
 )
 from async_grpo.launch.process_tuning import thread_env
 from async_grpo.launch.ray_cluster import init_local_ray
-from async_grpo.launch.ray_env import LOOPBACK_ONLY_ENV, RAY_NAMESPACE, REPO_ROOT, repo_pythonpath
+from async_grpo.config.actor_names import RAY_NAMESPACE
+from async_grpo.launch.ray_env import REPO_ROOT, repo_pythonpath
+from async_grpo.runtime.ray_access import LOOPBACK_ONLY_ENV
 
 if TYPE_CHECKING:
     from async_grpo.trainer.config import TrainerConfig
@@ -523,7 +526,7 @@ def check_environment(config: LocalClusterConfig) -> None:
 def check_engine_compile(config: LocalClusterConfig, cuda: bool) -> None:
     """A compiling engine (enforce_eager false) needs a C compiler and Python's headers on this
     host: exit 2 with one line naming what is missing, before Ray or any worker starts."""
-    from async_grpo.launch.compile_needs import missing_compile_needs
+    from async_grpo.runtime.compile_needs import missing_compile_needs
 
     message = missing_compile_needs(config.engine.enforce_eager, on_cpu=not cuda)
     if message:

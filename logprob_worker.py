@@ -36,7 +36,7 @@ import torch
 from async_grpo.config.run_config import flattened
 from async_grpo.config.worker_options import LogprobBatchingConfig, PromptSharingConfig
 from async_grpo.inference.token_budget_queue import QueuedRequest, TokenBudgetQueue, fail_requests
-from async_grpo.launch.ray_env import FROZEN_KINDS, LOGPROB, LOGPROB_SERVICE_KINDS
+from async_grpo.config.actor_names import FROZEN_KINDS, LOGPROB, LOGPROB_SERVICE_KINDS
 from async_grpo.model.packed_attention import PACKED_SDPA
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
 from async_grpo.weights.weight_loading import (

@@ -39,12 +39,11 @@ from async_grpo.batching.batcher_config import BatcherConfig
 from async_grpo.config.run_config import CONFIG_ERROR_EXIT, ConfigError, load_config, save_config
 from async_grpo.config.versions import TRAINER_REQUIREMENTS, VersionError, check_versions
 from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, check_transfer_packages
-from async_grpo.launch.local_processes import exit_without_teardown
-from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
-from async_grpo.launch.host_gpus import listed_gpu_count
-from async_grpo.launch.ray_env import (
-    GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env, registry_name,
-)
+from async_grpo.runtime.processes import exit_without_teardown
+from async_grpo.runtime.ray_access import ClusterJoinError, join_cluster
+from async_grpo.runtime.host_gpus import listed_gpu_count
+from async_grpo.config.actor_names import GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, TEACHER, registry_name
+from async_grpo.launch.ray_env import actor_runtime_env
 from async_grpo.model.context_parallel import gather_outputs, local_batch, reduce_loss_metrics
 from async_grpo.telemetry.console import CONSOLE, LOG_FILE, configure_logging, log_run_summary
 from async_grpo.telemetry.metrics import (
@@ -82,7 +81,7 @@ def setup_logging(config: TrainerConfig, rank: int) -> None:
 
 
 def _connect_ray(config: TrainerConfig) -> None:
-    """Join the cluster the workers run in (token auth and loopback handled by ray_env.join_cluster)."""
+    """Join the cluster the workers run in (token auth and loopback handled by ray_access.join_cluster)."""
     join_cluster(config.connection.ray_address, namespace=RAY_NAMESPACE, timeout_s=config.connection.connect_timeout_s,
                  log_to_driver=False, runtime_env=actor_runtime_env())
 

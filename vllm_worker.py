@@ -65,16 +65,16 @@ from async_grpo.inference.generation_stats import GenerationStats
 from async_grpo.inference.object_store_reload import ObjectStoreReloader
 from async_grpo.inference.served_weights import ServedWeights
 from async_grpo.inference.transfer_pass_through import TransferPassThrough
-from async_grpo.launch.compile_needs import missing_compile_needs
-from async_grpo.launch.local_processes import environ
-from async_grpo.launch.ray_cluster import shared_memory_owner
-from async_grpo.launch.ray_env import GENERATION
+from async_grpo.runtime.compile_needs import missing_compile_needs
+from async_grpo.runtime.processes import environ
+from async_grpo.runtime.ray_access import shared_memory_owner
+from async_grpo.config.actor_names import GENERATION
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rewards.shaping import ShapedReward
 from async_grpo.rewards.math_verify_cluster import connect_verifier_pool
 from async_grpo.rollouts.multi_turn import ChatRenderer, MultiTurnStats, engine_generate, run_rollouts
 from async_grpo.rollouts.rollout_scoring import RewardScorer, RolloutScorer, shaped_rewards
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.rollouts.token_versions import CompletionVersions
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
 from async_grpo.weights.weight_sync import WeightUpdate
@@ -262,7 +262,7 @@ class GenerationWorker:
 
     def __init__(self, worker_name: str, config: GenerationWorkerConfig, verifier: RewardScorer | None = None,
                  files_owner: str | None = None) -> None:
-        """files_owner: the name its shared-memory files go under (ray_cluster.shared_memory_owner
+        """files_owner: the name its shared-memory files go under (ray_access.shared_memory_owner
         in a cluster, so that its dispatcher finds and removes them; default worker_name)."""
         self.worker_name = worker_name
         self.config = config

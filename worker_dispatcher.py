@@ -60,16 +60,16 @@ from async_grpo.config.worker_options import (
 )
 from async_grpo.inference.engine_dtype import AUTO_DTYPE, dtype_choice_line, resolve_engine_dtype
 from async_grpo.launch.dispatcher_logs import REGISTERED_LINE, write_line
-from async_grpo.launch.local_processes import StopFlag, exit_without_teardown
+from async_grpo.launch.local_processes import StopFlag
+from async_grpo.runtime.processes import exit_without_teardown
 from async_grpo.launch.node_resources import (
     CPU_KV_CACHE_MAX_BYTES, CPU_KV_CACHE_MIN_BYTES, NODE_ID_CHARS, NodeLostError, actor_exists, cpu_kv_cache_bytes,
     gpu_holders, gpus_per_worker, node_alive, node_gpu_count, node_runs_cuda,
 )
 from async_grpo.launch.process_tuning import thread_env, worker_env
-from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster, shared_memory_owner
-from async_grpo.launch.ray_env import (
-    GENERATION, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, worker_actor_name,
-)
+from async_grpo.runtime.ray_access import ClusterJoinError, join_cluster, shared_memory_owner
+from async_grpo.config.actor_names import GENERATION, RAY_NAMESPACE, WORKER_KINDS, registry_name, worker_actor_name
+from async_grpo.launch.ray_env import actor_runtime_env
 from async_grpo.launch.status_command import STATUS_COMMAND, run_status
 from vllm_registry import RegistryConfig, WorkerState, get_or_create_registry
 
@@ -397,7 +397,7 @@ def teardown(kind: str, actor: ActorHandle, name: str, worker_died: bool) -> Non
 def connect(connection: RayConnectionConfig, log_to_driver: bool, temp_dir: str = "") -> None:
     """Join the running cluster (RAY_ADDRESS wins over connection.ray_address, as in Ray itself),
     with token auth on when a token exists; ClusterJoinError (one line) when it cannot
-    (ray_cluster.join_cluster). `temp_dir` picks this machine's Ray node by its temp folder when
+    (ray_access.join_cluster). `temp_dir` picks this machine's Ray node by its temp folder when
     several share its address."""
     join_cluster(connection.ray_address, namespace=RAY_NAMESPACE, timeout_s=connection.connect_timeout_s,
                  log_to_driver=log_to_driver, temp_dir=temp_dir)

@@ -65,7 +65,7 @@ from async_grpo.batching.minibatch_packer import MinibatchPacker
 from async_grpo.data.dataset import DatasetConfig
 from async_grpo.demo_assets.tiny_model import PRESETS, ShapeOverrides, model_shape, write_tiny_model
 from async_grpo.launch.process_tuning import FIXED_MALLOC_ENV
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, init_distributed
 from async_grpo.trainer.optimizer import build_optimizer

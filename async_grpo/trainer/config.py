@@ -16,7 +16,7 @@ from async_grpo.batching.batcher_config import ExperienceConfig
 from async_grpo.config.run_config import flattened
 from async_grpo.config.worker_options import RayConnectionConfig
 from async_grpo.data.dataset import DatasetConfig
-from async_grpo.rollouts.sampling import SEED_BOUND
+from async_grpo.config.sampling import SEED_BOUND
 from async_grpo.telemetry.collapse import CollapseConfig
 from async_grpo.telemetry.console import LogLevel
 from async_grpo.telemetry.metrics import MetricsConfig

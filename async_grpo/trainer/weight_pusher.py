@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from async_grpo.launch.ray_env import ON_HEAD_NODE, RAY_NAMESPACE, SHARD_STAGER_NAME
+from async_grpo.config.actor_names import ON_HEAD_NODE, RAY_NAMESPACE, SHARD_STAGER_NAME
 from async_grpo.trainer.weight_transfer_trainer import TRANSFER_PUSH_MODE, EngineWeightSender
 from async_grpo.weights.weight_sync import (
     STABLE_MARKER_FILE, StableMarker, WeightUpdate, adapter_config_json, adapter_step_dir, gather_adapter,

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 import logprob_worker
 from async_grpo.config.worker_options import LogprobBatchingConfig, PromptSharingConfig
-from async_grpo.launch.ray_env import LOGPROB
+from async_grpo.config.actor_names import LOGPROB
 from async_grpo.model.packed_attention import PACKED_SDPA
 from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs, tensor_to_blob

@@ -27,7 +27,7 @@ from async_grpo.config.worker_options import EngineConfig
 from async_grpo.inference.weight_files import weights_file_dir
 from async_grpo.demo_assets.tiny_model import write_random_adapter as _write_adapter
 from async_grpo.rewards.math_verifier import RewardResult
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.weights.weight_sync import (
     UnstableVersionError, WeightUpdate, adapter_step_dir, state_dict_to_blobs, tensor_to_blob, update_parts,
 )

@@ -33,8 +33,8 @@ from async_grpo.inference.weight_files import reload_buckets
 from async_grpo.inference.weight_reload import with_tied_lm_head
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rewards.reward_failure import FailureKind
-from async_grpo.rewards.shaping import RewardConfig
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.reward_config import RewardConfig
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
 from sample_processing_utils import Sample
 from setup_model import load_tokenizer

@@ -11,6 +11,8 @@ TRAINER_SIDE); the README's layout section describes them. Here they are enforce
 - the pure folders reach no Ray, vLLM or torch.distributed;
 - worker-side folders never reach trainer-side ones, and the reverse; the trainer reaches no
   worker module;
+- the trainer side (its folders and trainer_core) imports nothing of the generation side
+  (rollouts/, inference/), at any depth: the records both read live on the ground floor (config/);
 - project imports form no cycle.
 """
 
@@ -105,7 +107,7 @@ def test_the_root_holds_the_spine_and_the_package_its_folders():
 
 
 def test_the_rules_name_existing_folders():
-    for name in (*async_grpo.PURE, *async_grpo.WORKER_SIDE, *async_grpo.TRAINER_SIDE):
+    for name in (*async_grpo.PURE, *async_grpo.WORKER_SIDE, *async_grpo.GENERATION_SIDE, *async_grpo.TRAINER_SIDE):
         assert name in FOLDERS, f"async_grpo/__init__.py names folder {name!r}, which LAYERS lacks"
     assert len(set(FOLDERS)) == len(FOLDERS), "a folder appears in two layers"
     on_disk = {p.name for p in (REPO_ROOT / PACKAGE).iterdir() if p.is_dir() and p.name != "__pycache__"}
@@ -150,6 +152,14 @@ def test_worker_side_reaches_no_trainer_side(module):
 def test_trainer_side_reaches_no_worker_side(module):
     bad = _reaches(module, async_grpo.WORKER_SIDE, SPINE_WORKERS)
     assert not bad, f"{module} (trainer side) reaches worker-side {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if folder_of(m) in async_grpo.TRAINER_SIDE)
+                         + ["trainer_core"])
+def test_trainer_side_imports_no_generation_side(module):
+    bad = _reaches(module, async_grpo.GENERATION_SIDE)
+    assert not bad, (f"{module} (trainer side) reaches generation-side {bad}: a record both sides read "
+                     f"belongs on the ground floor (async_grpo/config/)")
 
 
 def _import_time_names(module: str) -> set[str]:

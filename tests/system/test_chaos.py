@@ -39,7 +39,7 @@ from async_grpo.demo_assets.arithmetic_data import write_arithmetic_dataset
 from async_grpo.inference.weight_files import weights_file_dir
 from async_grpo.launch.dispatcher_logs import REGISTERED_PATTERN
 from async_grpo.launch.local_processes import RUN_TEMP_PREFIX
-from async_grpo.launch.ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
+from async_grpo.config.actor_names import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
 from async_grpo.telemetry.metrics import read_metrics
 from local_cluster import LocalCluster
 from support.cluster import WORLD_SIZE, cluster_config

@@ -15,7 +15,7 @@ import torch
 from async_grpo.batching.batcher_config import ExperienceConfig
 from async_grpo.config.run_config import load_config
 from async_grpo.data.dataset import DatasetConfig
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.fsdp_setup import DistInfo
 from grpo_loss import LossConfig
@@ -57,7 +57,7 @@ def test_budget_must_hold_the_longest_sample() -> None:
 
 
 def test_a_multi_turn_rollout_must_fit_the_budget_and_its_environment_must_import(tmp_path: Path) -> None:
-    from async_grpo.rollouts.environments import EnvironmentConfig
+    from async_grpo.config.rollout_sources import EnvironmentConfig
     from async_grpo.trainer.run_inputs import InputError, load_run_inputs
 
     def with_environment(name: str, max_total_tokens: int, max_tokens_per_gpu: int) -> TrainerConfig:

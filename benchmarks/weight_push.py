@@ -391,7 +391,8 @@ async def _engine_pushes(model_dir: Path, repeats: int) -> dict[str, list[float]
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from async_grpo.config.worker_options import EngineConfig
-    from vllm_worker import GenerationWorker, GenerationWorkerConfig, engine_args
+    from async_grpo.inference.engine_start import engine_args
+    from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
     config = GenerationWorkerConfig(model_path=str(model_dir), engine=EngineConfig(
         max_num_seqs=8, kv_cache_memory_bytes=ENGINE_KV_CACHE_BYTES, max_model_len=ENGINE_MAX_MODEL_LEN,

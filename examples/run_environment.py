@@ -61,7 +61,8 @@ def _engine(model_path: str, max_model_len: int):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from async_grpo.config.worker_options import EngineConfig
-    from vllm_worker import GenerationWorkerConfig, engine_args
+    from async_grpo.inference.engine_start import engine_args
+    from vllm_worker import GenerationWorkerConfig
 
     # The in-process executor, as GenerationWorker.start selects it on CPU.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -59,12 +59,13 @@ def test_other_failures_keep_their_own_message(dtype: str, on_cpu: bool) -> None
 
 def test_engine_args_serve_auto_as_float32_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     import vllm_worker
+    from async_grpo.inference import engine_start
 
-    monkeypatch.setattr(vllm_worker, "_on_cpu_platform", lambda: True)
+    monkeypatch.setattr(engine_start, "on_cpu_platform", lambda: True)
     config = vllm_worker.GenerationWorkerConfig(model_path="m")
-    assert vllm_worker.engine_args(config, in_process=True)["dtype"] == "float32"
-    monkeypatch.setattr(vllm_worker, "_on_cpu_platform", lambda: False)
-    assert vllm_worker.engine_args(config, in_process=False)["dtype"] == "auto"
+    assert engine_start.engine_args(config, in_process=True)["dtype"] == "float32"
+    monkeypatch.setattr(engine_start, "on_cpu_platform", lambda: False)
+    assert engine_start.engine_args(config, in_process=False)["dtype"] == "auto"
 
 
 async def _engine_dies(engine: object, request_id: str) -> int:
@@ -78,9 +79,10 @@ def test_a_worker_whose_cpu_engine_dies_in_its_self_check_says_why(monkeypatch: 
     import asyncio
 
     import vllm_worker
+    from async_grpo.inference import engine_start
 
-    monkeypatch.setattr(vllm_worker, "_on_cpu_platform", lambda: True)
-    monkeypatch.setattr(vllm_worker, "cpu_flags", lambda: ("avx2", "avx512_bf16", "amx_bf16", "amx_tile"))
+    monkeypatch.setattr(engine_start, "on_cpu_platform", lambda: True)
+    monkeypatch.setattr(engine_start, "cpu_flags", lambda: ("avx2", "avx512_bf16", "amx_bf16", "amx_tile"))
     monkeypatch.setattr(vllm_worker, "canary_tokens", _engine_dies)
     worker = vllm_worker.GenerationWorker("generation-worker-0",
                                           vllm_worker.GenerationWorkerConfig(model_path="m", engine=EngineConfig(dtype=dtype)))

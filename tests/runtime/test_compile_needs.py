@@ -67,8 +67,9 @@ def test_a_generation_worker_refuses_to_start_a_compiling_engine_without_a_compi
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker's start fails in one line naming the worker and the need, before vLLM is asked."""
     import vllm_worker
+    from async_grpo.inference import engine_start
 
-    monkeypatch.setattr(vllm_worker, "_on_cpu_platform", lambda: True)
+    monkeypatch.setattr(engine_start, "on_cpu_platform", lambda: True)
     monkeypatch.setenv("CXX", "no-such-compiler-anywhere")
     config = vllm_worker.GenerationWorkerConfig(model_path="m", engine=EngineConfig(enforce_eager=False))
     worker = vllm_worker.GenerationWorker("generation-worker-0", config)

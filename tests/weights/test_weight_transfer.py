@@ -147,11 +147,12 @@ def test_trainer_refuses_a_cuda_transfer_it_cannot_import(monkeypatch: pytest.Mo
 
 
 def test_engine_args_name_our_backend_and_its_registration(monkeypatch: pytest.MonkeyPatch) -> None:
-    import vllm_worker
-    from vllm_worker import GenerationWorkerConfig, engine_args
+    from async_grpo.inference import engine_start
+    from async_grpo.inference.engine_start import engine_args
+    from vllm_worker import GenerationWorkerConfig
 
     # vLLM's platform detection starts a child process; the CPU answer is what this machine gives.
-    monkeypatch.setattr(vllm_worker, "_on_cpu_platform", lambda: True)
+    monkeypatch.setattr(engine_start, "on_cpu_platform", lambda: True)
     for choice, backend in WEIGHT_TRANSFER_BACKENDS.items():
         config = GenerationWorkerConfig(model_path="m", transfer=EngineTransferConfig(weight_transfer=choice))
         args = engine_args(config, in_process=True)

@@ -260,15 +260,20 @@ def test_a_non_editable_install_imports_from_another_directory(tmp_path):
         assert Path(path).resolve().is_relative_to(target.resolve()), f"{name} imported from {path}, not the install"
 
 
-MAX_MODULE_LINES = 600  # a module past this has more than one job: find its seam (STYLE.md)
-MAX_CLASS_LINES = 310  # likewise a class (~300, with room for a docstring's growth)
+# The largest module and class as their seams left them (STYLE.md): one that grows past these has
+# taken on another job; split it along its seam rather than raise the cap.
+MAX_MODULE_LINES = 592
+MAX_CLASS_LINES = 305
+BEING_SPLIT = {"async_grpo.weights.weight_sync": 600}
+"""Modules a change under way splits (the weight path in one folder), held at their size till then."""
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_rooms_of_one_job(module):
     source = MODULES[module].read_text()
-    assert len(source.splitlines()) <= MAX_MODULE_LINES, (
-        f"{module} has {len(source.splitlines())} lines (at most {MAX_MODULE_LINES}): split it along a seam")
+    cap = BEING_SPLIT.get(module, MAX_MODULE_LINES)
+    assert len(source.splitlines()) <= cap, (
+        f"{module} has {len(source.splitlines())} lines (at most {cap}): split it along a seam")
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ClassDef):
             lines = node.end_lineno - node.lineno + 1

@@ -27,7 +27,6 @@ import json
 import logging
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import AsyncIterator, Sequence
 
 import ray
@@ -39,11 +38,12 @@ from async_grpo.inference.token_budget_queue import QueuedRequest, TokenBudgetQu
 from async_grpo.config.actor_names import FROZEN_KINDS, LOGPROB, LOGPROB_SERVICE_KINDS
 from async_grpo.model.packed_attention import PACKED_SDPA
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
-from async_grpo.weights.weight_loading import (
-    assemble_state_dict, iter_assembled, iter_checkpoint_tensors, load_state_dict_into, load_streamed_into,
-    update_shapes,
+from async_grpo.weights.adapter_files import check_stable, read_adapter_folder
+from async_grpo.weights.update import TensorBlob, WeightUpdate
+from async_grpo.weights.worker_loader import (
+    assemble_state_dict, fetch_shards, iter_assembled, iter_checkpoint_tensors, load_state_dict_into,
+    load_streamed_into, update_shapes,
 )
-from async_grpo.weights.weight_sync import ADAPTER_WEIGHTS_FILE, TensorBlob, WeightUpdate, check_stable
 from sample_processing_utils import (
     INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs, get_input_for_logprobs, split_per_sample,
 )
@@ -218,15 +218,6 @@ def check_sample(sample: Sample, vocab_size: int) -> None:
         )
 
 
-def _read_adapter_file(folder: str | None) -> dict[str, torch.Tensor]:
-    """The tensors of a lora_files update's PEFT folder."""
-    from safetensors.torch import load_file
-
-    if folder is None:
-        raise ValueError("lora_files update without adapter_path")
-    return load_file(str(Path(folder) / ADAPTER_WEIGHTS_FILE))
-
-
 def _current_node_id() -> str:
     """Ray node id (hex) of this process, or '' outside Ray."""
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
@@ -334,7 +325,7 @@ class LogprobWorker:
         """Load full weights from a WeightUpdate between two batches; returns the version now served.
 
         A LoRA update (update.is_adapter) is loaded only while the STABLE marker names it
-        (weight_sync.UnstableVersionError otherwise), as an adapter on this worker's base model.
+        (adapter_files.UnstableVersionError otherwise), as an adapter on this worker's base model.
 
         Fetching fails cleanly (the model is untouched); a load that fails part-way leaves a mix
         of versions, so the worker enters FAILED (WorkerFailedError) and is replaced.
@@ -346,15 +337,14 @@ class LogprobWorker:
         self._ensure_batcher()
         if update.is_adapter:  # a LoRA policy's old-policy logprobs: its adapter on our base
             await asyncio.to_thread(check_stable, update)
-        # The object refs are awaited rather than ray.get: a blocking get would stall (and warn
-        # about) the actor's event loop while the shards arrive. Ray maps them from its object
-        # store without copying; full weights are then assembled one tensor at a time as they
-        # are copied in (_load_weights), never as a whole second copy of the model.
+        # The object-store loader the generation workers use (worker_loader.fetch_shards); full
+        # weights are then assembled one tensor at a time as they are copied in (_load_weights),
+        # never as a whole second copy of the model.
         if update.mode == "lora_files":
-            adapter = await asyncio.to_thread(_read_adapter_file, update.adapter_path)
+            adapter = await asyncio.to_thread(read_adapter_folder, update.adapter_path)
             load = partial(self._load_adapter, update.adapter_config, adapter)
         else:
-            shards = await asyncio.gather(*update.shard_refs)
+            shards = await fetch_shards(update)
             load = (partial(self._load_adapter_shards, update.adapter_config, shards) if update.is_adapter
                     else partial(self._load_weights, shards))
         async with self._model_lock:

@@ -56,9 +56,9 @@ from async_grpo.trainer.optimizer import build_optimizer, build_scheduler
 from async_grpo.trainer.policy_update import KeptMinibatch, gradient_divisor, train_on_step, update_for_step
 from async_grpo.trainer.prompt_feeder import PromptFeeder, last_step_to_submit
 from async_grpo.trainer.run_inputs import InputError, RunInputs, check_teacher_tokenizer, load_run_inputs
-from async_grpo.trainer.weight_pusher import WeightPusher, resolve_push_dtype
-from async_grpo.trainer.weight_transfer_trainer import EngineWeightSender, check_transfer_pairing
-from async_grpo.weights.weight_sync import weights_dir
+from async_grpo.weights.adapter_files import weights_dir
+from async_grpo.weights.trainer_cuda_transfer import EngineWeightSender, check_transfer_pairing
+from async_grpo.weights.trainer_pusher import WeightPusher, resolve_push_dtype
 from setup_model import TokenLogprobModel
 from vllm_experience_batcher import RayRegistryClient, get_or_create_batcher
 
@@ -92,7 +92,7 @@ def _registry(kind: str) -> ActorHandle:
 
 
 class Publisher(Protocol):
-    """What the loop needs from a weight pusher (weight_pusher.WeightPusher; tests of run_step pass
+    """What the loop needs from a weight pusher (trainer_pusher.WeightPusher; tests of run_step pass
     stand-ins that only push)."""
 
     def push(self, model: torch.nn.Module, version: int, initial: bool = False) -> float: ...

@@ -180,7 +180,7 @@ class Registry:
         self._workers = self._queue.workers
         """The live workers by name (the queue's own dict: register adds through the queue)."""
         self._next_index = 0
-        self._latest_update: Any = None  # the last published weight_sync.WeightUpdate
+        self._latest_update: Any = None  # the last published update.WeightUpdate
 
     def allocate_index(self) -> int:
         """A worker index never handed out before by this registry (names stay unique)."""
@@ -320,7 +320,7 @@ class Registry:
         return results
 
     async def publish(self, update: Any) -> dict[str, int]:
-        """Make `update` (a weight_sync.WeightUpdate) the latest published weights and load it on
+        """Make `update` (an update.WeightUpdate) the latest published weights and load it on
         every pooled worker, each within weight_update_timeout_s; returns name -> version served.
 
         Workers that register later load it before they serve (register). A worker that dies is

@@ -8,21 +8,18 @@ come from rollout_scoring.RolloutScorer (the verifier pool's verdict, shaped by
 `SamplingConfig.reward` and the soft overlong punishment); sampling.py says what the tokens and
 text hold when a stop string, stop token or EOS ends a completion.
 
-The worker's other jobs are plain classes in async_grpo/inference/ that it composes, sharing
-served_weights.ServedWeights (the version and LoRA adapter the engine serves, and the requests
-running on them):
+The worker's other jobs are plain classes that it composes, sharing served_weights.ServedWeights
+(the version and LoRA adapter the engine serves, and the requests running on them):
 
-- object_store_reload.ObjectStoreReloader: a `weight_sync.WeightUpdate` of full weights into the
-  engine through vLLM's weight-transfer API with our object-store backend, in buckets of whole
-  decoder layers, scheduling paused;
-- adapter_loader.AdapterLoader: a LoRA policy's update (`WeightUpdate.is_adapter`) as a new vLLM
-  adapter once the run's STABLE marker names it;
-- transfer_pass_through.TransferPassThrough: the trainer's CUDA weight transfers (nccl, nccl_m2n,
-  ipc), passed through to the engine;
+- its weight receivers (async_grpo/weights/, each a transport.WeightReceiver): full weights by the
+  engine's transport, worker_object_store.ObjectStoreReloader (from the object store, in buckets of
+  whole decoder layers, scheduling paused) or worker_cuda_transfer.TransferPassThrough (the
+  trainer's CUDA transfers), and worker_adapter.AdapterLoader (a LoRA update as a new vLLM adapter
+  once the run's STABLE marker names it);
 - endpoint_host.EndpointHost: the loopback OpenAI-compatible endpoint over the engine.
 
 The dispatcher starts it as a Ray actor (the engine-core process must be able to import
-weight_transfer_engine.py, so the actor's runtime env carries the repository on PYTHONPATH). On
+worker_transfer_backend.py, so the actor's runtime env carries the repository on PYTHONPATH). On
 CPU an eager engine's core process is a fork of the actor (engine_process.py, engine_start.build_engine):
 
     worker = GenerationWorkerActor.options(name="generation-worker-0").remote(
@@ -49,16 +46,15 @@ import ray
 from async_grpo.config.actor_names import GENERATION
 from async_grpo.config.run_config import flattened
 from async_grpo.config.sampling import SamplingConfig
-from async_grpo.config.worker_options import EngineConfig, EngineTransferConfig, FailedSamplesConfig, VerificationConfig
-from async_grpo.inference.adapter_loader import AdapterLoader
+from async_grpo.config.worker_options import (
+    OBJECT_STORE_TRANSFER, EngineConfig, EngineTransferConfig, FailedSamplesConfig, VerificationConfig,
+)
 from async_grpo.inference.endpoint_host import EndpointHost
 from async_grpo.inference.engine_requests import canary_tokens, completed_sample, sampling_params
 from async_grpo.inference.engine_start import EngineStartError, build_engine, cpu_dtype_failure
 from async_grpo.inference.failed_samples import FailedSampleLog
 from async_grpo.inference.generation_stats import GenerationStats
-from async_grpo.inference.object_store_reload import ObjectStoreReloader
 from async_grpo.inference.served_weights import ServedWeights
-from async_grpo.inference.transfer_pass_through import TransferPassThrough
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rewards.math_verify_cluster import connect_verifier_pool
 from async_grpo.rewards.shaping import ShapedReward
@@ -67,7 +63,11 @@ from async_grpo.rollouts.rollout_scoring import RewardScorer, RolloutScorer, sha
 from async_grpo.rollouts.token_versions import CompletionVersions
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
 from async_grpo.runtime.ray_access import shared_memory_owner
-from async_grpo.weights.weight_sync import WeightUpdate
+from async_grpo.weights.transport import WeightReceiver
+from async_grpo.weights.update import WeightUpdate
+from async_grpo.weights.worker_adapter import AdapterLoader
+from async_grpo.weights.worker_cuda_transfer import TransferPassThrough
+from async_grpo.weights.worker_object_store import ObjectStoreReloader
 from sample_processing_utils import Sample
 from vllm_registry import Bundle, serve_many
 
@@ -169,6 +169,8 @@ class GenerationWorker:
         self.transfer = TransferPassThrough(
             worker_name, backend=config.transfer.weight_transfer, pause_mode=config.weight_update_pause_mode,
             engine=self._require_engine, served=self.served, stats=self.stats, life=self.life)
+        self.full_weights: WeightReceiver = (
+            self.reloader if config.transfer.weight_transfer == OBJECT_STORE_TRANSFER else self.transfer)
         self.endpoint_host = EndpointHost(
             worker_name, model_path=config.model_path, port=config.engine.openai_endpoint_port,
             engine=self._require_engine, served=self.served, stats=self.stats, life=self.life,
@@ -192,7 +194,7 @@ class GenerationWorker:
         except EngineStartError as exc:
             self._start_error = str(exc)
             raise self.life.fail(f"engine did not start: {exc}") from exc.__cause__
-        await self.reloader.init_engine(self._engine)
+        await self.full_weights.init_engine(self._engine)
         await self._self_check()
         await self.endpoint_host.start()
 
@@ -355,7 +357,7 @@ class GenerationWorker:
             self.stats.adapters_removed += 1
 
     async def update_weights(self, update: WeightUpdate) -> int:
-        """Load a new weight version into the engine (ObjectStoreReloader), or a LoRA update as a new
+        """Load a new weight version into the engine (`full_weights`), or a LoRA update as a new
         adapter (AdapterLoader); returns the version now served. A load that fails part-way leaves
         the engine with a mix of versions: the worker enters FAILED, and its dispatcher replaces it."""
         self.life.require_alive()
@@ -365,14 +367,11 @@ class GenerationWorker:
                 raise ValueError(
                     f"{self.worker_name}: update to version {update.version} is older than served {self.served.version}"
                 )
-            if update.is_adapter:
-                await self.adapter_loader.load(engine, update)
-            else:
-                await self.reloader.load(engine, update)
+            await (self.adapter_loader if update.is_adapter else self.full_weights).receive(engine, update)
             return self.served.version
 
     # ---- vLLM's CUDA weight transfers (EngineTransferConfig.weight_transfer nccl / nccl_m2n / ipc): the
-    # trainer drives them (weight_transfer_trainer.EngineWeightSender); TransferPassThrough passes them on.
+    # trainer drives them (trainer_cuda_transfer.EngineWeightSender); TransferPassThrough passes them on.
 
     def transfer_describe(self) -> dict[str, Any]:
         return self.transfer.describe()

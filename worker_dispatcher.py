@@ -387,7 +387,7 @@ def teardown(kind: str, actor: ActorHandle, name: str, worker_died: bool) -> Non
         _best_effort(f"shutting down {name}", actor.shutdown.remote())
         ray.kill(actor)
     if kind == GENERATION:
-        from async_grpo.inference.weight_files import remove_weight_files
+        from async_grpo.weights.worker_bucket_files import remove_weight_files
 
         for path in remove_weight_files(shared_memory_owner(name)):
             logger.warning("removed %s, left by %s", path, name)

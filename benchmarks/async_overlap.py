@@ -67,8 +67,8 @@ from async_grpo.launch.cpu_plan import CpuPlanConfig
 from async_grpo.config.actor_names import GENERATION, RAY_NAMESPACE, worker_actor_name
 from async_grpo.config.sampling import SamplingConfig
 from async_grpo.routing.batch_calls import Bundle, serve_many
-from async_grpo.weights.weight_loading import assemble_state_dict
-from async_grpo.weights.weight_sync import WeightUpdate
+from async_grpo.weights.update import WeightUpdate
+from async_grpo.weights.worker_loader import assemble_state_dict
 from benchmarks.clusters import AttachConfig, local_cluster
 from benchmarks.harness import (
     apply_smoke, demo_assets, DEMO_CONFIG, DemoAssets, load_bench_config, run_engine, run_trainer, setup_logging,

@@ -19,7 +19,7 @@ In order, each as its own process (a failure is a row, not the end of the report
 4. the weight push: the trainer side's first hop, a device-to-host copy of the first preset's
    bf16 weights into pinned memory (GB/s, best of WEIGHT_COPY_REPS against the same bytes'
    device-to-device copy measured in this run); vLLM's NCCL push to an engine needs vLLM and a
-   second GPU (tests/trainer/test_gpu_weight_transfer.py checks it where they exist).
+   second GPU (tests/weights/test_gpu_weight_transfer.py checks it where they exist).
 
 Parts whose requirements are missing here (the GPU machine has torch and transformers, no Ray,
 no vLLM, no flash-attn) are rows that say "skipped" and why. Without CUDA (and outside smoke
@@ -295,7 +295,7 @@ def weight_push_rows(config: ReportConfig) -> list[Row]:
                                      ("a second GPU", torch.cuda.device_count() >= 2)) if not ok]
     rows.append(Row(part="weight push, vLLM NCCL engine (trainer rank 0 -> engine)", figures="",
                     status=f"skipped: needs {' and '.join(missing)}" if missing else "skipped: see the gpu tier",
-                    notes="tests/trainer/test_gpu_weight_transfer.py runs vLLM's NCCL sender against a "
+                    notes="tests/weights/test_gpu_weight_transfer.py runs vLLM's NCCL sender against a "
                           "receiver process"))
     return rows
 

@@ -140,7 +140,7 @@ def prompts(step: int, cfg: InflightConfig, vocab_size: int, seed: int) -> list[
 async def run_job(worker: Any, refs: list[Any], mode: PauseMode, cfg: InflightConfig, vocab_size: int,
                   seed: int) -> RunResult:
     """The trainer's loop at max_lag 1 without the trainer (module docstring)."""
-    from async_grpo.weights.weight_sync import WeightUpdate
+    from async_grpo.weights.update import WeightUpdate
 
     worker.config = dataclasses.replace(worker.config, weight_update_pause_mode=mode)
     worker.reloader.pause_mode = mode  # what an object-store push pauses with (ObjectStoreReloader)
@@ -185,7 +185,7 @@ async def run_all(cfg: InflightConfig, work: Path) -> list[RunResult]:
 
     from async_grpo.config.worker_options import EngineConfig
     from async_grpo.rewards.math_verify_pool import VerifierPool
-    from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
+    from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs
     from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
     model_dir, state_dicts = write_models(work)

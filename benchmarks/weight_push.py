@@ -25,7 +25,7 @@ fraction well below 1 is expected.
 Breakdown (separate pushes with the same library calls, timed one by one): trainer side
 gather_full_state_dict / local_shard_blobs, then ray.put; receiver side (a probe actor holding
 the same HF model, doing what LogprobWorker.update_weights does) fetching the objects, assembling
-full tensors (weight_loading.assemble_state_dict) and loading them (weight_loading.load_state_dict_into).
+full tensors (worker_loader.assemble_state_dict) and loading them (worker_loader.load_state_dict_into).
 
 LoRA (`--lora_r R`): the policy is wrapped with a rank-R adapter on every linear layer (alpha
 2R) and the pushes carry only the adapter, in the three LoRA modes: gather, sharded (LoRA A
@@ -181,9 +181,9 @@ class ModeResult:
     fetch_s: list[float] = field(default_factory=list)
     """Receiver probe: awaiting every shard object."""
     assemble_s: list[float] = field(default_factory=list)
-    """Receiver probe: weight_loading.assemble_state_dict."""
+    """Receiver probe: worker_loader.assemble_state_dict."""
     load_s: list[float] = field(default_factory=list)
-    """Receiver probe: weight_loading.load_state_dict_into the HF model."""
+    """Receiver probe: worker_loader.load_state_dict_into the HF model."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,7 +233,7 @@ class ReceiverProbe:
         self.causal_lm = load_causal_lm(model_path)
 
     async def receive(self, update: Any) -> dict[str, float]:
-        from async_grpo.weights.weight_loading import assemble_state_dict
+        from async_grpo.weights.worker_loader import assemble_state_dict
 
         began = time.perf_counter()
         shards = await asyncio.gather(*update.shard_refs)
@@ -245,7 +245,7 @@ class ReceiverProbe:
         return {"fetch_s": fetched - began, "assemble_s": assembled - fetched, "load_s": loaded - assembled}
 
     def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
-        from async_grpo.weights.weight_loading import load_state_dict_into
+        from async_grpo.weights.worker_loader import load_state_dict_into
 
         with torch.no_grad():
             load_state_dict_into(self.causal_lm, state_dict)
@@ -377,7 +377,7 @@ def _perturbed_update(base: dict[str, torch.Tensor], version: int) -> Any:
     """The model's own tensors with noise of their own, as one 'gather' object in the store."""
     import ray
 
-    from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
+    from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs
 
     noise = torch.Generator().manual_seed(version)
     state = {k: v + PERTURBATION * torch.randn(v.shape, generator=noise, dtype=v.dtype) for k, v in base.items()}
@@ -478,8 +478,8 @@ class TrainerRole:
         from async_grpo.runtime.ray_access import join_cluster
         from async_grpo.trainer.config import TrainerConfig
         from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed
-        from async_grpo.trainer.weight_pusher import get_or_create_shard_stager
-        from async_grpo.weights.weight_sync import adapter_named_tensors
+        from async_grpo.weights.trainer_adapter import adapter_named_tensors
+        from async_grpo.weights.trainer_object_store import get_or_create_shard_stager
         from setup_model import LoraConfig, ModelConfig
         from trainer_core import make_weight_pusher
 
@@ -522,9 +522,8 @@ class TrainerRole:
         import ray
         import torch.distributed as torch_dist
 
-        from async_grpo.weights.weight_sync import (
-            WeightUpdate, gather_full_state_dict, local_shard_blobs, state_dict_to_blobs,
-        )
+        from async_grpo.weights.trainer_gather import gather_full_state_dict, local_shard_blobs
+        from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs
 
         version = self.next_version()
         began = time.perf_counter()

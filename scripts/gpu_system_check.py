@@ -421,8 +421,8 @@ async def _probe_engine(random_dir: Path, trained_dir: Path, prompts: list[Any])
     import ray
 
     from async_grpo.launch.ray_cluster import init_local_ray
-    from async_grpo.weights.weight_loading import iter_checkpoint_tensors
-    from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
+    from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs
+    from async_grpo.weights.worker_loader import iter_checkpoint_tensors
     from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
     config = GenerationWorkerConfig(model_path=str(random_dir), engine=probe_engine_config())

@@ -39,7 +39,7 @@ system_lane_files=(tests/system/test_benchmarks_smoke.py tests/system/test_end_t
                    tests/launch/test_placement_ray.py tests/rewards/test_verifier_slots.py)
 # Smokes of test_benchmarks_smoke.py (by their ids) that the first lane runs instead, at its end:
 # they start engines of their own, not the shared cluster, and a file is too coarse to balance by.
-first_lane_smokes=()
+first_lane_smokes=(long_context)
 first_lane_ids=()
 for smoke in "${first_lane_smokes[@]}"; do
     first_lane_ids+=("tests/system/test_benchmarks_smoke.py::test_benchmark_smoke_prints_its_summary[$smoke]")

@@ -5,7 +5,7 @@ actors' names, so `ray list actors` reads the same everywhere:
     generation-worker-0, logprob-worker-0, ...   one per worker (worker_dispatcher.py)
     experience-batcher                           one per run (vllm_experience_batcher.py)
     math-verifier-pool                           one per cluster (math_verify_cluster.py)
-    weight-shard-stager                          "sharded" weight pushes (weight_sync.py)
+    weight-shard-stager                          "sharded" weight pushes (weights/trainer_object_store.py)
 
 Records every side shares (the trainer, the workers, the launcher): imports nothing.
 """

@@ -41,7 +41,7 @@ VLLM_GPU_MEMORY_UTILIZATION = 0.92
 
 
 # EngineTransferConfig.weight_transfer -> the backend name vLLM's WeightTransferEngineFactory knows it
-# by (ours registers in weight_transfer_engine.py, OBJECT_STORE_BACKEND there).
+# by (ours registers in weights/worker_transfer_backend.py, OBJECT_STORE_BACKEND there).
 WEIGHT_TRANSFER_BACKENDS = {"object_store": "grpo_object_store", "nccl": "nccl", "nccl_m2n": "nccl_m2n", "ipc": "ipc"}
 OBJECT_STORE_TRANSFER = "object_store"
 

@@ -36,7 +36,7 @@ _ADAPTERS_PER_BATCH = 2
 # vLLM's worker_extension_cls: a class with no methods whose module's import registers our
 # weight-transfer backend in the engine-core process (named as a string: importing it here
 # would import vLLM into every process that imports this module).
-_WEIGHT_TRANSFER_REGISTRATION = "async_grpo.inference.weight_transfer_engine.WeightTransferRegistration"
+_WEIGHT_TRANSFER_REGISTRATION = "async_grpo.weights.worker_transfer_backend.WeightTransferRegistration"
 
 
 class EngineSpec(Protocol):

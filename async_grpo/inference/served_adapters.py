@@ -1,6 +1,6 @@
 """The LoRA adapters a generation worker serves: which adapter new requests run with, and how
 many requests each has in flight (a replaced adapter leaves the engine once its last request
-ends). Loading a new one is adapter_loader.py's.
+ends). Loading a new one is worker_adapter.py's.
 
 Worker side: held by served_weights.ServedWeights; vLLM is only named for type checking.
 """

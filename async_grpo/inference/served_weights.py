@@ -3,8 +3,8 @@
 Every request (a rollout, an endpoint request) reads this state as it starts: it waits while a
 weight update holds new requests back, then takes the version and the LoRA adapter it runs on
 (`ServedWeights.request`). The weight receivers change it: a full-weight load (object store,
-object_store_reload.py; CUDA transfer, transfer_pass_through.py) switches the version while
-scheduling is paused, an adapter load (adapter_loader.py) swaps the adapter new requests get.
+worker_object_store.py; CUDA transfer, worker_cuda_transfer.py) switches the version while
+scheduling is paused, an adapter load (worker_adapter.py) swaps the adapter new requests get.
 
 Worker side; plain asyncio, no vLLM (the adapters are only named for type checking).
 """

@@ -224,5 +224,5 @@ def cluster_tag(gcs_address: str) -> str:
 def shared_memory_owner(worker_name: str) -> str:
     """The name a worker's files in shared memory are filed under: the worker's name prefixed
     with the tag of the Ray cluster this process is connected to, so that generation-worker-0 of
-    two clusters on one machine never remove each other's adapter folders (weight_files)."""
+    two clusters on one machine never remove each other's adapter folders (weights/worker_bucket_files.py)."""
     return f"{cluster_tag(ray.get_runtime_context().gcs_address)}-{worker_name}"

@@ -45,10 +45,10 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
 from async_grpo.trainer.fsdp_setup import DistInfo
-from async_grpo.weights.weight_sync import (
-    adapter_config_json, gather_adapter, gather_full_state_dict, inference_config, is_lora_model, write_adapter_folder,
-    write_hf_folder,
-)
+from async_grpo.weights.adapter_files import write_adapter_folder
+from async_grpo.weights.hf_checkpoint import inference_config, write_hf_folder
+from async_grpo.weights.trainer_adapter import adapter_config_json, gather_adapter, is_lora_model
+from async_grpo.weights.trainer_gather import gather_full_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +122,9 @@ def _set_rng_state(saved: dict[str, torch.Tensor] | torch.Tensor) -> None:
         torch.cuda.set_rng_state(saved["cuda"])
 
 
-# weight_sync.export_hf_checkpoint gathers and writes the HF folder in one collective call; a
+# trainer_gather.export_hf_checkpoint gathers and writes the HF folder in one collective call; a
 # background save needs the gather and the write apart, so this module writes the same files
-# (config, weights, tokenizer) under weight_sync's names.
+# (config, weights, tokenizer) under hf_checkpoint's names.
 OPTIMIZER_FILE = "optimizer.pt"
 # Write steps of one save, in order; each is a no-argument callable that writes one file set.
 _Write = Callable[[], None]

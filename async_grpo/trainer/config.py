@@ -22,7 +22,7 @@ from async_grpo.telemetry.console import LogLevel
 from async_grpo.telemetry.metrics import MetricsConfig
 from async_grpo.trainer.evaluation import EvalConfig
 from async_grpo.trainer.optimizer import OptimConfig
-from async_grpo.trainer.weight_transfer_trainer import TrainerTransferConfig
+from async_grpo.weights.trainer_cuda_transfer import TrainerTransferConfig
 from grpo_loss import LossConfig
 from setup_model import ModelConfig
 

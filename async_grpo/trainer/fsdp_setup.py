@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from async_grpo.model.context_parallel import ContextGroup
-from async_grpo.weights.weight_sync import ADAPTER_WEIGHTS_FILE, local_piece
+from async_grpo.weights.adapter_files import ADAPTER_WEIGHTS_FILE
+from async_grpo.weights.trainer_gather import local_piece
 from setup_model import (
     ModelConfig, TokenLogprobModel, apply_lora, check_attn_dtype, check_context_parallel, default_attn_implementation,
     load_causal_lm, meta_causal_lm, training_compute_dtype,

@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 
 import logprob_worker
 from async_grpo.config.worker_options import LogprobBatchingConfig, PromptSharingConfig
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 from async_grpo.config.actor_names import LOGPROB
 from async_grpo.model.packed_attention import PACKED_SDPA
-from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
-from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs, tensor_to_blob
+from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs, tensor_to_blob
 from logprob_worker import LogprobWorker, LogprobWorkerActor, LogprobWorkerConfig, resolve_dtype, resolve_model_settings
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel, default_attn_implementation, load_causal_lm

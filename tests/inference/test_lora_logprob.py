@@ -14,7 +14,8 @@ import torch
 
 from async_grpo.config.worker_options import LogprobBatchingConfig
 from async_grpo.demo_assets.tiny_model import write_random_adapter as _write_adapter
-from async_grpo.weights.weight_sync import UnstableVersionError, WeightUpdate, state_dict_to_blobs
+from async_grpo.weights.adapter_files import UnstableVersionError
+from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs
 from logprob_worker import LogprobWorker, LogprobWorkerConfig
 from sample_processing_utils import Sample
 from setup_model import load_causal_lm

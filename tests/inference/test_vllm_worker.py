@@ -29,13 +29,13 @@ from async_grpo.config.worker_options import EngineConfig, VerificationConfig
 from async_grpo.inference.engine_process import engine_process_env
 from async_grpo.inference.failed_samples import FailedSampleLog
 from async_grpo.inference.served_adapters import AdapterBook
-from async_grpo.inference.weight_files import reload_buckets
-from async_grpo.inference.weight_reload import with_tied_lm_head
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rewards.reward_failure import FailureKind
 from async_grpo.config.reward_config import RewardConfig
 from async_grpo.config.sampling import SamplingConfig
-from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
+from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs
+from async_grpo.weights.worker_bucket_files import reload_buckets
+from async_grpo.weights.worker_reload_fixes import with_tied_lm_head
 from sample_processing_utils import Sample
 from setup_model import load_tokenizer
 from support.generation_worker import (

@@ -238,7 +238,7 @@ def test_dispatcher_registers_reports_and_stops_cleanly(ray_head, tiny_model_dir
 
 @pytest.mark.vllm
 def test_dispatcher_replaces_a_dead_worker_cleans_its_files_then_gives_up(ray_head, tiny_model_dir):
-    from async_grpo.inference.weight_files import weights_file_dir
+    from async_grpo.weights.worker_bucket_files import weights_file_dir
 
     command = [
         sys.executable, DISPATCHER, "--model_path", str(tiny_model_dir), "--mode", GENERATION,

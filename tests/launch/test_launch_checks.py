@@ -10,10 +10,10 @@ import pytest
 
 from async_grpo.config.versions import Requirement, VersionError, check_versions
 from async_grpo.inference.engine_diagnostics import root_cause_line
-from async_grpo.inference.weight_reload import UninformativeReloadWarnings
 from async_grpo.launch.node_resources import cpu_kv_cache_bytes, gpus_per_worker
 from async_grpo.launch.placement import GiB, ModelShape, PlacementError, RunShape, plan_placement
 from async_grpo.trainer.fsdp_setup import check_trainer_gpus
+from async_grpo.weights.worker_reload_fixes import UninformativeReloadWarnings
 
 
 @pytest.mark.parametrize(("version", "allowed"), [

@@ -44,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 
 from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, init_distributed
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler
-from async_grpo.weights.weight_loading import assemble_state_dict  # noqa: E402
-from async_grpo.weights.weight_sync import export_hf_checkpoint, gather_full_state_dict, hf_tensors, local_shard_blobs
+from async_grpo.weights.hf_checkpoint import hf_tensors
+from async_grpo.weights.trainer_gather import export_hf_checkpoint, gather_full_state_dict, local_shard_blobs
+from async_grpo.weights.worker_loader import assemble_state_dict  # noqa: E402
 from grpo_loss import LossConfig, grpo_loss  # noqa: E402
 from sample_processing_utils import Sample, get_input_for_logprobs, post_process_batch  # noqa: E402
 from setup_model import ModelConfig

@@ -1,4 +1,4 @@
-"""The receiving end of tests/trainer/test_gpu_weight_transfer.py's one-GPU check: opens CUDA IPC
+"""The receiving end of tests/weights/test_gpu_weight_transfer.py's one-GPU check: opens CUDA IPC
 handles of the trainer's tensors, as vLLM's IPC engine does in a colocated inference worker (torch's
 rebuild_cuda_tensor), without vLLM, and answers each with the SHA-256 of the bytes it sees.
 

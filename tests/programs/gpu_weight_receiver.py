@@ -1,4 +1,4 @@
-"""The receiving end of tests/trainer/test_gpu_weight_transfer.py: vLLM's worker-side NCCL weight
+"""The receiving end of tests/weights/test_gpu_weight_transfer.py: vLLM's worker-side NCCL weight
 transfer (the calls NCCLWeightTransferEngine makes inside an inference worker), without an engine.
 
     python tests/programs/gpu_weight_receiver.py OUT.safetensors CUDA_DEVICE_INDEX

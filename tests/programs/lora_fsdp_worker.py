@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 from async_grpo.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint  # noqa: E402
 from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, init_distributed  # noqa: E402
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler  # noqa: E402
-from async_grpo.weights.weight_loading import iter_assembled  # noqa: E402
-from async_grpo.weights.weight_sync import adapter_named_tensors, gather_adapter, local_adapter_blobs  # noqa: E402
+from async_grpo.weights.trainer_adapter import adapter_named_tensors, gather_adapter, local_adapter_blobs
+from async_grpo.weights.worker_loader import iter_assembled  # noqa: E402
 from sample_processing_utils import Sample, get_input_for_logprobs  # noqa: E402
 from setup_model import LoraConfig, ModelConfig  # noqa: E402
 

@@ -1,11 +1,11 @@
-"""One trainer rank of tests/trainer/test_lora_push.py: the real WeightPusher pushing a LoRA policy.
+"""One trainer rank of tests/weights/test_lora_push.py: the real WeightPusher pushing a LoRA policy.
 
     torchrun --nproc_per_node=2 tests/programs/lora_push_worker.py --ray_address HOST:PORT --namespace NS \
         --out_dir OUT --model_path BASE --adapter_dir START_ADAPTER
 
 Every rank joins the test's Ray cluster and the gloo group, builds the FSDP2 LoRA policy from
 the base and the starting adapter (build_training_model, as a resumed trainer does) and pushes
-it with weight_pusher.WeightPusher in each mode, twice per mode. Rank 0 hands the pushers a
+it with trainer_pusher.WeightPusher in each mode, twice per mode. Rank 0 hands the pushers a
 recorder actor in place of the registries; its `publish` reads the update as a worker would:
 the STABLE marker must name it (check_stable), then the adapter is fetched (every rank's
 shards reassembled, or the lora_files folder read). OUT/weights is the pushers' weights_root.
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 from async_grpo.runtime.ray_access import join_cluster
 from async_grpo.launch.ray_env import actor_runtime_env  # noqa: E402
 from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed  # noqa: E402
-from async_grpo.trainer.weight_pusher import WeightPusher  # noqa: E402
-from async_grpo.weights.weight_sync import WeightUpdate  # noqa: E402
+from async_grpo.weights.trainer_pusher import WeightPusher  # noqa: E402
+from async_grpo.weights.update import WeightUpdate
 from setup_model import LoraConfig, ModelConfig  # noqa: E402
 
 DIST_TIMEOUT_S = 120.0  # a crashed peer turns into an error well inside the test's own timeout
@@ -49,8 +49,8 @@ class Recorder:
     def publish(self, update: WeightUpdate) -> dict[str, int]:
         from safetensors.torch import load_file
 
-        from async_grpo.weights.weight_loading import fetch_state_dict
-        from async_grpo.weights.weight_sync import ADAPTER_WEIGHTS_FILE, check_stable, read_stable_marker
+        from async_grpo.weights.adapter_files import ADAPTER_WEIGHTS_FILE, check_stable, read_stable_marker
+        from async_grpo.weights.worker_loader import fetch_state_dict
 
         check_stable(update)
         if update.mode == "lora_files":

@@ -61,7 +61,7 @@ from async_grpo.trainer.config import TrainerConfig  # noqa: E402
 from async_grpo.trainer.data_path import PerRankDataPath, Rank0DataPath, RayBatcherClient  # noqa: E402
 from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, init_distributed
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler
-from async_grpo.weights.weight_sync import gather_full_state_dict
+from async_grpo.weights.trainer_gather import gather_full_state_dict
 from grpo_loss import LossConfig  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
 from setup_model import ModelConfig

@@ -1,4 +1,4 @@
-"""One trainer rank of tests/trainer/test_weight_push_dtype.py: real WeightPusher pushes into a
+"""One trainer rank of tests/weights/test_weight_push_dtype.py: real WeightPusher pushes into a
 recorder.
 
     torchrun --nproc_per_node=2 tests/programs/weight_push_worker.py --ray_address HOST:PORT \
@@ -6,7 +6,7 @@ recorder.
 
 Each rank joins the test's Ray cluster and the gloo group, builds the FSDP2 model of every
 --model_path (build_training_model, as the trainer does), and pushes it with
-weight_pusher.WeightPusher in each mode ("gather", "sharded") and each dtype (float32, bfloat16).
+trainer_pusher.WeightPusher in each mode ("gather", "sharded") and each dtype (float32, bfloat16).
 Rank 0 hands the pushers a recorder actor in place of the registries: its `publish` receives
 the WeightUpdate exactly as a registry would and reads it the two ways a worker can
 (`fetch_state_dict`, and `iter_state_dict`, one tensor at a time).
@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 from async_grpo.runtime.ray_access import join_cluster
 from async_grpo.launch.ray_env import actor_runtime_env  # noqa: E402
 from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed  # noqa: E402
-from async_grpo.trainer.weight_pusher import WeightPusher  # noqa: E402
-from async_grpo.weights.weight_sync import WeightUpdate  # noqa: E402
+from async_grpo.weights.trainer_pusher import WeightPusher  # noqa: E402
+from async_grpo.weights.update import WeightUpdate
 from setup_model import ModelConfig  # noqa: E402
 
 DIST_TIMEOUT_S = 120.0  # a crashed peer turns into an error well inside the test's own timeout
@@ -40,7 +40,7 @@ PUSH_TIMEOUT_S = 120.0  # the shard stager's wait for every rank's shard
 MODES = ("gather", "sharded")
 DTYPES = (torch.float32, torch.bfloat16)
 # How long the recorder holds each publish, as a worker loading into its engine would: the
-# pusher's 'load' phase must contain it (tests/trainer/test_weight_push_dtype.py).
+# pusher's 'load' phase must contain it (tests/weights/test_weight_push_dtype.py).
 PUBLISH_HOLD_S = 0.2
 
 
@@ -52,7 +52,7 @@ class Recorder:
         self.received: dict[int, dict] = {}
 
     def publish(self, update: WeightUpdate) -> dict[str, int]:
-        from async_grpo.weights.weight_loading import fetch_state_dict, iter_state_dict
+        from async_grpo.weights.worker_loader import fetch_state_dict, iter_state_dict
 
         streamed = list(iter_state_dict(update))
         self.received[update.version] = {

@@ -25,7 +25,7 @@ import torch
 from async_grpo.config.worker_options import EngineConfig, VerificationConfig
 from async_grpo.config.sampling import SamplingConfig
 from async_grpo.rollouts.token_versions import version_runs
-from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
+from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs
 from grpo_loss import LossConfig, grpo_loss
 from sample_processing_utils import Sample, post_process_batch
 from support.generation_worker import perturbed_copy

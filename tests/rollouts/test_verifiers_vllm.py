@@ -28,7 +28,7 @@ import pytest
 from async_grpo.demo_assets.tiny_model import IM_END
 from async_grpo.rewards.math_verify_pool import VerifierPool
 from async_grpo.rollouts.verifiers_rollouts import VerifiersRolloutConfig, VerifiersRollouts
-from async_grpo.weights.weight_sync import WeightUpdate, state_dict_to_blobs
+from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs
 from sample_processing_utils import Sample
 from setup_model import load_causal_lm, load_tokenizer
 from support.chat_engine import assert_trainer_logprobs_match_engine, chat_worker_config, tiny_chat_model

@@ -23,7 +23,7 @@ import ray
 
 from async_grpo.config.worker_options import HealthCheckConfig, VerificationConfig
 from async_grpo.config.actor_names import GENERATION, RAY_NAMESPACE, registry_name, worker_actor_name
-from async_grpo.weights.weight_sync import WeightUpdate
+from async_grpo.weights.update import WeightUpdate
 from support.generation_worker import engine_core_processes
 from vllm_experience_batcher import BatchedRegistryClient
 from vllm_registry import (
@@ -105,7 +105,7 @@ class FakeWorker:
         return update.version
 
     def warm(self, update: WeightUpdate) -> None:
-        """Receive a WeightUpdate once: unpickling it imports weight_sync (and torch), seconds."""
+        """Receive a WeightUpdate once: unpickling it imports weights/update.py (and torch), seconds."""
 
     def mark_ready(self) -> None:
         self._lifecycle.append("ready")
@@ -653,7 +653,7 @@ def test_a_real_worker_joining_a_running_job_serves_the_published_weights(make_r
     from safetensors.torch import load_file
 
     from async_grpo.config.sampling import SamplingConfig
-    from async_grpo.weights.weight_sync import state_dict_to_blobs
+    from async_grpo.weights.update import state_dict_to_blobs
     from sample_processing_utils import Sample
 
     registry = make_registry()

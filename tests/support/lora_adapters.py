@@ -1,5 +1,5 @@
 """LoRA adapters as the tests use them: the training tests' LoRA settings and a nonzero starting
-adapter (tests/trainer/test_lora_fsdp.py, tests/trainer/test_lora_push.py), and the lora_files
+adapter (tests/trainer/test_lora_fsdp.py, tests/weights/test_lora_push.py), and the lora_files
 weight updates a worker takes, with the STABLE marker that names them (the vLLM and logprob worker
 tests)."""
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from async_grpo.weights.weight_sync import StableMarker, WeightUpdate, update_parts, write_stable_marker
+from async_grpo.weights.adapter_files import StableMarker, update_parts, write_stable_marker
+from async_grpo.weights.update import WeightUpdate
 
 LORA = {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                   "gate_proj", "up_proj", "down_proj"]}

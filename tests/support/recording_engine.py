@@ -1,7 +1,7 @@
 """A recording stand-in of vLLM's AsyncLLM for the weight-transfer tests: its weight-transfer, pause
 and cache calls, recorded in order with their arguments, and the init and update payloads the tests
-send (tests/inference/test_transfer_pass_through.py and tests/inference/test_object_store_reload.py,
-the worker's end; tests/trainer/test_weight_sync_transfer.py, the trainer's end against engines
+send (tests/weights/test_transfer_pass_through.py and tests/weights/test_object_store_reload.py,
+the worker's end; tests/weights/test_weight_sync_transfer.py, the trainer's end against engines
 that record)."""
 
 from __future__ import annotations

@@ -36,11 +36,11 @@ import pytest
 
 from async_grpo.config.worker_options import HealthCheckConfig, RestartConfig
 from async_grpo.demo_assets.arithmetic_data import write_arithmetic_dataset
-from async_grpo.inference.weight_files import weights_file_dir
 from async_grpo.launch.dispatcher_logs import REGISTERED_PATTERN
 from async_grpo.launch.local_processes import RUN_TEMP_PREFIX
 from async_grpo.config.actor_names import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
 from async_grpo.telemetry.metrics import read_metrics
+from async_grpo.weights.worker_bucket_files import weights_file_dir
 from local_cluster import LocalCluster
 from support.cluster import WORLD_SIZE, cluster_config
 from support.ray_session import session_ray_set_aside

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from async_grpo.trainer.checkpoint import latest_checkpoint
-from async_grpo.weights.weight_sync import read_stable_marker
+from async_grpo.weights.adapter_files import read_stable_marker
 from local_cluster import LocalCluster
 from support.cluster import cluster_config, generation_versions, started_cluster, train
 

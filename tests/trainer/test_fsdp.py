@@ -31,13 +31,13 @@ from safetensors import safe_open
 
 from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler, lr_factor
-from async_grpo.weights.weight_loading import assemble_state_dict, load_state_dict_into
-from async_grpo.weights.weight_sync import fsdp_shard_extent, gather_full_state_dict, local_shard_blobs
+from async_grpo.weights.trainer_gather import fsdp_shard_extent, gather_full_state_dict, local_shard_blobs
+from async_grpo.weights.worker_loader import assemble_state_dict, load_state_dict_into
 from grpo_loss import LossConfig, grpo_loss
 from sample_processing_utils import Sample, get_input_for_logprobs, post_process_batch
 from setup_model import ModelConfig, TokenLogprobModel, load_causal_lm, load_tokenizer
-from support.paths import PROGRAMS
 from support.forked_ranks import run_ranks
+from support.paths import PROGRAMS
 from support.torchrun_launch import run_worker
 
 WORKER = PROGRAMS / "fsdp_worker.py"

@@ -2,7 +2,7 @@
 
 The references are written here with peft directly (get_peft_model, save_pretrained,
 PeftModel.from_pretrained) and a plain torch AdamW: none of them goes through the code under
-test (fsdp_setup's LoRA wrapping, weight_sync's adapter shards, checkpoint.py's adapter files).
+test (fsdp_setup's LoRA wrapping, trainer_adapter's adapter shards, checkpoint.py's adapter files).
 
     .venv/bin/python -m pytest tests/trainer/test_lora_fsdp.py -q
 """
@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from async_grpo.weights.weight_loading import iter_assembled
-from async_grpo.weights.weight_sync import TensorBlob, tensor_to_blob
+from async_grpo.weights.update import TensorBlob, tensor_to_blob
+from async_grpo.weights.worker_loader import iter_assembled
 from sample_processing_utils import Sample, get_input_for_logprobs
 from setup_model import TokenLogprobModel
+from support.forked_ranks import run_ranks
 from support.lora_adapters import LORA, reference_peft
 from support.paths import PROGRAMS
-from support.forked_ranks import run_ranks
 
 WORKER = PROGRAMS / "lora_fsdp_worker.py"
 WORLD_SIZE = 2

@@ -26,7 +26,7 @@ from async_grpo.trainer.checkpoint import (
 )
 from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer, build_scheduler
-from async_grpo.weights import weight_sync
+from async_grpo.weights import hf_checkpoint
 from sample_processing_utils import Sample, post_process_batch
 from setup_model import ModelConfig
 
@@ -187,13 +187,13 @@ def test_background_save_writes_the_snapshot_while_training_goes_on(tiny_model_d
                                 keep=2)
 
     release = threading.Event()
-    real_write = weight_sync.write_safetensors
+    real_write = hf_checkpoint.write_safetensors
 
     def held_write(*args, **kwargs):
         assert release.wait(timeout=120), "the test never released the write"
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(weight_sync, "write_safetensors", held_write)
+    monkeypatch.setattr(hf_checkpoint, "write_safetensors", held_write)
     run_dir = tmp_path / "async"
     writer = BackgroundCheckpointWriter(run_dir, str(tiny_model_dir), dist, keep=2)
     blocked_s = writer.save(model, optimizer, scheduler, state)
@@ -222,8 +222,8 @@ def test_background_saves_one_at_a_time_and_errors_surface(tiny_model_dir: Path,
     model, optimizer, scheduler = _build(tiny_model_dir, dist)
     _train(model, optimizer, scheduler, 1)
     release = threading.Event()
-    real_write = weight_sync.write_safetensors
-    monkeypatch.setattr(weight_sync, "write_safetensors",
+    real_write = hf_checkpoint.write_safetensors
+    monkeypatch.setattr(hf_checkpoint, "write_safetensors",
                         lambda *a, **k: (release.wait(timeout=120), real_write(*a, **k))[1])
     writer = BackgroundCheckpointWriter(tmp_path, str(tiny_model_dir), dist, keep=5)
     writer.save(model, optimizer, scheduler, TrainerState(step=1))
@@ -240,7 +240,7 @@ def test_background_saves_one_at_a_time_and_errors_surface(tiny_model_dir: Path,
     def failing_write(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(weight_sync, "write_safetensors", failing_write)
+    monkeypatch.setattr(hf_checkpoint, "write_safetensors", failing_write)
     writer.save(model, optimizer, scheduler, TrainerState(step=3))
     writer.commit()
     with pytest.raises(RuntimeError, match="background checkpoint save failed.*disk full"):

@@ -1,4 +1,4 @@
-"""weight_loading's assembly of dim-0 pieces into full tensors (all at once or one at a time),
+"""worker_loader's assembly of dim-0 pieces into full tensors (all at once or one at a time),
 against torch.chunk slicing, and the dtype pushes carry."""
 
 from __future__ import annotations
@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from async_grpo.trainer.weight_pusher import WeightPusher, resolve_push_dtype
-from async_grpo.weights.weight_loading import assemble_state_dict, fetch_state_dict, iter_assembled, iter_state_dict
-from async_grpo.weights.weight_sync import (
-    WeightUpdate, fsdp_shard_extent, gather_full_state_dict, local_shard_blobs, tensor_to_blob,
-)
+from async_grpo.weights.trainer_gather import fsdp_shard_extent, gather_full_state_dict, local_shard_blobs
+from async_grpo.weights.trainer_pusher import WeightPusher, resolve_push_dtype
+from async_grpo.weights.update import WeightUpdate, tensor_to_blob
+from async_grpo.weights.worker_loader import assemble_state_dict, fetch_state_dict, iter_assembled, iter_state_dict
 
 
 def _pieces(tensor: torch.Tensor, num_shards: int) -> list[dict]:
@@ -171,9 +170,9 @@ def test_push_dtype_errors() -> None:
 
 def test_replicated_tensors_are_published_by_rank_0_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unsharded tensors (persistent buffers under FSDP) are whole on every rank: one copy only."""
-    from async_grpo.weights import weight_sync
+    from async_grpo.weights import trainer_gather
 
     model = _WithBuffer()
     assert local_shard_blobs(model).keys() == {"weight", "position_ids"}
-    monkeypatch.setattr(weight_sync, "_is_main_process", lambda: False)
+    monkeypatch.setattr(trainer_gather, "_is_main_process", lambda: False)
     assert local_shard_blobs(model) == {}

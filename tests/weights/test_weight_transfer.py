@@ -21,9 +21,9 @@ from async_grpo.config.worker_options import (
     WEIGHT_TRANSFER_BACKENDS, EngineTransferConfig, check_transfer_packages, check_weight_transfer_device,
     module_available,
 )
-from async_grpo.inference.weight_files import BucketBuffer, SharedMemoryFullError, check_free_space, read_bucket
-from async_grpo.weights.weight_loading import iter_assembled, load_streamed_into, update_shapes
-from async_grpo.weights.weight_sync import state_dict_to_blobs, tensor_to_blob
+from async_grpo.weights.update import state_dict_to_blobs, tensor_to_blob
+from async_grpo.weights.worker_bucket_files import BucketBuffer, SharedMemoryFullError, check_free_space, read_bucket
+from async_grpo.weights.worker_loader import iter_assembled, load_streamed_into, update_shapes
 from support.paths import REPO_ROOT
 
 
@@ -134,7 +134,7 @@ def test_trainer_refuses_a_cuda_transfer_it_cannot_import(monkeypatch: pytest.Mo
     """trainer_core.check_environment, CUDA faked: nccl_m2n without nccl.m2n is one line; a LoRA
     policy (adapters through the object store) is not asked for it."""
     import trainer_core
-    from async_grpo.trainer.weight_transfer_trainer import TRANSFER_PUSH_MODE
+    from async_grpo.weights.trainer_cuda_transfer import TRANSFER_PUSH_MODE
 
     monkeypatch.setattr(trainer_core.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(trainer_core, "check_trainer_gpus", lambda *args: None)

@@ -1,4 +1,4 @@
-"""Two clusters on one machine keep their shared-memory files apart (issue 35: weight_files named
+"""Two clusters on one machine keep their shared-memory files apart (issue 35: worker_bucket_files named
 them by worker name only, and generation-worker-0 exists in every cluster, so one cluster's
 dispatcher removed the other's adapter folders). Two local Ray heads run at once, each in its own
 process; each files an adapter folder for its generation-worker-0, then the first cleans up as
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from async_grpo.inference.weight_files import adapter_dir_path, remove_weight_files
+from async_grpo.weights.worker_bucket_files import adapter_dir_path, remove_weight_files
 from support.paths import REPO_ROOT
 
 pytestmark = pytest.mark.system
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.system
 _CLUSTER = """
 import json, sys, time
 from pathlib import Path
-from async_grpo.inference.weight_files import adapter_dir_path, remove_weight_files
+from async_grpo.weights.worker_bucket_files import adapter_dir_path, remove_weight_files
 from async_grpo.launch.ray_cluster import init_local_ray
 from async_grpo.runtime.ray_access import shared_memory_owner
 

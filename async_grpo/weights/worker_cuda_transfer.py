@@ -1,7 +1,7 @@
 """A generation worker's end of the trainer's CUDA weight transfers (EngineTransferConfig.weight_transfer
 nccl / nccl_m2n / ipc).
 
-The trainer drives these transfers (weight_transfer_trainer.EngineWeightSender) by calling the
+The trainer drives these transfers (trainer_cuda_transfer.EngineWeightSender) by calling the
 worker actor's transfer_describe / transfer_init / transfer_start / transfer_update /
 transfer_finish; `TransferPassThrough` passes each call on to the engine through
 `EngineTransferReceiver`, the engine's end, in order: init (join the trainer's group), then per
@@ -26,6 +26,8 @@ from async_grpo.routing.worker_lifecycle import WorkerLifecycle
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from async_grpo.weights.update import WeightUpdate
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,7 +37,7 @@ class TransferOrderError(RuntimeError):
 
 class EngineTransferReceiver:
     """The generation worker's end of one of vLLM's CUDA weight transfers: the trainer's calls
-    (weight_transfer_trainer.EngineWorkersClient) passed through to the worker's AsyncLLM.
+    (trainer_cuda_transfer.EngineWorkersClient) passed through to the worker's AsyncLLM.
 
     Order: `init` once per transfer group (again when the trainer rebuilds its group: the old
     one is shut down first), then per push `start`, one or more `update`, `finish`. A call out
@@ -109,7 +111,9 @@ class EngineTransferReceiver:
 
 
 class TransferPassThrough:
-    """The trainer's CUDA weight-transfer calls, passed through to this worker's engine."""
+    """The trainer's CUDA weight-transfer calls, passed through to this worker's engine: the
+    worker's end of the CUDA transports (a transport.WeightReceiver whose versions arrive by the
+    trainer's calls, describe / init / start / update / finish, never as a WeightUpdate)."""
 
     def __init__(self, worker_name: str, *, backend: str, pause_mode: str, engine: Callable[[], AsyncLLM],
                  served: ServedWeights, stats: GenerationStats, life: WorkerLifecycle) -> None:
@@ -143,6 +147,14 @@ class TransferPassThrough:
             self._served.accepting.set()
             return exc
         return self._life.fail(f"weight transfer {phase} failed: {type(exc).__name__}: {exc}")
+
+    async def init_engine(self, engine: AsyncLLM) -> None:
+        """Nothing to ready here: the trainer's `init` joins the engine to its transfer group."""
+
+    async def receive(self, engine: AsyncLLM, update: WeightUpdate) -> None:
+        """Refuse a WeightUpdate: this engine takes full weights from the trainer's GPUs."""
+        raise ValueError(f"{self.worker_name}: a WeightUpdate travels through the object store, but this engine "
+                         f"takes weights by EngineConfig.weight_transfer {self._backend!r}")
 
     def describe(self) -> dict[str, Any]:
         self._life.require_alive()

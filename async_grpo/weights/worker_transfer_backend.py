@@ -4,18 +4,18 @@ vLLM 0.32 loads pushed weights through its weight-transfer API (`AsyncLLM.init_w
 / `start_weight_update` / `update_weights` / `finish_weight_update`) with pluggable backends. This
 module registers ours, `OBJECT_STORE_BACKEND`, in `WeightTransferEngineFactory`. The generation
 worker (a Ray actor) fetches an update from Ray's object store and writes one bucket of whole
-decoder layers at a time into an anonymous memory file (weight_files.BucketBuffer, memfd: nothing
+decoder layers at a time into an anonymous memory file (worker_bucket_files.BucketBuffer, memfd: nothing
 in /dev/shm); `update_weights` hands the engine that file's (pid, fd) and the tensors' byte
 layout, and the engine maps it read-only and loads the tensors straight from the mapping.
 
 Runs inside vLLM's engine-core process, which imports this module through `worker_extension_cls`
 (`WeightTransferRegistration`; importing the module is what registers the backend, before vLLM
-builds the engine in load_model). Keep its imports small: torch, vLLM, weight_reload.py and
-weight_files.py (which reads a bucket back: read_bucket).
+builds the engine in load_model). Keep its imports small: torch, vLLM, worker_reload_fixes.py and
+worker_bucket_files.py (which reads a bucket back: read_bucket).
 
 With one of vLLM's CUDA engines instead (EngineTransferConfig.weight_transfer nccl / nccl_m2n / ipc) the
-trainer drives the transfer (weight_transfer_trainer.py) and the generation worker passes its
-calls through to its AsyncLLM (transfer_pass_through.py, in the worker's process).
+trainer drives the transfer (trainer_cuda_transfer.py) and the generation worker passes its
+calls through to its AsyncLLM (worker_cuda_transfer.py, in the worker's process).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from async_grpo.inference.weight_files import BUCKET_DTYPES, read_bucket
-from async_grpo.inference.weight_reload import install_reload_warning_filter, with_tied_lm_head
+from async_grpo.weights.worker_bucket_files import BUCKET_DTYPES, read_bucket
+from async_grpo.weights.worker_reload_fixes import install_reload_warning_filter, with_tied_lm_head
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class BucketUpdateInfo(WeightTransferUpdateInfo):
     names: list[str] = field(default_factory=list)
     """HF names of the bucket's tensors."""
     dtypes: list[str] = field(default_factory=list)
-    """Each tensor's dtype name (one of weight_files.BUCKET_DTYPES)."""
+    """Each tensor's dtype name (one of worker_bucket_files.BUCKET_DTYPES)."""
     shapes: list[list[int]] = field(default_factory=list)
     """Each tensor's shape."""
     offsets: list[int] = field(default_factory=list)

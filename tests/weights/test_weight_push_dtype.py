@@ -4,7 +4,7 @@ tests/programs/weight_push_worker.py runs on 2 forked ranks (support.forked_rank
 session's Ray cluster; each rank builds the FSDP2 model from a tiny checkpoint and pushes it with
 WeightPusher in "gather" and "sharded" mode, in float32 and bfloat16, to a recorder that reads
 every update as a worker does (fetch_state_dict and iter_state_dict). The reference is
-independent of weight_sync: the checkpoint's fp32 tensors, loaded with from_pretrained, and
+independent of weights/: the checkpoint's fp32 tensors, loaded with from_pretrained, and
 `tensor.to(torch.bfloat16)` of them.
 """
 
@@ -82,7 +82,7 @@ def test_push_phases_split_rank_zeros_push_time(pushes: list[dict]) -> None:
     """WeightPusher.phases (the trainer logs them as timing/push_<phase>_s): every phase on every
     push, none negative, together within the push's own time, and the registry's publish (the
     recorder holds each one PUBLISH_HOLD_S, as a worker loading into its engine would) inside 'load'."""
-    from async_grpo.trainer.weight_pusher import PUSH_PHASES
+    from async_grpo.weights.trainer_object_store import PUSH_PHASES
 
     for push in pushes:
         phases = push["phases"]

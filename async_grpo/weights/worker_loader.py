@@ -1,15 +1,19 @@
-"""Into a worker: a weight update's pieces assembled into full tensors, and loaded into a plain model.
+"""The workers' one object-store loader: an update's shards fetched, assembled into full tensors
+and loaded into a plain model.
 
-`iter_state_dict` / `iter_assembled` give (HF name, full tensor) one at a time, each assembled
-only when reached (a 'gather' update's one shard holds whole tensors; a 'sharded' update's
-pieces, cut along the dim each records, are put back together), so a consumer that drops each
-tensor before taking the next holds one full tensor beyond the shards. They are streamed into a
-plain model by `load_streamed_into` (logprob worker) or cut into buckets for vLLM's
-weight-transfer API (generation worker, object_store_reload.py); `fetch_state_dict` /
-`assemble_state_dict` build all tensors at once. `iter_checkpoint_tensors` reads a checkpoint
-folder's own tensors the same way.
+Every worker fetches an update with `fetch_shards`: the generation worker's receivers
+(worker_object_store.py, worker_adapter.py) and the logprob worker alike. `iter_assembled` then
+gives (HF name, full tensor) one at a time, each assembled only when reached (a 'gather'
+update's one shard holds whole tensors; a 'sharded' update's pieces, cut along the dim each
+records, are put back together), so a consumer that drops each tensor before taking the next
+holds one full tensor beyond the shards. They are streamed into a plain model by
+`load_streamed_into` (logprob worker) or cut into buckets for vLLM's weight-transfer API
+(worker_object_store.py); `assemble_state_dict` builds them all at once. `iter_state_dict` /
+`fetch_state_dict` do the same outside an event loop (tests, tools); `iter_checkpoint_tensors`
+reads a checkpoint folder's own tensors.
 
-The records, the blobs' byte format and the trainer's side are in weight_sync.py.
+The records and the blobs' byte format are update.py's; the trainer's side is trainer_gather.py.
+Worker side.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from async_grpo.weights.weight_sync import BLOB_DTYPES, TensorBlob, WeightUpdate, blob_tensor, hf_tensors
+from async_grpo.weights.hf_checkpoint import hf_tensors
+from async_grpo.weights.update import BLOB_DTYPES, TensorBlob, WeightUpdate, blob_tensor
 
 
 def _pieces_by_name(shards: Iterable[Mapping[str, TensorBlob]]) -> dict[str, list[TensorBlob]]:
@@ -130,6 +135,17 @@ def assemble_state_dict(shards: Iterable[Mapping[str, TensorBlob]]) -> dict[str,
 def fetch_state_dict(update: WeightUpdate) -> dict[str, torch.Tensor]:
     """Fetch every shard of an update from Ray's object store and assemble full tensors."""
     return dict(iter_state_dict(update))
+
+
+async def fetch_shards(update: WeightUpdate) -> list[dict[str, TensorBlob]]:
+    """Every rank's shard of an update, from Ray's object store: what both workers load from
+    (iter_assembled, update_shapes, assemble_state_dict). Awaited, not ray.get: a blocking get
+    would stall the actor's event loop while the shards arrive. Ray maps them from its
+    shared-memory store without copying. Objects that are gone (their owner, a trainer rank,
+    exited) raise ray.exceptions.ObjectLostError here, before anything is loaded."""
+    import asyncio
+
+    return list(await asyncio.gather(*update.shard_refs))
 
 
 def iter_state_dict(update: WeightUpdate, views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""The trainer side of vLLM's CUDA weight transfers (weight_transfer_trainer.py) against receiver
+"""The trainer side of vLLM's CUDA weight transfers (trainer_cuda_transfer.py) against receiver
 processes (gpu tier), in two tests sized to the machines they can run on:
 
 - one GPU, no vLLM (the lent GPU machine has torch and transformers, neither vLLM nor Ray):
@@ -15,7 +15,7 @@ processes (gpu tier), in two tests sized to the machines they can run on:
   (-rs), where vLLM is absent or there is one GPU (NCCL refuses two ranks on one device).
 
 The CPU half (pairing, plan, call order through vLLM's engine with the wire stubbed) is
-tests/trainer/test_weight_sync_transfer.py. `scripts/test.sh --gpu` runs this tier.
+tests/weights/test_weight_sync_transfer.py. `scripts/test.sh --gpu` runs this tier.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any, Mapping, Sequence
 import pytest
 import torch
 
-from async_grpo.trainer.weight_transfer_sources import HFWeightSource, send_plan
-from async_grpo.trainer.weight_transfer_trainer import (
+from async_grpo.weights.trainer_cuda_sources import HFWeightSource, send_plan
+from async_grpo.weights.trainer_cuda_transfer import (
     DESCRIBE_METHOD, FINISH_METHOD, INIT_METHOD, START_METHOD, UPDATE_METHOD, EngineWeightSender, TrainerTransferConfig,
     WorkerCallError, engines_from_answers,
 )

@@ -1,10 +1,10 @@
-"""The generation worker's end of vLLM's CUDA weight transfers (transfer_pass_through.
+"""The generation worker's end of vLLM's CUDA weight transfers (worker_cuda_transfer.
 EngineTransferReceiver) against a recording stand-in of AsyncLLM: which of the engine's calls each
 pass-through makes, in which order, with which arguments, and what it refuses before the engine sees
 it. The real engines need CUDA; the object-store backend's engine path runs in
 tests/inference/test_vllm_worker.py.
 
-    .venv/bin/python -m pytest tests/inference/test_transfer_pass_through.py -q
+    .venv/bin/python -m pytest tests/weights/test_transfer_pass_through.py -q
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from async_grpo.inference.transfer_pass_through import EngineTransferReceiver, TransferOrderError
+from async_grpo.weights.worker_cuda_transfer import EngineTransferReceiver, TransferOrderError
 from support.recording_engine import INIT, UPDATE, RecordingEngine
 
 

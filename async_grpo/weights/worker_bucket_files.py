@@ -3,7 +3,7 @@
 A push is cut into buckets of whole decoder layers (reload_buckets), each copied into an
 anonymous memory file (BucketBuffer, memfd: no name in /dev/shm, freed when the last process
 lets go of it, so a killed worker leaves nothing) and loaded by the engine through vLLM's
-weight-transfer API (weight_transfer_engine.ObjectStoreWeightTransferEngine). A pushed LoRA
+weight-transfer API (worker_transfer_backend.ObjectStoreWeightTransferEngine). A pushed LoRA
 adapter still needs a folder, which goes to shared memory after a free-space check
 (check_free_space); folders are named after their worker, so that whoever outlives a killed
 worker (its dispatcher) can remove what it left (remove_weight_files).
@@ -120,7 +120,7 @@ class BucketBuffer:
 
 def read_bucket(update_info: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """A BucketBuffer's tensors (from its update_info), viewing a private mapping of its file;
-    what the engine side (weight_transfer_engine) loads.
+    what the engine side (worker_transfer_backend) loads.
 
     The mapping stays alive as long as any tensor views it: vLLM's layerwise reload keeps a
     layer's tensors until the whole layer arrived, then copies them into its parameters.

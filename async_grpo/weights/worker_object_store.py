@@ -1,12 +1,13 @@
 """Full weights into a generation worker's engine through our object-store weight transport.
 
-An object-store push (a `weight_sync.WeightUpdate`, EngineTransferConfig.weight_transfer 'object_store')
+An object-store push (an `update.WeightUpdate`, EngineTransferConfig.weight_transfer 'object_store')
 is streamed into the engine through vLLM's weight-transfer API: start_weight_update, one
-update_weights per bucket of whole decoder layers, finish_weight_update. Each bucket is copied
-from Ray's object store into an anonymous memory file (weight_files.BucketBuffer) that the
-engine-core process maps and loads from (weight_transfer_engine.ObjectStoreWeightTransferEngine).
+update_weights per bucket of whole decoder layers, finish_weight_update. The update's shards are
+fetched by worker_loader.fetch_shards (the loader the logprob workers use too), and each bucket
+is copied from them into an anonymous memory file (worker_bucket_files.BucketBuffer) that the
+engine-core process maps and loads from (worker_transfer_backend.ObjectStoreWeightTransferEngine).
 The checkpoint's own weights are restored the same way, from model_path, before a LoRA adapter
-goes onto an engine that held pushed full weights (adapter_loader.py).
+goes onto an engine that held pushed full weights (worker_adapter.py).
 
 Worker side: vLLM is imported when a bucket is sent, not at import.
 """
@@ -18,15 +19,13 @@ import logging
 import time
 from typing import TYPE_CHECKING, Iterator, Literal
 
-import ray
-
 from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER
 from async_grpo.inference.generation_stats import GenerationStats
 from async_grpo.inference.served_weights import ServedWeights
-from async_grpo.inference.weight_files import BucketBuffer, reload_buckets
 from async_grpo.routing.worker_lifecycle import WorkerLifecycle
-from async_grpo.weights.weight_loading import iter_checkpoint_tensors, iter_state_dict
-from async_grpo.weights.weight_sync import WeightUpdate
+from async_grpo.weights.update import WeightUpdate
+from async_grpo.weights.worker_bucket_files import BucketBuffer, reload_buckets
+from async_grpo.weights.worker_loader import fetch_shards, iter_assembled, iter_checkpoint_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -35,22 +34,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Bucket = tuple[dict[str, "torch.Tensor"], bool]
-"""(HF name -> tensor, is_last): one reload call's tensors (weight_files.reload_buckets)."""
+"""(HF name -> tensor, is_last): one reload call's tensors (worker_bucket_files.reload_buckets)."""
 
 
-class WeightsUnreachable(Exception):
-    """An update's objects could not be fetched before anything was loaded (see _next_bucket)."""
-
-
-async def _next_bucket(buckets: Iterator[Bucket], loaded: int) -> Bucket | None:
-    """The next bucket, read off the event loop. Objects that are gone (their owner, a trainer
-    rank, exited) before any bucket was loaded raise WeightsUnreachable: the engine is intact."""
-    try:
-        return await asyncio.to_thread(next, buckets, None)
-    except ray.exceptions.ObjectLostError as exc:
-        if loaded:
-            raise
-        raise WeightsUnreachable() from exc
+async def _next_bucket(buckets: Iterator[Bucket]) -> Bucket | None:
+    """The next bucket, assembled off the event loop (it copies bytes out of the object store)."""
+    return await asyncio.to_thread(next, buckets, None)
 
 
 async def _send_bucket(engine: AsyncLLM, worker_name: str, bucket: dict[str, torch.Tensor]) -> None:
@@ -66,7 +55,8 @@ async def _send_bucket(engine: AsyncLLM, worker_name: str, bucket: dict[str, tor
 
 class ObjectStoreReloader:
     """Loads full weights into the engine in buckets, within one paused weight-transfer session:
-    a pushed WeightUpdate (`load`), or the checkpoint's own weights (`restore_checkpoint`).
+    a pushed WeightUpdate (`receive`: the worker's end of the object-store transport, a
+    transport.WeightReceiver), or the checkpoint's own weights (`restore_checkpoint`).
 
     A load that fails part-way leaves the engine with a mix of versions: the worker then enters
     FAILED (WorkerFailedError), and its dispatcher replaces it.
@@ -95,20 +85,20 @@ class ObjectStoreReloader:
 
             await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
 
-    async def load(self, engine: AsyncLLM, update: WeightUpdate) -> None:
+    async def receive(self, engine: AsyncLLM, update: WeightUpdate) -> None:
         """Load a full-weight update from the object store; the engine serves its version after.
         Objects gone before anything was loaded raise ObjectLostError and leave the worker healthy."""
         if self._weight_transfer != OBJECT_STORE_TRANSFER:
             raise ValueError(f"{self.worker_name}: a WeightUpdate travels through the object store, but this engine "
                              f"takes weights by EngineTransferConfig.weight_transfer {self._weight_transfer!r}")
         began = time.perf_counter()
+        # Objects gone (ObjectLostError) fail the fetch before anything is loaded: the engine still
+        # serves its version intact, and the error is not this worker's fault.
+        shards = await fetch_shards(update)
         # views: a tensor that travelled whole is copied straight from the object store into its bucket.
-        buckets = reload_buckets(iter_state_dict(update, views=True), self._bucket_bytes)
+        buckets = reload_buckets(iter_assembled(shards, views=True), self._bucket_bytes)
         try:
             num_buckets = await self._reload_paused(engine, buckets, update.version)
-        except WeightsUnreachable as exc:
-            # Nothing was loaded: the engine still serves its version intact. Not this worker's fault.
-            raise exc.__cause__ from None
         except Exception as exc:
             raise self._life.fail(f"weight update to v{update.version} failed: {type(exc).__name__}: {exc}") from exc
         self._stats.weight_updates += 1
@@ -146,9 +136,9 @@ class ObjectStoreReloader:
         vLLM 0.32), a third of the load part of the demo's 1.2 MB push (58 ms); the prefix cache is
         reset after the load instead. Either way, cached KV computed with the old weights is never reused, and
         requests arriving meanwhile wait, so the version they record is the one they run on.
-        The first bucket is fetched before the session starts (starting it takes the engine's
-        layers apart for reloading), so an update whose objects are gone leaves the engine
-        serving its version intact.
+        The first bucket is assembled before the session starts (starting it takes the engine's
+        layers apart for reloading), so an update that cannot be cut leaves the engine serving
+        its version intact.
         """
         self._served.accepting.clear()
         pause = self._served.inflight > 0
@@ -157,14 +147,14 @@ class ObjectStoreReloader:
                 await engine.pause_generation(mode=self.pause_mode, clear_cache=True)
             try:
                 # Assembling a bucket reads the object store and copies bytes: off the event loop.
-                item = await _next_bucket(buckets, loaded=0)
+                item = await _next_bucket(buckets)
                 await engine.start_weight_update()
                 count = 0
                 while item is not None:
                     await _send_bucket(engine, self.worker_name, item[0])
                     count += 1
                     del item
-                    item = await _next_bucket(buckets, loaded=count)
+                    item = await _next_bucket(buckets)
                 await engine.finish_weight_update(str(version))
                 if not pause and not await engine.reset_prefix_cache():
                     raise RuntimeError("vLLM could not reset its prefix cache after the weight load")

@@ -1,10 +1,10 @@
-"""How an object-store push goes into the engine (object_store_reload.ObjectStoreReloader): which
+"""How an object-store push goes into the engine (worker_object_store.ObjectStoreReloader): which
 of vLLM's calls a load makes with and without requests running, against a recording stand-in of
 AsyncLLM, and that no request starts while a load runs (served_weights.ServedWeights). The engine
 path itself, with real vLLM, runs in tests/inference/test_vllm_worker.py and
 tests/rollouts/test_token_versions_engine.py (a push in the middle of a rollout).
 
-    .venv/bin/python -m pytest tests/inference/test_object_store_reload.py -q
+    .venv/bin/python -m pytest tests/weights/test_object_store_reload.py -q
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER
-from async_grpo.inference import object_store_reload
 from async_grpo.inference.generation_stats import GenerationStats
-from async_grpo.inference.object_store_reload import ObjectStoreReloader
 from async_grpo.inference.served_weights import ServedWeights
 from async_grpo.routing.worker_lifecycle import WorkerLifecycle
+from async_grpo.weights import worker_object_store
+from async_grpo.weights.worker_object_store import ObjectStoreReloader
 from support.recording_engine import RecordingEngine
 
 BUCKETS = [({"model.embed_tokens.weight": torch.ones(2, 2)}, False), ({"lm_head.weight": torch.zeros(2, 2)}, True)]
@@ -45,7 +45,7 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
         names.append(list(bucket))
         engine.calls.append(("update_weights", list(bucket)))
 
-    monkeypatch.setattr(object_store_reload, "_send_bucket", send)
+    monkeypatch.setattr(worker_object_store, "_send_bucket", send)
     return names
 
 

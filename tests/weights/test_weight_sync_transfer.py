@@ -1,10 +1,10 @@
-"""The trainer side of vLLM's CUDA weight transfers (weight_transfer_trainer.py) on CPU: the push
+"""The trainer side of vLLM's CUDA weight transfers (trainer_cuda_transfer.py) on CPU: the push
 mode each transfer pairs with, the group plan (world size, each engine's rank offset), what each
 rank sends, the weight source's names/dtypes/shapes, and a whole push driven by vLLM's own NCCL
 trainer engine (NCCLTrainerWeightTransferEngine: its call order, its update messages) with only
 the wire stubbed, into real EngineTransferReceivers over recording AsyncLLM stand-ins. The
-NCCL wire itself needs CUDA: tests/trainer/test_gpu_weight_transfer.py.
-`.venv/bin/python -m pytest tests/trainer/test_weight_sync_transfer.py -q`.
+NCCL wire itself needs CUDA: tests/weights/test_gpu_weight_transfer.py.
+`.venv/bin/python -m pytest tests/weights/test_weight_sync_transfer.py -q`.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from typing import Any
 import pytest
 import torch
 
-from async_grpo.inference.transfer_pass_through import EngineTransferReceiver
-from async_grpo.trainer.weight_pusher import WeightPusher
-from async_grpo.trainer.weight_transfer_sources import HFWeightSource, WireMeta, send_plan
-from async_grpo.trainer.weight_transfer_trainer import (
+from async_grpo.weights.trainer_cuda_sources import HFWeightSource, WireMeta, send_plan
+from async_grpo.weights.trainer_cuda_transfer import (
     DESCRIBE_METHOD, FINISH_METHOD, INIT_METHOD, START_METHOD, UPDATE_METHOD, EngineRanks, EngineWeightSender,
     EngineWorkersClient, GroupPlan, TrainerTransferConfig, WorkerCallError, check_transfer_pairing,
     engines_from_answers, init_payloads, plan_group,
 )
-from async_grpo.weights.weight_sync import gather_full_state_dict
+from async_grpo.weights.trainer_gather import gather_full_state_dict
+from async_grpo.weights.trainer_pusher import WeightPusher
+from async_grpo.weights.worker_cuda_transfer import EngineTransferReceiver
 from setup_model import TokenLogprobModel, load_causal_lm
 from support.recording_engine import INIT, UPDATE, RecordingEngine
 
@@ -132,7 +132,7 @@ def test_the_source_sends_the_object_stores_names_in_the_push_dtype(
 def test_the_m2n_source_sends_hf_names_in_the_push_dtype(tiny_model_dir: Path) -> None:
     """nccl_m2n's source (vLLM's DTensorModuleSource over the HF model): HF names, the push dtype
     announced and sent; an unsharded model is one replicated piece per tensor."""
-    from async_grpo.trainer.weight_transfer_sources import shard_source
+    from async_grpo.weights.trainer_cuda_sources import shard_source
 
     policy = _policy(tiny_model_dir)
     source = shard_source(policy, torch.bfloat16, trainer_ranks=1)

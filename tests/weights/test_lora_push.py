@@ -1,7 +1,7 @@
 """The real WeightPusher pushing a LoRA policy from 2 FSDP2 ranks, in every mode, read back as a
 worker reads it (STABLE check, then the shards or the lora_files folder).
 
-    .venv/bin/python -m pytest tests/trainer/test_lora_push.py -q
+    .venv/bin/python -m pytest tests/weights/test_lora_push.py -q
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from async_grpo.weights.weight_sync import read_stable_marker
+from async_grpo.weights.adapter_files import read_stable_marker
+from support.forked_ranks import run_ranks
 from support.lora_adapters import LORA, reference_peft
 from support.paths import PROGRAMS
-from support.forked_ranks import run_ranks
 
 WORKER = PROGRAMS / "lora_push_worker.py"
 WORLD_SIZE = 2

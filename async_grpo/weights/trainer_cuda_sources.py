@@ -1,4 +1,4 @@
-"""What the trainer puts on the wire in one of vLLM's CUDA weight transfers (weight_transfer_trainer.py).
+"""What the trainer puts on the wire in one of vLLM's CUDA weight transfers (trainer_cuda_transfer.py).
 
 nccl and ipc send `HFWeightSource`: the policy's tensors under HF names (each tied tensor once, as
 the object store's pushes name them), each all-gathered in turn and cast to the push dtype on
@@ -36,7 +36,7 @@ def wire_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 
 class HFWeightSource:
     """vLLM's WeightSource contract over a (possibly FSDP-sharded) policy, under HF names and in
-    the push dtype: what nccl and ipc send. The names are weight_sync's (each tied tensor once,
+    the push dtype: what nccl and ipc send. The names are hf_checkpoint's (each tied tensor once,
     as HF checkpoints store it), so the engine loads the same names as from the object store.
 
     `metadata()` reads global shapes without gathering; iteration all-gathers each sharded
@@ -45,7 +45,7 @@ class HFWeightSource:
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
-        from async_grpo.weights.weight_sync import hf_tensors
+        from async_grpo.weights.hf_checkpoint import hf_tensors
 
         self._tensors = hf_tensors(model)
         self._dtype = dtype
@@ -58,7 +58,7 @@ class HFWeightSource:
         return None
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from async_grpo.weights.weight_sync import full_tensor
+        from async_grpo.weights.trainer_gather import full_tensor
 
         with torch.no_grad():
             for name, tensor in self._tensors.items():
@@ -84,7 +84,7 @@ def local_shard_bytes(model: nn.Module, dtype: torch.dtype) -> Callable[[str], i
     (DTensor) weight, None for a weight it holds whole."""
     from torch.distributed.tensor import DTensor
 
-    from async_grpo.weights.weight_sync import hf_tensors
+    from async_grpo.weights.hf_checkpoint import hf_tensors
 
     sizes = {name: t.to_local().numel() * torch.empty((), dtype=wire_dtype(t, dtype)).element_size()
              for name, t in hf_tensors(model).items() if isinstance(t, DTensor)}
@@ -100,7 +100,7 @@ def shard_source(model: nn.Module, dtype: torch.dtype, trainer_ranks: int) -> An
     are the HF names), each local shard cast to the push dtype on its GPU."""
     from vllm.distributed.weight_transfer.m2n_source import DTensorModuleSource
 
-    from async_grpo.weights.weight_sync import unwrap_causal_lm
+    from async_grpo.weights.hf_checkpoint import unwrap_causal_lm
 
     class _CastShards(DTensorModuleSource):
         def metadata(self) -> list[Any]:

@@ -21,7 +21,7 @@ One push (`EngineWeightSender.send`, collective over the trainer ranks):
 3. `send_weights`: start (workers pause), update (workers receive while the trainer
    broadcasts or reshards), finish(version): each worker answers the version it now serves,
    which must be this push's (the version handshake).
-What goes on the wire (the weight sources, each rank's share) is weight_transfer_sources.py's.
+What goes on the wire (the weight sources, each rank's share) is trainer_cuda_sources.py's.
 
 Every call to the workers must answer within the update deadline (the registries'
 weight_update_timeout_s). A worker that fails or misses it is killed, so its dispatcher restarts
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, WEIGHT_TRANSFER_BACKENDS, EngineTransferConfig
-from async_grpo.trainer.weight_transfer_sources import HFWeightSource, local_shard_bytes, send_plan, shard_source
+from async_grpo.weights.trainer_cuda_sources import HFWeightSource, local_shard_bytes, send_plan, shard_source
 
 logger = logging.getLogger(__name__)
 
@@ -328,7 +328,8 @@ class PushOutcome:
 
 
 class EngineWeightSender:
-    """Sends full weights to the generation engines through one of vLLM's CUDA transfers.
+    """Sends full weights to the generation engines through one of vLLM's CUDA transfers (the
+    trainer's end of that transport, a transport.WeightPublisher).
 
     Collective: every trainer rank builds one and calls `send` together. Rank 0 holds the
     generation registries (their live workers are the group) and drives the workers; the other
@@ -486,6 +487,14 @@ class EngineWeightSender:
     def shutdown(self) -> None:
         """Release the group at the end of training."""
         self._teardown()
+
+    def publish(self, model: nn.Module, version: int, initial: bool = False) -> None:
+        """transport.WeightPublisher: `send` (a first push goes to the live engines like any other)."""
+        self.send(model, version)
+
+    def close(self) -> None:
+        """transport.WeightPublisher: `shutdown`."""
+        self.shutdown()
 
     def _discover_from_registries(self) -> tuple[list[EngineRanks], WorkerCalls]:
         """Rank 0: the registries' live workers, in name order, with their engines' ranks."""

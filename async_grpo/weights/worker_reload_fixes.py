@@ -1,6 +1,6 @@
 """Helpers of the engine side of a weight push, free of vLLM so that tests import them cheaply.
 
-weight_transfer_engine.ObjectStoreWeightTransferEngine (in vLLM's engine-core process) uses
+worker_transfer_backend.ObjectStoreWeightTransferEngine (in vLLM's engine-core process) uses
 them: the tied-lm_head fix and the filter for vLLM's uninformative reload warnings. Keep it
 small and free of Ray and of the worker: it runs inside vLLM.
 """

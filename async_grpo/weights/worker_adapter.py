@@ -5,7 +5,7 @@ id per version) once the run's STABLE marker names them, and served from the nex
 requests started before the switch finish on their adapter, which is then removed
 (served_adapters.AdapterBook). The adapter's PEFT folder is the trainer's (lora_files) or one
 reassembled from the object store into shared memory, checked for room first. An engine that
-held pushed full weights gets the checkpoint's own back first (object_store_reload.py): every
+held pushed full weights gets the checkpoint's own back first (worker_object_store.py): every
 adapter is trained on the checkpoint.
 
 Worker side: vLLM is imported when an adapter is loaded, not at import.
@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from async_grpo.inference.generation_stats import GenerationStats
-from async_grpo.inference.object_store_reload import ObjectStoreReloader
 from async_grpo.inference.served_weights import ServedWeights
-from async_grpo.inference.weight_files import adapter_dir_path, check_free_space
-from async_grpo.weights.weight_loading import iter_state_dict
-from async_grpo.weights.weight_sync import UnstableVersionError, WeightUpdate, check_stable, write_adapter_folder
+from async_grpo.weights.adapter_files import UnstableVersionError, check_stable, write_adapter_folder
+from async_grpo.weights.update import WeightUpdate
+from async_grpo.weights.worker_bucket_files import adapter_dir_path, check_free_space
+from async_grpo.weights.worker_loader import assemble_state_dict, fetch_shards
+from async_grpo.weights.worker_object_store import ObjectStoreReloader
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -35,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 
 class AdapterLoader:
-    """Loads a LoRA update as a new vLLM adapter and serves it from the next request on.
+    """Loads a LoRA update as a new vLLM adapter and serves it from the next request on (the
+    worker's end of the adapter transport, a transport.WeightReceiver).
 
     Only a version the STABLE marker names is loaded (UnstableVersionError otherwise; the worker
     keeps serving its adapter and stays healthy). No pause: requests in flight finish on the
@@ -57,7 +59,10 @@ class AdapterLoader:
         self._reloader = reloader
         self._on_engine_error = on_engine_error
 
-    async def load(self, engine: AsyncLLM, update: WeightUpdate) -> None:
+    async def init_engine(self, engine: AsyncLLM) -> None:
+        """Nothing to ready: vLLM takes adapters once started with max_lora_rank > 0."""
+
+    async def receive(self, engine: AsyncLLM, update: WeightUpdate) -> None:
         """Load `update`'s adapter; the engine serves it (and its version) to new requests after."""
         from vllm.lora.request import LoRARequest
 
@@ -112,15 +117,16 @@ async def adapter_folder(worker_name: str, update: WeightUpdate, files_owner: st
             raise ValueError(f"{worker_name}: lora_files update v{update.version} has no adapter_path")
         return Path(update.adapter_path), False
     folder = adapter_dir_path(files_owner or worker_name, update.version)
+    shards = await fetch_shards(update)
 
-    def fetch_and_write() -> None:
-        tensors = dict(iter_state_dict(update))
+    def assemble_and_write() -> None:
+        tensors = assemble_state_dict(shards)
         needed = sum(t.numel() * t.element_size() for t in tensors.values())
         check_free_space(folder.parent, needed, f"{worker_name}'s adapter v{update.version}")
         write_adapter_folder(tensors, update.adapter_config or "", folder)
 
     try:
-        await asyncio.to_thread(fetch_and_write)
+        await asyncio.to_thread(assemble_and_write)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise

@@ -111,10 +111,10 @@ class LocalClusterConfig:
     """The generation workers' math-verify pool (worker_options.VerificationConfig)."""
     batching: LogprobBatchingConfig = flattened(LOCAL_BATCHING)
     """How the logprob workers pack requests (worker_options.LogprobBatchingConfig)."""
-    transfer: EngineTransferConfig = derived(EngineTransferConfig())
+    transfer: EngineTransferConfig = derived(EngineTransferConfig(), "the trainer: --transfer.weight_transfer after --")
     """The generation engines' weight transfer: the trainer's --transfer.weight_transfer, set by
     with_trainer_settings (no flag here: the option has one source)."""
-    sharing: PromptSharingConfig = derived(PromptSharingConfig())
+    sharing: PromptSharingConfig = derived(PromptSharingConfig(), "the trainer: --model.share_prompts after --")
     """The logprob workers' prompt sharing: the trainer's --model.share_prompts, set by
     with_trainer_settings."""
     worker_start_timeout_s: float = 600.0

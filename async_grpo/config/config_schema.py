@@ -44,11 +44,27 @@ def positional() -> Any:
     return dataclasses.field(metadata={_POSITIONAL: True})
 
 
-def derived(default: Any) -> Any:
+def derived(default: Any, source: str = "") -> Any:
     """A dataclass field the program fills from another config (e.g. the local launcher's copy of
     what the trainer's config says its workers need): no flag, no file key, not written back out,
-    so the value has one source. `default` is a frozen value, used until the program sets it."""
-    return dataclasses.field(default_factory=lambda: default, metadata={_DERIVED: True})
+    so the value has one source. `default` is a frozen value, used until the program sets it;
+    `source` names where to set it, for the error a flag of the field's name gets."""
+    return dataclasses.field(default_factory=lambda: default, metadata={_DERIVED: source or True})
+
+
+def derived_flags(cls: type) -> dict[str, str]:
+    """The flags a user might try for cls's derived fields (the field's name, or each field of a
+    derived dataclass), each with where the value is set instead."""
+    found: dict[str, str] = {}
+    for f in dataclasses.fields(cls):
+        source = f.metadata.get(_DERIVED)
+        if not source:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        names = [g.name for g in dataclasses.fields(default)] if dataclasses.is_dataclass(default) else [f.name]
+        for name in names:
+            found[f"--{name}"] = source if isinstance(source, str) else "another config"
+    return found
 
 
 def _is_input(f: dataclasses.Field) -> bool:

@@ -82,7 +82,7 @@ from async_grpo.config.config_schema import (
     _type_name,
 )
 from async_grpo.config.config_schema import (  # noqa: F401 (re-exported: the entry points import them from here)
-    config_reference, config_to_dict, config_to_flags, derived, flattened, positional, save_config,
+    config_reference, config_to_dict, config_to_flags, derived, derived_flags, flattened, positional, save_config,
 )
 
 T = TypeVar("T")
@@ -352,10 +352,15 @@ class _OneLineErrors:
     def _unknown(self, tokens: list[str]) -> NoReturn:
         flags = [token for token in tokens if token.startswith("-")]
         known = [f"--{dotted}" for dotted, _, _ in _flags(self.cls)]
+        elsewhere = derived_flags(self.cls)
         hints = []
         for flag in flags:
-            close = difflib.get_close_matches(flag.split("=", 1)[0], known, n=2)
-            hints.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
+            name = flag.split("=", 1)[0]
+            close = difflib.get_close_matches(name, known, n=2)
+            if name in elsewhere:
+                hints.append(f"{flag} (set by {elsewhere[name]})")
+            else:
+                hints.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
         what = f"unknown flag{'s' if len(flags) > 1 else ''} {', '.join(hints)}" if flags else f"extra words {tokens}"
         exit_config_error(self.prog, f"{what}; --help lists the flags")
 

@@ -205,7 +205,7 @@ class _Extended(_Shared):
 class _Filled:
     name: str = "x"
     """Who."""
-    shared: _Shared = derived(_Shared())
+    shared: _Shared = derived(_Shared(), "the other config's --shared.backend")
     """Set by the program from another config."""
 
 
@@ -229,7 +229,9 @@ def test_a_derived_field_is_no_flag_no_file_key_and_not_written_back(tmp_path: P
     for flag in ("--shared.backend", "--backend"):
         with pytest.raises(SystemExit):
             load_config(_Filled, [flag, "b"])
-        assert f"unknown flag {flag}" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"unknown flag {flag}" in err
+        assert ("(set by the other config's --shared.backend)" in err) == (flag == "--backend"), err
 
 
 @dataclass(kw_only=True, frozen=True)

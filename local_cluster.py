@@ -32,25 +32,29 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from async_grpo.config.run_config import (
-    ConfigError, config_to_flags, exit_config_error, flattened, load_config, split_passthrough,
+    ConfigError, config_to_flags, derived, exit_config_error, flattened, load_config, split_passthrough,
 )
 from async_grpo.config.worker_options import (
-    EngineConfig, HealthCheckConfig, JudgeServingConfig, LogprobBatchingConfig, RestartConfig, VerificationConfig,
+    EngineConfig, EngineTransferConfig, HealthCheckConfig, JudgeServingConfig, LogprobBatchingConfig,
+    PromptSharingConfig, RestartConfig, VerificationConfig, shared_part,
 )
 from async_grpo.launch.context_plan import check_context_plan
 from async_grpo.launch.cpu_plan import CpuPlan, CpuPlanConfig, pinned_thread, plan_cpu, usable_core_ids
 from async_grpo.launch.dispatcher_logs import DispatcherLogRelay, registered_worker
 from async_grpo.launch.engine_defaults import CPU_ENGINE, LAUNCHER_MAX_NUM_SEQS, judge_engine, resolve_engine
-from async_grpo.launch.host_gpus import HostGpuError, gpu_memory_bytes, planned_gpus
-from async_grpo.launch.local_processes import environ, free_port, make_run_temp_dir, run_environment, stop_process_group
+from async_grpo.runtime.host_gpus import HostGpuError, gpu_memory_bytes, planned_gpus
+from async_grpo.launch.local_processes import free_port, make_run_temp_dir, run_environment, stop_process_group
 from async_grpo.launch.pool_checks import check_judge_pool, check_teacher_model
+from async_grpo.runtime.processes import environ
 from async_grpo.launch.placement import (
     BF16_BYTES, FP32_BYTES, ModelShape, Placement, PlacementError, RunShape, check_transfer_placement,
     default_trainer_ranks, plan_placement,
 )
 from async_grpo.launch.process_tuning import thread_env
 from async_grpo.launch.ray_cluster import init_local_ray
-from async_grpo.launch.ray_env import LOOPBACK_ONLY_ENV, RAY_NAMESPACE, REPO_ROOT, repo_pythonpath
+from async_grpo.config.actor_names import RAY_NAMESPACE
+from async_grpo.launch.ray_env import REPO_ROOT, repo_pythonpath
+from async_grpo.runtime.ray_access import LOOPBACK_ONLY_ENV
 
 if TYPE_CHECKING:
     from async_grpo.trainer.config import TrainerConfig
@@ -114,6 +118,12 @@ class LocalClusterConfig:
     """The generation workers' math-verify pool (worker_options.VerificationConfig)."""
     batching: LogprobBatchingConfig = flattened(LOCAL_BATCHING)
     """How the logprob workers pack requests (worker_options.LogprobBatchingConfig)."""
+    transfer: EngineTransferConfig = derived(EngineTransferConfig(), "the trainer: --transfer.weight_transfer after --")
+    """The generation engines' weight transfer: the trainer's --transfer.weight_transfer, set by
+    with_trainer_settings (no flag here: the option has one source)."""
+    sharing: PromptSharingConfig = derived(PromptSharingConfig(), "the trainer: --model.share_prompts after --")
+    """The logprob workers' prompt sharing: the trainer's --model.share_prompts, set by
+    with_trainer_settings."""
     worker_start_timeout_s: float = 600.0
     """Give up if a worker has not registered by then (vLLM on CPU takes ~1 min)."""
     health: HealthCheckConfig = flattened(HealthCheckConfig())
@@ -284,11 +294,13 @@ class LocalCluster:
         if self.placement.on_gpu and self.placement.worker_gpu_share < 1:
             common += ["--num_gpus", f"{self.placement.worker_gpu_share:g}"]
         if kind == "generation":
-            return common + config_to_flags(c.verification) + config_to_flags(self.engine)
+            return [*common, *config_to_flags(c.verification), *config_to_flags(self.engine),
+                    *config_to_flags(c.transfer)]
         if kind == "judge":  # a generative judge's engine (judge_engine), a reward-model head's batching
-            return common + config_to_flags(c.judge) + config_to_flags(self.judge_engine) + config_to_flags(c.batching)
+            return [*common, *config_to_flags(c.judge), *config_to_flags(self.judge_engine),
+                    *config_to_flags(c.batching)]
         if kind in ("logprob", "reference", "teacher"):
-            return common + ["--dtype", self.engine.dtype] + config_to_flags(c.batching)
+            return [*common, "--dtype", self.engine.dtype, *config_to_flags(c.batching), *config_to_flags(c.sharing)]
         raise ValueError(f"unknown worker kind {kind!r}")
 
     def add_worker_command(self, kind: str) -> str:
@@ -488,38 +500,10 @@ def load_trainer_config(trainer_args: list[str]) -> TrainerConfig:
 
 
 def with_trainer_settings(config: LocalClusterConfig, trainer_config: TrainerConfig) -> LocalClusterConfig:
-    """`config` with what its workers take from the trainer's config (the weight-transfer backend,
-    prompt sharing): with_trainer_transfer, then with_trainer_packing."""
-    config = with_trainer_transfer(config, trainer_config.transfer.weight_transfer)
-    return with_trainer_packing(config, trainer_config.model.share_prompts)
-
-
-def with_trainer_transfer(config: LocalClusterConfig, weight_transfer: str) -> LocalClusterConfig:
-    """`config` with the generation engines' weight_transfer set to the trainer's
-    transfer.weight_transfer: both ends must name the same backend, so a user sets the trainer's
-    and the launcher hands it to the workers. Exit 2 with one line when the launcher's own
-    --weight_transfer was set to another backend."""
-    own = config.engine.weight_transfer
-    if own == weight_transfer:
-        return config
-    if own != LOCAL_ENGINE.weight_transfer:
-        exit_config_error(PROGRAM, f"--weight_transfer {own!r} (the generation engines) differs from the "
-                                   f"trainer's --transfer.weight_transfer {weight_transfer!r}: set the trainer's "
-                                   "alone, the launcher passes it on")
-    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, weight_transfer=weight_transfer))
-
-
-def with_trainer_packing(config: LocalClusterConfig, share_prompts: bool) -> LocalClusterConfig:
-    """`config` with the logprob workers' share_prompts set to the trainer's model.share_prompts,
-    so both sides pack a minibatch's samples alike (the same logprobs, bit for bit). Exit 2 with
-    one line when the launcher's own --share_prompts asks for sharing the trainer does not do."""
-    own = config.batching.share_prompts
-    if own == share_prompts:
-        return config
-    if own:
-        exit_config_error(PROGRAM, "--share_prompts true (the logprob workers) but the trainer's "
-                                   "--model.share_prompts is false: set the trainer's alone, the launcher passes it on")
-    return dataclasses.replace(config, batching=dataclasses.replace(config.batching, share_prompts=True))
+    """`config` with the options its workers read from the trainer's config (the weight-transfer
+    backend, prompt sharing; each declared once, in worker_options), so both ends agree."""
+    return dataclasses.replace(config, transfer=shared_part(EngineTransferConfig, trainer_config.transfer),
+                               sharing=shared_part(PromptSharingConfig, trainer_config.model))
 
 
 def setup_logging(config: LocalClusterConfig, trainer_config: TrainerConfig) -> None:
@@ -553,7 +537,7 @@ def check_environment(config: LocalClusterConfig) -> None:
 def check_engine_compile(config: LocalClusterConfig, cuda: bool) -> None:
     """A compiling engine (enforce_eager false) needs a C compiler and Python's headers on this
     host: exit 2 with one line naming what is missing, before Ray or any worker starts."""
-    from async_grpo.launch.compile_needs import missing_compile_needs
+    from async_grpo.runtime.compile_needs import missing_compile_needs
 
     message = missing_compile_needs(config.engine.enforce_eager, on_cpu=not cuda)
     if message:

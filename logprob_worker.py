@@ -33,9 +33,9 @@ import ray
 import torch
 
 from async_grpo.config.run_config import flattened
-from async_grpo.config.worker_options import LogprobBatchingConfig
+from async_grpo.config.worker_options import LogprobBatchingConfig, PromptSharingConfig
 from async_grpo.inference.token_budget_queue import QueuedRequest, TokenBudgetQueue, fail_requests
-from async_grpo.launch.ray_env import FROZEN_KINDS, LOGPROB, LOGPROB_SERVICE_KINDS
+from async_grpo.config.actor_names import FROZEN_KINDS, LOGPROB, LOGPROB_SERVICE_KINDS
 from async_grpo.model.packed_attention import PACKED_SDPA
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
 from async_grpo.weights.adapter_files import check_stable, read_adapter_folder
@@ -72,6 +72,9 @@ class LogprobWorkerConfig:
     batching: LogprobBatchingConfig = flattened(LogprobBatchingConfig())
     """How queued requests are packed into forwards (worker_options.LogprobBatchingConfig;
     top-level flags and keys)."""
+    sharing: PromptSharingConfig = flattened(PromptSharingConfig())
+    """Whether a forward lays a prompt out once before its answers: the trainer's own
+    model.share_prompts (worker_options.PromptSharingConfig; the flag --share_prompts)."""
     logprob_chunk_size: int = 1024
     """Output positions per lm_head chunk (bounds the [chunk, vocab] fp32 logits held at once)."""
     device: str = "auto"
@@ -105,7 +108,7 @@ class LogprobWorkerConfig:
             )
         if self.attn_implementation is not None and not self.attn_implementation:
             raise ValueError("LogprobWorkerConfig.attn_implementation must be None or a non-empty name")
-        if self.batching.share_prompts and self.attn_implementation is not None:
+        if self.sharing.share_prompts and self.attn_implementation is not None:
             check_prompt_sharing(self.attn_implementation, _ATTN_FIELD)
         if self.kind not in LOGPROB_SERVICE_KINDS:
             raise ValueError(f"LogprobWorkerConfig.kind must be one of {LOGPROB_SERVICE_KINDS}, got {self.kind!r}")
@@ -191,7 +194,7 @@ def resolve_model_settings(config: LogprobWorkerConfig, device: torch.device) ->
     """
     dtype = resolve_dtype(config.dtype, device)
     check_attn_dtype(config.attn_implementation, dtype, _ATTN_FIELD)
-    attn = config.attn_implementation or default_attn_implementation(device, share_prompts=config.batching.share_prompts)
+    attn = config.attn_implementation or default_attn_implementation(device, share_prompts=config.sharing.share_prompts)
     if attn == FLASH_ATTENTION_2 and dtype == torch.float32:
         logger.warning("flash-attn does not run float32 models; the float32 logprob worker uses %s", PACKED_SDPA)
         attn = PACKED_SDPA
@@ -468,7 +471,7 @@ class LogprobWorker:
 
     def _score(self, samples: list[Sample]) -> list[list[float]]:
         """One packed forward (runs in a worker thread): per-sample output-token logprobs."""
-        inputs = get_input_for_logprobs(samples, share_prompts=self.config.batching.share_prompts)
+        inputs = get_input_for_logprobs(samples, share_prompts=self.config.sharing.share_prompts)
         with torch.inference_mode():
             logprobs, _entropy = self.model.score(inputs)
         return split_per_sample(logprobs, inputs.output_lengths)

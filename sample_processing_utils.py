@@ -133,6 +133,20 @@ class Sample:
         n = self.num_sampled_tokens
         return [(self.weight_version, n)] if n else []
 
+    def oldest_version(self) -> int:
+        """The oldest weight version that sampled any of its tokens (weight_version without tokens):
+        what staleness, max_lag and the drop rules count from."""
+        return min((version for version, _ in self.version_runs()), default=self.weight_version)
+
+    def newest_version(self) -> int:
+        """The newest weight version that sampled any of its tokens (weight_version without tokens)."""
+        return max((version for version, _ in self.version_runs()), default=self.weight_version)
+
+    def token_staleness(self, current_version: int) -> tuple[int, int]:
+        """(sum over sampled tokens of current_version - token's version, number of sampled tokens)."""
+        runs = self.version_runs()
+        return sum((current_version - version) * count for version, count in runs), sum(count for _, count in runs)
+
     @property
     def num_tokens(self) -> int:
         """Tokens this sample occupies in a packed batch (prompt + output)."""

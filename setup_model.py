@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from async_grpo.config.model_path import check_model_dir
-from async_grpo.config.worker_options import VLLM_LORA_RANKS
+from async_grpo.config.worker_options import VLLM_LORA_RANKS, PromptSharingConfig
 from async_grpo.model.context_parallel import CONTEXT_SHARD_KWARG, ContextGroup, kv_repeat, shard_stream
 from async_grpo.model.packed_attention import (
     PACKED_SDPA, PACKED_VARLEN, register_packed_sdpa, register_packed_varlen, varlen_kwargs,
@@ -120,8 +120,9 @@ def apply_lora(causal_lm: nn.Module, lora: LoraConfig, base_model_path: str | Pa
 
 
 @dataclass(kw_only=True, frozen=True)
-class ModelConfig:
-    """Which checkpoint to train and how to run it."""
+class ModelConfig(PromptSharingConfig):
+    """Which checkpoint to train and how to run it; `share_prompts` is declared in
+    worker_options.PromptSharingConfig, which the logprob workers read too."""
 
     model_path: str
     """Hugging Face checkpoint folder (safetensors), loaded with from_pretrained."""
@@ -141,10 +142,6 @@ class ModelConfig:
     """Models with at least this many parameters get one FSDP unit per decoder layer; smaller ones a
     single unit, gathered whole when a forward starts and kept through its backward. 0: always per
     layer."""
-    share_prompts: bool = False
-    """Pack the answers of one prompt after a single copy of it (sample_processing_utils): the same
-    logprobs from fewer tokens. Needs attn_implementation packed_sdpa or packed_varlen; None then
-    picks packed_sdpa."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (lora.r > 0): only they train and are pushed; the base stays frozen."""
     # What does not run with it yet is refused at load (TrainerConfig; docs/training.md).

@@ -7,11 +7,8 @@ submits its prompts to the ExperienceBatcher, trains on the packed minibatches i
 they become ready, and after the optimizer step the new weights are pushed to the inference
 workers. Generation of the next `max_lag` steps overlaps training of the current one.
 
-Gradient scaling: each minibatch's loss is a sum over its
-samples (or tokens, see loss.aggregation); it is multiplied by world_size (FSDP averages
-gradients over ranks) and the summed gradients are divided by the step's divisor (its total
-sample count, output-token count, or samples x max_tokens: grpo_loss.step_divisor), which equals
-one backward over the loss of all the step's samples at once.
+One step's policy update (forward/backward per minibatch, further epochs, the gradient step
+and its scaling) is async_grpo/trainer/policy_update.py; this file runs the steps.
 
 Context parallelism (model.context_parallel = cp): a group of cp ranks shares each minibatch, each
 rank scoring its share of the tokens; the group's first rank submits its prompts and counts its
@@ -32,20 +29,17 @@ import ray
 import torch
 import torch.distributed as torch_dist
 from ray.actor import ActorHandle
-from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
 from async_grpo.batching.batcher_config import BatcherConfig
+from async_grpo.config.actor_names import GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, registry_name
 from async_grpo.config.run_config import CONFIG_ERROR_EXIT, ConfigError, load_config, save_config
 from async_grpo.config.versions import TRAINER_REQUIREMENTS, VersionError, check_versions
 from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, check_transfer_packages
-from async_grpo.launch.host_gpus import listed_gpu_count
-from async_grpo.launch.local_processes import exit_without_teardown
-from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster
-from async_grpo.launch.ray_env import (
-    GENERATION, LOGPROB, RAY_NAMESPACE, REFERENCE, actor_runtime_env, registry_name,
-)
-from async_grpo.model.context_parallel import gather_outputs, local_batch, reduce_loss_metrics
+from async_grpo.launch.ray_env import actor_runtime_env
+from async_grpo.runtime.host_gpus import listed_gpu_count
+from async_grpo.runtime.processes import exit_without_teardown
+from async_grpo.runtime.ray_access import ClusterJoinError, join_cluster
 from async_grpo.telemetry.console import CONSOLE, LOG_FILE, configure_logging, log_run_summary
 from async_grpo.telemetry.metrics import (
     DiscardedMetrics, MetricsLogger, StepAccumulator, StepDataLog, open_metrics_sink,
@@ -59,15 +53,14 @@ from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from async_grpo.trainer.evaluation import Evaluator
 from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, check_trainer_gpus, init_distributed
 from async_grpo.trainer.optimizer import build_optimizer, build_scheduler
+from async_grpo.trainer.policy_update import KeptMinibatch, gradient_divisor, train_on_step, update_for_step
 from async_grpo.trainer.prompt_feeder import PromptFeeder, last_step_to_submit
 from async_grpo.trainer.run_inputs import InputError, RunInputs, check_service_pools, load_run_inputs
 from async_grpo.weights.adapter_files import weights_dir
 from async_grpo.weights.trainer_cuda_transfer import EngineWeightSender, check_transfer_pairing
 from async_grpo.weights.trainer_pusher import WeightPusher, resolve_push_dtype
-from grpo_loss import grpo_loss, step_divisor
-from sample_processing_utils import PackedBatch, post_process_batch
 from setup_model import TokenLogprobModel
-from vllm_experience_batcher import EndOfStep, Minibatch, PromptRequest, RayRegistryClient, get_or_create_batcher
+from vllm_experience_batcher import RayRegistryClient, get_or_create_batcher
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +75,7 @@ def setup_logging(config: TrainerConfig, rank: int) -> None:
 
 
 def _connect_ray(config: TrainerConfig) -> None:
-    """Join the cluster the workers run in (token auth and loopback handled by ray_env.join_cluster)."""
+    """Join the cluster the workers run in (token auth and loopback handled by ray_access.join_cluster)."""
     join_cluster(config.connection.ray_address, namespace=RAY_NAMESPACE, timeout_s=config.connection.connect_timeout_s,
                  log_to_driver=False, runtime_env=actor_runtime_env())
 
@@ -147,126 +140,6 @@ def make_weight_pusher(config: TrainerConfig, dist: DistInfo) -> WeightPusher:
     return WeightPusher(config.weight_push_mode, dist.rank, dist.world_size, registries, config.message_timeout_s,
                         dtype=dtype, weights_root=weights_dir(config.run_dir), engine_transfer=sender,
                         object_store_weights=old_policy)
-
-
-@dataclass(slots=True)
-class KeptMinibatch:
-    """A minibatch kept for the step's later passes (epochs_per_step > 1)."""
-
-    batch: PackedBatch
-    """Its packed tensors, old_logprobs set to pi_old."""
-    loss_weight: float
-    """The batcher's loss weight (0 for a rank's padding minibatch)."""
-    step: int
-    """The step it belongs to: the weight version its tokens' staleness counts from."""
-
-
-def _forward_backward(
-    model: torch.nn.Module, batch: PackedBatch, loss_weight: float, step: int, config: TrainerConfig, dist: DistInfo
-) -> tuple[torch.Tensor, torch.Tensor, float, dict[str, float]]:
-    """Score one minibatch, backward its GRPO loss (x world_size x loss_weight: see the module
-    docstring); returns the whole minibatch's (logprobs, entropy, loss, loss metrics), detached.
-    The weights at step s are version s (pushed versions count steps), so tokens of older
-    versions are stale. With context parallelism this rank scores and backwards its share of the
-    tokens, and the figures are put back together within its group (collective there)."""
-    logprobs, entropy = model.score(batch.inputs)
-    group = model.context if dist.context_parallel > 1 else None
-    if group is None:
-        loss, loss_metrics = grpo_loss(logprobs, batch, config.loss, policy_version=step)
-        (loss * dist.world_size * loss_weight).backward()
-        return logprobs.detach(), entropy.detach(), float(loss.detach()), loss_metrics
-    loss, local_metrics = grpo_loss(logprobs, local_batch(batch, group), config.loss, policy_version=step,
-                                    sample_sums=group.sum_over_group)
-    (loss * dist.world_size * loss_weight).backward()
-    loss_value, loss_metrics = reduce_loss_metrics(loss, local_metrics, logprobs.numel(), group)
-    return gather_outputs(logprobs, batch, group), gather_outputs(entropy, batch, group), loss_value, loss_metrics
-
-
-def train_on_step(
-    model: torch.nn.Module, data_path: PerRankDataPath | Rank0DataPath, step: int, config: TrainerConfig, dist: DistInfo,
-    acc: StepAccumulator, keep: list[KeptMinibatch] | None = None, feeder: PromptFeeder | None = None,
-) -> EndOfStep:
-    """Forward/backward every minibatch of this step as it arrives; returns the step's totals.
-
-    With `keep`, each minibatch is appended to it for later passes, with this pass's logprobs as
-    its old_logprobs when the samples carry none. A PromptRequest (dynamic sampling) is answered
-    through `feeder`. Only the first rank of a context-parallel group counts the minibatches in
-    `acc` (every rank of the group trains on them).
-    """
-    while True:
-        wait_start = time.perf_counter()
-        received = data_path.next_message(step, config.message_timeout_s)
-        acc.add_time("wait_s", time.perf_counter() - wait_start)
-        acc.add_data_bytes(ray_bytes=received.ray_bytes, scatter_bytes=received.scatter_bytes)
-        message = received.message
-        if isinstance(message, EndOfStep):
-            return message
-        if isinstance(message, PromptRequest):
-            if feeder is None:
-                raise RuntimeError(f"step {step}: the batcher asks for more prompts but this rank has no feeder")
-            feeder.submit_extra(message)
-            continue
-        assert isinstance(message, Minibatch), f"unexpected batcher message {type(message).__name__}"
-        compute_start = time.perf_counter()
-        batch = post_process_batch(message.samples, config.model.share_prompts)
-        logprobs, entropy, loss, loss_metrics = _forward_backward(model, batch, message.loss_weight, step, config, dist)
-        if message.loss_weight > 0 and dist.leads_group:
-            acc.add_minibatch(message.samples, batch, entropy, loss, loss_metrics)
-        if keep is not None:
-            if batch.old_logprobs is None:
-                batch = replace(batch, old_logprobs=logprobs)
-            keep.append(KeptMinibatch(batch=batch, loss_weight=message.loss_weight, step=step))
-        acc.add_time("train_s", time.perf_counter() - compute_start)
-
-
-def train_again(model: torch.nn.Module, kept: list[KeptMinibatch], config: TrainerConfig, dist: DistInfo,
-                acc: StepAccumulator) -> None:
-    """Another forward/backward pass over a step's kept minibatches (every rank has as many)."""
-    for minibatch in kept:
-        compute_start = time.perf_counter()
-        logprobs, _, _, loss_metrics = _forward_backward(model, minibatch.batch, minibatch.loss_weight,
-                                                         minibatch.step, config, dist)
-        if minibatch.loss_weight > 0 and dist.leads_group:
-            acc.add_later_epoch(loss_metrics, num_tokens=int(logprobs.numel()))
-        acc.add_time("train_s", time.perf_counter() - compute_start)
-
-
-def take_gradient_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, divisor: float,
-                       max_grad_norm: float) -> float:
-    """Scale summed gradients by the step's divisor (gradient_divisor), clip, step the optimizer.
-    Returns the pre-clip grad norm. The lr schedule is the caller's: it advances once per trainer
-    step, however many optimizer steps (epochs) that step takes."""
-    for param in model.parameters():
-        if param.grad is not None:
-            param.grad.div_(divisor)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    if isinstance(grad_norm, DTensor):  # FSDP2: the norm of sharded gradients, itself sharded
-        grad_norm = grad_norm.full_tensor()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)
-
-
-def update_for_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
-                    kept: list[KeptMinibatch] | None, divisor: float, config: TrainerConfig, dist: DistInfo,
-                    acc: StepAccumulator) -> float:
-    """A step's updates once its first pass is done: an optimizer step, then one more pass and
-    optimizer step per further epoch over the kept minibatches, then one lr-schedule step (the
-    schedule counts trainer steps, not passes). Returns the first optimizer step's grad norm."""
-    grad_norm = take_gradient_step(model, optimizer, divisor, config.optim.max_grad_norm)
-    for _ in range(1, config.epochs_per_step):
-        train_again(model, kept, config, dist, acc)
-        take_gradient_step(model, optimizer, divisor, config.optim.max_grad_norm)
-    scheduler.step()
-    return grad_norm
-
-
-def gradient_divisor(end: EndOfStep, config: TrainerConfig) -> float:
-    """The step's loss divisor under loss.aggregation (grpo_loss.step_divisor)."""
-    if config.loss.aggregation == "token_mean" and end.num_samples > 0 and end.num_output_tokens <= 0:
-        raise RuntimeError(f"step {end.step}: EndOfStep carries no output-token count for aggregation token_mean")
-    max_tokens = config.experience.sampling.max_tokens
-    return step_divisor(config.loss.aggregation, end.num_samples, end.num_output_tokens, max_tokens)
 
 
 def _restore(config: TrainerConfig, dist: DistInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -55,10 +55,11 @@ from async_grpo.batching.rollout_fetcher import (  # noqa: F401
 )
 from async_grpo.batching.round_tracker import RoundTracker
 from async_grpo.batching.step_stats import StepStats, mean
-from async_grpo.launch.ray_env import (
-    BATCHER_ACTOR_NAME, GENERATION, LOGPROB, ON_HEAD_NODE, RAY_NAMESPACE, REFERENCE, TEACHER, actor_runtime_env,
+from async_grpo.config.actor_names import (
+    BATCHER_ACTOR_NAME, GENERATION, LOGPROB, ON_HEAD_NODE, RAY_NAMESPACE, REFERENCE, TEACHER,
 )
-from async_grpo.rollouts.sampling import SamplingConfig, derive_seed
+from async_grpo.launch.ray_env import actor_runtime_env
+from async_grpo.config.sampling import SamplingConfig, derive_seed
 from sample_processing_utils import Sample
 from vllm_registry import BatchedRegistryClient, get_or_create_registry
 

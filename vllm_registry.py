@@ -41,7 +41,8 @@ import ray
 from ray.actor import ActorHandle
 
 from async_grpo.config.worker_options import HealthCheckConfig
-from async_grpo.launch.ray_env import ON_HEAD_NODE, RAY_NAMESPACE, actor_runtime_env, check_kind, registry_name
+from async_grpo.config.actor_names import ON_HEAD_NODE, RAY_NAMESPACE, check_kind, registry_name
+from async_grpo.launch.ray_env import actor_runtime_env
 from async_grpo.routing.batch_calls import BatchedRegistryClient, Bundle, WorkerFailedError, is_worker_death, serve_many
 from async_grpo.routing.capacity_queue import CapacityQueue, WorkerLoad, WorkerPoolError, short_error
 from async_grpo.routing.lease_book import BatchOutcome, LeaseBook, LeaseReport

@@ -4,10 +4,9 @@ One worker owns one engine (continuous batching, many concurrent requests). A re
 dataset `Sample` plus the trainer's `SamplingConfig`; the answer is n completed copies of the
 sample (tokens, sampling logprobs, reward, weight version). The group's advantages are computed
 by the experience batcher once the group's reference logprobs are in (algorithm.py). Rewards
-come from rollout_scoring.RolloutScorer (the verifier pool's verdict plus the optional format
-bonus or penalty of `SamplingConfig.reward` and the optional soft overlong punishment); what the
-tokens and text hold when a stop string, stop token or EOS ends a completion is set out in
-sampling.py.
+come from rollout_scoring.RolloutScorer (the verifier pool's verdict, shaped by
+`SamplingConfig.reward` and the soft overlong punishment); sampling.py says what the tokens and
+text hold when a stop string, stop token or EOS ends a completion.
 
 The worker's other jobs are plain classes that it composes, sharing served_weights.ServedWeights
 (the version and LoRA adapter the engine serves, and the requests running on them):
@@ -44,25 +43,27 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
 
 import ray
 
+from async_grpo.config.actor_names import GENERATION, JUDGE
 from async_grpo.config.run_config import flattened
-from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, EngineConfig, FailedSamplesConfig, VerificationConfig
+from async_grpo.config.sampling import SamplingConfig
+from async_grpo.config.worker_options import (
+    OBJECT_STORE_TRANSFER, EngineConfig, EngineTransferConfig, FailedSamplesConfig, VerificationConfig,
+)
 from async_grpo.inference.endpoint_host import EndpointHost
 from async_grpo.inference.engine_requests import canary_tokens, completed_sample, sampling_params
 from async_grpo.inference.engine_start import EngineStartError, build_engine, cpu_dtype_failure
 from async_grpo.inference.failed_samples import FailedSampleLog
 from async_grpo.inference.generation_stats import GenerationStats
 from async_grpo.inference.served_weights import ServedWeights
-from async_grpo.launch.ray_cluster import shared_memory_owner
-from async_grpo.launch.ray_env import GENERATION, JUDGE
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rewards.judge_reward import RegistryJudgeClient
 from async_grpo.rewards.math_verify_cluster import connect_verifier_pool
 from async_grpo.rewards.shaping import ShapedReward
 from async_grpo.rollouts.multi_turn import ChatRenderer, MultiTurnStats, engine_generate, run_rollouts
 from async_grpo.rollouts.rollout_scoring import RewardScorer, RolloutScorer, shaped_rewards
-from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.rollouts.token_versions import CompletionVersions
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle
+from async_grpo.runtime.ray_access import shared_memory_owner
 from async_grpo.weights.transport import WeightReceiver
 from async_grpo.weights.update import WeightUpdate
 from async_grpo.weights.worker_adapter import AdapterLoader
@@ -93,6 +94,8 @@ class GenerationWorkerConfig:
     """Hugging Face model folder the engine loads (safetensors + tokenizer)."""
     engine: EngineConfig = flattened(EngineConfig())
     """The vLLM engine's options (worker_options.EngineConfig; top-level flags and keys)."""
+    transfer: EngineTransferConfig = flattened(EngineTransferConfig())
+    """How the trainer's weights reach the engine: the trainer's choice (worker_options.EngineTransferConfig)."""
     weight_reload_bucket_bytes: int = 512 * 2**20
     """Most bytes of weights one update_weights call hands the engine (weight_transfer
     object_store). A push streams the update into the engine in buckets of whole decoder layers
@@ -141,7 +144,7 @@ class GenerationWorker:
 
     def __init__(self, worker_name: str, config: GenerationWorkerConfig, verifier: RewardScorer | None = None,
                  files_owner: str | None = None) -> None:
-        """files_owner: the name its shared-memory files go under (ray_cluster.shared_memory_owner
+        """files_owner: the name its shared-memory files go under (ray_access.shared_memory_owner
         in a cluster, so that its dispatcher finds and removes them; default worker_name)."""
         self.worker_name = worker_name
         self.config = config
@@ -164,17 +167,17 @@ class GenerationWorker:
         self.served = ServedWeights(self._remove_adapter)
         """The version and adapter the engine serves, and the requests running on them."""
         self.reloader = ObjectStoreReloader(
-            worker_name, model_path=config.model_path, weight_transfer=config.engine.weight_transfer,
+            worker_name, model_path=config.model_path, weight_transfer=config.transfer.weight_transfer,
             bucket_bytes=config.weight_reload_bucket_bytes, pause_mode=config.weight_update_pause_mode,
             served=self.served, stats=self.stats, life=self.life)
         self.adapter_loader = AdapterLoader(
             worker_name, max_lora_rank=config.engine.max_lora_rank, reloader=self.reloader, served=self.served,
             stats=self.stats, on_engine_error=self._fail_if_engine_dead, files_owner=files_owner)
         self.transfer = TransferPassThrough(
-            worker_name, backend=config.engine.weight_transfer, pause_mode=config.weight_update_pause_mode,
+            worker_name, backend=config.transfer.weight_transfer, pause_mode=config.weight_update_pause_mode,
             engine=self._require_engine, served=self.served, stats=self.stats, life=self.life)
         self.full_weights: WeightReceiver = (
-            self.reloader if config.engine.weight_transfer == OBJECT_STORE_TRANSFER else self.transfer)
+            self.reloader if config.transfer.weight_transfer == OBJECT_STORE_TRANSFER else self.transfer)
         self.endpoint_host = EndpointHost(
             worker_name, model_path=config.model_path, port=config.engine.openai_endpoint_port,
             engine=self._require_engine, served=self.served, stats=self.stats, life=self.life,
@@ -374,7 +377,7 @@ class GenerationWorker:
             await (self.adapter_loader if update.is_adapter else self.full_weights).receive(engine, update)
             return self.served.version
 
-    # ---- vLLM's CUDA weight transfers (EngineConfig.weight_transfer nccl / nccl_m2n / ipc): the
+    # ---- vLLM's CUDA weight transfers (EngineTransferConfig.weight_transfer nccl / nccl_m2n / ipc): the
     # trainer drives them (trainer_cuda_transfer.EngineWeightSender); TransferPassThrough passes them on.
 
     def transfer_describe(self) -> dict[str, Any]:

@@ -56,22 +56,22 @@ from async_grpo.config.versions import (
     LOGPROB_WORKER_REQUIREMENTS, WORKER_REQUIREMENTS, VersionError, check_versions,
 )
 from async_grpo.config.worker_options import (
-    VLLM_GPU_MEMORY_UTILIZATION, EngineConfig, FailedSamplesConfig, HealthCheckConfig, JudgeServingConfig,
-    LogprobBatchingConfig, RayConnectionConfig, RestartConfig, VerificationConfig, check_transfer_packages,
-    check_weight_transfer_device,
+    VLLM_GPU_MEMORY_UTILIZATION, EngineConfig, EngineTransferConfig, FailedSamplesConfig, HealthCheckConfig,
+    JudgeServingConfig, LogprobBatchingConfig, PromptSharingConfig, RayConnectionConfig, RestartConfig, VerificationConfig,
+    check_transfer_packages, check_weight_transfer_device,
 )
 from async_grpo.inference.engine_dtype import AUTO_DTYPE, dtype_choice_line, resolve_engine_dtype
 from async_grpo.launch.dispatcher_logs import REGISTERED_LINE, write_line
-from async_grpo.launch.local_processes import StopFlag, exit_without_teardown
+from async_grpo.launch.local_processes import StopFlag
+from async_grpo.runtime.processes import exit_without_teardown
 from async_grpo.launch.node_resources import (
     CPU_KV_CACHE_MAX_BYTES, CPU_KV_CACHE_MIN_BYTES, NODE_ID_CHARS, NodeLostError, actor_exists, cpu_kv_cache_bytes,
     gpu_holders, gpus_per_worker, node_alive, node_gpu_count, node_runs_cuda,
 )
 from async_grpo.launch.process_tuning import thread_env, worker_env
-from async_grpo.launch.ray_cluster import ClusterJoinError, join_cluster, shared_memory_owner
-from async_grpo.launch.ray_env import (
-    GENERATION, JUDGE, RAY_NAMESPACE, WORKER_KINDS, actor_runtime_env, registry_name, worker_actor_name,
-)
+from async_grpo.runtime.ray_access import ClusterJoinError, join_cluster, shared_memory_owner
+from async_grpo.config.actor_names import GENERATION, JUDGE, RAY_NAMESPACE, WORKER_KINDS, registry_name, worker_actor_name
+from async_grpo.launch.ray_env import actor_runtime_env
 from async_grpo.launch.status_command import STATUS_COMMAND, run_status
 from vllm_registry import RegistryConfig, WorkerState, get_or_create_registry
 
@@ -107,10 +107,16 @@ class DispatcherConfig:
     """Hugging Face model folder, readable at the same path on this node."""
     engine: EngineConfig = flattened(EngineConfig())
     """Generation: the vLLM engine's options (its dtype also serves logprob workers)."""
+    transfer: EngineTransferConfig = flattened(EngineTransferConfig())
+    """Generation: how the trainer's full weights reach the engine (the trainer's
+    --transfer.weight_transfer; the local launcher passes it on)."""
     batching: LogprobBatchingConfig = flattened(LogprobBatchingConfig())
     """Logprob (and a reward-model judge): how requests are packed into forwards."""
     judge: JudgeServingConfig = flattened(JudgeServingConfig())
     """Judge: a generative judge or a reward-model head (worker_options.JudgeServingConfig)."""
+    sharing: PromptSharingConfig = flattened(PromptSharingConfig())
+    """Logprob: whether a forward lays a prompt out once (the trainer's --model.share_prompts;
+    the local launcher passes it on)."""
     verification: VerificationConfig = flattened(VerificationConfig())
     """Generation: the cluster-wide math-verify pool (worker_options.VerificationConfig)."""
     failed_samples: FailedSamplesConfig = flattened(FailedSamplesConfig())
@@ -171,8 +177,8 @@ def generation_worker_config(cfg: DispatcherConfig, cuda: bool = True) -> Any:
     failed = dataclasses.replace(cfg.failed_samples,
                                  failed_samples_path=str(Path(cfg.failed_samples.failed_samples_path).resolve()))
     return GenerationWorkerConfig(
-        model_path=str(Path(cfg.model_path).resolve()), engine=engine_for_node(cfg.engine, cuda), failed_samples=failed,
-        verification=cfg.verification,
+        model_path=str(Path(cfg.model_path).resolve()), engine=engine_for_node(cfg.engine, cuda),
+        transfer=cfg.transfer, failed_samples=failed, verification=cfg.verification,
     )
 
 
@@ -214,7 +220,7 @@ def logprob_worker_config(cfg: DispatcherConfig) -> Any:
     from logprob_worker import LogprobWorkerConfig
 
     return LogprobWorkerConfig(model_path=str(Path(cfg.model_path).resolve()), device="auto", kind=cfg.mode,
-                               batching=cfg.batching, dtype=cfg.engine.dtype)
+                               batching=cfg.batching, sharing=cfg.sharing, dtype=cfg.engine.dtype)
 
 
 def registry_config_for(mode: str, worker_config: Any) -> RegistryConfig:
@@ -246,8 +252,8 @@ def check_engine_transfer(cfg: DispatcherConfig, cuda: bool) -> None:
     """ValueError (one line) when this node cannot serve the generation engine's weight transfer:
     a CUDA transfer without CUDA, or a package it imports missing (nccl_m2n's nccl.m2n)."""
     if cfg.mode == GENERATION:
-        check_weight_transfer_device(cfg.engine.weight_transfer, has_cuda=cuda)
-        check_transfer_packages(cfg.engine.weight_transfer, "generation worker's node")
+        check_weight_transfer_device(cfg.transfer.weight_transfer, has_cuda=cuda)
+        check_transfer_packages(cfg.transfer.weight_transfer, "generation worker's node")
 
 
 def claim_worker_name(registry: ActorHandle, kind: str) -> str:
@@ -274,7 +280,7 @@ def worker_runtime_env(cfg: DispatcherConfig) -> dict[str, Any]:
     runtime_env["env_vars"] = {**runtime_env["env_vars"], **worker_env(cfg.mode, cfg.tune_processes)}
     if cfg.threads is not None:
         runtime_env["env_vars"].update(thread_env(cfg.threads, tune=True))
-    if cfg.mode == GENERATION and cfg.engine.weight_transfer == "ipc":
+    if cfg.mode == GENERATION and cfg.transfer.weight_transfer == "ipc":
         runtime_env["env_vars"] = {**runtime_env["env_vars"], **IPC_TRANSFER_ENV}
     return runtime_env
 
@@ -415,7 +421,7 @@ def teardown(kind: str, actor: ActorHandle, name: str, worker_died: bool) -> Non
 def connect(connection: RayConnectionConfig, log_to_driver: bool, temp_dir: str = "") -> None:
     """Join the running cluster (RAY_ADDRESS wins over connection.ray_address, as in Ray itself),
     with token auth on when a token exists; ClusterJoinError (one line) when it cannot
-    (ray_cluster.join_cluster). `temp_dir` picks this machine's Ray node by its temp folder when
+    (ray_access.join_cluster). `temp_dir` picks this machine's Ray node by its temp folder when
     several share its address."""
     join_cluster(connection.ray_address, namespace=RAY_NAMESPACE, timeout_s=connection.connect_timeout_s,
                  log_to_driver=log_to_driver, temp_dir=temp_dir)

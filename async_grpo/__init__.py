@@ -10,7 +10,7 @@ enforces these rules; the README's "How the code is laid out" says what each fol
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("config",),
-    ("demo_assets",),
+    ("demo_assets", "runtime"),
     ("launch", "algo", "routing", "model", "data"),
     ("rewards",),
     ("rollouts",),
@@ -19,9 +19,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainer",),
 )
 """The package's folders, lowest first; a folder may import its own layer's folders only
-through its own modules (no sideways import between folders of one layer). demo_assets sits
-low because data/dataset.py's write-arithmetic command imports it. weights sits above inference
-and below trainer: it holds both ends of every weight transport (WORKER_SIDE, TRAINER_SIDE)."""
+through its own modules (no sideways import between folders of one layer). The ground floor,
+config, holds the records every side shares (options, SamplingConfig and seeds, actor names);
+runtime, above it, what every process uses to run in the cluster. demo_assets sits low because
+data/dataset.py's write-arithmetic command imports it. weights sits above inference and below
+trainer: it holds both ends of every weight transport (WORKER_SIDE, TRAINER_SIDE)."""
 
 PURE: tuple[str, ...] = ("config", "demo_assets", "algo", "data", "model")
 """Folders that reach no Ray, vLLM or torch.distributed, at any depth: records, maths, config
@@ -29,6 +31,9 @@ loading, the demo's assets, prompt data, model helpers. They run and test in any
 WORKER_SIDE: tuple[str, ...] = ("inference", "weights.worker_*")
 """Folders, or modules of a folder that holds both sides ('folder.pattern'), that run inside the
 inference workers and their engines: never reach the trainer side."""
+GENERATION_SIDE: tuple[str, ...] = ("rollouts", "inference")
+"""Folders that make rollouts (the generation workers' loop, environments, engines): the trainer
+side never imports them; what both read (SamplingConfig, seeds, names) lives in config/."""
 TRAINER_SIDE: tuple[str, ...] = ("trainer", "telemetry", "weights.trainer_*")
 """Likewise what runs in the trainer ranks: never reaches the worker side (the trainer talks to
 workers only through the batcher and registries, by name, and sends weights through weights/).

@@ -64,8 +64,8 @@ from async_grpo.algo.advantages import group_advantages  # the batcher's default
 from async_grpo.config.run_config import flattened
 from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.launch.cpu_plan import CpuPlanConfig
-from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, worker_actor_name
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.actor_names import GENERATION, RAY_NAMESPACE, worker_actor_name
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.routing.batch_calls import Bundle, serve_many
 from async_grpo.weights.update import WeightUpdate
 from async_grpo.weights.worker_loader import assemble_state_dict

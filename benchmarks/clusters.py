@@ -18,9 +18,10 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from async_grpo.launch.local_processes import environ, make_run_temp_dir
-from async_grpo.launch.ray_cluster import join_cluster
-from async_grpo.launch.ray_env import RAY_NAMESPACE, registry_name
+from async_grpo.launch.local_processes import make_run_temp_dir
+from async_grpo.runtime.processes import environ
+from async_grpo.runtime.ray_access import join_cluster
+from async_grpo.config.actor_names import RAY_NAMESPACE, registry_name
 from local_cluster import LocalCluster, LocalClusterConfig
 
 ATTACH_TIMEOUT_S = 30.0  # joining a running head on this machine takes ~1 s

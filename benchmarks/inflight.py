@@ -48,8 +48,7 @@ from typing import Any, Literal
 import torch
 
 from async_grpo.config.worker_options import VerificationConfig
-from async_grpo.rollouts.sampling import SamplingConfig
-from async_grpo.rollouts.token_versions import token_staleness
+from async_grpo.config.sampling import SamplingConfig
 from benchmarks.harness import apply_smoke, load_bench_config, setup_logging, SMOKE_ENGINE, summary_line
 from sample_processing_utils import Sample
 
@@ -169,7 +168,7 @@ async def run_job(worker: Any, refs: list[Any], mode: PauseMode, cfg: InflightCo
 
 def count(result: RunResult, samples: list[Sample], current_version: int) -> None:
     for sample in samples:
-        lag_sum, tokens = token_staleness(sample, current_version)
+        lag_sum, tokens = sample.token_staleness(current_version)
         result.token_lag_sum += lag_sum
         result.tokens += tokens
         result.completions += 1

@@ -13,9 +13,9 @@ context_parallel 2: the dp x cp mesh, Ulysses attention), run two ways on the sa
 - cp 2: one sample of `length` tokens split over the two ranks.
 So "per rank" is what one device holds to train a sample of that length, with the same two
 devices and the same FSDP sharding of weights, gradients and AdamW moments in both. A step is the
-trainer's own code: post_process_batch, trainer_core._forward_backward (model, grpo_loss of the
-trainer's default loss with the group's sums, backward), trainer_core.take_gradient_step with
-trainer_core.gradient_divisor. Samples are a `--prompt_tokens` prompt and a response filling the
+trainer's own code: post_process_batch, policy_update._forward_backward (model, grpo_loss of the
+trainer's default loss with the group's sums, backward), policy_update.take_gradient_step with
+policy_update.gradient_divisor. Samples are a `--prompt_tokens` prompt and a response filling the
 rest (the lm_head runs on response tokens only). Each rank first runs a short warm-up step in
 each mode (AdamW's moments exist afterwards; every code path has run once).
 
@@ -61,19 +61,21 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as torch_mp
 
 from async_grpo.batching.batcher_config import ExperienceConfig
+from async_grpo.batching.batcher_messages import EndOfStep
 from async_grpo.batching.minibatch_packer import MinibatchPacker
 from async_grpo.data.dataset import DatasetConfig
 from async_grpo.demo_assets.tiny_model import PRESETS, ShapeOverrides, model_shape, write_tiny_model
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.launch.process_tuning import FIXED_MALLOC_ENV
-from async_grpo.rollouts.sampling import SamplingConfig
 from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, init_distributed
 from async_grpo.trainer.optimizer import build_optimizer
+from async_grpo.trainer.policy_update import _forward_backward, gradient_divisor, take_gradient_step
 from benchmarks.harness import apply_smoke, load_bench_config, setup_logging, summary_line
 from benchmarks.step_memory import KIB, reset_cpu_peak, rss_kib
 from sample_processing_utils import Sample, post_process_batch
 from setup_model import ModelConfig
-from trainer_core import EndOfStep, _forward_backward, gradient_divisor, make_batcher_config, take_gradient_step
+from trainer_core import make_batcher_config
 
 logger = logging.getLogger("benchmarks.long_context")
 

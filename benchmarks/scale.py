@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from async_grpo.launch.ray_env import use_loopback_only_ray
+from async_grpo.runtime.ray_access import use_loopback_only_ray
 from benchmarks.harness import load_bench_config
 
 _TARGET_ROUTED_PER_S = 20_000  # issue 21: routing must not limit a 64-GPU job
@@ -112,7 +112,7 @@ def _stand_in_worker_class() -> Any:
     use_loopback_only_ray)."""
     import ray
 
-    from async_grpo.launch.ray_env import GENERATION
+    from async_grpo.config.actor_names import GENERATION
     from vllm_registry import Bundle, WorkerHealth, WorkerState, serve_many
 
     @ray.remote(num_cpus=0, max_concurrency=10_000)
@@ -228,7 +228,7 @@ class Bench:
 
     def start_pool(self, count: int) -> tuple[Any, list[Any]]:
         """A fresh generation registry with `count` stand-in workers registered, dealt over the nodes."""
-        from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE
+        from async_grpo.config.actor_names import GENERATION, RAY_NAMESPACE
         from vllm_registry import RegistryConfig, get_or_create_registry
 
         ray = self._ray
@@ -250,7 +250,7 @@ class Bench:
         for worker in workers:
             ray.kill(worker)
         ray.kill(registry)
-        from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, registry_name
+        from async_grpo.config.actor_names import GENERATION, RAY_NAMESPACE, registry_name
 
         deadline = time.monotonic() + 60.0
         while time.monotonic() < deadline:  # the name is released asynchronously
@@ -267,7 +267,7 @@ class Bench:
     def route(self, registry: Any, batched: bool, count: int | None = None) -> dict[str, float]:
         """One routing run of `count` requests (default: the config's for the path); routed_per_s
         and the registry's CPU microseconds per request."""
-        from async_grpo.rollouts.sampling import SamplingConfig
+        from async_grpo.config.sampling import SamplingConfig
         from sample_processing_utils import Sample
         from vllm_experience_batcher import BatchedRegistryClient
 
@@ -304,7 +304,7 @@ class Bench:
     def batcher(self, registry: Any, batched: bool) -> dict[str, float]:
         """One batcher run; batcher_samples_per_s."""
         from async_grpo.batching.batcher_config import BatcherConfig, ExperienceConfig
-        from async_grpo.rollouts.sampling import SamplingConfig
+        from async_grpo.config.sampling import SamplingConfig
 
         config = self.config
         experience = ExperienceConfig(
@@ -361,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from async_grpo.launch.ray_env import RAY_NAMESPACE, actor_runtime_env
+    from async_grpo.config.actor_names import RAY_NAMESPACE
+    from async_grpo.launch.ray_env import actor_runtime_env
 
     node_args = {"num_cpus": 1, "include_dashboard": False,
                  "_system_config": {"enable_metrics_collection": False, "task_events_report_interval_ms": 0}}

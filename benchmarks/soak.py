@@ -130,7 +130,7 @@ def run_object_store_probe(address: str, out_path: str, interval_s: float) -> No
     Runs in its own process (probe_command), so the benchmark itself never joins the cluster."""
     import ray
 
-    from async_grpo.launch.ray_cluster import join_cluster
+    from async_grpo.runtime.ray_access import join_cluster
 
     parent = os.getppid()
     join_cluster(address, namespace="soak-probe", timeout_s=30.0, log_to_driver=False)

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from async_grpo.launch.local_processes import environ
+from async_grpo.runtime.processes import environ
 from async_grpo.launch.process_tuning import FIXED_MALLOC_ENV
 from async_grpo.trainer.optimizer import OptimConfig, build_optimizer
 from benchmarks.packed_samples import draw_packed_samples

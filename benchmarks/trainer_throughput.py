@@ -17,7 +17,7 @@ around output_median, capped at max_output) packed to exactly tokens_per_rank to
 minibatch. One step = for each of minibatches_per_step minibatches: post_process_batch,
 TokenLogprobModel forward (chunked logprobs), grpo_loss (KL on), backward; then the trainer's
 gradient step (divide by the step's sample count, clip, AdamW step, zero grads), as
-trainer_core.take_gradient_step does (trainer_core itself imports Ray, which the GPU machine
+policy_update.take_gradient_step does (its module reaches Ray, which the GPU machine
 lacks). `warmup` untimed steps, then `steps` timed ones; the median step is reported.
 
 FLOPs (model FLOPs: what the model needs, not what gradient checkpointing recomputes), per step:
@@ -216,7 +216,7 @@ def _shape_facts(model: TokenLogprobModel) -> dict[str, int]:
 
 def train_step(model: TokenLogprobModel, optimizer: torch.optim.Optimizer, minibatches: list[list[Sample]],
                step_samples: int, dist: DistInfo) -> None:
-    """One optimizer step over this rank's minibatches, as trainer_core's train_on_step and
+    """One optimizer step over this rank's minibatches, as policy_update's train_on_step and
     take_gradient_step run it (loss x world_size, gradients / the step's sample count, clip)."""
     for samples in minibatches:
         batch = post_process_batch(samples)

@@ -75,7 +75,7 @@ from typing import Any, Literal
 import torch
 
 from async_grpo.launch.local_processes import free_port
-from async_grpo.launch.ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, worker_actor_name
+from async_grpo.config.actor_names import GENERATION, LOGPROB, RAY_NAMESPACE, worker_actor_name
 from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
 from benchmarks.harness import apply_smoke, load_bench_config, REPO_ROOT
 from local_cluster import LocalCluster, LocalClusterConfig
@@ -475,7 +475,7 @@ class TrainerRole:
 
         from async_grpo.batching.batcher_config import ExperienceConfig
         from async_grpo.data.dataset import DatasetConfig
-        from async_grpo.launch.ray_cluster import join_cluster
+        from async_grpo.runtime.ray_access import join_cluster
         from async_grpo.trainer.config import TrainerConfig
         from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed
         from async_grpo.weights.trainer_adapter import adapter_named_tensors

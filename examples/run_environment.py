@@ -20,9 +20,9 @@ import tempfile
 from dataclasses import dataclass
 
 from async_grpo.config.worker_options import VerificationConfig
-from async_grpo.rollouts.environments import EnvironmentConfig
+from async_grpo.config.rollout_sources import EnvironmentConfig
 from async_grpo.rollouts.multi_turn import ChatRenderer, MultiTurnStats, engine_generate, run_rollouts
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from sample_processing_utils import Sample
 
 logger = logging.getLogger(__name__)

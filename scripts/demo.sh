@@ -22,8 +22,8 @@ source scripts/device.sh
 PY=.venv/bin/python
 # The demo's batch is 2 ranks x 16 prompts x 16 rollouts; one rank takes all 32 prompts.
 RANKS=(--nproc_per_node 2)
-# GPUs as the launcher counts them (async_grpo/launch/host_gpus.py: a scheduler's CUDA_VISIBLE_DEVICES respected).
-if [ "$(detect_device)" = cuda ] && [ "$($PY -m async_grpo.launch.host_gpus)" -le 2 ]; then
+# GPUs as the launcher counts them (async_grpo/runtime/host_gpus.py: a scheduler's CUDA_VISIBLE_DEVICES respected).
+if [ "$(detect_device)" = cuda ] && [ "$($PY -m async_grpo.runtime.host_gpus)" -le 2 ]; then
   RANKS=(--nproc_per_node 1 -- --prompts_per_rank 32)
 else
   RANKS=("${RANKS[@]}" --)

@@ -3,7 +3,7 @@
 #
 #   detect_device   prints "cuda" when the machine has at least one NVIDIA GPU, else "cpu".
 #
-# The GPU count is the one async_grpo/launch/host_gpus.py uses: ASYNC_GRPO_HOST_GPUS=N when set,
+# The GPU count is the one async_grpo/runtime/host_gpus.py uses: ASYNC_GRPO_HOST_GPUS=N when set,
 # else what the NVIDIA driver lists (ASYNC_GRPO_NVIDIA_GPUS_DIR, default /proc/driver/nvidia/gpus,
 # one folder per GPU; the tests point it at a faked folder). ASYNC_GRPO_DEVICE=cpu|cuda picks the
 # build whatever the count (a CUDA host that should run the CPU build, or the fast tier run here

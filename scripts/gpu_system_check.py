@@ -409,7 +409,7 @@ def probe_engine_config() -> Any:
 
 
 async def _engine_greedy(worker: Any, prompts: list[Any]) -> list[list[int]]:
-    from async_grpo.rollouts.sampling import SamplingConfig
+    from async_grpo.config.sampling import SamplingConfig
 
     greedy = SamplingConfig(n=1, temperature=0.0, max_tokens=PROBE_MAX_TOKENS)
     groups = await asyncio.gather(*(worker.generate(sample, greedy) for sample in prompts))

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from async_grpo.algo.algorithm import AlgorithmConfig, DistillConfig, KLSettings, LogprobRole, check_logprob_sources
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -17,7 +17,7 @@ from async_grpo.algo.algorithm import (
     sequence_kl,
 )
 from async_grpo.batching.step_stats import StepStats
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from sample_processing_utils import Sample
 
 

@@ -16,8 +16,7 @@ from typing import Any, Awaitable, Literal, Protocol
 import ray
 from ray.actor import ActorHandle
 
-from async_grpo.rollouts.sampling import SamplingConfig
-from async_grpo.rollouts.token_versions import newest_version, oldest_version
+from async_grpo.config.sampling import SamplingConfig
 from sample_processing_utils import INITIAL_WEIGHT_VERSION, Sample, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -98,12 +97,12 @@ class RolloutFetcher:
         if len(rollouts) > n:
             raise ValueError(f"generate returned {len(rollouts)} rollouts for prompt_id={sample.prompt_id}, n={n}")
         # A rollout that straddles a weight push is as stale as its oldest token.
-        fresh = [r for r in rollouts if step - oldest_version(r) <= self._max_lag]
+        fresh = [r for r in rollouts if step - r.oldest_version() <= self._max_lag]
         stale = len(rollouts) - len(fresh)
         if stale:
             logger.info(
                 "step %d: prompt_id=%d: %d rollouts older than max_lag=%d dropped (oldest token versions %s)",
-                step, sample.prompt_id, stale, self._max_lag, sorted({oldest_version(r) for r in rollouts}),
+                step, sample.prompt_id, stale, self._max_lag, sorted({r.oldest_version() for r in rollouts}),
             )
         kept, teacher_s = (await self._fill_all(fresh)) if fresh else (fresh, 0.0)
         return PromptRollouts(
@@ -160,9 +159,9 @@ class RolloutFetcher:
             if target == "ref_logprobs" and answer.weight_version != INITIAL_WEIGHT_VERSION:
                 raise ValueError(f"reference logprobs computed with weight version {answer.weight_version}: the "
                                  f"reference worker must serve the initial checkpoint (prompt_id={rollout.prompt_id})")
-            if target == "old_logprobs" and answer.weight_version < newest_version(rollout):
+            if target == "old_logprobs" and answer.weight_version < rollout.newest_version():
                 logger.warning("prompt_id=%d: old-policy logprobs from weights v%d for a rollout sampled with v%d; "
-                               "dropped", rollout.prompt_id, answer.weight_version, newest_version(rollout))
+                               "dropped", rollout.prompt_id, answer.weight_version, rollout.newest_version())
                 continue
             setattr(rollout, target, [float(v) for v in answer.values])
             kept.append(rollout)

@@ -23,6 +23,7 @@ import yaml
 
 _FLATTEN = "run_config.flatten"  # dataclass field metadata key marking a flattened section
 _POSITIONAL = "run_config.positional"  # dataclass field metadata key marking a positional field
+_DERIVED = "run_config.derived"  # dataclass field metadata key marking a field the program fills
 
 
 def flattened(default: Any) -> Any:
@@ -43,6 +44,34 @@ def positional() -> Any:
     return dataclasses.field(metadata={_POSITIONAL: True})
 
 
+def derived(default: Any, source: str = "") -> Any:
+    """A dataclass field the program fills from another config (e.g. the local launcher's copy of
+    what the trainer's config says its workers need): no flag, no file key, not written back out,
+    so the value has one source. `default` is a frozen value, used until the program sets it;
+    `source` names where to set it, for the error a flag of the field's name gets."""
+    return dataclasses.field(default_factory=lambda: default, metadata={_DERIVED: source or True})
+
+
+def derived_flags(cls: type) -> dict[str, str]:
+    """The flags a user might try for cls's derived fields (the field's name, or each field of a
+    derived dataclass), each with where the value is set instead."""
+    found: dict[str, str] = {}
+    for f in dataclasses.fields(cls):
+        source = f.metadata.get(_DERIVED)
+        if not source:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        names = [g.name for g in dataclasses.fields(default)] if dataclasses.is_dataclass(default) else [f.name]
+        for name in names:
+            found[f"--{name}"] = source if isinstance(source, str) else "another config"
+    return found
+
+
+def _is_input(f: dataclasses.Field) -> bool:
+    """Whether a flag or file key gives the field (not init=False, not derived)."""
+    return f.init and not f.metadata.get(_DERIVED)
+
+
 def _is_flattened(f: dataclasses.Field) -> bool:
     return bool(f.metadata.get(_FLATTEN))
 
@@ -57,7 +86,7 @@ def _is_dataclass_type(tp: Any) -> bool:
 
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if _is_input(f)}
 
 
 def _field_default(f: dataclasses.Field) -> Any:
@@ -73,7 +102,7 @@ def _flat_sections(cls: type) -> dict[str, tuple[type, Any]]:
     """{field name: (section class, default instance)} of cls's flattened sections."""
     types_by_name = _field_types(cls)
     return {f.name: (types_by_name[f.name], _field_default(f)) for f in dataclasses.fields(cls)
-            if f.init and _is_flattened(f)}
+            if _is_input(f) and _is_flattened(f)}
 
 
 def _keys(cls: type) -> list[str]:
@@ -91,7 +120,17 @@ def _keys(cls: type) -> list[str]:
 
 @functools.cache  # parsing a class's source is most of a load's time; a class's docs never change
 def _field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass (our configs document every field so)."""
+    """The docstring under each field of a dataclass (our configs document every field so), a
+    field a base class declares (a shared option record, worker_options) included."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    """The docstrings under the fields `cls`'s own body declares."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError, SyntaxError):  # no source (e.g. built in a REPL): flags without help
@@ -113,7 +152,7 @@ def _leaves(cls: type, base: Any = None) -> Iterator[tuple[dataclasses.Field, An
     docs = _field_docs(cls)
     types_by_name = _field_types(cls)
     for f in dataclasses.fields(cls):
-        if not f.init:
+        if not _is_input(f):
             continue
         default = getattr(base, f.name) if base is not None else _field_default(f)
         if _is_flattened(f):  # a required section (no default): its class's own defaults
@@ -175,6 +214,8 @@ def _as_dict(config: Any) -> dict[str, Any]:
     """dataclasses.asdict, with a flattened section's fields in the section's place."""
     values: dict[str, Any] = {}
     for f in dataclasses.fields(config):
+        if not _is_input(f):
+            continue
         value = getattr(config, f.name)
         if _is_flattened(f):
             values.update(_as_dict(value))
@@ -221,7 +262,7 @@ def config_to_flags(config: Any, baseline: Any = None) -> list[str]:
 def _to_flags(config: Any, baseline: Any, prefix: str) -> list[str]:
     words: list[str] = []
     for f in dataclasses.fields(config):
-        if not f.init or _is_positional(f):
+        if not _is_input(f) or _is_positional(f):
             continue
         value = getattr(config, f.name)
         default = getattr(baseline, f.name) if baseline is not None else _field_default(f)

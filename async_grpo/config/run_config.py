@@ -33,6 +33,10 @@ give it, for a launcher that starts a child with the same options:
 `flattened(SectionClass)` (the class, no instance) embeds a required section: its fields take
 the class's own defaults, and its required fields are required flags of the embedding config.
 
+A field declared with `derived(default)` is filled by the program from another config (the local
+launcher's copy of the options its workers read from the trainer's config): no flag, no file key,
+not written back out, so the option has one source.
+
 A field declared with `positional()` is given on the command line without a flag (a list field:
 one or more words, `compare runs/a runs/b`), or under its name in a file; a config has at most
 one. A program of subcommands (`metrics.py plot ...`, `metrics.py compare ...`) names one config
@@ -74,10 +78,11 @@ from tyro.constructors import (
 
 from async_grpo.config.config_schema import (
     _default_hint, _field, _field_default, _field_docs, _field_types, _flag_words, _flags, _is_dataclass_type,
-    _is_flattened, _is_list_type, _is_positional, _keys, _leaves, _positional_label, _positional_name, _type_name,
+    _is_flattened, _is_input, _is_list_type, _is_positional, _keys, _leaves, _positional_label, _positional_name,
+    _type_name,
 )
 from async_grpo.config.config_schema import (  # noqa: F401 (re-exported: the entry points import them from here)
-    config_reference, config_to_dict, config_to_flags, flattened, positional, save_config,
+    config_reference, config_to_dict, config_to_flags, derived, derived_flags, flattened, positional, save_config,
 )
 
 T = TypeVar("T")
@@ -263,7 +268,7 @@ def _registry(positional_from_file: Any) -> ConstructorRegistry:
         base = info.default if dataclasses.is_dataclass(info.default) else None
         docs, types_by_name = _field_docs(info.type), _field_types(info.type)
         specs = []
-        for f in (f for f in dataclasses.fields(info.type) if f.init):
+        for f in (f for f in dataclasses.fields(info.type) if _is_input(f)):
             default = getattr(base, f.name) if base is not None else _field_default(f)
             if _is_positional(f) and positional_from_file is not dataclasses.MISSING:
                 default = positional_from_file
@@ -347,10 +352,15 @@ class _OneLineErrors:
     def _unknown(self, tokens: list[str]) -> NoReturn:
         flags = [token for token in tokens if token.startswith("-")]
         known = [f"--{dotted}" for dotted, _, _ in _flags(self.cls)]
+        elsewhere = derived_flags(self.cls)
         hints = []
         for flag in flags:
-            close = difflib.get_close_matches(flag.split("=", 1)[0], known, n=2)
-            hints.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
+            name = flag.split("=", 1)[0]
+            close = difflib.get_close_matches(name, known, n=2)
+            if name in elsewhere:
+                hints.append(f"{flag} (set by {elsewhere[name]})")
+            else:
+                hints.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
         what = f"unknown flag{'s' if len(flags) > 1 else ''} {', '.join(hints)}" if flags else f"extra words {tokens}"
         exit_config_error(self.prog, f"{what}; --help lists the flags")
 

@@ -9,17 +9,22 @@ fields stay top-level flags (`--max_num_seqs`, `--global_num_verifiers`), an emb
 a section defaults of its own (a default instance), and the dispatcher hands its sections to the
 worker as they are. Because the dispatcher loads every section before it joins Ray, a bad value
 is one line and exit 2 there, not a traceback in the worker. A new vLLM option is one field in
-EngineConfig plus the line in GenerationWorker.start that passes it to vLLM.
+EngineConfig plus the line in GenerationWorker.start that passes it to vLLM. The options the
+trainer and the workers both read (EngineTransferConfig, PromptSharingConfig) are declared here
+too: the trainer's sections extend them, the workers embed them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 # vLLM 0.32 serves LoRA adapters of these ranks only (vllm.config.lora.MaxLoRARanks): an engine's
 # max_lora_rank must be one of them, and a trained adapter's r at most that (setup_model.LoraConfig).
+T = TypeVar("T")
+
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
@@ -35,8 +40,8 @@ def vllm_lora_rank(r: int) -> int:
 VLLM_GPU_MEMORY_UTILIZATION = 0.92
 
 
-# EngineConfig.weight_transfer -> the backend name vLLM's WeightTransferEngineFactory knows it
-# by (ours registers in worker_transfer_backend.py, OBJECT_STORE_BACKEND there).
+# EngineTransferConfig.weight_transfer -> the backend name vLLM's WeightTransferEngineFactory knows it
+# by (ours registers in weights/worker_transfer_backend.py, OBJECT_STORE_BACKEND there).
 WEIGHT_TRANSFER_BACKENDS = {"object_store": "grpo_object_store", "nccl": "nccl", "nccl_m2n": "nccl_m2n", "ipc": "ipc"}
 OBJECT_STORE_TRANSFER = "object_store"
 
@@ -44,7 +49,7 @@ OBJECT_STORE_TRANSFER = "object_store"
 def check_weight_transfer_device(weight_transfer: str, has_cuda: bool) -> None:
     """ValueError naming the field when a CUDA-only weight_transfer is asked of a node without CUDA."""
     if weight_transfer != OBJECT_STORE_TRANSFER and not has_cuda:
-        raise ValueError(f"EngineConfig.weight_transfer {weight_transfer!r} is one of vLLM's CUDA engines and this "
+        raise ValueError(f"weight_transfer {weight_transfer!r} is one of vLLM's CUDA engines and this "
                          f"node has no CUDA: use 'object_store'")
 
 
@@ -76,6 +81,47 @@ def check_transfer_packages(weight_transfer: str, where: str,
         how = "; ".join(f"{name}: {PACKAGE_SOURCES[name]}" for name in missing)
         raise ValueError(f"weight_transfer {weight_transfer!r} needs {', '.join(missing)} importable in the {where}, "
                          f"and it is not ({how}), or use 'object_store'")
+
+
+# ---- Options the trainer and the workers both read: each declared once, here. The trainer's
+# sections extend them (TrainerTransferConfig, setup_model.ModelConfig: --transfer.weight_transfer,
+# --model.share_prompts); the workers and their dispatcher embed them flat (--weight_transfer,
+# --share_prompts); the local launcher hands the trainer's to the workers it starts.
+
+@dataclass(kw_only=True, frozen=True)
+class EngineTransferConfig:
+    """How the trainer's full weights reach the generation engines; both ends must name the same."""
+
+    # 'object_store' is ours: the worker fetches the update from Ray's object store and streams it
+    # into the engine bucket by bucket through anonymous memory files. The CUDA ones are vLLM's:
+    # 'nccl' (trainer rank 0 broadcasts the gathered weights), 'nccl_m2n' (every trainer rank sends
+    # its own FSDP shards), 'ipc' (CUDA IPC handles). LoRA adapters always load as vLLM adapters.
+    weight_transfer: Literal["object_store", "nccl", "nccl_m2n", "ipc"] = "object_store"
+    """How pushed full weights reach the engines (vLLM's weight-transfer API): 'object_store' (any
+    device, through Ray's object store), or on CUDA only 'nccl', 'nccl_m2n' (per-rank FSDP shards)
+    or 'ipc' (trainer and engine on the same GPUs). Workers started by hand need the trainer's."""
+
+    def __post_init__(self) -> None:
+        if self.weight_transfer not in WEIGHT_TRANSFER_BACKENDS:
+            raise ValueError(f"{type(self).__name__}.weight_transfer must be one of {tuple(WEIGHT_TRANSFER_BACKENDS)}, "
+                             f"got {self.weight_transfer!r}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class PromptSharingConfig:
+    """Whether a packed forward lays a prompt out once before its answers, on the trainer and on
+    the logprob workers alike (the same logprobs, bit for bit)."""
+
+    share_prompts: bool = False
+    """Pack the answers of one prompt after a single copy of it (sample_processing_utils): the
+    same logprobs from fewer tokens. Needs the packed_sdpa or packed_varlen attention (None then
+    picks packed_sdpa)."""
+
+
+def shared_part(record: type[T], config: Any) -> T:
+    """The `record` (one of the shared option records above) that `config`, a section extending
+    it, holds: e.g. the EngineTransferConfig of the trainer's TrainerTransferConfig."""
+    return record(**{f.name: getattr(config, f.name) for f in dataclasses.fields(record)})
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -134,14 +180,6 @@ class EngineConfig:
     accepts, one of vLLM's 1, 8, 16, 32, 64, 128, 256, 320, 512 (at least model.lora.r). 0: LoRA
     off; the worker then takes full-weight updates only."""
 
-    # 'object_store' is ours: the worker fetches the update from Ray's object store and streams it
-    # into the engine bucket by bucket through anonymous memory files. The CUDA ones are vLLM's:
-    # 'nccl' (trainer rank 0 broadcasts the gathered weights), 'nccl_m2n' (every trainer rank sends
-    # its own FSDP shards), 'ipc' (CUDA IPC handles). LoRA adapters always load as vLLM adapters.
-    weight_transfer: Literal["object_store", "nccl", "nccl_m2n", "ipc"] = "object_store"
-    """How pushed full weights reach the engine (vLLM's weight-transfer API): 'object_store' (any
-    device, through Ray's object store), or on CUDA only 'nccl', 'nccl_m2n' (per-rank FSDP shards)
-    or 'ipc' (trainer and engine on the same GPUs). Must equal the trainer's transfer."""
     # openai_endpoint.py serves /v1/chat/completions, /inference/v1/generate and /v1/models, with
     # exact token ids, logprobs and weight versions (e.g. for verifiers environments' train
     # client). Its requests count in the worker's stats and wait out weight pushes.
@@ -151,9 +189,6 @@ class EngineConfig:
     workers share a node); else that port."""
 
     def __post_init__(self) -> None:
-        if self.weight_transfer not in WEIGHT_TRANSFER_BACKENDS:
-            raise ValueError(f"EngineConfig.weight_transfer must be one of {tuple(WEIGHT_TRANSFER_BACKENDS)}, "
-                             f"got {self.weight_transfer!r}")
         for name in ("tensor_parallel_size", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -197,11 +232,6 @@ class LogprobBatchingConfig:
     max_wait_ms: float = 20.0
     """How long the first queued request waits for company before its batch runs even if not full.
     0 runs whatever is queued as soon as the previous batch is done."""
-    share_prompts: bool = False
-    """Lay the answers of one prompt after a single copy of it in a forward, as the trainer's
-    model.share_prompts does (the same logprobs, fewer tokens); needs the packed_sdpa attention
-    (the default then). The local launcher sets it from the trainer's model.share_prompts."""
-
     def __post_init__(self) -> None:
         if self.max_tokens_per_forward < 1:
             raise ValueError(

@@ -11,10 +11,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from async_grpo.config.reward_config import REASONING_GYM_SOURCE_PREFIX
 from async_grpo.data.prompt_record import DatasetError
 
-# data_source of the prompts of data.format reasoning_gym (shaping.py routes it to the task's scorer).
-REASONING_GYM_SOURCE_PREFIX = "reasoning_gym/"
 
 
 @dataclass(kw_only=True, frozen=True)

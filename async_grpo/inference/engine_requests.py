@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from async_grpo.rollouts.sampling import SamplingConfig, request_seed
+from async_grpo.config.sampling import SamplingConfig, request_seed
 from async_grpo.rollouts.token_versions import CompletionVersions
 from sample_processing_utils import Sample
 

@@ -1,9 +1,9 @@
-"""Starting a vLLM engine (a generation worker's, a generative judge's): the engine arguments its config gives, the checks
-made before vLLM is asked (a compiler for a compiling engine, the weight transfer's device), and
-a failed start as one line with the engine core's root cause.
+"""Starting a vLLM engine (a generation worker's, a generative judge's): the engine arguments its
+config gives, the checks made before vLLM is asked (a compiler for a compiling engine, the weight
+transfer's device), and a failed start as one line with the engine core's root cause.
 
-vllm_worker.GenerationWorker and judge_worker.JudgeWorker start their engines here
-(build_engine); tests and benchmarks that build an engine themselves take engine_args. Imports vLLM only inside build_engine.
+vllm_worker.GenerationWorker and judge_worker.JudgeWorker start their engines here (build_engine);
+tests and benchmarks that build an engine themselves take engine_args. Imports vLLM only inside build_engine.
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from async_grpo.config.worker_options import WEIGHT_TRANSFER_BACKENDS, EngineConfig, check_weight_transfer_device
+from async_grpo.config.worker_options import (
+    WEIGHT_TRANSFER_BACKENDS, EngineConfig, EngineTransferConfig, check_weight_transfer_device,
+)
 from async_grpo.inference.engine_diagnostics import StderrTail, root_cause_line
 from async_grpo.inference.engine_dtype import (
     cpu_flags, cpu_half_precision_failure, dtype_choice_line, resolve_engine_dtype,
 )
 from async_grpo.inference.engine_process import engine_process_env, forked_engine_core, forks_engine_core
-from async_grpo.launch.compile_needs import missing_compile_needs
-from async_grpo.launch.local_processes import environ
+from async_grpo.runtime.compile_needs import missing_compile_needs
+from async_grpo.runtime.processes import environ
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -42,6 +44,7 @@ class EngineSpec(Protocol):
 
     model_path: str
     engine: EngineConfig
+    transfer: EngineTransferConfig
 
 
 def on_cpu_platform() -> bool:
@@ -75,7 +78,7 @@ def engine_args(config: EngineSpec, in_process: bool) -> dict[str, Any]:
         seed=cfg.engine_seed,
         logprobs_mode=cfg.logprobs_mode,
         worker_extension_cls=_WEIGHT_TRANSFER_REGISTRATION,
-        weight_transfer_config={"backend": WEIGHT_TRANSFER_BACKENDS[cfg.weight_transfer]},
+        weight_transfer_config={"backend": WEIGHT_TRANSFER_BACKENDS[config.transfer.weight_transfer]},
         disable_log_stats=True,
         distributed_executor_backend="uni" if in_process else None,
         **lora,
@@ -100,7 +103,7 @@ def _prepared_engine_args(config: EngineSpec, worker_name: str) -> tuple[dict[st
         # only matters to the synchronous LLMEngine besides; AsyncLLM keeps its engine-core
         # process either way.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    check_weight_transfer_device(cfg.weight_transfer, has_cuda=not on_cpu_platform())
+    check_weight_transfer_device(config.transfer.weight_transfer, has_cuda=not on_cpu_platform())
     engine_kwargs = engine_args(config, in_process)
     logger.info("%s: %s", worker_name, dtype_choice_line(cfg.dtype, engine_kwargs["dtype"], on_cpu_platform()))
     return engine_kwargs, in_process

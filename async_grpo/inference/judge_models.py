@@ -20,7 +20,7 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any, Protocol
 
-from async_grpo.config.worker_options import EngineConfig, LogprobBatchingConfig
+from async_grpo.config.worker_options import EngineConfig, EngineTransferConfig, LogprobBatchingConfig
 from async_grpo.inference.token_budget_queue import QueuedRequest, TokenBudgetQueue, fail_requests
 from async_grpo.rewards.judge_reward import JudgeReply, JudgeRequest
 
@@ -150,6 +150,8 @@ class _EngineSpec:
     def __init__(self, model_path: str, engine: EngineConfig) -> None:
         self.model_path = model_path
         self.engine = engine
+        # A judge never receives weight pushes; the engine still names a transfer backend.
+        self.transfer = EngineTransferConfig()
 
 
 class SequenceScorer(Protocol):

@@ -20,10 +20,10 @@ from typing import Any, AsyncIterator, Protocol
 
 import ray
 
+from async_grpo.config.actor_names import JUDGE
 from async_grpo.config.run_config import flattened
 from async_grpo.config.worker_options import EngineConfig, JudgeServingConfig, LogprobBatchingConfig
 from async_grpo.inference.judge_models import EngineDeadError, load_reward_model_judge, start_generative_judge
-from async_grpo.launch.ray_env import JUDGE
 from async_grpo.rewards.judge_reward import JUDGE_METHOD, JudgeReply, JudgeRequest
 from async_grpo.routing.batch_calls import Bundle, serve_many
 from async_grpo.routing.worker_lifecycle import WorkerHealth, WorkerLifecycle

@@ -1,6 +1,6 @@
 """The local launcher's processes: the temp folder and environment every child gets, a free
-port, stopping a process tree (torchrun and its ranks) for good, and ending a finished trainer
-rank or dispatcher without the interpreter's teardown.
+port, stopping a process tree (torchrun and its ranks) for good (runtime/processes.py holds what
+the processes themselves use).
 
 local_cluster.LocalCluster uses these; tests and benchmarks that start their own children reuse
 them.
@@ -8,7 +8,6 @@ them.
 
 from __future__ import annotations
 
-import contextlib
 import getpass
 import logging
 import os
@@ -16,12 +15,10 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import psutil
 
@@ -65,21 +62,6 @@ def run_environment(temp_dir: str, tune_processes: bool = True) -> dict[str, str
         "TORCHINDUCTOR_CACHE_DIR": os.environ.get(
             "TORCHINDUCTOR_CACHE_DIR", os.path.join(system_temp, f"torchinductor_{getpass.getuser()}")),
     }
-
-
-@contextlib.contextmanager
-def environ(values: dict[str, str]) -> Iterator[None]:
-    """os.environ updated with `values` inside the block, restored after."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def free_port() -> int:
@@ -150,18 +132,3 @@ class StopFlag:
 
     def wait(self, timeout_s: float) -> bool:
         return self._event.wait(timeout_s)
-
-
-def exit_without_teardown(code: int) -> NoReturn:
-    """End a process that has closed what it opened (files, threads, its process group): leave
-    Ray, flush the logs and exit with `code`, without the interpreter's own teardown (Ray's exit
-    hooks, garbage collection and module cleanup with torch loaded). For the trainer ranks that
-    teardown took ~2 s per rank after every run on the 2-core machine: 2.6-3.1 s from the ranks'
-    last line to torchrun's exit, 0.8-1.1 s without."""
-    import ray
-
-    ray.shutdown()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

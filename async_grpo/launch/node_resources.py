@@ -9,7 +9,7 @@ import socket
 
 import ray
 
-from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, WORKER_KINDS, registry_name
+from async_grpo.config.actor_names import GENERATION, RAY_NAMESPACE, WORKER_KINDS, registry_name
 
 NODE_ID_CHARS = 12  # enough of the hex node id to tell nodes apart in messages and the status table
 

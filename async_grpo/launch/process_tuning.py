@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 
-from async_grpo.launch.ray_env import GENERATION
+from async_grpo.config.actor_names import GENERATION
 
 _THRESHOLD_BYTES = 256 * 1024
 FIXED_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(_THRESHOLD_BYTES), "MALLOC_TRIM_THRESHOLD_": str(_THRESHOLD_BYTES)}

@@ -16,8 +16,8 @@ import ray
 from async_grpo.config.run_config import flattened, load_config
 from async_grpo.config.versions import RAY, check_versions
 from async_grpo.config.worker_options import RayConnectionConfig
-from async_grpo.launch.ray_cluster import join_cluster
-from async_grpo.launch.ray_env import RAY_NAMESPACE, WORKER_KINDS, registry_name
+from async_grpo.runtime.ray_access import join_cluster
+from async_grpo.config.actor_names import RAY_NAMESPACE, WORKER_KINDS, registry_name
 from async_grpo.launch.status_table import format_status
 
 STATUS_COMMAND = "status"
@@ -33,7 +33,7 @@ class StatusConfig:
 
 def print_status(connection: RayConnectionConfig) -> int:
     """Print every existing registry's workers (creates no registry); 0 if any registry exists."""
-    # RAY_ADDRESS wins over connection.ray_address, as in the dispatcher (ray_cluster.join_cluster).
+    # RAY_ADDRESS wins over connection.ray_address, as in the dispatcher (ray_access.join_cluster).
     join_cluster(connection.ray_address, namespace=RAY_NAMESPACE, timeout_s=connection.connect_timeout_s,
                  log_to_driver=False, temp_dir="")
     rows: list[Any] = []  # vllm_registry.WorkerStatus records

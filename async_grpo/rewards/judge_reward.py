@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from async_grpo.rewards.judge_config import JudgeConfig
+from async_grpo.config.judge_config import JudgeConfig
 from async_grpo.rewards.judge_template import (
     group_messages, parse_group_verdict, parse_verdict, prompt_text, sample_messages,
 )

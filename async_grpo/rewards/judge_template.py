@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from async_grpo.rewards.judge_config import PLACEHOLDER, JudgeConfig, JudgeTemplate
+from async_grpo.config.judge_config import PLACEHOLDER, JudgeConfig, JudgeTemplate
 
 # A number as judges write it: an optional sign, digits, an optional decimal part.
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")

@@ -103,7 +103,7 @@ def _node_slots() -> dict[str, float]:
 
 def shard_actor_name(index: int) -> str:
     """Name of the pool's index-th shard actor ("math-verifier-pool-0", ...)."""
-    from async_grpo.launch.ray_env import VERIFIER_POOL_ACTOR_NAME
+    from async_grpo.config.actor_names import VERIFIER_POOL_ACTOR_NAME
 
     return f"{VERIFIER_POOL_ACTOR_NAME}-{index}"
 
@@ -206,7 +206,7 @@ class VerifierPoolActor:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from async_grpo.launch.ray_env import RAY_NAMESPACE
+        from async_grpo.config.actor_names import RAY_NAMESPACE
 
         shard_cls = ray.remote(VerifierShardActor)
         for index, (node, count) in enumerate(plan.items()):
@@ -324,7 +324,7 @@ def get_or_create_verifier_pool(num_processes: int | None = None, timeout_s: flo
     """
     import ray
 
-    from async_grpo.launch.ray_env import ON_HEAD_NODE, RAY_NAMESPACE, VERIFIER_POOL_ACTOR_NAME
+    from async_grpo.config.actor_names import ON_HEAD_NODE, RAY_NAMESPACE, VERIFIER_POOL_ACTOR_NAME
 
     actor_cls = ray.remote(VerifierPoolActor)
     return actor_cls.options(
@@ -347,7 +347,7 @@ def shutdown_verifier_pool() -> None:
     """Kill the cluster's pool actor and its shards (releasing their slots); a no-op without them."""
     import ray
 
-    from async_grpo.launch.ray_env import RAY_NAMESPACE, VERIFIER_POOL_ACTOR_NAME
+    from async_grpo.config.actor_names import RAY_NAMESPACE, VERIFIER_POOL_ACTOR_NAME
 
     for entry in ray.util.list_named_actors(all_namespaces=True):
         name = entry["name"]

@@ -42,6 +42,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
+from async_grpo.config.reward_config import RewardFunctionError, load_function
 from async_grpo.rewards import reward_functions
 from async_grpo.rewards.math_verifier import DEFAULT_LIMITS, AnswerLimits, RewardResult, failure, quick_verdict
 from async_grpo.rewards.reward_failure import FailureKind
@@ -356,8 +357,8 @@ class VerifierPool:
         # Importing it here too keeps a batched function's batch together (the process imports it
         # again; a module that fails here fails there the same way).
         try:
-            batch = reward_functions.is_batched(reward_functions.load_function(ref))
-        except reward_functions.RewardFunctionError:
+            batch = reward_functions.is_batched(load_function(ref))
+        except RewardFunctionError:
             batch = False
         cap = self.limits.max_completion_chars
         parts: list[tuple[list[int], Future]] = []

@@ -18,6 +18,7 @@ import signal
 from multiprocessing.connection import Connection
 from typing import Any
 
+from async_grpo.config.reward_config import RewardFunctionError, load_function
 from async_grpo.rewards import reward_functions
 from async_grpo.rewards.math_verifier import RewardResult, verify_with_math_verify
 from async_grpo.rewards.reward_failure import FailureKind
@@ -70,8 +71,8 @@ def _load_function(ref: str) -> bytes:
     """Import a reward function's module ahead of its first call (inside a verifier process), so
     that its import time (reasoning-gym: seconds) never counts against a call's deadline."""
     try:
-        reward_functions.load_function(ref)
-    except reward_functions.RewardFunctionError as exc:
+        load_function(ref)
+    except RewardFunctionError as exc:
         return json.dumps({"loaded": False, "error": str(exc)}).encode("utf-8")
     return json.dumps({"loaded": True}).encode("utf-8")
 
@@ -79,8 +80,8 @@ def _load_function(ref: str) -> bytes:
 def _run_function(ref: str, calls: list[dict[str, Any]]) -> bytes:
     """A reward function's scores on `calls`, as the JSON reply (inside a verifier process)."""
     try:
-        function = reward_functions.load_function(ref)
-    except reward_functions.RewardFunctionError as exc:
+        function = load_function(ref)
+    except RewardFunctionError as exc:
         scores = [reward_functions.failure(FailureKind.RAISED, str(exc))] * len(calls)
     else:
         scores = reward_functions.call_function(function, calls)

@@ -24,34 +24,27 @@ reward_failure.FailureKind, and the error string says it in words, the kind firs
     "timeout"                     the pool's deadline passed (the process was killed)
     "crash: ..."                  the process died (e.g. the function called os._exit)
 
-Imports no Ray, vLLM or torch: the trainer checks the functions at start-up (check_function) and
-the pool's processes call them.
+Imports no Ray, vLLM or torch: the trainer checks the functions when its config is built
+(config/reward_config.py loads and checks them) and the pool's processes call them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any, Callable
 
+from async_grpo.config.reward_config import ARGUMENTS
 from async_grpo.rewards.reward_failure import FailureKind
 
 # The dict key that states solved-ness instead of adding to the reward.
 SOLVED_KEY = "solved"
 # Marks a batched function (set by @batched).
 _BATCHED_ATTR = "reward_batched"
-# The positional arguments every reward function takes, in order.
-ARGUMENTS = ("prompt", "completion", "token_ids", "metadata")
 # Error strings quote exception messages: keep them short.
 _MAX_ERROR_CHARS = 300
-
-
-class RewardFunctionError(ValueError):
-    """A reward function reference that cannot be used (bad name, import error, wrong signature)."""
 
 
 @dataclass(slots=True)
@@ -106,48 +99,6 @@ def batched(function: Callable) -> Callable:
 
 def is_batched(function: Callable) -> bool:
     return bool(getattr(function, _BATCHED_ATTR, False))
-
-
-def function_name(ref: str) -> str:
-    """The metric name of a reference: its function part ("my_rewards:code" -> "code")."""
-    return ref.rpartition(":")[2]
-
-
-@lru_cache(maxsize=None)
-def load_function(ref: str) -> Callable:
-    """The callable that `ref` ("package.module:function") names; RewardFunctionError (one line) if
-    the reference is malformed, the module does not import, or the name is missing or not callable."""
-    module_name, sep, attr = ref.partition(":")
-    if not sep or not module_name or not attr or ":" in attr:
-        raise RewardFunctionError(f"reward function {ref!r} must be written 'module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module, reported in one line
-        raise RewardFunctionError(f"reward function {ref!r}: cannot import {module_name!r}: "
-                                  f"{type(exc).__name__}: {exc}") from None
-    function = module
-    for part in attr.split("."):
-        if not hasattr(function, part):
-            raise RewardFunctionError(f"reward function {ref!r}: module {module_name!r} has no {attr!r}")
-        function = getattr(function, part)
-    if not callable(function):
-        raise RewardFunctionError(f"reward function {ref!r} is a {type(function).__name__}, not a function")
-    return function
-
-
-def check_function(ref: str) -> Callable:
-    """load_function, then check that it accepts the four positional arguments (ARGUMENTS)."""
-    function = load_function(ref)
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):  # builtins without a signature: trust them
-        return function
-    try:
-        signature.bind(*ARGUMENTS)
-    except TypeError as exc:
-        raise RewardFunctionError(f"reward function {ref!r}{signature} cannot be called as "
-                                  f"f({', '.join(ARGUMENTS)}): {exc}") from None
-    return function
 
 
 def _run(value: Any) -> Any:

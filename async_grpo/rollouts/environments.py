@@ -1,4 +1,5 @@
-"""The environment protocol of multi-turn rollouts, and the typed config that names one.
+"""The environment protocol of multi-turn rollouts (the config that names one is
+config/rollout_sources.EnvironmentConfig).
 
 An environment is a class the user writes (docs/environments.md); one instance serves one rollout:
 
@@ -18,7 +19,7 @@ other rollouts).
     environment: {name: "async_grpo.rollouts.tool_environment:ToolEnvironment", max_turns: 4, max_total_tokens: 1024,
                   options: {tools: ["calculator"]}}
 
-`EnvironmentConfig.check()` imports the class and binds `options` to its signature at start-up,
+`EnvironmentConfig.check()` (config/rollout_sources.py) imports the class and binds `options` to its signature at start-up,
 so a misspelt name or option fails in one line before any engine starts.
 
 Pure: imports no Ray, vLLM or torch.
@@ -26,12 +27,9 @@ Pure: imports no Ray, vLLM or torch.
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import json
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 logger = logging.getLogger(__name__)
@@ -122,89 +120,3 @@ class Environment(Protocol):
     def reset(self, prompt: EnvPrompt) -> Reset: ...
 
     def step(self, turn: Turn) -> StepResult: ...
-
-
-@dataclass(kw_only=True, frozen=True)
-class EnvironmentConfig:
-    """Which environment multi-turn rollouts run, and their limits (the trainer's `sampling.environment`)."""
-
-    name: str = ""
-    """The environment class as "module:Class" (importable on the generation workers), e.g.
-    "async_grpo.rollouts.tool_environment:ToolEnvironment". "": no environment, single-turn rollouts."""
-    max_turns: int = 4
-    """Model turns per rollout at most; the rollout ends after that many."""
-    max_total_tokens: int = 1024
-    """Tokens of a whole rollout at most (prompt, every turn and every observation): what it
-    occupies in the engine's context and in a packed batch. Each turn may sample
-    min(sampling.max_tokens, what is left); a rollout with nothing left ends truncated."""
-    options: dict[str, Any] = field(default_factory=dict, hash=False)  # a dict: SamplingConfig stays hashable
-    """Keyword arguments of the class's constructor (JSON values), checked against its signature;
-    on the command line one JSON object (--sampling.environment.options '{"tools": ["calculator"]}')."""
-
-    def __post_init__(self) -> None:
-        check_options_object(self)
-        if not isinstance(self.name, str) or (self.name and self.name.count(":") != 1):
-            raise ValueError(f"EnvironmentConfig.name must be 'module:Class' or '', got {self.name!r}")
-        check_episode_limits(self)
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.name)
-
-    def check(self) -> type:
-        """Import the class and bind `options` to its constructor; the class, or ValueError in
-        one line naming what is wrong. Call it at start-up, before any engine starts."""
-        cls = load_environment_class(self.name)
-        try:
-            inspect.signature(cls).bind(**self.options)
-        except TypeError as exc:
-            raise ValueError(f"environment.options {sorted(self.options)} do not fit {self.name}: {exc}") from None
-        return cls
-
-    def make(self) -> Environment:
-        """A fresh environment for one rollout."""
-        return load_environment_class(self.name)(**self.options)
-
-
-def check_options_object(config: Any) -> None:
-    """Parse config.options when the command line gave it as JSON text, then check it is a dict
-    with str keys; ValueError naming the config class otherwise. Shared by the environment configs
-    (EnvironmentConfig here, sampling.VerifiersEnvConfig)."""
-    owner = type(config).__name__
-    if isinstance(config.options, str):
-        try:
-            object.__setattr__(config, "options", json.loads(config.options))  # frozen dataclasses
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{owner}.options must be a JSON object, got {config.options!r} ({exc})") from None
-    if not isinstance(config.options, dict) or not all(isinstance(k, str) for k in config.options):
-        raise ValueError(f"{owner}.options must be a dict with str keys, got {config.options!r}")
-
-
-def check_episode_limits(config: Any) -> None:
-    """config.max_turns (None allowed where the field's default is None) and
-    config.max_total_tokens must be ints >= 1 (bool refused); ValueError naming the field."""
-    owner = type(config).__name__
-    optional = {f.name for f in fields(config) if f.default is None}
-    for name in ("max_turns", "max_total_tokens"):
-        value = getattr(config, name)
-        if value is None and name in optional:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            allowed = " or None" if name in optional else ""
-            raise ValueError(f"{owner}.{name} must be an int >= 1{allowed}, got {value!r}")
-
-
-def load_environment_class(name: str) -> type:
-    """The class "module:Class" names, checked to have reset and step; ValueError otherwise."""
-    module_name, _, class_name = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"environment.name {name!r}: cannot import module {module_name!r}: {exc}") from None
-    cls = getattr(module, class_name, None)
-    if not isinstance(cls, type):
-        raise ValueError(f"environment.name {name!r}: module {module_name!r} has no class {class_name!r}")
-    missing = [method for method in ("reset", "step") if not callable(getattr(cls, method, None))]
-    if missing:
-        raise ValueError(f"environment.name {name!r}: the class has no {' or '.join(missing)} method")
-    return cls

@@ -32,8 +32,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Literal, Sequence
 
-from async_grpo.rollouts.environments import Environment, EnvironmentConfig, EnvPrompt, Message, Reset, StepResult, Turn
-from async_grpo.rollouts.sampling import SEED_BOUND, derive_seed
+from async_grpo.config.rollout_sources import EnvironmentConfig
+from async_grpo.rollouts.environments import Environment, EnvPrompt, Message, Reset, StepResult, Turn
+from async_grpo.config.sampling import SEED_BOUND, derive_seed
 from async_grpo.rollouts.token_versions import spans_to_runs
 from sample_processing_utils import Sample
 

@@ -15,16 +15,16 @@ import dataclasses
 import logging
 from typing import Any, Callable, Protocol
 
-from async_grpo.rewards.judge_config import JUDGE_FUNCTION, JudgeConfig
+from async_grpo.config.judge_config import JUDGE_FUNCTION, JudgeConfig
+from async_grpo.config.reward_config import CORRECT_VERDICT, RewardConfig, function_name
 from async_grpo.rewards.judge_reward import JudgeClient, JudgeItem, JudgeReward, JudgeStats
 from async_grpo.rewards.math_verifier import RewardResult, quick_verdict
 from async_grpo.rewards.reward_failure import FailureKind
-from async_grpo.rewards.reward_functions import FunctionScore, failure, function_name
+from async_grpo.rewards.reward_functions import FunctionScore, failure
 from async_grpo.rewards.shaping import (
-    CORRECT_VERDICT, DEFAULT_REWARD_NAME, CombinedScore, RewardConfig, ShapedReward, combine_scores, overlong_penalty,
-    shape_reward,
+    DEFAULT_REWARD_NAME, CombinedScore, ShapedReward, combine_scores, overlong_penalty, shape_reward,
 )
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from sample_processing_utils import Sample
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class RewardScorer(Protocol):
 
 
 def reward_call(sample: Sample) -> dict[str, Any]:
-    """The arguments of a reward function for one completed sample (reward_functions.ARGUMENTS)."""
+    """The arguments of a reward function for one completed sample (reward_config.ARGUMENTS)."""
     return {
         "prompt": {**(sample.record or {}), "gt_answer": sample.gt_answer},
         "completion": sample.output_text,

@@ -17,9 +17,8 @@ that unlikely).
 
 `TokenVersionTracker` (worker side) keeps, per in-flight request, the version it started on and
 the versions pushed while it ran; `finish` checks each completion's spans against them and gives
-its `CompletionVersions`. The consumers' helpers (`version_runs`, `oldest_version`,
-`token_staleness`) read a Sample: staleness, max_lag and the drop rules use the oldest token's
-version.
+its `CompletionVersions`. The consumers read a Sample's own (`Sample.version_runs`, `oldest_version`,
+`token_staleness`): staleness, max_lag and the drop rules use the oldest token's version.
 
 Pure: no vLLM import (spans are read by attribute: version, start, end).
 """
@@ -180,20 +179,3 @@ class TokenVersionTracker:
 def version_runs(sample: Sample) -> VersionRuns:
     """The sample's sampled tokens as (version, count) runs (one run when token_versions is None)."""
     return sample.version_runs()
-
-
-def oldest_version(sample: Sample) -> int:
-    """The oldest weight version that sampled any of its tokens (weight_version without tokens):
-    what staleness, max_lag and the drop rules count from."""
-    return min((version for version, _ in version_runs(sample)), default=sample.weight_version)
-
-
-def newest_version(sample: Sample) -> int:
-    """The newest weight version that sampled any of its tokens (weight_version without tokens)."""
-    return max((version for version, _ in version_runs(sample)), default=sample.weight_version)
-
-
-def token_staleness(sample: Sample, current_version: int) -> tuple[int, int]:
-    """(sum over sampled tokens of current_version - token's version, number of sampled tokens)."""
-    runs = version_runs(sample)
-    return sum((current_version - version) * count for version, count in runs), sum(count for _, count in runs)

@@ -1,6 +1,6 @@
 """Real `verifiers` environments (0.4.0, verifiers.v1), unmodified, as a generation worker's rollouts.
 
-A training run with `sampling.verifiers.taskset` set (sampling.VerifiersEnvConfig) has each
+A training run with `sampling.verifiers.taskset` set (config/rollout_sources.VerifiersEnvConfig) has each
 generation worker serve its loopback endpoint (openai_endpoint.py) and run the environment here,
 in-process, with verifiers' own rollout code: `Env.serving()` (its interception server),
 `Env.run_slot()` per rollout, the harness's own program, verifiers' train client
@@ -10,7 +10,7 @@ taskset's rubric (`Trace.reward`). Nothing of verifiers is patched; three settin
 offline on our engine:
 
 - The seats play verifiers' "null" harness (its tool-less chat program) in the "subprocess"
-  runtime (sampling.DEFAULT_SEAT). That program is a PEP 723 script whose packages (openai, mcp,
+  runtime (rollout_sources.DEFAULT_SEAT). That program is a PEP 723 script whose packages (openai, mcp,
   httpx, tenacity, certifi) verifiers itself requires; `Runtime.prepare_uv_script` would build a
   uv environment for it (network), unless the script's path is already registered
   (verifiers/v1/runtimes/base.py, `prepare_uv_script`: `if path not in self._uv_interpreters`).
@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from async_grpo.rollouts.multi_turn import ChatRenderer
-from async_grpo.rollouts.sampling import SEED_BOUND, SamplingConfig, VerifiersEnvConfig, derive_seed
+from async_grpo.config.rollout_sources import VerifiersEnvConfig
+from async_grpo.config.sampling import SEED_BOUND, SamplingConfig, derive_seed
 from async_grpo.rollouts.verifiers_rollouts import _merged_runs
 from sample_processing_utils import Sample
 

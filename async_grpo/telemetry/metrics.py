@@ -45,7 +45,6 @@ import torch
 
 from async_grpo.config.run_config import ConfigError, exit_config_error, load_command, positional
 from async_grpo.rewards.shaping import counts_as_solved
-from async_grpo.rollouts.token_versions import oldest_version, token_staleness
 from async_grpo.telemetry.collapse import CollapseConfig, CollapseWatch
 from async_grpo.telemetry.console import CONSOLE, ConsoleProgress, DropWarnings, eval_line
 from async_grpo.telemetry.run_report import (  # noqa: F401 (read_metrics, first_reached: re-exported)
@@ -133,11 +132,11 @@ class StepAccumulator:
         s["zero_advantage"] += sum(1 for x in samples if x.advantage == 0.0)
         # A rollout that straddles a weight push is as stale as its oldest token; the token mean
         # weighs each token by the version that sampled it.
-        staleness = [self.step - oldest_version(x) for x in samples]
+        staleness = [self.step - x.oldest_version() for x in samples]
         s["staleness_sum"] += sum(staleness)
         self.max_staleness = max(self.max_staleness, max(staleness))
         for x in samples:
-            lag_sum, num_sampled = token_staleness(x, self.step)
+            lag_sum, num_sampled = x.token_staleness(self.step)
             s["token_staleness_sum"] += lag_sum
             s["sampled_tokens"] += num_sampled
         s["loss_sum"] += loss_value

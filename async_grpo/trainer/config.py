@@ -16,7 +16,7 @@ from async_grpo.batching.batcher_config import ExperienceConfig
 from async_grpo.config.run_config import flattened
 from async_grpo.config.worker_options import RayConnectionConfig
 from async_grpo.data.dataset import DatasetConfig
-from async_grpo.rollouts.sampling import SEED_BOUND
+from async_grpo.config.sampling import SEED_BOUND
 from async_grpo.telemetry.collapse import CollapseConfig
 from async_grpo.telemetry.console import LogLevel
 from async_grpo.telemetry.metrics import MetricsConfig
@@ -71,7 +71,7 @@ class TrainerConfig:
     transfer: TrainerTransferConfig = field(default_factory=TrainerTransferConfig)
     """How full weights reach the generation engines: 'object_store', or on CUDA one of vLLM's
     engines ('nccl' with weight_push_mode gather, 'nccl_m2n' with sharded, 'ipc' with gather on the
-    engines' GPUs); must equal the workers' EngineConfig.weight_transfer."""
+    engines' GPUs); the workers read the same option (worker_options.EngineTransferConfig)."""
     # 'auto' sends workers what the trainer computed with; in bf16 a push moves half fp32's bytes.
     weight_push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of the weights pushed to the inference workers (cast on each rank; checkpoints stay

@@ -29,7 +29,7 @@ from typing import Awaitable, Iterable, Sequence, TypeVar
 from async_grpo.batching.rollout_fetcher import RequestClient
 from async_grpo.data.dataset import DATA_FORMATS, DataFormat, DatasetConfig, PromptTokenizer, load_prompts
 from async_grpo.rewards.shaping import counts_as_solved
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from sample_processing_utils import Sample
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from ray.actor import ActorHandle
 from async_grpo.algo.algorithm import load_prepare_fn
 from async_grpo.config.model_path import ModelPathError, check_model_dir
 from async_grpo.data.dataset import DatasetError, load_prompts
-from async_grpo.launch.ray_env import JUDGE, RAY_NAMESPACE, TEACHER, registry_name
+from async_grpo.config.actor_names import JUDGE, RAY_NAMESPACE, TEACHER, registry_name
 from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.evaluation import Evaluator
 from sample_processing_utils import Sample

@@ -1,4 +1,4 @@
-"""The trainer side of vLLM's CUDA weight-transfer engines (EngineConfig.weight_transfer 'nccl',
+"""The trainer side of vLLM's CUDA weight-transfer engines (EngineTransferConfig.weight_transfer 'nccl',
 'nccl_m2n', 'ipc'): full weights go from the trainer's GPUs straight into the generation
 engines, not through Ray's object store.
 
@@ -43,19 +43,19 @@ import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, WEIGHT_TRANSFER_BACKENDS
+from async_grpo.config.worker_options import OBJECT_STORE_TRANSFER, WEIGHT_TRANSFER_BACKENDS, EngineTransferConfig
 from async_grpo.weights.trainer_cuda_sources import HFWeightSource, local_shard_bytes, send_plan, shard_source
 
 logger = logging.getLogger(__name__)
 
 CUDA_TRANSFERS = tuple(name for name in WEIGHT_TRANSFER_BACKENDS if name != OBJECT_STORE_TRANSFER)
-"""EngineConfig.weight_transfer values that are vLLM's CUDA engines (the trainer drives them)."""
+"""EngineTransferConfig.weight_transfer values that are vLLM's CUDA engines (the trainer drives them)."""
 TRANSFER_PUSH_MODE = {"nccl": "gather", "nccl_m2n": "sharded", "ipc": "gather"}
 """The weight_push_mode each CUDA transfer needs: what every trainer rank must hold to send."""
 
@@ -110,15 +110,11 @@ _PAIRING_WHY = {
 
 
 @dataclass(kw_only=True, frozen=True)
-class TrainerTransferConfig:
-    """How the trainer sends full weights to the generation engines."""
+class TrainerTransferConfig(EngineTransferConfig):
+    """How the trainer sends full weights to the generation engines: the backend
+    (`weight_transfer`, declared in worker_options.EngineTransferConfig, which the generation
+    workers read too) and the trainer's own settings for it."""
 
-    # A worker refuses a transfer by another backend at its first push. 'object_store': the
-    # WeightUpdate path.
-    weight_transfer: Literal["object_store", "nccl", "nccl_m2n", "ipc"] = "object_store"
-    """Must equal the generation workers' EngineConfig.weight_transfer: local_cluster.py passes it
-    to the workers it starts; workers started by hand (worker_dispatcher.py) need the same
-    `--weight_transfer`."""
     rendezvous_address: str = "127.0.0.1"
     """Address of trainer rank 0's NCCL rendezvous (vLLM's TCPStore), which every engine must
     reach. 127.0.0.1 serves engines on the trainer's node; another address exposes the store to
@@ -128,9 +124,7 @@ class TrainerTransferConfig:
     transfers) rather than one by one."""
 
     def __post_init__(self) -> None:
-        if self.weight_transfer not in WEIGHT_TRANSFER_BACKENDS:
-            raise ValueError(f"TrainerTransferConfig.weight_transfer must be 'object_store' or one of "
-                             f"{CUDA_TRANSFERS}, got {self.weight_transfer!r}")
+        super().__post_init__()
         if not self.rendezvous_address:
             raise ValueError("TrainerTransferConfig.rendezvous_address must be a host address, got ''")
 
@@ -529,5 +523,5 @@ def engines_from_answers(answers: Mapping[str, Mapping[str, Any]], backend: str)
     wrong = {name: a["backend"] for name, a in answers.items() if a["backend"] != backend}
     if wrong:
         raise ValueError(f"the trainer sends weights by {backend!r} (TrainerTransferConfig.weight_transfer), but "
-                         f"these generation workers' EngineConfig.weight_transfer differs: {wrong}")
+                         f"these generation workers' EngineTransferConfig.weight_transfer differs: {wrong}")
     return [EngineRanks(name=name, ranks=int(answers[name]["ranks"])) for name in sorted(answers)]

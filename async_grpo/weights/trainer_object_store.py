@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from async_grpo.launch.ray_env import ON_HEAD_NODE, RAY_NAMESPACE, SHARD_STAGER_NAME
+from async_grpo.config.actor_names import ON_HEAD_NODE, RAY_NAMESPACE, SHARD_STAGER_NAME
 from async_grpo.weights.adapter_files import (
     STABLE_MARKER_FILE, StableMarker, adapter_step_dir, update_parts, write_adapter_folder, write_stable_marker,
 )

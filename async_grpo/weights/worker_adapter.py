@@ -110,7 +110,7 @@ async def adapter_folder(worker_name: str, update: WeightUpdate, files_owner: st
 
     lora_files: the trainer's folder as is. gather/sharded: every rank's shards fetched from
     the object store and reassembled by their placement, written to shared memory under
-    `files_owner` (default: the worker's name; ray_cluster.shared_memory_owner in a cluster).
+    `files_owner` (default: the worker's name; ray_access.shared_memory_owner in a cluster).
     """
     if update.mode == "lora_files":
         if update.adapter_path is None:

@@ -1,4 +1,4 @@
-"""A generation worker's end of the trainer's CUDA weight transfers (EngineConfig.weight_transfer
+"""A generation worker's end of the trainer's CUDA weight transfers (EngineTransferConfig.weight_transfer
 nccl / nccl_m2n / ipc).
 
 The trainer drives these transfers (trainer_cuda_transfer.EngineWeightSender) by calling the
@@ -48,7 +48,7 @@ class EngineTransferReceiver:
     """
 
     def __init__(self, engine: Any, backend: str, pause_mode: str) -> None:
-        """engine: the worker's AsyncLLM; backend: its EngineConfig.weight_transfer (one of vLLM's
+        """engine: the worker's AsyncLLM; backend: its EngineTransferConfig.weight_transfer (one of vLLM's
         CUDA engines, which vLLM knows by the same names); pause_mode: vLLM's pause_generation
         mode (GenerationWorkerConfig.weight_update_pause_mode)."""
         self._engine = engine
@@ -68,7 +68,7 @@ class EngineTransferReceiver:
         engine's own rank_offset); ValueError when the trainer sends by another backend."""
         if backend != self.backend:
             raise ValueError(f"the trainer sends weights by {backend!r}, but this engine was started with "
-                             f"EngineConfig.weight_transfer backend {self.backend!r}: set both to the same value")
+                             f"EngineTransferConfig.weight_transfer backend {self.backend!r}: set both to the same value")
         if self.in_session:
             raise TransferOrderError("init during a weight update: the previous update never finished")
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -117,7 +117,7 @@ class TransferPassThrough:
 
     def __init__(self, worker_name: str, *, backend: str, pause_mode: str, engine: Callable[[], AsyncLLM],
                  served: ServedWeights, stats: GenerationStats, life: WorkerLifecycle) -> None:
-        """backend: the engine's EngineConfig.weight_transfer; pause_mode: vLLM's pause_generation
+        """backend: the engine's EngineTransferConfig.weight_transfer; pause_mode: vLLM's pause_generation
         mode (GenerationWorkerConfig.weight_update_pause_mode); engine: the started engine (raises
         before start)."""
         self.worker_name = worker_name
@@ -134,7 +134,7 @@ class TransferPassThrough:
         """The engine's end of the trainer's CUDA weight transfer (built on first use)."""
         if self._backend == OBJECT_STORE_TRANSFER:
             raise ValueError(f"{self.worker_name}: this engine takes full weights from the object store "
-                             "(EngineConfig.weight_transfer 'object_store'), not from the trainer's GPUs")
+                             "(EngineTransferConfig.weight_transfer 'object_store'), not from the trainer's GPUs")
         if self._receiver is None:
             self._receiver = EngineTransferReceiver(self._engine(), self._backend, self._pause_mode)
         return self._receiver

@@ -1,6 +1,6 @@
 """Full weights into a generation worker's engine through our object-store weight transport.
 
-An object-store push (an `update.WeightUpdate`, EngineConfig.weight_transfer 'object_store')
+An object-store push (an `update.WeightUpdate`, EngineTransferConfig.weight_transfer 'object_store')
 is streamed into the engine through vLLM's weight-transfer API: start_weight_update, one
 update_weights per bucket of whole decoder layers, finish_weight_update. The update's shards are
 fetched by worker_loader.fetch_shards (the loader the logprob workers use too), and each bucket
@@ -90,7 +90,7 @@ class ObjectStoreReloader:
         Objects gone before anything was loaded raise ObjectLostError and leave the worker healthy."""
         if self._weight_transfer != OBJECT_STORE_TRANSFER:
             raise ValueError(f"{self.worker_name}: a WeightUpdate travels through the object store, but this engine "
-                             f"takes weights by EngineConfig.weight_transfer {self._weight_transfer!r}")
+                             f"takes weights by EngineTransferConfig.weight_transfer {self._weight_transfer!r}")
         began = time.perf_counter()
         # Objects gone (ObjectLostError) fail the fetch before anything is loaded: the engine still
         # serves its version intact, and the error is not this worker's fault.

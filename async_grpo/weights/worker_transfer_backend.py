@@ -13,7 +13,7 @@ Runs inside vLLM's engine-core process, which imports this module through `worke
 builds the engine in load_model). Keep its imports small: torch, vLLM, worker_reload_fixes.py and
 worker_bucket_files.py (which reads a bucket back: read_bucket).
 
-With one of vLLM's CUDA engines instead (EngineConfig.weight_transfer nccl / nccl_m2n / ipc) the
+With one of vLLM's CUDA engines instead (EngineTransferConfig.weight_transfer nccl / nccl_m2n / ipc) the
 trainer drives the transfer (trainer_cuda_transfer.py) and the generation worker passes its
 calls through to its AsyncLLM (worker_cuda_transfer.py, in the worker's process).
 """

@@ -27,7 +27,7 @@ from async_grpo.algo.algorithm import (
     check_prepared, load_prepare_fn,
 )
 from async_grpo.batching.batcher_config import BatcherConfig, ExperienceConfig
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from grpo_loss import LossConfig, step_divisor
 from sample_processing_utils import Sample, TokenLogprobs, post_process_batch

@@ -14,7 +14,7 @@ import torch
 from async_grpo.algo.algorithm import PreparedSamples, check_prepared
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rollouts.rollout_scoring import shaped_rewards
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from sample_processing_utils import Sample, get_input_for_logprobs, post_process_batch, split_per_sample
 
 

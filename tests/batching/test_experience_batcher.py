@@ -23,8 +23,8 @@ from async_grpo.batching.batcher_messages import (
     LOSS_WEIGHT, PADDING_LOSS_WEIGHT, EndOfStep, ExperienceBatcherError, Minibatch,
 )
 from async_grpo.batching.minibatch_packer import MinibatchPacker
-from async_grpo.launch.ray_env import BATCHER_ACTOR_NAME, GENERATION, RAY_NAMESPACE
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.actor_names import BATCHER_ACTOR_NAME, GENERATION, RAY_NAMESPACE
+from async_grpo.config.sampling import SamplingConfig
 from sample_processing_utils import Sample, TokenLogprobs
 from support import batcher_fakes
 from support.batcher_fakes import (

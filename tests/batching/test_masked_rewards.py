@@ -19,8 +19,8 @@ from async_grpo.algo.algorithm import AlgorithmConfig, DistillConfig
 from async_grpo.batching.batcher_config import BatcherConfig, ExperienceConfig
 from async_grpo.batching.group_preparer import GroupPreparer
 from async_grpo.batching.step_stats import StepStats
-from async_grpo.rewards.shaping import RewardConfig
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.reward_config import RewardConfig
+from async_grpo.config.sampling import SamplingConfig
 from sample_processing_utils import Sample
 from vllm_experience_batcher import EndOfStep, ExperienceBatcher, Minibatch
 

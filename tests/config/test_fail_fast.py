@@ -152,7 +152,7 @@ def test_dispatcher_checks_every_section_it_hands_the_worker_before_joining_ray(
 
 
 @pytest.mark.parametrize("cuda, line", [
-    (False, "EngineConfig.weight_transfer 'nccl_m2n' is one of vLLM's CUDA engines and this node has no CUDA"),
+    (False, "weight_transfer 'nccl_m2n' is one of vLLM's CUDA engines and this node has no CUDA"),
     (True, "weight_transfer 'nccl_m2n' needs nccl.m2n importable in the generation worker's node, and it is not "
            "(nccl.m2n: NVIDIA's nccl-extensions"),
 ])

@@ -10,8 +10,8 @@ from typing import Literal
 import pytest
 
 from async_grpo.config.run_config import (
-    ConfigError, config_reference, config_to_dict, config_to_flags, flattened, load_command, load_config, positional,
-    save_config, split_passthrough,
+    ConfigError, config_reference, config_to_dict, config_to_flags, derived, flattened, load_command, load_config,
+    positional, save_config, split_passthrough,
 )
 
 
@@ -185,6 +185,53 @@ def test_config_to_flags_gives_the_non_default_fields_and_loads_back() -> None:
     assert load_config(_Launcher, words) == launcher
     assert load_config(_Launcher, config_to_flags(_Launcher(engine=_Engine(eager=True, kv=None)))) == _Launcher(
         engine=_Engine(eager=True, kv=None))
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Shared:
+    """An option two programs read (worker_options.EngineTransferConfig's pattern)."""
+
+    backend: str = "a"
+    """Which backend."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Extended(_Shared):
+    port: int = 1
+    """One program's own setting beside it."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Filled:
+    name: str = "x"
+    """Who."""
+    shared: _Shared = derived(_Shared(), "the other config's --shared.backend")
+    """Set by the program from another config."""
+
+
+def test_a_field_a_base_declares_is_a_flag_with_its_docstring() -> None:
+    assert load_config(_Extended, ["--backend", "b", "--port", "2"]) == _Extended(backend="b", port=2)
+    reference = "\n".join(config_reference(_Extended))
+    assert "| `--backend` | `str` | `'a'` | Which backend. |" in reference
+
+
+def test_a_derived_field_is_no_flag_no_file_key_and_not_written_back(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    filled = _Filled(name="y", shared=_Shared(backend="b"))  # what the program sets
+    assert "backend" not in config_to_dict(filled) and "shared" not in config_to_dict(filled)
+    assert config_to_flags(filled) == ["--name", "y"]
+    reference = "\n".join(config_reference(_Filled))
+    assert "`--shared" not in reference and "--backend" not in reference
+    save_config(filled, tmp_path / "resolved.yaml")
+    assert load_config(_Filled, ["--config", str(tmp_path / "resolved.yaml")]) == _Filled(name="y")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['shared'\]"):
+        load_config(_Filled, ["--config", str(_write(tmp_path / "d.yaml", "shared:\n  backend: b\n"))])
+    for flag in ("--shared.backend", "--backend"):
+        with pytest.raises(SystemExit):
+            load_config(_Filled, [flag, "b"])
+        err = capsys.readouterr().err
+        assert f"unknown flag {flag}" in err
+        assert ("(set by the other config's --shared.backend)" in err) == (flag == "--backend"), err
 
 
 @dataclass(kw_only=True, frozen=True)

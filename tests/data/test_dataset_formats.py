@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from async_grpo.data.dataset import DatasetConfig, DatasetError, load_prompt_file, load_prompts
-from async_grpo.rewards.shaping import RewardConfig
+from async_grpo.config.reward_config import RewardConfig
 from async_grpo.trainer.evaluation import EvalConfig, EvalDataConfig, load_eval_prompts
 from setup_model import load_tokenizer
 from support.chat_tokenizer import write_chat_model

@@ -15,7 +15,7 @@ import reasoning_gym  # noqa: E402
 from async_grpo.data.dataset import DatasetConfig, DatasetError, load_prompt_file  # noqa: E402
 from async_grpo.data.reasoning_gym_tasks import ReasoningGymConfig, reasoning_gym_records  # noqa: E402
 from async_grpo.rewards.reasoning_gym_reward import FUNCTION, extract_answer, score  # noqa: E402
-from async_grpo.rewards.shaping import RewardConfig  # noqa: E402
+from async_grpo.config.reward_config import RewardConfig  # noqa: E402
 from async_grpo.rewards.math_verify_pool import VerifierPool  # noqa: E402
 from setup_model import load_tokenizer  # noqa: E402
 

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 import logprob_worker
-from async_grpo.config.worker_options import LogprobBatchingConfig
+from async_grpo.config.worker_options import LogprobBatchingConfig, PromptSharingConfig
 from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model
-from async_grpo.launch.ray_env import LOGPROB
+from async_grpo.config.actor_names import LOGPROB
 from async_grpo.model.packed_attention import PACKED_SDPA
 from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs, tensor_to_blob
 from logprob_worker import LogprobWorker, LogprobWorkerActor, LogprobWorkerConfig, resolve_dtype, resolve_model_settings
@@ -142,7 +142,7 @@ def test_attention_defaults_to_the_trainers(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(logprob_worker, "default_attn_implementation",
                         lambda device, share_prompts: PACKED_SDPA if share_prompts else "flash_attention_2")
     assert resolve_model_settings(config, CUDA) == (torch.bfloat16, "flash_attention_2")
-    sharing = LogprobWorkerConfig(model_path="m", device="cuda", batching=LogprobBatchingConfig(share_prompts=True))
+    sharing = LogprobWorkerConfig(model_path="m", device="cuda", sharing=PromptSharingConfig(share_prompts=True))
     assert resolve_model_settings(sharing, CUDA) == (torch.bfloat16, PACKED_SDPA)  # flash-attn cannot share
     fp32 = LogprobWorkerConfig(model_path="m", device="cuda", dtype="float32")
     assert resolve_model_settings(fp32, CUDA) == (torch.float32, PACKED_SDPA)
@@ -152,7 +152,7 @@ def test_attention_defaults_to_the_trainers(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_prompt_sharing_with_an_attention_that_cannot_run_it_is_refused_at_config_time() -> None:
     with pytest.raises(ValueError, match="share_prompts needs LogprobWorkerConfig.attn_implementation"):
-        LogprobWorkerConfig(model_path="m", attn_implementation="sdpa", batching=LogprobBatchingConfig(share_prompts=True))
+        LogprobWorkerConfig(model_path="m", attn_implementation="sdpa", sharing=PromptSharingConfig(share_prompts=True))
 
 
 @pytest.mark.parametrize("device, dtype", [("cuda", "float32"), ("auto", "float32"), ("cpu", "auto")])
@@ -173,7 +173,7 @@ def test_flash_attention_with_auto_dtype_on_auto_device_is_checked_where_it_reso
 def test_one_at_a_time_equals_trainer_function_and_hf(tiny_model_dir: Path, share_prompts: bool) -> None:
     samples = _build_samples(6, _vocab_size(tiny_model_dir))
     worker = LogprobWorker("logprob-worker-0", LogprobWorkerConfig(model_path=str(tiny_model_dir),
-        batching=LogprobBatchingConfig(max_wait_ms=0.0, share_prompts=share_prompts)))
+        batching=LogprobBatchingConfig(max_wait_ms=0.0), sharing=PromptSharingConfig(share_prompts=share_prompts)))
 
     async def run() -> list[list[float]]:
         results = await _one_at_a_time(worker, samples)

@@ -26,7 +26,7 @@ import torch
 from async_grpo.config.worker_options import EngineConfig
 from async_grpo.demo_assets.tiny_model import write_random_adapter as _write_adapter
 from async_grpo.rewards.math_verifier import RewardResult
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.weights.adapter_files import UnstableVersionError, adapter_step_dir, update_parts
 from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs, tensor_to_blob
 from async_grpo.weights.worker_bucket_files import weights_file_dir

@@ -31,8 +31,8 @@ from async_grpo.inference.failed_samples import FailedSampleLog
 from async_grpo.inference.served_adapters import AdapterBook
 from async_grpo.rewards.math_verifier import RewardResult
 from async_grpo.rewards.reward_failure import FailureKind
-from async_grpo.rewards.shaping import RewardConfig
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.reward_config import RewardConfig
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs
 from async_grpo.weights.worker_bucket_files import reload_buckets
 from async_grpo.weights.worker_reload_fixes import with_tied_lm_head

@@ -25,9 +25,9 @@ import pytest
 from async_grpo.config.run_config import ConfigError, load_config
 from async_grpo.config.worker_options import EngineConfig, LogprobBatchingConfig
 from async_grpo.launch.dispatcher_logs import REGISTERED_LINE
-from async_grpo.launch.ray_env import (
-    GENERATION, LOGPROB, LOOPBACK_ONLY_ENV, PROMPT_STOP_ENV, registry_name, repo_pythonpath, worker_actor_name,
-)
+from async_grpo.config.actor_names import GENERATION, LOGPROB, registry_name, worker_actor_name
+from async_grpo.launch.ray_env import repo_pythonpath
+from async_grpo.runtime.ray_access import LOOPBACK_ONLY_ENV, PROMPT_STOP_ENV
 from async_grpo.launch.status_table import format_status
 from support.paths import REPO_ROOT
 from support.process_output import OutputLog
@@ -79,7 +79,7 @@ def ray_head() -> Iterator[dict[str, str]]:
 # Run in a child process: joining a cluster switches Ray's auth mode for the whole process.
 # Token auth on (a token exists) before `ray` is imported, as the dispatcher does for itself.
 _LIST_NAMED_ACTORS = """
-from async_grpo.launch import ray_env; ray_env.use_ray_token_auth_if_available()
+from async_grpo.runtime import ray_access; ray_access.use_ray_token_auth_if_available()
 import json, worker_dispatcher, ray
 worker_dispatcher.connect(worker_dispatcher.RayConnectionConfig(), log_to_driver=False)
 print(json.dumps(sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -88,7 +88,7 @@ print(json.dumps(sorted(a["name"] for a in ray.util.list_named_actors(all_namesp
 
 
 _KILL_ACTOR = """
-from async_grpo.launch import ray_env; ray_env.use_ray_token_auth_if_available()
+from async_grpo.runtime import ray_access; ray_access.use_ray_token_auth_if_available()
 import sys, worker_dispatcher, ray
 worker_dispatcher.connect(worker_dispatcher.RayConnectionConfig(), log_to_driver=False)
 ray.kill(ray.get_actor(sys.argv[1], namespace=worker_dispatcher.RAY_NAMESPACE))
@@ -113,7 +113,7 @@ def _named_actors(env: dict[str, str]) -> list[str]:
 
 
 def test_token_auth_turns_on_only_when_a_token_exists_and_the_mode_is_unset(tmp_path):
-    from async_grpo.launch.ray_env import ray_auth_token_exists, use_ray_token_auth_if_available
+    from async_grpo.runtime.ray_access import ray_auth_token_exists, use_ray_token_auth_if_available
 
     home = tmp_path / "home"
     home.mkdir()
@@ -276,7 +276,7 @@ def test_dispatcher_replaces_a_dead_worker_cleans_its_files_then_gives_up(ray_he
         assert any(expected in line for line in log.lines), log.tail()
         # What a SIGKILL during update_weights leaves behind, filed under this cluster's tag; a
         # neighbour's file, and the same-named worker's of another cluster on this machine, must stay.
-        from async_grpo.launch.ray_cluster import cluster_tag
+        from async_grpo.runtime.ray_access import cluster_tag
 
         owner, other_cluster = cluster_tag(ray_head["RAY_ADDRESS"]), cluster_tag("127.0.0.1:1")
         leftover = weights_file_dir() / f"grpo-weights-{owner}-{first}-v7-0123abcd.safetensors"

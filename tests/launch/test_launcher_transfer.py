@@ -1,8 +1,8 @@
-"""local_cluster hands the trainer's transfer.weight_transfer to its generation workers'
-EngineConfig.weight_transfer, so a user sets the backend once (the two ends must agree: a worker
-refuses a transfer by another backend at its first push); a launcher --weight_transfer that
-names another backend is refused with one line before anything starts. The trainer's
-model.share_prompts reaches the logprob workers the same way.
+"""local_cluster hands the trainer's transfer.weight_transfer to its generation workers and the
+trainer's model.share_prompts to its logprob workers: each option is declared once
+(worker_options.EngineTransferConfig, PromptSharingConfig), the trainer's flag is its one source
+(the two ends must agree: a worker refuses a transfer by another backend at its first push), and
+the launcher takes no flag of its own for either.
 
     .venv/bin/python -m pytest tests/launch/test_launcher_transfer.py -q
 """
@@ -15,7 +15,8 @@ import pytest
 
 import local_cluster
 from async_grpo.config.run_config import load_config
-from local_cluster import LocalCluster, LocalClusterConfig, with_trainer_packing, with_trainer_transfer
+from local_cluster import LocalCluster, LocalClusterConfig, with_trainer_settings
+from trainer_core import load_trainer_config
 from worker_dispatcher import DispatcherConfig, generation_worker_config, logprob_worker_config
 
 
@@ -24,60 +25,57 @@ def _launcher(tmp_path: Path, *flags: str) -> LocalClusterConfig:
     return load_config(LocalClusterConfig, ["--model_path", "m", "--run_dir", str(tmp_path), "--host_gpus", "0", *flags])
 
 
+def _for_trainer(config: LocalClusterConfig, *trainer_flags: str) -> LocalClusterConfig:
+    return with_trainer_settings(config, load_trainer_config(["--model.model_path", "m", "--data.path", "d.jsonl",
+                                                              *trainer_flags]))
+
+
 def _worker_transfer(config: LocalClusterConfig, kind: str = "generation") -> str:
     """The weight_transfer a dispatcher started by this launcher gives its generation worker."""
     parsed = load_config(DispatcherConfig, LocalCluster(config).dispatcher_args(kind))
-    return generation_worker_config(parsed).engine.weight_transfer
+    return generation_worker_config(parsed).transfer.weight_transfer
 
 
 @pytest.mark.parametrize("backend", ["nccl", "nccl_m2n", "ipc"])
 def test_the_trainers_backend_reaches_the_generation_workers(tmp_path: Path, backend: str) -> None:
-    config = with_trainer_transfer(_launcher(tmp_path), backend)
-    assert config.engine.weight_transfer == backend
+    default = _launcher(tmp_path)
+    config = _for_trainer(default, "--transfer.weight_transfer", backend)
+    assert config.transfer.weight_transfer == backend
     assert _worker_transfer(config) == backend
-    # Only the backend changed; the logprob workers take no engine section and are unaffected.
-    assert config.engine == _launcher(tmp_path, "--weight_transfer", backend).engine
+    # Only the backend changed; the logprob workers take no transfer and are unaffected.
+    assert config.engine == default.engine and config.batching == default.batching
     assert "--weight_transfer" not in LocalCluster(config).dispatcher_args("logprob")
     logprob_worker_config(load_config(DispatcherConfig, LocalCluster(config).dispatcher_args("logprob")))
 
 
-def test_the_default_and_an_agreeing_launcher_flag_change_nothing(tmp_path: Path) -> None:
+def test_the_default_trainer_changes_nothing(tmp_path: Path) -> None:
     default = _launcher(tmp_path)
-    assert with_trainer_transfer(default, "object_store") is default
-    assert _worker_transfer(default) == "object_store"
-    agreeing = _launcher(tmp_path, "--weight_transfer", "nccl")
-    assert with_trainer_transfer(agreeing, "nccl") is agreeing
+    assert _for_trainer(default) == default
+    assert _worker_transfer(default) == "object_store" and not _workers_share_prompts(default)
 
 
-@pytest.mark.parametrize(("launcher", "trainer"), [("nccl_m2n", "nccl"), ("nccl", "object_store")])
-def test_a_launcher_backend_the_trainer_does_not_use_is_refused_in_one_line(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], launcher: str, trainer: str) -> None:
+@pytest.mark.parametrize("flag", ["--weight_transfer", "--share_prompts"])
+def test_the_launcher_takes_no_flag_of_its_own_for_a_trainer_option(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str) -> None:
     with pytest.raises(SystemExit) as exited:
-        with_trainer_transfer(_launcher(tmp_path, "--weight_transfer", launcher), trainer)
+        _launcher(tmp_path, flag, "true" if flag == "--share_prompts" else "nccl")
     assert exited.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1
-    assert f"--weight_transfer '{launcher}'" in err and f"--transfer.weight_transfer '{trainer}'" in err
+    assert len(err.splitlines()) == 1 and f"unknown flag {flag}" in err
 
 
-def _workers_share_prompts(config: LocalClusterConfig) -> bool:
+def _workers_share_prompts(config: LocalClusterConfig, kind: str = "logprob") -> bool:
     """The share_prompts a dispatcher started by this launcher gives its logprob worker."""
-    return logprob_worker_config(load_config(DispatcherConfig, LocalCluster(config).dispatcher_args("logprob"))
-                                 ).batching.share_prompts
+    return logprob_worker_config(load_config(DispatcherConfig, LocalCluster(config).dispatcher_args(kind))
+                                 ).sharing.share_prompts
 
 
-def test_the_trainers_prompt_sharing_reaches_the_logprob_workers(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_trainers_prompt_sharing_reaches_the_logprob_workers(tmp_path: Path) -> None:
     default = _launcher(tmp_path)
-    assert with_trainer_packing(default, False) is default and not _workers_share_prompts(default)
-    sharing = with_trainer_packing(default, True)
-    assert _workers_share_prompts(sharing)
-    assert sharing.batching.max_tokens_per_forward == default.batching.max_tokens_per_forward
-    with pytest.raises(SystemExit) as exited:
-        with_trainer_packing(_launcher(tmp_path, "--share_prompts", "true"), False)
-    assert exited.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--model.share_prompts is false" in err
+    sharing = _for_trainer(default, "--model.share_prompts", "true")
+    assert all(_workers_share_prompts(sharing, kind) for kind in ("logprob", "reference"))
+    assert sharing.batching == default.batching and sharing.engine == default.engine
+    assert "--share_prompts" not in LocalCluster(sharing).dispatcher_args("generation")
 
 
 class _RecordingCluster:
@@ -118,5 +116,5 @@ def test_main_starts_its_workers_with_the_trainers_backend(tmp_path: Path, monke
                                "--model.share_prompts", "true"])
     assert code == 0
     (config,) = _RecordingCluster.configs
-    assert config.engine.weight_transfer == "nccl" and _worker_transfer(config) == "nccl"
+    assert config.transfer.weight_transfer == "nccl" and _worker_transfer(config) == "nccl"
     assert _workers_share_prompts(config)

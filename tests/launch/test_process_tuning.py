@@ -78,7 +78,7 @@ def test_the_dispatcher_gives_a_generation_actor_its_settings() -> None:
     assert not settings & worker_runtime_env(DispatcherConfig(mode="logprob", model_path="m"))["env_vars"].keys()
     untuned = DispatcherConfig(mode="generation", model_path="m", tune_processes=False)
     assert not settings & worker_runtime_env(untuned)["env_vars"].keys()
-    ipc = DispatcherConfig(mode="generation", model_path="m", engine=generation.engine.__class__(weight_transfer="ipc"))
+    ipc = DispatcherConfig(mode="generation", model_path="m", transfer=generation.transfer.__class__(weight_transfer="ipc"))
     assert worker_runtime_env(ipc)["env_vars"]["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
 
 

@@ -139,7 +139,7 @@ def _read_step(path: Rank0DataPath, step: int, rank: int, slow: bool, prompts_of
 
 def _batcher(world_size: int, scenario: str) -> Any:
     """A real ExperienceBatcher over the in-process stand-ins (imported here: the batcher needs Ray)."""
-    from async_grpo.rollouts.sampling import SamplingConfig
+    from async_grpo.config.sampling import SamplingConfig
     from vllm_experience_batcher import ExperienceBatcher
 
     sampling = SamplingConfig(n=3, drop_zero_variance_groups=scenario == "resample", max_resample_rounds=2)

@@ -34,7 +34,7 @@ def main() -> int:
     parser.add_argument("--resources", default="{}", help="extra custom resources, as JSON")
     args = parser.parse_args()
 
-    from async_grpo.launch.ray_env import use_loopback_only_ray
+    from async_grpo.runtime.ray_access import use_loopback_only_ray
 
     use_loopback_only_ray()
     import ray._private.node

@@ -56,7 +56,7 @@ import trainer_core  # noqa: E402
 from async_grpo.batching.batcher_config import ExperienceConfig  # noqa: E402
 from async_grpo.batching.minibatch_packer import MinibatchPacker  # noqa: E402
 from async_grpo.data.dataset import DatasetConfig  # noqa: E402
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.trainer.config import TrainerConfig  # noqa: E402
 from async_grpo.trainer.data_path import PerRankDataPath, Rank0DataPath, RayBatcherClient  # noqa: E402
 from async_grpo.trainer.fsdp_setup import DistInfo, build_training_model, init_distributed

@@ -26,7 +26,7 @@ SLOTS_BACK_BOUND_S = 60.0  # killed actors give their resources back asynchronou
 
 def run_cluster_scenario(spec: dict) -> dict:
     """Start the two-node cluster, exercise the pool, return what was seen."""
-    from async_grpo.launch.ray_env import use_loopback_only_ray
+    from async_grpo.runtime.ray_access import use_loopback_only_ray
 
     use_loopback_only_ray()
     import ray

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 
-from async_grpo.launch.ray_cluster import join_cluster
+from async_grpo.runtime.ray_access import join_cluster
 from async_grpo.launch.ray_env import actor_runtime_env  # noqa: E402
 from async_grpo.trainer.fsdp_setup import build_training_model, init_distributed  # noqa: E402
 from async_grpo.weights.trainer_pusher import WeightPusher  # noqa: E402

@@ -51,7 +51,7 @@ def test_the_override_wins_and_a_bad_one_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_host_gpu_count_override_picks_the_build_as_the_launcher_counts(tmp_path: Path) -> None:
-    """ASYNC_GRPO_HOST_GPUS (async_grpo/launch/host_gpus.py) decides here too; ASYNC_GRPO_DEVICE still wins."""
+    """ASYNC_GRPO_HOST_GPUS (async_grpo/runtime/host_gpus.py) decides here too; ASYNC_GRPO_DEVICE still wins."""
     listing = tmp_path / "gpus"
     (listing / "0000:3b:00.0").mkdir(parents=True)
     assert _detect(ASYNC_GRPO_HOST_GPUS="0", ASYNC_GRPO_NVIDIA_GPUS_DIR=str(listing)).stdout.strip() == "cpu"

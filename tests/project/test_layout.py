@@ -12,6 +12,8 @@ TRAINER_SIDE); the README's layout section describes them. Here they are enforce
 - worker-side folders (or modules, in a folder split between the sides) never reach trainer-side
   ones, and the reverse; the trainer reaches no worker module; a split folder's other modules
   reach neither side;
+- the trainer side (its folders and modules, and trainer_core) imports nothing of the generation
+  side (rollouts/, inference/), at any depth: the records both read live on the ground floor (config/);
 - project imports form no cycle.
 """
 
@@ -121,7 +123,7 @@ def test_the_root_holds_the_spine_and_the_package_its_folders():
 
 
 def test_the_rules_name_existing_folders():
-    for name in (*async_grpo.PURE, *async_grpo.WORKER_SIDE, *async_grpo.TRAINER_SIDE):
+    for name in (*async_grpo.PURE, *async_grpo.WORKER_SIDE, *async_grpo.GENERATION_SIDE, *async_grpo.TRAINER_SIDE):
         assert name.split(".")[0] in FOLDERS, f"async_grpo/__init__.py names folder {name!r}, which LAYERS lacks"
     for entry in (e for e in (*async_grpo.WORKER_SIDE, *async_grpo.TRAINER_SIDE) if "." in e):
         assert any(on_side(m, (entry,)) for m in MODULES), f"async_grpo/__init__.py's {entry!r} matches no module"
@@ -168,6 +170,14 @@ def test_worker_side_reaches_no_trainer_side(module):
 def test_trainer_side_reaches_no_worker_side(module):
     bad = _reaches(module, async_grpo.WORKER_SIDE, SPINE_WORKERS)
     assert not bad, f"{module} (trainer side) reaches worker-side {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if on_side(m, async_grpo.TRAINER_SIDE))
+                         + ["trainer_core"])
+def test_trainer_side_imports_no_generation_side(module):
+    bad = _reaches(module, async_grpo.GENERATION_SIDE)
+    assert not bad, (f"{module} (trainer side) reaches generation-side {bad}: a record both sides read "
+                     f"belongs on the ground floor (async_grpo/config/)")
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if folder_of(m) in SPLIT_FOLDERS
@@ -276,15 +286,18 @@ def test_a_non_editable_install_imports_from_another_directory(tmp_path):
         assert Path(path).resolve().is_relative_to(target.resolve()), f"{name} imported from {path}, not the install"
 
 
-MAX_MODULE_LINES = 600  # a module past this has more than one job: find its seam (STYLE.md)
-MAX_CLASS_LINES = 310  # likewise a class (~300, with room for a docstring's growth)
+# The largest module and class as their seams left them (STYLE.md): one that grows past these has
+# taken on another job; split it along its seam rather than raise the cap.
+MAX_MODULE_LINES = 592
+MAX_CLASS_LINES = 305
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_rooms_of_one_job(module):
     source = MODULES[module].read_text()
-    assert len(source.splitlines()) <= MAX_MODULE_LINES, (
-        f"{module} has {len(source.splitlines())} lines (at most {MAX_MODULE_LINES}): split it along a seam")
+    cap = MAX_MODULE_LINES
+    assert len(source.splitlines()) <= cap, (
+        f"{module} has {len(source.splitlines())} lines (at most {cap}): split it along a seam")
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ClassDef):
             lines = node.end_lineno - node.lineno + 1

@@ -14,15 +14,15 @@ from typing import Any, Callable, Sequence
 import pytest
 
 from async_grpo.rewards import judge_reward
-from async_grpo.rewards.judge_config import JudgeConfig
+from async_grpo.config.judge_config import JudgeConfig
 from async_grpo.rewards.judge_reward import (
     JUDGE_METHOD, JudgeItem, JudgeReply, JudgeRequest, JudgeReward, JudgeStats, RegistryJudgeClient,
 )
 from async_grpo.rewards.reward_failure import FailureKind
 from async_grpo.rewards.reward_functions import FunctionScore
-from async_grpo.rewards.shaping import RewardConfig
+from async_grpo.config.reward_config import RewardConfig
 from async_grpo.rollouts.rollout_scoring import RolloutScorer
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from sample_processing_utils import Sample
 
 _WAIT_BOUND_S = 60.0  # a judge that stalls fails the test instead of hanging it; never what decides a pass

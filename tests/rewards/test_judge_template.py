@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from async_grpo.rewards.judge_config import JudgeConfig
+from async_grpo.config.judge_config import JudgeConfig
 from async_grpo.rewards.judge_template import (
     group_messages, parse_group_verdict, parse_verdict, prompt_text, sample_messages,
 )

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from async_grpo.launch.ray_env import VERIFIER_POOL_ACTOR_NAME
+from async_grpo.config.actor_names import VERIFIER_POOL_ACTOR_NAME
 from async_grpo.rewards.math_verifier import (
     DEFAULT_LIMITS, AnswerLimits, RewardResult, exponent_tower_height, last_boxed, nesting_depth, numeric_power_digits,
     plain_number_verdict, precheck, quick_verdict, score_completion, verify_with_math_verify,
@@ -530,7 +530,7 @@ def test_without_verification_slots_the_pool_runs_in_its_actor_and_says_so(ray_l
 
 
 def test_ray_actor_is_shared_and_sized_by_first_caller(ray_local) -> None:
-    from async_grpo.launch.ray_env import RAY_NAMESPACE
+    from async_grpo.config.actor_names import RAY_NAMESPACE
 
     # The pool is detached and the Ray fixture session-wide: a generation worker started by an
     # earlier test may have created it. Remove it, so this test's call is really the first.

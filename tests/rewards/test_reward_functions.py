@@ -11,8 +11,10 @@ import time
 import pytest
 
 from async_grpo.rewards import reward_functions
-from async_grpo.rewards.reward_functions import FunctionScore, RewardFunctionError, check_function, to_score
-from async_grpo.rewards.shaping import RewardConfig, combine_scores, counts_as_solved
+from async_grpo.config.reward_config import RewardFunctionError, check_function
+from async_grpo.rewards.reward_functions import FunctionScore, to_score
+from async_grpo.config.reward_config import RewardConfig
+from async_grpo.rewards.shaping import combine_scores, counts_as_solved
 from async_grpo.rewards.math_verify_pool import VerifierPool
 
 PLUGINS = "reward_plugins_for_tests"
@@ -168,7 +170,7 @@ def _generate(pool, texts: list[str], reward: RewardConfig, record: dict | None 
     """GenerationWorker.generate on fixed completions (no engine), scored by the real pool."""
     import asyncio
 
-    from async_grpo.rollouts.sampling import SamplingConfig
+    from async_grpo.config.sampling import SamplingConfig
     from sample_processing_utils import Sample
     from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
@@ -264,7 +266,7 @@ def _step_metrics(pool, texts_of: dict[int, list[str]], reward: RewardConfig) ->
     import asyncio
 
     from async_grpo.batching.batcher_config import BatcherConfig, ExperienceConfig
-    from async_grpo.rollouts.sampling import SamplingConfig
+    from async_grpo.config.sampling import SamplingConfig
     from sample_processing_utils import Sample
     from vllm_experience_batcher import EndOfStep, ExperienceBatcher
 

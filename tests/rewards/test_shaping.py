@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from async_grpo.config.run_config import ConfigError, config_to_dict, load_config
-from async_grpo.rewards.shaping import RewardConfig, ShapedReward, format_matches, shape_reward
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.reward_config import RewardConfig
+from async_grpo.rewards.shaping import ShapedReward, format_matches, shape_reward
+from async_grpo.config.sampling import SamplingConfig
 
 BOXED = r"\\boxed\{.+\}"
 BOXED_FORMAT = RewardConfig(format_pattern=BOXED, format_bonus=0.1, format_penalty=0.2)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from async_grpo.rollouts.environments import EnvironmentConfig, Reset, StepResult
-from async_grpo.rollouts.sampling import VerifiersEnvConfig
+from async_grpo.config.rollout_sources import EnvironmentConfig
+from async_grpo.rollouts.environments import Reset, StepResult
+from async_grpo.config.rollout_sources import VerifiersEnvConfig
 from async_grpo.rollouts.tool_environment import ToolEnvironment
 
 

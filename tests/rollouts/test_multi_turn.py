@@ -15,7 +15,8 @@ import threading
 import pytest
 
 from async_grpo.demo_assets.tiny_model import IM_END, build_chat_tokenizer
-from async_grpo.rollouts.environments import EnvironmentConfig, EnvPrompt, Reset, StepResult, Turn
+from async_grpo.config.rollout_sources import EnvironmentConfig
+from async_grpo.rollouts.environments import EnvPrompt, Reset, StepResult, Turn
 from async_grpo.rollouts.multi_turn import (
     ENVIRONMENT_FAILURE, ChatRenderer, Generation, MultiTurnStats, run_rollout, run_rollouts,
 )

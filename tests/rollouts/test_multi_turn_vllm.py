@@ -28,11 +28,12 @@ from async_grpo.inference.judge_worker import JudgeWorker, JudgeWorkerConfig
 from async_grpo.rewards.judge_reward import JudgeReply, JudgeRequest
 from async_grpo.demo_assets.tiny_model import IM_END
 from async_grpo.rewards.math_verify_pool import VerifierPool
-from async_grpo.rollouts.environments import EnvironmentConfig, StepResult, Turn
+from async_grpo.config.rollout_sources import EnvironmentConfig
+from async_grpo.rollouts.environments import StepResult, Turn
 from async_grpo.rollouts.multi_turn import (
     ChatRenderer, GenerateFn, Generation, MultiTurnStats, engine_generate, run_rollouts,
 )
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.rollouts.tool_environment import ToolEnvironment
 from sample_processing_utils import Sample
 from setup_model import load_tokenizer

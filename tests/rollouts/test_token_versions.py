@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import pytest
 
 from async_grpo.rollouts.token_versions import (
-    CompletionVersions, TokenVersionError, TokenVersionTracker, engine_label, label_version, newest_version,
-    oldest_version, spans_to_runs, token_staleness, version_runs,
+    CompletionVersions, TokenVersionError, TokenVersionTracker, engine_label, label_version, spans_to_runs,
+    version_runs,
 )
 from sample_processing_utils import INITIAL_WEIGHT_VERSION, Sample
 
@@ -133,25 +133,25 @@ def test_begin_twice_finish_unknown_and_discard() -> None:
 
 def test_oldest_newest_and_runs_of_samples() -> None:
     plain = _sample(4, 3)
-    assert version_runs(plain) == [(3, 4)] and oldest_version(plain) == newest_version(plain) == 3
+    assert version_runs(plain) == [(3, 4)] and plain.oldest_version() == plain.newest_version() == 3
     straddling = _sample(6, 2, [(2, 1), (3, 2), (5, 3)])
-    assert (oldest_version(straddling), newest_version(straddling)) == (2, 5)
+    assert (straddling.oldest_version(), straddling.newest_version()) == (2, 5)
     # A later initial push may go backwards (a new run): the oldest is the smallest, not the first.
     backwards = _sample(3, 7, [(7, 1), (0, 2)])
-    assert oldest_version(backwards) == 0
+    assert backwards.oldest_version() == 0
     empty = _sample(0, 4)
-    assert version_runs(empty) == [] and oldest_version(empty) == 4
+    assert version_runs(empty) == [] and empty.oldest_version() == 4
 
 
 def test_token_staleness_is_per_token() -> None:
     # Step 6 trains on 1 token of v2 (lag 4), 2 of v3 (lag 3) and 3 of v5 (lag 1): 4 + 6 + 3 = 13 over 6.
-    assert token_staleness(_sample(6, 2, [(2, 1), (3, 2), (5, 3)]), 6) == (13, 6)
-    assert token_staleness(_sample(4, 5), 6) == (4, 4)
-    assert token_staleness(_sample(0, 5), 6) == (0, 0)
+    assert _sample(6, 2, [(2, 1), (3, 2), (5, 3)]).token_staleness(6) == (13, 6)
+    assert _sample(4, 5).token_staleness(6) == (4, 4)
+    assert _sample(0, 5).token_staleness(6) == (0, 0)
 
 
 def test_observation_tokens_carry_no_version() -> None:
     """Multi-turn: token_versions counts sampled tokens only (Sample.output_mask)."""
     sample = Sample(input_token_ids=[1], gt_answer="", output_token_ids=[5, 6, 7, 8, 9],
                     output_mask=[True, True, False, False, True], sampling_logprobs=[-1.0] * 3, weight_version=1)
-    assert version_runs(sample) == [(1, 3)] and token_staleness(sample, 2) == (3, 3)
+    assert version_runs(sample) == [(1, 3)] and sample.token_staleness(2) == (3, 3)

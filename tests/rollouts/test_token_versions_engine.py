@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from async_grpo.config.worker_options import EngineConfig, VerificationConfig
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.rollouts.token_versions import version_runs
 from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs
 from grpo_loss import LossConfig, grpo_loss

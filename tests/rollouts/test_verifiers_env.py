@@ -27,9 +27,10 @@ import pytest
 
 from async_grpo.inference.openai_endpoint import Endpoint, EndpointConfig
 from async_grpo.demo_assets.tiny_model import IM_END, TinyModelConfig, write_tiny_model
-from async_grpo.rollouts.environments import EnvironmentConfig
+from async_grpo.config.rollout_sources import EnvironmentConfig
 from async_grpo.rollouts.multi_turn import Generation
-from async_grpo.rollouts.sampling import SamplingConfig, VerifiersEnvConfig
+from async_grpo.config.rollout_sources import VerifiersEnvConfig
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.rollouts.verifiers_env import VerifiersEnvRunner, VerifiersEnvStats, sample_from_episode
 from sample_processing_utils import Sample
 from setup_model import load_tokenizer

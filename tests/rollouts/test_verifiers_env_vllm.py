@@ -26,7 +26,8 @@ import pytest
 
 from async_grpo.demo_assets.tiny_model import IM_END
 from async_grpo.rewards.math_verify_pool import VerifierPool
-from async_grpo.rollouts.sampling import SamplingConfig, VerifiersEnvConfig
+from async_grpo.config.rollout_sources import VerifiersEnvConfig
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.weights.update import WeightUpdate, state_dict_to_blobs
 from sample_processing_utils import Sample
 from setup_model import load_causal_lm, load_tokenizer

@@ -22,7 +22,7 @@ import pytest
 import ray
 
 from async_grpo.config.worker_options import HealthCheckConfig, VerificationConfig
-from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, registry_name, worker_actor_name
+from async_grpo.config.actor_names import GENERATION, RAY_NAMESPACE, registry_name, worker_actor_name
 from async_grpo.weights.update import WeightUpdate
 from support.generation_worker import engine_core_processes
 from vllm_experience_batcher import BatchedRegistryClient
@@ -652,7 +652,7 @@ def test_a_real_worker_joining_a_running_job_serves_the_published_weights(make_r
     Now registration loads the published version first, so its very first rollouts carry it."""
     from safetensors.torch import load_file
 
-    from async_grpo.rollouts.sampling import SamplingConfig
+    from async_grpo.config.sampling import SamplingConfig
     from async_grpo.weights.update import state_dict_to_blobs
     from sample_processing_utils import Sample
 
@@ -675,7 +675,7 @@ def test_a_real_worker_joining_a_running_job_serves_the_published_weights(make_r
 
 @pytest.mark.vllm
 def test_real_workers_spread_fail_over_and_report_a_dead_pool(make_registry, real_workers, tiny_model_dir):
-    from async_grpo.rollouts.sampling import SamplingConfig
+    from async_grpo.config.sampling import SamplingConfig
     from sample_processing_utils import Sample
     from setup_model import load_tokenizer
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from async_grpo.batching.batcher_config import BatcherConfig, ExperienceConfig
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from sample_processing_utils import Sample, TokenLogprobs
 
 # Upper bound on how long a test waits for something that should happen at once; it keeps a

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from async_grpo.config.worker_options import EngineConfig, VerificationConfig
-from async_grpo.launch.host_gpus import host_gpu_count
+from async_grpo.runtime.host_gpus import host_gpu_count
 from async_grpo.launch.placement import default_trainer_ranks
-from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, registry_name
+from async_grpo.config.actor_names import GENERATION, RAY_NAMESPACE, registry_name
 from async_grpo.telemetry.metrics import read_metrics
 from local_cluster import LOCAL_ENGINE, LocalCluster, LocalClusterConfig, cuda_available, local_engine
 from support.forked_ranks import run_ranks

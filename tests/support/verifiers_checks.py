@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import re
 
-from async_grpo.rollouts.sampling import VerifiersEnvConfig
+from async_grpo.config.rollout_sources import VerifiersEnvConfig
 from sample_processing_utils import Sample
 
 PERSONA_START = "You are role-playing a USER"  # UserSimEnv's persona: marks the user agent's requests

@@ -38,7 +38,7 @@ from async_grpo.config.worker_options import HealthCheckConfig, RestartConfig
 from async_grpo.demo_assets.arithmetic_data import write_arithmetic_dataset
 from async_grpo.launch.dispatcher_logs import REGISTERED_PATTERN
 from async_grpo.launch.local_processes import RUN_TEMP_PREFIX
-from async_grpo.launch.ray_env import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
+from async_grpo.config.actor_names import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
 from async_grpo.telemetry.metrics import read_metrics
 from async_grpo.weights.worker_bucket_files import weights_file_dir
 from local_cluster import LocalCluster

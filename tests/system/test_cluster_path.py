@@ -11,7 +11,7 @@ would join a real cluster (RAY_ADDRESS, the dispatcher's --ray_temp_dir naming i
 Ray's defaults are kept: token authentication is on because a token exists (here in a file of
 the test's, named by RAY_AUTH_TOKEN_PATH, so that ~/.ray is never touched), and RAY_AUTH_MODE is
 *not* set for the project's processes: the entry points must turn it on themselves
-(ray_env.join_cluster). Only Ray's own CLI (`ray list actors`) gets RAY_AUTH_MODE=token, as the
+(ray_access.join_cluster). Only Ray's own CLI (`ray list actors`) gets RAY_AUTH_MODE=token, as the
 docs/cluster.md tells operators to export.
 
 GPU placement uses Ray's fake GPUs: the head advertises GPUs 0-1 (CUDA_VISIBLE_DEVICES=0,1 at
@@ -42,7 +42,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from async_grpo.launch.ray_env import LOOPBACK_ONLY_ENV, PROMPT_STOP_ENV, repo_pythonpath
+from async_grpo.launch.ray_env import repo_pythonpath
+from async_grpo.runtime.ray_access import LOOPBACK_ONLY_ENV, PROMPT_STOP_ENV
 from async_grpo.telemetry.metrics import read_metrics
 from local_cluster import cuda_available
 from support.paths import PROGRAMS, REPO_ROOT

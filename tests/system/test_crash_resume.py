@@ -28,7 +28,7 @@ import pytest
 
 from async_grpo.demo_assets.arithmetic_data import write_arithmetic_dataset
 from async_grpo.launch.local_processes import free_port
-from async_grpo.launch.ray_env import BATCHER_ACTOR_NAME, RAY_NAMESPACE
+from async_grpo.config.actor_names import BATCHER_ACTOR_NAME, RAY_NAMESPACE
 from async_grpo.trainer.checkpoint import checkpoints_root, latest_checkpoint
 from async_grpo.trainer.distributed_sampler import InfiniteDistributedSampler
 from local_cluster import LocalCluster

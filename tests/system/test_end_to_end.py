@@ -27,7 +27,7 @@ import pytest
 import torch
 import yaml
 
-from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, registry_name
+from async_grpo.config.actor_names import GENERATION, RAY_NAMESPACE, registry_name
 from async_grpo.telemetry.metrics import moving_average, read_metrics
 from async_grpo.telemetry.run_report import ENDED_BELOW_BEST
 from async_grpo.telemetry.trackers import flatten_config, mlflow_key
@@ -209,7 +209,7 @@ def _seeded_tokens(demo_assets: Path, seed: int | None) -> list[list[list[int]]]
     import ray
 
     from async_grpo.data.dataset import DatasetConfig, load_prompts
-    from async_grpo.rollouts.sampling import SamplingConfig
+    from async_grpo.config.sampling import SamplingConfig
     from setup_model import load_tokenizer
 
     prompts = load_prompts(DatasetConfig(path=str(demo_assets / "arithmetic.jsonl"), max_prompt_tokens=16),
@@ -223,7 +223,7 @@ def _seeded_tokens(demo_assets: Path, seed: int | None) -> list[list[list[int]]]
 def test_seeded_requests_repeat_exactly_and_steps_differ(cluster: LocalCluster, demo_assets: Path) -> None:
     """The real engine: one request seed gives the same completions again; the seed the batcher
     derives for another step gives other ones (8 samples of a 0-18 answer rarely repeat)."""
-    from async_grpo.rollouts.sampling import derive_seed
+    from async_grpo.config.sampling import derive_seed
 
     step0, step1 = derive_seed(0, 0), derive_seed(0, 1)
     first = _seeded_tokens(demo_assets, step0)

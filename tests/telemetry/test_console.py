@@ -381,7 +381,7 @@ def test_a_real_run_prints_progress_evaluations_and_the_summary_only(demo_assets
     run_log = (run / LOG_FILE).read_text()
     for step, reward in enumerate(rewards):
         assert f"[rank0] INFO async_grpo.telemetry.metrics: step {step} reward {reward:.3f} " in run_log
-    assert f"[rank0] INFO async_grpo.weights.trainer_pusher: pushed weights v{STEPS} " in run_log
+    assert f"[rank0] INFO async_grpo.weights.trainer_object_store: pushed weights v{STEPS} " in run_log
     for line in ("[launcher] INFO ray._private.worker: Started a local Ray instance.",
                  "[rank0] INFO ray._private.worker: Connected to Ray cluster.",
                  "[launcher] INFO __main__: generation-0 worker registered"):

@@ -146,7 +146,7 @@ def test_zigzag_shares_and_head_repeats() -> None:
 def test_context_parallel_at_load_the_group_budget_and_what_is_refused() -> None:
     from async_grpo.batching.batcher_config import ExperienceConfig
     from async_grpo.data.dataset import DatasetConfig
-    from async_grpo.rollouts.sampling import SamplingConfig
+    from async_grpo.config.sampling import SamplingConfig
     from async_grpo.trainer.config import TrainerConfig
     from setup_model import LoraConfig, ModelConfig
     from trainer_core import make_batcher_config

@@ -19,7 +19,7 @@ import pytest
 
 from async_grpo.demo_assets.arithmetic_data import write_arithmetic_table
 from async_grpo.data.dataset import DatasetConfig, DatasetError
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.trainer.evaluation import (
     EvalConfig, EvalDataConfig, EvaluationError, Evaluator, evaluation_metrics, load_eval_prompts, pass_at_k,
 )
@@ -303,7 +303,8 @@ def test_evaluator_through_a_real_registry_and_worker(ray_local, tiny_model_dir:
     step, whatever the prompt; with max_tokens 1 its greedy answer is '7', so exactly the prompts
     whose gold is 7 are solved greedily, and sampled answers vary."""
     # The answering model and the worker settings of the generation-worker tests, reused as is.
-    from async_grpo.launch.ray_env import GENERATION, RAY_NAMESPACE, actor_runtime_env
+    from async_grpo.config.actor_names import GENERATION, RAY_NAMESPACE
+    from async_grpo.launch.ray_env import actor_runtime_env
     from setup_model import load_tokenizer
     from support.generation_worker import expected_reward, worker_config, write_answering_model
     from vllm_experience_batcher import RayRegistryClient

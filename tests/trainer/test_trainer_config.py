@@ -15,7 +15,7 @@ import torch
 from async_grpo.batching.batcher_config import ExperienceConfig
 from async_grpo.config.run_config import load_config
 from async_grpo.data.dataset import DatasetConfig
-from async_grpo.rollouts.sampling import SamplingConfig
+from async_grpo.config.sampling import SamplingConfig
 from async_grpo.trainer.config import TrainerConfig
 from async_grpo.trainer.fsdp_setup import DistInfo
 from grpo_loss import LossConfig
@@ -57,7 +57,7 @@ def test_budget_must_hold_the_longest_sample() -> None:
 
 
 def test_a_multi_turn_rollout_must_fit_the_budget_and_its_environment_must_import(tmp_path: Path) -> None:
-    from async_grpo.rollouts.environments import EnvironmentConfig
+    from async_grpo.config.rollout_sources import EnvironmentConfig
     from async_grpo.trainer.run_inputs import InputError, load_run_inputs
 
     def with_environment(name: str, max_total_tokens: int, max_tokens_per_gpu: int) -> TrainerConfig:
@@ -132,8 +132,9 @@ def test_a_bad_config_is_one_line_printed_by_each_nodes_first_rank(tmp_path: Pat
     assert done.stderr.strip().splitlines() == [
         "trainer_core.py: TrainerConfig: TrainerConfig.max_tokens_per_gpu=8 is below data.max_prompt_tokens + "
         "sampling.max_tokens = 1024 + 512 = 1536: one sample could exceed the minibatch budget; raise "
-        "max_tokens_per_gpu to at least 1536, lower data.max_prompt_tokens or sampling.max_tokens, or set "
-        "oversized_sample_policy: train_alone"
+        "max_tokens_per_gpu to at least 1536 or model.context_parallel to at least 192 (a divisor of the "
+        "attention heads: docs/training.md, 'Context parallelism'), lower data.max_prompt_tokens or "
+        "sampling.max_tokens, or set oversized_sample_policy: train_alone"
     ]
 
 

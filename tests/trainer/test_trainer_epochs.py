@@ -29,7 +29,7 @@ from grpo_loss import LossConfig
 from sample_processing_utils import Sample
 from setup_model import TokenLogprobModel, load_causal_lm
 from support.reference_logprobs import reference_logprobs
-from trainer_core import KeptMinibatch, train_on_step, update_for_step
+from async_grpo.trainer.policy_update import KeptMinibatch, train_on_step, update_for_step
 from vllm_experience_batcher import EndOfStep, Minibatch
 
 LR = 0.1  # SGD: moves most second-pass ratios past the clip bounds, so both branches are exercised

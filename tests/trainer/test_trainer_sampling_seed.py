@@ -17,7 +17,7 @@ import pytest
 from async_grpo.batching.batcher_config import BatcherConfig, ExperienceConfig
 from async_grpo.config.run_config import load_config, save_config
 from async_grpo.data.dataset import DatasetConfig
-from async_grpo.rollouts.sampling import SEED_BOUND, SamplingConfig, derive_seed
+from async_grpo.config.sampling import SEED_BOUND, SamplingConfig, derive_seed
 from async_grpo.trainer.config import TrainerConfig
 from sample_processing_utils import Sample
 from setup_model import ModelConfig

@@ -24,7 +24,8 @@ _CLUSTER = """
 import json, sys, time
 from pathlib import Path
 from async_grpo.weights.worker_bucket_files import adapter_dir_path, remove_weight_files
-from async_grpo.launch.ray_cluster import init_local_ray, shared_memory_owner
+from async_grpo.launch.ray_cluster import init_local_ray
+from async_grpo.runtime.ray_access import shared_memory_owner
 
 init_local_ray(num_cpus=1, namespace="shm-names", log_to_driver=False)
 owner = shared_memory_owner("generation-worker-0")

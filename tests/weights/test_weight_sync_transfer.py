@@ -291,7 +291,7 @@ def test_engines_running_another_backend_are_refused_before_any_rendezvous(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     wire = StubWire(monkeypatch)
     calls = ReceiverCalls(["generation-worker-0", "generation-worker-1"], backend="ipc")
-    with pytest.raises(ValueError, match=r"sends weights by 'nccl'.*EngineConfig.weight_transfer differs: "
+    with pytest.raises(ValueError, match=r"sends weights by 'nccl'.*EngineTransferConfig.weight_transfer differs: "
                                          r"\{'generation-worker-0': 'ipc', 'generation-worker-1': 'ipc'\}"):
         _sender(calls).send(_policy(tiny_model_dir), 1)
     assert wire.opened == [] and calls.killed == []
@@ -341,11 +341,11 @@ def test_group_plan_is_a_record() -> None:
 
 
 def _generation_worker(backend: str, engine: RecordingEngine) -> Any:
-    from async_grpo.config.worker_options import EngineConfig
+    from async_grpo.config.worker_options import EngineTransferConfig
     from vllm_worker import GenerationWorker, GenerationWorkerConfig
 
     worker = GenerationWorker("generation-worker-0", GenerationWorkerConfig(
-        model_path="unused", engine=EngineConfig(weight_transfer=backend)), verifier=object())
+        model_path="unused", transfer=EngineTransferConfig(weight_transfer=backend)), verifier=object())
     worker._engine = engine  # started: what start() leaves behind
     return worker
 

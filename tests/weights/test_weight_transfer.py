@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from async_grpo.config.worker_options import (
-    WEIGHT_TRANSFER_BACKENDS, EngineConfig, check_transfer_packages, check_weight_transfer_device, module_available,
+    WEIGHT_TRANSFER_BACKENDS, EngineTransferConfig, check_transfer_packages, check_weight_transfer_device,
+    module_available,
 )
 from async_grpo.weights.update import state_dict_to_blobs, tensor_to_blob
 from async_grpo.weights.worker_bucket_files import BucketBuffer, SharedMemoryFullError, check_free_space, read_bucket
@@ -100,11 +101,11 @@ def test_shared_memory_check_names_free_space_and_size(tmp_path: Path) -> None:
 
 
 def test_weight_transfer_option_is_validated_naming_the_field() -> None:
-    with pytest.raises(ValueError, match="EngineConfig.weight_transfer"):
-        EngineConfig(weight_transfer="rdma")
+    with pytest.raises(ValueError, match="EngineTransferConfig.weight_transfer"):
+        EngineTransferConfig(weight_transfer="rdma")
     for cuda_only in ("nccl", "nccl_m2n", "ipc"):
-        EngineConfig(weight_transfer=cuda_only)  # a valid choice; the device decides at start
-        with pytest.raises(ValueError, match=f"EngineConfig.weight_transfer '{cuda_only}'.*no CUDA"):
+        EngineTransferConfig(weight_transfer=cuda_only)  # a valid choice; the device decides at start
+        with pytest.raises(ValueError, match=f"^weight_transfer '{cuda_only}'.*no CUDA"):
             check_weight_transfer_device(cuda_only, has_cuda=False)
         check_weight_transfer_device(cuda_only, has_cuda=True)
     check_weight_transfer_device("object_store", has_cuda=False)
@@ -153,7 +154,7 @@ def test_engine_args_name_our_backend_and_its_registration(monkeypatch: pytest.M
     # vLLM's platform detection starts a child process; the CPU answer is what this machine gives.
     monkeypatch.setattr(engine_start, "on_cpu_platform", lambda: True)
     for choice, backend in WEIGHT_TRANSFER_BACKENDS.items():
-        config = GenerationWorkerConfig(model_path="m", engine=EngineConfig(weight_transfer=choice))
+        config = GenerationWorkerConfig(model_path="m", transfer=EngineTransferConfig(weight_transfer=choice))
         args = engine_args(config, in_process=True)
         assert args["weight_transfer_config"] == {"backend": backend}
     module, cls = args["worker_extension_cls"].rsplit(".", 1)

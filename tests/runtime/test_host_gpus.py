@@ -1,4 +1,4 @@
-"""The one answer to "which GPUs may this run use" (async_grpo/launch/host_gpus.py): the driver's
+"""The one answer to "which GPUs may this run use" (async_grpo/runtime/host_gpus.py): the driver's
 listing, the ASYNC_GRPO_HOST_GPUS override, and a scheduler's CUDA_VISIBLE_DEVICES, each faked."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from async_grpo.launch.host_gpus import HostGpuError, host_gpus, listed_gpu_count, main
+from async_grpo.runtime.host_gpus import HostGpuError, host_gpus, listed_gpu_count, main
 
 
 def _listing(tmp_path: Path, gpus: int) -> dict[str, str]:

@@ -21,7 +21,8 @@ replaced in one pass (other braces are left as they are, so a rubric may quote J
     {gt_answer}       the record's gold answer
     {verdict_format}  how to write the verdict, from the verdict rule (judge_template.verdict_format)
 
-How a reply becomes a score (the verdict rules) is judge_template.py's. Pure: no Ray, no vLLM.
+How a reply becomes a score (the verdict rules) is rewards/judge_template.py's; the judge's calls
+are rewards/judge_reward.py's. Pure: no Ray, no vLLM.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ plans for another machine on this one). A `CUDA_VISIBLE_DEVICES` set by the user
 (SLURM, Kubernetes) narrows that to the GPUs the job owns: plans place on positions 0..N-1 of
 that set, and `child_visible_devices` turns positions back into the names the parent was given.
 
-    python -m async_grpo.launch.host_gpus     # prints the count (scripts/demo.sh reads it)
+    python -m async_grpo.runtime.host_gpus     # prints the count (scripts/demo.sh reads it)
 """
 
 from __future__ import annotations

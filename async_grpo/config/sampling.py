@@ -1,8 +1,8 @@
 """How one prompt's rollouts are sampled and scored: `SamplingConfig`, sent with every request,
 and the seeds that make sampling reproducible.
 
-The trainer fills it, the batcher stamps each step's seed on it, the generation worker obeys
-it. Imports no Ray, vLLM or torch.
+A record every side reads: the trainer fills it, the batcher stamps each step's seed on it, the
+generation worker obeys it. Imports no Ray, vLLM or torch.
 
 What a completion holds when generation stops (the generation worker passes `stop` and
 `stop_token_ids` to vLLM with include_stop_str_in_output=True):
@@ -24,122 +24,18 @@ whole: those trailing characters are trained but were not seen by the reward.
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from async_grpo.rewards.shaping import RewardConfig
-from async_grpo.rollouts.environments import EnvironmentConfig, check_episode_limits, check_options_object
-
-# A verifiers seat's harness and runtime when VerifiersEnvConfig.options pins none: verifiers'
-# own tool-less chat program ("null") as a local process, which needs no container, network or uv
-# (verifiers_env.prepare_chat_program registers this interpreter for it).
-DEFAULT_SEAT: dict[str, Any] = {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}
-
-# VerifiersEnvConfig.check's error is one line: pydantic's multi-line reports are joined and cut here.
-_CHECK_LINE_CHARS = 400
+from async_grpo.config.reward_config import RewardConfig
+from async_grpo.config.rollout_sources import EnvironmentConfig, VerifiersEnvConfig
 
 # Every sampling seed stays below this: 31 bits fit any RNG API that takes a C int or an int32
 # (vLLM passes request seeds to torch.Generator.manual_seed, other engines may be narrower).
 SEED_BOUND = 2**31
 
-
-# verifiers 0.4.0 looks a plugin id up as `verifiers.v1.tasksets.<id>` first, and that lookup
-# raises for a dotted id (its parent package does not exist) instead of falling back to the id
-# itself; a dotted module is therefore imported here and handed over under a flat alias.
-_DOTTED_PLUGIN_ALIAS_SEPARATOR = "__"
-
-
-def verifiers_plugin_id(plugin_id: str) -> str:
-    """The id to give verifiers for `plugin_id`: itself when it has no dot, else the flat alias
-    under which the dotted module, imported here, sits in sys.modules."""
-    if "." not in plugin_id:
-        return plugin_id
-    alias = plugin_id.replace(".", _DOTTED_PLUGIN_ALIAS_SEPARATOR)
-    sys.modules.setdefault(alias, importlib.import_module(plugin_id))
-    return alias
-
-
-@dataclass(kw_only=True, frozen=True)
-class VerifiersEnvConfig:
-    """A `verifiers` (0.4.0, verifiers.v1) environment as the rollout source (the trainer's
-    `sampling.verifiers`; docs/environments.md "verifiers environments"): each generation worker
-    runs the environment in-process with verifiers' own rollout code against its own loopback
-    OpenAI-compatible endpoint (verifiers_env.py), and the environment's rubric gives the reward."""
-
-    taskset: str = ""
-    """The verifiers taskset id: an importable module exporting one `vf.Taskset` subclass in
-    `__all__`, importable on the generation workers: a top-level name or a dotted module path
-    (e.g. "async_grpo.demo_assets.verifiers_arith", the example). "": off."""
-    env: str = ""
-    """The verifiers Env id: "" for the taskset's own (else verifiers' SingleAgentEnv, one agent,
-    single- or multi-turn as its harness plays it), or a shipped/installed one such as "user-sim"
-    (a modelled user converses with the trained assistant: multi-turn)."""
-    max_turns: int | None = None
-    """Model turns per agent run at most (each seat's AgentConfig.max_turns unless `options` pins
-    it); None: the environment's own limit."""
-    max_total_tokens: int = 1024
-    """Tokens of one trained conversation at most (prompt, every turn and every observation): the
-    seats' AgentConfig.max_total_tokens unless `options` pins it, and what the trainer's token
-    budget check reads."""
-    options: dict[str, Any] = field(default_factory=dict, hash=False)  # a dict: SamplingConfig stays hashable
-    """More of the verifiers [env] config (JSON values), merged over the defaults, e.g.
-    {"user": {"max_turns": 3}}; on the command line one JSON object. Seats whose harness or
-    runtime it leaves unset play the in-process chat program ("null" harness, "subprocess" runtime)."""
-
-    def __post_init__(self) -> None:
-        check_options_object(self)
-        for name in ("taskset", "env"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"VerifiersEnvConfig.{name} must be a string, got {getattr(self, name)!r}")
-        if self.env and not self.taskset:
-            raise ValueError(f"VerifiersEnvConfig.env {self.env!r} needs a taskset (VerifiersEnvConfig.taskset)")
-        check_episode_limits(self)
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.taskset)
-
-    def resolve(self) -> Any:
-        """The verifiers EnvConfig this names (imports verifiers.v1 and the taskset): the env and
-        taskset ids, `options`, and for each seat `options` leaves unset the in-process chat
-        program (DEFAULT_SEAT) and this config's turn and token limits."""
-        import verifiers.v1 as vf
-        from verifiers.v1.configs.agent import agent_config_fields
-
-        taskset = verifiers_plugin_id(self.taskset)
-        data: dict[str, Any] = {"id": self.env, "taskset": {"id": taskset}, **self.options}
-        data["taskset"] = {**data.get("taskset", {}), "id": taskset}
-        for role in agent_config_fields(vf.resolve_env_config(dict(data))):
-            seat = dict(data.get(role) or {})
-            for key, value in (*DEFAULT_SEAT.items(), ("max_turns", self.max_turns),
-                               ("max_total_tokens", self.max_total_tokens)):
-                if value is not None:
-                    seat.setdefault(key, value)
-            data[role] = seat
-        return vf.resolve_env_config(data)
-
-    def check(self) -> str:
-        """Import verifiers, the taskset and the Env class and validate the env config before any
-        worker starts: the Env class's name, or ValueError in one line naming what is wrong."""
-        try:
-            import verifiers.v1 as vf
-            from verifiers.v1.utils.loaders import taskset_class
-
-            config = self.resolve()
-            taskset_class(config.taskset.id)
-            env_class = vf.environment_class(config.taskset.id, config.id)
-        except ImportError as exc:
-            raise ValueError(f"sampling.verifiers (taskset {self.taskset!r}, env {self.env!r}): cannot import: "
-                             f"{exc}") from None
-        except Exception as exc:  # pydantic's validation errors and verifiers' own refusals, as one line
-            line = " ".join(str(exc).split())[:_CHECK_LINE_CHARS] or type(exc).__name__
-            raise ValueError(f"sampling.verifiers (taskset {self.taskset!r}, env {self.env!r}): {line}") from None
-        return env_class.__name__
 
 
 @dataclass(kw_only=True, frozen=True)

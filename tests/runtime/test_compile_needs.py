@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from async_grpo.config.worker_options import EngineConfig
-from async_grpo.launch.compile_needs import missing_compile_needs
+from async_grpo.runtime.compile_needs import missing_compile_needs
 
 
 def _which(*present: str):

@@ -103,6 +103,10 @@ class JudgeConfig:
     on_failure: FailurePolicy = "mask"
     """A judge failure after its retries: mask leaves the sample out of its group's baseline and the
     loss (counted: reward/masked_samples); zero scores 0 for the judge's part."""
+    agree_with: str | None = None
+    """A reward function's metric name (e.g. math_verify_reward) to compare the judge with on each
+    sample both score: reward/judge_agreement is the share where both call it solved or both not.
+    Weight that function 0 to keep it out of the reward."""
     batch_window_s: float = 0.0
     """How long judge requests wait to go out together in one client call; 0: those made in one turn of
     the event loop (concurrent groups) go together."""
@@ -130,6 +134,9 @@ class JudgeConfig:
                                  f"got {value!r}")
         if self.prompt_field is not None and (not isinstance(self.prompt_field, str) or not self.prompt_field):
             raise ValueError(f"JudgeConfig.prompt_field must be a non-empty field name or None, got {self.prompt_field!r}")
+        if self.agree_with is not None and (not isinstance(self.agree_with, str) or not self.agree_with
+                                            or self.agree_with == JUDGE_FUNCTION):
+            raise ValueError(f"JudgeConfig.agree_with must name another reward function, got {self.agree_with!r}")
         if self.template_path is not None and (self.system != DEFAULT_SYSTEM or self.user):
             raise ValueError("JudgeConfig.template_path replaces the inline system and user messages: set one or the other")
         self.template()  # a missing file or a bad placeholder is reported now, naming it

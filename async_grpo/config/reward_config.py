@@ -31,7 +31,9 @@ DATA_SOURCE_FIELD = "data_source"
 REASONING_GYM_SOURCE_PREFIX = "reasoning_gym/"
 REASONING_GYM_FUNCTION = "async_grpo.rewards.reasoning_gym_reward:score"
 # Metric names under reward/ that a reward function's name (reward/<name>) must not take.
-_RESERVED_METRIC_NAMES = ("mean", "accuracy", "mean_generated", "masked_samples")
+_RESERVED_METRIC_NAMES = ("mean", "accuracy", "mean_generated", "masked_samples", "judge_agreement")
+AGREEMENT_PART = "judge_agreement"
+"""The reward part (metric reward/judge_agreement) that JudgeConfig.agree_with adds to judged samples."""
 # Patterns are searched over the whole completion with "." matching newlines too: reasoning
 # texts span many lines, and a format such as r"\\boxed\{.+\}" must not stop at the first one.
 FORMAT_FLAGS = re.DOTALL
@@ -139,6 +141,7 @@ class RewardConfig:
             raise ValueError(f"RewardConfig.min_scored_samples must be an int >= 1, got {self.min_scored_samples!r}")
         if not isinstance(self.judge, JudgeConfig):  # JudgeConfig validates its own fields
             raise ValueError(f"RewardConfig.judge must be a JudgeConfig, got {type(self.judge).__name__}")
+        self._check_agreement()
         for name in ("format_bonus", "format_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -187,6 +190,16 @@ class RewardConfig:
                 check_function(ref)
             except RewardFunctionError as exc:
                 raise ValueError(f"RewardConfig.functions: {exc}") from None
+
+    def _check_agreement(self) -> None:
+        other = self.judge.agree_with
+        if other is None:
+            return
+        names = [function_name(ref) for ref in self.functions]
+        if JUDGE_FUNCTION not in self.functions or other not in names:
+            raise ValueError(f"RewardConfig.judge.agree_with {other!r} compares two of `functions`: list both "
+                             f"'{JUDGE_FUNCTION}' and a function named {other!r} there (weight 0 keeps it out of the "
+                             f"reward), got {list(self.functions)}")
 
     def _check_routes(self) -> None:
         if isinstance(self.by_data_source, str):

@@ -33,7 +33,10 @@ default) a failure masks the sample instead (CombinedScore.masked, Sample.reward
 batcher leaves it out of its group's baseline and the loss, and drops a group left with fewer
 than `min_scored_samples` scored samples (batching/group_preparer.py). `solved` (what
 `reward/accuracy` and `eval/accuracy` count) is the verdict's, never the shaping's: math-verify's
-match, or every function's own notion of solved (its `solved` part, else its reward >= 1).
+match, or every weighted function's own notion of solved (its `solved` part, else its reward >= 1).
+A function of weight 0 is a monitor: scored and logged (reward/<name>), it enters neither the
+reward nor `solved`, and its failures mask nothing; `judge.agree_with` compares the judge with one
+(verdict_agreement, reward/judge_agreement).
 
 Imports no Ray, vLLM or torch. `RewardConfig` (config/reward_config.py, a record every side
 reads) travels inside `SamplingConfig.reward` (flags `--sampling.reward.format_pattern ...`,
@@ -61,8 +64,8 @@ class CombinedScore:
     reward: float
     """sum_i weight_i * reward_i (a failed function contributes 0)."""
     solved: bool
-    """Every function says solved (its `solved` part, else its reward >= CORRECT_VERDICT); a
-    failed function's completion is unsolved."""
+    """Every weighted function says solved (its `solved` part, else its reward >= CORRECT_VERDICT);
+    a failed weighted function's completion is unsolved. Weight-0 functions (monitors) do not count."""
     parts: dict[str, float]
     """Per-function rewards by function name (unweighted), and each dict part as "<name>/<part>"."""
     errors: tuple[str, ...]
@@ -84,18 +87,34 @@ def combine_scores(names: Sequence[str], weights: Sequence[float], scores: Seque
     reasons = []
     solved = True
     masked = False
-    for i, (name, score) in enumerate(zip(names, scores, strict=True)):
+    for i, (name, weight, score) in enumerate(zip(names, weights, scores, strict=True)):
         parts[name] = score.reward
         parts.update({f"{name}/{part}": value for part, value in score.parts.items()})
         if score.failed:
             errors.append(f"{name}: {score.error}")
             reasons.append(f"{name}/{score.kind}")
-            masked = masked or (masking is not None and masking[i])
-        solved = solved and not score.failed and (
-            score.solved if score.solved is not None else score.reward >= CORRECT_VERDICT)
+            masked = masked or (masking is not None and masking[i] and weight != 0)
+        if weight != 0:
+            solved = solved and score_solved(score)
     reward = sum(w * s.reward for w, s in zip(weights, scores, strict=True))
     return CombinedScore(reward=reward, solved=solved, parts=parts, errors=tuple(errors),
                          failure_reasons=tuple(reasons), masked=masked)
+
+
+def score_solved(score: FunctionScore) -> bool:
+    """One function's own verdict: its `solved` part, else its reward reaching CORRECT_VERDICT;
+    a failed call is unsolved."""
+    return not score.failed and (score.solved if score.solved is not None else score.reward >= CORRECT_VERDICT)
+
+
+def verdict_agreement(names: Sequence[str], scores: Sequence[FunctionScore], judge: str, other: str) -> float | None:
+    """1.0 when the functions `judge` and `other` both call the completion solved or both not
+    (score_solved), 0.0 when they differ; None when either failed or is not among `names`."""
+    by_name = dict(zip(names, scores, strict=True))
+    first, second = by_name.get(judge), by_name.get(other)
+    if first is None or second is None or first.failed or second.failed:
+        return None
+    return float(score_solved(first) == score_solved(second))
 
 
 def counts_as_solved(solved: bool | None, reward: float) -> bool:

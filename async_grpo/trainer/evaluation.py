@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Awaitable, Iterable, Sequence, TypeVar
+from typing import Awaitable, Iterable, Literal, Sequence, TypeVar, get_args
 
 from async_grpo.batching.rollout_fetcher import RequestClient
 from async_grpo.data.dataset import DATA_FORMATS, DataFormat, DatasetConfig, PromptTokenizer, load_prompts
@@ -44,6 +44,8 @@ GENERATE_METHOD = "generate"
 # Room for a few hundred prompts of math with long answers on a busy pool, and below the
 # trainer's default dist_timeout_s (1800 s), which the other ranks wait at while rank 0 evaluates.
 DEFAULT_TIMEOUT_S = 600.0
+EvalReward = Literal["training", "math_verify"]
+EVAL_REWARDS: tuple[str, ...] = get_args(EvalReward)
 METRIC_PREFIX = "eval/"
 
 
@@ -103,6 +105,9 @@ class EvalConfig:
     """Most tokens of one evaluation completion; None takes the training sampling's max_tokens."""
     max_prompts: int | None = None
     """Evaluate only the file's first N prompts; None evaluates them all."""
+    reward: EvalReward = "training"
+    """What scores evaluation answers: training (the training reward) or math_verify (math-verify
+    alone, e.g. to measure correctness apart from a model judge the run trains on)."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Longest one evaluation may take before it fails. Keep it below the trainer's
     dist_timeout_s: the other ranks wait in a collective while rank 0 evaluates."""
@@ -131,6 +136,8 @@ class EvalConfig:
                 raise ValueError(f"EvalConfig.{name} must be >= 1 or None, got {value}")
         if not self.timeout_s > 0:
             raise ValueError(f"EvalConfig.timeout_s must be > 0, got {self.timeout_s}")
+        if self.reward not in EVAL_REWARDS:
+            raise ValueError(f"EvalConfig.reward must be one of {list(EVAL_REWARDS)}, got {self.reward!r}")
 
     @property
     def enabled(self) -> bool:
@@ -273,8 +280,8 @@ async def _gather_all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
 class Evaluator:
     """Greedy accuracy and pass@k of the served weights on a fixed prompt set (plain class).
 
-    `sampling` is the training SamplingConfig: evaluation keeps its reward policy
-    (truncated_reward) and max_tokens unless EvalConfig overrides them.
+    `sampling` is the training SamplingConfig: evaluation keeps its reward (unless EvalConfig.reward
+    says math_verify), its truncated_reward, and max_tokens unless EvalConfig overrides them.
     """
 
     def __init__(self, config: EvalConfig, prompts: Sequence[Sample], sampling: SamplingConfig) -> None:
@@ -283,6 +290,8 @@ class Evaluator:
         self.config = config
         self.prompts = list(prompts)
         max_tokens = config.max_tokens if config.max_tokens is not None else sampling.max_tokens
+        if config.reward == "math_verify":  # RewardConfig without functions: math-verify's verdict
+            sampling = replace(sampling, reward=replace(sampling.reward, functions=(), weights=(), by_data_source=()))
         # Greedy decoding is deterministic: the seed would only make vLLM build a generator.
         self.greedy_sampling = replace(sampling, n=1, temperature=0.0, top_p=1.0, seed=None, max_tokens=max_tokens)
         self.sampled_sampling: SamplingConfig | None = None

@@ -187,6 +187,7 @@ def test_template_file_replaces_the_inline_messages(tmp_path: Path) -> None:
     ({"user": "{completion}", "group_wise": True}, "unknown placeholder {completion}"),
     ({"template_path": "rubric.yaml", "user": "{completion}"}, "set one or the other"),
     ({"template_path": "/no/such/rubric.yaml"}, "cannot read it"),
+    ({"agree_with": "judge"}, "JudgeConfig.agree_with must name another reward function"),
 ])
 def test_bad_judge_configs_are_refused_naming_the_field(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match.replace("{", r"\{").replace("}", r"\}")):
@@ -204,3 +205,13 @@ def test_bad_template_files_are_refused_naming_the_file(tmp_path: Path, content:
     path.write_text(content)
     with pytest.raises(ValueError, match=f"template_path {path}.*{match}"):
         JudgeConfig(template_path=str(path))
+
+
+def test_agreement_needs_the_judge_and_the_named_function_in_the_reward() -> None:
+    from async_grpo.config.reward_config import RewardConfig
+
+    judge = JudgeConfig(agree_with="math_verify_reward")
+    RewardConfig(functions=("judge", "async_grpo.rewards.math_verifier:math_verify_reward"), weights=(1.0, 0.0),
+                 judge=judge)
+    with pytest.raises(ValueError, match="judge.agree_with 'math_verify_reward' compares two of `functions`"):
+        RewardConfig(functions=("judge",), judge=judge)

@@ -14,7 +14,7 @@ from async_grpo.rewards import reward_functions
 from async_grpo.config.reward_config import RewardFunctionError, check_function
 from async_grpo.rewards.reward_functions import FunctionScore, to_score
 from async_grpo.config.reward_config import RewardConfig
-from async_grpo.rewards.shaping import combine_scores, counts_as_solved
+from async_grpo.rewards.shaping import combine_scores, counts_as_solved, verdict_agreement
 from async_grpo.rewards.math_verify_pool import VerifierPool
 
 PLUGINS = "reward_plugins_for_tests"
@@ -91,6 +91,29 @@ def test_combination_is_the_weighted_sum_and_solved_needs_every_function():
     failed = combine_scores(["a", "b"], [1.0, 1.0], [FunctionScore(reward=1.0), reward_functions.failure("timeout")])
     assert (failed.reward, failed.solved, failed.errors) == (1.0, False, ("b: timeout",))
     assert not combine_scores(["a"], [1.0], [FunctionScore(reward=0.9)]).solved
+
+
+def test_a_weight_zero_function_is_a_monitor_outside_the_reward_solved_and_masking():
+    # "m" says unsolved and then fails under a masking policy: neither touches the judged verdict.
+    combined = combine_scores(["j", "m"], [1.0, 0.0], [FunctionScore(reward=1.0), FunctionScore(reward=0.0)])
+    assert (combined.reward, combined.solved, combined.parts) == (1.0, True, {"j": 1.0, "m": 0.0})
+    failed = combine_scores(["j", "m"], [1.0, 0.0], [FunctionScore(reward=1.0), reward_functions.failure("timeout")],
+                            masking=[True, True])
+    assert (failed.solved, failed.masked, failed.failure_reasons) == (True, False, ("m/timeout",))
+    weighted = combine_scores(["j", "m"], [1.0, 0.5], [FunctionScore(reward=1.0), FunctionScore(reward=0.0)])
+    assert not weighted.solved
+
+
+@pytest.mark.parametrize("judge, other, agreement", [
+    (FunctionScore(reward=1.0), FunctionScore(reward=1.0), 1.0),
+    (FunctionScore(reward=0.0), FunctionScore(reward=0.0), 1.0),
+    (FunctionScore(reward=1.0), FunctionScore(reward=0.0), 0.0),   # the judge fooled
+    (FunctionScore(reward=0.6, solved=False), FunctionScore(reward=1.0), 0.0),
+    (reward_functions.failure("timeout"), FunctionScore(reward=1.0), None),
+])
+def test_the_judges_agreement_compares_the_two_verdicts(judge, other, agreement):
+    assert verdict_agreement(["judge", "mv"], [judge, other], "judge", "mv") == agreement
+    assert verdict_agreement(["judge"], [judge], "judge", "mv") is None
 
 
 def test_accuracy_counts_the_verdict_not_the_shaped_reward():

@@ -19,6 +19,7 @@ import pytest
 
 from async_grpo.demo_assets.arithmetic_data import write_arithmetic_table
 from async_grpo.data.dataset import DatasetConfig, DatasetError
+from async_grpo.config.reward_config import RewardConfig
 from async_grpo.config.sampling import SamplingConfig
 from async_grpo.trainer.evaluation import (
     EvalConfig, EvalDataConfig, EvaluationError, Evaluator, evaluation_metrics, load_eval_prompts, pass_at_k,
@@ -361,3 +362,14 @@ def test_evaluator_through_a_real_registry_and_worker(ray_local, tiny_model_dir:
         assert a.greedy.output_token_ids == b.greedy.output_token_ids
     assert {k: v for k, v in second.metrics().items() if k != "eval/time_s"} == {
         k: v for k, v in metrics.items() if k != "eval/time_s"}
+
+
+def test_eval_reward_math_verify_scores_apart_from_the_training_functions() -> None:
+    judged = replace(TRAIN_SAMPLING, reward=RewardConfig(functions=("judge",)))
+    assert Evaluator(EvalConfig(), _prompts(), judged).greedy_sampling.reward.functions == ("judge",)
+    evaluator = Evaluator(EvalConfig(pass_k=2, reward="math_verify"), _prompts(), judged)
+    for sampling in (evaluator.greedy_sampling, evaluator.sampled_sampling):
+        assert sampling.reward.functions == () and not sampling.reward.uses_judge
+    assert evaluator.greedy_sampling.truncated_reward == TRAIN_SAMPLING.truncated_reward
+    with pytest.raises(ValueError, match="EvalConfig.reward must be one of"):
+        EvalConfig(reward="judge")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Awaitable, Iterable, Literal, Sequence, TypeVar, get_args
 
 from async_grpo.batching.rollout_fetcher import RequestClient
+from async_grpo.config.judge_config import JudgeConfig
 from async_grpo.data.dataset import DATA_FORMATS, DataFormat, DatasetConfig, PromptTokenizer, load_prompts
 from async_grpo.rewards.shaping import counts_as_solved
 from async_grpo.config.sampling import SamplingConfig
@@ -291,7 +292,8 @@ class Evaluator:
         self.prompts = list(prompts)
         max_tokens = config.max_tokens if config.max_tokens is not None else sampling.max_tokens
         if config.reward == "math_verify":  # RewardConfig without functions: math-verify's verdict
-            sampling = replace(sampling, reward=replace(sampling.reward, functions=(), weights=(), by_data_source=()))
+            sampling = replace(sampling, reward=replace(sampling.reward, functions=(), weights=(), by_data_source=(),
+                                                        judge=JudgeConfig()))
         # Greedy decoding is deterministic: the seed would only make vLLM build a generator.
         self.greedy_sampling = replace(sampling, n=1, temperature=0.0, top_p=1.0, seed=None, max_tokens=max_tokens)
         self.sampled_sampling: SamplingConfig | None = None

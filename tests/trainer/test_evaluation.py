@@ -19,6 +19,7 @@ import pytest
 
 from async_grpo.demo_assets.arithmetic_data import write_arithmetic_table
 from async_grpo.data.dataset import DatasetConfig, DatasetError
+from async_grpo.config.judge_config import JudgeConfig
 from async_grpo.config.reward_config import RewardConfig
 from async_grpo.config.sampling import SamplingConfig
 from async_grpo.trainer.evaluation import (
@@ -365,8 +366,10 @@ def test_evaluator_through_a_real_registry_and_worker(ray_local, tiny_model_dir:
 
 
 def test_eval_reward_math_verify_scores_apart_from_the_training_functions() -> None:
-    judged = replace(TRAIN_SAMPLING, reward=RewardConfig(functions=("judge",)))
-    assert Evaluator(EvalConfig(), _prompts(), judged).greedy_sampling.reward.functions == ("judge",)
+    judged = replace(TRAIN_SAMPLING, reward=RewardConfig(
+        functions=("judge", "async_grpo.rewards.math_verifier:math_verify_reward"), weights=(1.0, 0.0),
+        judge=JudgeConfig(agree_with="math_verify_reward")))
+    assert Evaluator(EvalConfig(), _prompts(), judged).greedy_sampling.reward == judged.reward
     evaluator = Evaluator(EvalConfig(pass_k=2, reward="math_verify"), _prompts(), judged)
     for sampling in (evaluator.greedy_sampling, evaluator.sampled_sampling):
         assert sampling.reward.functions == () and not sampling.reward.uses_judge

@@ -1,4 +1,4 @@
-"""Where a trainer run's CPU goes, per process kind: the A/B runner's `--profile_cpu` (ab_parts.py).
+"""Where a trainer run's CPU goes, per process kind: the A/B runner's AbPlan.profile_cpu_s.
 
 A sampler thread reads /proc/<pid>/stat of every process in this process's tree (a LocalCluster's
 Ray head is started in this process, so its raylet, the actors, the vLLM engine cores, the

@@ -6,6 +6,7 @@ Shared modules (no `__main__` entry; scripts import these, never each other):
   flags, one trainer run on a local cluster with its metrics;
 - process_monitor.py: peak memory of every process in a run's tree, log events, run_polled;
 - packed_samples.py: packed minibatches of realistic lengths and their training FLOPs;
-- realistic_parts.py, soak_parts.py: those scripts' pure parts (config, data, sizing, comparisons).
-- ab_parts.py: the demo with settings A against settings B (demo_ab.py and its presets).
+- realistic_parts.py, soak_parts.py: those scripts' pure parts (config, data, sizing, comparisons);
+- ab_parts.py: the demo with settings A against settings B (demo_ab.py and its presets);
+- cpu_profile.py: a run's CPU seconds and page faults per process kind (the runner's CPU profile).
 """

@@ -6,15 +6,16 @@
     .venv/bin/python -m benchmarks.async_overlap --assets_dir runs/demo-assets    # reuse prepared demo assets
     .venv/bin/python -m benchmarks.async_overlap ... --attach 127.0.0.1:PORT       # real mode on a running cluster
 
-Every mode runs `torchrun --nproc_per_node=2 trainer_core.py` (FSDP2 on gloo) in one local
-cluster, alternating max_lag=0 and max_lag=1 runs of `--num_steps` steps (`--rounds` pairs),
-each from step 0 with settings otherwise identical. Alternating spreads slow drifts in the
-machine's load over both settings. Per setting, the median `timing/step_s` is taken over the
+Each mode, in the order given, is a preset of the A/B runner (benchmarks/ab_parts.py): the demo
+(`torchrun --nproc_per_node=2 trainer_core.py`, FSDP2 on gloo) with this benchmark's step shape
+(`--prompts_per_rank`, `--n`, the mode's completion length), A = max_lag 0 and B = max_lag 1,
+alternating for `--rounds` pairs of `--num_steps`-step runs in one local cluster, each from step 0
+with settings otherwise identical (runs in <work_dir>/<mode>/). Per setting, medians over the
 steady-state steps of its runs: each run's first `--skip_steps` (start-up, and the two steps
 max_lag=1 submits before training starts) and its last step (max_lag=1 has no next step to
-generate during it) are left out. `speedup = t(max_lag=0) / t(max_lag=1)`. Each run's own median
-and the machine's load average are printed too: other processes on the same cores make single
-steps noisy.
+generate during it) are left out. `speedup = t(max_lag=0) / t(max_lag=1)` of the median
+`timing/step_s`. The runner prints each run's own median and the machine's load average: other
+processes on the same cores make single steps noisy.
 
 - real: the real vLLM generation worker and the real logprob worker (reference logprobs) on the
   demo model (scripts/prepare_demo.py, short format warm-up), launched by LocalCluster. On a
@@ -25,17 +26,18 @@ steps noisy.
   logprob worker with Ray and the batcher; the rest for both trainer ranks), in a cluster of its
   own. Its max_lag=0 runs measure G, the trainer's wait per step (generation, logprobs and
   batching: the demo's step fills one minibatch per rank, trained once it is full) and T, the
-  rest of its step (`timing/step_s - timing/wait_s`); the ideal speedup is (G + T) / max(G, T).
+  rest of its step (`timing/busy_s` = `timing/step_s - timing/wait_s`); the ideal speedup is
+  (G + T) / max(G, T) (ab_parts.overlap_ideal).
 - simulated: the generation engine is SIMULATED: a small Ray actor registered in the generation
   registry that sleeps a fixed latency G per request (all of a step's requests sleep
   concurrently, like one engine batch on hardware of its own), then returns uniformly random
   tokens of length `sampling.max_tokens`, random 0/1 rewards and group advantages, and that
   fetches and assembles every weight push like a real worker. The trainer runs with
-  `logprob_role: none`. Unless `--sim_latency_s` gives G, a first calibration run (max_lag=0, G
-  tiny) measures T, the trainer's busy time per step (`timing/step_s - timing/wait_s`:
-  forward/backward, optimizer, weight push, bookkeeping), then G is set to T, where overlap helps
-  most. The ideal speedup is (G + T) / max(G, T) (2 at G = T), with T re-measured in the
-  comparison's own max_lag=0 runs; overlap_efficiency = measured / ideal.
+  `logprob_role: none`. Unless `--sim_latency_s` gives G, a first calibration run (max_lag=0
+  alone, G tiny) measures T, the trainer's busy time per step (forward/backward, optimizer, weight
+  push, bookkeeping), then G is set to T, where overlap helps most. The ideal speedup is
+  (G + T) / max(G, T) (2 at G = T), with T re-measured in the comparison's own max_lag=0 runs;
+  overlap_efficiency = measured / ideal.
 
 Reference points: one-step-off async GRPO reports 1.2-1.4x (verl), fully async 2.3-2.8x at
 scale (AReaL, many generation GPUs per trainer GPU); with one pipeline stage each the ceiling
@@ -49,16 +51,16 @@ overlap_efficiency=<z> G_s=... T_s=...` (the simulated mode's G and T), each for
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
 import os
 import random
-import statistics
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Literal
+from typing import AsyncIterator, Literal
 
 from async_grpo.algo.advantages import group_advantages  # the batcher's default, grpo
 from async_grpo.config.run_config import flattened
@@ -69,10 +71,10 @@ from async_grpo.config.sampling import SamplingConfig
 from async_grpo.routing.batch_calls import Bundle, serve_many
 from async_grpo.weights.update import WeightUpdate
 from async_grpo.weights.worker_loader import assemble_state_dict
-from benchmarks.clusters import AttachConfig, local_cluster
+from benchmarks.ab_parts import AbPlan, overlap_ideal, pooled, print_table, ratio, run_ab, Side, Spread, summarise
+from benchmarks.clusters import AttachConfig
 from benchmarks.harness import (
-    apply_smoke, demo_assets, DEMO_CONFIG, DemoAssets, load_bench_config, run_engine, run_trainer, setup_logging,
-    summary_line,
+    apply_smoke, demo_assets, DemoAssets, load_bench_config, run_engine, setup_logging, summary_line,
 )
 from local_cluster import LocalCluster, LocalClusterConfig
 from sample_processing_utils import Sample
@@ -80,8 +82,9 @@ from vllm_registry import RegistryConfig, WorkerHealth, get_or_create_registry
 
 logger = logging.getLogger(__name__)
 
-WORLD_SIZE = 2  # trainer ranks, as in the demo and the end-to-end tests
-LAGS = (0, 1)  # synchronous, then one-step-off
+SYNC = Side("max_lag0", ("--max_lag", "0"))
+OVERLAP = Side("max_lag1", ("--max_lag", "1"))
+KEYS = ("timing/step_s", "timing/wait_s", "timing/train_s", "timing/push_s", "timing/busy_s", "staleness/max")
 # Short warm-up: the benchmark needs a model that emits answer-shaped completions, not a good one.
 WARMUP_STEPS = 50
 NUM_PROMPTS = 500
@@ -140,56 +143,15 @@ class AsyncOverlapConfig:
     """Smoke mode: every mode, one round of 3-step runs of 2 prompts x 2 rollouts, a fixed simulated G (no
     calibration run), the real engine uncompiled (SMOKE); checks that the command runs, its figures mean nothing."""
 
-    def bench(self, max_tokens: int) -> BenchConfig:
-        """One mode's run shape, with that mode's completion length."""
-        return BenchConfig(num_steps=self.num_steps, rounds=self.rounds, skip_steps=self.skip_steps,
-                           prompts_per_rank=self.prompts_per_rank, n=self.n, max_tokens=max_tokens,
-                           trainer_timeout_s=self.trainer_timeout_s)
-
-
-@dataclass(kw_only=True, frozen=True)
-class BenchConfig:
-    """What each trainer run looks like; both max_lag runs of a mode share it."""
-
-    num_steps: int
-    """Optimizer steps per trainer run."""
-    rounds: int
-    """How many times the pair of runs (max_lag 0, then 1) is repeated, alternating."""
-    skip_steps: int
-    """Leading steps left out of the median (start-up; max_lag=1 pre-submits steps 0 and 1)."""
-    prompts_per_rank: int
-    """Prompts each rank submits per step."""
-    n: int
-    """Rollouts per prompt."""
-    max_tokens: int
-    """Completion length cap (the simulated engine always emits exactly this many tokens)."""
-    trainer_timeout_s: float
-    """Kill a trainer run that takes longer than this."""
-
     def __post_init__(self) -> None:
-        for name in ("num_steps", "rounds", "prompts_per_rank", "n", "max_tokens"):
+        for name in ("num_steps", "rounds", "prompts_per_rank", "n", "max_tokens", "sim_max_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"BenchConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"AsyncOverlapConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.skip_steps <= self.num_steps - 2:
-            raise ValueError(
-                f"BenchConfig.skip_steps must leave >= 1 step besides the last, got {self.skip_steps} of {self.num_steps}"
-            )
-
-
-@dataclass(slots=True)
-class RunTimes:
-    """Medians over steady-state steps (one run's, or all runs' of one max_lag), in seconds."""
-
-    step_s: float
-    wait_s: float
-    train_s: float
-    push_s: float
-    busy_s: float
-    """Median of step_s - wait_s: trainer time not spent waiting for rollouts (what generation
-    can hide behind)."""
-    steps: int
-    """Steps the medians are taken over."""
-    max_staleness: int
+            raise ValueError(f"AsyncOverlapConfig.skip_steps must leave >= 1 step besides the last, got "
+                             f"{self.skip_steps} of {self.num_steps}")
+        if self.sim_latency_s is None and self.calibration_steps < 2:
+            raise ValueError(f"AsyncOverlapConfig.calibration_steps must be >= 2, got {self.calibration_steps}")
 
 
 class SimulatedGenerationEngine:
@@ -266,75 +228,6 @@ def prepare_assets(out_dir: Path) -> DemoAssets:
     return demo_assets(out_dir, ("--warmup_steps", str(WARMUP_STEPS), "--num_prompts", str(NUM_PROMPTS)))
 
 
-def trainer_args(assets: Path, run_dir: Path, cfg: BenchConfig, num_steps: int, max_lag: int,
-                 extra: list[str]) -> list[str]:
-    """trainer_core.py flags: the demo config with this benchmark's step shape."""
-    return [
-        "--config", str(DEMO_CONFIG), "--run_dir", str(run_dir),
-        "--model.model_path", str(assets / "model"), "--data.path", str(assets / "arithmetic.jsonl"),
-        "--num_steps", str(num_steps), "--max_lag", str(max_lag),
-        "--prompts_per_rank", str(cfg.prompts_per_rank), "--sampling.n", str(cfg.n),
-        "--sampling.max_tokens", str(cfg.max_tokens), "--checkpoint_every", "0",
-        # No evaluation: it is not what this benchmark times (the table is named all the same, so the
-        # demo's config stays complete if a trainer flag turns evaluation back on).
-        "--eval.data.path", str(DemoAssets(root=assets).eval_table), "--eval.every", "0",
-        "--progress_bar", "false", "--tensorboard", "false", *extra,
-    ]
-
-
-def train_run(cluster: LocalCluster, args: list[str], run_dir: Path, num_steps: int,
-              timeout_s: float) -> list[dict[str, Any]]:
-    """One trainer run of num_steps steps from step 0; returns its metrics records.
-
-    A run that exits non-zero is an error, with the tail of its log.
-    """
-    run = run_trainer(cluster, args, run_dir, nproc_per_node=WORLD_SIZE, timeout_s=timeout_s,
-                      log=run_dir.parent / f"{run_dir.name}.trainer.log")
-    records = run.require(num_steps)
-    logger.info("%s (%d steps) finished in %.0f s", run_dir.name, num_steps, run.wall_s)
-    return records
-
-
-def steady(records: list[dict[str, Any]], skip_steps: int) -> list[dict[str, Any]]:
-    """A run's steps without its first skip_steps and its last (no next step to overlap with)."""
-    kept = records[skip_steps:-1]
-    if not kept:
-        raise ValueError(f"no steady-state steps among {len(records)} records (skip {skip_steps})")
-    return kept
-
-
-def summarise(records: list[dict[str, Any]]) -> RunTimes:
-    """Medians of steady-state step records."""
-    def median(key: str) -> float:
-        return statistics.median(r[key] for r in records)
-
-    return RunTimes(
-        step_s=median("timing/step_s"), wait_s=median("timing/wait_s"), train_s=median("timing/train_s"),
-        push_s=median("timing/push_s"),
-        busy_s=statistics.median(r["timing/step_s"] - r["timing/wait_s"] for r in records), steps=len(records),
-        max_staleness=int(max(r["staleness/max"] for r in records)),
-    )
-
-
-def run_schedule(cluster: LocalCluster, assets: Path, work: Path, prefix: str, cfg: BenchConfig,
-                 extra: list[str]) -> dict[int, RunTimes]:
-    """Alternate max_lag 0 and 1 for cfg.rounds rounds; every run starts afresh at step 0.
-
-    Alternating spreads slow drifts in the machine's load over both settings.
-    """
-    pooled: dict[int, list[dict[str, Any]]] = {lag: [] for lag in LAGS}
-    for round_index in range(cfg.rounds):
-        for lag in LAGS:
-            run_dir = work / f"{prefix}-r{round_index}-lag{lag}"
-            records = train_run(cluster, trainer_args(assets, run_dir, cfg, cfg.num_steps, lag, extra), run_dir,
-                                cfg.num_steps, cfg.trainer_timeout_s)
-            kept = steady(records, cfg.skip_steps)
-            pooled[lag].extend(kept)
-            print(f"{run_dir.name:<22} median step {summarise(kept).step_s:6.3f} s over {len(kept)} steps "
-                  f"(load average now {_load_average()})")
-    return {lag: summarise(records) for lag, records in pooled.items()}
-
-
 def real_cluster_config(assets: Path, log_dir: Path, smoke: bool, cpu: CpuPlanConfig) -> LocalClusterConfig:
     """Real vLLM generation worker + real logprob worker (reference logprobs), uncompiled in smoke
     mode, on the cores `cpu` plans."""
@@ -343,44 +236,6 @@ def real_cluster_config(assets: Path, log_dir: Path, smoke: bool, cpu: CpuPlanCo
         engine=run_engine(smoke, kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN),
         verification=VerificationConfig(global_num_verifiers=1), cpu=cpu,
     )
-
-
-def run_real(assets: Path, work: Path, cfg: BenchConfig, smoke: bool, attach: str) -> dict[int, RunTimes]:
-    """The real workers on shared cores; on the running cluster at `attach` when given."""
-    with local_cluster(real_cluster_config(assets, work / "real-workers", smoke, CpuPlanConfig()), attach) as cluster:
-        return run_schedule(cluster, assets, work, "real", cfg, [])
-
-
-@dataclass(slots=True)
-class SplitResult:
-    times: dict[int, RunTimes]
-
-    @property
-    def generation_s(self) -> float:
-        """G: what the trainer waits per step at max_lag 0 (generation, logprobs, batching)."""
-        return self.times[0].wait_s
-
-    @property
-    def trainer_s(self) -> float:
-        """T: the rest of the max_lag 0 step (the trainer's busy time)."""
-        return self.times[0].busy_s
-
-    @property
-    def ideal(self) -> float:
-        return (self.generation_s + self.trainer_s) / max(self.generation_s, self.trainer_s)
-
-    @property
-    def speedup(self) -> float:
-        return self.times[0].step_s / self.times[1].step_s
-
-
-def run_split(assets: Path, work: Path, cfg: BenchConfig, smoke: bool, generation_cores: int | None) -> SplitResult:
-    """The real workers and the trainer on cores of their own (the launcher's split CPU plan)."""
-    cpu = CpuPlanConfig(cpu_split="split", cpu_generation_cores=generation_cores)
-    with local_cluster(real_cluster_config(assets, work / "split-workers", smoke, cpu)) as cluster:
-        for line in cluster.cpu_plan.lines():
-            print(line)
-        return SplitResult(times=run_schedule(cluster, assets, work, "split", cfg, []))
 
 
 def start_simulated_engine(vocab_size: int, latency_s: float):
@@ -397,55 +252,80 @@ def start_simulated_engine(vocab_size: int, latency_s: float):
     return engine
 
 
-@dataclass(slots=True)
-class SimulatedResult:
-    latency_s: float
-    """G: the simulated engine's per-request latency."""
-    calibration: RunTimes | None
-    """max_lag=0 run at a tiny G, which measures T (None: G was given)."""
-    times: dict[int, RunTimes]
-
-    @property
-    def trainer_s(self) -> float:
-        """T: the trainer's busy time per step in the max_lag=0 runs (measured beside the comparison;
-        the calibration run's estimate only chose G)."""
-        return self.times[0].busy_s
-
-    @property
-    def ideal(self) -> float:
-        return (self.latency_s + self.trainer_s) / max(self.latency_s, self.trainer_s)
+def plan_for(config: AsyncOverlapConfig, assets: Path, out_dir: Path, max_tokens: int, extra: tuple[str, ...] = (),
+             **changes) -> AbPlan:
+    """A mode's comparison: max_lag 0 against 1 on the demo with this benchmark's step shape."""
+    return AbPlan(a=SYNC, b=OVERLAP, rounds=config.rounds, num_steps=config.num_steps, skip=config.skip_steps,
+                  tail=1, out_dir=str(out_dir), smoke=config.smoke, assets_dir=str(assets),
+                  flags=("--prompts_per_rank", str(config.prompts_per_rank), "--sampling.n", str(config.n),
+                         "--sampling.max_tokens", str(max_tokens), *extra),
+                  timeout_s=config.trainer_timeout_s, **changes)
 
 
-def run_simulated(assets: Path, work: Path, cfg: BenchConfig, latency_s: float | None,
-                  calibration_steps: int) -> SimulatedResult:
-    """Unless G is given: calibrate T with a near-zero G and set G = T. Then max_lag 0 vs 1."""
+def compare(mode: str, plan: AbPlan, cluster: LocalCluster | None = None) -> dict[str, dict[str, Spread]]:
+    """A mode's runs (ab_parts.run_ab), its table, and its medians per side."""
+    summaries = {name: summarise(records, KEYS) for name, records in pooled(run_ab(plan, cluster)).items()}
+    print(f"\n{mode}: median [min-max] over each side's steady-state steps")
+    print_table(summaries, KEYS, label=mode)
+    return summaries
+
+
+def overlap_figures(summaries: dict[str, dict[str, Spread]], generation_s: float) -> tuple[float, float, float]:
+    """(speedup, T, ideal) of a mode whose generation takes generation_s (G) per step; T: the
+    trainer's busy time per step in the max_lag 0 runs."""
+    busy_s = summaries[SYNC.name]["timing/busy_s"].median
+    return ratio(summaries, "timing/step_s", SYNC.name, OVERLAP.name), busy_s, overlap_ideal(generation_s, busy_s)
+
+
+def run_real(config: AsyncOverlapConfig, mode: str, assets: Path, work: Path) -> dict[str, str]:
+    """The real workers on shared cores (on the cluster at --attach when given), or on cores of
+    their own (split, a cluster of its own); G: the trainer's wait at max_lag 0."""
+    split = mode == "split"
+    cpu = CpuPlanConfig(cpu_split="split", cpu_generation_cores=config.cpu_generation_cores) if split else None
+    workers = real_cluster_config(assets, work / f"{mode}-workers", config.smoke, cpu or CpuPlanConfig())
+    summaries = compare(mode, plan_for(config, assets, work / mode, config.max_tokens, cluster=workers,
+                                       attach="" if split else config.cluster.attach))
+    generation_s = summaries[SYNC.name]["timing/wait_s"].median
+    speedup, busy_s, ideal = overlap_figures(summaries, generation_s)
+    if not split:
+        print("real: vLLM generation, the logprob worker and both trainer ranks share "
+              f"{os.cpu_count()} cores, so overlap can only fill time when the cores would otherwise idle")
+        return {"speedup": f"{speedup:.3f}"}
+    print(f"split: G = {generation_s:.3f} s (trainer wait, max_lag=0), T = {busy_s:.3f} s (the rest of its step); "
+          f"speedup {speedup:.3f}, ideal (G + T) / max(G, T) = {ideal:.3f}")
+    return {"split_speedup": f"{speedup:.3f}", "split_ideal": f"{ideal:.3f}",
+            "split_efficiency": f"{speedup / ideal:.3f}", "split_G_s": f"{generation_s:.3f}",
+            "split_T_s": f"{busy_s:.3f}"}
+
+
+def run_simulated(config: AsyncOverlapConfig, assets: Path, work: Path) -> dict[str, str]:
+    """Unless G is given: calibrate T with a near-zero G (max_lag 0 alone), and set G = T. Then max_lag 0 vs 1."""
     import ray
 
     vocab_size = json.loads((assets / "model" / "config.json").read_text())["vocab_size"]
-    cluster_config = LocalClusterConfig(model_path=str(assets / "model"), log_dir=str(work / "sim-workers"),
-                                        logprob_workers=0)
-    extra = ["--logprob_role", "none", "--loss.kl_coef", "0"]
-    with LocalCluster(cluster_config) as cluster:
+    plan = plan_for(config, assets, work / "simulated", config.sim_max_tokens,
+                    ("--logprob_role", "none", "--loss.kl_coef", "0"))
+    # No dispatchers: the simulated engine, registered below, is the cluster's only worker.
+    with LocalCluster(LocalClusterConfig(model_path=str(assets / "model"), log_dir=str(work / "simulated-workers"),
+                                         logprob_workers=0)) as cluster:
         engine = start_simulated_engine(vocab_size, SIM_CALIBRATION_LATENCY_S)
-        calibration = None
+        latency_s = config.sim_latency_s
         if latency_s is None:
-            run_dir = work / "sim-calibration"
-            records = train_run(cluster, trainer_args(assets, run_dir, cfg, calibration_steps, 0, extra), run_dir,
-                                calibration_steps, cfg.trainer_timeout_s)
-            calibration = summarise(steady(records, min(cfg.skip_steps, calibration_steps - 2)))
-            logger.info("calibration: T = %.3f s per step", calibration.busy_s)
-        chosen = latency_s if latency_s is not None else calibration.busy_s
-        logger.info("SIMULATED G = %.3f s", chosen)
-        ray.get(engine.set_latency.remote(chosen))
-        times = run_schedule(cluster, assets, work, "sim", cfg, extra)
-    return SimulatedResult(latency_s=chosen, calibration=calibration, times=times)
-
-
-def describe(label: str, times: dict[int, RunTimes]) -> None:
-    for lag, t in times.items():
-        print(f"{label:<10} max_lag={lag}  step {t.step_s:6.3f} s  wait {t.wait_s:6.3f} s  "
-              f"train {t.train_s:6.3f} s  push {t.push_s:6.3f} s  busy {t.busy_s:6.3f} s  "
-              f"(median of {t.steps} steps, max staleness {t.max_staleness})")
+            calibration = dataclasses.replace(plan, b=None, num_steps=config.calibration_steps,
+                                              skip=min(config.skip_steps, config.calibration_steps - 2),
+                                              out_dir=str(work / "simulated-calibration"))
+            records = pooled(run_ab(calibration, cluster))[SYNC.name]
+            latency_s = summarise(records, ("timing/busy_s",))["timing/busy_s"].median
+            logger.info("calibration: T = %.3f s per step", latency_s)
+        logger.info("SIMULATED G = %.3f s", latency_s)
+        ray.get(engine.set_latency.remote(latency_s))
+        summaries = compare("simulated", plan, cluster)
+    speedup, busy_s, ideal = overlap_figures(summaries, latency_s)
+    print(f"SIMULATED generation engine: G = {latency_s:.3f} s per request (fixed sleep; "
+          f"{'given' if config.sim_latency_s is not None else 'the calibration run T'}); T = {busy_s:.3f} s trainer "
+          "busy time per step (step - wait, max_lag=0 runs)")
+    return {"simulated_speedup": f"{speedup:.3f}", "simulated_ideal": f"{ideal:.3f}",
+            "overlap_efficiency": f"{speedup / ideal:.3f}", "G_s": f"{latency_s:.3f}", "T_s": f"{busy_s:.3f}"}
 
 
 def _load_average() -> str:
@@ -453,40 +333,16 @@ def _load_average() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = load_bench_config(AsyncOverlapConfig, argv, description=__doc__)
-    args = apply_smoke(args, SMOKE)
+    config = apply_smoke(load_bench_config(AsyncOverlapConfig, argv, description=__doc__), SMOKE)
     setup_logging()
-
-    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="async-overlap-"))
+    work = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="async-overlap-"))
     work.mkdir(parents=True, exist_ok=True)
-    assets = Path(args.assets_dir) if args.assets_dir else prepare_assets(work / "assets").root
+    assets = Path(config.assets_dir) if config.assets_dir else prepare_assets(work / "assets").root
     summary: dict[str, str] = {}
     load_before = _load_average()
-    if "real" in args.modes:
-        real = run_real(assets, work, args.bench(args.max_tokens), args.smoke, args.cluster.attach)
-        describe("real", real)
-        print("real: vLLM generation, the logprob worker and both trainer ranks share "
-              f"{os.cpu_count()} cores, so overlap can only fill time when the cores would otherwise idle")
-        summary["speedup"] = f"{real[0].step_s / real[1].step_s:.3f}"
-    if "split" in args.modes:
-        split = run_split(assets, work, args.bench(args.max_tokens), args.smoke, args.cpu_generation_cores)
-        describe("split", split.times)
-        print(f"split: G = {split.generation_s:.3f} s (trainer wait, max_lag=0), T = {split.trainer_s:.3f} s "
-              f"(the rest of its step); speedup {split.speedup:.3f}, ideal (G + T) / max(G, T) = {split.ideal:.3f}")
-        summary.update(split_speedup=f"{split.speedup:.3f}", split_ideal=f"{split.ideal:.3f}",
-                       split_efficiency=f"{split.speedup / split.ideal:.3f}", split_G_s=f"{split.generation_s:.3f}",
-                       split_T_s=f"{split.trainer_s:.3f}")
-    if "simulated" in args.modes:
-        sim = run_simulated(assets, work, args.bench(args.sim_max_tokens), args.sim_latency_s,
-                            args.calibration_steps)
-        calibrated = "given" if sim.calibration is None else f"calibration T was {sim.calibration.busy_s:.3f} s"
-        print(f"SIMULATED generation engine: G = {sim.latency_s:.3f} s per request (fixed sleep; {calibrated}); "
-              f"T = {sim.trainer_s:.3f} s trainer busy time per step (step - wait, max_lag=0 runs)")
-        describe("simulated", sim.times)
-        measured = sim.times[0].step_s / sim.times[1].step_s
-        summary.update(simulated_speedup=f"{measured:.3f}", simulated_ideal=f"{sim.ideal:.3f}",
-                       overlap_efficiency=f"{measured / sim.ideal:.3f}", G_s=f"{sim.latency_s:.3f}",
-                       T_s=f"{sim.trainer_s:.3f}")
+    for mode in dict.fromkeys(config.modes):
+        summary.update(run_simulated(config, assets, work) if mode == "simulated"
+                       else run_real(config, mode, assets, work))
     print(f"runs and logs: {work}; load average at start {load_before}, at end {_load_average()} "
           f"on {os.cpu_count()} cores")
     print(summary_line("async_overlap", summary))

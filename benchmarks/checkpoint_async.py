@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> None:
                   job=lambda run_dir: _job(config, model, data, run_dir), timeout_s=TRAINER_TIMEOUT_S)
     runs: dict[str, list[dict[str, Any]]] = {}
     for mode, mode_runs in run_ab(plan).items():
-        runs[mode] = [summarize_checkpoint_run(records, config.checkpoint_every, config.skip_steps)
-                      for records in mode_runs]
+        runs[mode] = [summarize_checkpoint_run(run.records, config.checkpoint_every, config.skip_steps)
+                      for run in mode_runs]
         for round_index, summary in enumerate(runs[mode]):
             print(f"{mode} round {round_index}: checkpoint_s {[round(x, 3) for x in summary['checkpoint_s']]}, "
                   f"step after a checkpoint {_median(summary['step_after_checkpoint_s']):.3f} s, "

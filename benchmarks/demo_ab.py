@@ -4,17 +4,19 @@
     .venv/bin/python -m benchmarks.demo_ab --a "" --b "--model.share_prompts false" --rounds 3 --steps 30
     .venv/bin/python -m benchmarks.demo_ab --a_name per_rank --a "--data_path per_rank" \\
         --b_name rank0 --b "--data_path rank0"   # what data_path.py runs
+    .venv/bin/python -m benchmarks.demo_ab --b_launcher "--tune_processes false"   # launcher flags of B's workers
 
 `--a` and `--b` are trainer flags (trainer_core.py's, one shell-quoted string each, '' for the
 demo as configured; one word alone is written `--b=--max_lag=1`) added to the demo's
-(configs/demo.yaml with its assets, seed `--seed`, no checkpoints, no evaluation). Each round runs
+(configs/demo.yaml with its assets, seed `--seed`, no checkpoints, no evaluation); `--a_launcher`
+and `--b_launcher` are local_cluster.py flags for each side's workers. Each round runs
 A, then B, for `--steps` steps each on a local cluster (benchmarks/ab_parts.py says when the two
 share one); each run's first `--skip` steps are left out. Printed: a table of every `--metrics` key
 both sides log (median [min-max] over their steps), then the last line
 `demo_ab: <key>_ratio=<B median / A median> a_<key>=<A median> b_<key>=<B median> ...` for each
 (<key>: the metric's name after its '/', e.g. step_s, wait_s, ray_bytes). Written to
-<out_dir>/demo_ab.json. Presets over the same runner: data_path.py, and checkpoint_async.py on a
-job of its own.
+<out_dir>/demo_ab.json. Presets over the same runner: data_path.py, async_overlap.py,
+step_profile.py, and checkpoint_async.py on a job of its own.
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ class DemoAbConfig:
     """A's name in the table, the run folders and the JSON."""
     b_name: str = "B"
     """B's name."""
+    a_launcher: str = ""
+    """local_cluster.py flags for A's workers, one shell-quoted string (e.g. '--tune_processes false'); sides
+    whose workers differ get a cluster each."""
+    b_launcher: str = ""
+    """local_cluster.py flags for B's workers."""
     rounds: int = 2
     """Pairs of runs (A, then B)."""
     steps: int = 20
@@ -79,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     config = apply_smoke(load_bench_config(DemoAbConfig, argv, description=__doc__), SMOKE)
     setup_logging()
     interrupt_on_sigterm()
-    a, b = Side.parse(config.a_name, config.a), Side.parse(config.b_name, config.b)
+    a = Side.parse(config.a_name, config.a, config.a_launcher)
+    b = Side.parse(config.b_name, config.b, config.b_launcher)
     plan = AbPlan(a=a, b=b, rounds=config.rounds, num_steps=config.steps, seed=config.seed, skip=config.skip,
                   assets_dir=config.assets_dir, out_dir=config.out_dir, smoke=config.smoke,
                   attach=config.cluster.attach)
@@ -87,10 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     records = pooled(run_ab(plan))
     summaries = {name: summarise(rs, metrics) for name, rs in records.items()}
     (Path(config.out_dir) / "demo_ab.json").write_text(json.dumps({
-        "a": {"name": a.name, "flags": list(a.flags)}, "b": {"name": b.name, "flags": list(b.flags)},
+        **{key: {"name": s.name, "flags": list(s.flags), "launcher": list(s.launcher)}
+           for key, s in (("a", a), ("b", b))},
         "steps_per_side": {n: len(rs) for n, rs in records.items()},
         "summary": {n: {k: asdict(v) for k, v in s.items()} for n, s in summaries.items()}}, indent=1))
-    print(f"\n{a.name}: {' '.join(a.flags) or '(the demo)'}; {b.name}: {' '.join(b.flags) or '(the demo)'}")
+    print("\n" + "; ".join(f"{s.name}: {' '.join(s.flags) or '(the demo)'}"
+                           + (f" (launcher {' '.join(s.launcher)})" if s.launcher else "") for s in (a, b)))
     print(f"{len(records[a.name])} steps per side (each run's first {config.skip} left out); median [min-max]")
     print_table(summaries, metrics)
     figures = {}

@@ -7,8 +7,9 @@
 One generation worker (vllm_worker.GenerationWorker, the real vLLM engine, in this process; Ray
 only for the object store that carries pushed weights; a real verifier pool scores) runs the same
 job once per mode, with `GenerationWorkerConfig.weight_update_pause_mode` switched between runs
-on the same engine. Runs alternate keep/wait (wait/keep in the next round) so slow drifts in the
-machine's load fall on both modes.
+on the same engine. Runs alternate keep/wait (wait/keep in the next round: the A/B runner's order,
+benchmarks/ab_parts.py, which also makes the table and the ratio) so slow drifts in the machine's
+load fall on both modes.
 
 The job is the trainer's loop at max_lag 1 without the trainer: step s's prompts are submitted
 once version s - max_lag is served; step s waits for its groups, "trains" for `--train_s`
@@ -19,16 +20,18 @@ response lengths (the bundled tiny Qwen2 with random weights, `--max_tokens` 256
 stop) holds every step back; under `keep` they are frozen, the weights swapped, and they finish
 on the new weights. An untimed 2-step job warms the engine up first.
 
-Printed per run: steps/s over the whole job and the mean per-token staleness (over every sampled
-token of every step: the step's version minus the version that sampled the token). Per-token
+Printed per run, then per mode as median [min-max] over its runs: steps/s over the whole job, the
+mean per-token staleness (over every sampled token of every step: the step's version minus the
+version that sampled the token) and the fraction of completions straddling a push. Per-token
 versions come from Sample.token_versions once the generation worker fills them
 (token_versions.TokenVersionTracker); until then samples carry only weight_version (the version
 when the request started) and the summary says `staleness_source=weight_version`: under keep the
 figure is then an upper bound.
 
 The LAST line is `inflight: ` and key=value pairs: `speedup=` (median steps/s keep over wait),
-`keep_steps_per_s=`, `wait_steps_per_s=`, `keep_token_staleness=`, `wait_token_staleness=`,
-`keep_straddled_frac=` (completions with tokens from two versions) and `staleness_source=`.
+`keep_steps_per_s=`, `wait_steps_per_s=`, `keep_token_staleness=`, `wait_token_staleness=` (over
+every token of a mode's runs), `keep_straddled_frac=` (completions with tokens from two versions)
+and `staleness_source=`.
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ import dataclasses
 import logging
 import os
 import random
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -49,6 +51,7 @@ import torch
 
 from async_grpo.config.worker_options import VerificationConfig
 from async_grpo.config.sampling import SamplingConfig
+from benchmarks.ab_parts import print_table, ratio, schedule, summarise
 from benchmarks.harness import apply_smoke, load_bench_config, setup_logging, SMOKE_ENGINE, summary_line
 from sample_processing_utils import Sample
 
@@ -63,6 +66,7 @@ PROMPT_TOKENS = 8  # random prompt ids; the random model's continuation does not
 PUSH_NOISE = 0.01
 KV_CACHE_BYTES = 256 << 20  # (max_lag + 1) steps x prompts x n sequences of up to max_model_len
 NAMESPACE = "benchmark-inflight"
+KEYS = ("steps_per_s", "token_staleness", "straddled_frac")  # a run's figures in the table
 WARMUP_STEPS = 2  # an untimed job before the first round
 
 SMOKE = {"rounds": 1, "num_steps": 2, "prompts_per_step": 2, "n": 2, "max_tokens": 16, "train_s": 0.0}
@@ -101,23 +105,6 @@ class InflightConfig:
             raise ValueError(f"InflightConfig.train_s must be >= 0, got {self.train_s}")
 
 
-@dataclass(slots=True)
-class RunResult:
-    mode: PauseMode
-    steps_per_s: float
-    token_lag_sum: int
-    tokens: int
-    completions: int
-    straddled: int
-    """Completions whose tokens came from more than one version."""
-    carried_token_versions: bool
-    """True when any sample carried token_versions (the worker's hook is in)."""
-
-    @property
-    def token_staleness(self) -> float:
-        return self.token_lag_sum / self.tokens if self.tokens else 0.0
-
-
 def write_models(work: Path) -> tuple[Path, list[dict[str, torch.Tensor]]]:
     """The bundled tiny Qwen2 and the two state dicts the pushes alternate between."""
     from async_grpo.demo_assets.tiny_model import write_tiny_model
@@ -138,8 +125,9 @@ def prompts(step: int, cfg: InflightConfig, vocab_size: int, seed: int) -> list[
 
 
 async def run_job(worker: Any, refs: list[Any], mode: PauseMode, cfg: InflightConfig, vocab_size: int,
-                  seed: int) -> RunResult:
-    """The trainer's loop at max_lag 1 without the trainer (module docstring)."""
+                  seed: int) -> dict[str, Any]:
+    """The trainer's loop at max_lag 1 without the trainer (module docstring); its figures (KEYS)
+    and the counts they come from (count)."""
     from async_grpo.weights.update import WeightUpdate
 
     worker.config = dataclasses.replace(worker.config, weight_update_pause_mode=mode)
@@ -147,8 +135,7 @@ async def run_job(worker: Any, refs: list[Any], mode: PauseMode, cfg: InflightCo
     sampling = SamplingConfig(n=cfg.n, temperature=1.0, max_tokens=cfg.max_tokens, seed=seed)
     base = worker.weight_version
     tasks: dict[int, list[asyncio.Task]] = {}
-    result = RunResult(mode=mode, steps_per_s=0.0, token_lag_sum=0, tokens=0, completions=0, straddled=0,
-                       carried_token_versions=False)
+    counts = {"token_lag_sum": 0, "tokens": 0, "completions": 0, "straddled": 0, "token_versions": False}
     started = time.monotonic()
     submitted = -1
     for step in range(cfg.num_steps):
@@ -158,29 +145,33 @@ async def run_job(worker: Any, refs: list[Any], mode: PauseMode, cfg: InflightCo
             tasks[submitted] = [asyncio.create_task(worker.generate(p, sampling))
                                 for p in prompts(submitted, cfg, vocab_size, seed)]
         groups = await asyncio.gather(*tasks.pop(step))
-        count(result, [s for group in groups for s in group], base + step)
+        count(counts, [s for group in groups for s in group], base + step)
         await asyncio.sleep(cfg.train_s)
         version = base + step + 1
         await worker.update_weights(WeightUpdate(version=version, shard_refs=[refs[version % len(refs)]]))
-    result.steps_per_s = cfg.num_steps / (time.monotonic() - started)
-    return result
+    return {"steps_per_s": cfg.num_steps / (time.monotonic() - started),
+            "token_staleness": counts["token_lag_sum"] / max(counts["tokens"], 1),
+            "straddled_frac": counts["straddled"] / max(counts["completions"], 1), **counts}
 
 
-def count(result: RunResult, samples: list[Sample], current_version: int) -> None:
+def count(counts: dict[str, Any], samples: list[Sample], current_version: int) -> None:
+    """Adds the samples' token staleness (summed lag and sampled tokens), completions, those
+    straddling a push (tokens from more than one version), and whether any carried token_versions."""
     for sample in samples:
         lag_sum, tokens = sample.token_staleness(current_version)
-        result.token_lag_sum += lag_sum
-        result.tokens += tokens
-        result.completions += 1
-        result.straddled += len(sample.token_versions or ()) > 1
-        result.carried_token_versions |= sample.token_versions is not None
+        counts["token_lag_sum"] += lag_sum
+        counts["tokens"] += tokens
+        counts["completions"] += 1
+        counts["straddled"] += len(sample.token_versions or ()) > 1
+        counts["token_versions"] |= sample.token_versions is not None
 
 
 def _load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-async def run_all(cfg: InflightConfig, work: Path) -> list[RunResult]:
+async def run_all(cfg: InflightConfig, work: Path) -> dict[str, list[dict[str, Any]]]:
+    """Each mode's runs (run_job's figures), in the runner's order after an untimed warm-up job."""
     import ray
 
     from async_grpo.config.worker_options import EngineConfig
@@ -197,44 +188,42 @@ async def run_all(cfg: InflightConfig, work: Path) -> list[RunResult]:
     config = GenerationWorkerConfig(model_path=str(model_dir), engine=engine, verification=VerificationConfig(global_num_verifiers=1))
     pool = VerifierPool(num_processes=1)
     worker = GenerationWorker("inflight-generation", config, verifier=pool)
-    results: list[RunResult] = []
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     try:
         await worker.start()
         worker.mark_ready()
         await worker.update_weights(WeightUpdate(version=0, shard_refs=[refs[0]], initial=True))
         # Untimed: the engine's first requests allocate and warm up what later ones reuse.
         await run_job(worker, refs, "keep", dataclasses.replace(cfg, num_steps=WARMUP_STEPS), vocab_size, cfg.seed)
-        for round_index in range(cfg.rounds):
-            order = MODES if round_index % 2 == 0 else MODES[::-1]
-            for mode in order:
-                result = await run_job(worker, refs, mode, cfg, vocab_size, cfg.seed + round_index)
-                results.append(result)
-                print(f"round {round_index} {mode:<4}  {result.steps_per_s:6.3f} steps/s  token staleness "
-                      f"{result.token_staleness:5.3f} over {result.tokens} tokens  straddled "
-                      f"{result.straddled}/{result.completions}  (load average {_load()})", flush=True)
+        for round_index, mode in schedule(MODES, cfg.rounds, swap=True):
+            result = await run_job(worker, refs, mode, cfg, vocab_size, cfg.seed + round_index)
+            runs[mode].append(result)
+            print(f"round {round_index} {mode:<4}  {result['steps_per_s']:6.3f} steps/s  token staleness "
+                  f"{result['token_staleness']:5.3f} over {result['tokens']} tokens  straddled "
+                  f"{result['straddled']}/{result['completions']}  (load average {_load()})", flush=True)
     finally:
         worker.shutdown()
         pool.close()
-    return results
+    return runs
 
 
-def summarise(results: list[RunResult]) -> dict[str, str]:
-    by_mode = {mode: [r for r in results if r.mode == mode] for mode in MODES}
-    steps = {mode: statistics.median(r.steps_per_s for r in runs) for mode, runs in by_mode.items()}
+def figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+    """The summary line's: medians of steps/s and their ratio; staleness and straddling over every
+    token and completion of a mode's runs."""
+    summaries = {mode: summarise(records, KEYS) for mode, records in runs.items()}
+    print_table(summaries, KEYS, label="mode")
 
-    def staleness(mode: PauseMode) -> float:
-        runs = by_mode[mode]
-        return sum(r.token_lag_sum for r in runs) / max(sum(r.tokens for r in runs), 1)
+    def pooled(mode: str, part: str, whole: str) -> float:
+        return sum(r[part] for r in runs[mode]) / max(sum(r[whole] for r in runs[mode]), 1)
 
-    keep = by_mode["keep"]
-    carried = any(r.carried_token_versions for r in results)
+    carried = any(r["token_versions"] for records in runs.values() for r in records)
     return {
-        "speedup": f"{steps['keep'] / steps['wait']:.3f}",
-        "keep_steps_per_s": f"{steps['keep']:.3f}",
-        "wait_steps_per_s": f"{steps['wait']:.3f}",
-        "keep_token_staleness": f"{staleness('keep'):.3f}",
-        "wait_token_staleness": f"{staleness('wait'):.3f}",
-        "keep_straddled_frac": f"{sum(r.straddled for r in keep) / max(sum(r.completions for r in keep), 1):.3f}",
+        "speedup": f"{ratio(summaries, 'steps_per_s', 'keep', 'wait'):.3f}",
+        "keep_steps_per_s": f"{summaries['keep']['steps_per_s'].median:.3f}",
+        "wait_steps_per_s": f"{summaries['wait']['steps_per_s'].median:.3f}",
+        "keep_token_staleness": f"{pooled('keep', 'token_lag_sum', 'tokens'):.3f}",
+        "wait_token_staleness": f"{pooled('wait', 'token_lag_sum', 'tokens'):.3f}",
+        "keep_straddled_frac": f"{pooled('keep', 'straddled', 'completions'):.3f}",
         "staleness_source": "token_versions" if carried else "weight_version",
     }
 
@@ -249,12 +238,12 @@ def main(argv: list[str] | None = None) -> None:
     load_before = _load()
     init_local_ray(num_cpus=2, namespace=NAMESPACE, log_to_driver=True)
     try:
-        results = asyncio.run(run_all(cfg, work))
+        runs = asyncio.run(run_all(cfg, work))
     finally:
         import ray
 
         ray.shutdown()
-    summary = summarise(results)
+    summary = figures(runs)
     if summary["staleness_source"] == "weight_version":
         print("samples carried no token_versions (the generation worker's hook is not in): staleness counts every "
               "token at its request's start version, an upper bound under keep")

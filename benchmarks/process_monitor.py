@@ -4,7 +4,7 @@ Used by benchmarks that start a whole system (realistic_run.py, soak.py): `Proce
 this process's tree and keeps each process's peak RSS (VmHWM), private and shared memory, labelled
 by role (`process_label`); `LogWatcher` follows growing logs for the run's events; `run_polled`
 runs a command while sampling the tree; `print_failure` shows a failed run's logs. For CPU
-profiles (step_profile.py, scripts/suite_profile.py): `read_counters` (a process's CPU seconds and page
+profiles (cpu_profile.py, scripts/suite_profile.py): `read_counters` (a process's CPU seconds and page
 faults) and `process_kind` (a label's kind: trainer ranks, engine core, Ray, ...).
 """
 

@@ -1,9 +1,11 @@
-"""Chaos: SIGKILL a generation and a logprob worker mid-run; the pools heal and no prompt is lost.
+"""Chaos: SIGKILL a generation, a logprob and a judge worker mid-run; the pools heal and no prompt is lost.
 
-A local cluster with 2 generation and 2 logprob workers, each under its own worker_dispatcher.py,
-and `torchrun --nproc_per_node=2 trainer_core.py`. While the trainer runs, the test SIGKILLs one
-worker process of each kind at steps drawn from a seeded RNG (the seed is in every failure
-message), and right after the first kill adds a third generation worker with the command
+A local cluster with 2 generation, 2 logprob and 2 judge workers, each under its own
+worker_dispatcher.py, and `torchrun --nproc_per_node=2 trainer_core.py`; every answer is also
+sent to the judge (an untrained tiny judge, weighted 0: the pool is under test, not its verdicts).
+While the trainer runs, the test SIGKILLs one worker process of each kind at steps drawn from a
+seeded RNG (the seed is in every failure message), and right after the first kill adds a third
+generation worker with the command
 local_cluster.py prints. The engines run uncompiled (enforce_eager: ~8 s less per engine start)
 and the dispatchers check their worker every second: the lifecycle is under test, not the
 engine's speed. It then checks:
@@ -11,7 +13,8 @@ engine's speed. It then checks:
   counted as stale, timed out, missing or dropped for their logprobs' weight version;
 - each dispatcher replaced its killed worker (a new name registered), and the added worker
   registered; the replacements and the added worker serve: a second short run (one rank) puts
-  requests on them;
+  requests on them; no judge request was lost to the kill (no judge failure of kind crash:
+  the registry re-sent the killed judge's requests);
 - after the cluster stops, no worker or engine-core process is left, no weight file remains
   in shared memory, and the folder the cluster's processes kept their temporary files in (the
   killed workers' too) is gone; a folder left by a launcher that died is removed at the start.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,7 +42,7 @@ from async_grpo.config.worker_options import HealthCheckConfig, RestartConfig
 from async_grpo.demo_assets.arithmetic_data import write_arithmetic_dataset
 from async_grpo.launch.dispatcher_logs import REGISTERED_PATTERN
 from async_grpo.launch.local_processes import RUN_TEMP_PREFIX
-from async_grpo.config.actor_names import GENERATION, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
+from async_grpo.config.actor_names import GENERATION, JUDGE, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
 from async_grpo.telemetry.metrics import read_metrics
 from async_grpo.weights.worker_bucket_files import weights_file_dir
 from local_cluster import LocalCluster
@@ -53,6 +57,13 @@ N = 4
 RUN = ["--prompts_per_rank", "2", "--sampling.n", str(N), "--sampling.max_tokens", "4", "--max_tokens_per_gpu", "256",
        "--data.max_prompt_tokens", "16", "--progress_bar", "false", "--tensorboard", "false", "--eval.every", "0",
        "--max_lag", "1", "--logprob_role", "reference", "--checkpoint_at_end", "false"]
+# Every answer goes to the judge pool as a monitor (weight 0): its replies (an untrained model's)
+# neither enter the reward nor mask, so the accounting below is the same as without it.
+JUDGED = ["--sampling.reward.functions", "judge", "async_grpo.rewards.math_verifier:math_verify_reward",
+          "--sampling.reward.weights", "0", "1", "--sampling.reward.judge.max_tokens", "4",
+          "--sampling.reward.judge.retries", "0", "--sampling.reward.judge.system", "",
+          "--sampling.reward.judge.user", "{prompt}{completion}"]
+KINDS = (GENERATION, LOGPROB, JUDGE)
 TRAINER_TIMEOUT_S = 900
 # Bounds that only keep a broken run from hanging the suite (an engine starts in ~1 min on 2 cores).
 RESTART_BOUND_S = 600.0
@@ -131,14 +142,27 @@ def _kill_if_running(process: subprocess.Popen) -> None:
         process.wait()
 
 
+def _judge_model(model_dir: Path, out: Path) -> Path:
+    """A copy of model_dir whose tokenizer has a chat template (the judge renders its chats with one)."""
+    from setup_model import load_tokenizer
+
+    shutil.copytree(model_dir, out)
+    tokenizer = load_tokenizer(out)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}?{% endif %}"
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path, tmp_path: Path) -> None:
     rng = random.Random(SEED)
     kill_at = {GENERATION: rng.randint(1, 3), LOGPROB: rng.randint(4, 6)}
+    kill_at[JUDGE] = rng.randint(2, 5)
     context = f"seed {SEED}, kills at steps {kill_at}"
     data = write_arithmetic_dataset(tmp_path / "arithmetic.jsonl", 200, seed=SEED)
     log_dir = tmp_path / "logs"
     config = cluster_config(
-        tiny_model_dir, log_dir, generation_workers=2, logprob_workers=2,
+        tiny_model_dir, log_dir, generation_workers=2, logprob_workers=2, judge_workers=2,
+        judge_model_path=str(_judge_model(tiny_model_dir, tmp_path / "judge")),
         health=HealthCheckConfig(health_check_interval_s=HEALTH_CHECK_INTERVAL_S),
         engine={"kv_cache_memory_bytes": 64 * 2**20, "max_num_seqs": 64, "dtype": "float32"},
         restart=RestartConfig(restart_backoff_s=RESTART_BACKOFF_S),
@@ -159,10 +183,10 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
         # at least), which goes when the cluster stops: checked after the kills, at the end.
         temp_dir = Path(cluster.temp_dir)
         assert any(path.is_socket() for path in temp_dir.iterdir()), f"no vLLM socket in {temp_dir}"
-        actor_pids = {_actor_pid(worker_actor_name(kind, i)) for kind in (GENERATION, LOGPROB) for i in range(2)}
+        actor_pids = {_actor_pid(worker_actor_name(kind, i)) for kind in KINDS for i in range(2)}
         run_dir = tmp_path / "run"
         args = ["--run_dir", str(run_dir), "--model.model_path", str(tiny_model_dir), "--data.path", str(data),
-                "--num_steps", str(NUM_STEPS), *RUN]
+                "--num_steps", str(NUM_STEPS), *RUN, *JUDGED]
         result: dict[str, int] = {}
         trainer = threading.Thread(target=lambda: result.update(code=cluster.run_trainer(
             args, nproc_per_node=WORLD_SIZE, timeout_s=TRAINER_TIMEOUT_S, log_path=tmp_path / "trainer.log")))
@@ -182,18 +206,23 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
         trainer.join(TRAINER_TIMEOUT_S)
         assert result.get("code") == 0, f"{context}: trainer exited {result}:\n" + \
             "\n".join((tmp_path / "trainer.log").read_text().splitlines()[-40:])
-        _check_every_rollout_accounted_for(read_metrics(run_dir / "metrics.jsonl"), context)
+        records = read_metrics(run_dir / "metrics.jsonl")
+        _check_every_rollout_accounted_for(records, context)
+        # Truncated answers take the fixed truncated_reward unscored; the others go to the judge.
+        assert any("reward/judge" in r for r in records), f"{context}: no answer was judged: {records}"
+        crashes = {r["step"]: r[key] for r in records for key in r if key.startswith("counts/reward_failures/judge/crash")}
+        assert not crashes, f"{context}: judge requests lost to the kill (crash failures per step): {crashes}"
 
         # Each killed worker's dispatcher (whichever log announced the victim: dispatchers claim
         # names in no fixed order) registered a replacement under a new name.
         def dispatcher_of(victim: str) -> str:
             return next(log for log, names in _registered_names(log_dir).items() if names[:1] == [victim])
 
-        logs = {kind: dispatcher_of(worker_actor_name(kind, 0)) for kind in (GENERATION, LOGPROB)}
+        logs = {kind: dispatcher_of(worker_actor_name(kind, 0)) for kind in KINDS}
         _wait(lambda: all(len(_registered_names(log_dir)[logs[kind]]) == 2 for kind in logs),
               "the replacements to register", RESTART_BOUND_S, context)
         names = _registered_names(log_dir)
-        replacements = {kind: names[logs[kind]][1] for kind in (GENERATION, LOGPROB)}
+        replacements = {kind: names[logs[kind]][1] for kind in KINDS}
         for kind, name in replacements.items():
             assert name not in (worker_actor_name(kind, 0), worker_actor_name(kind, 1)), f"{context}: {names}"
             log = (log_dir / logs[kind]).read_text(errors="replace")
@@ -210,11 +239,12 @@ def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path,
         # with both ranks' prompts: the same requests per step, one rank's start-up less.
         second = tmp_path / "run2"
         code = cluster.run_trainer(["--run_dir", str(second), "--model.model_path", str(tiny_model_dir),
-                                    "--data.path", str(data), "--num_steps", "3", *RUN, "--prompts_per_rank", "4"],
+                                    "--data.path", str(data), "--num_steps", "3", *RUN, *JUDGED,
+                                    "--prompts_per_rank", "4"],
                                    nproc_per_node=1, timeout_s=TRAINER_TIMEOUT_S, log_path=tmp_path / "trainer2.log")
         assert code == 0, f"{context}: second run exited {code}"
         for kind, name in replacements.items():
-            served = _served(LOGPROB if kind == LOGPROB else GENERATION)
+            served = _served(kind if kind in (LOGPROB, JUDGE) else GENERATION)
             assert served.get(name, 0) >= 1, f"{context}: {kind} worker {name} served nothing: {served}"
         actor_pids |= {_actor_pid(name) for name in replacements.values()}
         run_pids = _with_descendants(actor_pids) | victim_pids  # every worker and engine core of the run

@@ -26,6 +26,10 @@ from async_grpo.weights.trainer_cuda_transfer import TrainerTransferConfig
 from grpo_loss import LossConfig
 from setup_model import ModelConfig
 
+# The largest context-parallel degree a budget refusal suggests: past the attention heads of the
+# models this trainer serves (Qwen2.5 has 14 to 40 query heads), a larger group splits nothing more.
+MAX_SUGGESTED_CONTEXT_PARALLEL = 16
+
 
 @dataclass(kw_only=True, frozen=True)
 class TrainerConfig:
@@ -224,11 +228,14 @@ class TrainerConfig:
                     f".max_total_tokens={longest}: one multi-turn rollout could exceed the "
                     f"minibatch budget; raise max_tokens_per_gpu or lower max_total_tokens")
         if self.oversized_sample_policy == "refuse" and longest > budget:
+            degree = -(-longest // per_gpu)
+            # A degree past any model's attention heads splits nothing more: suggest it only when usable.
+            context = (f" or model.context_parallel to at least {degree} (a divisor of the attention heads: "
+                       f"docs/training.md, 'Context parallelism')" if degree <= MAX_SUGGESTED_CONTEXT_PARALLEL else "")
             raise ValueError(
                 f"TrainerConfig.{what} is below data.max_prompt_tokens + "
                 f"sampling.max_tokens = {self.data.max_prompt_tokens} + {sampling.max_tokens} = {longest}: "
-                f"one sample could exceed the minibatch budget; raise max_tokens_per_gpu to at least {-(-longest // cp)} "
-                f"or model.context_parallel to at least {-(-longest // per_gpu)} (a divisor of the attention heads: "
-                f"docs/training.md, 'Context parallelism'), lower data.max_prompt_tokens or sampling.max_tokens, "
+                f"one sample could exceed the minibatch budget; raise max_tokens_per_gpu to at least {-(-longest // cp)}"
+                f"{context}, lower data.max_prompt_tokens or sampling.max_tokens, "
                 f"or set oversized_sample_policy: train_alone"
             )

@@ -132,8 +132,7 @@ def test_a_bad_config_is_one_line_printed_by_each_nodes_first_rank(tmp_path: Pat
     assert done.stderr.strip().splitlines() == [
         "trainer_core.py: TrainerConfig: TrainerConfig.max_tokens_per_gpu=8 is below data.max_prompt_tokens + "
         "sampling.max_tokens = 1024 + 512 = 1536: one sample could exceed the minibatch budget; raise "
-        "max_tokens_per_gpu to at least 1536 or model.context_parallel to at least 192 (a divisor of the "
-        "attention heads: docs/training.md, 'Context parallelism'), lower data.max_prompt_tokens or "
+        "max_tokens_per_gpu to at least 1536, lower data.max_prompt_tokens or "
         "sampling.max_tokens, or set oversized_sample_policy: train_alone"
     ]
 

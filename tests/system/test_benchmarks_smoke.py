@@ -77,6 +77,8 @@ SMOKES = (
     Smoke("suite_profile", (), "suite_profile",
           ("wall_s", "machine_cpu_s", "attributed_cpu_s", "engine_starts", "trainer_launches", "ray_heads"),
           script="scripts/suite_profile.py"),
+    Smoke("judge_throughput", ("--work_dir", WORK), "judge_throughput",
+          ("speedup", "batched_per_s", "one_per_s", "parsable", "requests"), ("vllm",)),
     Smoke("inflight", ("--work_dir", WORK), "inflight",
           ("speedup", "keep_token_staleness", "wait_token_staleness", "staleness_source"), ("vllm",)),
     # Local-cluster smokes last: they take minutes each.

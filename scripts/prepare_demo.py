@@ -23,6 +23,7 @@ packed path (TokenLogprobModel), and the model is saved with save_pretrained (sa
 from __future__ import annotations
 
 import logging
+import math
 import random
 import sys
 from dataclasses import dataclass
@@ -75,14 +76,17 @@ def format_warmup_samples(tokenizer, batch_size: int, rng: random.Random) -> lis
 
 def supervised_warm_up(model_dir: Path, make_batch: Callable[[Any, random.Random], list[Sample]], steps: int,
                        lr: float, seed: int, *, log_every: int = 50, what: str = "format warm-up",
-                       loss_name: str = "answer-token NLL") -> None:
+                       loss_name: str = "answer-token NLL", cosine: bool = False) -> None:
     """AdamW steps on the mean negative logprob of each batch's sampled tokens (the trainer's packed
     path), make_batch(tokenizer, rng) drawing each batch from one random.Random(seed); saves the
-    model over model_dir. The tool demo's and the reasoning-gym model's warm-ups run it too."""
+    model over model_dir. The lr is constant, or with cosine decays from lr to 0 over the steps.
+    The tool demo's, the judge demo's and the reasoning-gym model's warm-ups run it too."""
     tokenizer = load_tokenizer(model_dir)
     causal_lm = load_causal_lm(model_dir)
     model = TokenLogprobModel(causal_lm).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    scale = (lambda step: 0.5 * (1.0 + math.cos(math.pi * step / steps))) if cosine else (lambda step: 1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, scale)
     rng = random.Random(seed)
     for step in range(steps):
         logprobs, _ = model.score(get_input_for_logprobs(make_batch(tokenizer, rng)))
@@ -90,6 +94,7 @@ def supervised_warm_up(model_dir: Path, make_batch: Callable[[Any, random.Random
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        schedule.step()
         if step % log_every == 0 or step == steps - 1:
             logger.info("%s step %d/%d: %s %.3f", what, step, steps, loss_name, loss.item())
     causal_lm.save_pretrained(model_dir, safe_serialization=True)

@@ -1,0 +1,271 @@
+"""Make the judge demo's judge: a tiny Qwen2 that answers "yes" or "no" to "a+b=c" by whether c is the sum.
+
+    python scripts/prepare_judge_demo.py --out_dir runs/demo-judge-assets
+
+The judge demo trains the demo's policy (scripts/prepare_demo.py) with a model judge's verdict as
+its only reward (sampling.reward.judge: verdict yes_no, system "", user "{prompt}{completion}"), so
+the judge sees the prompt and the policy's completion run together, e.g. "3+4=7".
+
+1. Writes a randomly initialised tiny Qwen2 + char tokenizer (tiny_model.write_tiny_model, a seed
+   of its own) to <out_dir>/judge, and gives the tokenizer JUDGE_CHAT_TEMPLATE: the messages'
+   contents only (a non-empty system message, a newline, then the user message) and, for
+   add_generation_prompt, GENERATION_MARK ("?"), the position the verdict is read from. The judge
+   worker renders it as transformers and vLLM both load it (tokenizer.chat_template).
+2. Supervised training (prepare_demo.supervised_warm_up: the answer-token NLL, a cosine lr) on
+   the rendered chat of "a+b=" + completion, answered "yes" and EOS when the completion is exactly
+   str(a+b), "no" and EOS otherwise. Half the examples are true sums; the other half are what the policy may write
+   instead (judge_example): a wrong sum 0..18, a longer number (up to 4 characters), a number with
+   junk after it, junk alone, or nothing. The judge is stricter than math-verify: "7 " or "07"
+   are "no", so a policy that learns from it writes the bare sum.
+3. Measures the trained judge with transformers' greedy `generate` on the same rendering and reads
+   each reply with the yes_no rule (judge_template.parse_verdict): every problem against every
+   completion 0..18 (1,900 cases, 100 of them true), and a seeded set of junk completions; prints
+   the figures and writes them to <out_dir>/judge/judge_accuracy.json. The demo's policy learns
+   to fool a judge that says "yes" to a wrong sum, so the 1,900-case table is what must be right.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import string
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # prepare_demo, also when loaded by path
+
+from prepare_demo import MAX_SUM, supervised_warm_up  # noqa: E402
+
+from async_grpo.config.judge_config import JudgeConfig  # noqa: E402
+from async_grpo.config.run_config import load_config  # noqa: E402
+from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
+from async_grpo.rewards.judge_template import parse_verdict  # noqa: E402
+from sample_processing_utils import Sample  # noqa: E402
+from setup_model import load_causal_lm, load_tokenizer  # noqa: E402
+
+logger = logging.getLogger("prepare_judge_demo")
+
+# What add_generation_prompt appends: one character of the char tokenizer's alphabet that the
+# prompts "a+b=" never hold, so the model can tell where the judged text ends.
+GENERATION_MARK = "?"
+JUDGE_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}"
+    "{%- if message['content'] %}{{- message['content'] + '\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- message['content'] }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '" + GENERATION_MARK + "' }}{%- endif %}"
+)
+YES, NO = "yes", "no"
+MAX_COMPLETION_CHARS = 4  # the demo samples at most 4 tokens, one character each
+# Characters of the junk the judge must refuse: the policy's whole alphabet (printable ASCII and
+# newline), the digits included.
+JUNK_CHARACTERS = string.printable[:95] + "\n"
+# Kinds of negative examples and their shares among the negatives. Wrong sums dominate: they are
+# what the 1,900-case table asks about and what a policy learning addition writes most.
+NEGATIVE_KINDS: dict[str, float] = {"wrong_sum": 0.7, "long_number": 0.1, "number_then_junk": 0.1,
+                                    "junk": 0.07, "empty": 0.03}
+
+
+@dataclass(kw_only=True, frozen=True)
+class PrepareJudgeDemoConfig:
+    """Command line of `python scripts/prepare_judge_demo.py`."""
+
+    out_dir: str
+    """Folder to write judge/ (the model, its tokenizer and judge_accuracy.json) to."""
+    # 5000 steps at lr 1e-3 decayed to 0 (cosine): every case of the 1,900-case table right, in
+    # about 3 minutes on 2 cores (seed 2: 0.998, 4 sums off by one judged "yes"); 4000 steps left
+    # 2 wrong sums judged "yes". A constant lr 3e-3
+    # learnt nothing of the sums in 3000 steps (0.33 on the table: "yes" to most numbers), a
+    # constant 1e-3 reached 0.92 after 2000 steps, still rising.
+    steps: int = 5000
+    """Supervised training steps."""
+    batch_size: int = 64
+    """Judged completions per step (half of them true sums)."""
+    lr: float = 1e-3
+    """AdamW learning rate at the first step; it decays to 0 by the last (cosine)."""
+    positive_fraction: float = 0.5
+    """Share of training completions that are the true sum (answered yes)."""
+    seed: int = 1
+    """Seed of the judge's initialisation and training; the demo's policy uses seed 0."""
+    num_junk_eval: int = 500
+    """Random junk completions the accuracy check adds to the 1,900-case table."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "num_junk_eval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PrepareJudgeDemoConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        if not self.lr > 0:
+            raise ValueError(f"PrepareJudgeDemoConfig.lr must be > 0, got {self.lr!r}")
+        if not 0.0 < self.positive_fraction < 1.0:
+            raise ValueError("PrepareJudgeDemoConfig.positive_fraction must be in (0, 1), "
+                             f"got {self.positive_fraction!r}")
+
+
+def is_correct(a: int, b: int, completion: str) -> bool:
+    """The judge's truth: the completion is exactly the sum, written plainly."""
+    return completion == str(a + b)
+
+
+def judged_text(a: int, b: int, completion: str) -> str:
+    """What the judge's user message holds under the demo's template "{prompt}{completion}"."""
+    return f"{a}+{b}={completion}"
+
+
+def judge_messages(a: int, b: int, completion: str, system: str = "") -> list[dict[str, str]]:
+    """The chat the judge worker sends (judge_template.sample_messages: no system message when "")."""
+    chat = [{"role": "system", "content": system}] if system else []
+    return chat + [{"role": "user", "content": judged_text(a, b, completion)}]
+
+
+def render(tokenizer, messages: list[dict[str, str]]) -> str:
+    """The judge's prompt text, as the judge worker renders it."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_ids(tokenizer, a: int, b: int, completion: str) -> list[int]:
+    return list(tokenizer(render(tokenizer, judge_messages(a, b, completion)), add_special_tokens=False)["input_ids"])
+
+
+def _junk(rng: random.Random, min_chars: int, max_chars: int) -> str:
+    return "".join(rng.choice(JUNK_CHARACTERS) for _ in range(rng.randint(min_chars, max_chars)))
+
+
+def negative_completion(a: int, b: int, kind: str, rng: random.Random) -> str:
+    """A completion of "a+b=" that is not the sum, of one of NEGATIVE_KINDS."""
+    total = a + b
+    while True:
+        if kind == "wrong_sum":
+            text = str(rng.choice([c for c in range(MAX_SUM + 1) if c != total]))
+        elif kind == "long_number":  # 2 to 4 digits: the wrong 2-digit sums and beyond the largest sum
+            text = str(rng.randint(10, 10 ** rng.randint(2, MAX_COMPLETION_CHARS) - 1))
+        elif kind == "number_then_junk":  # the true sum or another number, then junk
+            number = str(total if rng.random() < 0.5 else rng.randint(0, MAX_SUM))
+            text = number + _junk(rng, 1, max(1, MAX_COMPLETION_CHARS - len(number)))
+        elif kind == "junk":
+            text = _junk(rng, 1, MAX_COMPLETION_CHARS)
+        elif kind == "empty":
+            text = ""
+        else:
+            raise ValueError(f"unknown negative kind {kind!r}; known: {sorted(NEGATIVE_KINDS)}")
+        if not is_correct(a, b, text):
+            return text
+
+
+def judge_example(rng: random.Random, positive_fraction: float) -> tuple[int, int, str, str]:
+    """(a, b, completion, the judge's answer): the true sum at positive_fraction, else a negative."""
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    if rng.random() < positive_fraction:
+        return a, b, str(a + b), YES
+    kind = rng.choices(list(NEGATIVE_KINDS), weights=list(NEGATIVE_KINDS.values()))[0]
+    return a, b, negative_completion(a, b, kind, rng), NO
+
+
+def judge_batch(tokenizer, batch_size: int, positive_fraction: float, rng: random.Random) -> list[Sample]:
+    """Rendered judge prompts with the answer ("yes" or "no", then EOS) as the trained output."""
+    samples = []
+    for _ in range(batch_size):
+        a, b, completion, answer = judge_example(rng, positive_fraction)
+        output = list(tokenizer(answer, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+        samples.append(Sample(input_token_ids=prompt_ids(tokenizer, a, b, completion), gt_answer=answer,
+                              output_token_ids=output))
+    return samples
+
+
+def write_judge_model(model_dir: Path, seed: int) -> Path:
+    """The random-init tiny Qwen2 with JUDGE_CHAT_TEMPLATE saved in its tokenizer files."""
+    write_tiny_model(model_dir, TinyModelConfig(seed=seed))
+    tokenizer = load_tokenizer(model_dir)
+    tokenizer.chat_template = JUDGE_CHAT_TEMPLATE
+    tokenizer.save_pretrained(model_dir)
+    reloaded = load_tokenizer(model_dir)
+    if reloaded.chat_template != JUDGE_CHAT_TEMPLATE:
+        raise RuntimeError(f"the judge's chat template did not survive save_pretrained in {model_dir}")
+    return model_dir
+
+
+def eval_cases(num_junk: int, seed: int) -> list[tuple[str, int, int, str]]:
+    """(group, a, b, completion): every problem x every completion 0..MAX_SUM (group "table"), then
+    num_junk seeded junk completions (group "junk": random characters, numbers with junk after them)."""
+    cases = [("table", a, b, str(c)) for a in range(10) for b in range(10) for c in range(MAX_SUM + 1)]
+    rng = random.Random(f"judge-eval-{seed}")
+    for _ in range(num_junk):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        kind = rng.choice(["junk", "number_then_junk", "long_number", "empty"])
+        cases.append(("junk", a, b, negative_completion(a, b, kind, rng)))
+    return cases
+
+
+@torch.no_grad()
+def greedy_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens: int = 4,
+                   batch_size: int = 256) -> list[str]:
+    """transformers' greedy generate on each prompt, batched by prompt length (no padding, so each
+    prompt is run exactly as alone); replies decoded without special tokens."""
+    replies: list[str] = [""] * len(prompts)
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        by_length.setdefault(len(ids), []).append(i)
+    for indices in by_length.values():
+        for start in range(0, len(indices), batch_size):
+            chunk = indices[start:start + batch_size]
+            input_ids = torch.tensor([prompts[i] for i in chunk])
+            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+            for i, row in zip(chunk, out[:, input_ids.shape[1]:]):
+                replies[i] = tokenizer.decode(row, skip_special_tokens=True)
+    return replies
+
+
+def measure(model_dir: Path, num_junk: int, seed: int) -> dict[str, Any]:
+    """The judge's greedy accuracy (its yes_no verdict against is_correct) per group of eval_cases."""
+    tokenizer = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir).eval()
+    cases = eval_cases(num_junk, seed)
+    replies = greedy_replies(model, tokenizer, [prompt_ids(tokenizer, a, b, c) for _, a, b, c in cases])
+    rule = JudgeConfig(verdict="yes_no", system="", user="{prompt}{completion}")
+    groups: dict[str, list[bool]] = {"table": [], "table_positives": [], "table_negatives": [], "junk": []}
+    unparsable, wrong, reply_counts = 0, [], Counter(replies)
+    for (group, a, b, completion), reply in zip(cases, replies):
+        verdict = parse_verdict(reply, rule)
+        truth = is_correct(a, b, completion)
+        right = verdict.score is not None and (verdict.score == 1.0) == truth
+        unparsable += verdict.score is None
+        groups[group].append(right)
+        if group == "table":
+            groups["table_positives" if truth else "table_negatives"].append(right)
+        if not right and len(wrong) < 20:
+            wrong.append({"judged": judged_text(a, b, completion), "reply": reply, "correct": truth})
+    result: dict[str, Any] = {name: {"accuracy": sum(flags) / len(flags), "cases": len(flags)}
+                              for name, flags in groups.items()}
+    result["unparsable_replies"] = unparsable
+    result["replies"] = dict(reply_counts.most_common(5))  # "yes" and "no" alone, when it stops with EOS
+    result["first_mistakes"] = wrong
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = load_config(PrepareJudgeDemoConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.manual_seed(args.seed)
+    model_dir = write_judge_model(Path(args.out_dir) / "judge", args.seed)
+    supervised_warm_up(model_dir, lambda tokenizer, rng: judge_batch(tokenizer, args.batch_size,
+                                                                     args.positive_fraction, rng),
+                       args.steps, args.lr, args.seed, log_every=250, what="judge training", cosine=True)
+    result = measure(model_dir, args.num_junk_eval, args.seed)
+    (model_dir / "judge_accuracy.json").write_text(json.dumps(result, indent=2) + "\n")
+    for name in ("table", "table_positives", "table_negatives", "junk"):
+        print(f"{name}: accuracy {result[name]['accuracy']:.4f} over {result[name]['cases']} cases")
+    print(f"unparsable replies: {result['unparsable_replies']}\njudge: {model_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from async_grpo.config.judge_config import JudgeConfig
 from async_grpo.config.worker_options import EngineConfig
+from async_grpo.demo_assets.arithmetic_judge import JUDGE_TEMPLATE
 from async_grpo.rewards.judge_reward import JudgeReply, JudgeRequest
 from async_grpo.rewards.judge_template import parse_verdict, sample_messages
 from benchmarks.ab_parts import schedule
@@ -40,8 +41,8 @@ logger = logging.getLogger(__name__)
 SMOKE = {"requests": 8, "rounds": 1}
 """Sizes of the smoke mode."""
 MODES = ("one", "batched")
-# The judge demo's template (scripts/prepare_judge_demo.py writes it beside the judge).
-DEMO_JUDGE = JudgeConfig(system="", user="{prompt}{completion}", verdict="yes_no", max_tokens=4)
+# The judge demo's judging: its template (scripts/prepare_judge_demo.py writes it beside the judge), yes/no.
+DEMO_JUDGE = JudgeConfig(**JUDGE_TEMPLATE, verdict="yes_no", max_tokens=4)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -67,10 +68,9 @@ def judge_model(config: JudgeThroughputConfig, work: Path) -> Path:
     smoke mode an untrained tiny model with the chat template (training takes minutes)."""
     path = Path(config.model_path)
     if config.smoke:
-        from async_grpo.demo_assets.tiny_model import write_tiny_model
-        from scripts.prepare_judge_demo import add_judge_chat_template
+        from async_grpo.demo_assets.arithmetic_judge import write_judge_model
 
-        return add_judge_chat_template(write_tiny_model(work / "judge"))
+        return write_judge_model(work / "judge")
     if not (path / "model.safetensors").is_file():
         subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "prepare_judge_demo.py"),
                         "--out_dir", str(path.parent)], check=True)
@@ -85,7 +85,8 @@ def requests(count: int, seed: int) -> list[JudgeRequest]:
     for _ in range(count):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
         answer = a + b if rng.random() < 0.5 else rng.choice([c for c in range(19) if c != a + b])
-        messages = sample_messages(DEMO_JUDGE, template, prompt=f"{a}+{b}=", completion=str(answer))
+        messages = sample_messages(DEMO_JUDGE, template, prompt=f"{a}+{b}=", completion=str(answer),
+                                   gt_answer=str(a + b))
         out.append(JudgeRequest(messages=messages, max_tokens=DEMO_JUDGE.max_tokens, temperature=0.0))
     return out
 

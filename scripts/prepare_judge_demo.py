@@ -6,8 +6,8 @@ The judge demo trains the demo's policy (scripts/prepare_demo.py) with a model j
 its only reward (sampling.reward.judge: verdict yes_no, system "", user "{prompt}{completion}"), so
 the judge sees the prompt and the policy's completion run together, e.g. "3+4=7".
 
-1. Writes a randomly initialised tiny Qwen2 + char tokenizer (tiny_model.write_tiny_model, a seed
-   of its own) to <out_dir>/judge, and gives the tokenizer JUDGE_CHAT_TEMPLATE: the messages'
+1. Writes a randomly initialised tiny Qwen2 + char tokenizer (demo_assets/arithmetic_judge.py, a
+   seed of its own) to <out_dir>/judge, and gives the tokenizer JUDGE_CHAT_TEMPLATE: the messages'
    contents only (a non-empty system message, a newline, then the user message) and, for
    add_generation_prompt, GENERATION_MARK ("?"), the position the verdict is read from. The judge
    worker renders it as transformers and vLLM both load it (tokenizer.chat_template).
@@ -45,26 +45,15 @@ from prepare_demo import MAX_SUM, supervised_warm_up  # noqa: E402
 
 from async_grpo.config.judge_config import JudgeConfig  # noqa: E402
 from async_grpo.config.run_config import load_config  # noqa: E402
-from async_grpo.demo_assets.tiny_model import TinyModelConfig, write_tiny_model  # noqa: E402
+from async_grpo.demo_assets.arithmetic_judge import (  # noqa: E402
+    write_judge_model, write_judge_template,
+)
 from async_grpo.rewards.judge_template import parse_verdict  # noqa: E402
 from sample_processing_utils import Sample  # noqa: E402
 from setup_model import load_causal_lm, load_tokenizer  # noqa: E402
 
 logger = logging.getLogger("prepare_judge_demo")
 
-# What add_generation_prompt appends: one character of the char tokenizer's alphabet that the
-# prompts "a+b=" never hold, so the model can tell where the judged text ends.
-GENERATION_MARK = "?"
-JUDGE_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'system' %}"
-    "{%- if message['content'] %}{{- message['content'] + '\\n' }}{%- endif %}"
-    "{%- else %}"
-    "{{- message['content'] }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '" + GENERATION_MARK + "' }}{%- endif %}"
-)
 YES, NO = "yes", "no"
 MAX_COMPLETION_CHARS = 4  # the demo samples at most 4 tokens, one character each
 # Characters of the junk the judge must refuse: the policy's whole alphabet (printable ASCII and
@@ -181,18 +170,6 @@ def judge_batch(tokenizer, batch_size: int, positive_fraction: float, rng: rando
     return samples
 
 
-def write_judge_model(model_dir: Path, seed: int) -> Path:
-    """The random-init tiny Qwen2 with JUDGE_CHAT_TEMPLATE saved in its tokenizer files."""
-    write_tiny_model(model_dir, TinyModelConfig(seed=seed))
-    tokenizer = load_tokenizer(model_dir)
-    tokenizer.chat_template = JUDGE_CHAT_TEMPLATE
-    tokenizer.save_pretrained(model_dir)
-    reloaded = load_tokenizer(model_dir)
-    if reloaded.chat_template != JUDGE_CHAT_TEMPLATE:
-        raise RuntimeError(f"the judge's chat template did not survive save_pretrained in {model_dir}")
-    return model_dir
-
-
 def eval_cases(num_junk: int, seed: int) -> list[tuple[str, int, int, str]]:
     """(group, a, b, completion): every problem x every completion 0..MAX_SUM (group "table"), then
     num_junk seeded junk completions (group "junk": random characters, numbers with junk after them)."""
@@ -264,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     (model_dir / "judge_accuracy.json").write_text(json.dumps(result, indent=2) + "\n")
     for name in ("table", "table_positives", "table_negatives", "junk"):
         print(f"{name}: accuracy {result[name]['accuracy']:.4f} over {result[name]['cases']} cases")
-    print(f"unparsable replies: {result['unparsable_replies']}\njudge: {model_dir}")
+    template = write_judge_template(Path(args.out_dir) / "judge_template.yaml")
+    print(f"unparsable replies: {result['unparsable_replies']}\njudge: {model_dir}\ntemplate: {template}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 import prepare_judge_demo  # noqa: E402
 
+from async_grpo.demo_assets import arithmetic_judge  # noqa: E402
 from async_grpo.demo_assets.tiny_model import build_tiny_tokenizer  # noqa: E402
 
 
@@ -61,11 +62,11 @@ def test_the_chat_template_survives_a_save_and_renders_the_contents_only(tmp_pat
     from transformers import AutoTokenizer
 
     tokenizer = build_tiny_tokenizer()
-    tokenizer.chat_template = prepare_judge_demo.JUDGE_CHAT_TEMPLATE
+    tokenizer.chat_template = arithmetic_judge.JUDGE_CHAT_TEMPLATE
     tokenizer.save_pretrained(tmp_path)
     reloaded = AutoTokenizer.from_pretrained(tmp_path)
-    assert reloaded.chat_template == prepare_judge_demo.JUDGE_CHAT_TEMPLATE
-    mark = prepare_judge_demo.GENERATION_MARK
+    assert reloaded.chat_template == arithmetic_judge.JUDGE_CHAT_TEMPLATE
+    mark = arithmetic_judge.GENERATION_MARK
     assert prepare_judge_demo.render(reloaded, prepare_judge_demo.judge_messages(3, 4, "7")) == "3+4=7" + mark
     assert prepare_judge_demo.render(reloaded, prepare_judge_demo.judge_messages(3, 4, "7", system="S")) == (
         "S\n3+4=7" + mark)
@@ -81,3 +82,13 @@ def test_the_chat_template_survives_a_save_and_renders_the_contents_only(tmp_pat
 def test_bad_config_names_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"PrepareJudgeDemoConfig.{field}"):
         prepare_judge_demo.PrepareJudgeDemoConfig(out_dir="x", **{field: value})
+
+
+def test_the_template_file_is_the_judge_configs_template(tmp_path) -> None:
+    from async_grpo.config.judge_config import JudgeConfig, JudgeTemplate
+    from async_grpo.rewards.judge_template import sample_messages
+
+    config = JudgeConfig(template_path=str(arithmetic_judge.write_judge_template(tmp_path / "t.yaml")))
+    assert config.template() == JudgeTemplate(system="", user="{prompt}{completion}")
+    messages = sample_messages(config, config.template(), prompt="3+4=", completion="7", gt_answer="7")
+    assert [m["content"] for m in messages if m["content"]] == ["3+4=7"]

@@ -40,6 +40,7 @@ import pytest
 
 from async_grpo.config.worker_options import HealthCheckConfig, RestartConfig
 from async_grpo.demo_assets.arithmetic_data import write_arithmetic_dataset
+from async_grpo.demo_assets.arithmetic_judge import add_judge_chat_template
 from async_grpo.launch.dispatcher_logs import REGISTERED_PATTERN
 from async_grpo.launch.local_processes import RUN_TEMP_PREFIX
 from async_grpo.config.actor_names import GENERATION, JUDGE, LOGPROB, RAY_NAMESPACE, registry_name, worker_actor_name
@@ -143,14 +144,9 @@ def _kill_if_running(process: subprocess.Popen) -> None:
 
 
 def _judge_model(model_dir: Path, out: Path) -> Path:
-    """A copy of model_dir whose tokenizer has a chat template (the judge renders its chats with one)."""
-    from setup_model import load_tokenizer
-
+    """A copy of model_dir with the judge demo's chat template (a judge renders its chats with one)."""
     shutil.copytree(model_dir, out)
-    tokenizer = load_tokenizer(out)
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}?{% endif %}"
-    tokenizer.save_pretrained(out)
-    return out
+    return add_judge_chat_template(out)
 
 
 def test_killed_workers_are_replaced_and_no_prompt_is_lost(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -27,6 +27,8 @@ JUDGE_REWARD = "reward/judge"
 MATH_VERIFY_REWARD = "reward/math_verify_reward"
 EDGE_STEPS = 50
 """Steps at each end of a run whose agreement is reported apart (a judge fooled late shows there)."""
+START_STEPS = 10
+"""First steps whose math-verify mean stands for the starting model's sampled accuracy."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -51,6 +53,8 @@ class JudgeRunSummary:
     agreement_all: float | None
     agreement_first: float | None
     agreement_last: float | None
+    math_verify_start: float | None
+    """Mean reward/math_verify_reward over the first START_STEPS steps: where the policy started."""
     judge_last: float | None
     """Mean reward/judge over the last EDGE_STEPS steps: what the policy was paid."""
     math_verify_last: float | None
@@ -70,7 +74,8 @@ def summarize(run_dir: Path, target: float) -> JudgeRunSummary:
     return JudgeRunSummary(
         name=run_dir.name, steps=len(records), evals=evals, first_at_target=first,
         agreement_all=_mean(records, AGREEMENT), agreement_first=_mean(records[:EDGE_STEPS], AGREEMENT),
-        agreement_last=_mean(last, AGREEMENT), judge_last=_mean(last, JUDGE_REWARD),
+        agreement_last=_mean(last, AGREEMENT), math_verify_start=_mean(records[:START_STEPS], MATH_VERIFY_REWARD),
+        judge_last=_mean(last, JUDGE_REWARD),
         math_verify_last=_mean(last, MATH_VERIFY_REWARD))
 
 
@@ -81,20 +86,21 @@ def _text(value: float | None) -> str:
 def line(s: JudgeRunSummary, target: float) -> str:
     evals = ", ".join(f"{accuracy:.2f}@{step}" for step, accuracy in s.evals) or "none"
     reached = f"step {s.first_at_target}" if s.first_at_target is not None else "not reached"
-    return (f"{s.name}: {s.steps} steps; greedy accuracy (math-verify) {evals}; >= {target:g} at {reached}; "
+    return (f"{s.name}: {s.steps} steps; sampled answers right (math-verify) over the first {START_STEPS} steps "
+            f"{_text(s.math_verify_start)}; greedy accuracy (math-verify) {evals}; >= {target:g} at {reached}; "
             f"judge agreement {_text(s.agreement_all)} (first {EDGE_STEPS} steps {_text(s.agreement_first)}, "
             f"last {_text(s.agreement_last)}); last {EDGE_STEPS} steps: judge paid {_text(s.judge_last)}, "
             f"math-verify {_text(s.math_verify_last)}")
 
 
 def table(summaries: Sequence[JudgeRunSummary], target: float) -> str:
-    rows = [f"| run | steps | greedy accuracy at each evaluation | first >= {target:g} | agreement (all / first "
-            f"{EDGE_STEPS} / last {EDGE_STEPS}) | last {EDGE_STEPS}: judge / math-verify |",
-            "|---|---|---|---|---|---|"]
+    rows = [f"| run | steps | first {START_STEPS} steps: right | greedy accuracy at each evaluation | first >= "
+            f"{target:g} | agreement (all / first {EDGE_STEPS} / last {EDGE_STEPS}) | last {EDGE_STEPS}: judge / "
+            "math-verify |", "|---|---|---|---|---|---|---|"]
     for s in summaries:
         evals = ", ".join(f"{accuracy:.2f} ({step})" for step, accuracy in s.evals)
         first = f"step {s.first_at_target}" if s.first_at_target is not None else "not reached"
-        rows.append(f"| {s.name} | {s.steps} | {evals} | {first} | {_text(s.agreement_all)} / "
+        rows.append(f"| {s.name} | {s.steps} | {_text(s.math_verify_start)} | {evals} | {first} | {_text(s.agreement_all)} / "
                     f"{_text(s.agreement_first)} / {_text(s.agreement_last)} | {_text(s.judge_last)} / "
                     f"{_text(s.math_verify_last)} |")
     return "\n".join(rows)

@@ -71,11 +71,8 @@ class PrepareJudgeDemoConfig:
 
     out_dir: str
     """Folder to write judge/ (the model, its tokenizer and judge_accuracy.json) to."""
-    # 5000 steps at lr 1e-3 decayed to 0 (cosine): every case of the 1,900-case table right, in
-    # about 3 minutes on 2 cores (seed 2: 0.998, 4 sums off by one judged "yes"); 4000 steps left
-    # 2 wrong sums judged "yes". A constant lr 3e-3
-    # learnt nothing of the sums in 3000 steps (0.33 on the table: "yes" to most numbers), a
-    # constant 1e-3 reached 0.92 after 2000 steps, still rising.
+    # Steps and a decaying lr chosen by the runs in benchmarks/RESULTS.md, "The judge demo": a
+    # constant lr learnt the sums far slower, and fewer steps left wrong sums judged "yes".
     steps: int = 5000
     """Supervised training steps."""
     batch_size: int = 64

@@ -22,6 +22,17 @@ the judge sees the prompt and the policy's completion run together, e.g. "3+4=7"
    completion 0..18 (1,900 cases, 100 of them true), and a seeded set of junk completions; prints
    the figures and writes them to <out_dir>/judge/judge_accuracy.json. The demo's policy learns
    to fool a judge that says "yes" to a wrong sum, so the 1,900-case table is what must be right.
+
+With --group_wise true it makes the group-wise judge instead (sampling.reward.judge.group_wise:
+one request per group, JUDGE_GROUP_TEMPLATE's user "{prompt}\n{answers}"), written to
+<out_dir>/judge-group with <out_dir>/judge_group_template.yaml. It sees "a+b=", a newline and the
+group's answers numbered as judge_template.numbered_answers writes them, and replies one line
+"K: yes" or "K: no" per answer, then EOS (judge_template.parse_group_verdict reads it). Training
+groups (group_example) hold group_size answers, a random number of them (0 to group_size) the true
+sum and the rest negatives as above, in random order: an early policy is mostly wrong, a late one
+mostly right. Its shape is group_num_layers x group_hidden_size. Measured the same way (greedy,
+replies read by parse_group_verdict): per-answer accuracy over num_eval_groups random groups, the
+share of replies that parse, and the 1,900-case table's pairs placed in groups of one problem.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import logging
 import random
 import string
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,9 +58,12 @@ from prepare_demo import MAX_SUM, supervised_warm_up  # noqa: E402
 from async_grpo.config.judge_config import JudgeConfig  # noqa: E402
 from async_grpo.config.run_config import load_config  # noqa: E402
 from async_grpo.demo_assets.arithmetic_judge import (  # noqa: E402
-    write_judge_model, write_judge_template,
+    JUDGE_GROUP_TEMPLATE, write_judge_model, write_judge_template,
 )
-from async_grpo.rewards.judge_template import parse_verdict  # noqa: E402
+from async_grpo.demo_assets.tiny_model import TinyModelConfig  # noqa: E402
+from async_grpo.rewards.judge_template import (  # noqa: E402
+    group_messages, parse_group_verdict, parse_verdict,
+)
 from sample_processing_utils import Sample  # noqa: E402
 from setup_model import load_causal_lm, load_tokenizer  # noqa: E402
 
@@ -85,9 +100,21 @@ class PrepareJudgeDemoConfig:
     """Seed of the judge's initialisation and training; the demo's policy uses seed 0."""
     num_junk_eval: int = 500
     """Random junk completions the accuracy check adds to the 1,900-case table."""
+    group_wise: bool = False
+    """Make the group-wise judge (one reply of "K: yes|no" lines per group) in <out_dir>/judge-group
+    instead of the per-sample one; batch_size then counts groups and positive_fraction is unused."""
+    group_size: int = 16
+    """Answers per group (the demo's sampling.n)."""
+    group_num_layers: int = 4
+    """Decoder layers of the group-wise judge."""
+    group_hidden_size: int = 128
+    """Residual width of the group-wise judge (its MLP is twice as wide)."""
+    num_eval_groups: int = 300
+    """Random groups the group-wise accuracy check judges."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "num_junk_eval"):
+        for name in ("steps", "batch_size", "num_junk_eval", "group_size", "group_num_layers",
+                     "group_hidden_size", "num_eval_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PrepareJudgeDemoConfig.{name} must be >= 1, got {getattr(self, name)!r}")
         if not self.lr > 0:
@@ -226,10 +253,149 @@ def measure(model_dir: Path, num_junk: int, seed: int) -> dict[str, Any]:
     return result
 
 
+GROUP_RULE = JudgeConfig(verdict="yes_no", system=JUDGE_GROUP_TEMPLATE["system"], user=JUDGE_GROUP_TEMPLATE["user"],
+                         group_wise=True)
+
+
+def group_reply(labels: list[str]) -> str:
+    """The group-wise judge's reply: one "K: <verdict>" line per answer, K from 1."""
+    return "\n".join(f"{k}: {label}" for k, label in enumerate(labels, start=1))
+
+
+def group_example(rng: random.Random, group_size: int) -> tuple[int, int, list[str], list[str]]:
+    """(a, b, completions, their labels): a random number (0 to group_size) of true sums and
+    negatives of NEGATIVE_KINDS for the rest, in random order."""
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    num_right = rng.randint(0, group_size)
+    kinds = list(NEGATIVE_KINDS)
+    completions = [str(a + b)] * num_right + [
+        negative_completion(a, b, rng.choices(kinds, weights=list(NEGATIVE_KINDS.values()))[0], rng)
+        for _ in range(group_size - num_right)]
+    rng.shuffle(completions)
+    return a, b, completions, [YES if is_correct(a, b, c) else NO for c in completions]
+
+
+def group_chat(a: int, b: int, completions: list[str]) -> list[dict[str, str]]:
+    """The chat the judge worker sends for a group under JUDGE_GROUP_TEMPLATE."""
+    return group_messages(GROUP_RULE, GROUP_RULE.template(), prompt=f"{a}+{b}=", completions=completions,
+                          gt_answer=str(a + b))
+
+
+def group_prompt_ids(tokenizer, a: int, b: int, completions: list[str]) -> list[int]:
+    return list(tokenizer(render(tokenizer, group_chat(a, b, completions)), add_special_tokens=False)["input_ids"])
+
+
+def group_batch(tokenizer, batch_size: int, group_size: int, rng: random.Random) -> list[Sample]:
+    """Rendered group prompts with the reply ("1: yes\n2: no..." then EOS) as the trained output."""
+    samples = []
+    for _ in range(batch_size):
+        a, b, completions, labels = group_example(rng, group_size)
+        output = list(tokenizer(group_reply(labels), add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+        samples.append(Sample(input_token_ids=group_prompt_ids(tokenizer, a, b, completions),
+                              gt_answer=str(a + b), output_token_ids=output))
+    return samples
+
+
+def longest_group_tokens(tokenizer, group_size: int) -> int:
+    """Prompt + reply + EOS tokens of the longest group: every answer MAX_COMPLETION_CHARS long and
+    judged "yes" (the longer verdict)."""
+    prompt = group_prompt_ids(tokenizer, 9, 9, ["x" * MAX_COMPLETION_CHARS] * group_size)
+    return len(prompt) + len(tokenizer(group_reply([YES] * group_size), add_special_tokens=False)["input_ids"]) + 1
+
+
+def table_groups(group_size: int, seed: int) -> list[tuple[int, int, list[str], list[bool]]]:
+    """The 1,900-case table in groups of one problem: each problem's 19 completions 0..MAX_SUM,
+    shuffled, fill its groups in turn, the last topped up with repeats of the others. The flags mark
+    each pair's first showing (the one it is scored by)."""
+    rng = random.Random(f"judge-table-groups-{seed}")
+    groups = []
+    for a in range(10):
+        for b in range(10):
+            pending = [str(c) for c in range(MAX_SUM + 1)]
+            rng.shuffle(pending)
+            while pending:
+                shown, pending = pending[:group_size], pending[group_size:]
+                fill = [str(c) for c in rng.choices(range(MAX_SUM + 1), k=group_size - len(shown))]
+                order = list(range(group_size))
+                rng.shuffle(order)
+                items = [(c, True) for c in shown] + [(c, False) for c in fill]
+                items = [items[i] for i in order]
+                groups.append((a, b, [c for c, _ in items], [first for _, first in items]))
+    return groups
+
+
+def measure_groups(model_dir: Path, group_size: int, num_groups: int, seed: int) -> dict[str, Any]:
+    """The group-wise judge's greedy accuracy: per answer over num_groups random groups and over the
+    table's pairs (table_groups), with the share of replies parse_group_verdict reads."""
+    tokenizer = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir).eval()
+    rng = random.Random(f"judge-group-eval-{seed}")
+    cases = [("random", a, b, completions, [True] * group_size)
+             for a, b, completions, _ in (group_example(rng, group_size) for _ in range(num_groups))]
+    cases += [("table", a, b, completions, first) for a, b, completions, first in table_groups(group_size, seed)]
+    max_new = longest_group_tokens(tokenizer, group_size) - len(group_prompt_ids(tokenizer, 9, 9, ["x" * 4] * group_size)) + 4
+    replies = greedy_replies(model, tokenizer, [group_prompt_ids(tokenizer, a, b, c) for _, a, b, c, _ in cases],
+                             max_new_tokens=max_new)
+    flags: dict[str, list[bool]] = {"random": [], "table": [], "table_positives": [], "table_negatives": []}
+    parsed: dict[str, list[bool]] = {"random": [], "table": []}
+    wrong: list[dict[str, Any]] = []
+    for (name, a, b, completions, scored), reply in zip(cases, replies):
+        verdict = parse_group_verdict(reply, group_size, GROUP_RULE)
+        parsed[name].append(verdict.scores is not None)
+        for k, (completion, counted) in enumerate(zip(completions, scored)):
+            if not counted:
+                continue
+            truth = is_correct(a, b, completion)
+            right = verdict.scores is not None and (verdict.scores[k] == 1.0) == truth
+            flags[name].append(right)
+            if name == "table":
+                flags["table_positives" if truth else "table_negatives"].append(right)
+            if not right and len(wrong) < 20:
+                wrong.append({"prompt": f"{a}+{b}=", "answer": k + 1, "completion": completion, "correct": truth,
+                              "reply_parsed": verdict.scores is not None})
+    result: dict[str, Any] = {f"{name}_per_answer": {"accuracy": sum(f) / len(f), "cases": len(f)}
+                              for name, f in flags.items()}
+    for name, f in parsed.items():
+        result[f"{name}_groups_parsable"] = {"share": sum(f) / len(f), "groups": len(f)}
+    result["longest_example_tokens"] = longest_group_tokens(tokenizer, group_size)
+    result["first_unparsable_replies"] = [r for r, (_, a, b, c, _) in zip(replies, cases)
+                                          if parse_group_verdict(r, group_size, GROUP_RULE).scores is None][:3]
+    result["first_mistakes"] = wrong
+    return result
+
+
+def main_group_wise(args: PrepareJudgeDemoConfig) -> None:
+    """The group-wise judge: <out_dir>/judge-group and <out_dir>/judge_group_template.yaml."""
+    shape = TinyModelConfig(num_layers=args.group_num_layers, hidden_size=args.group_hidden_size,
+                            intermediate_size=2 * args.group_hidden_size)
+    model_dir = write_judge_model(Path(args.out_dir) / "judge-group", args.seed, shape)
+    logger.info("longest group example: %d tokens", longest_group_tokens(load_tokenizer(model_dir), args.group_size))
+    started = time.monotonic()
+    supervised_warm_up(model_dir, lambda tokenizer, rng: group_batch(tokenizer, args.batch_size, args.group_size, rng),
+                       args.steps, args.lr, args.seed, log_every=25, what="group judge training", cosine=True)
+    trained_s = time.monotonic() - started
+    result = measure_groups(model_dir, args.group_size, args.num_eval_groups, args.seed)
+    result["training"] = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
+                          "num_layers": args.group_num_layers, "hidden_size": args.group_hidden_size,
+                          "seconds": round(trained_s, 1)}
+    (model_dir / "judge_accuracy.json").write_text(json.dumps(result, indent=2) + "\n")
+    for name in ("random", "table", "table_positives", "table_negatives"):
+        entry = result[f"{name}_per_answer"]
+        print(f"{name}: per-answer accuracy {entry['accuracy']:.4f} over {entry['cases']} answers")
+    for name in ("random", "table"):
+        entry = result[f"{name}_groups_parsable"]
+        print(f"{name}: {entry['share']:.4f} of {entry['groups']} groups parsable")
+    template = write_judge_template(Path(args.out_dir) / "judge_group_template.yaml", group_wise=True)
+    print(f"judge: {model_dir}\ntemplate: {template}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = load_config(PrepareJudgeDemoConfig, sys.argv[1:] if argv is None else argv, description=__doc__)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
+    if args.group_wise:
+        main_group_wise(args)
+        return
     model_dir = write_judge_model(Path(args.out_dir) / "judge", args.seed)
     supervised_warm_up(model_dir, lambda tokenizer, rng: judge_batch(tokenizer, args.batch_size,
                                                                      args.positive_fraction, rng),

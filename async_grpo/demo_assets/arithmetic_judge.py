@@ -6,6 +6,7 @@ test and benchmarks/judge_throughput.py serve it untrained.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -27,6 +28,9 @@ JUDGE_CHAT_TEMPLATE = (
 )
 # The judge template: no rubric (the tiny judge reads none), the prompt and the answer run together.
 JUDGE_TEMPLATE = {"system": "", "user": "{prompt}{completion}"}
+# The group-wise judge's template: the prompt, a newline, then the group's numbered answers
+# ("Answer 1:\n7\n\nAnswer 2:\n12..."); short, as the char-level judge pays for every character.
+JUDGE_GROUP_TEMPLATE = {"system": "", "user": "{prompt}\n{answers}"}
 
 
 def add_judge_chat_template(model_dir: Path) -> Path:
@@ -41,13 +45,16 @@ def add_judge_chat_template(model_dir: Path) -> Path:
     return model_dir
 
 
-def write_judge_model(model_dir: Path, seed: int = 0) -> Path:
-    """The random-init tiny Qwen2 with JUDGE_CHAT_TEMPLATE saved in its tokenizer files."""
-    write_tiny_model(model_dir, TinyModelConfig(seed=seed))
+def write_judge_model(model_dir: Path, seed: int = 0, shape: TinyModelConfig | None = None) -> Path:
+    """The random-init tiny Qwen2 (shape: TinyModelConfig's defaults when None; its seed is replaced
+    by `seed`) with JUDGE_CHAT_TEMPLATE saved in its tokenizer files."""
+    config = TinyModelConfig(seed=seed) if shape is None else replace(shape, seed=seed)
+    write_tiny_model(model_dir, config)
     return add_judge_chat_template(Path(model_dir))
 
 
-def write_judge_template(path: Path) -> Path:
-    """JUDGE_TEMPLATE as the YAML file sampling.reward.judge.template_path reads."""
-    path.write_text(yaml.safe_dump(JUDGE_TEMPLATE, sort_keys=False))
+def write_judge_template(path: Path, group_wise: bool = False) -> Path:
+    """JUDGE_TEMPLATE (JUDGE_GROUP_TEMPLATE when group_wise) as the YAML file
+    sampling.reward.judge.template_path reads."""
+    path.write_text(yaml.safe_dump(JUDGE_GROUP_TEMPLATE if group_wise else JUDGE_TEMPLATE, sort_keys=False))
     return path

@@ -37,6 +37,7 @@ share of replies that parse, and the 1,900-case table's pairs placed in groups o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -58,11 +59,12 @@ from prepare_demo import MAX_SUM, supervised_warm_up  # noqa: E402
 from async_grpo.config.judge_config import JudgeConfig  # noqa: E402
 from async_grpo.config.run_config import load_config  # noqa: E402
 from async_grpo.demo_assets.arithmetic_judge import (  # noqa: E402
-    JUDGE_GROUP_TEMPLATE, write_judge_model, write_judge_template,
+    JUDGE_GROUP_TEMPLATE, JUDGE_TEMPLATE, write_judge_model, write_judge_template,
 )
 from async_grpo.demo_assets.tiny_model import TinyModelConfig  # noqa: E402
+from async_grpo.inference.judge_models import chat_text, chat_token_ids  # noqa: E402
 from async_grpo.rewards.judge_template import (  # noqa: E402
-    group_messages, parse_group_verdict, parse_verdict,
+    group_messages, parse_group_verdict, parse_verdict, sample_messages,
 )
 from sample_processing_utils import Sample  # noqa: E402
 from setup_model import load_causal_lm, load_tokenizer  # noqa: E402
@@ -71,6 +73,9 @@ logger = logging.getLogger("prepare_judge_demo")
 
 YES, NO = "yes", "no"
 MAX_COMPLETION_CHARS = 4  # the demo samples at most 4 tokens, one character each
+# How the judge demo judges (scripts/demo_judge.sh): its templates, read by the yes/no rule.
+SAMPLE_RULE = JudgeConfig(**JUDGE_TEMPLATE, verdict="yes_no")
+GROUP_RULE = JudgeConfig(**JUDGE_GROUP_TEMPLATE, verdict="yes_no", group_wise=True)
 # Characters of the junk the judge must refuse: the policy's whole alphabet (printable ASCII and
 # newline), the digits included.
 JUNK_CHARACTERS = string.printable[:95] + "\n"
@@ -135,18 +140,19 @@ def judged_text(a: int, b: int, completion: str) -> str:
 
 
 def judge_messages(a: int, b: int, completion: str, system: str = "") -> list[dict[str, str]]:
-    """The chat the judge worker sends (judge_template.sample_messages: no system message when "")."""
-    chat = [{"role": "system", "content": system}] if system else []
-    return chat + [{"role": "user", "content": judged_text(a, b, completion)}]
+    """The chat the judge worker sends for one answer under JUDGE_TEMPLATE (`system` in place of
+    its empty rubric: no system message when "")."""
+    template = dataclasses.replace(SAMPLE_RULE.template(), system=system)
+    return sample_messages(SAMPLE_RULE, template, prompt=f"{a}+{b}=", completion=completion, gt_answer=str(a + b))
 
 
 def render(tokenizer, messages: list[dict[str, str]]) -> str:
     """The judge's prompt text, as the judge worker renders it."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return chat_text(tokenizer, messages, generation_prompt=True)
 
 
 def prompt_ids(tokenizer, a: int, b: int, completion: str) -> list[int]:
-    return list(tokenizer(render(tokenizer, judge_messages(a, b, completion)), add_special_tokens=False)["input_ids"])
+    return chat_token_ids(tokenizer, judge_messages(a, b, completion), generation_prompt=True)
 
 
 def _junk(rng: random.Random, min_chars: int, max_chars: int) -> str:
@@ -232,11 +238,10 @@ def measure(model_dir: Path, num_junk: int, seed: int) -> dict[str, Any]:
     model = load_causal_lm(model_dir).eval()
     cases = eval_cases(num_junk, seed)
     replies = greedy_replies(model, tokenizer, [prompt_ids(tokenizer, a, b, c) for _, a, b, c in cases])
-    rule = JudgeConfig(verdict="yes_no", system="", user="{prompt}{completion}")
     groups: dict[str, list[bool]] = {"table": [], "table_positives": [], "table_negatives": [], "junk": []}
     unparsable, wrong, reply_counts = 0, [], Counter(replies)
     for (group, a, b, completion), reply in zip(cases, replies):
-        verdict = parse_verdict(reply, rule)
+        verdict = parse_verdict(reply, SAMPLE_RULE)
         truth = is_correct(a, b, completion)
         right = verdict.score is not None and (verdict.score == 1.0) == truth
         unparsable += verdict.score is None
@@ -251,10 +256,6 @@ def measure(model_dir: Path, num_junk: int, seed: int) -> dict[str, Any]:
     result["replies"] = dict(reply_counts.most_common(5))  # "yes" and "no" alone, when it stops with EOS
     result["first_mistakes"] = wrong
     return result
-
-
-GROUP_RULE = JudgeConfig(verdict="yes_no", system=JUDGE_GROUP_TEMPLATE["system"], user=JUDGE_GROUP_TEMPLATE["user"],
-                         group_wise=True)
 
 
 def group_reply(labels: list[str]) -> str:
@@ -282,7 +283,7 @@ def group_chat(a: int, b: int, completions: list[str]) -> list[dict[str, str]]:
 
 
 def group_prompt_ids(tokenizer, a: int, b: int, completions: list[str]) -> list[int]:
-    return list(tokenizer(render(tokenizer, group_chat(a, b, completions)), add_special_tokens=False)["input_ids"])
+    return chat_token_ids(tokenizer, group_chat(a, b, completions), generation_prompt=True)
 
 
 def group_batch(tokenizer, batch_size: int, group_size: int, rng: random.Random) -> list[Sample]:

@@ -49,7 +49,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from async_grpo.config.reward_config import CORRECT_VERDICT, FORMAT_FLAGS, RewardConfig
+from async_grpo.config.reward_config import AGREEMENT_PART, CORRECT_VERDICT, FORMAT_FLAGS, RewardConfig
 from async_grpo.rewards.reward_functions import FunctionScore
 
 # The name the default reward (math-verify without reward functions) goes by in the per-reason
@@ -79,9 +79,10 @@ class CombinedScore:
 
 
 def combine_scores(names: Sequence[str], weights: Sequence[float], scores: Sequence[FunctionScore],
-                   masking: Sequence[bool] | None = None) -> CombinedScore:
+                   masking: Sequence[bool] | None = None, agreement: tuple[str, str] | None = None) -> CombinedScore:
     """One completion's verdict from its functions' scores (names, weights, scores aligned);
-    masking[i]: a failure of function i masks the completion (None: no function masks)."""
+    masking[i]: a failure of function i masks the completion (None: no function masks);
+    agreement (judge, other): adds their verdict_agreement as the AGREEMENT_PART part when both scored."""
     parts: dict[str, float] = {}
     errors = []
     reasons = []
@@ -96,6 +97,10 @@ def combine_scores(names: Sequence[str], weights: Sequence[float], scores: Seque
             masked = masked or (masking is not None and masking[i] and weight != 0)
         if weight != 0:
             solved = solved and score_solved(score)
+    if agreement is not None:
+        agreed = verdict_agreement(names, scores, *agreement)
+        if agreed is not None:
+            parts[AGREEMENT_PART] = agreed
     reward = sum(w * s.reward for w, s in zip(weights, scores, strict=True))
     return CombinedScore(reward=reward, solved=solved, parts=parts, errors=tuple(errors),
                          failure_reasons=tuple(reasons), masked=masked)

@@ -16,14 +16,13 @@ import logging
 from typing import Any, Callable, Protocol
 
 from async_grpo.config.judge_config import JUDGE_FUNCTION, JudgeConfig
-from async_grpo.config.reward_config import AGREEMENT_PART, CORRECT_VERDICT, RewardConfig, function_name
+from async_grpo.config.reward_config import CORRECT_VERDICT, RewardConfig, function_name
 from async_grpo.rewards.judge_reward import JudgeClient, JudgeItem, JudgeReward, JudgeStats
 from async_grpo.rewards.math_verifier import RewardResult, quick_verdict
 from async_grpo.rewards.reward_failure import FailureKind
 from async_grpo.rewards.reward_functions import FunctionScore, failure
 from async_grpo.rewards.shaping import (
     DEFAULT_REWARD_NAME, CombinedScore, ShapedReward, combine_scores, overlong_penalty, shape_reward,
-    verdict_agreement,
 )
 from async_grpo.config.sampling import SamplingConfig
 from sample_processing_utils import Sample
@@ -139,16 +138,9 @@ class RolloutScorer:
             else self._function_scores(ref, calls, reward.function_timeout_s) for ref in functions))
         names = [function_name(ref) for ref in functions]
         masking = [reward.masks_failure(ref) for ref in functions]
-        combined = []
-        for j in range(len(calls)):
-            scores = [function_scores[j] for function_scores in per_function]
-            verdict = combine_scores(names, weights, scores, masking)
-            if reward.judge.agree_with is not None:
-                agreement = verdict_agreement(names, scores, JUDGE_FUNCTION, reward.judge.agree_with)
-                if agreement is not None:
-                    verdict.parts[AGREEMENT_PART] = agreement
-            combined.append(verdict)
-        return combined
+        agreement = (JUDGE_FUNCTION, reward.judge.agree_with) if reward.judge.agree_with is not None else None
+        return [combine_scores(names, weights, [scores[j] for scores in per_function], masking, agreement)
+                for j in range(len(calls))]
 
     async def _function_scores(self, ref: str, calls: list[dict[str, Any]], timeout_s: float | None) -> list[FunctionScore]:
         try:

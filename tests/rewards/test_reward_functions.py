@@ -102,6 +102,12 @@ def test_a_weight_zero_function_is_a_monitor_outside_the_reward_solved_and_maski
     assert (failed.solved, failed.masked, failed.failure_reasons) == (True, False, ("m/timeout",))
     weighted = combine_scores(["j", "m"], [1.0, 0.5], [FunctionScore(reward=1.0), FunctionScore(reward=0.0)])
     assert not weighted.solved
+    # With the agreement asked for, the two verdicts' agreement is a part of its own (none when one failed).
+    compared = combine_scores(["j", "m"], [1.0, 0.0], [FunctionScore(reward=1.0), FunctionScore(reward=0.0)],
+                              agreement=("j", "m"))
+    assert compared.parts == {"j": 1.0, "m": 0.0, "judge_agreement": 0.0} and compared.reward == 1.0
+    assert "judge_agreement" not in combine_scores(
+        ["j", "m"], [1.0, 0.0], [FunctionScore(reward=1.0), reward_functions.failure("timeout")], agreement=("j", "m")).parts
 
 
 @pytest.mark.parametrize("judge, other, agreement", [

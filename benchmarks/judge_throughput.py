@@ -101,7 +101,8 @@ async def run_mode(judge, mode: str, batch: list[JudgeRequest]) -> tuple[float, 
     return time.perf_counter() - started, replies
 
 
-async def run_all(config: JudgeThroughputConfig, model_path: Path) -> dict[str, list[float]]:
+async def run_all(config: JudgeThroughputConfig, model_path: Path) -> tuple[dict[str, list[float]], float]:
+    """(judgements/s of each run, per mode; the share of all replies the yes_no rule read)."""
     from async_grpo.inference.judge_models import start_generative_judge
 
     engine = EngineConfig(dtype="float32", kv_cache_memory_bytes=256 * 2**20, max_num_seqs=256,
@@ -119,8 +120,7 @@ async def run_all(config: JudgeThroughputConfig, model_path: Path) -> dict[str, 
             total += len(replies)
             logger.info("round %d %s: %d requests in %.2f s (%.1f/s)", round_index, mode, len(batch), seconds,
                         rates[mode][-1])
-        rates["parsable"] = [parsed / total]
-        return rates
+        return rates, parsed / total
     finally:
         await judge.close()
 
@@ -131,13 +131,13 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(config.work_dir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    rates = asyncio.run(run_all(config, judge_model(config, work)))
+    rates, parsable = asyncio.run(run_all(config, judge_model(config, work)))
     batched, one = statistics.median(rates["batched"]), statistics.median(rates["one"])
     for mode in MODES:
         print(f"{mode}: " + ", ".join(f"{r:.1f}" for r in rates[mode]) + " judgements/s")
     print(summary_line("judge_throughput", {
         "speedup": f"{batched / one:.2f}", "batched_per_s": f"{batched:.1f}", "one_per_s": f"{one:.1f}",
-        "parsable": f"{rates['parsable'][0]:.3f}", "requests": config.requests}))
+        "parsable": f"{parsable:.3f}", "requests": config.requests}))
 
 
 if __name__ == "__main__":

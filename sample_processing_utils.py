@@ -39,6 +39,34 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100  # the ignore_index of torch's cross-entropy: these positions score nothing
 
 
+@dataclass(slots=True, frozen=True)
+class JudgeUsage:
+    """The judge pool's work for one rollout. A group-wise request judges a whole group: each of
+    its answers carries an equal share of it, so summing over a step's rollouts gives the step's
+    totals whatever the mode."""
+
+    requests: float = 0.0
+    """Requests sent, retries included."""
+    retries: float = 0.0
+    """Of those, requests sent again after a failed attempt."""
+    tokens_in: float = 0.0
+    """Tokens of the requests, as the judge's tokenizer encoded them (answered attempts only)."""
+    tokens_out: float = 0.0
+    """Tokens of the judge's replies."""
+    latency_s: float = 0.0
+    """Seconds from sending the first attempt to the final outcome."""
+
+    def share(self, parts: int) -> JudgeUsage:
+        """This usage split evenly over `parts` rollouts (a group-wise request's answers)."""
+        return JudgeUsage(self.requests / parts, self.retries / parts, self.tokens_in / parts,
+                          self.tokens_out / parts, self.latency_s / parts)
+
+    def plus(self, other: JudgeUsage) -> JudgeUsage:
+        return JudgeUsage(self.requests + other.requests, self.retries + other.retries,
+                          self.tokens_in + other.tokens_in, self.tokens_out + other.tokens_out,
+                          self.latency_s + other.latency_s)
+
+
 @dataclass(slots=True)
 class Sample:
     """One prompt, and after generation one rollout of it, with everything the trainer needs.
@@ -113,6 +141,9 @@ class Sample:
     bad_return, timeout, crash, rejected), or "math_verify/<reason>" under the default reward
     (timeout, parse_error, verify_error, rejected); None when nothing failed. The batcher counts
     them per step (counts/reward_failures/<function>/<reason>)."""
+    judge_usage: JudgeUsage | None = None
+    """What judging this rollout cost the judge pool (the batcher sums it per step: judge/*);
+    None when the reward names no judge."""
 
     @property
     def group_key(self) -> tuple[int, int]:

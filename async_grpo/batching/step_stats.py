@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from sample_processing_utils import Sample
+from sample_processing_utils import JudgeUsage, Sample
 
 _METRIC = "metric"
 """Field metadata key: the metric name a counter is reported under (absent: not reported)."""
@@ -112,6 +112,8 @@ class StepStats(StepCounts):
     reward_part_counts: dict[str, int] = field(default_factory=dict)
     reward_failure_counts: dict[str, int] = field(default_factory=dict)
     """Per "<function>/<reason>" (Sample.reward_failure_reasons): released rollouts that failed so."""
+    judge_usage: JudgeUsage | None = None
+    """The judge pool's work for the released rollouts, summed (None: none was judged)."""
     kl_beta: float | None = None
     """beta of the KL in the reward for this step (None: the KL is not in the reward)."""
     kl_sum: float = 0.0
@@ -136,6 +138,8 @@ class StepStats(StepCounts):
                 self.reward_part_sums[name] = self.reward_part_sums.get(name, 0.0) + value
                 self.reward_part_counts[name] = self.reward_part_counts.get(name, 0) + 1
         for s in samples:
+            if s.judge_usage is not None:
+                self.judge_usage = s.judge_usage if self.judge_usage is None else self.judge_usage.plus(s.judge_usage)
             self.reward_failed += s.reward_failed
             for reason in s.reward_failure_reasons or ():
                 self.reward_failure_counts[reason] = self.reward_failure_counts.get(reason, 0) + 1
@@ -170,7 +174,19 @@ class StepStats(StepCounts):
                for name, total in self.reward_part_sums.items()},
             **{f"counts/reward_failures/{reason}": float(count) for reason, count in self.reward_failure_counts.items()},
             **self._algorithm_metrics(),
+            **self._judge_metrics(),
         }
+
+    def _judge_metrics(self) -> dict[str, float]:
+        """judge/*: the step's judge requests (retries included), retries and tokens over the
+        released rollouts, and the mean seconds from a judged unit's (an answer's, or a group's
+        in group-wise mode) first send to its outcome; nothing when no rollout was judged."""
+        usage = self.judge_usage
+        if usage is None:
+            return {}
+        return {"judge/requests": usage.requests, "judge/retries": usage.retries,
+                "judge/tokens_in": usage.tokens_in, "judge/tokens_out": usage.tokens_out,
+                "judge/latency_s_mean": mean(usage.latency_s, usage.requests - usage.retries)}
 
     def _algorithm_metrics(self) -> dict[str, float]:
         # A prepare function's namespaced metrics ("distill/reverse_kl") keep their name; bare
@@ -188,6 +204,6 @@ def _elapsed(start: float, stop: float) -> float:
     return stop - start if start and stop else 0.0
 
 
-def mean(total: float, count: int) -> float:
+def mean(total: float, count: float) -> float:
     """total / count, 0.0 for no count."""
     return total / count if count else 0.0

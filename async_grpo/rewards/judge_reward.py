@@ -32,6 +32,7 @@ from async_grpo.rewards.judge_template import (
 )
 from async_grpo.rewards.reward_failure import FailureKind
 from async_grpo.rewards.reward_functions import FunctionScore, failure
+from sample_processing_utils import JudgeUsage
 
 logger = logging.getLogger(__name__)
 
@@ -179,27 +180,43 @@ class JudgeReward:
     async def score(self, items: Sequence[JudgeItem]) -> list[FunctionScore]:
         """One FunctionScore per item: per-sample, each judged alone (concurrently); group-wise,
         the items are one group judged in one request. Failures are scores, never exceptions."""
+        return [score for score, _ in await self.score_with_usage(items)]
+
+    async def score_with_usage(self, items: Sequence[JudgeItem]) -> list[tuple[FunctionScore, JudgeUsage]]:
+        """`score`, each item's score with what judging it cost (a group request's usage shared
+        evenly over its items)."""
         if not items:
             return []
         if self.config.group_wise:
             return await self._judge_group(items)
-        return [s for scores in await asyncio.gather(*(self._judge_group([item]) for item in items)) for s in scores]
+        judged = await asyncio.gather(*(self._judge_group([item]) for item in items))
+        return [pair for pairs in judged for pair in pairs]
 
-    async def _judge_group(self, items: Sequence[JudgeItem]) -> list[FunctionScore]:
+    async def _judge_group(self, items: Sequence[JudgeItem]) -> list[tuple[FunctionScore, JudgeUsage]]:
         """items judged in one request (one item: the per-sample chat), retried as configured."""
         try:
             request = self._request(items)
         except ValueError as exc:  # the record has no question to show: no retry mends that
-            return self._failed(_Failure(FailureKind.RAISED, str(exc)), len(items))
+            return [(score, JudgeUsage()) for score in self._failed(_Failure(FailureKind.RAISED, str(exc)), len(items))]
+        started, attempts, tokens_in, tokens_out = self._clock(), 0, 0, 0
         outcome: list[float] | _Failure = _Failure(FailureKind.CRASH, "not sent")
-        for attempt in range(1 + self.config.retries):
-            if attempt:
+        for attempts in range(1, 2 + self.config.retries):
+            if attempts > 1:
                 self.stats.retries += 1
-            outcome = self._read(await self._send(request), len(items))
+            reply = await self._send(request)
+            if isinstance(reply, JudgeReply):
+                tokens_in, tokens_out = tokens_in + reply.prompt_tokens, tokens_out + reply.completion_tokens
+            outcome = self._read(reply, len(items))
             if not isinstance(outcome, _Failure):
-                self.stats.scored += len(outcome)
-                return [FunctionScore(reward=score) for score in outcome]
-        return self._failed(outcome, len(items))
+                break
+        self.stats.tokens_in += tokens_in
+        self.stats.tokens_out += tokens_out
+        spent = JudgeUsage(requests=attempts, retries=attempts - 1, tokens_in=tokens_in, tokens_out=tokens_out,
+                           latency_s=self._clock() - started).share(len(items))
+        if isinstance(outcome, _Failure):
+            return [(score, spent) for score in self._failed(outcome, len(items))]
+        self.stats.scored += len(outcome)
+        return [(FunctionScore(reward=score), spent) for score in outcome]
 
     def _failed(self, cause: _Failure, count: int) -> list[FunctionScore]:
         self.stats.failures[cause.kind.value] = self.stats.failures.get(cause.kind.value, 0) + count
@@ -224,8 +241,6 @@ class JudgeReward:
             return _Failure(FailureKind.TIMEOUT, f"no judge reply within timeout_s={self.config.timeout_s}")
         if isinstance(outcome, BaseException):
             return _Failure(FailureKind.CRASH, f"judge call failed: {type(outcome).__name__}: {outcome}")
-        self.stats.tokens_in += outcome.prompt_tokens
-        self.stats.tokens_out += outcome.completion_tokens
         if self.config.group_wise:
             group = parse_group_verdict(outcome.text, width, self.config)
             return group.scores if group.scores is not None else _Failure(FailureKind.UNPARSABLE, group.problem)

@@ -150,7 +150,8 @@ class RolloutScorer:
             return [failure("crash", f"verifier pool failed: {type(exc).__name__}: {exc}")] * len(calls)
 
     async def _judge_scores(self, samples: list[Sample], config: JudgeConfig) -> list[FunctionScore]:
-        """The judge's scores of one group's samples (JudgeReward: per sample, or the group in one request)."""
+        """The judge's scores of one group's samples (JudgeReward: per sample, or the group in one
+        request); sets each sample's judge_usage."""
         try:
             judge = self._judges.get(config)
             if judge is None:
@@ -159,8 +160,11 @@ class RolloutScorer:
                 if self._judge_client is None:
                     self._judge_client = self._connect_judge()
                 judge = self._judges[config] = JudgeReward(config, self._judge_client, self.judge_stats)
-            return await judge.score([JudgeItem(record=s.record, completion=s.output_text, gt_answer=s.gt_answer)
-                                      for s in samples])
+            judged = await judge.score_with_usage(
+                [JudgeItem(record=s.record, completion=s.output_text, gt_answer=s.gt_answer) for s in samples])
+            for sample, (_, usage) in zip(samples, judged):
+                sample.judge_usage = usage
+            return [score for score, _ in judged]
         except Exception as exc:
             logger.exception("%s: judge call failed", self.worker_name)
             return [failure("crash", f"judge failed: {type(exc).__name__}: {exc}")] * len(samples)

@@ -49,7 +49,7 @@ from safetensors.torch import save as safetensors_save
 
 from async_grpo.batching.batcher_messages import EndOfStep, Minibatch, PromptRequest
 from async_grpo.trainer.fsdp_setup import DistInfo
-from sample_processing_utils import Sample
+from sample_processing_utils import JudgeUsage, Sample
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ _FLOAT_LIST_FIELDS = ("sampling_logprobs", "ref_logprobs", "old_logprobs", "teac
 """Sample fields that are lists of floats or None: float64 (exact for Python floats), lengths -1 for None."""
 _SCALAR_FIELDS = ("gt_answer", "prompt_id", "group_id", "run_id", "output_text", "finish_reason", "truncated",
                   "reward", "advantage", "weight_version", "reward_failed", "reward_masked", "solved", "record",
-                  "reward_parts", "reward_failure_reasons", "token_versions")
+                  "reward_parts", "reward_failure_reasons", "token_versions", "judge_usage")
 """Sample fields carried in the JSON metadata (Python's JSON round-trips floats exactly)."""
 
 _ALL_FIELDS = set(_INT_LIST_FIELDS) | set(_BOOL_LIST_FIELDS) | set(_FLOAT_LIST_FIELDS) | set(_SCALAR_FIELDS)
@@ -107,12 +107,20 @@ def encode_message(message: Message | BaseException) -> bytes:
             tensors.update(_lengths_and_values(message.samples, name, torch.float64))
         header = {"step": message.step, "rank": message.rank, "index": message.index,
                   "loss_weight": message.loss_weight,
-                  "samples": [{name: getattr(s, name) for name in _SCALAR_FIELDS} for s in message.samples]}
+                  "samples": [_scalars(s) for s in message.samples]}
         return safetensors_save(tensors, metadata={"kind": "minibatch", "header": json.dumps(header)})
     for kind, cls in _KINDS.items():
         if isinstance(message, cls):
             return safetensors_save({}, metadata={"kind": kind, "header": json.dumps(asdict(message))})
     raise TypeError(f"encode_message: unexpected message {type(message).__name__}")
+
+
+def _scalars(sample: Sample) -> dict[str, Any]:
+    """A sample's _SCALAR_FIELDS as JSON values (JudgeUsage as its dict)."""
+    out = {name: getattr(sample, name) for name in _SCALAR_FIELDS}
+    if sample.judge_usage is not None:
+        out["judge_usage"] = asdict(sample.judge_usage)
+    return out
 
 
 def _split(tensors: dict[str, torch.Tensor], name: str, count: int) -> list[list[Any] | None]:
@@ -145,9 +153,11 @@ def decode_message(data: bytes) -> Message:
     for name in _BOOL_LIST_FIELDS:
         columns[name] = [None if flags is None else [bool(f) for f in flags]
                          for flags in _split(tensors, name, len(scalars))]
-    for scalar in scalars:  # JSON has no tuples
+    for scalar in scalars:  # JSON has no tuples nor dataclasses
         if scalar.get("token_versions") is not None:
             scalar["token_versions"] = [(int(v), int(n)) for v, n in scalar["token_versions"]]
+        if scalar.get("judge_usage") is not None:
+            scalar["judge_usage"] = JudgeUsage(**scalar["judge_usage"])
     samples = [Sample(**scalar, **{name: column[i] for name, column in columns.items()})
                for i, scalar in enumerate(scalars)]
     return Minibatch(samples=samples, **header)

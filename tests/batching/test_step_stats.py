@@ -6,7 +6,7 @@ from dataclasses import fields
 
 from async_grpo.batching.batcher_messages import EndOfStep
 from async_grpo.batching.step_stats import StepCounts, StepStats
-from sample_processing_utils import Sample
+from sample_processing_utils import JudgeUsage, Sample
 
 
 def _distinct_counts() -> StepStats:
@@ -51,3 +51,22 @@ def test_released_rewards_are_counted_per_part_and_failure_reason() -> None:
     assert metrics["reward/mean_generated"] == 0.75
     assert (metrics["reward/math"], metrics["reward/len"]) == (0.5, 0.5)
     assert (metrics["counts/reward_failures"], metrics["counts/reward_failures/math/timeout"]) == (1.0, 1.0)
+
+
+def test_the_judges_work_is_summed_over_released_rollouts() -> None:
+    def judged(usage: JudgeUsage | None, masked: bool = False) -> Sample:
+        return Sample(input_token_ids=[1], gt_answer="4", prompt_id=0, output_token_ids=[2], judge_usage=usage,
+                      reward_masked=masked)
+
+    stats = StepStats(step=0)
+    assert not any(key.startswith("judge/") for key in stats.as_metrics(max_tokens_per_gpu=10))  # none judged
+    # a group of two judged group-wise (one request, retried once: 3 s from first send to outcome)...
+    group = JudgeUsage(requests=2, retries=1, tokens_in=40, tokens_out=12, latency_s=3.0)
+    stats.record_released([judged(group.share(2)), judged(group.share(2), masked=True)])
+    # ...and two answers judged alone, 1 s each; a rollout without a judge adds nothing
+    stats.record_released([judged(JudgeUsage(requests=1, tokens_in=8, tokens_out=1, latency_s=1.0))] * 2
+                          + [judged(None)])
+    metrics = stats.as_metrics(max_tokens_per_gpu=10)
+    assert (metrics["judge/requests"], metrics["judge/retries"]) == (4.0, 1.0)
+    assert (metrics["judge/tokens_in"], metrics["judge/tokens_out"]) == (56.0, 14.0)
+    assert metrics["judge/latency_s_mean"] == 5.0 / 3  # three judged units: the group and two answers

@@ -180,6 +180,48 @@ def test_stats_are_shared_by_the_rewards_given_one() -> None:
     assert (stats.calls, stats.scored) == (2, 2)
 
 
+class StepClock:
+    """A clock that moves 0.5 s each time it is read: latencies become countable reads."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 0.5
+        return self.now
+
+
+def test_each_answer_carries_what_judging_it_cost() -> None:
+    replies = iter(["maybe", "8", "9"])  # the first answer's first reply fails and is retried
+    reward = JudgeReward(JudgeConfig(retries=1), FakeJudge(lambda r: next(replies)))
+    (first, used_first), (second, used_second) = asyncio.run(reward.score_with_usage(_items("7", "8")))
+    assert (first.reward, second.reward) == (0.9, 0.8)
+    # "maybe" then "9" for the first (two requests of 10 tokens each), "8" for the second
+    assert (used_first.requests, used_first.retries, used_first.tokens_in, used_first.tokens_out) == (2, 1, 20, 6)
+    assert (used_second.requests, used_second.retries, used_second.tokens_in, used_second.tokens_out) == (1, 0, 10, 1)
+
+
+def test_a_group_request_is_shared_evenly_by_its_answers() -> None:
+    clock = StepClock()
+    reward = JudgeReward(JudgeConfig(verdict="yes_no", group_wise=True), FakeJudge(lambda r: "1: yes\n2: no"),
+                         clock=clock)
+    judged = asyncio.run(reward.score_with_usage(_items("7", "9")))
+    reply_tokens = len("1: yes\n2: no")
+    assert [score.reward for score, _ in judged] == [1.0, 0.0]
+    # one request of 10 tokens over two answers; the clock is read at the start and the end of
+    # the answer's judging and around the client call, so the group took 3 x 0.5 s
+    for _, usage in judged:
+        assert (usage.requests, usage.retries, usage.tokens_in, usage.tokens_out) == (0.5, 0.0, 5.0, reply_tokens / 2)
+        assert usage.latency_s == pytest.approx(1.5 / 2)
+
+
+def test_failed_judging_still_carries_its_requests() -> None:
+    reward = JudgeReward(JudgeConfig(retries=2), FakeJudge(lambda r: TimeoutError()))
+    ((score, usage),) = asyncio.run(reward.score_with_usage(_items("7")))
+    assert score.kind == FailureKind.TIMEOUT
+    assert (usage.requests, usage.retries, usage.tokens_in, usage.tokens_out) == (3, 2, 0, 0)  # no reply, no tokens
+
+
 # ------------------------------------------------------------------------------------------
 # The registry client: one lease per request, deadlines applied per request
 # ------------------------------------------------------------------------------------------
@@ -275,6 +317,17 @@ def test_judge_and_code_reward_combine_by_weight_and_judge_failures_mask() -> No
     assert [s.reward_masked for s in samples] == [False, False, True]
     assert samples[2].reward_failure_reasons == ["judge/unparsable"]
     assert samples[0].reward_parts == {"judge": 1.0, "run_tests": 1.0}
+    assert [s.judge_usage.requests for s in samples] == [1, 1, 1]  # retries=0: one request each
+
+
+def test_samples_judged_group_wise_share_the_groups_request() -> None:
+    judge = FakeJudge(lambda r: "1: yes\n2: no\n3: yes\n4: no")
+    reward = RewardConfig(functions=("judge",), judge=JudgeConfig(verdict="yes_no", group_wise=True))
+    samples, results = _verdicts(reward, judge, "a", "b", "c", "d")
+    assert [r.reward for r in results] == [1.0, 0.0, 1.0, 0.0]
+    assert [s.judge_usage.requests for s in samples] == [0.25] * 4 and len(judge.calls) == 1
+    plain, _ = _verdicts(RewardConfig(functions=(CODE,)), None, "pass")
+    assert plain[0].judge_usage is None  # no judge in the reward: nothing to carry
 
 
 def test_code_failures_score_zero_by_default_and_mask_when_asked() -> None:

@@ -34,7 +34,7 @@ from async_grpo.trainer.data_path import (
     Rank0DataPath, Rank0DataPathError, decode_message, encode_message, payload_nbytes,
 )
 from async_grpo.trainer.fsdp_setup import DistInfo
-from sample_processing_utils import Sample
+from sample_processing_utils import JudgeUsage, Sample
 from support.batcher_fakes import FakeGeneration, FakeLogprob, batcher_config, fake_logprobs, fake_prompts
 from support.data_path_launch import DIST_TIMEOUT_S, check_rank0_gone, launch_pair
 from support.paths import PROGRAMS
@@ -51,7 +51,8 @@ def _rich_samples() -> list[Sample]:
                output_text="é\n\"x\"", sampling_logprobs=[-0.1, -0.25], ref_logprobs=None, old_logprobs=[],
                teacher_logprobs=[-1.5, -2.0], token_advantages=[0.1, 1 / 3], reward=0.5, advantage=-1 / 7,
                weight_version=4, finish_reason="length", truncated=True, reward_failed=True,
-               reward_failure_reasons=["exact/timeout", "math_verify/rejected"]),
+               reward_failure_reasons=["exact/timeout", "math_verify/rejected"],
+               judge_usage=JudgeUsage(requests=1 / 16, tokens_in=20.5, tokens_out=0.4375, latency_s=0.01)),
         Sample(input_token_ids=[9], gt_answer="", prompt_id=0, group_id=5, run_id=2, output_token_ids=[7],
                sampling_logprobs=[-3.0], ref_logprobs=[-2.9], old_logprobs=[-3.1], weight_version=-1),
         # a multi-turn rollout: one observation token between two sampled ones, straddling a push

@@ -14,9 +14,10 @@ the test's, named by RAY_AUTH_TOKEN_PATH, so that ~/.ray is never touched), and 
 (ray_access.join_cluster). Only Ray's own CLI (`ray list actors`) gets RAY_AUTH_MODE=token, as the
 docs/cluster.md tells operators to export.
 
-GPU placement uses Ray's fake GPUs: the head advertises GPUs 0-1 (CUDA_VISIBLE_DEVICES=0,1 at
-`ray start`, docs/cluster.md's layout), the trainer runs with CUDA_VISIBLE_DEVICES=2,3, and the second
-node advertises one GPU. Every process the test starts is stopped by the test; nothing else is
+GPU placement uses Ray's fake GPUs: the head advertises GPUs 0-2 (CUDA_VISIBLE_DEVICES=0,1,2 at
+`ray start`, docs/cluster.md's layout: a generation, a logprob and a judge worker), the trainer runs
+with CUDA_VISIBLE_DEVICES=3,4, and the second node advertises one GPU. The judge is a reward-model
+head (no engine to start) scoring every answer as a monitor, weight 0, beside math-verify. Every process the test starts is stopped by the test; nothing else is
 touched (never `ray stop`).
 
     .venv/bin/python -m pytest tests/system/test_cluster_path.py -q
@@ -59,8 +60,8 @@ pytestmark = [
 
 DISPATCHER = str(REPO_ROOT / "worker_dispatcher.py")
 RAY_CLI = str(Path(sys.executable).parent / "ray")
-HEAD_GPUS = "0,1"  # what Ray may hand to workers on the head node
-TRAINER_GPUS = "2,3"  # kept out of Ray's reach: the trainer's
+HEAD_GPUS = "0,1,2"  # what Ray may hand to workers on the head node
+TRAINER_GPUS = "3,4"  # kept out of Ray's reach: the trainer's
 SECOND_NODE_GPUS = 1
 # Bounds that only keep a broken run from hanging the suite (an engine starts in ~1 min on 2 cores).
 _START_BOUND_S = 180.0
@@ -88,6 +89,29 @@ _WORKER_FLAGS = ["--dtype", "float32", "--health_check_interval_s", "1"]
 _GENERATION_FLAGS = ["--mode", "generation", "--max_num_seqs", "64", "--max_model_len", "64",
                      "--global_num_verifiers", "1", "--enforce_eager", "--restart_backoff_s", "1"]
 _KV_CACHE_BYTES = 64 << 20
+# The judge as a monitor (weight 0): every answer scored by the reward-model head, the reward
+# math-verify's alone. An untrained head's score is any number: the range only has to hold it.
+JUDGED_RUN = ["--sampling.reward.functions", "async_grpo.rewards.math_verifier:math_verify_reward", "judge",
+              "--sampling.reward.weights", "1", "0", "--sampling.reward.judge.verdict", "number",
+              "--sampling.reward.judge.low", "-1e6", "--sampling.reward.judge.high", "1e6",
+              "--sampling.reward.judge.system", "", "--sampling.reward.judge.user", "{prompt}{completion}"]
+
+
+def _write_reward_model(demo_model: Path, out: Path) -> Path:
+    """A reward-model checkpoint: the demo's model shape with a one-label head (random), its
+    tokenizer with the judge demo's chat template."""
+    import torch
+    from transformers import AutoConfig, Qwen2ForSequenceClassification
+
+    from async_grpo.demo_assets.arithmetic_judge import add_judge_chat_template
+    from setup_model import load_tokenizer
+
+    config = AutoConfig.from_pretrained(demo_model)
+    config.num_labels = 1
+    torch.manual_seed(0)
+    Qwen2ForSequenceClassification(config).save_pretrained(out)
+    load_tokenizer(demo_model).save_pretrained(out)
+    return add_judge_chat_template(out)
 
 
 def _base_env(token_path: Path) -> dict[str, str]:
@@ -150,7 +174,7 @@ def cluster() -> Iterator[Cluster]:
     try:
         head, head_log = running.start(
             [RAY_CLI, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
-             "--port", address.rsplit(":", 1)[1], "--num-cpus", "8", "--num-gpus", "2",
+             "--port", address.rsplit(":", 1)[1], "--num-cpus", "8", "--num-gpus", str(len(HEAD_GPUS.split(","))),
              "--dashboard-host", "127.0.0.1", "--dashboard-port", str(free_port()), "--temp-dir", running.head_temp],
             env={**_base_env(token), **PROMPT_STOP_ENV, "CUDA_VISIBLE_DEVICES": HEAD_GPUS})
         _wait_line(head_log, head, "Ray runtime started", _START_BOUND_S)
@@ -264,14 +288,16 @@ def run(cluster: Cluster, demo_assets: Path, tmp_path_factory: pytest.TempPathFa
                                                     temp_dir=cluster.second_temp)
     second_ref, second_ref_log = cluster.dispatcher(model, "--mode", "reference", "--num_gpus", "0.5",
                                                     temp_dir=cluster.second_temp)
+    reward_model = _write_reward_model(model, tmp_path_factory.mktemp("reward-model"))
+    judge, judge_log = cluster.dispatcher(reward_model, "--mode", "judge", "--judge_kind", "reward_model")
     # Ray's relayed worker output can precede the line on the same line (dispatcher_logs.REGISTERED_PATTERN).
     registered = r".*worker (\S+) registered"
     for process, log in ((head_gen, head_gen_log), (head_lp, head_lp_log), (second_gen, second_gen_log),
-                         (second_ref, second_ref_log)):
+                         (second_ref, second_ref_log), (judge, judge_log)):
         log.wait_for_match(registered, process, _REGISTER_BOUND_S)
     seen.kv_log = next(line for line in head_gen_log.lines if "CPU node: vLLM KV cache" in line)
 
-    # Both head GPUs are held now: one more GPU worker there must fail fast and say why.
+    # Every head GPU is held now: one more GPU worker there must fail fast and say why.
     began = time.monotonic()
     busy = subprocess.run([sys.executable, DISPATCHER, "--model_path", str(model), "--mode", "reference",
                            "--start_timeout_s", "5"], capture_output=True, text=True, env=cluster.env,
@@ -290,7 +316,8 @@ def run(cluster: Cluster, demo_assets: Path, tmp_path_factory: pytest.TempPathFa
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD_SIZE}", "--master_addr=127.0.0.1",
          f"--master_port={free_port()}", str(REPO_ROOT / "trainer_core.py"),
          "--config", str(REPO_ROOT / "configs" / "demo.yaml"), "--run_dir", str(run_dir),
-         "--model.model_path", str(model), "--data.path", str(demo_assets / "arithmetic.jsonl"), *FAST_RUN],
+         "--model.model_path", str(model), "--data.path", str(demo_assets / "arithmetic.jsonl"), *FAST_RUN,
+         *JUDGED_RUN],
         env=trainer_env)
     metrics_file = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + _TRAINER_BOUND_S
@@ -314,8 +341,8 @@ def run(cluster: Cluster, demo_assets: Path, tmp_path_factory: pytest.TempPathFa
         second_ref.wait(timeout=_EXIT_BOUND_S)
     except subprocess.TimeoutExpired:
         pass
-    seen.survivors_alive = head_gen.poll() is None and head_lp.poll() is None
-    for process in (head_gen, head_lp):
+    seen.survivors_alive = all(process.poll() is None for process in (head_gen, head_lp, judge))
+    for process in (head_gen, head_lp, judge):
         _stop(process)
     return seen
 
@@ -332,8 +359,8 @@ def test_cpu_node_gets_a_logged_kv_cache_default(run: Run) -> None:
 
 
 def test_ray_list_actors_and_status_show_every_worker(run: Run) -> None:
-    workers = ["generation-worker-0", "generation-worker-1", "logprob-worker-0", "reference-worker-0"]
-    for name in [*workers, "generation-registry", "logprob-registry", "reference-registry"]:
+    workers = ["generation-worker-0", "generation-worker-1", "logprob-worker-0", "reference-worker-0", "judge-worker-0"]
+    for name in [*workers, "generation-registry", "logprob-registry", "reference-registry", "judge-registry"]:
         assert name in run.cli_actors, run.cli_actors
     rows = {line.split()[1]: line.split() for line in run.status.splitlines()[1:] if line.split()[1:2]}
     assert set(workers) <= set(rows), run.status
@@ -345,7 +372,7 @@ def test_worker_gpus_are_disjoint_and_not_the_trainers(run: Run) -> None:
     rows = [line.split() for line in run.status.splitlines()[1:] if "-worker-" in line]
     head_node = next(row[2] for row in rows if row[1] == "logprob-worker-0")
     held = [(row[2], gpu) for row in rows if row[2] == head_node for gpu in row[3].split(",")]  # (node, GPU id)
-    assert len(held) == len(set(held)) == 2, run.status
+    assert len(held) == len(set(held)) == len(HEAD_GPUS.split(",")), run.status
     nodes = {row[2] for row in rows}
     assert len(nodes) == 2, f"workers should run on both nodes: {run.status}"
     head_gpus = {gpu for _, gpu in held}
@@ -363,9 +390,9 @@ def test_hand_started_workers_share_a_gpu_with_a_fraction(run: Run) -> None:
 def test_a_worker_asking_for_a_held_gpu_fails_fast_and_says_why(run: Run) -> None:
     code, output, took = run.busy_gpu
     assert code == 1 and "no free GPU on node" in output and "held by" in output, output[-3000:]
-    # The head's two workers (which generation worker landed on the head is Ray's choice).
-    assert re.search(r"held by (generation-worker-\d|logprob-worker-0) \(GPU \d\), "
-                     r"(generation-worker-\d|logprob-worker-0) \(GPU \d\)", output), output[-3000:]
+    # The head's three workers (which generation worker landed on the head is Ray's choice).
+    holder = r"(generation-worker-\d|logprob-worker-0|judge-worker-0) \(GPU \d\)"
+    assert re.search(rf"held by {holder}, {holder}, {holder}", output), output[-3000:]
     assert took < _BAD_INPUT_BOUND_S, f"{took:.1f} s"
 
 
@@ -375,6 +402,9 @@ def test_run_finishes_after_losing_a_node_and_every_prompt_is_trained_or_counted
     for m in run.metrics:
         prompts = m["counts/samples"] / ROLLOUTS + m.get("counts/timed_out_prompts", 0)
         assert prompts == WORLD_SIZE * PROMPTS_PER_RANK, json.dumps(m)
+        # the judge (a monitor) scored the step's answers, and its work reached the step's metrics
+        assert m.get("judge/requests", 0) >= m["counts/samples"], json.dumps(m)
+    assert all("reward/judge" in m and m["judge/tokens_in"] > 0 for m in run.metrics if m["counts/samples"])
     assert run.survivors_alive, "the head's dispatchers must keep serving"
 
 

@@ -16,7 +16,8 @@ replaced in one pass (other braces are left as they are, so a rubric may quote J
 
     {prompt}          the question, from the prompt record (JudgeConfig.prompt_field)
     {completion}      the answer judged (per-sample mode; required there)
-    {answers}         every answer of the group, numbered "Answer 1:" ... (group-wise; required there)
+    {answers}         every answer of the group, each written by answer_format ("Answer 1:\n..."),
+                      blank lines between them (group-wise; required there)
     {num_answers}     how many answers the group shows (group-wise)
     {gt_answer}       the record's gold answer
     {verdict_format}  how to write the verdict, from the verdict rule (judge_template.verdict_format)
@@ -45,6 +46,9 @@ FAILURE_POLICIES: tuple[str, ...] = get_args(FailurePolicy)
 
 SAMPLE_PLACEHOLDERS = ("prompt", "completion", "gt_answer", "verdict_format")
 GROUP_PLACEHOLDERS = ("prompt", "answers", "num_answers", "gt_answer", "verdict_format")
+ANSWER_PLACEHOLDERS = ("k", "completion", "prompt")
+"""What JudgeConfig.answer_format may show of one answer: its number, its text, its question."""
+DEFAULT_ANSWER_FORMAT = "Answer {k}:\n{completion}"
 # A `{name}` of lowercase letters and underscores is a placeholder; anything else in braces is text.
 PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
 # The keys a template file may hold.
@@ -107,6 +111,9 @@ class JudgeConfig:
     """A reward function's metric name (e.g. math_verify_reward) to compare the judge with on each
     sample both score: reward/judge_agreement is the share where both call it solved or both not.
     Weight that function 0 to keep it out of the reward."""
+    answer_format: str = DEFAULT_ANSWER_FORMAT
+    """Group-wise: how {answers} shows one answer, with {k} (its number, from 1), {completion} and
+    optionally {prompt} (the question again beside each answer); answers are blank lines apart."""
     batch_window_s: float = 0.0
     """How long judge requests wait to go out together in one client call; 0: those made in one turn of
     the event loop (concurrent groups) go together."""
@@ -139,6 +146,7 @@ class JudgeConfig:
             raise ValueError(f"JudgeConfig.agree_with must name another reward function, got {self.agree_with!r}")
         if self.template_path is not None and (self.system != DEFAULT_SYSTEM or self.user):
             raise ValueError("JudgeConfig.template_path replaces the inline system and user messages: set one or the other")
+        check_answer_format(self.answer_format)
         self.template()  # a missing file or a bad placeholder is reported now, naming it
 
     def template(self) -> JudgeTemplate:
@@ -170,6 +178,19 @@ def check_placeholders(user: str, group_wise: bool, where: str) -> None:
     if f"{{{needed}}}" not in user:
         raise ValueError(f"{where}: the {mode} user message must show the answer{'s' if group_wise else ''} "
                          f"with {{{needed}}}")
+
+
+def check_answer_format(answer_format: str) -> None:
+    """answer_format shows the answer's number and text, and only ANSWER_PLACEHOLDERS."""
+    if not isinstance(answer_format, str):
+        raise ValueError(f"JudgeConfig.answer_format must be text, got {type(answer_format).__name__}")
+    unknown = sorted(set(PLACEHOLDER.findall(answer_format)) - set(ANSWER_PLACEHOLDERS))
+    if unknown:
+        raise ValueError(f"JudgeConfig.answer_format: unknown placeholder {{{unknown[0]}}}; known: "
+                         f"{', '.join('{' + n + '}' for n in ANSWER_PLACEHOLDERS)}")
+    for needed in ("k", "completion"):
+        if f"{{{needed}}}" not in answer_format:
+            raise ValueError(f"JudgeConfig.answer_format must show {{{needed}}}, got {answer_format!r}")
 
 
 @lru_cache(maxsize=16)

@@ -1,7 +1,7 @@
 """The judge's messages and how its reply becomes a score: prompt builders and verdict rules.
 
 Per-sample mode sends one chat per answer; group-wise mode one chat per group, showing the answers
-numbered from 1 ("Answer 1:", "Answer 2:", ...). The verdict rules (JudgeConfig.verdict), each giving
+numbered from 1 (JudgeConfig.answer_format, by default "Answer 1:", "Answer 2:", ...). The verdict rules (JudgeConfig.verdict), each giving
 a score in [0, 1]:
 
     number  the reply's first number (e.g. "-2", "7", "7.5"); it must lie in [low, high]
@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from async_grpo.config.judge_config import PLACEHOLDER, JudgeConfig, JudgeTemplate
+from async_grpo.config.judge_config import DEFAULT_ANSWER_FORMAT, PLACEHOLDER, JudgeConfig, JudgeTemplate
 
 # A number as judges write it: an optional sign, digits, an optional decimal part.
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
@@ -99,15 +99,18 @@ def sample_messages(config: JudgeConfig, template: JudgeTemplate, *, prompt: str
     return _messages(template, fill(template.user, values))
 
 
-def numbered_answers(completions: Sequence[str]) -> str:
-    """The group's answers as the judge sees them: "Answer 1:\\n<text>" blocks, one blank line apart."""
-    return "\n\n".join(f"Answer {k}:\n{text}" for k, text in enumerate(completions, start=1))
+def numbered_answers(completions: Sequence[str], answer_format: str = DEFAULT_ANSWER_FORMAT, prompt: str = "") -> str:
+    """The group's answers as the judge sees them: answer_format filled per answer ({k} from 1,
+    {completion}, {prompt}), one blank line apart."""
+    return "\n\n".join(fill(answer_format, {"k": str(k), "completion": text, "prompt": prompt})
+                       for k, text in enumerate(completions, start=1))
 
 
 def group_messages(config: JudgeConfig, template: JudgeTemplate, *, prompt: str, completions: Sequence[str],
                    gt_answer: str) -> list[dict[str, str]]:
     """The chat that judges a group's answers together (group-wise mode), numbered from 1."""
-    values = {"prompt": prompt, "answers": numbered_answers(completions), "num_answers": str(len(completions)),
+    values = {"prompt": prompt, "answers": numbered_answers(completions, config.answer_format, prompt),
+              "num_answers": str(len(completions)),
               "gt_answer": gt_answer, "verdict_format": verdict_format(config, len(completions))}
     return _messages(template, fill(template.user, values))
 

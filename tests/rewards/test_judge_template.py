@@ -147,6 +147,13 @@ def test_group_messages_number_the_answers() -> None:
         "is your score, a number from 1 to 5, between <score> and </score>.")
 
 
+def test_an_answer_format_shows_each_answer_its_way() -> None:
+    config = JudgeConfig(verdict="yes_no", group_wise=True, system="", user="{answers}",
+                         answer_format="#{k} {prompt}{completion}")
+    (user,) = group_messages(config, config.template(), prompt="2+2=", completions=["4", "{prompt}"], gt_answer="4")
+    assert user["content"] == "#1 2+2=4\n\n#2 2+2={prompt}"  # an answer's braces are its text, never filled
+
+
 def test_prompt_text_comes_from_the_record() -> None:
     assert prompt_text({"prompt": "3+4=", "question": "other"}, None) == "3+4="
     assert prompt_text({"question": "Natalia sold..."}, None) == "Natalia sold..."
@@ -188,6 +195,8 @@ def test_template_file_replaces_the_inline_messages(tmp_path: Path) -> None:
     ({"template_path": "rubric.yaml", "user": "{completion}"}, "set one or the other"),
     ({"template_path": "/no/such/rubric.yaml"}, "cannot read it"),
     ({"agree_with": "judge"}, "JudgeConfig.agree_with must name another reward function"),
+    ({"answer_format": "Answer:\n{completion}"}, "answer_format must show {k}"),
+    ({"answer_format": "{k}: {answer}"}, "answer_format: unknown placeholder {answer}"),
 ])
 def test_bad_judge_configs_are_refused_naming_the_field(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match.replace("{", r"\{").replace("}", r"\}")):

@@ -28,7 +28,7 @@ never longer than that.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
@@ -58,13 +58,10 @@ class JudgeUsage:
 
     def share(self, parts: int) -> JudgeUsage:
         """This usage split evenly over `parts` rollouts (a group-wise request's answers)."""
-        return JudgeUsage(self.requests / parts, self.retries / parts, self.tokens_in / parts,
-                          self.tokens_out / parts, self.latency_s / parts)
+        return JudgeUsage(*(getattr(self, f.name) / parts for f in fields(self)))
 
     def plus(self, other: JudgeUsage) -> JudgeUsage:
-        return JudgeUsage(self.requests + other.requests, self.retries + other.retries,
-                          self.tokens_in + other.tokens_in, self.tokens_out + other.tokens_out,
-                          self.latency_s + other.latency_s)
+        return JudgeUsage(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
 @dataclass(slots=True)

@@ -1,8 +1,8 @@
 """The judge's messages and how its reply becomes a score: prompt builders and verdict rules.
 
 Per-sample mode sends one chat per answer; group-wise mode one chat per group, showing the answers
-numbered from 1 (JudgeConfig.answer_format, by default "Answer 1:", "Answer 2:", ...). The verdict rules (JudgeConfig.verdict), each giving
-a score in [0, 1]:
+numbered from 1 (JudgeConfig.answer_format, by default "Answer 1:", "Answer 2:", ...). The verdict
+rules (JudgeConfig.verdict), each giving a score in [0, 1]:
 
     number  the reply's first number (e.g. "-2", "7", "7.5"); it must lie in [low, high]
             and scores (x - low) / (high - low). No number, or one out of range: unparsable.
